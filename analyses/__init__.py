@@ -1,0 +1,1 @@
+"""Analyses over a HookedDecoder (logit lens, attribution, patching, ...)."""

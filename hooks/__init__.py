@@ -1,0 +1,7 @@
+"""Generic hook machinery: named hook points, scoped hooks, activation caches. Knows nothing about transformers."""
+from hooks.cache import ActivationCache
+from hooks.hook_point import HookFn, HookHandle, HookPoint
+from hooks.names import UnknownNameError
+from hooks.root import HookedRootModule, NameFilter
+
+__all__ = ["ActivationCache", "HookFn", "HookHandle", "HookPoint", "HookedRootModule", "NameFilter", "UnknownNameError"]

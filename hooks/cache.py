@@ -1,0 +1,50 @@
+"""ActivationCache: a read-only mapping from hook name to a detached activation."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Optional, Union
+
+import torch
+
+from hooks.names import unknown_name_error
+
+
+class ActivationCache(Mapping[str, torch.Tensor]):
+    """Activations of one forward pass, keyed by hook name.
+
+    Holds plain detached tensors and no reference to the model, so keeping a cache alive never
+    keeps the model (or its autograd graph) alive.
+    """
+
+    def __init__(self, activations: Mapping[str, torch.Tensor]):
+        self._acts = dict(activations)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self._acts[name]
+        except KeyError:
+            raise unknown_name_error(name, list(self._acts), what="cached activation") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._acts)
+
+    def __len__(self) -> int:
+        return len(self._acts)
+
+    def __repr__(self) -> str:
+        return f"ActivationCache({len(self)} activations, {self.nbytes / 2**20:.1f} MiB)"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._acts.values())
+
+    def to(self, device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> "ActivationCache":
+        """A new cache with every tensor moved (floating tensors also cast when dtype is given)."""
+        return ActivationCache({name: _store(t, device, dtype) for name, t in self._acts.items()})
+
+
+def _store(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    t = t.detach()
+    if dtype is not None and t.is_floating_point():
+        return t.to(device=device, dtype=dtype)
+    return t.to(device=device) if device is not None else t

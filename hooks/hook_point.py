@@ -1,0 +1,69 @@
+"""HookPoint: an identity module that lets callers read or replace the tensor passing through it."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
+
+
+class HookHandle:
+    """Removes one hook function from its HookPoint; removing twice is harmless."""
+
+    def __init__(self, point: "HookPoint", fn: HookFn):
+        self.point, self.fn = point, fn
+
+    def remove(self) -> None:
+        fns = self.point._fns
+        for i, registered in enumerate(fns):
+            if registered is self.fn:
+                del fns[i]
+                return
+
+
+class HookPoint(nn.Module):
+    """Identity on its input, except for the hook functions attached to it.
+
+    A hook is `fn(activation, hook) -> Tensor | None`; returning a tensor replaces the activation.
+    The replacement must keep the activation's shape, so a mistake surfaces here, named, rather
+    than as a broadcasting error layers later.
+
+    `opt_in` marks points whose activation costs extra work to compute (per-head results): the
+    model computes them only while something is attached, and a cache of "everything" skips them.
+    """
+
+    def __init__(self, opt_in: bool = False):
+        super().__init__()
+        self.name: str = "<unnamed>"  # set by HookedRootModule.setup_hooks
+        self.opt_in = opt_in
+        self._fns: list[HookFn] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._fns)
+
+    def add(self, fn: HookFn) -> HookHandle:
+        if not callable(fn):
+            raise TypeError(f"hook for {self.name!r} must be callable as fn(activation, hook), got {type(fn).__name__}")
+        self._fns.append(fn)
+        return HookHandle(self, fn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fn in list(self._fns):
+            out = fn(x, self)
+            if out is None:
+                continue
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"hook on {self.name!r} returned {type(out).__name__}; return a Tensor or None")
+            if out.shape != x.shape:
+                raise ValueError(
+                    f"hook on {self.name!r} returned shape {tuple(out.shape)}, but the activation has shape "
+                    f"{tuple(x.shape)}; a hook must return a tensor of the same shape (or None)"
+                )
+            x = out
+        return x
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}"

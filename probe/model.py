@@ -1,0 +1,218 @@
+"""HookedDecoder: a GPT-2-style decoder whose every intermediate is a named hook point."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from hooks import HookedRootModule, HookPoint
+from probe.attention import Attention
+from probe.config import DecoderConfig
+from probe.embedding import Embed, PosEmbed, Unembed
+from probe.mlp import MLP
+from probe.norm import LayerNorm
+from probe.tokenizer import Tokenizer
+
+ModelInput = Union[str, Sequence[str], torch.Tensor]
+
+
+class Block(nn.Module):
+    """The pre-norm residual block: h = x + attn(ln1(x)); y = h + mlp(ln2(h))."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.ln1 = LayerNorm(cfg.d_model, cfg.eps)
+        self.attn = Attention(cfg)
+        self.ln2 = LayerNorm(cfg.d_model, cfg.eps)
+        self.mlp = MLP(cfg)
+        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        self.hook_attn_out = HookPoint()  # [batch pos d_model]
+        self.hook_resid_mid = HookPoint()  # [batch pos d_model]
+        self.hook_mlp_out = HookPoint()  # [batch pos d_model]
+        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+
+    def forward(self, resid_pre: torch.Tensor, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), allowed))
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_mid)))
+        return self.hook_resid_post(resid_mid + mlp_out)
+
+
+class HookedDecoder(HookedRootModule):
+    """Token + position embedding -> n_layers blocks -> final LayerNorm -> unembedding."""
+
+    def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.embed = Embed(cfg.d_vocab, cfg.d_model)
+        self.pos_embed = PosEmbed(cfg.n_ctx, cfg.d_model)
+        self.hook_embed = HookPoint()  # [batch pos d_model]
+        self.hook_pos_embed = HookPoint()  # [batch pos d_model]
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+        self.ln_final = LayerNorm(cfg.d_model, cfg.eps)
+        self.unembed = Unembed(cfg.d_vocab, cfg.d_model)
+        if cfg.tied_embeddings:
+            self.unembed.weight = self.embed.W_E
+        self.init_weights()
+        self.setup_hooks()
+
+    def forward(self, input: ModelInput, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [batch pos vocab] for token ids [batch pos] (or [pos]), a string, or a list of strings.
+
+        A list of strings is right-padded; `attention_mask` [batch pos] (1 = real token) handles any
+        padding you did yourself, left or right: padded keys are hidden and positions count real tokens
+        only, so a prompt's activations do not depend on what it was batched with.
+        """
+        tokens, attention_mask = self._tokens_and_mask(input, attention_mask)
+        if attention_mask is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            allowed = None
+        else:
+            positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+            allowed = _allowed_keys(attention_mask)
+        resid = self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions))
+        for block in self.blocks:
+            resid = block(resid, allowed)
+        return self.unembed(self.ln_final(resid))
+
+    # ---- construction -------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2's initialisation, for training from scratch (loading overwrites all of it)."""
+        std = self.cfg.init_std
+        for name, param in self.named_parameters():
+            if name.endswith((".w",)):
+                param.fill_(1.0)
+            elif name.endswith((".b", ".bias")):
+                param.zero_()
+            elif name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
+                param.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))  # keeps the residual's variance flat in depth
+            else:
+                param.normal_(0.0, std)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: Union[str, Path],
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> "HookedDecoder":
+        """Load a Hugging Face GPT-2 checkpoint: a hub name (`gpt2`, `gpt2-medium`, ...) or a local directory."""
+        from probe.loading import load_pretrained
+
+        return load_pretrained(name_or_path, device=device, dtype=dtype)
+
+    def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
+        """Write a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`, `tokenizer.json`)."""
+        from probe.loading import save_pretrained
+
+        return save_pretrained(self, directory, overwrite=overwrite)
+
+    # ---- tokens -------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.embed.W_E.device
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(
+                "this model has no tokenizer: pass token ids, or load the model with from_pretrained from a "
+                "directory holding tokenizer.json (or vocab.json and merges.txt)"
+            )
+        return self.tokenizer
+
+    def to_tokens(
+        self, text: Union[str, Sequence[str]], prepend_bos: bool = True, return_attention_mask: bool = False
+    ):
+        """Token ids [batch pos] for a string or a list of strings (right-padded), on the model's device."""
+        tokenizer = self._require_tokenizer()
+        texts = [text] if isinstance(text, str) else list(text)
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ValueError("to_tokens takes a string or a non-empty list of strings")
+        ids = [([tokenizer.bos_id] if prepend_bos else []) + tokenizer.encode(t) for t in texts]
+        for i, row in enumerate(ids):
+            if not row:
+                raise ValueError(f"prompt {i} is empty and prepend_bos=False, so it has no tokens")
+        length = max(len(row) for row in ids)
+        tokens = torch.full((len(ids), length), tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), length), dtype=torch.long)
+        for i, row in enumerate(ids):
+            tokens[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        tokens, mask = tokens.to(self.device), mask.to(self.device)
+        return (tokens, mask) if return_attention_mask else tokens
+
+    def to_str_tokens(self, input: Union[str, torch.Tensor], prepend_bos: bool = True) -> list[str]:
+        """The string of every token of one prompt (a string or 1-D ids)."""
+        tokenizer = self._require_tokenizer()
+        if isinstance(input, str):
+            input = self.to_tokens(input, prepend_bos=prepend_bos)
+        ids = input.squeeze(0) if input.dim() == 2 and input.shape[0] == 1 else input
+        if ids.dim() != 1:
+            raise ValueError(f"to_str_tokens takes one prompt; got token ids of shape {tuple(input.shape)}")
+        return tokenizer.token_strings(ids.tolist())
+
+    def to_string(self, tokens: torch.Tensor) -> Union[str, list[str]]:
+        tokenizer = self._require_tokenizer()
+        if tokens.dim() == 1:
+            return tokenizer.decode(tokens.tolist())
+        return [tokenizer.decode(row.tolist()) for row in tokens]
+
+    def _tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor]):
+        if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
+            if attention_mask is not None:
+                raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
+            tokens, attention_mask = self.to_tokens(input, return_attention_mask=True)
+            if bool(attention_mask.all()):
+                attention_mask = None  # nothing padded: the causal-only path is exact and faster
+        elif isinstance(input, torch.Tensor):
+            tokens = input
+        else:
+            raise TypeError(f"input must be a string, a list of strings or a tensor of token ids, got {type(input).__name__}")
+        tokens = self.validate_tokens(tokens)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(tokens.device)
+            if attention_mask.dim() == 1:
+                attention_mask = attention_mask.unsqueeze(0)
+            if attention_mask.shape != tokens.shape:
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)} but the tokens have shape {tuple(tokens.shape)}"
+                )
+            attention_mask = attention_mask.long()
+        return tokens, attention_mask
+
+    def validate_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Check token ids before they reach an embedding lookup, where mistakes become cryptic."""
+        if tokens.dtype in (torch.bool,) or tokens.is_floating_point() or tokens.is_complex():
+            raise TypeError(
+                f"token ids must be an integer tensor, got dtype {tokens.dtype}; use model.to_tokens(text) "
+                "or tokens.long()"
+            )
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.dim() != 2:
+            raise ValueError(f"token ids must have shape [batch pos] or [pos], got shape {tuple(tokens.shape)}")
+        n = tokens.shape[1]
+        if n == 0 or tokens.shape[0] == 0:
+            raise ValueError(f"empty input: token ids of shape {tuple(tokens.shape)}")
+        if n > self.cfg.n_ctx:
+            raise ValueError(f"input has {n} tokens but the model's context is n_ctx={self.cfg.n_ctx}; truncate it")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.cfg.d_vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.d_vocab})")
+        return tokens.to(self.device, torch.long)
+
+
+def _allowed_keys(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[batch 1 query_pos key_pos]: causal, padded keys hidden; each query always sees itself, so
+    a padded query's row stays finite (its values are meaningless but never NaN)."""
+    n = attention_mask.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal & attention_mask.bool()[:, None, None, :]
+    return allowed | torch.eye(n, dtype=torch.bool, device=attention_mask.device)

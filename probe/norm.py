@@ -1,0 +1,27 @@
+"""LayerNorm with its scale and output exposed as hook points."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hooks import HookPoint
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, d_model: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.w = nn.Parameter(torch.ones(d_model))
+        self.b = nn.Parameter(torch.zeros(d_model))
+        self.hook_scale = HookPoint()  # [batch pos 1]: sqrt(var + eps), what the input is divided by
+        self.hook_normalized = HookPoint()  # [batch pos d_model]: the output, after w and b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hook_scale.active:  # the fused kernel never materialises the scale
+            centred = x - x.mean(-1, keepdim=True)
+            scale = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+            normalized = centred / scale * self.w + self.b
+        else:
+            normalized = F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)
+        return self.hook_normalized(normalized)
