@@ -62,6 +62,11 @@ class HookPoint(nn.Module):
                     f"hook on {self.name!r} returned shape {tuple(out.shape)}, but the activation has shape "
                     f"{tuple(x.shape)}; a hook must return a tensor of the same shape (or None)"
                 )
+            if out.dtype != x.dtype or out.device != x.device:
+                raise ValueError(
+                    f"hook on {self.name!r} returned a {out.dtype} tensor on {out.device}, but the activation is "
+                    f"{x.dtype} on {x.device}; convert it with .to(activation)"
+                )
             x = out
         return x
 

@@ -59,6 +59,8 @@ def resolve_checkpoint(name_or_path: Union[str, Path]) -> Path:
         return _from_hub(GPT2_FAMILY[name])
     if path.exists():
         raise CheckpointError(f"{path} is a file; pass the checkpoint directory holding config.json")
+    if any(sep in name for sep in ("/", "\\")) or name.startswith((".", "~")):
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
     raise CheckpointError(
         f"{name!r} is neither a local checkpoint directory nor a supported model name; "
         f"supported names: {', '.join(GPT2_FAMILY)}; or pass a directory holding config.json and model.safetensors"
@@ -78,7 +80,7 @@ def _from_hub(repo_id: str) -> Path:
         raise CheckpointError(
             f"could not download {repo_id} from the Hugging Face hub, and it is not in the local cache "
             f"({type(err).__name__}: {err}). On a machine with network access run "
-            f"`huggingface-cli download {repo_id}` (or save_pretrained it), then pass that local directory "
+            f"`hf download {repo_id}` (or save_pretrained it), then pass that local directory "
             f"to from_pretrained."
         ) from err
 
@@ -131,6 +133,8 @@ def config_from_hf(hf: dict, directory: Path = Path(".")) -> DecoderConfig:
         raise CheckpointError(
             f"{directory / 'config.json'}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if not hf.get("scale_attn_weights", True):
+        raise CheckpointError(f"{directory / 'config.json'}: scale_attn_weights=false is not supported")
     if hf.get("scale_attn_by_inverse_layer_idx"):
         raise CheckpointError(f"{directory / 'config.json'}: scale_attn_by_inverse_layer_idx=true is not supported")
     activation = hf.get("activation_function", "gelu_new")

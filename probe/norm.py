@@ -1,4 +1,4 @@
-"""LayerNorm with its scale and output exposed as hook points."""
+"""LayerNorm with its scale and normalised input exposed as hook points."""
 from __future__ import annotations
 
 import torch
@@ -14,14 +14,12 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.w = nn.Parameter(torch.ones(d_model))
         self.b = nn.Parameter(torch.zeros(d_model))
-        self.hook_scale = HookPoint()  # [batch pos 1]: sqrt(var + eps), what the input is divided by
-        self.hook_normalized = HookPoint()  # [batch pos d_model]: the output, after w and b
+        self.hook_scale = HookPoint()  # [batch pos 1]: sqrt(var + eps), what the centred input is divided by
+        self.hook_normalized = HookPoint()  # [batch pos d_model]: centred / scale, before w and b (as TransformerLens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.hook_scale.active:  # the fused kernel never materialises the scale
-            centred = x - x.mean(-1, keepdim=True)
-            scale = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-            normalized = centred / scale * self.w + self.b
-        else:
-            normalized = F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)
-        return self.hook_normalized(normalized)
+        if not (self.hook_scale.active or self.hook_normalized.active):
+            return F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)  # fused: nothing to observe
+        centred = x - x.mean(-1, keepdim=True)
+        scale = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized(centred / scale) * self.w + self.b

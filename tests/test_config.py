@@ -1,0 +1,40 @@
+import pytest
+
+from probe import Activation, DecoderConfig
+
+BASE = dict(n_layers=2, d_model=64, n_heads=4, d_vocab=100, n_ctx=32)
+
+
+def test_derived_sizes():
+    cfg = DecoderConfig(**BASE)
+    assert (cfg.d_head, cfg.d_mlp, cfg.activation) == (16, 256, Activation.GELU_TANH)
+
+
+def test_frozen():
+    cfg = DecoderConfig(**BASE)
+    with pytest.raises(Exception):
+        cfg.n_layers = 3  # type: ignore[misc]
+
+
+def test_indivisible_heads_named():
+    with pytest.raises(ValueError, match=r"d_model=64 .*n_heads=5"):
+        DecoderConfig(**{**BASE, "n_heads": 5})
+
+
+@pytest.mark.parametrize("field,value", [("n_layers", 0), ("d_model", -8), ("d_vocab", 1.5), ("n_ctx", True), ("d_mlp", 0)])
+def test_bad_sizes_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        DecoderConfig(**{**BASE, field: value})
+
+
+def test_activation_from_string_and_bad_activation():
+    assert DecoderConfig(**BASE, activation="relu").activation is Activation.RELU
+    with pytest.raises(ValueError, match="gelu_new"):
+        DecoderConfig(**BASE, activation="swish")
+
+
+def test_dict_round_trip_and_unknown_fields():
+    cfg = DecoderConfig(**BASE, activation=Activation.GELU, eps=1e-6)
+    assert DecoderConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="n_layer"):
+        DecoderConfig.from_dict({**BASE, "n_layer": 3})

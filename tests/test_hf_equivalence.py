@@ -1,0 +1,87 @@
+"""probe against `transformers`' own forward on the same checkpoint: logits, residual stream, patterns."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probe import HookedDecoder
+
+from conftest import build_hf_checkpoint
+
+CONFIGS = {
+    "tiny": dict(n_layer=2, n_embd=64, n_head=4, n_positions=48),
+    "deep-narrow": dict(n_layer=5, n_embd=32, n_head=8, n_positions=40),
+    "one-head-relu": dict(n_layer=1, n_embd=48, n_head=1, n_positions=32, activation_function="relu", n_inner=80),
+    "exact-gelu-eps": dict(n_layer=3, n_embd=96, n_head=6, n_positions=64, activation_function="gelu", layer_norm_epsilon=1e-6),
+}
+
+
+def load_pair(directory):
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(directory, attn_implementation="eager").eval()
+    return hf, HookedDecoder.from_pretrained(directory).eval()
+
+
+def assert_matches_transformers(hf, ours, tokens, atol=1e-4):
+    with torch.no_grad():
+        expected = hf(tokens, output_hidden_states=True, output_attentions=True)
+        logits, cache = ours.run_with_cache(tokens)
+    torch.testing.assert_close(logits, expected.logits, atol=atol, rtol=0)
+    for layer in range(ours.cfg.n_layers):
+        torch.testing.assert_close(cache[f"blocks.{layer}.hook_resid_pre"], expected.hidden_states[layer], atol=atol, rtol=0)
+        torch.testing.assert_close(cache[f"blocks.{layer}.attn.hook_pattern"], expected.attentions[layer], atol=atol, rtol=0)
+    # transformers' last hidden state is the final norm's output; hook_normalized is before its affine map
+    ln_final = ours.ln_final
+    final = cache["ln_final.hook_normalized"] * ln_final.w + ln_final.b
+    torch.testing.assert_close(final, expected.hidden_states[-1], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_transformers(name, tmp_path):
+    directory = build_hf_checkpoint(tmp_path, seed=len(name), **CONFIGS[name])
+    hf, ours = load_pair(directory)
+    n_ctx = ours.cfg.n_ctx
+    tokens = torch.randint(0, ours.cfg.d_vocab, (2, n_ctx), generator=torch.Generator().manual_seed(1))
+    assert_matches_transformers(hf, ours, tokens)
+    # the plain forward (SDPA path, fused LayerNorm) gives the same logits as the cached one
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_matches_transformers_at_gpt2_small_size(tmp_path):
+    directory = build_hf_checkpoint(tmp_path, n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)
+    hf, ours = load_pair(directory)
+    tokens = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(2))
+    assert_matches_transformers(hf, ours, tokens)
+
+
+def test_zeroing_a_head_equals_zeroing_its_output_projection_rows(tiny_dir, tiny_model, tokens):
+    """Ablating head h on hook_z == a transformers model whose c_proj input rows for h are zero."""
+    from transformers import GPT2LMHeadModel
+
+    layer, head, d_head = 1, 2, tiny_model.cfg.d_head
+    hf = GPT2LMHeadModel.from_pretrained(tiny_dir).eval()
+    with torch.no_grad():
+        hf.transformer.h[layer].attn.c_proj.weight[head * d_head : (head + 1) * d_head, :] = 0.0
+        expected = hf(tokens).logits
+
+    def zero_head(z, hook):
+        z = z.clone()
+        z[:, :, head] = 0.0
+        return z
+
+    with torch.no_grad():
+        ablated = tiny_model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", zero_head)])
+        clean = tiny_model(tokens)
+    torch.testing.assert_close(ablated, expected, atol=1e-4, rtol=0)
+    assert (ablated - clean).abs().max() > 1e-3  # the ablation did something
+
+
+def test_text_input_matches_transformers_on_same_token_ids(tiny_model, tiny_hf):
+    text = "To be, or not to be, that is the question"
+    tokens = tiny_model.to_tokens(text)
+    assert tokens[0, 0].item() == tiny_model.tokenizer.bos_id
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_model(text), tiny_hf(tokens).logits, atol=1e-4, rtol=0)

@@ -1,0 +1,173 @@
+"""The hook machinery: naming, strict lookup, scoped lifetimes, caching, replacement checks."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from hooks import ActivationCache, HookedRootModule, HookPoint, UnknownNameError
+
+
+class Toy(HookedRootModule):
+    """Two affine steps with a hook point after each: small enough to compute expectations by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.hook_in = HookPoint()
+        self.inner = nn.Module()
+        self.inner.hook_mid = HookPoint()
+        self.hook_out = HookPoint()
+        self.setup_hooks()
+
+    def forward(self, x):
+        x = self.hook_in(x)
+        x = self.inner.hook_mid(2 * x)
+        return self.hook_out(x + 1)
+
+
+def attached(model) -> int:
+    return sum(len(model.hook_point(n)._fns) for n in model.hook_names)
+
+
+def test_names_follow_module_paths():
+    assert Toy().hook_names == ["hook_in", "inner.hook_mid", "hook_out"]
+
+
+def test_replacing_an_activation_changes_everything_downstream():
+    toy = Toy()
+    out = toy.run_with_hooks(torch.ones(2), fwd_hooks=[("inner.hook_mid", lambda x, hook: x * 10)])
+    torch.testing.assert_close(out, torch.full((2,), 21.0))
+    torch.testing.assert_close(toy(torch.ones(2)), torch.full((2,), 3.0))  # and only for that call
+    assert attached(toy) == 0
+
+
+def test_hook_receives_its_point_with_name():
+    seen = []
+    Toy().run_with_hooks(torch.ones(1), fwd_hooks=[(lambda n: True, lambda x, hook: seen.append(hook.name))])
+    assert seen == ["hook_in", "inner.hook_mid", "hook_out"]
+
+
+def test_unknown_name_raises_with_suggestions_and_attaches_nothing():
+    toy = Toy()
+    with pytest.raises(UnknownNameError, match="inner.hook_mid"):
+        toy.run_with_hooks(torch.ones(1), fwd_hooks=[("hook_in", lambda x, h: None), ("inner.hook_mdi", lambda x, h: None)])
+    assert attached(toy) == 0
+
+
+def test_hooks_removed_when_forward_raises():
+    toy = Toy()
+
+    def boom(x, hook):
+        raise RuntimeError("hook failed")
+
+    with pytest.raises(RuntimeError, match="hook failed"):
+        toy.run_with_hooks(torch.ones(1), fwd_hooks=[("hook_in", lambda x, h: x), ("hook_out", boom)])
+    assert attached(toy) == 0
+    with pytest.raises(RuntimeError):
+        with toy.hooks([("hook_in", lambda x, h: x)]):
+            raise RuntimeError("body failed")
+    assert attached(toy) == 0
+
+
+def test_nested_contexts_unwind_in_order():
+    toy = Toy()
+    with toy.hooks([("hook_in", lambda x, h: x + 1)]):
+        with toy.hooks([("hook_out", lambda x, h: -x)]):
+            assert toy(torch.zeros(1)).item() == -3.0
+            assert attached(toy) == 2
+        assert toy(torch.zeros(1)).item() == 3.0
+        assert attached(toy) == 1
+    assert attached(toy) == 0
+
+
+def test_same_function_twice_is_attached_and_removed_twice():
+    toy = Toy()
+    double = lambda x, h: 2 * x  # noqa: E731
+    with toy.hooks([("hook_in", double), ("hook_in", double)]):
+        assert toy(torch.ones(1)).item() == 9.0
+    assert attached(toy) == 0
+
+
+def test_wrong_shape_names_the_point_and_both_shapes():
+    toy = Toy()
+    with pytest.raises(ValueError, match=r"inner\.hook_mid.*\(3,\).*\(2,\)"):
+        toy.run_with_hooks(torch.ones(2), fwd_hooks=[("inner.hook_mid", lambda x, h: torch.ones(3))])
+    assert attached(toy) == 0
+
+
+def test_non_tensor_return_is_an_error():
+    with pytest.raises(TypeError, match="hook_in"):
+        Toy().run_with_hooks(torch.ones(2), fwd_hooks=[("hook_in", lambda x, h: 3)])
+
+
+def test_non_callable_hook_is_refused():
+    with pytest.raises(TypeError, match="callable"):
+        with Toy().hooks([("hook_in", "not a function")]):
+            pass
+
+
+def test_run_with_cache_filters_and_stores_detached():
+    toy = Toy()
+    x = torch.ones(2, requires_grad=True)
+    out, cache = toy.run_with_cache(x, names=["inner.hook_mid"])
+    assert list(cache) == ["inner.hook_mid"]
+    torch.testing.assert_close(cache["inner.hook_mid"], torch.full((2,), 2.0))
+    assert not cache["inner.hook_mid"].requires_grad
+    assert out.requires_grad  # the output itself keeps its graph
+    _, everything = toy.run_with_cache(x)
+    assert list(everything) == toy.hook_names
+    _, by_predicate = toy.run_with_cache(x, names=lambda n: n.startswith("hook_"))
+    assert list(by_predicate) == ["hook_in", "hook_out"]
+    assert attached(toy) == 0
+
+
+def test_cache_shows_edits_made_by_fwd_hooks():
+    _, cache = Toy().run_with_cache(torch.ones(1), names="hook_out", fwd_hooks=[("hook_in", lambda x, h: x * 0)])
+    assert cache["hook_out"].item() == 1.0
+
+
+def test_cache_dtype_and_device_options():
+    _, cache = Toy().run_with_cache(torch.ones(2), dtype=torch.bfloat16, device="cpu")
+    assert all(t.dtype == torch.bfloat16 for t in cache.values())
+    moved = cache.to(dtype=torch.float64)
+    assert moved["hook_out"].dtype == torch.float64 and cache["hook_out"].dtype == torch.bfloat16
+
+
+def test_cache_is_read_only_and_reports_unknown_names():
+    cache = ActivationCache({"a.hook_x": torch.zeros(1)})
+    with pytest.raises(TypeError):
+        cache["b"] = torch.zeros(1)  # type: ignore[index]
+    with pytest.raises(KeyError, match="a.hook_x"):
+        cache["a.hook_y"]
+
+
+def test_cache_holds_no_reference_to_the_model():
+    toy = Toy()
+    _, cache = toy.run_with_cache(torch.ones(2))
+    ref = weakref.ref(toy)
+    del toy
+    gc.collect()
+    assert ref() is None
+    assert len(cache) == 3
+
+
+def test_opt_in_points_are_cached_only_when_named():
+    class WithOptIn(HookedRootModule):
+        def __init__(self):
+            super().__init__()
+            self.hook_cheap = HookPoint()
+            self.hook_costly = HookPoint(opt_in=True)
+            self.setup_hooks()
+
+        def forward(self, x):
+            x = self.hook_cheap(x)
+            return self.hook_costly(x * 3) if self.hook_costly.active else x * 3
+
+    model = WithOptIn()
+    _, default = model.run_with_cache(torch.ones(1))
+    assert list(default) == ["hook_cheap"]
+    _, named = model.run_with_cache(torch.ones(1), names=["hook_costly"])
+    assert named["hook_costly"].item() == 3.0

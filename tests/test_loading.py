@@ -1,0 +1,199 @@
+"""Loading and saving checkpoints: round trips, interoperability with transformers, and every error path."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from probe import HookedDecoder
+from probe.loading import CheckpointError
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_save_load_round_trip_is_bit_exact(tiny_model, tmp_path, tokens):
+    out = tiny_model.save_pretrained(tmp_path / "saved")
+    again = HookedDecoder.from_pretrained(out).eval()
+    for (name, a), (_, b) in zip(tiny_model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert again.cfg == tiny_model.cfg
+    with torch.no_grad():
+        assert torch.equal(again(tokens), tiny_model(tokens))
+    assert again.to_tokens("To be").tolist() == tiny_model.to_tokens("To be").tolist()
+
+
+def test_transformers_loads_what_we_save(tiny_model, tmp_path, tokens):
+    from transformers import GPT2LMHeadModel
+
+    out = tiny_model.save_pretrained(tmp_path / "saved")
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, tiny_model(tokens), atol=1e-4, rtol=0)
+
+
+def test_save_refuses_to_overwrite(tiny_model, tmp_path):
+    target = tmp_path / "results"
+    target.mkdir()
+    (target / "mine.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        tiny_model.save_pretrained(target)
+    assert (target / "mine.txt").read_text() == "keep me"
+    tiny_model.save_pretrained(target, overwrite=True)
+    assert not (target / "mine.txt").exists() and (target / "model.safetensors").is_file()
+
+
+def test_failed_save_leaves_nothing_under_the_final_name(tiny_model, tmp_path, monkeypatch):
+    import probe.loading
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(probe.loading, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        tiny_model.save_pretrained(tmp_path / "saved")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_weights_only_bin_checkpoint_loads(tiny_dir, tmp_path, tokens):
+    directory = copy_checkpoint(tiny_dir, tmp_path / "bin")
+    state = load_file(str(directory / "model.safetensors"))
+    torch.save(state, directory / "pytorch_model.bin")
+    (directory / "model.safetensors").unlink()
+    reference = HookedDecoder.from_pretrained(tiny_dir)
+    with torch.no_grad():
+        assert torch.equal(HookedDecoder.from_pretrained(directory)(tokens), reference(tokens))
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: the classic malicious checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_that_would_run_code_is_refused(tiny_dir, tmp_path):
+    directory = copy_checkpoint(tiny_dir, tmp_path / "evil")
+    (directory / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    with open(directory / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"wte.weight": _RunsCode(marker)}, f)
+    with pytest.raises(CheckpointError, match="refused"):
+        HookedDecoder.from_pretrained(directory)
+    assert not marker.exists()
+
+
+def test_sharded_safetensors(tiny_dir, tmp_path, tokens):
+    directory = copy_checkpoint(tiny_dir, tmp_path / "sharded")
+    state = load_file(str(directory / "model.safetensors"))
+    (directory / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = {"model-1.safetensors": names[: len(names) // 2], "model-2.safetensors": names[len(names) // 2 :]}
+    weight_map = {}
+    for shard, keys in halves.items():
+        save_file({k: state[k].contiguous() for k in keys}, str(directory / shard))
+        weight_map.update({k: shard for k in keys})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with torch.no_grad():
+        assert torch.equal(HookedDecoder.from_pretrained(directory)(tokens), HookedDecoder.from_pretrained(tiny_dir)(tokens))
+
+
+def edit_config(directory: Path, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def edit_weights(directory: Path, edit) -> None:
+    state = {k.removeprefix("transformer."): v for k, v in load_file(str(directory / "model.safetensors")).items()}
+    edit(state)
+    save_file(state, str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "breakage,match",
+    [
+        (lambda d: (d / "config.json").unlink(), "config.json"),
+        (lambda d: (d / "config.json").write_text("{not json"), "not valid JSON"),
+        (lambda d: (d / "model.safetensors").unlink(), "no weights"),
+        (lambda d: edit_config(d, model_type="bert"), "model_type 'bert' is not supported; supported: gpt2"),
+        (lambda d: edit_config(d, n_head=5), "n_heads=5"),
+        (lambda d: edit_config(d, n_embd=32, n_head=4), "'wte.weight'.*shape"),
+        (lambda d: edit_weights(d, lambda s: s.pop("h.1.mlp.c_fc.bias")), "missing the tensor 'h.1.mlp.c_fc.bias'"),
+        (lambda d: edit_weights(d, lambda s: s.update({"h.0.attn.c_attn.weight": torch.zeros(64, 100)})),
+         r"'h.0.attn.c_attn.weight'.*\(64, 100\).*\(64, 192\)"),
+        (lambda d: edit_weights(d, lambda s: s.update({"h.7.extra.weight": torch.zeros(2)})), "h.7.extra.weight"),
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]), "safetensors"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64), "safetensors"),
+    ],
+    ids=["no-config", "bad-json", "no-weights", "model-type", "inconsistent-config", "config-vs-weights",
+         "missing-tensor", "wrong-shape", "unexpected-tensor", "truncated", "garbage"],
+)
+def test_broken_checkpoints_get_clear_errors(tiny_dir, tmp_path, breakage, match):
+    directory = copy_checkpoint(tiny_dir, tmp_path / "broken")
+    breakage(directory)
+    with pytest.raises(CheckpointError, match=match):
+        HookedDecoder.from_pretrained(directory)
+
+
+def test_missing_directory_and_unknown_name():
+    with pytest.raises(CheckpointError, match="does not exist"):
+        HookedDecoder.from_pretrained("./no/such/checkpoint")
+    with pytest.raises(CheckpointError, match="supported names: gpt2, gpt2-medium"):
+        HookedDecoder.from_pretrained("gpt3")
+
+
+def test_hub_name_offline_with_empty_cache_says_what_to_do(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError, match="local directory"):
+        HookedDecoder.from_pretrained("gpt2")
+
+
+def test_hub_name_found_in_local_cache_offline(tiny_dir, tmp_path, monkeypatch, tokens):
+    """An offline machine with the model in its Hugging Face cache loads it without any request."""
+    import huggingface_hub.constants as hub
+
+    repo = tmp_path / "models--openai-community--gpt2"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(tiny_dir, repo / "snapshots" / ("0" * 40))
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    with torch.no_grad():
+        assert torch.equal(HookedDecoder.from_pretrained("gpt2")(tokens), HookedDecoder.from_pretrained(tiny_dir)(tokens))
+
+
+def test_weights_only_directory_loads_without_tokenizer(tiny_dir, tmp_path, tokens):
+    directory = copy_checkpoint(tiny_dir, tmp_path / "no-tok")
+    (directory / "tokenizer.json").unlink()
+    model = HookedDecoder.from_pretrained(directory)
+    assert model.tokenizer is None
+    model(tokens)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        model.to_tokens("hello")
+
+
+def test_vocab_and_merges_tokenizer_files(tiny_dir, tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    directory = copy_checkpoint(tiny_dir, tmp_path / "old-style")
+    backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+    backend.model.save(str(directory))  # writes vocab.json and merges.txt
+    (directory / "tokenizer.json").unlink()
+    old_style = HookedDecoder.from_pretrained(directory)
+    text = "The quick brown fox jumps over the lazy dog"
+    assert old_style.to_tokens(text).tolist() == HookedDecoder.from_pretrained(tiny_dir).to_tokens(text).tolist()

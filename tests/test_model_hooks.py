@@ -1,0 +1,146 @@
+"""Hook points of the decoder: names, shapes, identities between them, and the fast/explicit paths."""
+from __future__ import annotations
+
+import pytest
+import torch
+from einops import einsum
+
+from hooks import UnknownNameError
+
+
+def expected_shapes(cfg, batch, pos):
+    d = dict(batch=batch, pos=pos)
+    shapes = {"hook_embed": (batch, pos, cfg.d_model), "hook_pos_embed": (batch, pos, cfg.d_model),
+              "ln_final.hook_scale": (batch, pos, 1), "ln_final.hook_normalized": (batch, pos, cfg.d_model)}
+    for l in range(cfg.n_layers):
+        b = f"blocks.{l}"
+        for name in ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out"):
+            shapes[f"{b}.{name}"] = (batch, pos, cfg.d_model)
+        for ln in ("ln1", "ln2"):
+            shapes[f"{b}.{ln}.hook_scale"] = (batch, pos, 1)
+            shapes[f"{b}.{ln}.hook_normalized"] = (batch, pos, cfg.d_model)
+        for name in ("hook_q", "hook_k", "hook_v", "hook_z"):
+            shapes[f"{b}.attn.{name}"] = (batch, pos, cfg.n_heads, cfg.d_head)
+        shapes[f"{b}.attn.hook_attn_scores"] = (batch, cfg.n_heads, pos, pos)
+        shapes[f"{b}.attn.hook_pattern"] = (batch, cfg.n_heads, pos, pos)
+        shapes[f"{b}.attn.hook_result"] = (batch, pos, cfg.n_heads, cfg.d_model)
+        shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
+        shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
+    return shapes
+
+
+def test_every_documented_hook_exists_with_its_shape(tiny_model, tokens):
+    shapes = expected_shapes(tiny_model.cfg, *tokens.shape)
+    assert sorted(tiny_model.hook_names) == sorted(shapes)
+    with torch.no_grad():
+        _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
+    assert {name: tuple(t.shape) for name, t in cache.items()} == shapes
+
+
+def test_residual_identities(tiny_model, tokens):
+    with torch.no_grad():
+        _, cache = tiny_model.run_with_cache(tokens)
+    torch.testing.assert_close(cache["blocks.0.hook_resid_pre"], cache["hook_embed"] + cache["hook_pos_embed"])
+    for l in range(tiny_model.cfg.n_layers):
+        b = f"blocks.{l}"
+        torch.testing.assert_close(cache[f"{b}.hook_resid_mid"], cache[f"{b}.hook_resid_pre"] + cache[f"{b}.hook_attn_out"])
+        torch.testing.assert_close(cache[f"{b}.hook_resid_post"], cache[f"{b}.hook_resid_mid"] + cache[f"{b}.hook_mlp_out"])
+
+
+def test_default_cache_skips_per_head_results(tiny_model, tokens):
+    _, cache = tiny_model.run_with_cache(tokens)
+    assert not any(name.endswith("hook_result") for name in cache)
+
+
+def test_head_results_sum_to_attention_output(tiny_model, tokens):
+    attn = tiny_model.blocks[1].attn
+    with torch.no_grad():
+        _, cache = tiny_model.run_with_cache(tokens, names=["blocks.1.attn.hook_result", "blocks.1.attn.hook_z", "blocks.1.hook_attn_out"])
+    result = cache["blocks.1.attn.hook_result"]
+    torch.testing.assert_close(result.sum(dim=2) + attn.b_O, cache["blocks.1.hook_attn_out"], atol=1e-5, rtol=0)
+    # head 0's write computed by hand from its z and its slice of the output projection
+    d_head = tiny_model.cfg.d_head
+    by_hand = cache["blocks.1.attn.hook_z"][:, :, 0] @ attn.out.weight[:, :d_head].T
+    torch.testing.assert_close(result[:, :, 0], by_hand, atol=1e-5, rtol=0)
+
+
+def test_pattern_is_causal_softmax_of_masked_scores(tiny_model, tokens):
+    with torch.no_grad():
+        _, cache = tiny_model.run_with_cache(tokens, names=["blocks.0.attn.hook_q", "blocks.0.attn.hook_k",
+                                                            "blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern"])
+    q, k = cache["blocks.0.attn.hook_q"], cache["blocks.0.attn.hook_k"]
+    scores = einsum(q, k, "batch query_pos head d_head, batch key_pos head d_head -> batch head query_pos key_pos")
+    scores = scores / tiny_model.cfg.d_head**0.5
+    n = tokens.shape[1]
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    stored = cache["blocks.0.attn.hook_attn_scores"]
+    assert torch.isinf(stored[..., future]).all() and (stored[..., future] < 0).all()
+    torch.testing.assert_close(stored[..., ~future], scores[..., ~future], atol=1e-5, rtol=0)
+    pattern = cache["blocks.0.attn.hook_pattern"]
+    torch.testing.assert_close(pattern, scores.masked_fill(future, float("-inf")).softmax(-1), atol=1e-6, rtol=0)
+    assert (pattern[..., future] == 0).all()
+
+
+def test_sdpa_path_equals_explicit_path(tiny_model, tokens):
+    with torch.no_grad():
+        fast = tiny_model(tokens)
+        explicit, cache = tiny_model.run_with_cache(tokens, names=lambda n: n.endswith("hook_pattern"))
+    assert len(cache) == tiny_model.cfg.n_layers
+    torch.testing.assert_close(fast, explicit, atol=1e-5, rtol=0)
+
+
+def test_scale_hook_path_equals_fused_layernorm(tiny_model, tokens):
+    with torch.no_grad():
+        fused = tiny_model(tokens)
+        explicit, _ = tiny_model.run_with_cache(tokens, names=lambda n: n.endswith("hook_scale"))
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
+
+
+def test_identity_hooks_everywhere_change_nothing(tiny_model, tokens):
+    with torch.no_grad():
+        plain = tiny_model(tokens)
+        hooked = tiny_model.run_with_hooks(tokens, fwd_hooks=[(lambda n: True, lambda x, hook: x.clone())])
+    torch.testing.assert_close(plain, hooked, atol=1e-5, rtol=0)
+
+
+def test_patching_a_neuron_changes_only_downstream(tiny_model, tokens):
+    def patch(post, hook):
+        post = post.clone()
+        post[:, :, 5] = 10.0
+        return post
+
+    with torch.no_grad():
+        _, clean = tiny_model.run_with_cache(tokens)
+        _, patched = tiny_model.run_with_cache(tokens, fwd_hooks=[("blocks.1.mlp.hook_post", patch)])
+    torch.testing.assert_close(patched["blocks.1.hook_resid_mid"], clean["blocks.1.hook_resid_mid"])
+    assert (patched["blocks.1.mlp.hook_post"][:, :, 5] == 10.0).all()
+    assert not torch.allclose(patched["blocks.1.hook_resid_post"], clean["blocks.1.hook_resid_post"])
+
+
+def test_unknown_hook_name_on_decoder(tiny_model, tokens):
+    with pytest.raises(UnknownNameError, match="blocks.0.attn.hook_pattern"):
+        tiny_model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_patern", lambda x, h: x)])
+    with pytest.raises(UnknownNameError):
+        tiny_model.run_with_cache(tokens, names=["blocks.9.hook_resid_pre"])
+
+
+def test_no_hook_left_after_errors(tiny_model, tokens):
+    def wrong_shape(x, hook):
+        return x[:, :-1]
+
+    with pytest.raises(ValueError, match="blocks.0.hook_resid_mid"):
+        tiny_model.run_with_cache(tokens, fwd_hooks=[("blocks.0.hook_resid_mid", wrong_shape)])
+    assert not any(tiny_model.hook_point(n).active for n in tiny_model.hook_names)
+
+
+def test_gradients_flow_through_hooks(tiny_model, tokens):
+    grads = {}
+
+    def keep(x, hook):
+        x.retain_grad()
+        grads["resid"] = x
+
+    logits = tiny_model.run_with_hooks(tokens, fwd_hooks=[("blocks.1.hook_resid_pre", keep)])
+    logits[:, -1].logsumexp(-1).sum().backward()
+    assert grads["resid"].grad is not None and grads["resid"].grad.abs().sum() > 0
+    tiny_model.zero_grad(set_to_none=True)
