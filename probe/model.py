@@ -61,24 +61,56 @@ class HookedDecoder(HookedRootModule):
         self.init_weights()
         self.setup_hooks()
 
-    def forward(self, input: ModelInput, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input: ModelInput,
+        attention_mask: Optional[torch.Tensor] = None,
+        *,
+        start_at_layer: int = 0,
+        stop_at_layer: Optional[int] = None,
+    ) -> torch.Tensor:
         """Logits [batch pos vocab] for token ids [batch pos] (or [pos]), a string, or a list of strings.
 
         A list of strings is right-padded; `attention_mask` [batch pos] (1 = real token) handles any
         padding you did yourself, left or right: padded keys are hidden and positions count real tokens
         only, so a prompt's activations do not depend on what it was batched with.
+
+        `start_at_layer=l` takes the residual stream [batch pos d_model] entering block l instead of
+        tokens; `stop_at_layer=l` returns the residual stream entering block l instead of logits.
+        Together they rerun part of the model, e.g. from a cached residual.
         """
-        tokens, attention_mask = self._tokens_and_mask(input, attention_mask)
+        if start_at_layer == 0:
+            tokens, attention_mask = self._tokens_and_mask(input, attention_mask)
+            resid = self.embed_tokens(tokens, attention_mask)
+        else:
+            resid = self._validate_residual(input, start_at_layer)
+            attention_mask = None if attention_mask is None else attention_mask.to(resid.device).long()
+        allowed = None if attention_mask is None else _allowed_keys(attention_mask)
+        for block in self.blocks[start_at_layer:stop_at_layer]:
+            resid = block(resid, allowed)
+        if stop_at_layer is not None:
+            return resid
+        return self.unembed(self.ln_final(resid))
+
+    def embed_tokens(self, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The residual stream entering block 0: token plus position embeddings [batch pos d_model]."""
         if attention_mask is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-            allowed = None
-        else:
+        else:  # positions count real tokens, so left padding does not shift them
             positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-            allowed = _allowed_keys(attention_mask)
-        resid = self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions))
-        for block in self.blocks:
-            resid = block(resid, allowed)
-        return self.unembed(self.ln_final(resid))
+        return self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions))
+
+    def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:
+        if not 0 < start_at_layer <= self.cfg.n_layers:
+            raise ValueError(f"start_at_layer={start_at_layer} is outside [0, n_layers={self.cfg.n_layers}]")
+        if not (isinstance(resid, torch.Tensor) and resid.is_floating_point() and resid.dim() == 3
+                and resid.shape[-1] == self.cfg.d_model):
+            shape = tuple(resid.shape) if isinstance(resid, torch.Tensor) else type(resid).__name__
+            raise ValueError(
+                f"with start_at_layer={start_at_layer} the input is the residual stream [batch pos d_model="
+                f"{self.cfg.d_model}] (floating point), got {shape}"
+            )
+        return resid
 
     # ---- construction -------------------------------------------------------------------------
     @torch.no_grad()

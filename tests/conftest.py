@@ -88,3 +88,11 @@ def tiny_hf(tiny_dir):
 def tokens(tiny_model) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     return torch.randint(0, tiny_model.cfg.d_vocab, (3, 17), generator=gen)
+
+
+@pytest.fixture(scope="session")
+def bundled_model() -> HookedDecoder:
+    """The small trained model shipped in the package (probe.DEFAULT_MODEL)."""
+    from probe import DEFAULT_MODEL
+
+    return HookedDecoder.from_pretrained(DEFAULT_MODEL).eval()

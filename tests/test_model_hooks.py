@@ -144,3 +144,15 @@ def test_gradients_flow_through_hooks(tiny_model, tokens):
     logits[:, -1].logsumexp(-1).sum().backward()
     assert grads["resid"].grad is not None and grads["resid"].grad.abs().sum() > 0
     tiny_model.zero_grad(set_to_none=True)
+
+
+def test_start_and_stop_at_layer_compose_to_the_full_forward(tiny_model, tokens):
+    with torch.no_grad():
+        full, cache = tiny_model.run_with_cache(tokens, names="blocks.1.hook_resid_pre")
+        resid = tiny_model(tokens, stop_at_layer=1)
+        torch.testing.assert_close(resid, cache["blocks.1.hook_resid_pre"])
+        torch.testing.assert_close(tiny_model(resid, start_at_layer=1), full, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="residual stream"):
+        tiny_model(tokens, start_at_layer=1)
+    with pytest.raises(ValueError, match="start_at_layer=7"):
+        tiny_model(resid, start_at_layer=7)
