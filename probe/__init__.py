@@ -1,7 +1,10 @@
 """probe: a hookable decoder-only transformer for mechanistic interpretability."""
 from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
-from probe.config import Activation, DecoderConfig
-from probe.model import Block, HookedDecoder
+from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
+from probe.model import Block, HookedDecoder, PostNormBlock, PreNormBlock
 from probe.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "HookedDecoder", "Tokenizer"]
+__all__ = [
+    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "HookedDecoder", "Norm",
+    "NormPlacement", "Positions", "PostNormBlock", "PreNormBlock", "Tokenizer",
+]

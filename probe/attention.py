@@ -1,4 +1,4 @@
-"""Multi-head causal self-attention with every intermediate exposed as a hook point."""
+"""Causal self-attention (multi-head, grouped-query or multi-query) with every intermediate hooked."""
 from __future__ import annotations
 
 from typing import Optional
@@ -9,30 +9,51 @@ from einops import einsum, rearrange
 from torch import nn
 
 from hooks import HookPoint
-from probe.config import DecoderConfig
+from probe.config import DecoderConfig, Positions
+from probe.embedding import Rotary
+from probe.kv_cache import LayerKV
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.n_heads, self.d_head = cfg.n_heads, cfg.d_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.n_heads * cfg.d_head)  # q, k, v of every head in one matmul
-        self.out = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model)
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        # q of every head, then k and v of every key/value head, in one matmul
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
         self.scale = cfg.d_head**-0.5
         self.hook_q = HookPoint()  # [batch pos head d_head]
-        self.hook_k = HookPoint()  # [batch pos head d_head]
-        self.hook_v = HookPoint()  # [batch pos head d_head]
+        self.hook_k = HookPoint()  # [batch pos kv_head d_head]
+        self.hook_v = HookPoint()  # [batch pos kv_head d_head]
+        self.rotary = Rotary(cfg.d_head, cfg.rotary_base) if cfg.positions is Positions.ROTARY else None
+        if self.rotary is not None:
+            self.hook_rot_q = HookPoint()  # [batch pos head d_head]: q after the rotation
+            self.hook_rot_k = HookPoint()  # [batch pos kv_head d_head]
         self.hook_attn_scores = HookPoint()  # [batch head query_pos key_pos]: scaled, masked (-inf), pre-softmax
         self.hook_pattern = HookPoint()  # [batch head query_pos key_pos]
         self.hook_z = HookPoint()  # [batch pos head d_head]: pattern-weighted values
         self.hook_result = HookPoint(opt_in=True)  # [batch pos head d_model]: each head's write, without b_O
 
-    def forward(self, x: torch.Tensor, allowed: Optional[torch.Tensor]) -> torch.Tensor:
-        """`allowed` [batch 1 query_pos key_pos] says which keys each query may see; None means causal only."""
-        q, k, v = rearrange(
-            self.qkv(x), "batch pos (three head d_head) -> three batch pos head d_head", three=3, head=self.n_heads
-        )
-        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        allowed: Optional[torch.Tensor] = None,
+        past: Optional[LayerKV] = None,
+    ) -> torch.Tensor:
+        """x [batch pos d_model]; positions [batch pos]; `allowed` [batch 1 query_pos key_pos] says which
+        keys each query may see (None: plain causal); `past` holds earlier passes' keys and values."""
+        q, k, v = self.qkv(x).split([self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head], dim=-1)
+        q = self.hook_q(rearrange(q, "batch pos (head d_head) -> batch pos head d_head", head=self.n_heads))
+        k = self.hook_k(rearrange(k, "batch pos (head d_head) -> batch pos head d_head", head=self.n_kv_heads))
+        v = self.hook_v(rearrange(v, "batch pos (head d_head) -> batch pos head d_head", head=self.n_kv_heads))
+        if self.rotary is not None:
+            q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))
+        if past is not None:
+            k, v = past.append(k, v)
+        if self.n_kv_heads != self.n_heads:  # each key/value head serves a group of adjacent query heads
+            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
+            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
         if self.hook_attn_scores.active or self.hook_pattern.active:
             z = self._attend_explicitly(q, k, v, allowed)
         else:  # nothing observes the pattern: let the fused kernel avoid materialising it
@@ -45,7 +66,7 @@ class Attention(nn.Module):
             result = self.hook_result(
                 einsum(z, self.W_O, "batch pos head d_head, head d_head d_model -> batch pos head d_model")
             )
-            return result.sum(dim=2) + self.out.bias
+            return result.sum(dim=2) + (self.out.bias if self.out.bias is not None else 0.0)
         return self.out(rearrange(z, "batch pos head d_head -> batch pos (head d_head)"))
 
     def _attend_explicitly(self, q, k, v, allowed):
@@ -58,26 +79,26 @@ class Attention(nn.Module):
         return einsum(pattern, v, "batch head query_pos key_pos, batch key_pos head d_head -> batch query_pos head d_head")
 
     # Per-head views of the weights, in the shapes interpretability code expects.
-    def _qkv_weight(self, index: int) -> torch.Tensor:
-        w = rearrange(self.qkv.weight, "(three head d_head) d_model -> three head d_model d_head", three=3, head=self.n_heads)
-        return w[index]
+    def _split_qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sizes = [self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head]
+        return self.qkv.weight.split(sizes, dim=0)
 
     @property
     def W_Q(self) -> torch.Tensor:  # [head d_model d_head]
-        return self._qkv_weight(0)
+        return rearrange(self._split_qkv_weight()[0], "(head d_head) d_model -> head d_model d_head", head=self.n_heads)
 
     @property
-    def W_K(self) -> torch.Tensor:  # [head d_model d_head]
-        return self._qkv_weight(1)
+    def W_K(self) -> torch.Tensor:  # [kv_head d_model d_head]
+        return rearrange(self._split_qkv_weight()[1], "(head d_head) d_model -> head d_model d_head", head=self.n_kv_heads)
 
     @property
-    def W_V(self) -> torch.Tensor:  # [head d_model d_head]
-        return self._qkv_weight(2)
+    def W_V(self) -> torch.Tensor:  # [kv_head d_model d_head]
+        return rearrange(self._split_qkv_weight()[2], "(head d_head) d_model -> head d_model d_head", head=self.n_kv_heads)
 
     @property
     def W_O(self) -> torch.Tensor:  # [head d_head d_model]
         return rearrange(self.out.weight, "d_model (head d_head) -> head d_head d_model", head=self.n_heads)
 
     @property
-    def b_O(self) -> torch.Tensor:  # [d_model]
+    def b_O(self) -> Optional[torch.Tensor]:  # [d_model], None without an output bias
         return self.out.bias

@@ -1,4 +1,8 @@
-"""DecoderConfig: the frozen, validated description of a decoder's shape and components."""
+"""DecoderConfig: the frozen, validated description of a decoder's shape and components.
+
+Every architectural choice is a typed field; the model picks small components from it at
+construction time, so the forward pass itself has no architecture branches.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +12,38 @@ from typing import Any, Optional
 
 
 class Activation(enum.Enum):
-    """The MLP non-linearity (the names Hugging Face configs use for them)."""
+    """The MLP non-linearity (values are the names Hugging Face configs use)."""
 
     GELU_TANH = "gelu_new"  # GPT-2's tanh approximation
-    GELU = "gelu"  # exact, erf-based
+    GELU = "gelu"  # exact, erf-based (GPT-1)
     RELU = "relu"
+    SILU = "silu"  # with gated_mlp: SwiGLU (Llama, Qwen2)
+
+
+class Norm(enum.Enum):
+    LAYER = "layer"  # subtract the mean, divide by the std, then w * x + b
+    RMS = "rms"  # divide by the root mean square, then w * x (Llama)
+
+
+class NormPlacement(enum.Enum):
+    PRE = "pre"  # x + F(norm(x)): GPT-2, Llama
+    POST = "post"  # norm(x + F(x)): the 2017 original, GPT-1
+
+
+class Positions(enum.Enum):
+    LEARNED = "learned"  # a learned vector per position, added to the embedding (GPT-2, GPT-1)
+    SINUSOIDAL = "sinusoidal"  # fixed sinusoids added to the embedding (Vaswani et al. 2017)
+    ROTARY = "rotary"  # q and k rotated by position inside every attention layer (Llama)
+
+
+def _enum(cls, value, field):
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        valid = ", ".join(repr(v.value) for v in cls)
+        raise ValueError(f"{field}={value!r} is not supported; choose one of: {valid}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,19 +52,32 @@ class DecoderConfig:
     d_model: int
     n_heads: int
     d_vocab: int
-    n_ctx: int
+    n_ctx: int  # the longest sequence (learned positions need a row per position)
     d_head: Optional[int] = None  # None: d_model // n_heads
     d_mlp: Optional[int] = None  # None: 4 * d_model
-    eps: float = 1e-5  # LayerNorm epsilon
+    n_kv_heads: Optional[int] = None  # None: n_heads (multi-head); fewer: grouped-query; 1: multi-query
+    eps: float = 1e-5  # norm epsilon
     activation: Activation = Activation.GELU_TANH
+    gated_mlp: bool = False  # act(gate(x)) * up(x) -> down: SwiGLU with SILU
+    norm: Norm = Norm.LAYER
+    norm_placement: NormPlacement = NormPlacement.PRE
+    final_norm: bool = True
+    positions: Positions = Positions.LEARNED
+    rotary_base: float = 10000.0
+    qkv_bias: bool = True
+    out_bias: bool = True  # attention output projection bias
+    mlp_bias: bool = True
     tied_embeddings: bool = True  # unembedding = embedding transposed, as in GPT-2
     init_std: float = 0.02  # weight init for models trained from scratch
 
     def __post_init__(self) -> None:
-        for field in ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx"):
+        def positive(field):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
+
+        for field in ("n_layers", "d_model", "n_heads", "d_vocab", "n_ctx"):
+            positive(field)
         if self.d_head is None:
             if self.d_model % self.n_heads:
                 raise ValueError(
@@ -43,23 +87,28 @@ class DecoderConfig:
             object.__setattr__(self, "d_head", self.d_model // self.n_heads)
         if self.d_mlp is None:
             object.__setattr__(self, "d_mlp", 4 * self.d_model)
-        for field in ("d_head", "d_mlp"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
-        if not isinstance(self.activation, Activation):
-            try:
-                object.__setattr__(self, "activation", Activation(self.activation))
-            except ValueError:
-                valid = ", ".join(a.value for a in Activation)
-                raise ValueError(f"activation={self.activation!r} is not supported; choose one of: {valid}") from None
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        for field in ("d_head", "d_mlp", "n_kv_heads"):
+            positive(field)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                "each key/value head must serve the same number of query heads"
+            )
+        object.__setattr__(self, "activation", _enum(Activation, self.activation, "activation"))
+        object.__setattr__(self, "norm", _enum(Norm, self.norm, "norm"))
+        object.__setattr__(self, "norm_placement", _enum(NormPlacement, self.norm_placement, "norm_placement"))
+        object.__setattr__(self, "positions", _enum(Positions, self.positions, "positions"))
+        if self.positions is Positions.ROTARY and self.d_head % 2:
+            raise ValueError(f"positions=rotary rotates pairs of dimensions, so d_head must be even, got d_head={self.d_head}")
         if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
             raise ValueError(f"eps must be a small positive float, got {self.eps!r}")
+        if not (isinstance(self.rotary_base, (int, float)) and self.rotary_base > 1):
+            raise ValueError(f"rotary_base must be > 1, got {self.rotary_base!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["activation"] = self.activation.value
-        return out
+        return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DecoderConfig":

@@ -1,9 +1,13 @@
-"""Token and learned position embeddings, and the unembedding."""
+"""Token embeddings, the position schemes (learned, sinusoidal, rotary), and the unembedding."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from probe.config import DecoderConfig, Positions
 
 
 class Embed(nn.Module):
@@ -16,12 +20,57 @@ class Embed(nn.Module):
 
 
 class PosEmbed(nn.Module):
+    """Learned absolute positions: one trained vector per position."""
+
     def __init__(self, n_ctx: int, d_model: int):
         super().__init__()
         self.W_pos = nn.Parameter(torch.empty(n_ctx, d_model))
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:  # [batch pos] -> [batch pos d_model]
         return F.embedding(positions, self.W_pos)
+
+
+class SinusoidalPosEmbed(nn.Module):
+    """Fixed absolute positions (Vaswani et al. 2017): sin on even dimensions, cos on odd ones."""
+
+    def __init__(self, n_ctx: int, d_model: int):
+        super().__init__()
+        position = torch.arange(n_ctx, dtype=torch.float64)[:, None]
+        frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+        table = torch.zeros(n_ctx, d_model, dtype=torch.float64)
+        table[:, 0::2] = torch.sin(position * frequency)
+        table[:, 1::2] = torch.cos(position * frequency)[:, : d_model // 2]
+        self.register_buffer("W_pos", table.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:  # [batch pos] -> [batch pos d_model]
+        return F.embedding(positions, self.W_pos)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021) in the half-split layout Llama checkpoints use:
+    dimension i is paired with i + d_head/2, and the pair is rotated by position * base^(-2i/d_head)."""
+
+    def __init__(self, d_head: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, d_head, 2, dtype=torch.float32) / d_head))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [batch pos head d_head], positions [batch pos] -> x rotated by its position."""
+        angles = positions[..., None].float() * self.inv_freq  # [batch pos d_head/2]
+        angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # [batch pos 1 d_head]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def make_pos_embed(cfg: DecoderConfig) -> nn.Module | None:
+    """The absolute position embedding added at the input; None when positions are rotary."""
+    return {
+        Positions.LEARNED: lambda: PosEmbed(cfg.n_ctx, cfg.d_model),
+        Positions.SINUSOIDAL: lambda: SinusoidalPosEmbed(cfg.n_ctx, cfg.d_model),
+        Positions.ROTARY: lambda: None,
+    }[cfg.positions]()
 
 
 class Unembed(nn.Module):

@@ -1,4 +1,4 @@
-"""The feed-forward sublayer: d_model -> d_mlp -> activation -> d_model."""
+"""The feed-forward sublayer: plain (d_model -> d_mlp -> act -> d_model) or gated (SwiGLU)."""
 from __future__ import annotations
 
 import torch
@@ -11,15 +11,16 @@ ACTIVATIONS = {
     Activation.GELU_TANH: lambda: nn.GELU(approximate="tanh"),
     Activation.GELU: lambda: nn.GELU(),
     Activation.RELU: lambda: nn.ReLU(),
+    Activation.SILU: lambda: nn.SiLU(),
 }
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp)  # rows are the FFN "keys"
+        self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)  # rows are the FFN "keys"
         self.act = ACTIVATIONS[cfg.activation]()
-        self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model)  # columns are the FFN "values"
+        self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)  # columns are the FFN "values"
         self.hook_pre = HookPoint()  # [batch pos d_mlp]
         self.hook_post = HookPoint()  # [batch pos d_mlp]
 
@@ -35,3 +36,39 @@ class MLP(nn.Module):
     @property
     def W_out(self) -> torch.Tensor:  # [d_mlp d_model]
         return self.fc_out.weight.T
+
+
+class GatedMLP(nn.Module):
+    """act(gate(x)) * up(x) -> down (SwiGLU with SiLU). `fc_in` is the up projection, `fc_out` the down."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.activation]()
+        self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.hook_pre = HookPoint()  # [batch pos d_mlp]: the gate's pre-activation
+        self.hook_pre_linear = HookPoint()  # [batch pos d_mlp]: the up projection
+        self.hook_post = HookPoint()  # [batch pos d_mlp]: act(gate) * up, what the down projection reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self.hook_pre(self.gate(x))
+        pre_linear = self.hook_pre_linear(self.fc_in(x))
+        post = self.hook_post(self.act(pre) * pre_linear)
+        return self.fc_out(post)
+
+    @property
+    def W_gate(self) -> torch.Tensor:  # [d_model d_mlp]
+        return self.gate.weight.T
+
+    @property
+    def W_in(self) -> torch.Tensor:  # [d_model d_mlp]
+        return self.fc_in.weight.T
+
+    @property
+    def W_out(self) -> torch.Tensor:  # [d_mlp d_model]
+        return self.fc_out.weight.T
+
+
+def make_mlp(cfg: DecoderConfig) -> nn.Module:
+    return GatedMLP(cfg) if cfg.gated_mlp else MLP(cfg)

@@ -10,51 +10,70 @@ from torch import nn
 
 from hooks import HookedRootModule, HookPoint
 from probe.attention import Attention
-from probe.config import DecoderConfig
-from probe.embedding import Embed, PosEmbed, Unembed
-from probe.mlp import MLP
-from probe.norm import LayerNorm
+from probe.config import DecoderConfig, NormPlacement
+from probe.embedding import Embed, Unembed, make_pos_embed
+from probe.kv_cache import KVCache
+from probe.mlp import make_mlp
+from probe.norm import make_norm
 from probe.tokenizer import Tokenizer
 
 ModelInput = Union[str, Sequence[str], torch.Tensor]
 
 
-class Block(nn.Module):
-    """The pre-norm residual block: h = x + attn(ln1(x)); y = h + mlp(ln2(h))."""
+class PreNormBlock(nn.Module):
+    """The pre-norm residual block (GPT-2, Llama): h = x + attn(ln1(x)); y = h + mlp(ln2(h))."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.ln1 = LayerNorm(cfg.d_model, cfg.eps)
+        self.ln1 = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.ln2 = LayerNorm(cfg.d_model, cfg.eps)
-        self.mlp = MLP(cfg)
+        self.ln2 = make_norm(cfg)
+        self.mlp = make_mlp(cfg)
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
         self.hook_attn_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_mid = HookPoint()  # [batch pos d_model]
         self.hook_mlp_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_post = HookPoint()  # [batch pos d_model]
 
-    def forward(self, resid_pre: torch.Tensor, allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, resid_pre, positions, allowed=None, past=None):
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), allowed))
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), positions, allowed, past))
         resid_mid = self.hook_resid_mid(resid_pre + attn_out)
         mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_mid)))
         return self.hook_resid_post(resid_mid + mlp_out)
 
 
+class PostNormBlock(PreNormBlock):
+    """The post-norm residual block (Vaswani et al. 2017, GPT-1): h = ln1(x + attn(x)); y = ln2(h + mlp(h)).
+
+    Same components and hook names; resid_mid and resid_post are the normalised sums that flow on."""
+
+    def forward(self, resid_pre, positions, allowed=None, past=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(resid_pre, positions, allowed, past))
+        resid_mid = self.hook_resid_mid(self.ln1(resid_pre + attn_out))
+        mlp_out = self.hook_mlp_out(self.mlp(resid_mid))
+        return self.hook_resid_post(self.ln2(resid_mid + mlp_out))
+
+
+BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock}
+Block = PreNormBlock
+
+
 class HookedDecoder(HookedRootModule):
-    """Token + position embedding -> n_layers blocks -> final LayerNorm -> unembedding."""
+    """Token (+ position) embedding -> n_layers blocks -> final norm -> unembedding."""
 
     def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.embed = Embed(cfg.d_vocab, cfg.d_model)
-        self.pos_embed = PosEmbed(cfg.n_ctx, cfg.d_model)
         self.hook_embed = HookPoint()  # [batch pos d_model]
-        self.hook_pos_embed = HookPoint()  # [batch pos d_model]
-        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
-        self.ln_final = LayerNorm(cfg.d_model, cfg.eps)
+        self.pos_embed = make_pos_embed(cfg)  # None with rotary positions, which act inside attention
+        if self.pos_embed is not None:
+            self.hook_pos_embed = HookPoint()  # [batch pos d_model]
+        self.blocks = nn.ModuleList([BLOCKS[cfg.norm_placement](cfg) for _ in range(cfg.n_layers)])
+        self.ln_final = make_norm(cfg) if cfg.final_norm else nn.Identity()
         self.unembed = Unembed(cfg.d_vocab, cfg.d_model)
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
@@ -68,6 +87,7 @@ class HookedDecoder(HookedRootModule):
         *,
         start_at_layer: int = 0,
         stop_at_layer: Optional[int] = None,
+        kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
         """Logits [batch pos vocab] for token ids [batch pos] (or [pos]), a string, or a list of strings.
 
@@ -78,27 +98,41 @@ class HookedDecoder(HookedRootModule):
         `start_at_layer=l` takes the residual stream [batch pos d_model] entering block l instead of
         tokens; `stop_at_layer=l` returns the residual stream entering block l instead of logits.
         Together they rerun part of the model, e.g. from a cached residual.
+
+        `kv_cache` (see `generate`) keeps every layer's keys and values: the input is then only the
+        new tokens, and their positions continue where the cache ends.
         """
         if start_at_layer == 0:
             tokens, attention_mask = self._tokens_and_mask(input, attention_mask)
-            resid = self.embed_tokens(tokens, attention_mask)
+            batch, n_new = tokens.shape
         else:
             resid = self._validate_residual(input, start_at_layer)
-            attention_mask = None if attention_mask is None else attention_mask.to(resid.device).long()
-        allowed = None if attention_mask is None else _allowed_keys(attention_mask)
-        for block in self.blocks[start_at_layer:stop_at_layer]:
-            resid = block(resid, allowed)
+            batch, n_new = resid.shape[:2]
+        device = self.device
+        if kv_cache is not None:
+            if kv_cache.length + n_new > self.cfg.n_ctx:
+                raise ValueError(
+                    f"the KV cache holds {kv_cache.length} positions; {n_new} more would exceed n_ctx={self.cfg.n_ctx}"
+                )
+            new_mask = attention_mask if attention_mask is not None else torch.ones(batch, n_new, dtype=torch.long, device=device)
+            attention_mask = kv_cache.extend_mask(new_mask.to(device).long())
+        elif attention_mask is not None:
+            attention_mask = attention_mask.to(device).long()
+        positions = _positions(attention_mask, batch, n_new, device)
+        if start_at_layer == 0:
+            resid = self.hook_embed(self.embed(tokens))
+            if self.pos_embed is not None:
+                resid = resid + self.hook_pos_embed(self.pos_embed(positions))
+        allowed = None if attention_mask is None else _allowed_keys(attention_mask, n_new)
+        for index, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=start_at_layer):
+            resid = block(resid, positions, allowed, None if kv_cache is None else kv_cache.layers[index])
         if stop_at_layer is not None:
             return resid
         return self.unembed(self.ln_final(resid))
 
-    def embed_tokens(self, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The residual stream entering block 0: token plus position embeddings [batch pos d_model]."""
-        if attention_mask is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        else:  # positions count real tokens, so left padding does not shift them
-            positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        return self.hook_embed(self.embed(tokens)) + self.hook_pos_embed(self.pos_embed(positions))
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering block 0 for unpadded token ids [batch pos] -> [batch pos d_model]."""
+        return self(tokens, stop_at_layer=0)
 
     def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:
         if not 0 < start_at_layer <= self.cfg.n_layers:
@@ -111,6 +145,19 @@ class HookedDecoder(HookedRootModule):
                 f"{self.cfg.d_model}] (floating point), got {shape}"
             )
         return resid
+
+    @torch.no_grad()
+    def generate(self, input: ModelInput, max_new_tokens: int, **kwargs):
+        """Continue prompts token by token with a key/value cache; see `probe.generation.generate`."""
+        from probe.generation import generate
+
+        return generate(self, input, max_new_tokens, **kwargs)
+
+    def ledger(self, n_ctx: Optional[int] = None, dtype: torch.dtype = torch.float32):
+        """Parameters, FLOPs per token and KV-cache bytes by component; see `probe.ledger.ledger`."""
+        from probe.ledger import ledger
+
+        return ledger(self.cfg, n_ctx=n_ctx, dtype=dtype)
 
     # ---- construction -------------------------------------------------------------------------
     @torch.no_grad()
@@ -241,10 +288,21 @@ class HookedDecoder(HookedRootModule):
         return tokens.to(self.device, torch.long)
 
 
-def _allowed_keys(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[batch 1 query_pos key_pos]: causal, padded keys hidden; each query always sees itself, so
-    a padded query's row stays finite (its values are meaningless but never NaN)."""
-    n = attention_mask.shape[1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=attention_mask.device).tril()
-    allowed = causal & attention_mask.bool()[:, None, None, :]
-    return allowed | torch.eye(n, dtype=torch.bool, device=attention_mask.device)
+def _positions(attention_mask: Optional[torch.Tensor], batch: int, n_new: int, device) -> torch.Tensor:
+    """[batch n_new]: the position of each new token, counting only real tokens before it, so left
+    padding and a KV cache both continue the count rather than restart it."""
+    if attention_mask is None:
+        return torch.arange(n_new, device=device).expand(batch, n_new)
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)[:, -n_new:]
+
+
+def _allowed_keys(attention_mask: torch.Tensor, n_new: int) -> torch.Tensor:
+    """[batch 1 query_pos key_pos] for the last n_new of the mask's positions as queries: causal, padded
+    keys hidden. Each query always sees itself, so a padded query's row stays finite (its values are
+    meaningless but never NaN)."""
+    n_all = attention_mask.shape[1]
+    device = attention_mask.device
+    query_at = torch.arange(n_all - n_new, n_all, device=device)[:, None]
+    key_at = torch.arange(n_all, device=device)[None, :]
+    allowed = (key_at <= query_at) & attention_mask.bool()[:, None, None, :]
+    return allowed | (key_at == query_at)

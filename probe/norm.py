@@ -1,4 +1,4 @@
-"""LayerNorm with its scale and normalised input exposed as hook points."""
+"""Normalisation layers with their scale and normalised input exposed as hook points."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hooks import HookPoint
+from probe.config import DecoderConfig, Norm
 
 
 class LayerNorm(nn.Module):
@@ -23,3 +24,22 @@ class LayerNorm(nn.Module):
         centred = x - x.mean(-1, keepdim=True)
         scale = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized(centred / scale) * self.w + self.b
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.w = nn.Parameter(torch.ones(d_model))
+        self.hook_scale = HookPoint()  # [batch pos 1]: sqrt(mean(x^2) + eps)
+        self.hook_normalized = HookPoint()  # [batch pos d_model]: x / scale, before w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in float32 whatever the model's dtype, as Llama does: low-precision squares overflow or lose digits
+        x32 = x.float()
+        scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.w * self.hook_normalized(x32 / scale).to(x.dtype)
+
+
+def make_norm(cfg: DecoderConfig) -> nn.Module:
+    return {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm}[cfg.norm](cfg.d_model, cfg.eps)
