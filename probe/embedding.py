@@ -35,12 +35,20 @@ class SinusoidalPosEmbed(nn.Module):
 
     def __init__(self, n_ctx: int, d_model: int):
         super().__init__()
-        position = torch.arange(n_ctx, dtype=torch.float64)[:, None]
-        frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
-        table = torch.zeros(n_ctx, d_model, dtype=torch.float64)
+        self.n_ctx, self.d_model = n_ctx, d_model
+        self.register_buffer("W_pos", torch.empty(n_ctx, d_model), persistent=False)
+        self.build_buffers()
+
+    def build_buffers(self) -> None:
+        """(Re)compute the table; buffers are derived, never stored in checkpoints."""
+        n_ctx, d_model = self.n_ctx, self.d_model
+        position = torch.arange(n_ctx, dtype=torch.float64, device="cpu")[:, None]
+        frequency = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64, device="cpu") * (-math.log(10000.0) / d_model))
+        table = torch.zeros(n_ctx, d_model, dtype=torch.float64, device="cpu")
         table[:, 0::2] = torch.sin(position * frequency)
         table[:, 1::2] = torch.cos(position * frequency)[:, : d_model // 2]
-        self.register_buffer("W_pos", table.float(), persistent=False)
+        device = self.W_pos.device if not self.W_pos.is_meta else "cpu"
+        self.W_pos = table.to(device=device, dtype=torch.float32)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:  # [batch pos] -> [batch pos d_model]
         return F.embedding(positions, self.W_pos)
@@ -52,8 +60,15 @@ class Rotary(nn.Module):
 
     def __init__(self, d_head: int, base: float):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, d_head, 2, dtype=torch.float32) / d_head))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.d_head, self.base = d_head, base
+        self.register_buffer("inv_freq", torch.empty(d_head // 2), persistent=False)
+        self.build_buffers()
+
+    def build_buffers(self) -> None:
+        """(Re)compute the frequencies; buffers are derived, never stored in checkpoints."""
+        exponents = torch.arange(0, self.d_head, 2, dtype=torch.float32, device="cpu") / self.d_head
+        device = self.inv_freq.device if not self.inv_freq.is_meta else "cpu"
+        self.inv_freq = (1.0 / (self.base**exponents)).to(device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [batch pos head d_head], positions [batch pos] -> x rotated by its position."""

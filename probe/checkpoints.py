@@ -1,0 +1,313 @@
+"""Hugging Face checkpoint families: how each one's config and tensor names map onto DecoderConfig.
+
+One small table of functions per family; loading.py does the file handling for all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
+from probe.tokenizer import Tokenizer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor and what to do."""
+
+
+class Source:
+    """A checkpoint's tensors, taken one by one with their expected shapes; leftovers are an error."""
+
+    # Buffers some checkpoints carry (causal masks, rotary tables) that we rebuild ourselves.
+    IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+    def __init__(self, state: dict[str, torch.Tensor], directory: Path, prefixes: tuple[str, ...]):
+        self.directory = directory
+        self.state = {}
+        for name, tensor in state.items():
+            for prefix in prefixes:
+                name = name.removeprefix(prefix)
+            self.state[name] = tensor
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.state:
+            raise CheckpointError(f"checkpoint in {self.directory} is missing the tensor {name!r}")
+        tensor = self.state.pop(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name!r} in {self.directory} has shape {tuple(tensor.shape)}, but config.json implies {tuple(shape)}"
+            )
+        return tensor
+
+    def take_optional(self, name: str) -> Optional[torch.Tensor]:
+        return self.state.pop(name, None)
+
+    def finish(self) -> None:
+        unexpected = sorted(k for k in self.state if not k.endswith(self.IGNORED_SUFFIXES))
+        if unexpected:
+            raise CheckpointError(
+                f"checkpoint in {self.directory} has tensors this model type does not use: {', '.join(unexpected[:10])}"
+            )
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str
+    prefixes: tuple[str, ...]  # stripped from tensor names (LM-head wrappers add them)
+    config_from_hf: Callable[[dict], DecoderConfig]
+    config_to_hf: Callable[[DecoderConfig, Optional[Tokenizer]], dict]
+    to_probe: Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]
+    to_hf: Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]
+
+
+# ---- GPT-2 and GPT-1: Conv1D layers, stored [in, out] -----------------------------------------
+GPT_ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH,
+                   "gelu": Activation.GELU, "relu": Activation.RELU, "silu": Activation.SILU, "swish": Activation.SILU}
+
+
+def _activation(name: str, table: dict[str, Activation]) -> Activation:
+    if name not in table:
+        raise CheckpointError(f"activation {name!r} is not supported; supported: {', '.join(table)}")
+    return table[name]
+
+
+def gpt2_config(hf: dict) -> DecoderConfig:
+    if not hf.get("scale_attn_weights", True):
+        raise CheckpointError("scale_attn_weights=false is not supported")
+    if hf.get("scale_attn_by_inverse_layer_idx"):
+        raise CheckpointError("scale_attn_by_inverse_layer_idx=true is not supported")
+    return DecoderConfig(
+        n_layers=hf["n_layer"], d_model=hf["n_embd"], n_heads=hf["n_head"], d_mlp=hf.get("n_inner") or 4 * hf["n_embd"],
+        d_vocab=hf["vocab_size"], n_ctx=hf["n_positions"], eps=hf.get("layer_norm_epsilon", 1e-5),
+        activation=_activation(hf.get("activation_function", "gelu_new"), GPT_ACTIVATIONS),
+    )
+
+
+def gpt1_config(hf: dict) -> DecoderConfig:
+    return DecoderConfig(
+        n_layers=hf["n_layer"], d_model=hf["n_embd"], n_heads=hf["n_head"], d_vocab=hf["vocab_size"],
+        n_ctx=hf["n_positions"], eps=hf.get("layer_norm_epsilon", 1e-5),
+        # GPT-1's "gelu" is the tanh approximation (transformers maps it to gelu_new)
+        activation=_activation(hf.get("afn", "gelu"), {**GPT_ACTIVATIONS, "gelu": Activation.GELU_TANH}),
+        norm_placement=NormPlacement.POST, final_norm=False,
+    )
+
+
+_GPT_ACTIVATION_NAMES = {Activation.GELU_TANH: "gelu_new", Activation.GELU: "gelu", Activation.RELU: "relu", Activation.SILU: "silu"}
+
+
+def _require(cfg: DecoderConfig, family: str, **wanted) -> None:
+    wrong = {k: getattr(cfg, k) for k, v in wanted.items() if getattr(cfg, k) != v}
+    if wrong:
+        raise ValueError(f"a {family} checkpoint cannot hold this model: {', '.join(f'{k}={v}' for k, v in wrong.items())}")
+
+
+def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+    _require(cfg, "GPT-2", norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
+             gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, qkv_bias=True, out_bias=True,
+             mlp_bias=True, tied_embeddings=True)
+    if cfg.n_heads * cfg.d_head != cfg.d_model:
+        raise ValueError("a GPT-2 checkpoint needs n_heads * d_head == d_model")
+    special = tokenizer.bos_id if tokenizer is not None else cfg.d_vocab - 1
+    return {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
+        "n_head": cfg.n_heads, "n_inner": cfg.d_mlp, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx,
+        "layer_norm_epsilon": cfg.eps, "activation_function": _GPT_ACTIVATION_NAMES[cfg.activation],
+        "bos_token_id": special, "eos_token_id": special, "tie_word_embeddings": True,
+    }
+
+
+def _gpt_names(embed: str, pos: str, final_norm: bool):
+    def names(cfg: DecoderConfig):
+        d, m, v = cfg.d_model, cfg.d_mlp, cfg.d_vocab
+        # ours -> (theirs, their shape, stored transposed)
+        table = {"embed.W_E": (embed, (v, d), False), "pos_embed.W_pos": (pos, (cfg.n_ctx, d), False)}
+        for l in range(cfg.n_layers):
+            o, t = f"blocks.{l}", f"h.{l}"
+            table.update({
+                f"{o}.ln1.w": (f"{t}.ln_1.weight", (d,), False), f"{o}.ln1.b": (f"{t}.ln_1.bias", (d,), False),
+                f"{o}.attn.qkv.weight": (f"{t}.attn.c_attn.weight", (d, 3 * d), True),
+                f"{o}.attn.qkv.bias": (f"{t}.attn.c_attn.bias", (3 * d,), False),
+                f"{o}.attn.out.weight": (f"{t}.attn.c_proj.weight", (d, d), True),
+                f"{o}.attn.out.bias": (f"{t}.attn.c_proj.bias", (d,), False),
+                f"{o}.ln2.w": (f"{t}.ln_2.weight", (d,), False), f"{o}.ln2.b": (f"{t}.ln_2.bias", (d,), False),
+                f"{o}.mlp.fc_in.weight": (f"{t}.mlp.c_fc.weight", (d, m), True),
+                f"{o}.mlp.fc_in.bias": (f"{t}.mlp.c_fc.bias", (m,), False),
+                f"{o}.mlp.fc_out.weight": (f"{t}.mlp.c_proj.weight", (m, d), True),
+                f"{o}.mlp.fc_out.bias": (f"{t}.mlp.c_proj.bias", (d,), False),
+            })
+        if final_norm:
+            table.update({"ln_final.w": ("ln_f.weight", (d,), False), "ln_final.b": ("ln_f.bias", (d,), False)})
+        return table
+
+    return names
+
+
+def _gpt_to_probe(names):
+    def convert(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+        out = {}
+        for ours, (theirs, shape, transposed) in names(cfg).items():
+            tensor = source.take(theirs, shape)
+            out[ours] = (tensor.T if transposed else tensor).contiguous()
+        head = source.take_optional("lm_head.weight")
+        if head is not None and not torch.equal(head, out["embed.W_E"]):
+            raise CheckpointError(f"lm_head.weight in {source.directory} differs from the embedding; untied heads are not supported here")
+        out["unembed.weight"] = out["embed.W_E"]
+        return out
+
+    return convert
+
+
+def _gpt_to_hf(names):
+    def convert(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+        return {theirs: (params[ours].T if transposed else params[ours]).contiguous()
+                for ours, (theirs, _, transposed) in names(cfg).items()}
+
+    return convert
+
+
+_gpt2_names = _gpt_names("wte.weight", "wpe.weight", final_norm=True)
+_gpt1_names = _gpt_names("tokens_embed.weight", "positions_embed.weight", final_norm=False)
+
+
+def gpt1_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+    _require(cfg, "GPT-1", norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
+             gated_mlp=False, n_kv_heads=cfg.n_heads, qkv_bias=True, out_bias=True, mlp_bias=True, tied_embeddings=True)
+    afn = {Activation.GELU_TANH: "gelu", Activation.RELU: "relu", Activation.SILU: "silu"}
+    if cfg.activation not in afn:
+        raise ValueError(f"a GPT-1 checkpoint cannot hold activation={cfg.activation.value}")
+    return {"model_type": "openai-gpt", "architectures": ["OpenAIGPTLMHeadModel"], "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
+            "n_head": cfg.n_heads, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx, "afn": afn[cfg.activation],
+            "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": True}
+
+
+# ---- Llama and Qwen2: nn.Linear layers, stored [out, in]; separate q, k, v -----------------------
+def llama_config(hf: dict, qkv_bias: Optional[bool] = None) -> DecoderConfig:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise CheckpointError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain rotary")
+    if hf.get("use_sliding_window"):
+        raise CheckpointError("sliding-window attention is not supported")
+    n_heads = hf["num_attention_heads"]
+    return DecoderConfig(
+        n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_head=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        d_mlp=hf["intermediate_size"], d_vocab=hf["vocab_size"], n_ctx=hf["max_position_embeddings"],
+        eps=hf.get("rms_norm_eps", 1e-6), activation=_activation(hf.get("hidden_act", "silu"), GPT_ACTIVATIONS),
+        gated_mlp=True, norm=Norm.RMS, positions=Positions.ROTARY,
+        rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        qkv_bias=hf.get("attention_bias", False) if qkv_bias is None else qkv_bias,
+        out_bias=hf.get("attention_bias", False) if qkv_bias is None else False,
+        mlp_bias=hf.get("mlp_bias", False), tied_embeddings=hf.get("tie_word_embeddings", False),
+    )
+
+
+def qwen2_config(hf: dict) -> DecoderConfig:
+    return llama_config(hf, qkv_bias=True)  # Qwen2: biases on q, k, v and none on the output
+
+
+def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "llama") -> dict:
+    _require(cfg, model_type, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.ROTARY,
+             gated_mlp=True, out_bias=cfg.qkv_bias if model_type == "llama" else False)
+    out = {
+        "model_type": model_type, "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
+        "num_hidden_layers": cfg.n_layers, "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head, "intermediate_size": cfg.d_mlp,
+        "vocab_size": cfg.d_vocab, "max_position_embeddings": cfg.n_ctx, "rms_norm_eps": cfg.eps,
+        "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation], "rope_theta": cfg.rotary_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+        "mlp_bias": cfg.mlp_bias, "tie_word_embeddings": cfg.tied_embeddings,
+    }
+    if model_type == "llama":
+        out["attention_bias"] = cfg.qkv_bias
+    elif not cfg.qkv_bias:
+        raise ValueError("a Qwen2 checkpoint has q/k/v biases; this model has none")
+    return out
+
+
+def _llama_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    d, m, h, kv, dh = cfg.d_model, cfg.d_mlp, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    return {"q": (h * dh, d), "k": (kv * dh, d), "v": (kv * dh, d), "o": (d, h * dh), "gate": (m, d), "up": (m, d), "down": (d, m)}
+
+
+def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    s, d = _llama_shapes(cfg), cfg.d_model
+    out = {"embed.W_E": source.take("embed_tokens.weight", (cfg.d_vocab, d)), "ln_final.w": source.take("norm.weight", (d,))}
+    for l in range(cfg.n_layers):
+        o, t = f"blocks.{l}", f"layers.{l}"
+        out[f"{o}.ln1.w"] = source.take(f"{t}.input_layernorm.weight", (d,))
+        out[f"{o}.ln2.w"] = source.take(f"{t}.post_attention_layernorm.weight", (d,))
+        out[f"{o}.attn.qkv.weight"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.weight", s[p]) for p in "qkv"])
+        if cfg.qkv_bias:
+            out[f"{o}.attn.qkv.bias"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.bias", s[p][:1]) for p in "qkv"])
+        out[f"{o}.attn.out.weight"] = source.take(f"{t}.self_attn.o_proj.weight", s["o"])
+        if cfg.out_bias:
+            out[f"{o}.attn.out.bias"] = source.take(f"{t}.self_attn.o_proj.bias", (d,))
+        for ours, theirs in (("gate", "gate"), ("fc_in", "up"), ("fc_out", "down")):
+            out[f"{o}.mlp.{ours}.weight"] = source.take(f"{t}.mlp.{theirs}_proj.weight", s[theirs])
+            if cfg.mlp_bias:
+                out[f"{o}.mlp.{ours}.bias"] = source.take(f"{t}.mlp.{theirs}_proj.bias", s[theirs][:1])
+    head = source.take_optional("lm_head.weight")
+    if cfg.tied_embeddings:
+        out["unembed.weight"] = out["embed.W_E"]
+    elif head is None:
+        raise CheckpointError(f"checkpoint in {source.directory} is missing the tensor 'lm_head.weight' (tie_word_embeddings is false)")
+    else:
+        if tuple(head.shape) != (cfg.d_vocab, d):
+            raise CheckpointError(f"tensor 'lm_head.weight' in {source.directory} has shape {tuple(head.shape)}, but config.json implies {(cfg.d_vocab, d)}")
+        out["unembed.weight"] = head
+    return out
+
+
+def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    sizes = [cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head]
+    out = {"model.embed_tokens.weight": params["embed.W_E"], "model.norm.weight": params["ln_final.w"]}
+    for l in range(cfg.n_layers):
+        o, t = f"blocks.{l}", f"model.layers.{l}"
+        out[f"{t}.input_layernorm.weight"] = params[f"{o}.ln1.w"]
+        out[f"{t}.post_attention_layernorm.weight"] = params[f"{o}.ln2.w"]
+        for p, w in zip("qkv", params[f"{o}.attn.qkv.weight"].split(sizes)):
+            out[f"{t}.self_attn.{p}_proj.weight"] = w
+        if cfg.qkv_bias:
+            for p, b in zip("qkv", params[f"{o}.attn.qkv.bias"].split(sizes)):
+                out[f"{t}.self_attn.{p}_proj.bias"] = b
+        out[f"{t}.self_attn.o_proj.weight"] = params[f"{o}.attn.out.weight"]
+        if cfg.out_bias:
+            out[f"{t}.self_attn.o_proj.bias"] = params[f"{o}.attn.out.bias"]
+        for ours, theirs in (("gate", "gate"), ("fc_in", "up"), ("fc_out", "down")):
+            out[f"{t}.mlp.{theirs}_proj.weight"] = params[f"{o}.mlp.{ours}.weight"]
+            if cfg.mlp_bias:
+                out[f"{t}.mlp.{theirs}_proj.bias"] = params[f"{o}.mlp.{ours}.bias"]
+    if not cfg.tied_embeddings:
+        out["lm_head.weight"] = params["unembed.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+FAMILIES = {
+    family.model_type: family
+    for family in (
+        Family("gpt2", "GPT2LMHeadModel", ("transformer.",), gpt2_config, gpt2_config_to_hf,
+               _gpt_to_probe(_gpt2_names), _gpt_to_hf(_gpt2_names)),
+        Family("openai-gpt", "OpenAIGPTLMHeadModel", ("transformer.",), gpt1_config, gpt1_config_to_hf,
+               _gpt_to_probe(_gpt1_names), _gpt_to_hf(_gpt1_names)),
+        Family("llama", "LlamaForCausalLM", ("model.",), llama_config, llama_config_to_hf, llama_to_probe, llama_to_hf),
+        Family("qwen2", "Qwen2ForCausalLM", ("model.",), qwen2_config,
+               lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen2"), llama_to_probe, llama_to_hf),
+    )
+}
+
+
+def family_for_config(cfg: DecoderConfig) -> Family:
+    """The checkpoint format that can hold this model (for saving)."""
+    errors = []
+    for family in FAMILIES.values():
+        try:
+            family.config_to_hf(cfg, None)
+            return family
+        except ValueError as err:
+            errors.append(str(err))
+    raise ValueError("no Hugging Face checkpoint format holds this configuration: " + "; ".join(errors))

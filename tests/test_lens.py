@@ -1,0 +1,245 @@
+"""Logit lens and tuned lens, checked against `transformers`' hidden states on the same checkpoint."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from analyses.lens import (
+    TunedLens, compare_lenses, heldout_split, lens_sites, logit_lens, train_tuned_lens,
+)
+from probe import HELDOUT_TEXT
+
+ATOL = 1e-4
+
+
+def hf_states(hf, tokens):
+    """Hidden states the lens reads, straight from transformers: the embeddings, after every block,
+    after every attention sublayer, and the final residual before ln_f (HF's last hidden state is after it)."""
+    attn_out, final = {}, {}
+    handles = [block.attn.register_forward_hook(
+        lambda mod, args, out, l=l: attn_out.__setitem__(l, out[0])) for l, block in enumerate(hf.transformer.h)]
+    handles.append(hf.transformer.ln_f.register_forward_pre_hook(lambda mod, args: final.__setitem__("x", args[0])))
+    try:
+        with torch.no_grad():
+            out = hf(tokens, output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    posts = list(out.hidden_states[1:-1]) + [final["x"]]
+    mids = [out.hidden_states[l] + attn_out[l] for l in range(len(attn_out))]
+    return out.logits, out.hidden_states[0], mids, posts
+
+
+def hf_lens(hf, resid):
+    with torch.no_grad():
+        return hf.lm_head(hf.transformer.ln_f(resid))
+
+
+def test_logit_lens_matches_transformers(tiny_model, tiny_hf, tokens):
+    result = logit_lens(tiny_model, tokens, include_mid=True)
+    logits, embed, mids, posts = hf_states(tiny_hf, tokens)
+    expected = [embed]
+    for mid, post in zip(mids, posts):
+        expected += [mid, post]
+    assert result.sites == lens_sites(tiny_model.cfg.n_layers, include_mid=True)
+    assert result.logits.shape == (3, 1 + 2 * tiny_model.cfg.n_layers, tokens.shape[1], tiny_model.cfg.d_vocab)
+    for layer, resid in enumerate(expected[:-1]):
+        torch.testing.assert_close(result.logits[:, layer], hf_lens(tiny_hf, resid), atol=ATOL, rtol=0)
+    torch.testing.assert_close(result.logits[:, -1], logits, atol=ATOL, rtol=0)
+    assert torch.equal(result.logits[:, -1], tiny_model(tokens))  # the last row is the model's output itself
+
+
+def test_frozen_final_scale(tiny_model, tiny_hf, tokens):
+    result = logit_lens(tiny_model, tokens, norm="frozen")
+    _, embed, _, posts = hf_states(tiny_hf, tokens)
+    ln = tiny_hf.transformer.ln_f
+    final = posts[-1]
+    scale = (final.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()
+    for layer, resid in enumerate([embed] + posts[:-1]):
+        by_hand = ((resid - resid.mean(-1, keepdim=True)) / scale * ln.weight + ln.bias) @ tiny_hf.lm_head.weight.T
+        torch.testing.assert_close(result.logits[:, layer], by_hand, atol=ATOL, rtol=0)
+    recomputed = logit_lens(tiny_model, tokens)
+    assert not torch.allclose(recomputed.logits[:, 0], result.logits[:, 0], atol=1e-3)  # the option changes something
+
+
+def test_top_k_target_rank_and_kl_brute_force(tiny_model, tokens):
+    k = 4
+    result = logit_lens(tiny_model, tokens, k=k)
+    probs = result.logits.double().softmax(-1)
+    ranked = probs.argsort(-1, descending=True)
+    assert torch.equal(result.top_tokens, ranked[..., :k])
+    torch.testing.assert_close(result.top_probs.double(), probs.gather(-1, ranked[..., :k]), atol=1e-6, rtol=0)
+    # default target: the next input token, and the model's own prediction at the last position
+    target = torch.cat([tokens[:, 1:], tiny_model(tokens)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(result.target, target)
+    position_of_target = (ranked == target[:, None, :, None]).float().argmax(-1)
+    assert torch.equal(result.target_rank, position_of_target)
+    torch.testing.assert_close(result.target_prob.double(),
+                               probs.gather(-1, target[:, None, :, None].expand(-1, probs.shape[1], -1, 1))[..., 0],
+                               atol=1e-6, rtol=0)
+    final = probs[:, -1:].expand_as(probs)
+    kl = F.kl_div(probs.log(), final, reduction="none").sum(-1)  # KL(final || layer)
+    torch.testing.assert_close(result.kl.double(), kl, atol=1e-5, rtol=0)
+    assert float(result.kl[:, -1].abs().max()) == 0.0
+
+
+def test_fixed_target_and_frame(tiny_model, tokens):
+    result = logit_lens(tiny_model, tokens, target=7)
+    assert bool((result.target == 7).all())
+    frame = result.to_frame()
+    assert len(frame) == tokens.numel() * len(result.sites)
+    assert {"prompt", "layer", "site", "label", "position", "token", "top_token", "top_prob", "target",
+            "target_prob", "target_rank", "kl"} <= set(frame.columns)
+    row = frame[(frame.prompt == 2) & (frame.layer == 1) & (frame.position == 5)].iloc[0]
+    assert row.target_prob == pytest.approx(float(result.logits[2, 1, 5].float().softmax(-1)[7]), abs=1e-6)
+    assert len(result.to_frame(top_k=True)) == len(frame) * 5
+
+
+def test_padded_batch_matches_single_prompts(tiny_model):
+    prompts = ["To be, or not to be, that is the question", "The quick brown fox"]
+    batched = logit_lens(tiny_model, prompts)
+    for i, prompt in enumerate(prompts):
+        alone = logit_lens(tiny_model, prompt)
+        n = alone.tokens.shape[1]
+        torch.testing.assert_close(batched.logits[i, :, :n], alone.logits[0], atol=ATOL, rtol=0)
+        assert torch.equal(batched.target[i, :n], alone.target[0])
+    frame = batched.to_frame()
+    assert len(frame) == int(batched.mask.sum()) * len(batched.sites)  # padding is not an observation
+
+
+def test_figures_escape_tokens(tiny_model):
+    result = logit_lens(tiny_model, "<script>alert('x')</script> & <b>markup</b>")
+    heat = result.figure()
+    shown = list(heat.data[0].x) + [t for row in heat.data[0].text for t in row]
+    assert shown and not any("<" in s or ">" in s for s in shown)
+    assert any("&lt;" in s for s in heat.data[0].x)
+    assert list(heat.data[0].y) == result.labels
+    for fig in (result.figure(color="target_logprob"), result.figure("target"), result.figure("kl")):
+        assert "<script" not in (fig.layout.title.text or "")
+    with pytest.raises(ValueError, match="kind"):
+        result.figure("bogus")
+
+
+def test_bad_arguments(tiny_model, tokens):
+    with pytest.raises(ValueError, match="norm"):
+        logit_lens(tiny_model, tokens, norm="fixed")
+    with pytest.raises(ValueError, match="k="):
+        logit_lens(tiny_model, tokens, k=0)
+    with pytest.raises(ValueError, match="not one"):
+        logit_lens(tiny_model, tokens, target=" question mark")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        logit_lens(tiny_model, tokens, target=10**6)
+
+
+# ---- tuned lens -----------------------------------------------------------------------------------
+def test_tuned_lens_translates_by_hand(tiny_model, tiny_hf, tokens):
+    lens = TunedLens.for_model(tiny_model, include_mid=False)
+    identity = logit_lens(tiny_model, tokens, lens=lens)
+    torch.testing.assert_close(identity.logits, logit_lens(tiny_model, tokens).logits, atol=1e-5, rtol=0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        lens.A.copy_(0.1 * torch.randn(lens.A.shape, generator=gen))
+        lens.b.copy_(0.1 * torch.randn(lens.b.shape, generator=gen))
+    result = logit_lens(tiny_model, tokens, lens=lens)
+    _, embed, _, posts = hf_states(tiny_hf, tokens)
+    for layer, h in enumerate([embed] + posts[:-1]):
+        translated = h + h @ lens.A[layer] + lens.b[layer]
+        torch.testing.assert_close(result.logits[:, layer], hf_lens(tiny_hf, translated), atol=ATOL, rtol=0)
+    torch.testing.assert_close(result.logits[:, -1], tiny_model(tokens), atol=0, rtol=0)
+    assert result.lens_name == "tuned lens"
+    with pytest.raises(ValueError, match="include_mid=True"):
+        logit_lens(tiny_model, tokens, lens=lens, include_mid=True)
+
+
+def test_save_load_round_trip_never_overwrites(tiny_model, tmp_path):
+    lens = TunedLens.for_model(tiny_model, include_mid=True, training={"note": "test"})
+    with torch.no_grad():
+        lens.A.normal_()
+        lens.b.normal_()
+    path = lens.save(tmp_path / "tuned_lens")
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "translators.safetensors"]
+    config = json.loads((path / "config.json").read_text())
+    assert config["sites"] == list(lens.sites) and config["training"] == {"note": "test"}
+    loaded = TunedLens.load(path, tiny_model)
+    assert torch.equal(loaded.A, lens.A) and torch.equal(loaded.b, lens.b) and loaded.config == lens.config
+    before = (path / "translators.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        TunedLens.for_model(tiny_model).save(path)
+    assert (path / "translators.safetensors").read_bytes() == before
+    TunedLens.for_model(tiny_model).save(path, overwrite=True)
+    assert TunedLens.load(path).sites == tuple(lens_sites(tiny_model.cfg.n_layers)[:-1])
+    assert not list(tmp_path.glob(".tuned_lens.*"))  # no temporary directory left behind
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        TunedLens.load(tmp_path / "nowhere")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a tuned-lens config"):
+        TunedLens.load(path)
+
+
+def test_lens_refuses_another_checkpoint(tiny_model, tmp_path):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import TINY, build_hf_checkpoint
+    from probe import HookedDecoder
+
+    other = HookedDecoder.from_pretrained(build_hf_checkpoint(tmp_path / "other", seed=5, **TINY))
+    lens = TunedLens.for_model(other)
+    with pytest.raises(ValueError, match="different checkpoint"):
+        logit_lens(tiny_model, "To be", lens=lens)
+    deeper = HookedDecoder.from_pretrained(build_hf_checkpoint(tmp_path / "deeper", seed=5, **{**TINY, "n_layer": 3}))
+    with pytest.raises(ValueError, match="n_layers"):
+        logit_lens(tiny_model, "To be", lens=TunedLens.for_model(deeper))
+
+
+def test_training_lowers_kl_and_leaves_model_alone(tiny_model):
+    from tests.conftest import TOKENIZER_TEXT
+
+    params = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    text = " ".join(TOKENIZER_TEXT * 6)
+    lens = train_tuned_lens(tiny_model, text, steps=40, batch_tokens=256, lr=3e-3, seed=1, include_mid=True)
+    again = train_tuned_lens(tiny_model, text, steps=40, batch_tokens=256, lr=3e-3, seed=1, include_mid=True)
+    assert torch.equal(lens.A, again.A)  # a fixed seed reproduces the lens
+    assert all(torch.equal(p, params[n]) for n, p in tiny_model.named_parameters())
+    assert all(p.grad is None for p in tiny_model.parameters())
+    comparison = compare_lenses(tiny_model, lens, " ".join(reversed(TOKENIZER_TEXT)))
+    assert comparison.sites == lens_sites(tiny_model.cfg.n_layers, include_mid=True)
+    assert bool((comparison.tuned_kl[:-1] < comparison.logit_kl[:-1]).all())
+    assert float(comparison.logit_kl[-1]) == 0.0 == float(comparison.tuned_kl[-1])
+    # compare_lenses's logit-lens numbers are logit_lens's, averaged over the same (non-BOS) tokens
+    short = TOKENIZER_TEXT[1]
+    ids = torch.tensor([[tiny_model.tokenizer.bos_id] + tiny_model.tokenizer.encode(short)])
+    assert ids.shape[1] <= tiny_model.cfg.n_ctx
+    by_lens = logit_lens(tiny_model, ids, include_mid=True)
+    torch.testing.assert_close(compare_lenses(tiny_model, lens, short).logit_kl, by_lens.kl[0, :, 1:].mean(-1),
+                               atol=1e-5, rtol=1e-4)
+    frame = comparison.to_frame()
+    assert set(frame.lens) == {"logit lens", "tuned lens"} and len(frame) == 2 * len(comparison.sites)
+    comparison.figure()
+
+
+# ---- the bundled model ----------------------------------------------------------------------------
+def test_logit_lens_kl_falls_with_depth(bundled_model):
+    text = heldout_split()[1][:2000]
+    result = logit_lens(bundled_model, text)
+    kl = result.mean_kl()
+    depth = torch.arange(len(kl), dtype=kl.dtype)
+    slope = ((depth - depth.mean()) * (kl - kl.mean())).sum() / ((depth - depth.mean()) ** 2).sum()
+    assert float(slope) < 0
+    assert float(kl[0]) > float(kl[-2]) > 0.0
+
+
+@pytest.mark.slow
+def test_tuned_lens_beats_logit_lens_on_bundled_model(bundled_model, tmp_path):
+    assert HELDOUT_TEXT.is_file()
+    start = time.perf_counter()
+    lens = train_tuned_lens(bundled_model)  # the defaults: bundled held-out text, training part, seed 0
+    assert time.perf_counter() - start < 240  # the default training stays short on a CPU
+    comparison = compare_lenses(bundled_model, lens)  # the evaluation part, never trained on
+    assert bool((comparison.tuned_kl[:-1] < comparison.logit_kl[:-1]).all()), comparison.to_frame()
+    loaded = TunedLens.load(lens.save(tmp_path / "lens"), bundled_model)
+    torch.testing.assert_close(compare_lenses(bundled_model, loaded).tuned_kl, comparison.tuned_kl)

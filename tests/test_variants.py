@@ -1,0 +1,149 @@
+"""Decoder variants and the Llama, Qwen2 and GPT-1 checkpoint families, each against `transformers`."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from probe import DecoderConfig, HookedDecoder, NormPlacement, Positions
+
+
+def perturbed(model, seed=0):
+    """transformers initialises norms to 1 and biases to 0; random values make the comparison see them."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and name.endswith("weight"):
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("bias"):
+                param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def build(kind, directory, **overrides):
+    import transformers as tf
+
+    if kind == "llama":
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=40, tie_word_embeddings=False)
+        cfg = tf.LlamaConfig(**{**settings, **overrides})
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                             num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=40,
+                             tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **overrides)
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "gpt1":
+        cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
+        model = tf.OpenAIGPTLMHeadModel(cfg)
+    torch.manual_seed(0)
+    model = perturbed(model)
+    model.save_pretrained(directory)
+    reloaded = type(model).from_pretrained(directory, attn_implementation="eager").eval()
+    return reloaded
+
+
+CASES = {
+    "llama-gqa-untied": ("llama", {}),
+    "llama-mqa-biases": ("llama", {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True}),
+    "qwen2-qkv-bias-tied": ("qwen2", {}),
+    "gpt1-post-norm": ("gpt1", {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_family_matches_transformers(case, tmp_path):
+    kind, overrides = CASES[case]
+    hf = build(kind, tmp_path, **overrides)
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, ours.cfg.d_vocab, (2, ours.cfg.n_ctx), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens, output_hidden_states=True)
+        logits, cache = ours.run_with_cache(tokens, names=lambda n: n.endswith("hook_resid_pre"))
+        fast = ours(tokens)
+    torch.testing.assert_close(logits, expected.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(fast, expected.logits, atol=1e-4, rtol=0)
+    for layer in range(ours.cfg.n_layers):
+        torch.testing.assert_close(cache[f"blocks.{layer}.hook_resid_pre"], expected.hidden_states[layer], atol=1e-4, rtol=0)
+
+
+def test_llama_patterns_and_rotary_hooks(tmp_path):
+    hf = build("llama", tmp_path)
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert ours.cfg.positions is Positions.ROTARY and ours.cfg.n_kv_heads == 2
+    tokens = torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf(tokens, output_attentions=True)
+        _, cache = ours.run_with_cache(tokens)
+    for layer in range(2):
+        torch.testing.assert_close(cache[f"blocks.{layer}.attn.hook_pattern"], expected.attentions[layer], atol=1e-4, rtol=0)
+    # GQA: keys and values have n_kv_heads heads, queries and z have n_heads
+    assert cache["blocks.0.attn.hook_k"].shape[2] == 2 and cache["blocks.0.attn.hook_rot_k"].shape[2] == 2
+    assert cache["blocks.0.attn.hook_q"].shape[2] == 8 and cache["blocks.0.attn.hook_z"].shape[2] == 8
+    # position 0 is not rotated; later positions are
+    q, rot_q = cache["blocks.0.attn.hook_q"], cache["blocks.0.attn.hook_rot_q"]
+    torch.testing.assert_close(rot_q[:, 0], q[:, 0])
+    assert not torch.allclose(rot_q[:, 5], q[:, 5])
+    # a rotation keeps each pair's length: pairs are (i, i + d_head/2)
+    half = q.shape[-1] // 2
+    pair_norm = lambda x: x[..., :half] ** 2 + x[..., half:] ** 2  # noqa: E731
+    torch.testing.assert_close(pair_norm(rot_q), pair_norm(q), atol=1e-5, rtol=1e-5)
+    assert "hook_pos_embed" not in ours.hook_names
+
+
+def test_save_round_trip_for_each_family(tmp_path):
+    import transformers as tf
+
+    for kind in ("llama", "qwen2", "gpt1"):
+        src = tmp_path / kind
+        hf = build(kind, src)
+        ours = HookedDecoder.from_pretrained(src)
+        out = ours.save_pretrained(tmp_path / f"{kind}-saved")
+        again = type(hf).from_pretrained(out).eval()
+        tokens = torch.randint(0, ours.cfg.d_vocab, (1, 9), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_sinusoidal_positions_follow_the_formula():
+    cfg = DecoderConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=11, n_ctx=20, positions=Positions.SINUSOIDAL)
+    model = HookedDecoder(cfg)
+    _, cache = model.run_with_cache(torch.zeros(1, 20, dtype=torch.long), names="hook_pos_embed")
+    table = cache["hook_pos_embed"][0]
+    for pos in (0, 3, 19):
+        for i in range(8):
+            angle = pos / 10000 ** (2 * i / 16)
+            assert math.isclose(table[pos, 2 * i].item(), math.sin(angle), abs_tol=1e-5)
+            assert math.isclose(table[pos, 2 * i + 1].item(), math.cos(angle), abs_tol=1e-5)
+    assert not any(name.endswith("W_pos") for name, _ in model.named_parameters())
+
+
+def test_post_norm_block_normalises_the_sums():
+    cfg = DecoderConfig(n_layers=2, d_model=16, n_heads=2, d_vocab=11, n_ctx=8, norm_placement=NormPlacement.POST, final_norm=False)
+    model = HookedDecoder(cfg)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(torch.arange(8)[None])
+    norm = lambda x, ln: torch.nn.functional.layer_norm(x, (16,), ln.w, ln.b, cfg.eps)  # noqa: E731
+    for layer, block in enumerate(model.blocks):
+        c = lambda name: cache[f"blocks.{layer}.{name}"]  # noqa: E731
+        torch.testing.assert_close(c("hook_resid_mid"), norm(c("hook_resid_pre") + c("hook_attn_out"), block.ln1))
+        torch.testing.assert_close(c("hook_resid_post"), norm(c("hook_resid_mid") + c("hook_mlp_out"), block.ln2))
+    assert "ln_final.hook_scale" not in model.hook_names
+
+
+def test_gqa_config_errors():
+    with pytest.raises(ValueError, match="n_kv_heads=3"):
+        DecoderConfig(n_layers=1, d_model=16, n_heads=4, n_kv_heads=3, d_vocab=11, n_ctx=8)
+    with pytest.raises(ValueError, match="d_head must be even"):
+        DecoderConfig(n_layers=1, d_model=15, n_heads=5, d_vocab=11, n_ctx=8, positions="rotary")
+    with pytest.raises(ValueError, match="'rotary'"):
+        DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, positions="alibi")
+
+
+def test_unsupported_model_type_lists_the_supported(tmp_path):
+    from probe.loading import CheckpointError
+
+    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
+    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2"):
+        HookedDecoder.from_pretrained(tmp_path)
