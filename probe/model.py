@@ -206,9 +206,16 @@ class HookedDecoder(HookedRootModule):
         return self.tokenizer
 
     def to_tokens(
-        self, text: Union[str, Sequence[str]], prepend_bos: bool = True, return_attention_mask: bool = False
+        self,
+        text: Union[str, Sequence[str]],
+        prepend_bos: bool = True,
+        return_attention_mask: bool = False,
+        padding_side: str = "right",
     ):
-        """Token ids [batch pos] for a string or a list of strings (right-padded), on the model's device."""
+        """Token ids [batch pos] for a string or a list of strings, padded on `padding_side` ("right",
+        or "left" so that every prompt ends at the last position, as generation needs), on the model's device."""
+        if padding_side not in ("right", "left"):
+            raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
         tokenizer = self._require_tokenizer()
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or not all(isinstance(t, str) for t in texts):
@@ -221,8 +228,9 @@ class HookedDecoder(HookedRootModule):
         tokens = torch.full((len(ids), length), tokenizer.pad_id, dtype=torch.long)
         mask = torch.zeros((len(ids), length), dtype=torch.long)
         for i, row in enumerate(ids):
-            tokens[i, : len(row)] = torch.tensor(row)
-            mask[i, : len(row)] = 1
+            span = slice(0, len(row)) if padding_side == "right" else slice(length - len(row), length)
+            tokens[i, span] = torch.tensor(row)
+            mask[i, span] = 1
         tokens, mask = tokens.to(self.device), mask.to(self.device)
         return (tokens, mask) if return_attention_mask else tokens
 

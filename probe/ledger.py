@@ -1,0 +1,98 @@
+"""The parameter ledger: where a decoder's parameters, FLOPs and KV-cache bytes go, from its config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pandas as pd
+import torch
+
+from probe.config import DecoderConfig, Norm, Positions
+
+
+@dataclass(frozen=True)
+class Ledger:
+    cfg: DecoderConfig
+    n_ctx: int
+    dtype: torch.dtype
+    rows: list[dict]
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (component, layer): `component`, `layer` (None for whole-model parts), `group`, `params`."""
+        return pd.DataFrame(self.rows, columns=["component", "layer", "group", "params"])
+
+    @property
+    def total_params(self) -> int:
+        return sum(r["params"] for r in self.rows)
+
+    def group_params(self, group: str) -> int:
+        return sum(r["params"] for r in self.rows if r["group"] == group)
+
+    @property
+    def flops_per_token(self) -> int:
+        """Forward FLOPs for one token at context `n_ctx`: 2 per multiply-add in every matmul (the
+        unembedding included), plus attention's scores and weighted sum over n_ctx keys (the
+        convention of Kaplan et al. 2020, which ignores that a causal mask halves the average)."""
+        cfg = self.cfg
+        matmul_weights = sum(r["params"] for r in self.rows if r["component"].endswith("weight") and r["group"] != "embedding")
+        if cfg.tied_embeddings:  # the unembedding matmul happens even when its weights are the embedding's
+            matmul_weights += cfg.d_vocab * cfg.d_model
+        attention = 2 * 2 * cfg.n_layers * cfg.n_heads * cfg.d_head * self.n_ctx
+        return 2 * matmul_weights + attention
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.cfg
+        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def kv_bytes_per_sequence(self) -> int:
+        return self.kv_bytes_per_token * self.n_ctx
+
+    def summary(self) -> pd.DataFrame:
+        attention, mlp = self.group_params("attention"), self.group_params("mlp")
+        values = {
+            "parameters": self.total_params,
+            "attention parameters": attention,
+            "mlp parameters": mlp,
+            "mlp share of attention + mlp": mlp / (attention + mlp),
+            f"forward FLOPs per token at n_ctx={self.n_ctx}": self.flops_per_token,
+            f"KV-cache bytes per token ({self.dtype})": self.kv_bytes_per_token,
+            f"KV-cache bytes per sequence of {self.n_ctx}": self.kv_bytes_per_sequence,
+        }
+        return pd.DataFrame({"quantity": list(values), "value": pd.Series(list(values.values()), dtype=object)})
+
+
+def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype = torch.float32) -> Ledger:
+    d, m, h, kv, dh, v = cfg.d_model, cfg.d_mlp, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_vocab
+    rows: list[dict] = []
+
+    def add(component: str, group: str, params: int, layer: Optional[int] = None) -> None:
+        if params:
+            rows.append({"component": component, "layer": layer, "group": group, "params": params})
+
+    add("embed.weight", "embedding", v * d)
+    if cfg.positions is Positions.LEARNED:
+        add("pos_embed.weight", "embedding", cfg.n_ctx * d)
+    norm_params = d * (2 if cfg.norm is Norm.LAYER else 1)
+    for layer in range(cfg.n_layers):
+        add("ln1", "norm", norm_params, layer)
+        add("attn.q.weight", "attention", d * h * dh, layer)
+        add("attn.k.weight", "attention", d * kv * dh, layer)
+        add("attn.v.weight", "attention", d * kv * dh, layer)
+        add("attn.qkv.bias", "attention", (h + 2 * kv) * dh if cfg.qkv_bias else 0, layer)
+        add("attn.o.weight", "attention", h * dh * d, layer)
+        add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
+        add("ln2", "norm", norm_params, layer)
+        if cfg.gated_mlp:
+            add("mlp.gate.weight", "mlp", d * m, layer)
+            add("mlp.gate.bias", "mlp", m if cfg.mlp_bias else 0, layer)
+        add("mlp.in.weight", "mlp", d * m, layer)
+        add("mlp.in.bias", "mlp", m if cfg.mlp_bias else 0, layer)
+        add("mlp.out.weight", "mlp", m * d, layer)
+        add("mlp.out.bias", "mlp", d if cfg.mlp_bias else 0, layer)
+    if cfg.final_norm:
+        add("ln_final", "norm", norm_params)
+    if not cfg.tied_embeddings:  # tied: the embedding's row already counts these weights
+        add("unembed.weight", "unembedding", d * v)
+    return Ledger(cfg=cfg, n_ctx=n_ctx or cfg.n_ctx, dtype=dtype, rows=rows)

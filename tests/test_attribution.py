@@ -1,0 +1,186 @@
+"""Residual decomposition and direct logit attribution, checked against `transformers` and by hand."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from analyses.attribution import direct_logit_attribution, residual_decomposition
+
+ATOL = 1e-4
+
+
+def hf_run(hf, tokens):
+    """transformers' logits, every block's attention output, hidden states and the residual entering ln_f."""
+    attn_out, final = {}, {}
+    handles = [block.attn.register_forward_hook(
+        lambda mod, args, out, l=l: attn_out.__setitem__(l, out[0])) for l, block in enumerate(hf.transformer.h)]
+    handles.append(hf.transformer.ln_f.register_forward_pre_hook(lambda mod, args: final.__setitem__("x", args[0])))
+    try:
+        with torch.no_grad():
+            out = hf(tokens, output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    resid = list(out.hidden_states[:-1]) + [final["x"]]  # embeddings, after each block (HF's last is after ln_f)
+    return out.logits, [attn_out[l] for l in range(len(attn_out))], resid
+
+
+def test_components_sum_to_final_residual(tiny_model, tiny_hf, tokens):
+    result = residual_decomposition(tiny_model, tokens)
+    cfg = tiny_model.cfg
+    assert result.components.shape == (3, tokens.shape[1], 2 + cfg.n_layers * (cfg.n_heads + 2), cfg.d_model)
+    _, attn_out, resid = hf_run(tiny_hf, tokens)
+    torch.testing.assert_close(result.total(), resid[-1], atol=ATOL, rtol=0)
+    # every layer's heads plus its output bias are that layer's attention output
+    names = result.index.names
+    for layer in range(cfg.n_layers):
+        cols = [i for i, n in enumerate(names) if n.startswith(f"L{layer}H") or n == f"L{layer} attn bias"]
+        assert len(cols) == cfg.n_heads + 1
+        torch.testing.assert_close(result.components[:, :, cols].sum(2), attn_out[layer], atol=ATOL, rtol=0)
+    # the embedding rows are rows of the weight matrices
+    torch.testing.assert_close(result.components[:, :, 0], tiny_hf.transformer.wte.weight[tokens], atol=0, rtol=0)
+    torch.testing.assert_close(result.components[:, :, 1, :], tiny_hf.transformer.wpe.weight[: tokens.shape[1]].expand(3, -1, -1),
+                               atol=0, rtol=0)
+
+
+def test_accumulated_is_the_residual_after_each_layer(tiny_model, tiny_hf, tokens):
+    result = residual_decomposition(tiny_model, tokens)
+    _, attn_out, resid = hf_run(tiny_hf, tokens)
+    accumulated = result.accumulated()
+    assert accumulated.shape[1] == tiny_model.cfg.n_layers + 1
+    for layer, expected in enumerate(resid):
+        torch.testing.assert_close(accumulated[:, layer], expected, atol=ATOL, rtol=0)
+    with_mid = result.accumulated(include_mid=True)
+    for layer in range(tiny_model.cfg.n_layers):
+        torch.testing.assert_close(with_mid[:, 2 * layer + 1], resid[layer] + attn_out[layer], atol=ATOL, rtol=0)
+
+
+def test_decomposition_frame_and_figure(tiny_model):
+    result = residual_decomposition(tiny_model, ["To be, or not", "<b>markup</b> & the fox"])
+    frame = result.to_frame()
+    n_comp = len(result.index.names)
+    assert len(frame) == int(result.mask.sum()) * n_comp
+    assert {"prompt", "position", "token", "component", "kind", "layer", "head", "norm"} <= set(frame.columns)
+    assert frame[frame.kind != "head"]["head"].isna().all() and frame[frame.kind == "head"]["head"].notna().all()
+    row = frame[(frame.prompt == 1) & (frame.position == 2) & (frame.component == "L1H3")].iloc[0]
+    h3 = result.index.names.index("L1H3")
+    assert row.norm == pytest.approx(float(result.components[1, 2, h3].norm()), rel=1e-5)
+    fig = result.figure(prompt=1)
+    assert "<b>" not in fig.layout.title.text and list(fig.data[0].x) == result.index.names
+
+
+def test_dla_adds_up_to_the_logit_difference(tiny_model, tiny_hf, tokens):
+    answer, counterfactual = [5, 40, 100], 17
+    result = direct_logit_attribution(tiny_model, tokens, answer, counterfactual)
+    logits, _, _ = hf_run(tiny_hf, tokens)
+    expected = logits[torch.arange(3), -1, answer] - logits[:, -1, counterfactual]
+    torch.testing.assert_close(result.actual, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(result.total, expected, atol=ATOL, rtol=0)
+    frame = result.to_frame()
+    torch.testing.assert_close(torch.tensor(frame.groupby("prompt").contribution.sum().to_numpy()).double(), expected.double(),
+                               atol=ATOL, rtol=0)
+    plain = direct_logit_attribution(tiny_model, tokens, answer)
+    torch.testing.assert_close(plain.total, logits[torch.arange(3), -1, answer], atol=ATOL, rtol=0)
+
+
+def test_dla_rows_by_hand(tiny_model, tiny_hf, tokens):
+    """Each row is its component through the final norm with the actual scale frozen, dotted with the unembedding."""
+    position, answer, counterfactual = 6, 33, 90
+    result = direct_logit_attribution(tiny_model, tokens, answer, counterfactual, position=position)
+    _, attn_out, resid = hf_run(tiny_hf, tokens)
+    ln, W_U = tiny_hf.transformer.ln_f, tiny_hf.lm_head.weight
+    final = resid[-1][:, position]
+    scale = (final.var(-1, unbiased=False, keepdim=True) + ln.eps).sqrt()
+    direction = (W_U[answer] - W_U[counterfactual]) * ln.weight
+
+    def through_norm(x):
+        return ((x - x.mean(-1, keepdim=True)) / scale) @ direction
+
+    names = result.index.names
+    embed = tiny_hf.transformer.wte.weight[tokens[:, position]]
+    torch.testing.assert_close(result.contributions[:, names.index("embed")], through_norm(embed), atol=ATOL, rtol=0)
+    mlp0 = resid[1][:, position] - resid[0][:, position] - attn_out[0][:, position]
+    torch.testing.assert_close(result.contributions[:, names.index("L0 mlp")], through_norm(mlp0), atol=ATOL, rtol=0)
+    bias = tiny_hf.transformer.h[1].attn.c_proj.bias.expand(3, -1)
+    torch.testing.assert_close(result.contributions[:, names.index("L1 attn bias")], through_norm(bias), atol=ATOL, rtol=0)
+    torch.testing.assert_close(result.ln_bias, (ln.bias @ (W_U[answer] - W_U[counterfactual])).expand(3), atol=ATOL, rtol=0)
+    assert bool((result.unembed_bias == 0).all())  # GPT-2 has no unembedding bias
+    # the heads of a layer add up to its attention output (minus b_O), through the same linear map
+    heads = result.head_contributions()
+    torch.testing.assert_close(heads[:, 1].sum(-1) + result.contributions[:, names.index("L1 attn bias")],
+                               through_norm(attn_out[1][:, position]), atol=ATOL, rtol=0)
+    # the accumulated line: the residual after each sublayer, through the same frozen norm
+    sites = [resid[0]]
+    for layer in range(tiny_model.cfg.n_layers):
+        sites += [resid[layer] + attn_out[layer], resid[layer + 1]]
+    for i, r in enumerate(sites):
+        torch.testing.assert_close(result.accumulated[:, i], through_norm(r[:, position]) + result.ln_bias, atol=ATOL, rtol=0)
+
+
+def test_dla_padded_batch_uses_each_prompts_last_token(tiny_model, tiny_hf):
+    prompts = ["To be, or not to be, that is the question", "The quick brown fox"]
+    result = direct_logit_attribution(tiny_model, prompts, " the", " dog")
+    a, c = tiny_model.tokenizer.encode(" the"), tiny_model.tokenizer.encode(" dog")
+    assert len(a) == len(c) == 1
+    for i, prompt in enumerate(prompts):
+        ids = tiny_model.to_tokens(prompt)
+        logits, _, _ = hf_run(tiny_hf, ids)
+        expected = logits[0, -1, a[0]] - logits[0, -1, c[0]]
+        assert int(result.positions[i]) == ids.shape[1] - 1
+        assert float(result.total[i]) == pytest.approx(float(expected), abs=ATOL)
+    mean = result.to_frame(mean=True)
+    assert float(mean.contribution.sum()) == pytest.approx(float(result.actual.mean()), abs=ATOL)
+
+
+def test_answers_as_strings_or_ids_and_errors(tiny_model, tokens):
+    the = tiny_model.tokenizer.encode(" the")[0]
+    by_string = direct_logit_attribution(tiny_model, tokens, " the")
+    by_id = direct_logit_attribution(tiny_model, tokens, torch.tensor([the] * 3))
+    assert torch.equal(by_string.contributions, by_id.contributions)
+    with pytest.raises(ValueError, match="not one"):
+        direct_logit_attribution(tiny_model, tokens, " question mark")
+    with pytest.raises(ValueError, match="one per prompt"):
+        direct_logit_attribution(tiny_model, tokens, [1, 2])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        direct_logit_attribution(tiny_model, tokens, 10**6)
+    with pytest.raises(ValueError, match="past the end"):
+        direct_logit_attribution(tiny_model, tokens, 1, position=tokens.shape[1])
+
+
+def test_dla_frame_and_figures(tiny_model, tokens):
+    result = direct_logit_attribution(tiny_model, tokens, 5, 7)
+    frame = result.to_frame()
+    assert {"prompt", "component", "layer", "head", "contribution"} <= set(frame.columns)
+    assert frame[frame.kind != "head"]["head"].isna().all()
+    bar = result.figure("bar", top=5)
+    assert len(bar.data[0].y) == 5
+    top = result.to_frame(mean=True).contribution.abs().nlargest(5)
+    assert float(abs(bar.data[0].x[-1])) == pytest.approx(float(top.iloc[0]), rel=1e-5)  # the largest is on top
+    heads = result.figure("heads", prompt=1)
+    torch.testing.assert_close(torch.tensor(heads.data[0].z), result.head_contributions()[1].float())
+    line = result.figure("accumulated")
+    assert float(line.data[0].y[-1]) == pytest.approx(float(result.actual.mean()), abs=ATOL)
+
+
+def test_figure_titles_escape_answers(tiny_model):
+    answer = tiny_model.tokenizer.encode("<")
+    assert len(answer) == 1
+    fig = direct_logit_attribution(tiny_model, "To be", "<").figure()
+    assert "logit(&lt;)" in fig.layout.title.text
+
+
+def test_bundled_model_dla_adds_up(bundled_model):
+    result = direct_logit_attribution(bundled_model, ["ROMEO: What light through yonder", "KING: My lord, I"],
+                                      answer=5, counterfactual=9)
+    torch.testing.assert_close(result.total, result.actual, atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_matches_cpu(tiny_model, tokens):
+    import copy
+
+    model = copy.deepcopy(tiny_model).cuda()
+    on_gpu = direct_logit_attribution(model, tokens, 5, 7)
+    on_cpu = direct_logit_attribution(tiny_model, tokens, 5, 7)
+    torch.testing.assert_close(on_gpu.contributions.cpu(), on_cpu.contributions, atol=1e-3, rtol=0)
+    torch.testing.assert_close(on_gpu.total, on_gpu.actual, atol=1e-3, rtol=0)

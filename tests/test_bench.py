@@ -1,0 +1,135 @@
+"""scripts/bench.py: the workloads, the measurements and the files it writes (no timing assertions:
+these machines are shared and noisy, so only what does not depend on speed is checked)."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_workload_measures_its_cases_and_its_goal(bench, tiny_dir):
+    """Each registered workload builds, runs once, and its floor, ratio targets and goal checks all
+    name cases it really has (a renamed case would otherwise silently drop its ratio or verdict)."""
+    ctx = bench.Context(checkpoint=tiny_dir, small_checkpoint=tiny_dir, batch=2, seq=8, small_batch=1, small_seq=8,
+                        dtype="float32", device="cpu")
+    for key, spec in bench.WORKLOADS.items():
+        rows = bench.measure(spec.build(ctx), "cpu", repeats=1, min_run_s=0.0, log=lambda msg: None)
+        labels = [row["case"] for row in rows]
+        assert len(set(labels)) == len(labels), key
+        assert spec.floor in labels, key
+        bench.ratios(rows, spec.floor)
+        for row in rows:
+            assert row["ratio_to"] in labels, (key, row["case"])
+            assert (row["median_s"] is None) == (row["ratio"] is None), (key, row["case"])
+        floor = next(row for row in rows if row["case"] == spec.floor)
+        assert floor["ratio"] == 1.0
+        verdicts = spec.check({row["case"]: row for row in rows})
+        assert verdicts and all(v["ratio"] is not None and v["met"] in (True, False) for v in verdicts), key
+
+
+def test_cache_bytes_match_a_count_from_the_shapes(bench, tiny_model, tokens):
+    """The cache's memory, counted by hand from the config: each layer's activations, with the
+    residual leaving block l and entering block l + 1 held once (it is the same tensor)."""
+    cfg = tiny_model.cfg
+    b, p = tokens.shape
+    d, h, m, n = cfg.d_model, cfg.n_heads, cfg.d_mlp, cfg.n_layers
+    per_layer = (
+        5 * b * p * d  # resid_pre, attn_out, resid_mid, mlp_out, resid_post
+        + 2 * (b * p + b * p * d)  # ln1 and ln2: scale, normalized
+        + 4 * b * p * d  # q, k, v, z
+        + 2 * b * h * p * p  # attn_scores, pattern
+        + 2 * b * p * m  # mlp pre, post
+    )
+    outside = 2 * b * p * d + b * p + b * p * d  # hook_embed, hook_pos_embed; ln_final scale, normalized
+    elements = n * per_layer + outside - (n - 1) * b * p * d
+    with torch.no_grad():
+        held, entries = bench.cache_stats(tiny_model.run_with_cache(tokens))
+    assert entries == n * 17 + 4
+    assert held == 4 * elements
+
+
+def test_unique_storage_bytes_counts_views_once(bench):
+    a = torch.zeros(10)
+    b = torch.zeros(3, dtype=torch.float64)
+    assert bench.unique_storage_bytes([a, a[:5], a.view(2, 5), b, b.detach()]) == 10 * 4 + 3 * 8
+
+
+def test_peak_extra_bytes_sees_an_allocation(bench):
+    size = 64 * 2**20
+    peak, out = bench.peak_extra_bytes(lambda: torch.ones(size // 4), "cpu")
+    assert out.numel() * 4 == size
+    assert size <= peak < size + 16 * 2**20
+
+
+def test_ratios_divide_by_the_named_case(bench):
+    rows = [
+        dict(case="floor", median_s=2.0, ratio_to=None),
+        dict(case="ours", median_s=3.0, ratio_to=None),
+        dict(case="ours, cached", median_s=4.5, ratio_to="ours"),
+        dict(case="baseline", median_s=None, ratio_to=None),
+    ]
+    bench.ratios(rows, "floor")
+    assert [row["ratio"] for row in rows] == [1.0, 1.5, 1.5, None]
+    assert [row["ratio_to"] for row in rows] == ["floor", "floor", "ours", "floor"]
+
+
+def test_results_are_never_overwritten_silently(bench, tmp_path):
+    target = tmp_path / "bench.json"
+    target.write_text("earlier results")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        bench.check_out_dir(tmp_path, overwrite=False)
+    with pytest.raises(FileExistsError):
+        bench._write_atomic(target, "new", overwrite=False)
+    assert target.read_text() == "earlier results"
+    bench._write_atomic(target, "new", overwrite=True)
+    assert target.read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["bench.json"]  # no temporary file left behind
+
+
+def test_unknown_workload_is_named(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", str(tmp_path), "--workloads", "forwrad"])
+    assert "unknown workload 'forwrad'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_workload(bench, tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    results = json.loads((out / "bench.json").read_text())
+    assert {row["workload"] for row in results["rows"]} == set(bench.WORKLOADS)
+    assert {goal["workload"] for goal in results["goals"]} == set(bench.WORKLOADS)
+    assert results["failures"] == []
+    assert {"torch", "transformers", "transformer-lens"} <= set(results["versions"])
+    assert results["settings"]["dtype"] == "float32" and results["settings"]["batch"] == 2
+    with open(out / "bench.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == bench.CSV_COLUMNS
+        csv_rows = list(reader)
+    assert [(r["workload"], r["case"]) for r in csv_rows] == [(r["workload"], r["case"]) for r in results["rows"]]
+    assert "| goal |" in (out / "bench.md").read_text()
+
+    before = (out / "bench.json").read_text()
+    again = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "--overwrite" in again.stderr
+    assert (out / "bench.json").read_text() == before

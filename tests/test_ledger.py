@@ -1,0 +1,44 @@
+"""The parameter ledger against published counts and the model's own parameters."""
+import pytest
+import torch
+
+from probe import DecoderConfig, HookedDecoder
+from probe.ledger import ledger
+
+GPT2_SMALL = DecoderConfig(n_layers=12, d_model=768, n_heads=12, d_vocab=50257, n_ctx=1024)
+
+
+def test_gpt2_small_has_124439808_parameters():
+    assert ledger(GPT2_SMALL).total_params == 124_439_808
+
+
+def test_one_bias_free_block_attention_and_mlp_counts():
+    cfg = DecoderConfig(n_layers=1, d_model=512, n_heads=8, d_vocab=10, n_ctx=8, qkv_bias=False, out_bias=False, mlp_bias=False)
+    book = ledger(cfg)
+    assert book.group_params("attention") == 1_048_576
+    assert book.group_params("mlp") == 2_097_152
+    assert book.group_params("mlp") / (book.group_params("attention") + book.group_params("mlp")) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"tied_embeddings": False}, {"n_kv_heads": 2, "positions": "rotary", "norm": "rms", "gated_mlp": True,
+                                     "activation": "silu", "qkv_bias": False, "out_bias": False, "mlp_bias": False},
+    {"positions": "sinusoidal", "norm_placement": "post", "final_norm": False},
+])
+def test_ledger_total_equals_the_models_unique_parameters(overrides):
+    cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)
+    with torch.device("meta"):
+        model = HookedDecoder(cfg)
+    assert ledger(cfg).total_params == sum(p.numel() for p in model.parameters())  # parameters() counts tied ones once
+
+
+def test_kv_bytes_and_flops():
+    book = ledger(GPT2_SMALL, n_ctx=1024, dtype=torch.bfloat16)
+    assert book.kv_bytes_per_token == 2 * 12 * 768 * 2  # keys and values, every layer, 2 bytes each
+    assert book.kv_bytes_per_sequence == 1024 * book.kv_bytes_per_token
+    # 2 FLOPs per weight in the non-embedding matmuls plus the unembedding, plus attention over 1024 keys
+    non_embedding = 12 * (4 * 768 * 768 + 2 * 768 * 3072)
+    assert book.flops_per_token == 2 * (non_embedding + 50257 * 768) + 4 * 12 * 768 * 1024
+    frame = book.to_frame()
+    assert frame["params"].sum() == book.total_params and set(frame.columns) == {"component", "layer", "group", "params"}
+    assert HookedDecoder(DecoderConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=5, n_ctx=4)).ledger().total_params > 0

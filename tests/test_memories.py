@@ -1,0 +1,332 @@
+"""FFN key-value memories: value tokens, lookups and corpus triggers against independent oracles.
+
+The oracles are `transformers`' GPT2LMHeadModel on the same checkpoint (forward hooks on its MLP
+activation and output) and its raw weights, and a brute-force scan that keeps every activation.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from analyses import agreement, iter_documents, memory_lookup, memory_report, merge, sub_updates, top_triggers, value_tokens
+from analyses.memories import TopTriggers
+
+REPO = Path(__file__).resolve().parents[1]
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 3,  # longer than n_ctx: 3+ windows
+    "To be, or not to be, that is the question.",
+    "<script>alert('x')</script> & other <b>markup</b> should stay text.",
+    "When in the course of human events it becomes necessary for one people to dissolve the bands "
+    "which have connected them with another.",
+    "Numbers 0123456789 and punctuation !?.,;:'\"()[]{} appear too.",
+]
+
+
+# ---- oracles -------------------------------------------------------------------------------------
+def hf_mlp_activations(hf, ids: list[int], layers):
+    """transformers' MLP coefficients act(c_fc x) [pos d_mlp] and MLP outputs [pos d_model] per layer."""
+    acts, outs, final_in = {}, {}, {}
+    handles = []
+    for l in layers:
+        mlp = hf.transformer.h[l].mlp
+        handles.append(mlp.act.register_forward_hook(lambda m, i, o, l=l: acts.__setitem__(l, o[0].detach())))
+        handles.append(mlp.register_forward_hook(lambda m, i, o, l=l: outs.__setitem__(l, o[0].detach())))
+    handles.append(hf.transformer.ln_f.register_forward_pre_hook(lambda m, i: final_in.__setitem__(0, i[0][0].detach())))
+    try:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return acts, outs, final_in[0], logits
+
+
+def brute_force_triggers(hf, tokenizer, docs, layers, neurons, k, window, context):
+    """Every activation of every window (each run alone, unpadded), sorted by (-value, doc, pos)."""
+    per_window = window - 1
+    found = {(l, n): [] for l in layers for n in neurons}
+    for d, text in enumerate(docs):
+        ids = tokenizer.encode(text)
+        for start in range(0, len(ids), per_window):
+            chunk = ids[start:start + per_window]
+            acts, _, _, _ = hf_mlp_activations(hf, [tokenizer.bos_id] + chunk, layers)
+            for l in layers:
+                for n in neurons:
+                    for p in range(len(chunk)):
+                        pos = start + p
+                        ctx = ids[max(start, pos - context + 1):pos + 1]
+                        nxt = ids[pos + 1] if pos + 1 < len(ids) else -1
+                        found[(l, n)].append((float(acts[l][p + 1, n]), d, pos, ctx, nxt))
+    return {key: sorted(v, key=lambda e: (-e[0], e[1], e[2]))[:k] for key, v in found.items()}
+
+
+# ---- value_tokens --------------------------------------------------------------------------------
+@pytest.mark.parametrize("through_final_norm", [False, True])
+def test_value_tokens_equal_topk_of_values_times_unembedding(tiny_model, tiny_hf, through_final_norm):
+    layer, neurons, k = 1, [0, 5, 17, 255], 6
+    values = tiny_hf.transformer.h[layer].mlp.c_proj.weight.detach()  # Conv1D [d_mlp d_model]: row i is v_i
+    if through_final_norm:
+        values = (values - values.mean(-1, keepdim=True)) * tiny_hf.transformer.ln_f.weight.detach()
+    logits = values[neurons] @ tiny_hf.lm_head.weight.detach().T  # [neuron vocab]
+    result = value_tokens(tiny_model, layer, neurons, k, through_final_norm=through_final_norm)
+    top, bottom = logits.topk(k, dim=-1), logits.topk(k, dim=-1, largest=False)
+    assert torch.equal(result.top_ids, top.indices)
+    assert torch.equal(result.bottom_ids, bottom.indices)
+    torch.testing.assert_close(result.top_logits, top.values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(result.bottom_logits, bottom.values, rtol=1e-5, atol=1e-5)
+    frame = result.to_frame()
+    assert len(frame) == len(neurons) * k * 2
+    row = frame[(frame.neuron == 17) & (frame.direction == "promoted") & (frame["rank"] == 0)].iloc[0]
+    assert row.token_id == int(top.indices[2, 0])
+    assert row.token == tiny_model.tokenizer.token_strings([row.token_id])[0]
+
+
+def test_value_tokens_all_neurons_and_bad_arguments(tiny_model, tiny_hf):
+    values = tiny_hf.transformer.h[0].mlp.c_proj.weight.detach()
+    expected = (values @ tiny_hf.lm_head.weight.detach().T).argmax(-1)
+    assert torch.equal(value_tokens(tiny_model, 0, k=1).top_ids[:, 0], expected)
+    with pytest.raises(ValueError, match="layer 7"):
+        value_tokens(tiny_model, 7)
+    with pytest.raises(ValueError, match="neuron 256"):
+        value_tokens(tiny_model, 0, [256])
+
+
+# ---- memory_lookup -------------------------------------------------------------------------------
+def test_memory_lookup_coefficients_sub_updates_and_ranking(tiny_model, tiny_hf):
+    text = "To be, or not to be, that is the question"
+    ids = tiny_model.to_tokens(text)[0].tolist()
+    position, k = 6, 7
+    acts, outs, final_in, hf_logits = hf_mlp_activations(tiny_hf, ids, [0, 1])
+    result = memory_lookup(tiny_model, text, position, k=k)
+    assert result.layers == [0, 1]
+    for li, layer in enumerate(result.layers):
+        mlp = tiny_hf.transformer.h[layer].mlp
+        torch.testing.assert_close(result.coefficients[li], acts[layer][position], rtol=1e-5, atol=1e-5)
+        # the sum of every sub-update m_i v_i plus the output bias is the MLP's output
+        total = sub_updates(tiny_model, layer, result.coefficients[li]).sum(0) + mlp.c_proj.bias.detach()
+        torch.testing.assert_close(total, outs[layer][position], rtol=1e-4, atol=1e-5)
+        sizes = acts[layer][position].abs() * mlp.c_proj.weight.detach().norm(dim=-1)
+        expected = sizes.topk(k)
+        assert torch.equal(result.neurons[li], expected.indices)
+        torch.testing.assert_close(result.sizes[li], expected.values, rtol=1e-5, atol=1e-6)
+    # the direct effect on the predicted token's logit, through the final norm at this position's scale
+    predicted = int(hf_logits[position].argmax())
+    assert result.predicted_token == predicted
+    scale = (final_in[position].var(unbiased=False) + tiny_hf.config.layer_norm_epsilon).sqrt()
+    w_f, unembed = tiny_hf.transformer.ln_f.weight.detach(), tiny_hf.lm_head.weight.detach()[predicted]
+    values = tiny_hf.transformer.h[1].mlp.c_proj.weight.detach()[result.neurons[1]]
+    effect = acts[1][position, result.neurons[1]] * ((values - values.mean(-1, keepdim=True)) * w_f @ unembed) / scale
+    torch.testing.assert_close(result.prediction_effect[1], effect, rtol=1e-4, atol=1e-6)
+    frame = result.to_frame()
+    assert list(frame.columns[:3]) == ["layer", "rank", "neuron"] and len(frame) == 2 * k
+    assert (frame.pushes_prediction == (frame.prediction_effect > 0)).all()
+    fig = result.figure()
+    assert len(fig.data) == 2
+
+
+def test_memory_lookup_one_layer_and_errors(tiny_model):
+    result = memory_lookup(tiny_model, "the dog sleeps", -1, layer=1, k=3)
+    assert result.layers == [1] and result.neurons.shape == (1, 3)
+    with pytest.raises(ValueError, match="one prompt"):
+        memory_lookup(tiny_model, ["a b", "c d"])
+    with pytest.raises(ValueError, match="position 99"):
+        memory_lookup(tiny_model, "the dog", 99)
+
+
+# ---- top_triggers --------------------------------------------------------------------------------
+def _check_against_brute_force(result, expected, layers, neurons, context):
+    for li, layer in enumerate(layers):
+        for ni, neuron in enumerate(neurons):
+            rows = expected[(layer, neuron)]
+            got_docs = result.docs[li, ni].tolist()
+            got_pos = result.positions[li, ni].tolist()
+            assert list(zip(got_docs, got_pos)) == [(e[1], e[2]) for e in rows], (layer, neuron)
+            torch.testing.assert_close(result.activations[li, ni], torch.tensor([e[0] for e in rows]),
+                                       rtol=1e-5, atol=1e-5)
+            assert result.next_tokens[li, ni].tolist() == [e[4] for e in rows]
+            for r, e in enumerate(rows):
+                ctx = result.contexts[li, ni, r].tolist()
+                assert ctx == [-1] * (context - len(e[3])) + e[3]
+
+
+def test_top_triggers_equal_brute_force(tiny_model, tiny_hf):
+    layers, neurons, k, context = [0, 1], [3, 40, 200], 5, 6
+    result = top_triggers(tiny_model, CORPUS, layers, neurons, k=k, batch_size=2, context=context, progress=False)
+    expected = brute_force_triggers(tiny_hf, tiny_model.tokenizer, CORPUS, layers, neurons, k,
+                                    tiny_model.cfg.n_ctx, context)
+    _check_against_brute_force(result, expected, layers, neurons, context)
+    n_tokens = sum(len(tiny_model.tokenizer.encode(t)) for t in CORPUS)
+    assert result.complete and result.n_tokens == n_tokens and result.n_docs == len(CORPUS)
+    # a corpus with fewer positions than k leaves empty slots, marked and ordered last
+    short = top_triggers(tiny_model, ["to be"], 1, [3], k=5, progress=False)
+    n_short = len(tiny_model.tokenizer.encode("to be"))
+    assert short.docs[0, 0].tolist() == [0] * n_short + [-1] * (5 - n_short)
+    assert torch.isinf(short.activations[0, 0, n_short:]).all()
+
+
+def test_top_triggers_is_independent_of_batching(tiny_model):
+    base = top_triggers(tiny_model, CORPUS, [1], k=4, batch_size=1, progress=False)
+    other = top_triggers(tiny_model, CORPUS, [1], k=4, batch_size=5, progress=False)
+    assert torch.equal(base.docs, other.docs) and torch.equal(base.positions, other.positions)
+    torch.testing.assert_close(base.activations, other.activations, rtol=1e-5, atol=1e-6)
+
+
+def test_top_triggers_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path):
+    def interrupted(n):
+        for i, text in enumerate(CORPUS):
+            if i == n:
+                raise KeyboardInterrupt
+            yield text
+
+    full = top_triggers(tiny_model, CORPUS, None, [0, 9, 100], k=4, batch_size=2, progress=False)
+    partial = top_triggers(tiny_model, interrupted(3), None, [0, 9, 100], k=4, batch_size=2, progress=False,
+                           save_path=tmp_path / "partial.safetensors")
+    assert not partial.complete and partial.n_tokens < full.n_tokens
+    loaded = TopTriggers.load(tmp_path / "partial.safetensors")  # the partial result was written
+    assert torch.equal(loaded.activations, partial.activations) and loaded.n_docs == partial.n_docs
+    resumed = top_triggers(tiny_model, CORPUS, None, [0, 9, 100], k=4, batch_size=2, progress=False, resume=loaded)
+    assert resumed.complete and resumed.n_tokens == full.n_tokens
+    for name in ("activations", "docs", "positions", "contexts", "next_tokens"):
+        assert torch.equal(getattr(resumed, name), getattr(full, name)), name
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        full.save(tmp_path / "partial.safetensors")
+
+
+def test_merge_of_shards_equals_one_scan(tiny_model):
+    args = dict(layers=[0, 1], neurons=[1, 2, 3], k=6, batch_size=2, progress=False)
+    whole = top_triggers(tiny_model, CORPUS, **args)
+    shards = [top_triggers(tiny_model, CORPUS, shard=(rank, 3), **args) for rank in range(3)]
+    assert {d for s in shards for d in s.docs.unique().tolist()} - {-1} <= set(range(len(CORPUS)))
+    assert all(set(s.docs.unique().tolist()) - {-1} <= set(range(r, len(CORPUS), 3)) for r, s in enumerate(shards))
+    merged = merge(shards[::-1])  # any order
+    for name in ("docs", "positions", "contexts", "next_tokens"):
+        assert torch.equal(getattr(merged, name), getattr(whole, name)), name
+    torch.testing.assert_close(merged.activations, whole.activations, rtol=1e-5, atol=1e-6)
+    assert merged.n_tokens == whole.n_tokens
+    with pytest.raises(ValueError, match="same layers"):
+        merge([whole, top_triggers(tiny_model, CORPUS, [1], [1, 2, 3], k=6, progress=False)])
+
+
+def test_corpus_sources_and_errors(tiny_model, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, text in enumerate(CORPUS[:3]):
+        (folder / f"{i}.txt").write_text(text, encoding="utf-8")
+    from_folder = top_triggers(tiny_model, folder, 1, [7], k=3, progress=False)
+    from_list = top_triggers(tiny_model, CORPUS[:3], 1, [7], k=3, progress=False)
+    from_iter = top_triggers(tiny_model, (t for t in CORPUS[:3]), 1, [7], k=3, progress=False)
+    from_rows = top_triggers(tiny_model, [{"text": t} for t in CORPUS[:3]], 1, [7], k=3, progress=False)
+    for other in (from_list, from_iter, from_rows):
+        assert torch.equal(from_folder.docs, other.docs) and torch.equal(from_folder.positions, other.positions)
+    assert set(from_folder.doc_names.values()) <= {"0.txt", "1.txt", "2.txt"} and from_folder.doc_names
+    assert [name for name, _ in iter_documents(folder / "1.txt")] == ["1.txt"]
+
+    (tmp_path / "binary.txt").write_bytes(b"\x00\x01\x02abc")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "nothing").mkdir()
+    for path, match in (("binary.txt", "binary.txt looks binary"), ("latin1.txt", "latin1.txt is not UTF-8"),
+                        ("empty.txt", "empty.txt is empty"), ("nothing", "holds no .txt files")):
+        with pytest.raises(ValueError, match=match):
+            top_triggers(tiny_model, tmp_path / path, progress=False)
+    with pytest.raises(FileNotFoundError, match=r"pass it in a list: \[text\]"):
+        top_triggers(tiny_model, "no such corpus", progress=False)
+    with pytest.raises(TypeError, match="document 1 is a int"):
+        top_triggers(tiny_model, ["fine", 3], progress=False)
+    with pytest.raises(ValueError, match="document 0 is an empty string"):
+        top_triggers(tiny_model, [""], progress=False)
+
+
+# ---- agreement and report ------------------------------------------------------------------------
+def test_agreement_counts_top_value_token_equal_next_token(tiny_model, tiny_hf):
+    triggers = top_triggers(tiny_model, CORPUS, None, list(range(0, 256, 5)), k=8, progress=False)
+    result = agreement(tiny_model, triggers)
+    unembed = tiny_hf.lm_head.weight.detach()
+    for li, layer in enumerate(triggers.layers):
+        top = (tiny_hf.transformer.h[layer].mlp.c_proj.weight.detach() @ unembed.T).argmax(-1)
+        matches = examples = baseline = 0
+        neurons = triggers.neurons.tolist()
+        for ni, neuron in enumerate(neurons):
+            for r in range(triggers.k):
+                nxt = int(triggers.next_tokens[li, ni, r])
+                if nxt < 0 or int(triggers.docs[li, ni, r]) < 0:
+                    continue
+                examples += 1
+                matches += nxt == int(top[neuron])
+                baseline += nxt == int(top[neurons[ni - 1]])
+        assert (int(result.matches[li]), int(result.examples[li]), int(result.baseline_matches[li])) == \
+            (matches, examples, baseline)
+    frame = result.to_frame()
+    assert frame.agreement.tolist() == pytest.approx((result.matches / result.examples).tolist())
+    assert len(result.figure().data) == 2
+
+
+def test_report_escapes_text_and_highlights_trigger(tiny_model, tmp_path):
+    triggers = top_triggers(tiny_model, CORPUS, [1], [3, 40], k=40, context=12, progress=False)
+    path = tmp_path / "memories.html"
+    page = memory_report(tiny_model, triggers, path, n_examples=40)
+    assert path.read_text(encoding="utf-8") == page
+    assert "<script" not in page and "<b>" not in page  # corpus markup arrives as text
+    assert "&lt;" in page and page.count("<mark>") == 80
+    assert 'id="L1N3"' in page and 'id="L1N40"' in page
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        memory_report(tiny_model, triggers, path)
+    fig = triggers.figure(tiny_model, 1, 3)
+    hover = " ".join(fig.data[0].hovertext) + " ".join(fig.data[0].x)
+    assert "<script" not in hover and "<b>" not in hover
+    frame = triggers.to_frame(tiny_model)
+    assert len(frame) == 2 * 40 and {"prefix", "trigger_token", "next_token"} <= set(frame.columns)
+
+
+# ---- distributed ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_torchrun_two_ranks_equal_one_process(tiny_model, tiny_dir, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, text in enumerate(CORPUS):
+        (folder / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "merged.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "analyses.memories", "--model", str(tiny_dir), "--corpus", str(folder),
+           "--neurons", "0", "3", "40", "200", "-k", "6", "--batch-size", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = TopTriggers.load(out)
+    single = top_triggers(tiny_model, folder, None, [0, 3, 40, 200], k=6, batch_size=2, progress=False)
+    for name in ("docs", "positions", "contexts", "next_tokens"):
+        assert torch.equal(getattr(merged, name), getattr(single, name)), name
+    torch.testing.assert_close(merged.activations, single.activations, rtol=0, atol=0)
+    assert merged.n_tokens == single.n_tokens and merged.n_docs == single.n_docs
+    assert merged.doc_names == single.doc_names
+
+
+# ---- bundled model -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_bundled_model_triggers_and_lookup(bundled_model):
+    from transformers import GPT2LMHeadModel
+
+    from probe import DEFAULT_MODEL, HELDOUT_TEXT
+
+    hf = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL, attn_implementation="eager").eval()
+    n_layers = bundled_model.cfg.n_layers
+    triggers = top_triggers(bundled_model, None, None, [0, 1, 2], k=3, batch_size=4, progress=False)
+    assert triggers.complete and triggers.n_tokens == len(bundled_model.tokenizer.encode(HELDOUT_TEXT.read_text()))
+    # the top trigger of each neuron, recomputed by transformers on its window alone
+    ids = bundled_model.tokenizer.encode(HELDOUT_TEXT.read_text())
+    per_window = bundled_model.cfg.n_ctx - 1
+    for li in range(n_layers):
+        for ni, neuron in enumerate([0, 1, 2]):
+            pos = int(triggers.positions[li, ni, 0])
+            start = pos - pos % per_window
+            acts, _, _, _ = hf_mlp_activations(hf, [bundled_model.tokenizer.bos_id] + ids[start:start + per_window], [li])
+            assert float(acts[li][pos - start + 1, neuron]) == pytest.approx(float(triggers.activations[li, ni, 0]), abs=1e-4)
+            assert float(acts[li][1:, neuron].max()) <= float(triggers.activations[li, ni, 0]) + 1e-4
+    lookup = memory_lookup(bundled_model, "ROMEO:\nBut soft, what light through yonder window", -1, k=5)
+    assert lookup.neurons.shape == (n_layers, 5)
