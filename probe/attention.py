@@ -15,12 +15,12 @@ from probe.kv_cache import LayerKV
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.layer_heads(layer), cfg.layer_kv_heads(layer), cfg.d_head
         # q of every head, then k and v of every key/value head, in one matmul
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
-        self.out = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
+        self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
+        self.out = nn.Linear(self.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
         self.scale = cfg.d_head**-0.5
         self.hook_q = HookPoint()  # [batch pos head d_head]
         self.hook_k = HookPoint()  # [batch pos kv_head d_head]
@@ -44,9 +44,9 @@ class Attention(nn.Module):
         """x [batch pos d_model]; positions [batch pos]; `allowed` [batch 1 query_pos key_pos] says which
         keys each query may see (None: plain causal); `past` holds earlier passes' keys and values."""
         q, k, v = self.qkv(x).split([self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head], dim=-1)
-        q = self.hook_q(rearrange(q, "batch pos (head d_head) -> batch pos head d_head", head=self.n_heads))
-        k = self.hook_k(rearrange(k, "batch pos (head d_head) -> batch pos head d_head", head=self.n_kv_heads))
-        v = self.hook_v(rearrange(v, "batch pos (head d_head) -> batch pos head d_head", head=self.n_kv_heads))
+        q = self.hook_q(rearrange(q, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
+        k = self.hook_k(rearrange(k, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
+        v = self.hook_v(rearrange(v, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
         if self.rotary is not None:
             q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))
         if past is not None:
@@ -85,19 +85,19 @@ class Attention(nn.Module):
 
     @property
     def W_Q(self) -> torch.Tensor:  # [head d_model d_head]
-        return rearrange(self._split_qkv_weight()[0], "(head d_head) d_model -> head d_model d_head", head=self.n_heads)
+        return rearrange(self._split_qkv_weight()[0], "(head d_head) d_model -> head d_model d_head", d_head=self.d_head)
 
     @property
     def W_K(self) -> torch.Tensor:  # [kv_head d_model d_head]
-        return rearrange(self._split_qkv_weight()[1], "(head d_head) d_model -> head d_model d_head", head=self.n_kv_heads)
+        return rearrange(self._split_qkv_weight()[1], "(head d_head) d_model -> head d_model d_head", d_head=self.d_head)
 
     @property
     def W_V(self) -> torch.Tensor:  # [kv_head d_model d_head]
-        return rearrange(self._split_qkv_weight()[2], "(head d_head) d_model -> head d_model d_head", head=self.n_kv_heads)
+        return rearrange(self._split_qkv_weight()[2], "(head d_head) d_model -> head d_model d_head", d_head=self.d_head)
 
     @property
     def W_O(self) -> torch.Tensor:  # [head d_head d_model]
-        return rearrange(self.out.weight, "d_model (head d_head) -> head d_head d_model", head=self.n_heads)
+        return rearrange(self.out.weight, "d_model (head d_head) -> head d_head d_model", d_head=self.d_head)
 
     @property
     def b_O(self) -> Optional[torch.Tensor]:  # [d_model], None without an output bias

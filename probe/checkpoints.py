@@ -80,10 +80,12 @@ def gpt2_config(hf: dict) -> DecoderConfig:
         raise CheckpointError("scale_attn_weights=false is not supported")
     if hf.get("scale_attn_by_inverse_layer_idx"):
         raise CheckpointError("scale_attn_by_inverse_layer_idx=true is not supported")
+    heads = hf.get("heads_per_layer")  # written by probe for structurally pruned models
     return DecoderConfig(
         n_layers=hf["n_layer"], d_model=hf["n_embd"], n_heads=hf["n_head"], d_mlp=hf.get("n_inner") or 4 * hf["n_embd"],
         d_vocab=hf["vocab_size"], n_ctx=hf["n_positions"], eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=_activation(hf.get("activation_function", "gelu_new"), GPT_ACTIVATIONS),
+        heads_per_layer=None if heads is None else tuple(heads),
     )
 
 
@@ -118,6 +120,8 @@ def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dic
         "n_head": cfg.n_heads, "n_inner": cfg.d_mlp, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx,
         "layer_norm_epsilon": cfg.eps, "activation_function": _GPT_ACTIVATION_NAMES[cfg.activation],
         "bos_token_id": special, "eos_token_id": special, "tie_word_embeddings": True,
+        # transformers cannot load a pruned model (its layers differ in width); probe can
+        **({"heads_per_layer": list(cfg.heads_per_layer)} if cfg.heads_per_layer is not None else {}),
     }
 
 
@@ -127,12 +131,12 @@ def _gpt_names(embed: str, pos: str, final_norm: bool):
         # ours -> (theirs, their shape, stored transposed)
         table = {"embed.W_E": (embed, (v, d), False), "pos_embed.W_pos": (pos, (cfg.n_ctx, d), False)}
         for l in range(cfg.n_layers):
-            o, t = f"blocks.{l}", f"h.{l}"
+            o, t, a = f"blocks.{l}", f"h.{l}", cfg.layer_heads(l) * cfg.d_head  # a: this layer's attention width
             table.update({
                 f"{o}.ln1.w": (f"{t}.ln_1.weight", (d,), False), f"{o}.ln1.b": (f"{t}.ln_1.bias", (d,), False),
-                f"{o}.attn.qkv.weight": (f"{t}.attn.c_attn.weight", (d, 3 * d), True),
-                f"{o}.attn.qkv.bias": (f"{t}.attn.c_attn.bias", (3 * d,), False),
-                f"{o}.attn.out.weight": (f"{t}.attn.c_proj.weight", (d, d), True),
+                f"{o}.attn.qkv.weight": (f"{t}.attn.c_attn.weight", (d, 3 * a), True),
+                f"{o}.attn.qkv.bias": (f"{t}.attn.c_attn.bias", (3 * a,), False),
+                f"{o}.attn.out.weight": (f"{t}.attn.c_proj.weight", (a, d), True),
                 f"{o}.attn.out.bias": (f"{t}.attn.c_proj.bias", (d,), False),
                 f"{o}.ln2.w": (f"{t}.ln_2.weight", (d,), False), f"{o}.ln2.b": (f"{t}.ln_2.bias", (d,), False),
                 f"{o}.mlp.fc_in.weight": (f"{t}.mlp.c_fc.weight", (d, m), True),

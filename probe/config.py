@@ -56,6 +56,7 @@ class DecoderConfig:
     d_head: Optional[int] = None  # None: d_model // n_heads
     d_mlp: Optional[int] = None  # None: 4 * d_model
     n_kv_heads: Optional[int] = None  # None: n_heads (multi-head); fewer: grouped-query; 1: multi-query
+    heads_per_layer: Optional[tuple[int, ...]] = None  # after structural pruning: each layer's remaining heads
     eps: float = 1e-5  # norm epsilon
     activation: Activation = Activation.GELU_TANH
     gated_mlp: bool = False  # act(gate(x)) * up(x) -> down: SwiGLU with SILU
@@ -96,6 +97,16 @@ class DecoderConfig:
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                 "each key/value head must serve the same number of query heads"
             )
+        if self.heads_per_layer is not None:
+            heads = tuple(self.heads_per_layer)
+            if len(heads) != self.n_layers or not all(isinstance(h, int) and 0 <= h <= self.n_heads for h in heads):
+                raise ValueError(
+                    f"heads_per_layer={self.heads_per_layer!r} must give each of the n_layers={self.n_layers} layers "
+                    f"a head count between 0 and n_heads={self.n_heads}"
+                )
+            if self.n_kv_heads != self.n_heads:
+                raise ValueError("heads_per_layer (pruned heads) needs n_kv_heads == n_heads")
+            object.__setattr__(self, "heads_per_layer", heads)
         object.__setattr__(self, "activation", _enum(Activation, self.activation, "activation"))
         object.__setattr__(self, "norm", _enum(Norm, self.norm, "norm"))
         object.__setattr__(self, "norm_placement", _enum(NormPlacement, self.norm_placement, "norm_placement"))
@@ -107,8 +118,18 @@ class DecoderConfig:
         if not (isinstance(self.rotary_base, (int, float)) and self.rotary_base > 1):
             raise ValueError(f"rotary_base must be > 1, got {self.rotary_base!r}")
 
+    def layer_heads(self, layer: int) -> int:
+        """The number of query heads in `layer` (fewer than n_heads after structural pruning)."""
+        return self.n_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return self.n_kv_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
+
     def to_dict(self) -> dict[str, Any]:
-        return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items()}
+        out = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items()}
+        if out["heads_per_layer"] is not None:
+            out["heads_per_layer"] = list(out["heads_per_layer"])
+        return out
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DecoderConfig":
@@ -116,4 +137,7 @@ class DecoderConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown DecoderConfig fields: {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}")
+        values = dict(values)
+        if values.get("heads_per_layer") is not None:
+            values["heads_per_layer"] = tuple(values["heads_per_layer"])
         return cls(**values)

@@ -37,13 +37,14 @@ class Ledger:
         matmul_weights = sum(r["params"] for r in self.rows if r["component"].endswith("weight") and r["group"] != "embedding")
         if cfg.tied_embeddings:  # the unembedding matmul happens even when its weights are the embedding's
             matmul_weights += cfg.d_vocab * cfg.d_model
-        attention = 2 * 2 * cfg.n_layers * cfg.n_heads * cfg.d_head * self.n_ctx
+        attention = 2 * 2 * sum(cfg.layer_heads(l) for l in range(cfg.n_layers)) * cfg.d_head * self.n_ctx
         return 2 * matmul_weights + attention
 
     @property
     def kv_bytes_per_token(self) -> int:
         cfg = self.cfg
-        return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * torch.finfo(self.dtype).bits // 8
+        kv_heads = sum(cfg.layer_kv_heads(l) for l in range(cfg.n_layers))
+        return 2 * kv_heads * cfg.d_head * torch.finfo(self.dtype).bits // 8
 
     @property
     def kv_bytes_per_sequence(self) -> int:
@@ -76,6 +77,7 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("pos_embed.weight", "embedding", cfg.n_ctx * d)
     norm_params = d * (2 if cfg.norm is Norm.LAYER else 1)
     for layer in range(cfg.n_layers):
+        h, kv = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
         add("ln1", "norm", norm_params, layer)
         add("attn.q.weight", "attention", d * h * dh, layer)
         add("attn.k.weight", "attention", d * kv * dh, layer)

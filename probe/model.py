@@ -23,10 +23,10 @@ ModelInput = Union[str, Sequence[str], torch.Tensor]
 class PreNormBlock(nn.Module):
     """The pre-norm residual block (GPT-2, Llama): h = x + attn(ln1(x)); y = h + mlp(ln2(h))."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
         self.ln1 = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.ln2 = make_norm(cfg)
         self.mlp = make_mlp(cfg)
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
@@ -72,7 +72,7 @@ class HookedDecoder(HookedRootModule):
         self.pos_embed = make_pos_embed(cfg)  # None with rotary positions, which act inside attention
         if self.pos_embed is not None:
             self.hook_pos_embed = HookPoint()  # [batch pos d_model]
-        self.blocks = nn.ModuleList([BLOCKS[cfg.norm_placement](cfg) for _ in range(cfg.n_layers)])
+        self.blocks = nn.ModuleList([BLOCKS[cfg.norm_placement](cfg, layer) for layer in range(cfg.n_layers)])
         self.ln_final = make_norm(cfg) if cfg.final_norm else nn.Identity()
         self.unembed = Unembed(cfg.d_vocab, cfg.d_model)
         if cfg.tied_embeddings:

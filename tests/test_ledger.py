@@ -24,6 +24,7 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     {}, {"tied_embeddings": False}, {"n_kv_heads": 2, "positions": "rotary", "norm": "rms", "gated_mlp": True,
                                      "activation": "silu", "qkv_bias": False, "out_bias": False, "mlp_bias": False},
     {"positions": "sinusoidal", "norm_placement": "post", "final_norm": False},
+    {"heads_per_layer": (8, 3, 0)},
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)

@@ -147,3 +147,20 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
     with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2"):
         HookedDecoder.from_pretrained(tmp_path)
+
+
+def test_per_layer_head_counts_run_save_and_load(tmp_path):
+    cfg = DecoderConfig(n_layers=3, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, heads_per_layer=(4, 2, 0))
+    model = HookedDecoder(cfg).eval()
+    tokens = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast = model(tokens)
+        explicit, cache = model.run_with_cache(tokens, names=lambda n: "pattern" in n or "result" in n)
+    torch.testing.assert_close(fast, explicit, atol=1e-5, rtol=0)
+    assert cache["blocks.1.attn.hook_pattern"].shape[1] == 2 and cache["blocks.2.attn.hook_result"].shape[2] == 0
+    again = HookedDecoder.from_pretrained(model.save_pretrained(tmp_path / "pruned"))
+    assert again.cfg.heads_per_layer == (4, 2, 0)
+    with torch.no_grad():
+        assert torch.equal(again(tokens), fast)
+    with pytest.raises(ValueError, match="heads_per_layer"):
+        DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, heads_per_layer=(4, 5))
