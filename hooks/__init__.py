@@ -2,6 +2,6 @@
 from hooks.cache import ActivationCache
 from hooks.hook_point import HookFn, HookHandle, HookPoint
 from hooks.names import UnknownNameError
-from hooks.root import HookedRootModule, NameFilter
+from hooks.root import CacheTooLargeError, HookedRootModule, NameFilter
 
-__all__ = ["ActivationCache", "HookFn", "HookHandle", "HookPoint", "HookedRootModule", "NameFilter", "UnknownNameError"]
+__all__ = ["ActivationCache", "CacheTooLargeError", "HookFn", "HookHandle", "HookPoint", "HookedRootModule", "NameFilter", "UnknownNameError"]

@@ -15,6 +15,10 @@ from hooks.names import unknown_name_error
 NameFilter = Union[str, Sequence[str], Callable[[str], bool]]
 
 
+class CacheTooLargeError(MemoryError):
+    """A cache that would exceed the allowed size; raised before the forward pass starts."""
+
+
 class HookedRootModule(nn.Module):
     """Base class for a model whose intermediates pass through HookPoints.
 
@@ -22,6 +26,13 @@ class HookedRootModule(nn.Module):
     Hooks are attached only for the duration of one call (`run_with_hooks`, `run_with_cache`) or
     one `with model.hooks(...)` block, and are always removed on the way out.
     """
+
+    # run_with_cache refuses caches estimated above this (bytes); raise it per call or on the model.
+    max_cache_bytes: float = 8 * 2**30
+
+    def estimate_cache_bytes(self, names: list[str], dtype: Optional[torch.dtype], *args: Any, **kwargs: Any) -> Optional[int]:
+        """Bytes a cache of `names` would take for this input, or None if unknown (models override this)."""
+        return None
 
     def setup_hooks(self) -> None:
         self._hook_points: dict[str, HookPoint] = {}
@@ -78,13 +89,16 @@ class HookedRootModule(nn.Module):
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
         fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
+        max_cache_bytes: Optional[float] = None,
         **kwargs: Any,
     ) -> tuple[Any, ActivationCache]:
         """Run the model and return `(output, cache)`.
 
         `names` selects what to store (see `select_hook_names`); `device` and `dtype` say where and
         in which precision to store it, e.g. on the CPU in bfloat16 while the model runs on a GPU.
-        `fwd_hooks` run before caching, so the cache shows the edited activations.
+        `fwd_hooks` run before caching, so the cache shows the edited activations. A cache estimated
+        above `max_cache_bytes` (default: the model's `max_cache_bytes`, 8 GiB) is refused before
+        anything runs.
         """
         store: dict[str, torch.Tensor] = {}
 
@@ -92,6 +106,14 @@ class HookedRootModule(nn.Module):
             store[hook.name] = _store(activation, device, dtype)
 
         selected = self.select_hook_names(names)
+        limit = self.max_cache_bytes if max_cache_bytes is None else max_cache_bytes
+        estimate = self.estimate_cache_bytes(selected, dtype, *args, **kwargs)
+        if estimate is not None and estimate > limit:
+            raise CacheTooLargeError(
+                f"caching {len(selected)} activations would take about {estimate / 2**30:.2f} GiB, over the limit of "
+                f"{limit / 2**30:.2f} GiB. Cache fewer (names=...), store them in lower precision (dtype=torch.bfloat16) "
+                f"or on the CPU (device='cpu'), use a shorter input, or raise the limit (max_cache_bytes=...)"
+            )
         with self.hooks(list(fwd_hooks) + [(selected, save)]):
             out = self(*args, **kwargs)
         return out, ActivationCache(store)

@@ -15,6 +15,7 @@ from probe.embedding import Embed, Unembed, make_pos_embed
 from probe.kv_cache import KVCache
 from probe.mlp import make_mlp
 from probe.norm import make_norm
+from probe.shapes import hook_shapes
 from probe.tokenizer import Tokenizer
 
 ModelInput = Union[str, Sequence[str], torch.Tensor]
@@ -133,6 +134,23 @@ class HookedDecoder(HookedRootModule):
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The residual stream entering block 0 for unpadded token ids [batch pos] -> [batch pos d_model]."""
         return self(tokens, stop_at_layer=0)
+
+    def estimate_cache_bytes(self, names, dtype, input=None, attention_mask=None, *, start_at_layer=0,
+                             stop_at_layer=None, kv_cache=None, **_) -> Optional[int]:
+        """Bytes a cache of `names` takes for this input, from the hook shapes (see probe.shapes)."""
+        if isinstance(input, torch.Tensor):
+            batch, pos = (1, input.shape[0]) if input.dim() == 1 else tuple(input.shape[:2])
+        elif isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
+            if self.tokenizer is None:
+                return None  # the forward pass will say what is missing
+            texts = [input] if isinstance(input, str) else list(input)
+            batch, pos = len(texts), 1 + max(len(self.tokenizer.encode(t)) for t in texts)
+        else:
+            return None
+        key_pos = pos + (kv_cache.length if kv_cache is not None else 0)
+        shapes = hook_shapes(self.cfg, batch, pos, key_pos)
+        item = torch.empty((), dtype=dtype or self.embed.W_E.dtype).element_size()
+        return sum(math.prod(shapes[n]) for n in names if n in shapes) * item
 
     def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:
         if not 0 < start_at_layer <= self.cfg.n_layers:

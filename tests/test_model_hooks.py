@@ -156,3 +156,25 @@ def test_start_and_stop_at_layer_compose_to_the_full_forward(tiny_model, tokens)
         tiny_model(tokens, start_at_layer=1)
     with pytest.raises(ValueError, match="start_at_layer=7"):
         tiny_model(resid, start_at_layer=7)
+
+
+def test_hook_shapes_predict_the_cache(tiny_model, tokens):
+    from probe.shapes import hook_shapes
+
+    with torch.no_grad():
+        _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
+    predicted = hook_shapes(tiny_model.cfg, *tokens.shape)
+    assert {n: tuple(t.shape) for n, t in cache.items()} == predicted
+    estimate = tiny_model.estimate_cache_bytes(list(cache), None, tokens)
+    assert estimate == sum(t.numel() * t.element_size() for t in cache.values())
+
+
+def test_oversized_cache_is_refused_before_running(tiny_model, tokens):
+    from hooks import CacheTooLargeError
+
+    ran = []
+    with pytest.raises(CacheTooLargeError, match="names=.*bfloat16.*max_cache_bytes"):
+        tiny_model.run_with_cache(tokens, max_cache_bytes=1000, fwd_hooks=[("hook_embed", lambda x, h: ran.append(1))])
+    assert ran == [] and not any(tiny_model.hook_point(n).active for n in tiny_model.hook_names)
+    _, small = tiny_model.run_with_cache(tokens, names="blocks.0.hook_resid_pre", max_cache_bytes=10**6)
+    assert len(small) == 1

@@ -1,0 +1,46 @@
+"""The shape of every hook point for an input size, known before running (to size caches)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from probe.config import DecoderConfig, Positions
+
+
+def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int] = None) -> dict[str, tuple[int, ...]]:
+    """name -> shape for a pass over `pos` new positions attending to `key_pos` keys (default pos)."""
+    key_pos = pos if key_pos is None else key_pos
+    resid = (batch, pos, cfg.d_model)
+    shapes = {"hook_embed": resid}
+    if cfg.positions is not Positions.ROTARY:
+        shapes["hook_pos_embed"] = resid
+
+    def norm(prefix: str) -> None:
+        shapes[f"{prefix}.hook_scale"] = (batch, pos, 1)
+        shapes[f"{prefix}.hook_normalized"] = resid
+
+    for layer in range(cfg.n_layers):
+        b, heads, kv = f"blocks.{layer}", cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
+        shapes[f"{b}.hook_resid_pre"] = resid
+        norm(f"{b}.ln1")
+        shapes[f"{b}.attn.hook_q"] = (batch, pos, heads, cfg.d_head)
+        shapes[f"{b}.attn.hook_k"] = (batch, pos, kv, cfg.d_head)
+        shapes[f"{b}.attn.hook_v"] = (batch, pos, kv, cfg.d_head)
+        if cfg.positions is Positions.ROTARY:
+            shapes[f"{b}.attn.hook_rot_q"] = (batch, pos, heads, cfg.d_head)
+            shapes[f"{b}.attn.hook_rot_k"] = (batch, pos, kv, cfg.d_head)
+        shapes[f"{b}.attn.hook_attn_scores"] = (batch, heads, pos, key_pos)
+        shapes[f"{b}.attn.hook_pattern"] = (batch, heads, pos, key_pos)
+        shapes[f"{b}.attn.hook_z"] = (batch, pos, heads, cfg.d_head)
+        shapes[f"{b}.attn.hook_result"] = (batch, pos, heads, cfg.d_model)
+        shapes[f"{b}.hook_attn_out"] = resid
+        shapes[f"{b}.hook_resid_mid"] = resid
+        norm(f"{b}.ln2")
+        shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
+        if cfg.gated_mlp:
+            shapes[f"{b}.mlp.hook_pre_linear"] = (batch, pos, cfg.d_mlp)
+        shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
+        shapes[f"{b}.hook_mlp_out"] = resid
+        shapes[f"{b}.hook_resid_post"] = resid
+    if cfg.final_norm:
+        norm("ln_final")
+    return shapes
