@@ -67,6 +67,9 @@ class HookPoint(nn.Module):
                     f"hook on {self.name!r} returned a {out.dtype} tensor on {out.device}, but the activation is "
                     f"{x.dtype} on {x.device}; convert it with .to(activation)"
                 )
+            if out.is_floating_point() and bool(torch.isnan(out).any()):
+                # -inf stays allowed: masking attention scores by hook is a legitimate edit
+                raise ValueError(f"hook on {self.name!r} returned a tensor containing NaN")
             x = out
         return x
 

@@ -40,6 +40,8 @@ class Source:
             raise CheckpointError(
                 f"tensor {name!r} in {self.directory} has shape {tuple(tensor.shape)}, but config.json implies {tuple(shape)}"
             )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"tensor {name!r} in {self.directory} contains NaN or inf values: the checkpoint is corrupt")
         return tensor
 
     def take_optional(self, name: str) -> Optional[torch.Tensor]:
@@ -179,7 +181,7 @@ _gpt1_names = _gpt_names("tokens_embed.weight", "positions_embed.weight", final_
 
 
 def gpt1_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-1", norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
+    _require(cfg, "GPT-1", heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
              gated_mlp=False, n_kv_heads=cfg.n_heads, qkv_bias=True, out_bias=True, mlp_bias=True, tied_embeddings=True)
     afn = {Activation.GELU_TANH: "gelu", Activation.RELU: "relu", Activation.SILU: "silu"}
     if cfg.activation not in afn:
@@ -215,7 +217,7 @@ def qwen2_config(hf: dict) -> DecoderConfig:
 
 
 def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "llama") -> dict:
-    _require(cfg, model_type, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.ROTARY,
+    _require(cfg, model_type, heads_per_layer=None, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.ROTARY,
              gated_mlp=True, out_bias=cfg.qkv_bias if model_type == "llama" else False)
     out = {
         "model_type": model_type, "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],

@@ -171,3 +171,12 @@ def test_opt_in_points_are_cached_only_when_named():
     assert list(default) == ["hook_cheap"]
     _, named = model.run_with_cache(torch.ones(1), names=["hook_costly"])
     assert named["hook_costly"].item() == 3.0
+
+
+def test_nan_from_a_hook_is_an_error_but_minus_inf_is_allowed():
+    toy = Toy()
+    with pytest.raises(ValueError, match="inner.hook_mid.*NaN"):
+        toy.run_with_hooks(torch.ones(2), fwd_hooks=[("inner.hook_mid", lambda x, h: x * float("nan"))])
+    out = toy.run_with_hooks(torch.ones(2), fwd_hooks=[("inner.hook_mid", lambda x, h: x * float("-inf"))])
+    assert torch.isinf(out).all()
+    assert attached(toy) == 0

@@ -136,9 +136,10 @@ def edit_weights(directory: Path, edit) -> None:
         (lambda d: edit_weights(d, lambda s: s.update({"h.7.extra.weight": torch.zeros(2)})), "h.7.extra.weight"),
         (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]), "safetensors"),
         (lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64), "safetensors"),
+        (lambda d: edit_weights(d, lambda s: s["h.1.ln_2.weight"].__setitem__(3, float("nan"))), "'h.1.ln_2.weight'.*NaN"),
     ],
     ids=["no-config", "bad-json", "no-weights", "model-type", "inconsistent-config", "config-vs-weights",
-         "missing-tensor", "wrong-shape", "unexpected-tensor", "truncated", "garbage"],
+         "missing-tensor", "wrong-shape", "unexpected-tensor", "truncated", "garbage", "nan-weights"],
 )
 def test_broken_checkpoints_get_clear_errors(tiny_dir, tmp_path, breakage, match):
     directory = copy_checkpoint(tiny_dir, tmp_path / "broken")
