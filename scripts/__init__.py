@@ -1,0 +1,1 @@
+"""Command-line workflows: `probe <command>` or `python scripts/<command>.py`."""

@@ -1,0 +1,34 @@
+"""The `probe` command: one subcommand per workflow; each is also `python scripts/<name>.py`."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+COMMANDS = {
+    "cache": "save chosen activations for a prompt to safetensors",
+    "anatomy": "structure, parameter ledger, shapes through one block",
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        width = max(map(len, COMMANDS))
+        lines = [f"  {name:<{width}}  {help}" for name, help in COMMANDS.items()]
+        print("usage: probe <command> [options]   (probe <command> --help for each)\n\ncommands:\n" + "\n".join(lines))
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(command, COMMANDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"error: unknown command {command!r}{hint} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"scripts.{command}")
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""What every command shares: the common flags, loading the model, safe output, one-line errors."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+class CommandError(Exception):
+    """A user-facing failure: printed as one line, exit code 2."""
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, output: bool = True) -> None:
+    from probe import DEFAULT_MODEL
+
+    common = parser.add_argument_group("common options")
+    common.add_argument("--model", default=DEFAULT_MODEL, help="hub name (gpt2, ...) or checkpoint directory (default: the bundled model)")
+    common.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    common.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model precision")
+    if output:
+        common.add_argument("--out", default=None, help="output directory (default: probe-out/<command>)")
+        common.add_argument("--force", action="store_true", help="write into a non-empty output directory, replacing files of the same name")
+    common.add_argument("--seed", type=int, default=0, help="seed for anything random")
+    common.add_argument("--quiet", action="store_true", help="print only results and errors")
+    common.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CommandError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return name
+
+
+def load_model(args: argparse.Namespace):
+    import torch
+
+    from probe import HookedDecoder
+    from probe.loading import CheckpointError
+
+    try:
+        model = HookedDecoder.from_pretrained(args.model, device=resolve_device(args.device), dtype=getattr(torch, DTYPES[args.dtype]))
+    except (CheckpointError, FileNotFoundError) as err:
+        raise CommandError(f"cannot load --model {args.model}: {err}") from err
+    return model.eval()
+
+
+def log(args: argparse.Namespace, message: str) -> None:
+    if not getattr(args, "quiet", False):
+        print(message, file=sys.stderr)
+
+
+class Output:
+    """An output directory that is never clobbered by accident and never holds half-written files."""
+
+    def __init__(self, directory: Path, force: bool):
+        self.directory = Path(directory)
+        self.written: list[Path] = []
+        if self.directory.exists():
+            if not self.directory.is_dir():
+                raise CommandError(f"--out {self.directory} is a file; give a directory")
+            if any(self.directory.iterdir()) and not force:
+                raise CommandError(f"--out {self.directory} is not empty; choose another directory or pass --force")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe_file = tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-test-", delete=True)
+            probe_file.close()
+        except OSError as err:
+            raise CommandError(f"--out {self.directory} cannot be written: {err.strerror or err}") from err
+
+    def path(self, name: str) -> Path:
+        return self.directory / name
+
+    def write_bytes(self, name: str, data: bytes) -> Path:
+        final = self.directory / name
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.written.append(final)
+        return final
+
+    def write_text(self, name: str, text: str) -> Path:
+        return self.write_bytes(name, text.encode("utf-8"))
+
+    def write_csv(self, name: str, frame) -> Path:
+        buffer = io.StringIO()
+        frame.to_csv(buffer, index=False)
+        return self.write_text(name, buffer.getvalue())
+
+    def write_json(self, name: str, value) -> Path:
+        return self.write_text(name, json.dumps(value, indent=2, default=str) + "\n")
+
+    def write_figure(self, name: str, figure, title: Optional[str] = None) -> Path:
+        """A self-contained HTML page (plotly.js inline, so it opens offline)."""
+        html = figure.to_html(full_html=True, include_plotlyjs=True)
+        return self.write_text(name, html)
+
+    def write_with(self, name: str, writer: Callable[[Path], None]) -> Path:
+        """For libraries that write files themselves: write to a temp name, then rename."""
+        final = self.directory / name
+        tmp = self.directory / f".{name}.tmp"
+        try:
+            writer(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self.written.append(final)
+        return final
+
+    def report(self, args: argparse.Namespace) -> None:
+        for path in self.written:
+            log(args, f"wrote {path}")
+
+
+def default_out(args: argparse.Namespace, command: str) -> Path:
+    return Path(args.out) if args.out else Path("probe-out") / command
+
+
+def run_command(run: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> int:
+    """Parse, run, and turn failures into one line and a non-zero exit (a traceback only with --debug)."""
+    args = parser.parse_args(argv)
+    try:
+        seed_everything(args.seed)
+        return run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except CommandError as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, KeyError, FileNotFoundError, OSError, MemoryError) as err:
+        if args.debug:
+            traceback.print_exc()
+        message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+        print(f"error: {message}", file=sys.stderr)
+        return 2
