@@ -52,7 +52,12 @@ class HookPoint(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for fn in list(self._fns):
-            out = fn(x, self)
+            try:
+                out = fn(x, self)
+            except Exception as err:
+                if hasattr(err, "add_note"):  # Python 3.11+: say where the user's hook failed, keep its type
+                    err.add_note(f"raised by the hook {getattr(fn, '__name__', fn)!r} on {self.name!r}")
+                raise
             if out is None:
                 continue
             if not isinstance(out, torch.Tensor):

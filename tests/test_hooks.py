@@ -180,3 +180,16 @@ def test_nan_from_a_hook_is_an_error_but_minus_inf_is_allowed():
     out = toy.run_with_hooks(torch.ones(2), fwd_hooks=[("inner.hook_mid", lambda x, h: x * float("-inf"))])
     assert torch.isinf(out).all()
     assert attached(toy) == 0
+
+
+def test_an_exception_in_a_hook_keeps_its_type_and_names_the_point():
+    def broken(x, hook):
+        raise ZeroDivisionError("my bug")
+
+    with pytest.raises(ZeroDivisionError, match="my bug") as info:
+        Toy().run_with_hooks(torch.ones(1), fwd_hooks=[("inner.hook_mid", broken)])
+    notes = getattr(info.value, "__notes__", [])
+    import sys
+
+    if sys.version_info >= (3, 11):
+        assert any("inner.hook_mid" in note and "broken" in note for note in notes)
