@@ -6,7 +6,15 @@ import sys
 from typing import Optional, Sequence
 
 COMMANDS = {
+    "report": "the main job: every analysis on one prompt, in one self-contained HTML report",
     "cache": "save chosen activations for a prompt to safetensors",
+    "lens": "logit lens (and tuned lens) for a prompt",
+    "contributions": "residual decomposition and direct logit attribution",
+    "attention": "attention-pattern plots and head-detector scores",
+    "ablate": "ablate heads; --sweep for every head's effect",
+    "patch": "activation patching between a clean and a corrupted prompt",
+    "prune": "head importance, pruning curve, structurally pruned model",
+    "memories": "FFN key-value memories: value tokens, lookup, corpus triggers",
     "anatomy": "structure, parameter ledger, shapes through one block",
 }
 

@@ -161,3 +161,55 @@ def run_command(run: Callable[[argparse.Namespace], int], parser: argparse.Argum
         message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
         print(f"error: {message}", file=sys.stderr)
         return 2
+
+
+def token_id(model, value: str, flag: str) -> int:
+    """A token given on the command line: an integer id, or text that is exactly one token."""
+    if value.lstrip("-").isdigit():
+        token = int(value)
+        if not 0 <= token < model.cfg.d_vocab:
+            raise CommandError(f"{flag} {token} is not a token id in [0, {model.cfg.d_vocab})")
+        return token
+    ids = model._require_tokenizer().encode(value)
+    if len(ids) != 1:
+        pieces = model.tokenizer.token_strings(ids)
+        raise CommandError(f"{flag} {value!r} is {len(ids)} tokens {pieces}; give one token (mind the leading space) or its id")
+    return ids[0]
+
+
+def parse_heads(text: str, model) -> list[tuple[int, int]]:
+    """'3.1,4.0' -> [(3, 1), (4, 0)], each checked against the model."""
+    heads = []
+    for item in text.split(","):
+        layer, sep, head = item.strip().partition(".")
+        if not sep or not layer.lstrip("-").isdigit() or not head.lstrip("-").isdigit():
+            raise CommandError(f"--heads {text!r}: write heads as LAYER.HEAD, comma-separated, e.g. 3.1,4.0")
+        layer, head = int(layer), int(head)
+        if not 0 <= layer < model.cfg.n_layers:
+            raise CommandError(f"--heads: layer {layer} is outside [0, {model.cfg.n_layers})")
+        if not 0 <= head < model.cfg.layer_heads(layer):
+            raise CommandError(f"--heads: head {head} is outside [0, {model.cfg.layer_heads(layer)}) in layer {layer}")
+        heads.append((layer, head))
+    return heads
+
+
+def command(module_doc: str, prog: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+            run: Callable[[argparse.Namespace], int]):
+    """(build_parser, main) for a subcommand: its own flags, then the common ones."""
+
+    def build_parser() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog=prog, description=module_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(parser)
+        add_common_arguments(parser)
+        return parser
+
+    def main(argv: Optional[Sequence[str]] = None) -> int:
+        return run_command(run, build_parser(), argv)
+
+    return build_parser, main
+
+
+def check_prompt(model, prompt: str) -> None:
+    n = model.to_tokens(prompt).shape[1]
+    if n > model.cfg.n_ctx:
+        raise CommandError(f"the prompt is {n} tokens but the model's context is {model.cfg.n_ctx}; shorten it")

@@ -1,0 +1,79 @@
+"""probe ablate: ablate heads and show the effect on the next-token distribution and the loss.
+
+examples:
+  probe ablate --prompt "ROMEO. But soft, what light" --heads 1.3,2.0
+  probe ablate --prompt "..." --heads 1.3 --method mean --reference-file more_prompts.txt
+  probe ablate --prompt "..." --sweep
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/ablate.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.common import (CommandError, Output, check_prompt, command, default_out, load_model, log,  # noqa: E402
+                            parse_heads, token_id)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", required=True, help="the prompt")
+    parser.add_argument("--heads", default=None, help="heads to ablate together: LAYER.HEAD,... e.g. 1.3,2.0")
+    parser.add_argument("--method", default="zero", choices=["zero", "mean", "resample"], help="what replaces the head's output")
+    parser.add_argument("--reference-file", default=None, help="prompts (one per line) for mean/resample ablation (default: the prompt itself)")
+    parser.add_argument("--sweep", action="store_true", help="the effect of ablating every head alone")
+    parser.add_argument("--top", type=int, default=10, help="tokens to show")
+
+
+def run(args: argparse.Namespace) -> int:
+    import pandas as pd
+    import torch
+
+    from analyses import ablate_heads, head_ablation_effects
+    from analyses.ablation import loss_metric
+
+    if args.heads is None and not args.sweep:
+        raise CommandError("give --heads LAYER.HEAD,... and/or --sweep")
+    out = Output(default_out(args, "ablate"), args.force)
+    model = load_model(args)
+    check_prompt(model, args.prompt)
+    reference = None
+    if args.reference_file:
+        path = Path(args.reference_file)
+        if not path.is_file():
+            raise CommandError(f"--reference-file {path} does not exist")
+        reference = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    tokens, mask = model.to_tokens(args.prompt, return_attention_mask=True)
+    if args.heads:
+        heads = parse_heads(args.heads, model)
+        with torch.no_grad():
+            clean = model(tokens)
+        ablated = ablate_heads(model, tokens, heads, method=args.method, reference=reference, seed=args.seed)
+        p_clean, p_ablated = clean[0, -1].float().softmax(-1), ablated[0, -1].float().softmax(-1)
+        top = torch.cat([p_clean.topk(args.top).indices, p_ablated.topk(args.top).indices]).unique()
+        table = pd.DataFrame({
+            "token": model.tokenizer.token_strings(top.tolist()), "token_id": top.tolist(),
+            "p_clean": p_clean[top].tolist(), "p_ablated": p_ablated[top].tolist(),
+        }).assign(change=lambda f: f.p_ablated - f.p_clean).sort_values("p_clean", ascending=False)
+        loss = pd.DataFrame({"run": ["clean", "ablated"],
+                             "loss": [float(loss_metric(clean, tokens, mask)[0]), float(loss_metric(ablated, tokens, mask)[0])]})
+        out.write_csv("next_token.csv", table)
+        out.write_csv("loss.csv", loss)
+        print(table.head(args.top).to_string(index=False))
+        print(loss.to_string(index=False))
+    if args.sweep:
+        effects = head_ablation_effects(model, tokens, method=args.method, reference=reference, seed=args.seed)
+        out.write_csv("sweep.csv", effects.to_frame())
+        out.write_figure("sweep.html", effects.figure())
+        top = effects.to_frame().nlargest(5, "effect")
+        print("largest loss increases: " + ", ".join(f"{r.layer}.{r.head} {r.effect:+.3f}" for r in top.itertuples()))
+    out.report(args)
+    return 0
+
+
+build_parser, main = command(__doc__, "probe ablate", add_arguments, run)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""probe attention: attention-pattern plots for a prompt, and head-detector scores.
+
+examples:
+  probe attention --prompt "ROMEO. But soft, what light"
+  probe attention --prompt "..." --layer 1 --head 3 --detectors induction previous_token
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/attention.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.common import (CommandError, Output, check_prompt, command, default_out, load_model, log,  # noqa: E402
+                            parse_heads, token_id)
+
+KINDS = ("previous_token", "first_token", "duplicate_token", "induction")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", required=True, help="the prompt")
+    parser.add_argument("--layer", type=int, default=None, help="plot this layer's heads (with --head: one head)")
+    parser.add_argument("--head", type=int, default=None, help="plot one head (needs --layer)")
+    parser.add_argument("--detectors", nargs="*", default=list(KINDS), choices=KINDS, help="head detectors to score")
+    parser.add_argument("--samples", type=int, default=32, help="random sequences per detector")
+
+
+def run(args: argparse.Namespace) -> int:
+    from analyses import attention_patterns, head_scores
+
+    out = Output(default_out(args, "attention"), args.force)
+    model = load_model(args)
+    check_prompt(model, args.prompt)
+    if args.head is not None and args.layer is None:
+        raise CommandError("--head needs --layer")
+    if args.layer is not None and not 0 <= args.layer < model.cfg.n_layers:
+        raise CommandError(f"--layer {args.layer} is outside [0, {model.cfg.n_layers})")
+    patterns = attention_patterns(model, args.prompt)
+    out.write_csv("patterns.csv", patterns.to_frame())
+    out.write_figure("patterns_overview.html", patterns.figure())
+    if args.layer is not None:
+        name = f"pattern_L{args.layer}" + ("" if args.head is None else f"H{args.head}")
+        out.write_figure(f"{name}.html", patterns.figure(layer=args.layer, head=args.head))
+    for kind in args.detectors:
+        scores = head_scores(model, kind, n_samples=args.samples, seed=args.seed)
+        out.write_csv(f"scores_{kind}.csv", scores.to_frame())
+        out.write_figure(f"scores_{kind}.html", scores.figure())
+        top = scores.top(3)
+        print(f"{kind}: " + ", ".join(f"{r.layer}.{r.head} {r.score:.2f}" for r in top.itertuples()))
+    out.report(args)
+    return 0
+
+
+build_parser, main = command(__doc__, "probe attention", add_arguments, run)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""probe memories: FFN key-value memories (Geva et al.): value tokens, a prompt's lookup, corpus triggers.
+
+examples:
+  probe memories --prompt "ROMEO. But soft, what light"           # lookup at the last position + value tokens
+  probe memories --corpus shakespeare/ --layers 2 3 --k 25          # top trigger examples, card report
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/memories.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.common import (CommandError, Output, check_prompt, command, default_out, load_model, log,  # noqa: E402
+                            parse_heads, token_id)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", default=None, help="look up the memories that fire on this prompt")
+    parser.add_argument("--position", type=int, default=-1, help="position for the lookup (default: the last)")
+    parser.add_argument("--corpus", default=None, help="text file or folder to scan for trigger examples (default with --triggers: the bundled held-out text)")
+    parser.add_argument("--triggers", action="store_true", help="scan the corpus for each neuron's top trigger examples")
+    parser.add_argument("--layers", type=int, nargs="*", default=None, help="layers (default: all)")
+    parser.add_argument("--neurons", type=int, nargs="*", default=None, help="neurons to report (default: the lookup's top ones, or all)")
+    parser.add_argument("--k", type=int, default=10, help="memories per layer / trigger examples per neuron")
+
+
+def run(args: argparse.Namespace) -> int:
+    from analyses import agreement, memory_lookup, memory_report, top_triggers, value_tokens
+
+    if args.prompt is None and not args.triggers and args.corpus is None:
+        raise CommandError("give --prompt TEXT for a lookup and/or --triggers [--corpus PATH] for a corpus scan")
+    out = Output(default_out(args, "memories"), args.force)
+    model = load_model(args)
+    layers = args.layers if args.layers is not None else list(range(model.cfg.n_layers))
+    for layer in layers:
+        if not 0 <= layer < model.cfg.n_layers:
+            raise CommandError(f"--layers: {layer} is outside [0, {model.cfg.n_layers})")
+    if args.corpus is not None and not Path(args.corpus).exists():
+        raise CommandError(f"--corpus {args.corpus} does not exist")
+    if args.prompt is not None:
+        check_prompt(model, args.prompt)
+        lookup = memory_lookup(model, args.prompt, position=args.position, layer=layers, k=args.k)
+        out.write_csv("lookup.csv", lookup.to_frame())
+        out.write_figure("lookup.html", lookup.figure())
+        for layer in layers:
+            neurons = lookup.neurons[lookup.layers.index(layer)].tolist()
+            out.write_csv(f"value_tokens_L{layer}.csv", value_tokens(model, layer, neurons, k=10).to_frame())
+        print(lookup.to_frame().head(2 * args.k).to_string(index=False))
+    if args.triggers or args.corpus is not None:
+        triggers = top_triggers(model, args.corpus, layers=layers, neurons=args.neurons, k=args.k, progress=not args.quiet)
+        out.write_csv("triggers.csv", triggers.to_frame(model))
+        stats = agreement(model, triggers)
+        out.write_csv("agreement.csv", stats.to_frame())
+        out.write_figure("agreement.html", stats.figure())
+        out.write_text("memory_cards.html", memory_report(model, triggers))
+    out.report(args)
+    return 0
+
+
+build_parser, main = command(__doc__, "probe memories", add_arguments, run)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""probe prune: head importance (Michel et al. 2019), the pruning curve with baselines, and a pruned model.
+
+examples:
+  probe prune                                  # importance and curve on the bundled held-out text
+  probe prune --text-file corpus.txt --step 0.1 --max-fraction 0.6
+  probe prune --heads 1.3,2.0 --save runs/pruned-model
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/prune.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.common import (CommandError, Output, check_prompt, command, default_out, load_model, log,  # noqa: E402
+                            parse_heads, token_id)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--text-file", default=None, help="UTF-8 text to estimate importance and evaluate on (default: the bundled held-out text)")
+    parser.add_argument("--step", type=float, default=0.1, help="fraction of the remaining heads pruned per step")
+    parser.add_argument("--max-fraction", type=float, default=1.0, help="stop after pruning this fraction of heads")
+    parser.add_argument("--max-windows", type=int, default=16, help="text windows used (more: slower, steadier)")
+    parser.add_argument("--no-curve", action="store_true", help="importance only")
+    parser.add_argument("--heads", default=None, help="with --save: remove these heads (LAYER.HEAD,...) instead of the least important")
+    parser.add_argument("--save", default=None, help="write a structurally pruned model to this directory")
+    parser.add_argument("--save-fraction", type=float, default=0.25, help="with --save and no --heads: prune this fraction, least important first")
+
+
+def run(args: argparse.Namespace) -> int:
+    from analyses import head_importance, prune_by_importance, prune_heads
+
+    out = Output(default_out(args, "prune"), args.force)
+    model = load_model(args)
+    text = None
+    if args.text_file:
+        path = Path(args.text_file)
+        if not path.is_file():
+            raise CommandError(f"--text-file {path} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise CommandError(f"--text-file {path} is not UTF-8 text") from err
+        if not text.strip():
+            raise CommandError(f"--text-file {path} is empty")
+    if args.save and Path(args.save).exists():
+        raise CommandError(f"--save {args.save} already exists; choose a new directory")
+    importance = head_importance(model, text, max_windows=args.max_windows, progress=not args.quiet)
+    out.write_csv("importance.csv", importance.to_frame())
+    out.write_figure("importance.html", importance.figure())
+    if not args.no_curve:
+        curve = prune_by_importance(model, text, text, step=args.step, max_fraction=args.max_fraction,
+                                    max_windows=args.max_windows, progress=not args.quiet)
+        out.write_csv("pruning_curve.csv", curve.to_frame())
+        out.write_figure("pruning_curve.html", curve.figure())
+    if args.save:
+        if args.heads:
+            heads = parse_heads(args.heads, model)
+        else:
+            order = importance.to_frame().sort_values("importance")
+            n = int(round(args.save_fraction * len(order)))
+            heads = [(int(r.layer), int(r.head)) for r in order.head(n).itertuples()]
+        pruned = prune_heads(model, heads)
+        pruned.save_pretrained(args.save)
+        log(args, f"pruned {len(heads)} heads; saved the model to {args.save} "
+                  f"({pruned.ledger().total_params:,} parameters, was {model.ledger().total_params:,})")
+    out.report(args)
+    return 0
+
+
+build_parser, main = command(__doc__, "probe prune", add_arguments, run)
+
+if __name__ == "__main__":
+    sys.exit(main())

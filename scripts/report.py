@@ -1,0 +1,207 @@
+"""probe report: the main job. Every analysis on one prompt, in one self-contained HTML report, plus CSVs.
+
+Sections: the model, its next-token prediction, the logit lens, direct logit attribution, attention
+patterns, head detectors, head ablation, activation patching (with --corrupted), FFN memories and
+head importance. The page embeds plotly.js once, so it opens offline.
+
+examples:
+  probe report                                        # the bundled model on a default prompt
+  probe report --prompt "JULIET. O Romeo, Romeo, wherefore art thou" --out runs/report
+  probe report --prompt "..." --corrupted "..." --answer " Romeo" --counterfactual " Juliet"
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/report.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, log, token_id  # noqa: E402
+
+DEFAULT_PROMPT = ("ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
+                  "ROMEO.\nBut soft, what light through yonder")
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 0; color: #222; }
+nav { position: fixed; top: 0; left: 0; width: 230px; height: 100vh; overflow-y: auto; background: #f4f4f6; padding: 1em; box-sizing: border-box; }
+nav a { display: block; color: #334; text-decoration: none; margin: .3em 0; }
+main { margin-left: 250px; padding: 1em 2em; max-width: 1400px; }
+section { margin-bottom: 3em; }
+.figure { overflow-x: auto; }
+table { border-collapse: collapse; font-size: 13px; margin: .5em 0; }
+td, th { border: 1px solid #ddd; padding: 2px 6px; text-align: right; }
+th { background: #f0f0f0; }
+pre { background: #f7f7f7; padding: .6em; white-space: pre-wrap; }
+.note { color: #666; font-size: 13px; }
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a Shakespeare line, repeated so induction shows)")
+    parser.add_argument("--answer", default=None, help="token to attribute (default: the model's prediction)")
+    parser.add_argument("--counterfactual", default=None, help="token to contrast with (default: the model's second choice)")
+    parser.add_argument("--corrupted", default=None, help="a corrupted prompt of the same length, for activation patching")
+    parser.add_argument("--skip", nargs="*", default=[], help="sections to leave out, e.g. importance memories")
+
+
+class Report:
+    def __init__(self, title: str):
+        self.title = title
+        self.sections: list[tuple[str, str, list[str]]] = []
+
+    def section(self, anchor: str, heading: str) -> list[str]:
+        parts: list[str] = []
+        self.sections.append((anchor, heading, parts))
+        return parts
+
+    def render(self) -> str:
+        from plotly.offline import get_plotlyjs
+
+        nav = "".join(f'<a href="#{a}">{html.escape(h)}</a>' for a, h, _ in self.sections)
+        body = "".join(f'<section id="{a}"><h2>{html.escape(h)}</h2>{"".join(parts)}</section>' for a, h, parts in self.sections)
+        return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(self.title)}</title>"
+                f"<style>{STYLE}</style><script>{get_plotlyjs()}</script></head>"
+                f"<body><nav><b>Contents</b>{nav}</nav><main><h1>{html.escape(self.title)}</h1>{body}</main></body></html>")
+
+
+def figure_html(fig) -> str:
+    return '<div class="figure">' + fig.to_html(full_html=False, include_plotlyjs=False) + "</div>"
+
+
+def table_html(frame, rows: int = 15) -> str:
+    return frame.head(rows).to_html(index=False, escape=True, float_format=lambda v: f"{v:.4g}", border=0)
+
+
+def note(text: str) -> str:
+    return f'<p class="note">{html.escape(text)}</p>'
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import analyses as A
+    from analyses.ablation import loss_metric
+
+    started = time.perf_counter()
+    out = Output(default_out(args, "report"), args.force)
+    model = load_model(args)
+    check_prompt(model, args.prompt)
+    tokens, mask = model.to_tokens(args.prompt, return_attention_mask=True)
+    with torch.no_grad():
+        logits = model(tokens)
+    probs = logits[0, -1].float().softmax(-1)
+    top = probs.topk(10)
+    answer = token_id(model, args.answer, "--answer") if args.answer else int(top.indices[0])
+    counterfactual = token_id(model, args.counterfactual, "--counterfactual") if args.counterfactual else int(top.indices[1])
+    strings = model.tokenizer.token_strings
+    report = Report(f"probe report: {Path(str(args.model)).name}")
+    timings = {}
+
+    def timed(name):
+        class Timer:
+            def __enter__(self):
+                self.t = time.perf_counter()
+                log(args, f"{name}...")
+
+            def __exit__(self, *exc):
+                timings[name] = time.perf_counter() - self.t
+
+        return Timer()
+
+    with timed("model"):
+        import pandas as pd
+
+        from scripts.anatomy import anatomy_tables
+
+        config, ledger, summary, _ = anatomy_tables(model, None)
+        part = report.section("model", "The model")
+        part += [f"<pre>{html.escape(str(args.model))}</pre>", table_html(summary, 20), table_html(config, 40)]
+        out.write_csv("ledger.csv", ledger)
+        prompt_part = report.section("prompt", "Prompt and prediction")
+        prediction = pd.DataFrame({"token": strings(top.indices.tolist()), "id": top.indices.tolist(), "probability": top.values.tolist()})
+        prompt_part += [f"<pre>{html.escape(args.prompt)}</pre>",
+                        note(f"{tokens.shape[1]} tokens; loss {float(loss_metric(logits, tokens, mask)[0]):.3f} nats/token. "
+                             f"Attributions below use answer {strings([answer])[0]!r} vs {strings([counterfactual])[0]!r}."),
+                        table_html(prediction)]
+        out.write_csv("prediction.csv", prediction)
+
+    with timed("logit lens"):
+        lens = A.logit_lens(model, tokens, target=answer)
+        part = report.section("lens", "Logit lens")
+        part += [note("What the residual stream after each layer decodes to through the final norm and unembedding."),
+                 figure_html(lens.figure()), figure_html(lens.figure(kind="target"))]
+        out.write_csv("logit_lens.csv", lens.to_frame())
+
+    with timed("attribution"):
+        dla = A.direct_logit_attribution(model, tokens, answer, counterfactual)
+        part = report.section("attribution", "Direct logit attribution")
+        part += [note("Each component's direct contribution to the logit difference, final-norm scale frozen; rows sum to the model's own value."),
+                 figure_html(dla.figure("bar")), figure_html(dla.figure("heads")), figure_html(dla.figure("accumulated"))]
+        out.write_csv("attribution.csv", dla.to_frame())
+
+    with timed("attention"):
+        patterns = A.attention_patterns(model, tokens)
+        part = report.section("attention", "Attention patterns")
+        part += [figure_html(patterns.figure())]
+        out.write_csv("patterns.csv", patterns.to_frame())
+
+    with timed("head detectors"):
+        part = report.section("detectors", "Head detectors")
+        for kind in ("previous_token", "induction", "duplicate_token", "first_token"):
+            scores = A.head_scores(model, kind, n_samples=16, seed=args.seed)
+            part += [figure_html(scores.figure())]
+            out.write_csv(f"heads_{kind}.csv", scores.to_frame())
+            best = scores.top(1).iloc[0]
+            part += [note(f"strongest {kind.replace('_', '-')} head: {int(best['layer'])}.{int(best['head'])} ({best['score']:.2f})")]
+
+    with timed("ablation"):
+        effects = A.head_ablation_effects(model, tokens)
+        part = report.section("ablation", "Head ablation")
+        part += [note("The change in the prompt's loss when each head alone is zero-ablated."), figure_html(effects.figure())]
+        out.write_csv("ablation.csv", effects.to_frame())
+
+    part = report.section("patching", "Activation patching")
+    if args.corrupted:
+        with timed("patching"):
+            corrupted = model.to_tokens(args.corrupted)
+            if corrupted.shape != tokens.shape:
+                raise CommandError(f"--corrupted is {corrupted.shape[1]} tokens but --prompt is {tokens.shape[1]}; they must be equal")
+            metric = A.logit_diff_metric(model, answer, counterfactual)
+            exact = A.patch(model, tokens, corrupted, metric)
+            estimate = A.patch(model, tokens, corrupted, metric, method="attribution")
+            part += [figure_html(exact.figure()), figure_html(A.compare_patching(exact, estimate))]
+            out.write_csv("patching.csv", exact.to_frame())
+    else:
+        part += [note("Give --corrupted (a prompt of the same length) to patch clean activations into it.")]
+
+    if "memories" not in args.skip:
+        with timed("memories"):
+            lookup = A.memory_lookup(model, tokens, k=8)
+            part = report.section("memories", "FFN memories")
+            part += [note("The FFN memories firing at the last position, by the size of their sub-update."), figure_html(lookup.figure())]
+            out.write_csv("memories.csv", lookup.to_frame())
+
+    if "importance" not in args.skip:
+        with timed("importance"):
+            importance = A.head_importance(model, max_windows=8, progress=False)
+            part = report.section("importance", "Head importance")
+            part += [note("Michel et al. (2019): mean |dL/dξ| of each head's mask on held-out text, normalised per layer."),
+                     figure_html(importance.figure())]
+            out.write_csv("importance.csv", importance.to_frame())
+
+    timing = pd.DataFrame({"section": list(timings), "seconds": list(timings.values())})
+    report.section("timing", "Timing").extend([table_html(timing, 50)])
+    out.write_text("report.html", report.render())
+    out.report(args)
+    log(args, f"report done in {time.perf_counter() - started:.1f} s: open {out.path('report.html')}")
+    return 0
+
+
+build_parser, main = command(__doc__, "probe report", add_arguments, run)
+
+if __name__ == "__main__":
+    sys.exit(main())
