@@ -172,6 +172,7 @@ def save_pretrained(model: HookedDecoder, directory: Union[str, Path], overwrite
         save_file(hf_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if model.tokenizer is not None:
             model.tokenizer.save(tmp)
+        _publish_permissions(tmp)
         if directory.exists():
             shutil.rmtree(directory) if directory.is_dir() else directory.unlink()
         os.replace(tmp, directory)
@@ -187,3 +188,12 @@ def _rebuild_buffers(model: HookedDecoder) -> None:
     for module in model.modules():
         if hasattr(module, "build_buffers"):
             module.build_buffers()
+
+
+def _publish_permissions(directory: Path) -> None:
+    """mkdtemp makes a private (0700) directory; a saved model should get the usual umask-based modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)

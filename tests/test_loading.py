@@ -198,3 +198,15 @@ def test_vocab_and_merges_tokenizer_files(tiny_dir, tmp_path):
     old_style = HookedDecoder.from_pretrained(directory)
     text = "The quick brown fox jumps over the lazy dog"
     assert old_style.to_tokens(text).tolist() == HookedDecoder.from_pretrained(tiny_dir).to_tokens(text).tolist()
+
+
+def test_saved_files_get_umask_permissions_not_private_ones(tiny_model, tmp_path):
+    import stat
+
+    umask = os.umask(0o022)
+    try:
+        out = tiny_model.save_pretrained(tmp_path / "shared")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644

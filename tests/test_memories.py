@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from analyses import agreement, iter_documents, memory_lookup, memory_report, merge, sub_updates, top_triggers, value_tokens
+from analyses.common import escape_token
 from analyses.memories import TopTriggers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,12 +58,13 @@ def brute_force_triggers(hf, tokenizer, docs, layers, neurons, k, window, contex
             chunk = ids[start:start + per_window]
             acts, _, _, _ = hf_mlp_activations(hf, [tokenizer.bos_id] + chunk, layers)
             for l in layers:
-                for n in neurons:
-                    for p in range(len(chunk)):
+                values = acts[l][1:, neurons].T.tolist()  # [neuron pos], BOS dropped
+                for n, column in zip(neurons, values):
+                    for p, value in enumerate(column):
                         pos = start + p
                         ctx = ids[max(start, pos - context + 1):pos + 1]
                         nxt = ids[pos + 1] if pos + 1 < len(ids) else -1
-                        found[(l, n)].append((float(acts[l][p + 1, n]), d, pos, ctx, nxt))
+                        found[(l, n)].append((value, d, pos, ctx, nxt))
     return {key: sorted(v, key=lambda e: (-e[0], e[1], e[2]))[:k] for key, v in found.items()}
 
 
@@ -85,6 +87,9 @@ def test_value_tokens_equal_topk_of_values_times_unembedding(tiny_model, tiny_hf
     row = frame[(frame.neuron == 17) & (frame.direction == "promoted") & (frame["rank"] == 0)].iloc[0]
     assert row.token_id == int(top.indices[2, 0])
     assert row.token == tiny_model.tokenizer.token_strings([row.token_id])[0]
+    fig = result.figure()
+    cells = [cell for row in fig.data[0].text for cell in row]
+    assert cells == [escape_token(t) for strings in result.token_strings for t in strings[:k]]
 
 
 def test_value_tokens_all_neurons_and_bad_arguments(tiny_model, tiny_hf):
@@ -155,19 +160,44 @@ def _check_against_brute_force(result, expected, layers, neurons, context):
                 assert ctx == [-1] * (context - len(e[3])) + e[3]
 
 
-def test_top_triggers_equal_brute_force(tiny_model, tiny_hf):
-    layers, neurons, k, context = [0, 1], [3, 40, 200], 5, 6
-    result = top_triggers(tiny_model, CORPUS, layers, neurons, k=k, batch_size=2, context=context, progress=False)
-    expected = brute_force_triggers(tiny_hf, tiny_model.tokenizer, CORPUS, layers, neurons, k,
-                                    tiny_model.cfg.n_ctx, context)
+@pytest.mark.parametrize("window,n_docs", [(None, len(CORPUS)), (12, 2)])
+def test_top_triggers_equal_brute_force(tiny_model, tiny_hf, window, n_docs):
+    layers, neurons, k, context, corpus = [0, 1], [3, 40, 200], 5, 6, CORPUS[:n_docs]
+    result = top_triggers(tiny_model, corpus, layers, neurons, k=k, batch_size=2, window=window, context=context,
+                          progress=False)
+    expected = brute_force_triggers(tiny_hf, tiny_model.tokenizer, corpus, layers, neurons, k,
+                                    window or tiny_model.cfg.n_ctx, context)
     _check_against_brute_force(result, expected, layers, neurons, context)
-    n_tokens = sum(len(tiny_model.tokenizer.encode(t)) for t in CORPUS)
-    assert result.complete and result.n_tokens == n_tokens and result.n_docs == len(CORPUS)
+    n_tokens = sum(len(tiny_model.tokenizer.encode(t)) for t in corpus)
+    assert result.complete and result.n_tokens == n_tokens and result.n_docs == len(corpus)
     # a corpus with fewer positions than k leaves empty slots, marked and ordered last
     short = top_triggers(tiny_model, ["to be"], 1, [3], k=5, progress=False)
     n_short = len(tiny_model.tokenizer.encode("to be"))
     assert short.docs[0, 0].tolist() == [0] * n_short + [-1] * (5 - n_short)
     assert torch.isinf(short.activations[0, 0, n_short:]).all()
+
+
+def test_ties_break_by_document_then_position(tmp_path_factory):
+    """ReLU neurons are exactly 0 at many positions: the kept zeros must be the earliest (doc, pos),
+    in one scan, in brute force, and in shards merged back together."""
+    from conftest import build_hf_checkpoint
+    from transformers import GPT2LMHeadModel
+
+    from probe import HookedDecoder
+
+    directory = build_hf_checkpoint(tmp_path_factory.mktemp("relu-gpt2"), seed=3, activation_function="relu",
+                                    n_layer=1, n_embd=32, n_head=2, n_positions=32)
+    model = HookedDecoder.from_pretrained(directory).eval()
+    hf = GPT2LMHeadModel.from_pretrained(directory, attn_implementation="eager").eval()
+    acts = hf_mlp_activations(hf, model.to_tokens(CORPUS[1])[0].tolist(), [0])[0][0]
+    neurons = (acts == 0).float().mean(0).argsort(descending=True)[:4].tolist()  # the most often silent
+    args = dict(layers=[0], neurons=neurons, k=60, context=4, progress=False)
+    result = top_triggers(model, CORPUS, batch_size=3, **args)
+    assert (result.activations == 0).sum() > 20  # there are ties to break
+    expected = brute_force_triggers(hf, model.tokenizer, CORPUS, [0], neurons, 60, model.cfg.n_ctx, 4)
+    _check_against_brute_force(result, expected, [0], neurons, 4)
+    merged = merge([top_triggers(model, CORPUS, shard=(r, 2), batch_size=2, **args) for r in (1, 0)])
+    assert torch.equal(merged.docs, result.docs) and torch.equal(merged.positions, result.positions)
 
 
 def test_top_triggers_is_independent_of_batching(tiny_model):
@@ -177,25 +207,39 @@ def test_top_triggers_is_independent_of_batching(tiny_model):
     torch.testing.assert_close(base.activations, other.activations, rtol=1e-5, atol=1e-6)
 
 
-def test_top_triggers_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path):
-    def interrupted(n):
+@pytest.mark.parametrize("stop", ["doc 1", "doc 3", "forward 2"])
+def test_top_triggers_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path, stop):
+    """Ctrl-C between documents, mid-document (doc 0 spans 3 windows, batches hold 2) or inside a
+    forward, after layer 0 folded the batch and before layer 1 did: resuming gives the one-scan result."""
+    args = dict(layers=None, neurons=[0, 9, 100], k=4, batch_size=2, progress=False)
+    full = top_triggers(tiny_model, CORPUS, **args)
+    where, n = stop.split()
+
+    def corpus():
         for i, text in enumerate(CORPUS):
-            if i == n:
+            if where == "doc" and i == int(n):
                 raise KeyboardInterrupt
             yield text
 
-    full = top_triggers(tiny_model, CORPUS, None, [0, 9, 100], k=4, batch_size=2, progress=False)
-    partial = top_triggers(tiny_model, interrupted(3), None, [0, 9, 100], k=4, batch_size=2, progress=False,
-                           save_path=tmp_path / "partial.safetensors")
-    assert not partial.complete and partial.n_tokens < full.n_tokens
-    loaded = TopTriggers.load(tmp_path / "partial.safetensors")  # the partial result was written
+    calls = []
+
+    def interrupt(activation, hook):
+        calls.append(1)
+        if where == "forward" and len(calls) == int(n):
+            raise KeyboardInterrupt
+
+    path = tmp_path / "partial.safetensors"
+    with tiny_model.hooks([("blocks.1.mlp.hook_post", interrupt)]):
+        partial = top_triggers(tiny_model, corpus(), save_path=path, **args)
+    assert not partial.complete and 0 < partial.n_tokens < full.n_tokens
+    loaded = TopTriggers.load(path)  # the partial result was written
     assert torch.equal(loaded.activations, partial.activations) and loaded.n_docs == partial.n_docs
-    resumed = top_triggers(tiny_model, CORPUS, None, [0, 9, 100], k=4, batch_size=2, progress=False, resume=loaded)
+    resumed = top_triggers(tiny_model, CORPUS, resume=loaded, **args)
     assert resumed.complete and resumed.n_tokens == full.n_tokens
     for name in ("activations", "docs", "positions", "contexts", "next_tokens"):
         assert torch.equal(getattr(resumed, name), getattr(full, name)), name
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        full.save(tmp_path / "partial.safetensors")
+        full.save(path)
 
 
 def test_merge_of_shards_equals_one_scan(tiny_model):
@@ -208,7 +252,7 @@ def test_merge_of_shards_equals_one_scan(tiny_model):
     for name in ("docs", "positions", "contexts", "next_tokens"):
         assert torch.equal(getattr(merged, name), getattr(whole, name)), name
     torch.testing.assert_close(merged.activations, whole.activations, rtol=1e-5, atol=1e-6)
-    assert merged.n_tokens == whole.n_tokens
+    assert merged.n_tokens == whole.n_tokens and merged.n_docs == whole.n_docs == len(CORPUS)
     with pytest.raises(ValueError, match="same layers"):
         merge([whole, top_triggers(tiny_model, CORPUS, [1], [1, 2, 3], k=6, progress=False)])
 

@@ -1,0 +1,294 @@
+"""Head ablation: replace heads' outputs (hook_z) with zeros, a reference mean, or a resampled reference.
+
+A metric here is `metric(logits [batch pos vocab], tokens [batch pos], attention_mask [batch pos]) ->
+[batch]`, one value per row. Batched analyses stack several interventions along the batch
+dimension, so a metric may see the prompts repeated (copy-major: row i is prompt i % n_prompts);
+`loss_metric` and `logit_diff_metric` handle that, and per-prompt data in a custom metric should be
+tiled the same way (see `logit_diff_metric`).
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional, Sequence, Union
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from einops import einsum
+
+from analyses.common import AnalysisInput
+from probe import HookedDecoder
+
+Metric = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AblationMethod = Literal["zero", "mean", "resample"]
+METHODS = ("zero", "mean", "resample")
+# Stacked forwards are chunked so their logits stay under about this many floats.
+LOGIT_BUDGET = 2**26
+
+
+def tokens_and_mask(model: HookedDecoder, input: AnalysisInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [batch pos] and attention mask [batch pos] (1 = real token) on the model's device."""
+    if isinstance(input, torch.Tensor):
+        tokens = model.validate_tokens(input)
+        return tokens, torch.ones_like(tokens)
+    if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input)):
+        tokens, mask = model.to_tokens(input, return_attention_mask=True)
+        return model.validate_tokens(tokens), mask
+    raise TypeError(f"input must be a string, a list of strings or token ids, got {type(input).__name__}")
+
+
+def _model_mask(mask: torch.Tensor) -> Optional[torch.Tensor]:
+    return None if bool(mask.all()) else mask  # unpadded: the model's causal-only path is exact and faster
+
+
+def loss_metric(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[batch]: mean next-token cross-entropy of each row over the positions whose next token is real."""
+    logprobs = logits[:, :-1].float().log_softmax(dim=-1)
+    nll = -logprobs.gather(-1, tokens[:, 1:, None])[..., 0]
+    real = attention_mask[:, 1:].to(nll.dtype) * attention_mask[:, :-1].to(nll.dtype)
+    if bool((real.sum(dim=1) == 0).any()):
+        raise ValueError("the loss needs prompts of at least two tokens (BOS plus one)")
+    return (nll * real).sum(dim=1) / real.sum(dim=1)
+
+
+loss_metric.label = "loss"
+
+
+def _token_ids(model: HookedDecoder, value, what: str) -> torch.Tensor:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if isinstance(value, torch.Tensor):
+        values = value.flatten().tolist()
+    ids = []
+    for v in values:
+        if isinstance(v, str):
+            encoded = model._require_tokenizer().encode(v)
+            if len(encoded) != 1:
+                raise ValueError(f"{what} {v!r} is {len(encoded)} tokens; give a string that is one token, or its id")
+            v = encoded[0]
+        if not isinstance(v, int) or not 0 <= v < model.cfg.d_vocab:
+            raise ValueError(f"{what} {v!r} is not a token id in [0, {model.cfg.d_vocab})")
+        ids.append(v)
+    return torch.tensor(ids, device=model.device)
+
+
+def logit_diff_metric(model: HookedDecoder, answer, counterfactual, position: Optional[int] = None) -> Metric:
+    """A metric: logit of `answer` minus logit of `counterfactual` at `position` (default: each
+    prompt's last real token). Each is a token id, a one-token string, or one of those per prompt."""
+    answer_ids = _token_ids(model, answer, "answer")
+    counter_ids = _token_ids(model, counterfactual, "counterfactual")
+    if len(answer_ids) != len(counter_ids):
+        raise ValueError(f"{len(answer_ids)} answers but {len(counter_ids)} counterfactuals; give one of each per prompt")
+
+    def metric(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        rows = logits.shape[0]
+        if rows % len(answer_ids):
+            raise ValueError(f"{len(answer_ids)} answers do not match a batch of {rows} prompts")
+        reps = rows // len(answer_ids)
+        ans, cf = answer_ids.to(logits.device).repeat(reps), counter_ids.to(logits.device).repeat(reps)
+        if position is None:
+            pos = attention_mask.long().cumsum(dim=1).argmax(dim=1)  # last real token, whatever the padding side
+        else:
+            pos = torch.full((rows,), position % logits.shape[1], device=logits.device)
+        at = logits[torch.arange(rows, device=logits.device), pos]
+        return (at.gather(-1, ans[:, None]) - at.gather(-1, cf[:, None]))[:, 0].float()
+
+    metric.label = "logit difference"
+    return metric
+
+
+def metric_name(metric: Metric) -> str:
+    """A metric's name for titles, HTML-escaped (a lambda is called `<lambda>`, which plotly would parse as a tag)."""
+    name = getattr(metric, "label", None) or getattr(metric, "__name__", "metric")
+    return html.escape("metric" if name == "<lambda>" else str(name))
+
+
+def _check_heads(model: HookedDecoder, heads) -> list[tuple[int, int]]:
+    heads = list(heads)
+    ok = all(isinstance(h, (tuple, list)) and len(h) == 2 and all(isinstance(i, int) for i in h) for h in heads)
+    bad = [h for h in heads if not ok or not (0 <= h[0] < model.cfg.n_layers and 0 <= h[1] < model.cfg.layer_heads(h[0]))]
+    if not ok or bad or not heads:
+        raise ValueError(
+            f"heads must be a non-empty list of (layer, head) with layer < {model.cfg.n_layers} and "
+            f"head < the layer's head count ({model.cfg.n_heads} unless pruned); got {bad or heads!r}"
+        )
+    return [tuple(h) for h in heads]
+
+
+@torch.no_grad()
+def _replacements(
+    model: HookedDecoder, method: str, tokens: torch.Tensor, mask: torch.Tensor,
+    layers: Sequence[int], reference: Optional[AnalysisInput], seed: int,
+) -> dict[int, torch.Tensor]:
+    """For each layer, what replaces hook_z, broadcastable to [batch pos head d_head]."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not an ablation; choose one of: {', '.join(METHODS)}")
+    if method == "zero":
+        return {l: torch.zeros((), device=model.device) for l in layers}
+    if reference is None:
+        if tokens.shape[0] == 1:
+            raise ValueError(
+                f"{method} ablation over the input itself needs more than one prompt; pass reference= "
+                "other prompts (text or token ids) to take the mean or the samples from"
+            )
+        ref_tokens, ref_mask = tokens, mask
+    else:
+        ref_tokens, ref_mask = tokens_and_mask(model, reference)
+    n = tokens.shape[1]
+    if ref_tokens.shape[1] < n:
+        raise ValueError(
+            f"the reference has {ref_tokens.shape[1]} positions but the input has {n}; ablations replace each "
+            "position with the reference's at the same position, so give a reference at least as long"
+        )
+    names = [f"blocks.{l}.attn.hook_z" for l in layers]
+    _, cache = model.run_with_cache(ref_tokens, attention_mask=_model_mask(ref_mask), names=names)
+    ref_mask = ref_mask[:, :n].to(torch.float32)
+    out = {}
+    if method == "mean":
+        weight = ref_mask / ref_mask.sum(dim=0).clamp(min=1)  # padded reference positions do not count
+        for l, name in zip(layers, names):
+            out[l] = einsum(weight.to(cache[name].dtype), cache[name][:, :n],
+                            "batch pos, batch pos head d_head -> pos head d_head")[None]
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        rows = torch.randint(0, ref_tokens.shape[0], (tokens.shape[0],), generator=gen).to(model.device)
+        for l, name in zip(layers, names):
+            out[l] = cache[name][rows, :n]
+    return out
+
+
+@torch.no_grad()
+def ablate_heads(
+    model: HookedDecoder,
+    input: AnalysisInput,
+    heads: Sequence[tuple[int, int]],
+    method: AblationMethod = "zero",
+    reference: Optional[AnalysisInput] = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Logits [batch pos vocab] with every head in `heads` ablated at once, through hook_z.
+
+    zero: the head writes nothing (its b_O share stays, as b_O is not per head).
+    mean: the head's output is its mean over the reference prompts, position by position.
+    resample: each prompt gets the head's output on a reference prompt drawn at random (seeded).
+    The reference defaults to the input batch itself.
+    """
+    heads = _check_heads(model, heads)
+    tokens, mask = tokens_and_mask(model, input)
+    layers = sorted({l for l, _ in heads})
+    repl = _replacements(model, method, tokens, mask, layers, reference, seed)
+
+    def ablate(z: torch.Tensor, hook, layer: int) -> torch.Tensor:
+        chosen = torch.zeros(z.shape[2], dtype=torch.bool, device=z.device)
+        chosen[[h for l, h in heads if l == layer]] = True
+        return torch.where(chosen[:, None], repl[layer].to(z.dtype), z)
+
+    hooks = [(f"blocks.{l}.attn.hook_z", lambda z, hook, l=l: ablate(z, hook, l)) for l in layers]
+    return model.run_with_hooks(tokens, attention_mask=_model_mask(mask), fwd_hooks=hooks)
+
+
+@dataclass
+class HeadAblationEffects:
+    """per_prompt: [layer head batch] the metric with that head alone ablated; baseline: [batch] unablated."""
+
+    per_prompt: torch.Tensor
+    baseline: torch.Tensor
+    method: str
+    metric_name: str
+
+    @property
+    def ablated(self) -> torch.Tensor:  # [layer head]
+        return self.per_prompt.mean(dim=-1)
+
+    @property
+    def effects(self) -> torch.Tensor:  # [layer head]: metric ablated minus metric clean
+        return self.ablated - self.baseline.mean()
+
+    def to_frame(self) -> pd.DataFrame:
+        n_layer, n_head = self.effects.shape
+        layer, head = torch.meshgrid(torch.arange(n_layer), torch.arange(n_head), indexing="ij")
+        keep = ~self.effects.isnan().flatten()  # pruned heads
+        return pd.DataFrame({
+            "layer": layer.flatten()[keep].numpy(), "head": head.flatten()[keep].numpy(),
+            "baseline": float(self.baseline.mean()), "ablated": self.ablated.flatten()[keep].numpy(),
+            "effect": self.effects.flatten()[keep].numpy(),
+        })
+
+    def figure(self) -> go.Figure:
+        effects = self.effects
+        n_layer, n_head = effects.shape
+        bound = float(effects.nan_to_num().abs().max()) or 1.0
+        fig = go.Figure(go.Heatmap(
+            z=effects.numpy(), x=list(range(n_head)), y=list(range(n_layer)),
+            colorscale="RdBu_r", zmid=0, zmin=-bound, zmax=bound, colorbar=dict(title=f"Δ {self.metric_name}"),
+            customdata=self.ablated.numpy(),
+            hovertemplate=f"layer %{{y}} head %{{x}}<br>Δ {self.metric_name} %{{z:.5f}}"
+                          f"<br>{self.metric_name} ablated %{{customdata:.5f}}<extra></extra>",
+        ))
+        fig.update_layout(
+            title=f"Change in {self.metric_name} when one head is {self.method}-ablated"
+                  f"<br><sup>baseline {self.metric_name} {float(self.baseline.mean()):.4f}</sup>",
+            width=max(520, 160 + 45 * n_head), height=180 + 45 * n_layer,
+        )
+        fig.update_xaxes(title="head", dtick=1)
+        fig.update_yaxes(title="layer", dtick=1, autorange="reversed")
+        return fig
+
+
+def _rows_per_forward(model: HookedDecoder, n_pos: int, max_rows: Optional[int]) -> int:
+    if max_rows is not None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        return max_rows
+    return max(1, LOGIT_BUDGET // (n_pos * model.cfg.d_vocab))
+
+
+@torch.no_grad()
+def head_ablation_effects(
+    model: HookedDecoder,
+    input: AnalysisInput,
+    metric: Optional[Metric] = None,
+    method: AblationMethod = "zero",
+    reference: Optional[AnalysisInput] = None,
+    seed: int = 0,
+    max_rows: Optional[int] = None,
+) -> HeadAblationEffects:
+    """The metric (default: loss on the input) with each head alone ablated, for every head.
+
+    Ablating a head of layer l leaves layers < l unchanged, so each run restarts at layer l from the
+    cached residual, and the ablations of one layer share a forward: the prompts are stacked once
+    per ablated head along the batch (at most `max_rows` rows per forward; default: a memory budget).
+    """
+    metric = loss_metric if metric is None else metric
+    tokens, mask = tokens_and_mask(model, input)
+    batch, n = tokens.shape
+    n_layer, n_head = model.cfg.n_layers, model.cfg.n_heads
+    repl = _replacements(model, method, tokens, mask, range(n_layer), reference, seed)
+    names = [f"blocks.{l}.hook_resid_pre" for l in range(1, n_layer)]
+    logits, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask), names=names)
+    baseline = metric(logits, tokens, mask).float().cpu()
+    del logits
+
+    copies = max(1, _rows_per_forward(model, n, max_rows) // batch)  # ablations per forward
+    per_prompt = torch.full((n_layer, n_head, batch), float("nan"))  # NaN stays where pruning removed a head
+    for layer in range(n_layer):
+        start = tokens if layer == 0 else cache[f"blocks.{layer}.hook_resid_pre"]
+        layer_heads = model.cfg.layer_heads(layer)
+        eye = torch.eye(layer_heads, dtype=torch.bool, device=model.device)
+        for first in range(0, layer_heads, copies):
+            chosen = eye[first: first + copies]  # [copy head]: copy k ablates head first + k
+            k = chosen.shape[0]
+
+            def ablate(z: torch.Tensor, hook, chosen=chosen, k=k, layer=layer) -> torch.Tensor:
+                z = z.view(k, batch, *z.shape[1:])
+                z = torch.where(chosen[:, None, None, :, None], repl[layer].to(z.dtype)[None], z)
+                return z.flatten(0, 1)
+
+            stacked_mask = mask.repeat(k, 1)
+            logits = model.run_with_hooks(
+                start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
+                start_at_layer=layer, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", ablate)],
+            )
+            values = metric(logits, tokens.repeat(k, 1), stacked_mask)
+            per_prompt[layer, first: first + k] = values.float().view(k, batch).cpu()
+    return HeadAblationEffects(per_prompt=per_prompt, baseline=baseline, method=method, metric_name=metric_name(metric))

@@ -1,0 +1,207 @@
+"""Attention patterns of one prompt, with figures: one head, one layer's heads, every head at a glance."""
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+import torch.nn.functional as F
+from plotly.subplots import make_subplots
+
+from analyses.common import AnalysisInput, as_tokens, token_labels
+from probe import HookedDecoder
+
+# Beyond this many tokens the tick labels of a single-head heatmap would overprint even in a
+# figure that grows with the prompt; the hover still names both tokens.
+MAX_LABELLED_TOKENS = 160
+CELL_PX = 14  # pixels per token while labels are shown: the figure (and its HTML page) grows and scrolls
+# Grids of many heads are drawn at most this many cells a side per head (max-pooled blocks), so
+# a 1024-token prompt does not put millions of cells per head into the HTML.
+GRID_CELLS = 64
+
+
+@dataclass
+class AttentionPatterns:
+    """Attention weights of one prompt.
+
+    pattern: [layer head query_pos key_pos], for `layers` x `heads` (indices into the model).
+    labels:  one escaped, position-suffixed label per token (safe to put into HTML).
+    """
+
+    pattern: torch.Tensor
+    layers: list[int]
+    heads: list[int]
+    tokens: torch.Tensor  # [pos]
+    labels: list[str]
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (layer, head, query_pos, key_pos) the causal mask allows."""
+        n_layer, n_head, n, _ = self.pattern.shape
+        layer, head, query, key = torch.meshgrid(
+            torch.tensor(self.layers), torch.tensor(self.heads), torch.arange(n), torch.arange(n), indexing="ij"
+        )
+        keep = (key <= query).flatten() & ~self.pattern.isnan().flatten()
+        query, key = query.flatten()[keep], key.flatten()[keep]
+        labels = pd.Series(self.labels)
+        return pd.DataFrame({
+            "layer": layer.flatten()[keep].numpy(),
+            "head": head.flatten()[keep].numpy(),
+            "query_pos": query.numpy(),
+            "key_pos": key.numpy(),
+            "query_token": labels[query.numpy()].to_numpy(),
+            "key_token": labels[key.numpy()].to_numpy(),
+            "weight": self.pattern.flatten()[keep].float().numpy(),
+        })
+
+    def _index(self, layer: int, head: Optional[int] = None) -> tuple[int, Optional[int]]:
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} was not computed; these were: {self.layers}")
+        if head is not None and head not in self.heads:
+            raise ValueError(f"head {head} was not computed; these were: {self.heads}")
+        return self.layers.index(layer), None if head is None else self.heads.index(head)
+
+    def figure(self, layer: Optional[int] = None, head: Optional[int] = None) -> go.Figure:
+        """One head (layer and head given), one layer's heads (layer only), or every head (neither)."""
+        if layer is None and head is not None:
+            raise ValueError("give the layer as well as the head, e.g. figure(layer=1, head=3)")
+        if layer is None:
+            return self._overview()
+        li, hi = self._index(layer, head)
+        if hi is None:
+            return self._layer_grid(li)
+        if self.pattern[li, hi].isnan().all():
+            raise ValueError(f"layer {layer} has no head {head} (it was pruned)")
+        return self._head(li, hi)
+
+    def _head(self, li: int, hi: int) -> go.Figure:
+        n = self.pattern.shape[-1]
+        z = _masked(self.pattern[li, hi]).float().numpy()
+        fig = go.Figure(go.Heatmap(
+            z=z, x=self.labels, y=self.labels, coloraxis="coloraxis",
+            hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>",
+        ))
+        labelled = n <= MAX_LABELLED_TOKENS
+        side = 250 + CELL_PX * n if labelled else 900
+        longest = max(len(html.unescape(label)) for label in self.labels)
+        top = 70 + (min(6 * longest, 200) if labelled else 0)  # room for the key labels above the plot
+        fig.update_layout(
+            title=dict(text=f"Attention pattern, layer {self.layers[li]} head {self.heads[hi]}", y=0.995, yanchor="top"),
+            width=side + 80, height=side + top - 70, autosize=False, margin=dict(t=top), plot_bgcolor="white",
+            coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")),
+        )
+        fig.update_xaxes(title="key token", showticklabels=labelled, tickangle=-90, type="category",
+                         tickfont=dict(size=10), side="top", showgrid=False, zeroline=False)
+        fig.update_yaxes(title="query token", showticklabels=labelled, autorange="reversed", type="category",
+                         tickfont=dict(size=10), showgrid=False, zeroline=False)
+        return fig
+
+    def _layer_grid(self, li: int) -> go.Figure:
+        n_head = len(self.heads)
+        cols = min(n_head, 4)
+        rows = math.ceil(n_head / cols)
+        fig = make_subplots(rows=rows, cols=cols, subplot_titles=[f"head {h}" for h in self.heads],
+                            horizontal_spacing=0.03, vertical_spacing=0.06)
+        for i in range(n_head):
+            self._add_pooled(fig, self.pattern[li, i], rows=i // cols + 1, cols=i % cols + 1,
+                             name=f"layer {self.layers[li]} head {self.heads[i]}")
+        fig.update_layout(title=f"Attention patterns of layer {self.layers[li]} (query down, key across)",
+                          width=260 * cols + 120, height=260 * rows + 100,
+                          coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")))
+        fig.update_layout(plot_bgcolor="white")  # the causal mask's empty triangle shows as blank
+        fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
+        fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
+        return fig
+
+    def _overview(self) -> go.Figure:
+        n_layer, n_head = len(self.layers), len(self.heads)
+        fig = make_subplots(rows=n_layer, cols=n_head, horizontal_spacing=0.01, vertical_spacing=0.01,
+                            row_titles=[f"L{l}" for l in self.layers], column_titles=[f"H{h}" for h in self.heads])
+        for li in range(n_layer):
+            for hi in range(n_head):  # one trace per head: plotly has no batched subplot API
+                self._add_pooled(fig, self.pattern[li, hi], rows=li + 1, cols=hi + 1,
+                                 name=f"layer {self.layers[li]} head {self.heads[hi]}", cells=min(GRID_CELLS, 32))
+        fig.update_layout(title="Attention patterns of every head (rows: layers, columns: heads)",
+                          width=90 * n_head + 160, height=90 * n_layer + 140,
+                          coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")))
+        fig.update_layout(plot_bgcolor="white")  # the causal mask's empty triangle shows as blank
+        fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
+        fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
+        return fig
+
+    def _add_pooled(self, fig, pattern: torch.Tensor, rows: int, cols: int, name: str, cells: Optional[int] = None):
+        z, spans = _pool(pattern, GRID_CELLS if cells is None else cells)
+        span_labels = [self.labels[a] if a == b else f"{self.labels[a]} … {self.labels[b]}" for a, b in spans]
+        fig.add_trace(go.Heatmap(
+            z=z.float().numpy(), x=list(range(len(spans))), y=list(range(len(spans))), coloraxis="coloraxis",
+            customdata=[[[q, k] for k in span_labels] for q in span_labels],
+            hovertemplate=f"{name}<br>query %{{customdata[0]}}<br>key %{{customdata[1]}}<br>weight %{{z:.4f}}<extra></extra>",
+        ), row=rows, col=cols)
+
+
+def _masked(pattern: torch.Tensor) -> torch.Tensor:
+    """NaN above the diagonal, so the causal mask shows as an empty triangle."""
+    n = pattern.shape[-1]
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    return pattern.masked_fill(future, float("nan"))
+
+
+def _pool(pattern: torch.Tensor, cells: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """[query_pos key_pos] max-pooled to at most `cells` a side (NaN where every cell is masked),
+    with the first and last position of each block."""
+    n = pattern.shape[-1]
+    if n <= cells:
+        return _masked(pattern), [(i, i) for i in range(n)]
+    size = math.ceil(n / cells)
+    pad = size * math.ceil(n / size) - n
+    # a block's max shows any sharp attention inside it; the mean would smear a one-token spike
+    pooled = F.max_pool2d(F.pad(pattern[None, None].float(), (0, pad, 0, pad)), size)[0, 0]
+    blocks = pooled.shape[0]
+    starts = torch.arange(blocks) * size
+    # a block is entirely in the future when its first key comes after its last query
+    future = starts[None, :] > (starts[:, None] + size - 1).clamp(max=n - 1)
+    spans = [(int(s), min(int(s) + size - 1, n - 1)) for s in starts]
+    return pooled.masked_fill(future, float("nan")), spans
+
+
+def _check_indices(values: Optional[Sequence[int]], count: int, what: str) -> list[int]:
+    if values is None:
+        return list(range(count))
+    values = [values] if isinstance(values, int) else list(values)
+    bad = [v for v in values if not isinstance(v, int) or not 0 <= v < count]
+    if bad or not values:
+        raise ValueError(f"{what}={values!r}: each must be an int in [0, {count}) and at least one is needed")
+    return values
+
+
+@torch.no_grad()
+def attention_patterns(
+    model: HookedDecoder,
+    input: AnalysisInput,
+    layers: Optional[Sequence[int]] = None,
+    heads: Optional[Sequence[int]] = None,
+) -> AttentionPatterns:
+    """The attention weights of one prompt (a string or token ids of one sequence) in the chosen
+    layers and heads (default: all), with the prompt's token strings for labelling."""
+    layers = _check_indices(layers, model.cfg.n_layers, "layers")
+    heads = _check_indices(heads, model.cfg.n_heads, "heads")
+    if not isinstance(input, (str, torch.Tensor)):
+        raise ValueError("attention_patterns shows one prompt: pass a string or the token ids of one sequence")
+    tokens = as_tokens(model, input)
+    if tokens.shape[0] != 1:
+        raise ValueError(
+            f"attention_patterns shows one prompt, got a batch of {tokens.shape[0]}; pass tokens[i] for the one you want"
+        )
+    names = [f"blocks.{l}.attn.hook_pattern" for l in layers]
+    _, cache = model.run_with_cache(tokens, names=names, device="cpu", dtype=torch.float32)
+    n = tokens.shape[1]
+    # NaN marks heads a (structurally pruned) layer does not have
+    pattern = torch.full((len(layers), len(heads), n, n), float("nan"))
+    for i, (layer, name) in enumerate(zip(layers, names)):
+        present = [j for j, h in enumerate(heads) if h < model.cfg.layer_heads(layer)]
+        pattern[i, present] = cache[name][0, [heads[j] for j in present]]
+    return AttentionPatterns(pattern=pattern, layers=layers, heads=heads, tokens=tokens[0].cpu(),
+                             labels=token_labels(model, tokens))

@@ -1,0 +1,310 @@
+"""Activation patching: how much of a metric one clean activation restores in a corrupted run.
+
+Exact patching reruns the corrupted prompt once per site with that site's activation taken from
+the clean run; attribution patching estimates all of them from one corrupted forward and one
+backward, as (clean - corrupted) . d metric / d activation. Metrics follow analyses.ablation:
+`metric(logits, tokens, attention_mask) -> [batch]`.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Literal, Optional, Sequence, Union
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+from analyses.ablation import Metric, _model_mask, _rows_per_forward, metric_name, tokens_and_mask
+from analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
+from analyses.common import AnalysisInput, token_labels
+from probe import HookedDecoder
+
+Activation = Literal["z", "resid_pre", "attn_out", "mlp_out"]
+HOOKS = {
+    "z": "blocks.{layer}.attn.hook_z",  # [batch pos head d_head]
+    "resid_pre": "blocks.{layer}.hook_resid_pre",  # [batch pos d_model]
+    "attn_out": "blocks.{layer}.hook_attn_out",
+    "mlp_out": "blocks.{layer}.hook_mlp_out",
+}
+SWEEPS = ("heads", "resid_pre", "attn_out", "mlp_out")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One activation to patch: a head's output (`z` with `head`), or a residual-stream-sized
+    activation; `pos` limits it to one position (None: every position)."""
+
+    act: Activation
+    layer: int
+    head: Optional[int] = None
+    pos: Optional[int] = None
+
+    @property
+    def hook_name(self) -> str:
+        return HOOKS[self.act].format(layer=self.layer)
+
+    @property
+    def label(self) -> str:
+        head = "" if self.head is None else f" head {self.head}"
+        pos = "" if self.pos is None else f" pos {self.pos}"
+        return f"{self.act} layer {self.layer}{head}{pos}"
+
+    def check(self, model: HookedDecoder, n_pos: int) -> None:
+        cfg = model.cfg
+        problems = []
+        if self.act not in HOOKS:
+            problems.append(f"act={self.act!r} is not one of {', '.join(HOOKS)}")
+        if not (isinstance(self.layer, int) and 0 <= self.layer < cfg.n_layers):
+            problems.append(f"layer={self.layer!r} is outside [0, {cfg.n_layers})")
+        heads = cfg.layer_heads(self.layer) if not problems else cfg.n_heads
+        if self.head is not None and (self.act != "z" or not (isinstance(self.head, int) and 0 <= self.head < heads)):
+            problems.append(f"head={self.head!r} needs act='z' and a head in [0, {heads})")
+        if self.pos is not None and not (isinstance(self.pos, int) and 0 <= self.pos < n_pos):
+            problems.append(f"pos={self.pos!r} is outside the prompt's [0, {n_pos})")
+        if problems:
+            raise ValueError(f"bad patching site {self!r}: " + "; ".join(problems))
+
+
+def sweep_sites(model: HookedDecoder, sweep: str, n_pos: int) -> list[Site]:
+    """The sites of a standard sweep: every head ('heads'), or every layer x position."""
+    layers = range(model.cfg.n_layers)
+    if sweep == "heads":
+        return [Site("z", l, head=h) for l in layers for h in range(model.cfg.layer_heads(l))]
+    if sweep in HOOKS and sweep != "z":
+        return [Site(sweep, l, pos=p) for l in layers for p in range(n_pos)]
+    raise ValueError(f"sites={sweep!r} is not a sweep; choose one of {', '.join(SWEEPS)}, or give a list of Site")
+
+
+@dataclass
+class PatchingResult:
+    """patched: [site] the metric (batch mean) with that site patched, or its linear estimate
+    (method 'attribution'); clean/corrupted: the metric on the unpatched runs."""
+
+    sites: list[Site]
+    patched: torch.Tensor
+    clean: float
+    corrupted: float
+    method: str
+    metric_name: str
+    labels: list[str]  # escaped token labels of the first corrupted prompt
+    clean_labels: list[str]
+    sweep: Optional[str] = None
+
+    @property
+    def recovered(self) -> torch.Tensor:
+        """[site]: 0 = the corrupted run's metric, 1 = the clean run's."""
+        return (self.patched - self.corrupted) / (self.clean - self.corrupted)
+
+    def to_frame(self) -> pd.DataFrame:
+        pos = [s.pos for s in self.sites]
+        return pd.DataFrame({
+            "act": [s.act for s in self.sites],
+            "layer": [s.layer for s in self.sites],
+            "head": pd.array([s.head for s in self.sites], dtype="Int64"),
+            "pos": pd.array(pos, dtype="Int64"),
+            "token": [None if p is None else self.labels[p] for p in pos],
+            "metric": self.patched.numpy(),
+            "recovered": self.recovered.numpy(),
+            "method": self.method,
+        })
+
+    def figure(self) -> go.Figure:
+        """A layer x head or layer x position heatmap for sweeps; a bar per site otherwise."""
+        recovered = self.recovered
+        what = "attribution patching (linear estimate)" if self.method == "attribution" else "activation patching"
+        title = f"{what}<br><sup>share of the {self.metric_name} recovered: 0 corrupted, 1 clean</sup>"
+        if self.sweep is None:
+            fig = go.Figure(go.Bar(x=[s.label for s in self.sites], y=recovered.numpy(),
+                                   hovertemplate="%{x}<br>recovered %{y:.4f}<extra></extra>"))
+            fig.update_layout(title=title, yaxis_title="recovered (0 corrupted, 1 clean)")
+            return fig
+        n_layer = max(s.layer for s in self.sites) + 1
+        column = [s.head if self.sweep == "heads" else s.pos for s in self.sites]
+        # filled by coordinates, NaN where a pruned layer has fewer heads
+        grid = torch.full((n_layer, max(column) + 1), float("nan"))
+        grid[[s.layer for s in self.sites], column] = recovered
+        bound = max(1.0, float(grid.nan_to_num().abs().max()))
+        if self.sweep == "heads":
+            x, x_title, labelled = list(range(grid.shape[1])), "head", True
+            hover = "layer %{y} head %{x}"
+            width = max(520, 160 + 45 * grid.shape[1])
+        else:
+            x, x_title = self.labels, f"position (token of the corrupted prompt; {self.sweep} patched)"
+            labelled = len(x) <= MAX_LABELLED_TOKENS
+            hover = "layer %{y}<br>corrupted %{x}<br>clean %{customdata}"
+            width = max(520, 220 + CELL_PX * len(x)) if labelled else 1200
+        fig = go.Figure(go.Heatmap(
+            z=grid.numpy(), x=x, y=list(range(n_layer)), colorscale="RdBu", zmid=0, zmin=-bound, zmax=bound,
+            customdata=None if self.sweep == "heads" else [self.clean_labels] * n_layer,
+            colorbar=dict(title="recovered"), hovertemplate=hover + "<br>recovered %{z:.4f}<extra></extra>",
+        ))
+        longest = max(len(html.unescape(label)) for label in self.labels)
+        label_room = min(6 * longest, 200) if self.sweep != "heads" and labelled else 0  # rotated token labels
+        fig.update_layout(title=title, width=width, height=220 + 40 * n_layer + label_room, autosize=False)
+        fig.update_xaxes(title=x_title, showticklabels=labelled, tickangle=-90 if self.sweep != "heads" else 0,
+                         type="category" if self.sweep != "heads" else "linear", dtick=1 if self.sweep == "heads" else None)
+        fig.update_yaxes(title="layer", dtick=1, autorange="reversed")
+        return fig
+
+
+def compare_patching(exact: PatchingResult, estimate: PatchingResult) -> go.Figure:
+    """Scatter of attribution-patching estimates against exact patching, one point per site."""
+    if exact.sites != estimate.sites:
+        raise ValueError("the two results patch different sites; run both with the same `sites`")
+    x, y = exact.recovered.numpy(), estimate.recovered.numpy()
+    lo, hi = float(min(x.min(), y.min(), 0)), float(max(x.max(), y.max(), 1))
+    fig = go.Figure([
+        go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", line=dict(dash="dash", color="grey"), name="estimate = exact",
+                   hoverinfo="skip"),
+        go.Scatter(x=x, y=y, mode="markers", name="site", text=[s.label for s in exact.sites],
+                   hovertemplate="%{text}<br>exact %{x:.4f}<br>attribution %{y:.4f}<extra></extra>"),
+    ])
+    fig.update_layout(title=f"Attribution patching against exact patching<br><sup>share of the {exact.metric_name} "
+                            "recovered, one point per site</sup>",
+                      xaxis_title="exact patching", yaxis_title="attribution estimate", width=680, height=560)
+    return fig
+
+
+def _site_masks(sites: Sequence[Site], n_pos: int, n_head: int, device) -> torch.Tensor:
+    """[site pos head] for z sites, [site pos] otherwise: which elements each site patches."""
+    pos = torch.tensor([-1 if s.pos is None else s.pos for s in sites], device=device)
+    pos_mask = (pos[:, None] == -1) | (pos[:, None] == torch.arange(n_pos, device=device))
+    if sites[0].act != "z":
+        return pos_mask
+    head = torch.tensor([-1 if s.head is None else s.head for s in sites], device=device)
+    head_mask = (head[:, None] == -1) | (head[:, None] == torch.arange(n_head, device=device))
+    return pos_mask[:, :, None] & head_mask[:, None, :]
+
+
+def _broadcast(mask: torch.Tensor) -> torch.Tensor:
+    """A site mask shaped to index [site batch pos (head) d]."""
+    return mask[:, None, ..., None]
+
+
+def patch(
+    model: HookedDecoder,
+    clean: AnalysisInput,
+    corrupted: AnalysisInput,
+    metric: Metric,
+    sites: Union[str, Sequence[Site]] = "heads",
+    method: Literal["exact", "attribution"] = "exact",
+    max_rows: Optional[int] = None,
+) -> PatchingResult:
+    """Patch each site from the clean run into the corrupted run and measure the metric.
+
+    sites: 'heads' (every head's hook_z), 'resid_pre' / 'attn_out' / 'mlp_out' (every layer x
+    position), or a list of Site. method 'exact' reruns the model per site (batched: sites of one
+    layer share a forward, restarting there from the cached corrupted residual); 'attribution'
+    estimates every site from one forward and one backward.
+    """
+    clean_tokens, clean_mask = tokens_and_mask(model, clean)
+    tokens, mask = tokens_and_mask(model, corrupted)
+    if clean_tokens.shape != tokens.shape or not torch.equal(clean_mask, mask):
+        raise ValueError(
+            f"clean {tuple(clean_tokens.shape)} and corrupted {tuple(tokens.shape)} prompts must have the same "
+            "shape and padding: patching swaps activations position by position"
+        )
+    n = tokens.shape[1]
+    sweep = sites if isinstance(sites, str) else None
+    sites = sweep_sites(model, sites, n) if isinstance(sites, str) else list(sites)
+    if not sites:
+        raise ValueError("no sites to patch")
+    if not all(isinstance(site, Site) for site in sites):
+        raise TypeError("sites must be a sweep name or a list of Site, e.g. [Site('z', 1, head=2), Site('resid_pre', 0, pos=3)]")
+    for site in sites:
+        site.check(model, n)
+    if method not in ("exact", "attribution"):
+        raise ValueError(f"method={method!r}; choose 'exact' or 'attribution'")
+
+    hook_names = sorted({s.hook_name for s in sites})
+    with torch.no_grad():
+        clean_logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=_model_mask(mask), names=hook_names)
+        clean_value = float(metric(clean_logits, clean_tokens, mask).float().mean())
+    del clean_logits
+    if method == "exact":
+        corrupted_value, patched = _exact(model, tokens, mask, metric, sites, clean_cache, max_rows)
+    else:
+        corrupted_value, patched = _attribution(model, tokens, mask, metric, sites, clean_cache)
+    if abs(clean_value - corrupted_value) < 1e-6 * max(1.0, abs(clean_value)):
+        raise ValueError(
+            f"the metric is {clean_value:.6g} on both the clean and the corrupted prompts, so there is nothing to "
+            "recover; choose prompts (or a metric) that tell them apart"
+        )
+    return PatchingResult(
+        sites=sites, patched=patched, clean=clean_value, corrupted=corrupted_value, method=method,
+        metric_name=metric_name(metric),
+        labels=token_labels(model, tokens[0]), clean_labels=token_labels(model, clean_tokens[0]), sweep=sweep,
+    )
+
+
+def attribution_patch(model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
+                      sites: Union[str, Sequence[Site]] = "heads") -> PatchingResult:
+    """Attribution patching: `patch(..., method='attribution')`."""
+    return patch(model, clean, corrupted, metric, sites, method="attribution")
+
+
+def _groups(sites: Sequence[Site]):
+    """(indices, layer, act) runs of sites that can share a forward."""
+    order = sorted(range(len(sites)), key=lambda i: (sites[i].layer, sites[i].act))
+    for (layer, act), members in groupby(order, key=lambda i: (sites[i].layer, sites[i].act)):
+        yield list(members), layer, act
+
+
+@torch.no_grad()
+def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
+    batch, n = tokens.shape
+    layers = sorted({s.layer for s in sites if s.layer > 0})
+    logits, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask),
+                                         names=[f"blocks.{l}.hook_resid_pre" for l in layers])
+    corrupted_value = float(metric(logits, tokens, mask).float().mean())
+    del logits
+    copies = max(1, _rows_per_forward(model, n, max_rows) // batch)
+    patched = torch.empty(len(sites))
+    for members, layer, act in _groups(sites):
+        start = tokens if layer == 0 else cache[f"blocks.{layer}.hook_resid_pre"]
+        clean_act = clean_cache[HOOKS[act].format(layer=layer)]
+        for first in range(0, len(members), copies):
+            chunk = members[first: first + copies]
+            k = len(chunk)
+            where = _broadcast(_site_masks([sites[i] for i in chunk], n, model.cfg.layer_heads(layer), tokens.device))
+
+            def swap(activation, hook, where=where, k=k, clean_act=clean_act):
+                stacked = activation.view(k, batch, *activation.shape[1:])
+                return torch.where(where, clean_act[None].to(activation.dtype), stacked).flatten(0, 1)
+
+            stacked_mask = mask.repeat(k, 1)
+            logits = model.run_with_hooks(
+                start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
+                start_at_layer=layer, fwd_hooks=[(HOOKS[act].format(layer=layer), swap)],
+            )
+            values = metric(logits, tokens.repeat(k, 1), stacked_mask).float().view(k, batch).mean(dim=1)
+            patched[chunk] = values.cpu()
+    return corrupted_value, patched
+
+
+def _attribution(model, tokens, mask, metric, sites, clean_cache):
+    names = sorted({s.hook_name for s in sites})
+    acts: dict[str, torch.Tensor] = {}
+
+    def keep(activation, hook):
+        if not activation.requires_grad:  # frozen weights: make the activation a leaf we can differentiate to
+            activation = activation.detach().requires_grad_(True)
+        acts[hook.name] = activation
+        return activation
+
+    with torch.enable_grad():
+        logits = model.run_with_hooks(tokens, attention_mask=_model_mask(mask), fwd_hooks=[(names, keep)])
+        value = metric(logits, tokens, mask).float().mean()
+        grads = dict(zip(names, torch.autograd.grad(value, [acts[name] for name in names])))
+    corrupted_value = float(value.detach())
+    estimate = torch.empty(len(sites))
+    for members, layer, act in _groups(sites):
+        name = HOOKS[act].format(layer=layer)
+        # d metric ~ sum over the patched elements of (clean - corrupted) * gradient, summed over the batch
+        contribution = ((clean_cache[name] - acts[name].detach()) * grads[name]).sum(dim=(0, -1))  # [pos (head)]
+        masks = _site_masks([sites[i] for i in members], tokens.shape[1], model.cfg.layer_heads(layer), tokens.device)
+        delta = (masks.to(contribution.dtype) * contribution).flatten(1).sum(dim=1)
+        estimate[members] = (corrupted_value + delta.float()).cpu()
+    return corrupted_value, estimate
