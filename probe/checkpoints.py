@@ -40,7 +40,7 @@ class Source:
             raise CheckpointError(
                 f"tensor {name!r} in {self.directory} has shape {tuple(tensor.shape)}, but config.json implies {tuple(shape)}"
             )
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and tensor.numel() and not _finite(tensor):
             raise CheckpointError(f"tensor {name!r} in {self.directory} contains NaN or inf values: the checkpoint is corrupt")
         return tensor
 
@@ -53,6 +53,12 @@ class Source:
             raise CheckpointError(
                 f"checkpoint in {self.directory} has tensors this model type does not use: {', '.join(unexpected[:10])}"
             )
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # min and max propagate NaN and reach inf: two scalars instead of a bool tensor as large as the weight
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,8 @@ def _gpt_to_probe(names):
         out = {}
         for ours, (theirs, shape, transposed) in names(cfg).items():
             tensor = source.take(theirs, shape)
-            out[ours] = (tensor.T if transposed else tensor).contiguous()
+            # a transposed Conv1D weight stays a view: F.linear on it reads the stored layout directly
+            out[ours] = tensor.T if transposed else tensor
         head = source.take_optional("lm_head.weight")
         if head is not None and not torch.equal(head, out["embed.W_E"]):
             raise CheckpointError(f"lm_head.weight in {source.directory} differs from the embedding; untied heads are not supported here")
