@@ -394,6 +394,62 @@ def trigger_scan(ctx: Context) -> list[Case]:
     ]
 
 
+@workload("importance", 8, "Head importance (Michel et al. 2019): one forward and backward gives every head's score",
+          "time per token <= 1.2x one forward + backward", floor="probe forward + backward",
+          check=_at_most("probe head_importance", "probe forward + backward", 1.2), model="small")
+def importance(ctx: Context) -> list[Case]:
+    from analyses import head_importance
+
+    probe = ctx.probe_model()
+    tokens = ctx.tokens()
+
+    def forward_backward():
+        logits = probe(tokens)
+        loss = logits[:, :-1].float().log_softmax(-1).gather(-1, tokens[:, 1:, None]).mean()
+        loss.backward()
+        probe.zero_grad(set_to_none=True)
+
+    return [
+        Case("probe forward + backward", PROBE, forward_backward, note="language-model loss, gradients for every parameter"),
+        Case("probe head_importance", PROBE, lambda: head_importance(probe, [tokens], progress=False),
+             note="head mask on hook_z, per-sequence |dL/dmask|, the same tokens"),
+    ]
+
+
+@workload("generation", 9, "Greedy generation of 256 tokens with the KV cache",
+          "probe tokens/s >= 0.9x transformers' generate with its cache (time <= 1.11x)", floor="transformers generate, cache",
+          check=_at_most("probe generate, cache", "transformers generate, cache", 1 / 0.9), shape="single")
+def generation(ctx: Context) -> list[Case]:
+    probe, hf = ctx.probe_model(), ctx.hf_model()
+    new = min(256, json.loads((ctx.path / "config.json").read_text())["n_positions"] - 16)
+    prompt = ctx.tokens(batch=1, seq=16)
+    mask = prompt.new_ones(prompt.shape)
+    return [
+        Case("transformers generate, cache", HF, _no_grad(lambda: hf.generate(
+            prompt, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)),
+             note=f"{new} new tokens after a 16-token prompt, batch 1"),
+        Case("probe generate, cache", PROBE, lambda: probe.generate(prompt, max_new_tokens=new)),
+        Case("probe generate, no cache", PROBE, lambda: probe.generate(prompt, max_new_tokens=new, use_cache=False),
+             ratio_to="probe generate, cache", note="every step reruns the whole sequence: the speed-up the cache buys"),
+    ]
+
+
+@workload("pruned_forward", 10, "Forward of a structurally pruned model: 25/50/75% of every layer's heads removed",
+          "report: what pruning buys (half the heads pruned should not be slower)", floor="probe forward, unpruned",
+          check=_at_most("probe forward, 50% of heads pruned", "probe forward, unpruned", 1.0))
+def pruned_forward(ctx: Context) -> list[Case]:
+    from analyses import prune_heads
+
+    probe, tokens = ctx.probe_model(), ctx.tokens()
+    cfg = probe.cfg
+    cases = [Case("probe forward, unpruned", PROBE, _no_grad(lambda: probe(tokens)))]
+    for fraction in (0.25, 0.5, 0.75):
+        k = round(fraction * cfg.n_heads)  # speed depends only on how many heads remain, not which
+        pruned = prune_heads(probe, [(l, h) for l in range(cfg.n_layers) for h in range(k)]).eval()
+        cases.append(Case(f"probe forward, {fraction:.0%} of heads pruned", PROBE, _no_grad(lambda m=pruned: m(tokens))))
+    return cases
+
+
 def _first_forward(model_fn: Callable[[], Any], ctx: Context, hf: bool) -> Callable[[], Any]:
     """Load, then run one token: a lazily (memory-mapped) loaded model pays for reading its weights here."""
     import torch
