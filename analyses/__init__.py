@@ -1,1 +1,10 @@
 """Analyses over a HookedDecoder (logit lens, attribution, patching, ...)."""
+from analyses.memories import Agreement, MemoryLookup, TopTriggers, ValueTokens, agreement, iter_documents, memory_lookup, merge, sub_updates, top_triggers, value_tokens
+from analyses.memory_report import memory_report
+from analyses.attention import AttentionPatterns, attention_patterns
+from analyses.heads import HeadScores, head_scores
+from analyses.ablation import HeadAblationEffects, ablate_heads, head_ablation_effects, logit_diff_metric, loss_metric
+from analyses.patching import PatchingResult, Site, attribution_patch, compare_patching, patch
+from analyses.lens import TunedLens, compare_lenses, logit_lens, train_tuned_lens
+from analyses.attribution import direct_logit_attribution, residual_decomposition
+from analyses.pruning import HeadImportance, PruningCurve, evaluate_masks, head_importance, load_pruned, original_heads, prune_by_importance, prune_heads, pruning_schedule, save_pruned, token_batches

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         comparison = compare_lenses(model, lens)
         out.write_csv("lens_comparison.csv", comparison.to_frame())
         out.write_figure("lens_comparison.html", comparison.figure())
-    print(result.to_frame().query("pos == pos.max()").to_string(index=False))
+    print(result.to_frame().query("position == position.max()").to_string(index=False))
     out.report(args)
     return 0
 

@@ -169,6 +169,47 @@ def test_figure_titles_escape_answers(tiny_model):
     assert "logit(&lt;)" in fig.layout.title.text
 
 
+ARCHITECTURES = {
+    "llama-like": dict(norm="rms", positions="rotary", qkv_bias=False, out_bias=False, mlp_bias=False,
+                       gated_mlp=True, activation="silu", n_kv_heads=2),
+    "no final norm": dict(final_norm=False),
+    "pruned heads": dict(heads_per_layer=(4, 2)),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_other_architectures_add_up(arch):
+    """RMS norm, rotary positions (no position row), no biases, no final norm, uneven heads: the table still
+    adds up to the model's own logit difference, and the components to the final residual."""
+    from probe import DecoderConfig, HookedDecoder
+
+    cfg = DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, **ARCHITECTURES[arch])
+    torch.manual_seed(0)
+    model = HookedDecoder(cfg).eval()
+    with torch.no_grad():  # norm weights away from 1 so the frozen scale and w matter
+        for name, param in model.named_parameters():
+            if name.endswith(".w"):
+                param.add_(0.3 * torch.randn_like(param))
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    result = direct_logit_attribution(model, tokens, [3, 4], 7)
+    logits, cache = model.run_with_cache(tokens, names="blocks.1.hook_resid_post")
+    expected = logits[torch.arange(2), -1, torch.tensor([3, 4])] - logits[:, -1, 7]
+    torch.testing.assert_close(result.total, expected, atol=ATOL, rtol=0)
+    decomposition = residual_decomposition(model, tokens)
+    torch.testing.assert_close(decomposition.total(), cache["blocks.1.hook_resid_post"], atol=ATOL, rtol=0)
+    assert ("pos_embed" in result.index.names) == (arch != "llama-like")
+    heads = result.head_contributions()
+    assert int(heads.isnan().sum()) == (2 * 2 if arch == "pruned heads" else 0)
+
+
+def test_post_norm_is_refused():
+    from probe import DecoderConfig, HookedDecoder
+
+    model = HookedDecoder(DecoderConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=20, n_ctx=8, norm_placement="post"))
+    with pytest.raises(ValueError, match="post-norm"):
+        direct_logit_attribution(model, torch.tensor([[1, 2, 3]]), 4)
+
+
 def test_bundled_model_dla_adds_up(bundled_model):
     result = direct_logit_attribution(bundled_model, ["ROMEO: What light through yonder", "KING: My lord, I"],
                                       answer=5, counterfactual=9)

@@ -124,6 +124,17 @@ def test_figures_escape_tokens(tiny_model):
         result.figure("bogus")
 
 
+def test_figures_show_control_characters(tiny_model):
+    """Byte-level BPE has tokens that are lone control bytes; plotly fails to draw them raw."""
+    strings = tiny_model.tokenizer.token_strings(list(range(tiny_model.cfg.d_vocab)))
+    odd = [i for i, s in enumerate(strings) if not s.isprintable() and s not in ("\n", "\t")]
+    assert odd
+    fig = logit_lens(tiny_model, torch.tensor([odd[:20]]), target=odd[0]).figure()
+    shown = list(fig.data[0].x) + [t for row in fig.data[0].text for t in row] + [h for row in fig.data[0].hovertext for h in row]
+    assert all(s.isprintable() for s in shown)
+    assert any("\\x" in s for s in fig.data[0].x)
+
+
 def test_bad_arguments(tiny_model, tokens):
     with pytest.raises(ValueError, match="norm"):
         logit_lens(tiny_model, tokens, norm="fixed")
@@ -201,9 +212,9 @@ def test_training_lowers_kl_and_leaves_model_alone(tiny_model):
 
     params = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
     text = " ".join(TOKENIZER_TEXT * 6)
-    lens = train_tuned_lens(tiny_model, text, steps=40, batch_tokens=256, lr=3e-3, seed=1, include_mid=True)
-    again = train_tuned_lens(tiny_model, text, steps=40, batch_tokens=256, lr=3e-3, seed=1, include_mid=True)
-    assert torch.equal(lens.A, again.A)  # a fixed seed reproduces the lens
+    lens = train_tuned_lens(tiny_model, text, steps=25, batch_tokens=128, lr=3e-3, seed=1, include_mid=True)
+    once, again = (train_tuned_lens(tiny_model, text[:500], steps=2, batch_tokens=16, seed=2) for _ in range(2))
+    assert torch.equal(once.A, again.A) and not torch.equal(once.A, torch.zeros_like(once.A))  # a fixed seed reproduces it
     assert all(torch.equal(p, params[n]) for n, p in tiny_model.named_parameters())
     assert all(p.grad is None for p in tiny_model.parameters())
     comparison = compare_lenses(tiny_model, lens, " ".join(reversed(TOKENIZER_TEXT)))
@@ -224,22 +235,21 @@ def test_training_lowers_kl_and_leaves_model_alone(tiny_model):
 
 # ---- the bundled model ----------------------------------------------------------------------------
 def test_logit_lens_kl_falls_with_depth(bundled_model):
-    text = heldout_split()[1][:2000]
-    result = logit_lens(bundled_model, text)
-    kl = result.mean_kl()
+    tokens = bundled_model.to_tokens(heldout_split()[1])[:, : bundled_model.cfg.n_ctx]
+    kl = logit_lens(bundled_model, tokens).mean_kl()
     depth = torch.arange(len(kl), dtype=kl.dtype)
     slope = ((depth - depth.mean()) * (kl - kl.mean())).sum() / ((depth - depth.mean()) ** 2).sum()
-    assert float(slope) < 0
-    assert float(kl[0]) > float(kl[-2]) > 0.0
+    assert float(slope) < 0, kl
+    assert float(kl[0]) > float(kl[-2]) > 0.0, kl
 
 
 @pytest.mark.slow
 def test_tuned_lens_beats_logit_lens_on_bundled_model(bundled_model, tmp_path):
     assert HELDOUT_TEXT.is_file()
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the machine may be shared, the budget is the work done
     lens = train_tuned_lens(bundled_model)  # the defaults: bundled held-out text, training part, seed 0
-    assert time.perf_counter() - start < 240  # the default training stays short on a CPU
+    assert time.process_time() - start < 300  # the default training stays short on a CPU
     comparison = compare_lenses(bundled_model, lens)  # the evaluation part, never trained on
     assert bool((comparison.tuned_kl[:-1] < comparison.logit_kl[:-1]).all()), comparison.to_frame()
     loaded = TunedLens.load(lens.save(tmp_path / "lens"), bundled_model)
-    torch.testing.assert_close(compare_lenses(bundled_model, loaded).tuned_kl, comparison.tuned_kl)
+    assert torch.equal(loaded.A, lens.A.cpu()) and torch.equal(loaded.b, lens.b.cpu())

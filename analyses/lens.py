@@ -1,0 +1,659 @@
+"""Logit lens (nostalgebraist 2020) and tuned lens (Belrose et al. 2023): decode the residual stream early.
+
+A *site* is a hook name where the residual stream is read: `blocks.0.hook_resid_pre` (the
+embeddings), optionally `blocks.{l}.hook_resid_mid` (after block l's attention), and
+`blocks.{l}.hook_resid_post` (after block l). Every lens maps a site's residual to logits through
+the model's own final norm and unembedding; the last site's row is the model's output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Optional, Sequence, Union
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from einops import einsum, rearrange
+from plotly.subplots import make_subplots
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from analyses.common import AnalysisInput, escape_token
+from probe import HELDOUT_TEXT, HookedDecoder
+
+NormMode = Literal["recompute", "frozen"]
+TargetSpec = Union[None, int, str, torch.Tensor]
+
+
+# ---- sites and inputs -------------------------------------------------------------------------------
+def lens_sites(n_layers: int, include_mid: bool = False) -> list[str]:
+    """The residual-stream hook names a lens reads, shallow to deep; the last is the final residual."""
+    sites = ["blocks.0.hook_resid_pre"]
+    for layer in range(n_layers):
+        if include_mid:
+            sites.append(f"blocks.{layer}.hook_resid_mid")
+        sites.append(f"blocks.{layer}.hook_resid_post")
+    return sites
+
+
+def site_label(site: str) -> str:
+    """A short readable name: `embed`, `L3 attn` (after block 3's attention), `L3` (after block 3)."""
+    if site == "blocks.0.hook_resid_pre":
+        return "embed"
+    layer, kind = site.split(".")[1], site.rsplit(".", 1)[1]
+    return f"L{layer} attn" if kind == "hook_resid_mid" else f"L{layer}"
+
+
+def tokens_and_mask(
+    model: HookedDecoder, input: AnalysisInput, attention_mask: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [batch pos] and a boolean mask [batch pos] of real (not padding) tokens."""
+    if isinstance(input, torch.Tensor):
+        tokens = model.validate_tokens(input)
+        if attention_mask is None:
+            return tokens, torch.ones_like(tokens, dtype=torch.bool)
+        mask = attention_mask.to(tokens.device)
+        mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
+        if mask.shape != tokens.shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but the tokens have shape {tuple(tokens.shape)}")
+        return tokens, mask.bool()
+    if attention_mask is not None:
+        raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
+    tokens, mask = model.to_tokens(input, return_attention_mask=True)
+    return tokens, mask.bool()
+
+
+def _forward_mask(mask: torch.Tensor) -> Optional[torch.Tensor]:
+    return None if bool(mask.all()) else mask.long()  # nothing padded: the causal-only path is exact and faster
+
+
+def show_token(token: str) -> str:
+    """escape_token, with control characters (byte-level BPE pieces) written as \\xNN: plotly fails to draw them."""
+    shown = "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" for c in token)
+    return escape_token(shown)
+
+
+def position_labels(model: HookedDecoder, tokens: torch.Tensor) -> list[list[str]]:
+    """Per prompt, one escaped label per position, suffixed with the position so equal tokens stay apart."""
+    strings = _token_strings(model)
+    return [[f"{show_token(s)} ({pos})" for pos, s in enumerate(strings(row.tolist()))] for row in tokens]
+
+
+def _token_strings(model: HookedDecoder) -> Callable[[list[int]], list[str]]:
+    if model.tokenizer is None:
+        return lambda ids: [str(i) for i in ids]
+    return model.tokenizer.token_strings
+
+
+def has_final_scale(model: HookedDecoder) -> bool:
+    """False for a model without a final norm (its ln_final is the identity, so nothing to freeze)."""
+    return "ln_final.hook_scale" in model.hook_names
+
+
+def _final_norm(model: HookedDecoder, resid: torch.Tensor, frozen_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The model's own final norm on residuals [... d_model]; `frozen_scale` (broadcastable to [... 1])
+    replaces the scale it would compute, which makes the norm an affine map of `resid`."""
+    if frozen_scale is None or not has_final_scale(model):
+        return model.ln_final(resid)
+
+    def freeze(scale: torch.Tensor, hook) -> torch.Tensor:
+        return frozen_scale.to(scale.dtype).expand_as(scale)
+
+    # through the module and its hook rather than re-deriving the formula, so any norm exposing hook_scale works
+    with model.hooks([("ln_final.hook_scale", freeze)]):
+        return model.ln_final(resid)
+
+
+# ---- the logit lens ---------------------------------------------------------------------------------
+@dataclass
+class LogitLensResult:
+    """What each site's residual decodes to. Dimensions: `batch layer pos vocab`, where `layer` indexes `sites`.
+
+    `target_rank` is 0 when the target is the lens's top token. `kl` is KL(final || layer) in nats;
+    the last row is 0. Padded positions (mask False) hold meaningless values and are left out of frames.
+    """
+
+    tokens: torch.Tensor  # [batch pos]
+    mask: torch.Tensor  # [batch pos] bool, True = real token
+    sites: list[str]
+    logits: torch.Tensor  # [batch layer pos vocab]; logits[:, -1] is the model's output
+    top_tokens: torch.Tensor  # [batch layer pos k]
+    top_probs: torch.Tensor  # [batch layer pos k]
+    target: torch.Tensor  # [batch pos]
+    target_prob: torch.Tensor  # [batch layer pos]
+    target_rank: torch.Tensor  # [batch layer pos]
+    kl: torch.Tensor  # [batch layer pos]
+    lens_name: str
+    position_labels: list[list[str]]  # per prompt, escaped, position-suffixed (for plotly axes)
+    token_strings: Callable[[list[int]], list[str]] = field(repr=False)
+
+    @property
+    def labels(self) -> list[str]:
+        return [site_label(s) for s in self.sites]
+
+    def mean_kl(self) -> torch.Tensor:
+        """[layer]: KL(final || layer) averaged over every real position of every prompt."""
+        weights = self.mask.to(self.kl.dtype)[:, None, :]
+        return (self.kl * weights).sum(dim=(0, 2)) / weights.sum(dim=(0, 2))
+
+    def to_frame(self, top_k: bool = False) -> pd.DataFrame:
+        """One row per (prompt, layer, position); with top_k=True one row per (prompt, layer, position, rank)."""
+        batch, n_layers, n_pos, k = self.top_tokens.shape
+        idx = torch.cartesian_prod(torch.arange(batch), torch.arange(n_layers), torch.arange(n_pos))
+        b, l, p = idx.unbind(-1)
+        real = self.mask.cpu()[b, p]
+        b, l, p = b[real], l[real], p[real]
+        base = {
+            "prompt": b.numpy(), "layer": l.numpy(),
+            "site": [self.sites[i] for i in l.tolist()], "label": [site_label(self.sites[i]) for i in l.tolist()],
+            "position": p.numpy(),
+            "token": self.token_strings(self.tokens.cpu()[b, p].tolist()),
+        }
+        if top_k:
+            reps = {key: [v for v in vals for _ in range(k)] for key, vals in base.items()}
+            tokens = self.top_tokens.cpu()[b, l, p]  # [row k]
+            reps.update({
+                "rank": torch.arange(k).repeat(len(b)).numpy(),
+                "top_token_id": tokens.flatten().numpy(),
+                "top_token": self.token_strings(tokens.flatten().tolist()),
+                "probability": self.top_probs.float().cpu()[b, l, p].flatten().numpy(),
+            })
+            return pd.DataFrame(reps)
+        target = self.target.cpu()[b, p]
+        base.update({
+            "top_token_id": self.top_tokens.cpu()[b, l, p, 0].numpy(),
+            "top_token": self.token_strings(self.top_tokens.cpu()[b, l, p, 0].tolist()),
+            "top_prob": self.top_probs.float().cpu()[b, l, p, 0].numpy(),
+            "target_id": target.numpy(),
+            "target": self.token_strings(target.tolist()),
+            "target_prob": self.target_prob.float().cpu()[b, l, p].numpy(),
+            "target_rank": self.target_rank.cpu()[b, l, p].numpy(),
+            "kl": self.kl.float().cpu()[b, l, p].numpy(),
+            "lens": self.lens_name,
+        })
+        return pd.DataFrame(base)
+
+    def figure(
+        self,
+        kind: Literal["heatmap", "target", "kl"] = "heatmap",
+        prompt: int = 0,
+        color: Literal["top_prob", "target_logprob"] = "top_prob",
+        position: int = -1,
+    ) -> go.Figure:
+        """`heatmap`: layers x positions, each cell the lens's top token, coloured by its probability
+        (or the target's log-prob); `target`: the target's probability and rank across layers at one
+        position; `kl`: mean KL(final || layer) per layer."""
+        if not 0 <= prompt < self.tokens.shape[0]:
+            raise ValueError(f"prompt={prompt} is outside the batch of {self.tokens.shape[0]}")
+        if kind == "heatmap":
+            return self._heatmap(prompt, color)
+        if kind == "target":
+            return self._target_figure(prompt, position)
+        if kind == "kl":
+            return self._kl_figure()
+        raise ValueError(f"kind={kind!r} is not one of: heatmap, target, kl")
+
+    def _real_positions(self, prompt: int) -> int:
+        return int(self.mask[prompt].sum())
+
+    def _heatmap(self, prompt: int, color: str) -> go.Figure:
+        n = self._real_positions(prompt)  # right padding: real tokens come first
+        if not bool(self.mask[prompt, :n].all()):
+            raise ValueError("the heatmap needs right-padded prompts (real tokens first); pass them one at a time")
+        top = self.top_tokens[prompt, :, :n, 0].cpu()
+        top_prob = self.top_probs[prompt, :, :n, 0].float().cpu()
+        t_prob = self.target_prob[prompt, :, :n].float().cpu()
+        t_rank = self.target_rank[prompt, :, :n].cpu()
+        kl = self.kl[prompt, :, :n].float().cpu()
+        strings = [show_token(s) for s in self.token_strings(top.flatten().tolist())]
+        text = [strings[i * n:(i + 1) * n] for i in range(top.shape[0])]
+        targets = [show_token(s) for s in self.token_strings(self.target[prompt, :n].tolist())]
+        hover = [[
+            f"{self.labels[l]}, {self.position_labels[prompt][p]}<br>top: {text[l][p]} ({top_prob[l, p]:.4f})"
+            f"<br>target {targets[p]}: p={t_prob[l, p]:.4g}, rank {int(t_rank[l, p])}<br>KL(final||layer)={kl[l, p]:.4f}"
+            for p in range(n)] for l in range(top.shape[0])]  # per-cell hover strings: formatting, not compute
+        if color == "top_prob":
+            z, title, zmin, zmax = top_prob, "top-token probability", 0.0, 1.0
+        elif color == "target_logprob":
+            z, title, zmin, zmax = t_prob.clamp_min(1e-12).log(), "target log-prob", None, 0.0
+        else:
+            raise ValueError(f"color={color!r} is not one of: top_prob, target_logprob")
+        fig = go.Figure(go.Heatmap(
+            z=z.numpy(), x=self.position_labels[prompt][:n], y=self.labels, text=text, texttemplate="%{text}",
+            hovertext=hover, hoverinfo="text", colorscale="Blues", zmin=zmin, zmax=zmax, colorbar=dict(title=title),
+            textfont=dict(size=11),
+        ))
+        fig.update_layout(
+            title=f"{self.lens_name}: top token per layer and position (colour: {title})",
+            xaxis_title="position (input token)", yaxis_title="layer", xaxis_type="category", yaxis_type="category",
+        )
+        return fig
+
+    def _target_figure(self, prompt: int, position: int) -> go.Figure:
+        pos = _resolve_positions(self.mask[prompt:prompt + 1], position)[0]
+        prob = self.target_prob[prompt, :, pos].float().cpu()
+        rank = self.target_rank[prompt, :, pos].cpu()
+        target = show_token(self.token_strings([int(self.target[prompt, pos])])[0])
+        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=("probability", "rank (0 = top)"))
+        hover = [f"{lab}: p={p:.6g}, rank {int(r)}" for lab, p, r in zip(self.labels, prob.tolist(), rank.tolist())]
+        fig.add_trace(go.Scatter(x=self.labels, y=prob.numpy(), mode="lines+markers", name="probability",
+                                 hovertext=hover, hoverinfo="text"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=self.labels, y=rank.numpy(), mode="lines+markers", name="rank",
+                                 hovertext=hover, hoverinfo="text"), row=2, col=1)
+        fig.update_yaxes(type="log", row=2, col=1)
+        fig.update_layout(title=f"{self.lens_name}: target {target} at {self.position_labels[prompt][pos]} across layers",
+                          xaxis2_title="layer", showlegend=False)
+        return fig
+
+    def _kl_figure(self) -> go.Figure:
+        kl = self.mean_kl().float().cpu()
+        fig = go.Figure(go.Scatter(x=self.labels, y=kl.numpy(), mode="lines+markers", name=self.lens_name,
+                                   hovertext=[f"{l}: {v:.5f} nats" for l, v in zip(self.labels, kl.tolist())],
+                                   hoverinfo="text"))
+        fig.update_layout(title=f"{self.lens_name}: mean KL(final || layer)", xaxis_title="layer", yaxis_title="KL (nats)")
+        return fig
+
+
+def _resolve_positions(mask: torch.Tensor, position: int) -> torch.Tensor:
+    """[batch] index of `position` counted among each prompt's real tokens (-1 = each prompt's last)."""
+    lengths = mask.long().sum(-1)
+    if position >= 0:
+        if bool((position >= lengths).any()):
+            raise ValueError(f"position={position} is past the end of a prompt with {int(lengths.min())} tokens")
+        index = torch.full_like(lengths, position)
+    else:
+        if bool((-position > lengths).any()):
+            raise ValueError(f"position={position} is before the start of a prompt with {int(lengths.min())} tokens")
+        index = lengths + position
+    if not bool(mask[:, :1].all()):  # left padding: real tokens start later
+        index = index + (~mask).long().cumprod(-1).sum(-1)
+    return index
+
+
+@torch.no_grad()
+def logit_lens(
+    model: HookedDecoder,
+    input: AnalysisInput,
+    target: TargetSpec = None,
+    k: int = 5,
+    *,
+    include_mid: bool = False,
+    norm: NormMode = "recompute",
+    lens: Optional["TunedLens"] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+) -> LogitLensResult:
+    """Decode the residual stream after the embedding and after every block through the final norm and unembedding.
+
+    `target`: None = the next input token at each position, and the model's own top prediction at
+    each prompt's last position (which has no next token); a token id or single-token string = that
+    token everywhere; a tensor [batch pos] or [pos] = per position.
+    `include_mid`: also read after every attention sublayer (`hook_resid_mid`).
+    `norm`: "recompute" applies ln_final to each layer's residual (the lens as published); "frozen"
+    divides by the final layer's own scale from the forward pass (the linearisation attribution uses).
+    `lens`: a TunedLens; each site's residual goes through its translator first.
+    """
+    if norm not in ("recompute", "frozen"):
+        raise ValueError(f"norm={norm!r} is not one of: recompute, frozen")
+    if not (isinstance(k, int) and 1 <= k <= model.cfg.d_vocab):
+        raise ValueError(f"k={k!r} must be an int in [1, d_vocab={model.cfg.d_vocab}]")
+    tokens, mask = tokens_and_mask(model, input, attention_mask)
+    sites = lens_sites(model.cfg.n_layers, include_mid)
+    if lens is not None:
+        lens.check_compatible(model, sites)
+    frozen_needed = norm == "frozen" and has_final_scale(model)
+    names = sites + (["ln_final.hook_scale"] if frozen_needed else [])
+    final_logits, cache = model.run_with_cache(tokens, attention_mask=_forward_mask(mask), names=names)
+    resid = torch.stack([cache[s] for s in sites[:-1]], dim=1)  # [batch layer pos d_model]
+    if lens is not None:
+        resid = lens(resid, sites[:-1])
+    frozen = cache["ln_final.hook_scale"][:, None] if frozen_needed else None
+    early = model.unembed(_final_norm(model, resid, frozen))  # [batch layer pos vocab]
+    # the last row is the model's own output, not a re-derivation of it
+    logits = torch.cat([early, final_logits[:, None]], dim=1)
+    return _lens_result(model, tokens, mask, sites, logits, target, k, "tuned lens" if lens is not None else "logit lens")
+
+
+def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLensResult:
+    logprobs = logits.float().log_softmax(-1)
+    top_logprobs, top_tokens = logprobs.topk(k, dim=-1)
+    target_ids = _resolve_target(model, tokens, mask, target, logits[:, -1])
+    index = target_ids[:, None, :, None].expand(-1, logits.shape[1], -1, 1)
+    target_logprob = logprobs.gather(-1, index)  # [batch layer pos 1]
+    rank = (logprobs > target_logprob).sum(-1)
+    final = logprobs[:, -1:]
+    kl = (final.exp() * (final - logprobs)).sum(-1)
+    return LogitLensResult(
+        tokens=tokens, mask=mask, sites=sites, logits=logits, top_tokens=top_tokens, top_probs=top_logprobs.exp(),
+        target=target_ids, target_prob=target_logprob.squeeze(-1).exp(), target_rank=rank, kl=kl, lens_name=name,
+        position_labels=position_labels(model, tokens), token_strings=_token_strings(model),
+    )
+
+
+def _resolve_target(model, tokens, mask, target: TargetSpec, final_logits) -> torch.Tensor:
+    batch, n = tokens.shape
+    if target is None:
+        nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+        is_last = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+        return torch.where(is_last, final_logits.argmax(-1), nxt)
+    if isinstance(target, str):
+        target = single_token_id(model, target, "target")
+    if isinstance(target, int) and not isinstance(target, bool):
+        if not 0 <= target < model.cfg.d_vocab:
+            raise ValueError(f"target token id {target} is outside the vocabulary [0, {model.cfg.d_vocab})")
+        return torch.full_like(tokens, target)
+    if isinstance(target, torch.Tensor):
+        t = target.to(tokens.device).long()
+        t = t.expand(batch, n) if t.dim() == 1 and t.shape[0] == n else t
+        if t.shape != tokens.shape:
+            raise ValueError(f"a target tensor must have shape [batch pos] {tuple(tokens.shape)} or [pos], got {tuple(target.shape)}")
+        if bool((t < 0).any() | (t >= model.cfg.d_vocab).any()):
+            raise ValueError(f"target token ids must lie in [0, {model.cfg.d_vocab})")
+        return t
+    raise TypeError(f"target must be None, a token id, a string or a tensor of ids, got {type(target).__name__}")
+
+
+def single_token_id(model: HookedDecoder, text: str, what: str = "answer") -> int:
+    """The id of a string that is exactly one token; a multi-token string is an error, not its first token."""
+    if model.tokenizer is None:
+        raise ValueError(f"this model has no tokenizer: give the {what} as a token id")
+    ids = model.tokenizer.encode(text)
+    if len(ids) != 1:
+        shown = [s for s in model.tokenizer.token_strings(ids)]
+        raise ValueError(
+            f"{what} {text!r} is {len(ids)} tokens {shown}, not one; pass a single-token string (mind the leading "
+            f"space, e.g. ' Paris') or a token id"
+        )
+    return ids[0]
+
+
+# ---- the tuned lens ---------------------------------------------------------------------------------
+LENS_CONFIG = "config.json"
+LENS_WEIGHTS = "translators.safetensors"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunedLensConfig:
+    d_model: int
+    n_layers: int
+    sites: tuple[str, ...]  # one translator per site; the final residual never gets one
+    model_signature: tuple[float, ...]  # cheap fingerprint of the model trained on, see _signature
+    training: dict = field(default_factory=dict)  # how it was trained: text, steps, seed, final KL, ...
+
+    def to_json(self) -> str:
+        values = dataclasses.asdict(self)
+        values["sites"], values["model_signature"] = list(self.sites), list(self.model_signature)
+        return json.dumps({"format_version": FORMAT_VERSION, **values}, indent=2) + "\n"
+
+
+def _signature(model: HookedDecoder) -> tuple[float, ...]:
+    """A few weight statistics: tells a lens trained on another checkpoint apart, survives dtype changes."""
+    with torch.no_grad():
+        tensors = [model.embed.W_E[:8]] + list(model.blocks[-1].parameters()) + list(model.ln_final.parameters())
+        return tuple(round(float(t.double().norm()), 6) for t in tensors)
+
+
+class TunedLens(nn.Module):
+    """One affine translator per site, `h + h A + b`, A and b zero at initialisation (the logit lens).
+
+    Works on tensors: `lens(resid, sites)` translates residuals [batch layer pos d_model] read at `sites`.
+    """
+
+    def __init__(self, config: TunedLensConfig):
+        super().__init__()
+        self.config = config
+        n = len(config.sites)
+        self.A = nn.Parameter(torch.zeros(n, config.d_model, config.d_model))  # [layer d_model d_model]
+        self.b = nn.Parameter(torch.zeros(n, config.d_model))  # [layer d_model]
+
+    @classmethod
+    def for_model(cls, model: HookedDecoder, include_mid: bool = False, training: Optional[dict] = None) -> "TunedLens":
+        sites = tuple(lens_sites(model.cfg.n_layers, include_mid)[:-1])
+        cfg = TunedLensConfig(d_model=model.cfg.d_model, n_layers=model.cfg.n_layers, sites=sites,
+                              model_signature=_signature(model), training=dict(training or {}))
+        return cls(cfg).to(model.device)
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        return self.config.sites
+
+    def forward(self, resid: torch.Tensor, sites: Sequence[str]) -> torch.Tensor:
+        index = [self._index(s) for s in sites]
+        A, b = self.A[index].to(resid.dtype), self.b[index].to(resid.dtype)
+        return resid + einsum(resid, A, "batch layer pos d_model, layer d_model d_out -> batch layer pos d_out") + b[:, None]
+
+    def _index(self, site: str) -> int:
+        try:
+            return self.config.sites.index(site)
+        except ValueError:
+            hint = " (train it with include_mid=True to read hook_resid_mid)" if "resid_mid" in site else ""
+            raise ValueError(f"this tuned lens has no translator for {site}{hint}; it has: {', '.join(self.sites)}") from None
+
+    def check_compatible(self, model: HookedDecoder, sites: Sequence[str] = ()) -> None:
+        cfg = self.config
+        if (cfg.d_model, cfg.n_layers) != (model.cfg.d_model, model.cfg.n_layers):
+            raise ValueError(
+                f"this tuned lens was trained for d_model={cfg.d_model}, n_layers={cfg.n_layers}; the model has "
+                f"d_model={model.cfg.d_model}, n_layers={model.cfg.n_layers}"
+            )
+        ours, theirs = torch.tensor(cfg.model_signature), torch.tensor(_signature(model))
+        if not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-3):
+            raise ValueError("this tuned lens was trained on a different checkpoint (its weight fingerprint differs); "
+                             "train one for this model with train_tuned_lens")
+        for site in sites[:-1]:
+            self._index(site)
+
+    # ---- saving and loading: safetensors + JSON, never pickle ----
+    def save(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
+        """Write `config.json` and `translators.safetensors` into a new directory (e.g. next to the model's).
+
+        Written to a temporary sibling and renamed into place; an existing path is replaced only with overwrite=True.
+        """
+        directory = Path(directory).expanduser()
+        if directory.exists() and not overwrite:
+            raise FileExistsError(f"{directory} already exists; choose another directory or pass overwrite=True")
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            (tmp / LENS_CONFIG).write_text(self.config.to_json())
+            tensors = {"A": self.A.detach().float().cpu().contiguous(), "b": self.b.detach().float().cpu().contiguous()}
+            save_file(tensors, str(tmp / LENS_WEIGHTS), metadata={"format": "pt"})
+            if directory.exists():
+                shutil.rmtree(directory) if directory.is_dir() else directory.unlink()
+            os.replace(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory
+
+    @classmethod
+    def load(cls, directory: Union[str, Path], model: Optional[HookedDecoder] = None) -> "TunedLens":
+        """Read a lens written by `save`; with `model`, check it was trained on that model and move it there."""
+        directory = Path(directory).expanduser()
+        config_path, weights_path = directory / LENS_CONFIG, directory / LENS_WEIGHTS
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing: a tuned-lens directory holds {LENS_CONFIG} and {LENS_WEIGHTS}")
+        try:
+            values = json.loads(config_path.read_text())
+            version = values.pop("format_version", None)
+            if version != FORMAT_VERSION:
+                raise ValueError(f"format_version {version!r}, expected {FORMAT_VERSION}")
+            config = TunedLensConfig(**{**values, "sites": tuple(values["sites"]),
+                                        "model_signature": tuple(values["model_signature"])})
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError, ValueError) as err:
+            raise ValueError(f"{config_path} is not a tuned-lens config: {err}") from err
+        try:
+            tensors = load_file(str(weights_path))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"could not read {weights_path}: {err}") from err
+        lens = cls(config)
+        shapes = {"A": tuple(lens.A.shape), "b": tuple(lens.b.shape)}
+        got = {k: tuple(v.shape) for k, v in tensors.items()}
+        if got != shapes:
+            raise ValueError(f"{weights_path} holds tensors {got}; its config implies {shapes}")
+        with torch.no_grad():
+            lens.A.copy_(tensors["A"])
+            lens.b.copy_(tensors["b"])
+        if model is not None:
+            lens.check_compatible(model)
+            lens = lens.to(model.device)
+        return lens
+
+
+def heldout_split(fraction: float = 0.8) -> tuple[str, str]:
+    """The bundled held-out text cut at a line break: (training part, evaluation part)."""
+    if not HELDOUT_TEXT.is_file():
+        raise FileNotFoundError(f"{HELDOUT_TEXT} is missing; pass your own text")
+    text = HELDOUT_TEXT.read_text(encoding="utf-8")
+    cut = text.rfind("\n", 0, int(len(text) * fraction))
+    cut = int(len(text) * fraction) if cut <= 0 else cut
+    return text[:cut], text[cut:]
+
+
+def _windows(model: HookedDecoder, text: str, max_tokens: int, n_ctx: Optional[int]) -> list[torch.Tensor]:
+    """Batches of BOS + (n-1) tokens covering the text's first max_tokens tokens: full windows, then the tail."""
+    if model.tokenizer is None:
+        raise ValueError("training or comparing lenses on text needs a model with a tokenizer")
+    ids = torch.tensor(model.tokenizer.encode(text)[:max_tokens], dtype=torch.long)
+    if len(ids) < 2:
+        raise ValueError(f"the text has {len(ids)} tokens; the lens needs at least 2")
+    n = min(n_ctx or model.cfg.n_ctx, model.cfg.n_ctx)
+    step = n - 1
+    full = len(ids) // step
+    rows = ids[: full * step].view(full, step)
+    bos = model.tokenizer.bos_id
+    batches = [torch.cat([torch.full((full, 1), bos), rows], dim=1)] if full else []
+    tail = ids[full * step:]
+    if len(tail):
+        batches.append(torch.cat([torch.tensor([bos]), tail])[None])
+    return [b.to(model.device) for b in batches]
+
+
+@torch.no_grad()
+def _collect_residuals(model: HookedDecoder, text: str, sites: list[str], max_tokens: int, n_ctx: Optional[int],
+                       batch_size: int = 8) -> torch.Tensor:
+    """[token layer d_model] residuals at `sites` for every text token (not the BOS, whose residual is fixed)."""
+    out = []
+    for rows in _windows(model, text, max_tokens, n_ctx):
+        for chunk in rows.split(batch_size):
+            _, cache = model.run_with_cache(chunk, names=sites)
+            stacked = torch.stack([cache[s][:, 1:] for s in sites], dim=2)  # [batch pos layer d_model]
+            out.append(rearrange(stacked, "batch pos layer d_model -> (batch pos) layer d_model").float())
+    return torch.cat(out)
+
+
+def _lens_kl(model: HookedDecoder, resid: torch.Tensor, lens: Optional[TunedLens], sites: Sequence[str]) -> torch.Tensor:
+    """[token layer]: KL(final || lens at each site) for residuals [token layer d_model] whose last layer is the final one."""
+    early = resid[:, :-1, None]  # the lens takes [batch layer pos d_model]: tokens as the batch, one position each
+    if lens is not None:
+        early = lens(early, sites[:-1])
+    resid = torch.cat([early[:, :, 0], resid[:, -1:]], dim=1)
+    # detached, float copies of the model's weights: only the lens learns, and the model's .grad stays untouched
+    normed = _call_detached(model.ln_final, resid)
+    logprobs = _call_detached(model.unembed, normed).log_softmax(-1)  # [token layer vocab]
+    final = logprobs[:, -1:]
+    return (final.exp() * (final - logprobs)).sum(-1)
+
+
+def _call_detached(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    params = {name: p.detach().float() for name, p in module.named_parameters()}
+    return torch.func.functional_call(module, params, (x,))
+
+
+def train_tuned_lens(
+    model: HookedDecoder,
+    text: Optional[str] = None,
+    *,
+    include_mid: bool = False,
+    steps: int = 150,
+    batch_tokens: int = 256,
+    lr: float = 2e-3,
+    weight_decay: float = 1e-3,
+    seed: int = 0,
+    max_tokens: int = 16384,
+    n_ctx: Optional[int] = None,
+    progress: Optional[Callable[[int, float], None]] = None,
+) -> TunedLens:
+    """Fit one affine translator per site by minimising the mean KL(final || lens) over the text's tokens.
+
+    `text` defaults to the training part of the bundled held-out text (`heldout_split()[0]`); the
+    model is run once with no gradient and only the translators are optimised (Adam), on random
+    batches of `batch_tokens` tokens drawn with `seed`. The model is not modified.
+    """
+    if text is None:
+        text, source = heldout_split()[0], "probe.HELDOUT_TEXT (training part, heldout_split()[0])"
+    else:
+        source = "user text"
+    sites = lens_sites(model.cfg.n_layers, include_mid)
+    resid = _collect_residuals(model, text, sites, max_tokens, n_ctx)
+    lens = TunedLens.for_model(model, include_mid)
+    lens.float()
+    gen = torch.Generator().manual_seed(seed)
+    optimiser = torch.optim.Adam(lens.parameters(), lr=lr, weight_decay=weight_decay)
+    loss = torch.tensor(float("nan"))
+    with torch.enable_grad():
+        for step in range(steps):
+            index = torch.randint(0, resid.shape[0], (min(batch_tokens, resid.shape[0]),), generator=gen)
+            loss = _lens_kl(model, resid[index.to(resid.device)], lens, sites)[:, :-1].mean()
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            optimiser.step()
+            if progress is not None:
+                progress(step, loss.item())
+    lens.config = dataclasses.replace(lens.config, training=dict(text=source, tokens=int(resid.shape[0]), steps=steps, batch_tokens=batch_tokens,
+                                     lr=lr, weight_decay=weight_decay, seed=seed, final_train_kl=round(float(loss.detach()), 6)))
+    lens.requires_grad_(False)
+    return lens
+
+
+# ---- logit lens vs tuned lens -----------------------------------------------------------------------
+@dataclass
+class LensComparison:
+    sites: list[str]
+    logit_kl: torch.Tensor  # [layer] mean KL(final || logit lens), nats
+    tuned_kl: torch.Tensor  # [layer] mean KL(final || tuned lens), nats
+    tokens: int  # how many tokens were averaged over
+
+    def to_frame(self) -> pd.DataFrame:
+        n = len(self.sites)
+        return pd.DataFrame({
+            "layer": list(range(n)) * 2, "site": self.sites * 2, "label": [site_label(s) for s in self.sites] * 2,
+            "lens": ["logit lens"] * n + ["tuned lens"] * n,
+            "mean_kl": torch.cat([self.logit_kl, self.tuned_kl]).cpu().numpy(),
+        })
+
+    def figure(self) -> go.Figure:
+        labels = [site_label(s) for s in self.sites]
+        fig = go.Figure()
+        for name, kl in (("logit lens", self.logit_kl), ("tuned lens", self.tuned_kl)):
+            fig.add_trace(go.Scatter(x=labels, y=kl.cpu().numpy(), mode="lines+markers", name=name,
+                                     hovertext=[f"{name}, {l}: {v:.5f} nats" for l, v in zip(labels, kl.tolist())],
+                                     hoverinfo="text"))
+        fig.update_layout(title=f"Mean KL(final || lens) per layer, {self.tokens} held-out tokens",
+                          xaxis_title="layer", yaxis_title="KL (nats)")
+        return fig
+
+
+@torch.no_grad()
+def compare_lenses(
+    model: HookedDecoder, lens: TunedLens, text: Optional[str] = None, *, max_tokens: int = 8192, n_ctx: Optional[int] = None
+) -> LensComparison:
+    """Mean KL(final || lens) per site for the logit lens and `lens`, on `text` (default: the
+    evaluation part of the bundled held-out text, which the default training never saw)."""
+    text = heldout_split()[1] if text is None else text
+    sites = lens_sites(model.cfg.n_layers, include_mid=any("resid_mid" in s for s in lens.sites))
+    lens.check_compatible(model, sites)
+    resid = _collect_residuals(model, text, sites, max_tokens, n_ctx)
+    chunk = max(1, 2**26 // (len(sites) * model.cfg.d_vocab))  # bounds the [token layer vocab] log-probs in memory
+    logit_kl = torch.cat([_lens_kl(model, part, None, sites) for part in resid.split(chunk)]).mean(0)
+    tuned_kl = torch.cat([_lens_kl(model, part, lens, sites) for part in resid.split(chunk)]).mean(0)
+    return LensComparison(sites=sites, logit_kl=logit_kl, tuned_kl=tuned_kl, tokens=int(resid.shape[0]))
