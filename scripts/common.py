@@ -15,6 +15,12 @@ from typing import Callable, Optional, Sequence
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class CommandError(Exception):
     """A user-facing failure: printed as one line, exit code 2."""
 
@@ -96,6 +102,7 @@ class Output:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes files private; results are ordinary files
             os.replace(tmp, final)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -91,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args)
     check_prompt(model, args.prompt)
     tokens, mask = model.to_tokens(args.prompt, return_attention_mask=True)
+    corrupted = None
+    if args.corrupted:  # checked before any analysis runs, so a mistake costs no time
+        check_prompt(model, args.corrupted)
+        corrupted = model.to_tokens(args.corrupted)
+        if corrupted.shape != tokens.shape:
+            raise CommandError(f"--corrupted is {corrupted.shape[1]} tokens but --prompt is {tokens.shape[1]}; they must be equal")
     with torch.no_grad():
         logits = model(tokens)
     probs = logits[0, -1].float().softmax(-1)
@@ -165,11 +171,8 @@ def run(args: argparse.Namespace) -> int:
         out.write_csv("ablation.csv", effects.to_frame())
 
     part = report.section("patching", "Activation patching")
-    if args.corrupted:
+    if corrupted is not None:
         with timed("patching"):
-            corrupted = model.to_tokens(args.corrupted)
-            if corrupted.shape != tokens.shape:
-                raise CommandError(f"--corrupted is {corrupted.shape[1]} tokens but --prompt is {tokens.shape[1]}; they must be equal")
             metric = A.logit_diff_metric(model, answer, counterfactual)
             exact = A.patch(model, tokens, corrupted, metric)
             estimate = A.patch(model, tokens, corrupted, metric, method="attribution")
