@@ -33,6 +33,9 @@ def token_labels(model: HookedDecoder, tokens: torch.Tensor) -> list[str]:
 
 
 def escape_token(token: str) -> str:
-    """A token string made safe and visible in HTML: escaped, with newlines and spaces shown."""
+    """A token string made safe and visible in HTML: escaped, newlines and tabs shown as \\n and \\t,
+    other control characters as \\xNN (byte-level BPE has tokens for them, and plotly.js fails to
+    draw a figure whose text contains some of them)."""
     shown = token.replace("\n", "\\n").replace("\t", "\\t")
+    shown = "".join(f"\\x{ord(c):02x}" if (ord(c) < 32 or 127 <= ord(c) < 160) else c for c in shown)
     return html.escape(shown, quote=True)
