@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional, Sequence, Union
@@ -27,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from analyses.common import AnalysisInput, escape_token
+from probe.io import atomic_directory
 from probe import HELDOUT_TEXT, HookedDecoder
 
 NormMode = Literal["recompute", "frozen"]
@@ -457,22 +454,11 @@ class TunedLens(nn.Module):
 
         Written to a temporary sibling and renamed into place; an existing path is replaced only with overwrite=True.
         """
-        directory = Path(directory).expanduser()
-        if directory.exists() and not overwrite:
-            raise FileExistsError(f"{directory} already exists; choose another directory or pass overwrite=True")
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        try:
+        with atomic_directory(directory, overwrite=overwrite) as tmp:
             (tmp / LENS_CONFIG).write_text(self.config.to_json())
             tensors = {"A": self.A.detach().float().cpu().contiguous(), "b": self.b.detach().float().cpu().contiguous()}
             save_file(tensors, str(tmp / LENS_WEIGHTS), metadata={"format": "pt"})
-            if directory.exists():
-                shutil.rmtree(directory) if directory.is_dir() else directory.unlink()
-            os.replace(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return directory
+        return Path(directory).expanduser()
 
     @classmethod
     def load(cls, directory: Union[str, Path], model: Optional[HookedDecoder] = None) -> "TunedLens":

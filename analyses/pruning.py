@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,6 +34,7 @@ import torch
 from einops import rearrange
 from plotly.subplots import make_subplots
 
+from probe.io import atomic_directory
 from probe import HELDOUT_TEXT, HookedDecoder
 
 Metric = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -603,21 +602,10 @@ def save_pruned(model: HookedDecoder, directory: Union[str, Path], overwrite: bo
     """`save_pretrained` plus `head_map.json` (the model's head map), written to a temporary sibling
     and renamed into place, so the directory appears complete or not at all."""
     head_map = head_map_of(model)
-    directory = Path(directory).expanduser()
-    if directory.exists() and not overwrite:
-        raise FileExistsError(f"{directory} already exists; choose a new directory or pass overwrite=True")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp, overwrite=True)
         (tmp / HEAD_MAP_FILE).write_text(json.dumps({"head_map": [list(layer) for layer in head_map]}) + "\n")
-        if directory.exists():
-            shutil.rmtree(directory) if directory.is_dir() else directory.unlink()
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+    return Path(directory).expanduser()
 
 
 def load_pruned(

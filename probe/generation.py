@@ -1,7 +1,7 @@
 """Text generation with a key/value cache: the prompt in one pass, then one pass per new token."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import torch
 

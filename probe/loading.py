@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
@@ -14,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from probe.checkpoints import FAMILIES, CheckpointError, Family, Source, family_for_config
 from probe.config import DecoderConfig
+from probe.io import atomic_directory
 from probe.model import HookedDecoder
 from probe.tokenizer import Tokenizer
 
@@ -160,26 +158,14 @@ def save_pretrained(model: HookedDecoder, directory: Union[str, Path], overwrite
     """
     cfg = model.cfg
     family = family_for_config(cfg)
-    directory = Path(directory).expanduser()
-    if directory.exists() and not overwrite:
-        raise FileExistsError(f"{directory} already exists; choose a new directory or pass overwrite=True")
-    directory.parent.mkdir(parents=True, exist_ok=True)
     params = {name: p.detach().cpu() for name, p in model.named_parameters(remove_duplicate=False)}
     hf_state = family.to_hf(params, cfg)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(family.config_to_hf(cfg, model.tokenizer), indent=2) + "\n")
         save_file(hf_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if model.tokenizer is not None:
             model.tokenizer.save(tmp)
-        _publish_permissions(tmp)
-        if directory.exists():
-            shutil.rmtree(directory) if directory.is_dir() else directory.unlink()
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+    return Path(directory).expanduser()
 
 
 def _rebuild_buffers(model: HookedDecoder) -> None:
@@ -188,12 +174,3 @@ def _rebuild_buffers(model: HookedDecoder) -> None:
     for module in model.modules():
         if hasattr(module, "build_buffers"):
             module.build_buffers()
-
-
-def _publish_permissions(directory: Path) -> None:
-    """mkdtemp makes a private (0700) directory; a saved model should get the usual umask-based modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)

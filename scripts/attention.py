@@ -13,8 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/attention.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import (CommandError, Output, check_prompt, command, default_out, load_model, log,  # noqa: E402
-                            parse_heads, token_id)
+from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model  # noqa: E402
 
 KINDS = ("previous_token", "first_token", "duplicate_token", "induction")
 
