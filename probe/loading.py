@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional, Union
 
@@ -22,7 +23,9 @@ GPT2_FAMILY = {
     "gpt2-xl": "openai-community/gpt2-xl",
     "distilgpt2": "distilbert/distilgpt2",
 }
-HUB_FILES = ["config.json", "model.safetensors", "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
+HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
+             "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
+HUB_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 def load_pretrained(
     name_or_path: Union[str, Path],
     device: Optional[Union[str, torch.device]] = None,
@@ -52,6 +55,8 @@ def resolve_checkpoint(name_or_path: Union[str, Path]) -> Path:
         return _from_hub(GPT2_FAMILY[name])
     if path.exists():
         raise CheckpointError(f"{path} is a file; pass the checkpoint directory holding config.json")
+    if HUB_REPO_ID.fullmatch(name):  # not a local directory, but shaped like owner/name: a hub repository
+        return _from_hub(name, also=f"there is no local directory {path}")
     if any(sep in name for sep in ("/", "\\")) or name.startswith((".", "~")):
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     raise CheckpointError(
@@ -60,7 +65,7 @@ def resolve_checkpoint(name_or_path: Union[str, Path]) -> Path:
     )
 
 
-def _from_hub(repo_id: str) -> Path:
+def _from_hub(repo_id: str, also: str = "") -> Path:
     from huggingface_hub import snapshot_download
 
     try:  # the local cache first: works offline and costs no request
@@ -71,6 +76,7 @@ def _from_hub(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
     except Exception as err:
         raise CheckpointError(
+            (f"{also}; " if also else "") +
             f"could not download {repo_id} from the Hugging Face hub, and it is not in the local cache "
             f"({type(err).__name__}: {err}). On a machine with network access run "
             f"`hf download {repo_id}` (or save_pretrained it), then pass that local directory "

@@ -210,3 +210,25 @@ def test_saved_files_get_umask_permissions_not_private_ones(tiny_model, tmp_path
         os.umask(umask)
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_any_hub_repository_id_is_looked_up_in_the_cache_first(tmp_path, monkeypatch):
+    """Llama-family checkpoints are named owner/name on the hub; offline, the local cache serves them."""
+    import huggingface_hub.constants as hub
+
+    from test_variants import build
+
+    source = tmp_path / "src"
+    build("llama", source)
+    (source / "generation_config.json").unlink(missing_ok=True)
+    repo = tmp_path / "cache" / "models--someone--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("1" * 40)
+    shutil.copytree(source, repo / "snapshots" / ("1" * 40))
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    tokens = torch.randint(0, 101, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(HookedDecoder.from_pretrained("someone/tiny-llama")(tokens), HookedDecoder.from_pretrained(source)(tokens))
+    with pytest.raises(CheckpointError, match="no local directory someone/missing.*local directory"):
+        HookedDecoder.from_pretrained("someone/missing")
