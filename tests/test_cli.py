@@ -114,3 +114,48 @@ def test_script_runs_standalone(tiny_dir, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "s" / "ledger.csv").is_file() and result.stderr == ""
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_has_help_with_an_example(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "example" in out and "--model" in out and "--out" in out
+
+
+def test_report_on_a_checkpoint_writes_every_section_and_true_numbers(tiny_dir, tiny_model, tmp_path, capsys, monkeypatch):
+    import pandas as pd
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("To be, or not to be, that is the question. " * 40)
+    monkeypatch.setattr("probe.HELDOUT_TEXT", heldout)
+    monkeypatch.setattr("probe.bundled.HELDOUT_TEXT", heldout)
+    import analyses.pruning
+
+    monkeypatch.setattr(analyses.pruning, "HELDOUT_TEXT", heldout, raising=False)
+    prompt = "To be, or not to be <script>x</script>"
+    corrupted = "To be, or not to be <script>y</script>"
+    out = tmp_path / "report"
+    code, _, err = run_cli(capsys, "report", "--model", str(tiny_dir), "--prompt", prompt, "--corrupted", corrupted, "--out", str(out))
+    assert code == 0, err
+    page = (out / "report.html").read_text()
+    for anchor in ("model", "prompt", "lens", "attribution", "attention", "detectors", "ablation", "patching", "memories", "importance"):
+        assert f'id="{anchor}"' in page, anchor
+    assert "<script>x</script>" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
+    with torch.no_grad():
+        probs = tiny_model(prompt)[0, -1].softmax(-1)
+    prediction = pd.read_csv(out / "prediction.csv")
+    assert prediction["id"][0] == int(probs.argmax())
+    assert abs(prediction["probability"][0] - float(probs.max())) < 1e-5
+
+
+def test_memories_with_a_missing_corpus(tiny_dir, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "memories", "--model", str(tiny_dir), "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "m"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_bad_flag_is_a_usage_error(tiny_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["lens", "--model", str(tiny_dir), "--prompt", "x", "--no-such-flag"])
+    assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
