@@ -421,7 +421,10 @@ def importance(ctx: Context) -> list[Case]:
           check=_at_most("probe generate, cache", "transformers generate, cache", 1 / 0.9), shape="single")
 def generation(ctx: Context) -> list[Case]:
     probe, hf = ctx.probe_model(), ctx.hf_model()
-    new = min(256, json.loads((ctx.path / "config.json").read_text())["n_positions"] - 16)
+    # 256 new tokens on a GPU, as the issue asks; 64 on a CPU, where the uncached baseline alone
+    # (a full forward per step) would take many minutes per run at GPT-2-small size
+    wanted = 256 if ctx.device.startswith("cuda") else 64
+    new = min(wanted, json.loads((ctx.path / "config.json").read_text())["n_positions"] - 16)
     prompt = ctx.tokens(batch=1, seq=16)
     mask = prompt.new_ones(prompt.shape)
     return [
