@@ -50,6 +50,12 @@ def run(args: argparse.Namespace) -> int:
     out.write_csv("ledger.csv", ledger)
     out.write_csv("summary.csv", summary)
     out.write_csv("shapes.csv", shapes)
+    tables = "".join(f"<h2>{title}</h2>" + frame.to_html(index=False, escape=True, border=0)
+                     for title, frame in (("Parameters, FLOPs, KV cache", summary), ("Config", config),
+                                          ("Ledger", ledger), ("Hook shapes through block 0", shapes)))
+    out.write_text("anatomy.html", "<!DOCTYPE html><html><head><meta charset='utf-8'><title>anatomy</title>"
+                   "<style>body{font-family:system-ui,sans-serif;margin:2em}td,th{border:1px solid #ddd;padding:2px 6px}"
+                   "table{border-collapse:collapse}</style></head><body>" + tables + "</body></html>")
     out.report(args)
     return 0
 

@@ -99,6 +99,7 @@ def test_anatomy_ledger_matches_the_model(tiny_dir, tiny_model, tmp_path, capsys
     ledger = pd.read_csv(tmp_path / "a" / "ledger.csv")
     assert ledger["params"].sum() == sum(p.numel() for p in tiny_model.parameters())
     assert "blocks.0.attn.hook_pattern" in printed
+    assert "blocks.0.attn.hook_pattern" in (tmp_path / "a" / "anatomy.html").read_text()
 
 
 def test_unknown_command_and_help(capsys):
