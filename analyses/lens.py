@@ -325,8 +325,12 @@ def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLe
     index = target_ids[:, None, :, None].expand(-1, logits.shape[1], -1, 1)
     target_logprob = logprobs.gather(-1, index)  # [batch layer pos 1]
     rank = (logprobs > target_logprob).sum(-1)
-    final = logprobs[:, -1:]
-    kl = (final.exp() * (final - logprobs)).sum(-1)
+    # KL(final || layer) = sum p_f log p_f - sum p_f log p_layer: one batched contraction instead of
+    # two temporaries as large as the [batch layer pos vocab] logits
+    final = logprobs[:, -1]
+    p_final = final.exp()
+    kl = ((p_final * final).sum(-1)[:, None] - torch.einsum("bpv,blpv->blp", p_final, logprobs)).clamp(min=0)
+    kl[:, -1] = 0.0  # the final row against itself: exactly zero, not a rounding residue
     return LogitLensResult(
         tokens=tokens, mask=mask, sites=sites, logits=logits, top_tokens=top_tokens, top_probs=top_logprobs.exp(),
         target=target_ids, target_prob=target_logprob.squeeze(-1).exp(), target_rank=rank, kl=kl, lens_name=name,
