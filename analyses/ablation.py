@@ -17,7 +17,8 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput
+from analyses.common import AnalysisInput, tokens_and_mask
+from analyses.common import model_mask as _model_mask
 from probe import HookedDecoder
 
 Metric = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -25,21 +26,6 @@ AblationMethod = Literal["zero", "mean", "resample"]
 METHODS = ("zero", "mean", "resample")
 # Stacked forwards are chunked so their logits stay under about this many floats.
 LOGIT_BUDGET = 2**26
-
-
-def tokens_and_mask(model: HookedDecoder, input: AnalysisInput) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [batch pos] and attention mask [batch pos] (1 = real token) on the model's device."""
-    if isinstance(input, torch.Tensor):
-        tokens = model.validate_tokens(input)
-        return tokens, torch.ones_like(tokens)
-    if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input)):
-        tokens, mask = model.to_tokens(input, return_attention_mask=True)
-        return model.validate_tokens(tokens), mask
-    raise TypeError(f"input must be a string, a list of strings or token ids, got {type(input).__name__}")
-
-
-def _model_mask(mask: torch.Tensor) -> Optional[torch.Tensor]:
-    return None if bool(mask.all()) else mask  # unpadded: the model's causal-only path is exact and faster
 
 
 def loss_metric(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

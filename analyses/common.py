@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import html
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -39,3 +39,26 @@ def escape_token(token: str) -> str:
     shown = token.replace("\n", "\\n").replace("\t", "\\t")
     shown = "".join(f"\\x{ord(c):02x}" if (ord(c) < 32 or 127 <= ord(c) < 160) else c for c in shown)
     return html.escape(shown, quote=True)
+
+
+def tokens_and_mask(
+    model: HookedDecoder, input: AnalysisInput, attention_mask: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [batch pos] and a boolean mask [batch pos] of real (not padding) tokens."""
+    if isinstance(input, torch.Tensor):
+        tokens = model.validate_tokens(input)
+        if attention_mask is None:
+            return tokens, torch.ones_like(tokens, dtype=torch.bool)
+        mask = attention_mask.to(tokens.device)
+        mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
+        if mask.shape != tokens.shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but the tokens have shape {tuple(tokens.shape)}")
+        return tokens, mask.bool()
+    if attention_mask is not None:
+        raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
+    tokens, mask = model.to_tokens(input, return_attention_mask=True)
+    return tokens, mask.bool()
+
+
+def model_mask(mask: torch.Tensor) -> Optional[torch.Tensor]:
+    return None if bool(mask.all()) else mask.long()  # nothing padded: the causal-only path is exact and faster

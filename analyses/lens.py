@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from analyses.common import model_mask as _forward_mask, tokens_and_mask
 from analyses.common import AnalysisInput, escape_token
 from probe.io import atomic_directory
 from probe import HELDOUT_TEXT, HookedDecoder
@@ -47,29 +48,6 @@ def site_label(site: str) -> str:
         return "embed"
     layer, kind = site.split(".")[1], site.rsplit(".", 1)[1]
     return f"L{layer} attn" if kind == "hook_resid_mid" else f"L{layer}"
-
-
-def tokens_and_mask(
-    model: HookedDecoder, input: AnalysisInput, attention_mask: Optional[torch.Tensor] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [batch pos] and a boolean mask [batch pos] of real (not padding) tokens."""
-    if isinstance(input, torch.Tensor):
-        tokens = model.validate_tokens(input)
-        if attention_mask is None:
-            return tokens, torch.ones_like(tokens, dtype=torch.bool)
-        mask = attention_mask.to(tokens.device)
-        mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
-        if mask.shape != tokens.shape:
-            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but the tokens have shape {tuple(tokens.shape)}")
-        return tokens, mask.bool()
-    if attention_mask is not None:
-        raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
-    tokens, mask = model.to_tokens(input, return_attention_mask=True)
-    return tokens, mask.bool()
-
-
-def _forward_mask(mask: torch.Tensor) -> Optional[torch.Tensor]:
-    return None if bool(mask.all()) else mask.long()  # nothing padded: the causal-only path is exact and faster
 
 
 def show_token(token: str) -> str:
