@@ -24,8 +24,9 @@ from probe import HookedDecoder
 Metric = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 AblationMethod = Literal["zero", "mean", "resample"]
 METHODS = ("zero", "mean", "resample")
-# Stacked forwards are chunked so their logits stay under about this many floats.
-LOGIT_BUDGET = 2**26
+# Stacked forwards are chunked so their logits stay under about this many floats: small enough to stay
+# cache-friendly (measured: 8 stacked rows of 128 x 4096 beat 32), large enough to amortise each forward.
+LOGIT_BUDGET = 2**22
 
 
 def loss_metric(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
