@@ -108,13 +108,8 @@ class AttentionPatterns:
         for i in range(n_head):
             self._add_pooled(fig, self.pattern[li, i], rows=i // cols + 1, cols=i % cols + 1,
                              name=f"layer {self.layers[li]} head {self.heads[i]}")
-        fig.update_layout(title=f"Attention patterns of layer {self.layers[li]} (query down, key across)",
-                          width=260 * cols + 120, height=260 * rows + 100,
-                          coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")))
-        fig.update_layout(plot_bgcolor="white")  # the causal mask's empty triangle shows as blank
-        fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
-        fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
-        return fig
+        return _style_grid(fig, f"Attention patterns of layer {self.layers[li]} (query down, key across)",
+                           width=260 * cols + 120, height=260 * rows + 100)
 
     def _overview(self) -> go.Figure:
         n_layer, n_head = len(self.layers), len(self.heads)
@@ -124,13 +119,8 @@ class AttentionPatterns:
             for hi in range(n_head):  # one trace per head: plotly has no batched subplot API
                 self._add_pooled(fig, self.pattern[li, hi], rows=li + 1, cols=hi + 1,
                                  name=f"layer {self.layers[li]} head {self.heads[hi]}", cells=min(GRID_CELLS, 32))
-        fig.update_layout(title="Attention patterns of every head (rows: layers, columns: heads)",
-                          width=90 * n_head + 160, height=90 * n_layer + 140,
-                          coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")))
-        fig.update_layout(plot_bgcolor="white")  # the causal mask's empty triangle shows as blank
-        fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
-        fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
-        return fig
+        return _style_grid(fig, "Attention patterns of every head (rows: layers, columns: heads)",
+                           width=90 * n_head + 160, height=90 * n_layer + 140)
 
     def _add_pooled(self, fig, pattern: torch.Tensor, rows: int, cols: int, name: str, cells: Optional[int] = None):
         z, spans = _pool(pattern, GRID_CELLS if cells is None else cells)
@@ -175,6 +165,15 @@ def _check_indices(values: Optional[Sequence[int]], count: int, what: str) -> li
     if bad or not values:
         raise ValueError(f"{what}={values!r}: each must be an int in [0, {count}) and at least one is needed")
     return values
+
+
+def _style_grid(fig: go.Figure, title: str, width: int, height: int) -> go.Figure:
+    """Small multiples of patterns: one shared colour scale, no tick labels, query rows downwards."""
+    fig.update_layout(title=title, width=width, height=height, plot_bgcolor="white",  # the mask's triangle shows blank
+                      coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")))
+    fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
+    fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
+    return fig
 
 
 @torch.no_grad()

@@ -16,10 +16,10 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput
+from analyses.common import AnalysisInput, escape_token
 from analyses.lens import (
     _final_norm, _forward_mask, _resolve_positions, _token_strings, has_final_scale, lens_sites, position_labels,
-    show_token, single_token_id, site_label, tokens_and_mask,
+    single_token_id, site_label, tokens_and_mask,
 )
 from probe import HookedDecoder
 
@@ -226,12 +226,12 @@ class LogitAttribution:
     def _quantity(self) -> str:
         answer = self.token_strings(self.answer.tolist())
         same = len(set(self.answer.tolist())) == 1
-        a = f"logit({show_token(answer[0])})" if same else "logit(answer)"
+        a = f"logit({escape_token(answer[0])})" if same else "logit(answer)"
         if self.counterfactual is None:
             return a
         cf = self.token_strings(self.counterfactual.tolist())
         same = len(set(self.counterfactual.tolist())) == 1
-        return f"{a} − " + (f"logit({show_token(cf[0])})" if same else "logit(counterfactual)")
+        return f"{a} − " + (f"logit({escape_token(cf[0])})" if same else "logit(counterfactual)")
 
     def to_frame(self, mean: bool = False) -> pd.DataFrame:
         """One row per (prompt, component), bias terms included; `mean=True`: one row per component,

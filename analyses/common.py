@@ -37,7 +37,7 @@ def escape_token(token: str) -> str:
     other control characters as \\xNN (byte-level BPE has tokens for them, and plotly.js fails to
     draw a figure whose text contains some of them)."""
     shown = token.replace("\n", "\\n").replace("\t", "\\t")
-    shown = "".join(f"\\x{ord(c):02x}" if (ord(c) < 32 or 127 <= ord(c) < 160) else c for c in shown)
+    shown = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in shown)
     return html.escape(shown, quote=True)
 
 

@@ -50,16 +50,12 @@ def site_label(site: str) -> str:
     return f"L{layer} attn" if kind == "hook_resid_mid" else f"L{layer}"
 
 
-def show_token(token: str) -> str:
-    """escape_token, with control characters (byte-level BPE pieces) written as \\xNN: plotly fails to draw them."""
-    shown = "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" for c in token)
-    return escape_token(shown)
 
 
 def position_labels(model: HookedDecoder, tokens: torch.Tensor) -> list[list[str]]:
     """Per prompt, one escaped label per position, suffixed with the position so equal tokens stay apart."""
     strings = _token_strings(model)
-    return [[f"{show_token(s)} ({pos})" for pos, s in enumerate(strings(row.tolist()))] for row in tokens]
+    return [[f"{escape_token(s)} ({pos})" for pos, s in enumerate(strings(row.tolist()))] for row in tokens]
 
 
 def _token_strings(model: HookedDecoder) -> Callable[[list[int]], list[str]]:
@@ -188,9 +184,9 @@ class LogitLensResult:
         t_prob = self.target_prob[prompt, :, :n].float().cpu()
         t_rank = self.target_rank[prompt, :, :n].cpu()
         kl = self.kl[prompt, :, :n].float().cpu()
-        strings = [show_token(s) for s in self.token_strings(top.flatten().tolist())]
+        strings = [escape_token(s) for s in self.token_strings(top.flatten().tolist())]
         text = [strings[i * n:(i + 1) * n] for i in range(top.shape[0])]
-        targets = [show_token(s) for s in self.token_strings(self.target[prompt, :n].tolist())]
+        targets = [escape_token(s) for s in self.token_strings(self.target[prompt, :n].tolist())]
         hover = [[
             f"{self.labels[l]}, {self.position_labels[prompt][p]}<br>top: {text[l][p]} ({top_prob[l, p]:.4f})"
             f"<br>target {targets[p]}: p={t_prob[l, p]:.4g}, rank {int(t_rank[l, p])}<br>KL(final||layer)={kl[l, p]:.4f}"
@@ -216,7 +212,7 @@ class LogitLensResult:
         pos = _resolve_positions(self.mask[prompt:prompt + 1], position)[0]
         prob = self.target_prob[prompt, :, pos].float().cpu()
         rank = self.target_rank[prompt, :, pos].cpu()
-        target = show_token(self.token_strings([int(self.target[prompt, pos])])[0])
+        target = escape_token(self.token_strings([int(self.target[prompt, pos])])[0])
         fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=("probability", "rank (0 = top)"))
         hover = [f"{lab}: p={p:.6g}, rank {int(r)}" for lab, p, r in zip(self.labels, prob.tolist(), rank.tolist())]
         fig.add_trace(go.Scatter(x=self.labels, y=prob.numpy(), mode="lines+markers", name="probability",

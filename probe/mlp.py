@@ -38,18 +38,14 @@ class MLP(nn.Module):
         return self.fc_out.weight.T
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(MLP):
     """act(gate(x)) * up(x) -> down (SwiGLU with SiLU). `fc_in` is the up projection, `fc_out` the down."""
 
     def __init__(self, cfg: DecoderConfig):
-        super().__init__()
+        super().__init__(cfg)
         self.gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)
-        self.act = ACTIVATIONS[cfg.activation]()
-        self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)
-        self.hook_pre = HookPoint()  # [batch pos d_mlp]: the gate's pre-activation
         self.hook_pre_linear = HookPoint()  # [batch pos d_mlp]: the up projection
-        self.hook_post = HookPoint()  # [batch pos d_mlp]: act(gate) * up, what the down projection reads
+        # hook_pre is the gate's pre-activation; hook_post is act(gate) * up, what the down projection reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.gate(x))
@@ -60,14 +56,6 @@ class GatedMLP(nn.Module):
     @property
     def W_gate(self) -> torch.Tensor:  # [d_model d_mlp]
         return self.gate.weight.T
-
-    @property
-    def W_in(self) -> torch.Tensor:  # [d_model d_mlp]
-        return self.fc_in.weight.T
-
-    @property
-    def W_out(self) -> torch.Tensor:  # [d_mlp d_model]
-        return self.fc_out.weight.T
 
 
 def make_mlp(cfg: DecoderConfig) -> nn.Module:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_oracle import hf_forward_states
+
 from analyses.attribution import direct_logit_attribution, residual_decomposition
 
 ATOL = 1e-4
@@ -11,18 +13,9 @@ ATOL = 1e-4
 
 def hf_run(hf, tokens):
     """transformers' logits, every block's attention output, hidden states and the residual entering ln_f."""
-    attn_out, final = {}, {}
-    handles = [block.attn.register_forward_hook(
-        lambda mod, args, out, l=l: attn_out.__setitem__(l, out[0])) for l, block in enumerate(hf.transformer.h)]
-    handles.append(hf.transformer.ln_f.register_forward_pre_hook(lambda mod, args: final.__setitem__("x", args[0])))
-    try:
-        with torch.no_grad():
-            out = hf(tokens, output_hidden_states=True)
-    finally:
-        for h in handles:
-            h.remove()
-    resid = list(out.hidden_states[:-1]) + [final["x"]]  # embeddings, after each block (HF's last is after ln_f)
-    return out.logits, [attn_out[l] for l in range(len(attn_out))], resid
+    logits, attn_out, hidden, final = hf_forward_states(hf, tokens)
+    resid = list(hidden[:-1]) + [final]  # embeddings, after each block (HF's last is after ln_f)
+    return logits, attn_out, resid
 
 
 def test_components_sum_to_final_residual(tiny_model, tiny_hf, tokens):

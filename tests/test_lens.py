@@ -6,6 +6,8 @@ import time
 
 import pytest
 import torch
+
+from hf_oracle import hf_forward_states
 import torch.nn.functional as F
 
 from analyses.lens import (
@@ -19,19 +21,10 @@ ATOL = 1e-4
 def hf_states(hf, tokens):
     """Hidden states the lens reads, straight from transformers: the embeddings, after every block,
     after every attention sublayer, and the final residual before ln_f (HF's last hidden state is after it)."""
-    attn_out, final = {}, {}
-    handles = [block.attn.register_forward_hook(
-        lambda mod, args, out, l=l: attn_out.__setitem__(l, out[0])) for l, block in enumerate(hf.transformer.h)]
-    handles.append(hf.transformer.ln_f.register_forward_pre_hook(lambda mod, args: final.__setitem__("x", args[0])))
-    try:
-        with torch.no_grad():
-            out = hf(tokens, output_hidden_states=True)
-    finally:
-        for h in handles:
-            h.remove()
-    posts = list(out.hidden_states[1:-1]) + [final["x"]]
-    mids = [out.hidden_states[l] + attn_out[l] for l in range(len(attn_out))]
-    return out.logits, out.hidden_states[0], mids, posts
+    logits, attn_out, hidden, final = hf_forward_states(hf, tokens)
+    posts = list(hidden[1:-1]) + [final]
+    mids = [hidden[l] + attn_out[l] for l in range(len(attn_out))]
+    return logits, hidden[0], mids, posts
 
 
 def hf_lens(hf, resid):
