@@ -279,35 +279,60 @@ def logit_lens(
     sites = lens_sites(model.cfg.n_layers, include_mid)
     if lens is not None:
         lens.check_compatible(model, sites)
-    frozen_needed = norm == "frozen" and has_final_scale(model)
-    names = sites + (["ln_final.hook_scale"] if frozen_needed else [])
-    final_logits, cache = model.run_with_cache(tokens, attention_mask=_forward_mask(mask), names=names)
-    resid = torch.stack([cache[s] for s in sites[:-1]], dim=1)  # [batch layer pos d_model]
+    # Stop before the final norm: every site, the final one included, goes through ln_final and the
+    # unembedding in one matmul straight into the [batch site pos vocab] result (no second copy of
+    # the logits to concatenate, no separate final unembedding). The final row is the model's own
+    # computation on the same residual, so it equals the forward's logits up to float rounding.
+    final_resid, cache = model.run_with_cache(tokens, attention_mask=_forward_mask(mask), names=sites,
+                                              stop_at_layer=model.cfg.n_layers)
+    resid = torch.stack([cache[s] for s in sites], dim=1)  # [batch site pos d_model]
+    del cache
     if lens is not None:
-        resid = lens(resid, sites[:-1])
-    frozen = cache["ln_final.hook_scale"][:, None] if frozen_needed else None
-    early = model.unembed(_final_norm(model, resid, frozen))  # [batch layer pos vocab]
-    # the last row is the model's own output, not a re-derivation of it
-    logits = torch.cat([early, final_logits[:, None]], dim=1)
+        resid[:, :-1] = lens(resid[:, :-1], sites[:-1])
+    frozen = _final_scale(model, final_resid)[:, None] if norm == "frozen" and has_final_scale(model) else None
+    logits = model.unembed(_final_norm(model, resid, frozen))  # [batch site pos vocab]
     return _lens_result(model, tokens, mask, sites, logits, target, k, "tuned lens" if lens is not None else "logit lens")
 
 
+def _final_scale(model: HookedDecoder, final_resid: torch.Tensor) -> torch.Tensor:
+    """[batch pos 1]: the scale ln_final computes for the final residual (what `norm="frozen"` holds fixed)."""
+    captured = {}
+
+    def keep(scale: torch.Tensor, hook) -> None:
+        captured["scale"] = scale
+
+    with model.hooks([("ln_final.hook_scale", keep)]):
+        model.ln_final(final_resid)
+    return captured["scale"]
+
+
 def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLensResult:
-    logprobs = logits.float().log_softmax(-1)
-    top_logprobs, top_tokens = logprobs.topk(k, dim=-1)
+    batch, n_sites, n_pos, _ = logits.shape
     target_ids = _resolve_target(model, tokens, mask, target, logits[:, -1])
-    index = target_ids[:, None, :, None].expand(-1, logits.shape[1], -1, 1)
-    target_logprob = logprobs.gather(-1, index)  # [batch layer pos 1]
-    rank = (logprobs > target_logprob).sum(-1)
-    # KL(final || layer) = sum p_f log p_f - sum p_f log p_layer: one batched contraction instead of
-    # two temporaries as large as the [batch layer pos vocab] logits
-    final = logprobs[:, -1]
+    # One site at a time: the log-softmax of one [batch pos vocab] slice is the only vocabulary-sized
+    # temporary, instead of a second tensor as large as all the logits.
+    final = logits[:, -1].float().log_softmax(-1)
     p_final = final.exp()
-    kl = ((p_final * final).sum(-1)[:, None] - torch.einsum("bpv,blpv->blp", p_final, logprobs)).clamp(min=0)
+    neg_entropy = torch.einsum("bpv,bpv->bp", p_final, final)
+    device = logits.device
+    top_logprobs = torch.empty(batch, n_sites, n_pos, k, dtype=torch.float32, device=device)
+    top_tokens = torch.empty(batch, n_sites, n_pos, k, dtype=torch.long, device=device)
+    target_logprob = torch.empty(batch, n_sites, n_pos, dtype=torch.float32, device=device)
+    rank = torch.empty(batch, n_sites, n_pos, dtype=torch.long, device=device)
+    kl = torch.empty(batch, n_sites, n_pos, dtype=torch.float32, device=device)
+    for site in range(n_sites):
+        logprobs = final if site == n_sites - 1 else logits[:, site].float().log_softmax(-1)
+        torch.topk(logprobs, k, dim=-1, out=(top_logprobs[:, site], top_tokens[:, site]))
+        chosen = logprobs.gather(-1, target_ids[..., None])  # [batch pos 1]
+        target_logprob[:, site] = chosen[..., 0]
+        rank[:, site] = torch.count_nonzero(logprobs > chosen, dim=-1)
+        # KL(final || site) = sum p_f log p_f - sum p_f log p_site; the contraction makes no temporary
+        kl[:, site] = neg_entropy - torch.einsum("bpv,bpv->bp", p_final, logprobs)
+    kl.clamp_(min=0)
     kl[:, -1] = 0.0  # the final row against itself: exactly zero, not a rounding residue
     return LogitLensResult(
         tokens=tokens, mask=mask, sites=sites, logits=logits, top_tokens=top_tokens, top_probs=top_logprobs.exp(),
-        target=target_ids, target_prob=target_logprob.squeeze(-1).exp(), target_rank=rank, kl=kl, lens_name=name,
+        target=target_ids, target_prob=target_logprob.exp(), target_rank=rank, kl=kl, lens_name=name,
         position_labels=position_labels(model, tokens), token_strings=_token_strings(model),
     )
 

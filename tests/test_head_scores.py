@@ -94,7 +94,6 @@ def test_bundled_model_scores_match_transformers(bundled_model, bundled_hf, kind
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="bundled model: induction/previous-token heads not formed yet (issue 4 open)")
 def test_bundled_model_has_induction_and_previous_token_heads(bundled_model):
     """The trained model's circuits, not the code: an induction head puts at least 30% of its weight on
     the one induction target (uniform attention would put ~1/pos, about 2%), and needs a

@@ -15,6 +15,7 @@ import torch
 
 from analyses import agreement, iter_documents, memory_lookup, memory_report, merge, sub_updates, top_triggers, value_tokens
 from analyses.common import escape_token
+from analyses import memories
 from analyses.memories import TopTriggers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,6 +286,189 @@ def test_corpus_sources_and_errors(tiny_model, tmp_path):
         top_triggers(tiny_model, ["fine", 3], progress=False)
     with pytest.raises(ValueError, match="document 0 is an empty string"):
         top_triggers(tiny_model, [""], progress=False)
+
+
+# ---- huge corpus files: streamed in bounded memory ----------------------------------------------
+LONG_WORD = "the" * 100  # one word longer than a span, so cut blind, inside a token ("th|e")
+
+
+def _long_text(n: int = 60) -> str:
+    """Lines of every kind a cut meets: LF and CRLF endings, blank lines, indentation, tabs,
+    contractions, markup, 2-, 3- and 4-byte characters, and lines longer than the spans."""
+    lines = []
+    for i in range(n):
+        lines.append(f"{i}. The quick brown fox's café jumps over 日本 the lazy 😀 dog, and the dog sleeps on.")
+        lines.append("" if i % 3 else "   indented\tline <b>with</b> markup ")
+        if i % 7 == 0:
+            lines.append("To be, or not to be, that is the question: " * 6)  # longer than a span
+        if i % 5 == 0:
+            lines.append(LONG_WORD)
+    half = len(lines) // 2
+    return "\r\n".join(lines[:half]) + "\r\n" + "\n".join(lines[half:]) + "\n"
+
+
+def _tiny_chunks(monkeypatch, read: int = 64, span: int = 200) -> None:
+    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", read)
+    monkeypatch.setattr(memories, "CORPUS_SPAN_CHARS", span)
+
+
+def test_a_file_read_in_pieces_tokenises_as_a_whole(tiny_model, tmp_path, monkeypatch):
+    """The oracle is the tokenizer run on the whole text at once. A word longer than a span offers
+    no cut, so the scan cuts it blind: its tokens at that cut are the one documented difference."""
+    tokenizer = tiny_model.tokenizer
+    clean = _long_text().replace(LONG_WORD, "the " * 100)
+    path = tmp_path / "long.txt"
+    for text, exact in ((clean, True), (_long_text(), False)):
+        path.write_bytes(text.encode("utf-8"))
+        _tiny_chunks(monkeypatch)
+        pieces = list(memories._read_text_pieces(path))
+        assert len(pieces) > 50 and "".join(pieces) == text
+        spans = list(memories._encode_document(tokenizer, pieces))
+        assert len(spans) > 10
+        ids = [i for span in spans for i in span]
+        if exact:
+            assert ids == tokenizer.encode(text)
+        else:  # different tokens at the blind cuts, but nothing lost or doubled
+            assert ids != tokenizer.encode(text) and tokenizer.decode(ids) == text
+
+
+def test_a_file_scanned_in_pieces_equals_brute_force(tiny_model, tiny_hf, tmp_path, monkeypatch):
+    text = _long_text(20).replace(LONG_WORD, "the " * 100)
+    path = tmp_path / "long.txt"
+    path.write_bytes(text.encode("utf-8"))
+    args = dict(layers=[0, 1], neurons=[3, 40, 200], k=5, context=6, batch_size=3, progress=False)
+    _tiny_chunks(monkeypatch)
+    result = top_triggers(tiny_model, path, **args)
+    expected = brute_force_triggers(tiny_hf, tiny_model.tokenizer, [text], [0, 1], [3, 40, 200], 5,
+                                    tiny_model.cfg.n_ctx, 6)
+    _check_against_brute_force(result, expected, [0, 1], [3, 40, 200], 6)
+    assert result.complete and result.n_tokens == len(tiny_model.tokenizer.encode(text))
+    assert result.doc_names == {0: "long.txt"}
+    monkeypatch.undo()  # the same text as a string, in one span: the same result
+    whole = top_triggers(tiny_model, [text], **args)
+    for name in ("activations", "docs", "positions", "contexts", "next_tokens"):
+        assert torch.equal(getattr(result, name), getattr(whole, name)), name
+
+    # Ctrl-C in the middle of the file, then resume= over the same file: the one-scan result
+    _tiny_chunks(monkeypatch)
+    calls = []
+
+    def interrupt(activation, hook):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    with tiny_model.hooks([("blocks.1.mlp.hook_post", interrupt)]):
+        partial = top_triggers(tiny_model, path, **args)
+    assert not partial.complete and partial.n_docs == 0 and partial.resume_start > 0
+    resumed = top_triggers(tiny_model, path, resume=partial, **args)
+    for name in ("activations", "docs", "positions", "contexts", "next_tokens"):
+        assert torch.equal(getattr(resumed, name), getattr(result, name)), name
+    assert resumed.n_tokens == result.n_tokens
+
+
+@pytest.mark.parametrize("char", ["é", "日", "😀"])
+def test_a_character_split_between_two_reads_decodes_whole(tmp_path, monkeypatch, char):
+    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 8)
+    n = len(char.encode("utf-8"))
+    for before in range(8 - n + 1, 8):  # the character's first byte in the first read, the rest in the next
+        text = "x" * before + char + " tail " + char * 9
+        path = tmp_path / f"split{before}.txt"
+        path.write_bytes(text.encode("utf-8"))
+        pieces = list(memories._read_text_pieces(path))
+        assert "".join(pieces) == text and pieces[0] == "x" * before
+        assert [t for _, t in iter_documents(path)] == [text]
+
+
+@pytest.mark.parametrize("data", [
+    b"x" * 100 + b"\xff" + b"y" * 50,  # a byte never valid in UTF-8, past the first read
+    b"x" * 63 + "日".encode()[:2] + b"z" * 40,  # a character begun in one read, broken in the next
+    b"x" * 100 + "日".encode()[:2],  # a character cut off by the end of the file
+])
+def test_invalid_utf8_past_the_first_read_names_the_byte(tiny_model, tmp_path, monkeypatch, data):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(data)
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        where = err.start  # the oracle: Python decoding the whole file at once
+    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 64)
+    with pytest.raises(ValueError, match=rf"bad.txt is not UTF-8 text \(byte {where}:"):
+        top_triggers(tiny_model, path, progress=False)
+
+
+def test_nul_and_whitespace_past_the_first_read(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 8)
+    (tmp_path / "late.txt").write_bytes(b"plain text, then " + b"\x00" + b"more")
+    with pytest.raises(ValueError, match=r"late.txt looks binary \(a NUL byte at byte 17\)"):
+        top_triggers(tiny_model, tmp_path / "late.txt", progress=False)
+    (tmp_path / "blank.txt").write_bytes(b" \n\t \r\n   \n  \x0c ")  # all whitespace, over several reads
+    with pytest.raises(ValueError, match="blank.txt is empty"):
+        list(iter_documents(tmp_path / "blank.txt"))
+    with pytest.raises(ValueError, match="blank.txt is empty"):
+        top_triggers(tiny_model, tmp_path / "blank.txt", progress=False)
+    (tmp_path / "leading.txt").write_bytes(b" \n\t \r\n   \n  hello")  # leading whitespace kept
+    assert [t for _, t in iter_documents(tmp_path / "leading.txt")] == [" \n\t \r\n   \n  hello"]
+    # a bad file in another shard's documents still stops this shard (and every rank of torchrun)
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "0.txt").write_text(CORPUS[1], encoding="utf-8")
+    (tmp_path / "shards" / "1.txt").write_bytes(b"\x00")
+    with pytest.raises(ValueError, match="1.txt looks binary"):
+        top_triggers(tiny_model, tmp_path / "shards", shard=(0, 2), progress=False)
+
+
+def test_a_large_file_is_read_in_bounded_memory(tiny_model, tmp_path, monkeypatch):
+    """A 20 MB file is read a chunk at a time (no read asks for more, the Python heap peaks far
+    below the file's size), and tokenised a span at a time (no encode sees more)."""
+    import builtins
+    import tracemalloc
+
+    block = ("ROMEO. But soft, what light through yonder window breaks? 日本 😀\n" * 400).encode("utf-8")
+    path = tmp_path / "huge.txt"
+    with open(path, "wb") as f:
+        for _ in range(20_000_000 // len(block)):
+            f.write(block)
+    size = path.stat().st_size
+    reads = []
+
+    class SpyFile:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, n=-1):
+            reads.append(n)
+            return self.f.read(n)
+
+    monkeypatch.setattr(memories, "open", lambda *a, **kw: SpyFile(builtins.open(*a, **kw)), raising=False)
+    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 1 << 20)
+    tracemalloc.start()
+    try:
+        n_chars = sum(len(piece) for piece in memories._read_text_pieces(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert n_chars == len(block.decode("utf-8")) * (size // len(block))
+    assert reads and all(0 < n <= 1 << 20 for n in reads) and len(reads) > 18
+    assert peak < 16 << 20 < size, f"reading peaked at {peak} bytes of Python memory for a {size}-byte file"
+
+    # the tokenising stage, on the file's first part: no encode is handed more than a span
+    with open(path, "rb") as f:
+        (tmp_path / "part.txt").write_bytes(f.read(300_000))
+    monkeypatch.setattr(memories, "CORPUS_SPAN_CHARS", 4096)
+    seen = []
+    encode = tiny_model.tokenizer.encode
+    monkeypatch.setattr(tiny_model.tokenizer, "encode", lambda text: seen.append(len(text)) or encode(text))
+    windows = list(memories._windows(tiny_model, tmp_path / "part.txt", tiny_model.cfg.n_ctx, True, (0, 0), 0, 1))
+    assert max(seen) <= 4096 and len(seen) > 50
+    monkeypatch.undo()
+    ids = tiny_model.tokenizer.encode((tmp_path / "part.txt").read_text(encoding="utf-8"))
+    assert [i for w in windows for i in w[3]] == ids  # and the windows are the whole file's
 
 
 # ---- agreement and report ------------------------------------------------------------------------
