@@ -490,8 +490,11 @@ def prune_by_importance(
     for o, order in enumerate(orders):
         for s, n in enumerate(n_pruned):
             masks[o, s, order[:n, 0], order[:n, 1]] = 0.0
-    base_loss, base_acc = evaluate_masks(model, eval_batches, masks.flatten(0, 1))
-    base_loss, base_acc = base_loss.view(len(orders), -1), base_acc.view(len(orders), -1)
+    if orders:
+        base_loss, base_acc = evaluate_masks(model, eval_batches, masks.flatten(0, 1))
+        base_loss, base_acc = base_loss.view(len(orders), -1), base_acc.view(len(orders), -1)
+    else:  # no baselines asked for (seeds=(), ablation_baseline=False)
+        base_loss = base_acc = torch.empty(0, len(n_pruned))
     n_random = len(seeds)
     return PruningCurve(
         n_heads=n_heads, n_pruned=torch.tensor(n_pruned), loss=torch.tensor(losses), accuracy=torch.tensor(accs),

@@ -456,7 +456,8 @@ def pruned_forward(ctx: Context) -> list[Case]:
     for fraction in (0.25, 0.5, 0.75):
         k = round(fraction * cfg.n_heads)  # speed depends only on how many heads remain, not which
         pruned = prune_heads(probe, [(l, h) for l in range(cfg.n_layers) for h in range(k)]).eval()
-        cases.append(Case(f"probe forward, {fraction:.0%} of heads pruned", PROBE, _no_grad(lambda m=pruned: m(tokens))))
+        # labelled with the fraction actually removed: with 6 heads a layer, "25%" is 2 of 6
+        cases.append(Case(f"probe forward, {k / cfg.n_heads:.0%} of heads pruned", PROBE, _no_grad(lambda m=pruned: m(tokens))))
     return cases
 
 

@@ -342,3 +342,11 @@ def test_curve_stops_once_accuracy_falls_below_the_threshold(tiny_model):
     assert acc[-1] < 0.85 and all(a >= 0.85 for a in acc[:-1])
     assert acc == full.accuracy.tolist()[: len(acc)] and len(acc) < len(full.accuracy)
     assert curve.random_loss.shape == (1, len(acc))
+
+
+def test_curve_without_baselines(tiny_model, tokens):
+    """seeds=() and no ablation baseline: the importance curve alone, with empty baseline tensors."""
+    curve = prune_by_importance(tiny_model, tokens, step=0.25, seeds=(), ablation_baseline=False, progress=False)
+    assert curve.random_loss.shape == (0, len(curve.loss)) and curve.ablation_loss is None
+    assert float(curve.loss[0]) > 0
+    curve.to_frame(), curve.figure()

@@ -1,6 +1,6 @@
-"""Renders README_heads.md's figures: python runs/heads_figures/make_figures.py [checkpoint_dir] [out_dir].
-
-Defaults to the bundled model. PNGs need kaleido 0.2.1 (plotly's own write_image wants kaleido>=1 and Chrome)."""
+"""Renders the attention/ablation/patching figures of README.md and docs/analyses.md:
+python docs/figures/heads.py [checkpoint_dir] [out_dir] (default: the bundled model, docs/images).
+PNGs need kaleido 0.2.1 (plotly's own write_image wants kaleido>=1 and Chrome)."""
 import json
 import os
 import sys
