@@ -164,3 +164,17 @@ def test_cache_memory_goal_compares_each_library_with_its_own_forward(bench):
     rows["probe run_with_cache"]["peak_extra_bytes"] = 600
     rows["probe run_with_cache, bfloat16 storage"] = dict(peak_extra_bytes=400)
     assert [(v["ratio"], v["met"]) for v in bench._extra_memory_check(rows)] == [(500 / 800, False), (300 / 800, True)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_check_script_refuses_cleanly_without_a_gpu_or_with_a_used_directory(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    fresh = tmp_path / "fresh"
+    proc = subprocess.run(["bash", str(script), str(fresh)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr and not fresh.exists()
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "bench.md").write_text("earlier results\n")
+    proc = subprocess.run(["bash", str(script), str(used)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not empty" in proc.stderr
+    assert (used / "bench.md").read_text() == "earlier results\n"
