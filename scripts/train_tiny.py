@@ -131,6 +131,12 @@ def token_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def random_tokens(shape, vocab: int, bos: int, gen: torch.Generator) -> torch.Tensor:
+    """Uniformly random token ids of `shape`, never the special (BOS) token."""
+    ids = torch.randint(0, vocab - 1, shape, generator=gen)
+    return ids + (ids >= bos).long()
+
+
 def sample_batch(stream: torch.Tensor, batch: int, n_ctx: int, bos: int, gen: torch.Generator,
                  repeat_frac: float, min_span: int, max_span: int, random_span_frac: float = 0.0,
                  vocab: int = 0, pure_repeat_frac: float = 0.0) -> torch.Tensor:
@@ -149,14 +155,12 @@ def sample_batch(stream: torch.Tensor, batch: int, n_ctx: int, bos: int, gen: to
         src = int(torch.randint(1, n_ctx - 2 * length, (1,), generator=gen))
         dst = int(torch.randint(src + length, n_ctx - length + 1, (1,), generator=gen))
         if i < int(round(random_span_frac * n_repeat)):
-            noise = torch.randint(0, vocab - 1, (length,), generator=gen)
-            rows[i, src: src + length] = noise + (noise >= bos).long()  # never the special token
+            rows[i, src: src + length] = random_tokens((length,), vocab, bos, gen)
         rows[i, dst: dst + length] = rows[i, src: src + length].clone()
     n_pure = int(round(pure_repeat_frac * batch))
     for i in range(batch - n_pure, batch):  # the last rows, disjoint from the copy rows while the fractions sum <= 1
         length = int(torch.randint(min_span, max_span + 1, (1,), generator=gen))
-        noise = torch.randint(0, vocab - 1, (length,), generator=gen)
-        span = noise + (noise >= bos).long()
+        span = random_tokens((length,), vocab, bos, gen)
         rows[i, 1:] = span.repeat(math.ceil((n_ctx - 1) / length))[: n_ctx - 1]
     return rows
 
@@ -207,18 +211,14 @@ def ngram_baselines(train_ids: torch.Tensor, rows: torch.Tensor, vocab: int,
 
 def repeated_random_tokens(vocab: int, bos: int, n_seqs: int = 32, length: int = 50, seed: int = 0) -> torch.Tensor:
     """[n_seqs 1+2*length]: BOS, then `length` uniformly random non-special tokens, then the same again."""
-    gen = torch.Generator().manual_seed(seed)
-    body = torch.randint(0, vocab - 1, (n_seqs, length), generator=gen)
-    body = body + (body >= bos).long()  # skip the special token
+    body = random_tokens((n_seqs, length), vocab, bos, torch.Generator().manual_seed(seed))
     return torch.cat([torch.full((n_seqs, 1), bos, dtype=torch.long), body, body], dim=1)
 
 
-@torch.no_grad()
-def repeated_losses(model: HookedDecoder, seqs: torch.Tensor, length: int) -> tuple[float, float]:
-    """(first-copy loss, second-copy loss): mean loss on tokens 2..length of each copy (each copy's
-    first token is unpredictable in both copies, so it is left out of both)."""
-    logits = model(seqs.to(model.device)).float()
-    losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), seqs[:, 1:].to(model.device), reduction="none")
+def repeated_losses(logits: torch.Tensor, seqs: torch.Tensor, length: int) -> tuple[float, float]:
+    """(first-copy loss, second-copy loss) from the logits of `seqs`: mean loss on tokens 2..length
+    of each copy (each copy's first token is unpredictable in both copies, so it is left out of both)."""
+    losses = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), seqs[:, 1:].to(logits.device), reduction="none")
     # losses[:, p-1] is the loss for the token at position p; copy 1 = positions 1..L, copy 2 = L+1..2L
     first = losses[:, 1:length].mean()
     second = losses[:, length + 1: 2 * length].mean()
@@ -226,10 +226,11 @@ def repeated_losses(model: HookedDecoder, seqs: torch.Tensor, length: int) -> tu
 
 
 @torch.no_grad()
-def attention_patterns(model: HookedDecoder, tokens: torch.Tensor) -> torch.Tensor:
-    """[layer batch head query key] attention patterns, from probe's cache."""
-    _, cache = model.run_with_cache(tokens.to(model.device), names=lambda n: n.endswith("attn.hook_pattern"))
-    return torch.stack([cache[f"blocks.{l}.attn.hook_pattern"].float().cpu() for l in range(model.cfg.n_layers)])
+def logits_and_patterns(model: HookedDecoder, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, [layer batch head query key] attention patterns) from one forward with probe's cache."""
+    logits, cache = model.run_with_cache(tokens.to(model.device), names=lambda n: n.endswith("attn.hook_pattern"))
+    patterns = torch.stack([cache[f"blocks.{l}.attn.hook_pattern"].float().cpu() for l in range(model.cfg.n_layers)])
+    return logits, patterns
 
 
 def induction_scores(patterns: torch.Tensor, length: int) -> torch.Tensor:
@@ -252,8 +253,8 @@ def induction_probe(model: HookedDecoder, seqs: torch.Tensor, length: int) -> di
     """A quick look during training: the best induction and previous-token scores and the in-context
     losses, all on `seqs` (repeated random tokens)."""
     model.eval()
-    first, second = repeated_losses(model, seqs, length)
-    patterns = attention_patterns(model, seqs)
+    logits, patterns = logits_and_patterns(model, seqs)
+    first, second = repeated_losses(logits, seqs, length)
     return {"induction": round(float(induction_scores(patterns, length).max()), 4),
             "prev_token": round(float(previous_token_scores(patterns).max()), 4),
             "icl_first": round(first, 3), "icl_second": round(second, 3)}
@@ -278,13 +279,14 @@ def evaluate(model: HookedDecoder, train_ids: torch.Tensor, val_ids: torch.Tenso
     metrics = {"val_loss": model_loss(model, rows), "val_tokens_scored": int(rows[:, 1:].numel())}
     metrics.update(ngram_baselines(train_ids, rows, cfg.d_vocab))
     seqs = repeated_random_tokens(cfg.d_vocab, bos, length=icl_length)
-    first, second = repeated_losses(model, seqs, icl_length)
+    logits, patterns = logits_and_patterns(model, seqs)
+    first, second = repeated_losses(logits, seqs, icl_length)
     metrics.update({"icl_first_copy_loss": first, "icl_second_copy_loss": second, "icl_length": icl_length})
-    ind = induction_scores(attention_patterns(model, seqs), icl_length)
+    ind = induction_scores(patterns, icl_length)
     layer, head = divmod(int(ind.argmax()), cfg.n_heads)
     metrics.update({"best_induction_head": f"{layer}.{head}", "best_induction_score": float(ind.max()),
                     "induction_scores": [[round(float(s), 4) for s in r] for r in ind]})
-    prev = previous_token_scores(attention_patterns(model, rows[:16]))
+    prev = previous_token_scores(logits_and_patterns(model, rows[:16])[1])
     layer, head = divmod(int(prev.argmax()), cfg.n_heads)
     metrics.update({"best_prev_token_head": f"{layer}.{head}", "best_prev_token_score": float(prev.max()),
                     "prev_token_scores": [[round(float(s), 4) for s in r] for r in prev]})
@@ -342,7 +344,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--tokenizer", type=Path, default=None,
-                   help="use this tokenizer.json (or a model directory holding one) instead of training a new BPE; "
+                   help="use the tokenizer of this model directory instead of training a new BPE; "
                         "for sweeps, where every run would otherwise train the same tokenizer again")
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=192)
@@ -399,13 +401,9 @@ def main(argv=None) -> None:
 
     t0 = time.time()
     if args.tokenizer is not None:
-        from tokenizers import Tokenizer as HFTokenizer
-
-        path = args.tokenizer / "tokenizer.json" if args.tokenizer.is_dir() else args.tokenizer
-        backend = HFTokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_directory(args.tokenizer)
     else:
-        backend = train_tokenizer(list(train_texts.values()), args.vocab_size)
-    tokenizer = Tokenizer(backend)
+        tokenizer = Tokenizer(train_tokenizer(list(train_texts.values()), args.vocab_size))
     sample = "KING.\nWhat, ho! — thou art\n  a villain; résumé\t<|endoftext|>\n"
     assert tokenizer.decode(tokenizer.encode(sample)) == sample, "tokenizer does not round-trip"
     train_ids = token_stream(tokenizer, list(train_texts.values()))
