@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, tokens_and_mask
+from analyses.common import AnalysisInput, check_id_tensor, is_int, resolve_positions, tokens_and_mask
 from analyses.common import model_mask as _model_mask
 from probe import HookedDecoder
 
@@ -45,7 +45,7 @@ loss_metric.label = "loss"
 def _token_ids(model: HookedDecoder, value, what: str) -> torch.Tensor:
     values = value if isinstance(value, (list, tuple)) else [value]
     if isinstance(value, torch.Tensor):
-        values = value.flatten().tolist()
+        values = check_id_tensor(value, what).flatten().tolist()
     ids = []
     for v in values:
         if isinstance(v, str):
@@ -53,15 +53,22 @@ def _token_ids(model: HookedDecoder, value, what: str) -> torch.Tensor:
             if len(encoded) != 1:
                 raise ValueError(f"{what} {v!r} is {len(encoded)} tokens; give a string that is one token, or its id")
             v = encoded[0]
-        if not isinstance(v, int) or not 0 <= v < model.cfg.d_vocab:
+        if not is_int(v):
+            raise TypeError(f"{what} {v!r} is not a token id: give an int or a string that is one token")
+        if not 0 <= int(v) < model.cfg.d_vocab:
             raise ValueError(f"{what} {v!r} is not a token id in [0, {model.cfg.d_vocab})")
-        ids.append(v)
+        ids.append(int(v))
     return torch.tensor(ids, device=model.device)
 
 
-def logit_diff_metric(model: HookedDecoder, answer, counterfactual, position: Optional[int] = None) -> Metric:
-    """A metric: logit of `answer` minus logit of `counterfactual` at `position` (default: each
-    prompt's last real token). Each is a token id, a one-token string, or one of those per prompt."""
+def logit_diff_metric(model: HookedDecoder, answer, counterfactual, position: int = -1) -> Metric:
+    """A metric: logit of `answer` minus logit of `counterfactual` at `position`, counted among each
+    prompt's real tokens whatever the padding (default -1: each prompt's last real token), as in
+    `direct_logit_attribution`. Each is a token id, a one-token string, or one of those per prompt."""
+    if position is None:  # the old spelling of the default
+        position = -1
+    if not is_int(position):
+        raise TypeError(f"position={position!r} must be an int")
     answer_ids = _token_ids(model, answer, "answer")
     counter_ids = _token_ids(model, counterfactual, "counterfactual")
     if len(answer_ids) != len(counter_ids):
@@ -73,15 +80,25 @@ def logit_diff_metric(model: HookedDecoder, answer, counterfactual, position: Op
             raise ValueError(f"{len(answer_ids)} answers do not match a batch of {rows} prompts")
         reps = rows // len(answer_ids)
         ans, cf = answer_ids.to(logits.device).repeat(reps), counter_ids.to(logits.device).repeat(reps)
-        if position is None:
-            pos = attention_mask.long().cumsum(dim=1).argmax(dim=1)  # last real token, whatever the padding side
-        else:
-            pos = torch.full((rows,), position % logits.shape[1], device=logits.device)
-        at = logits[torch.arange(rows, device=logits.device), pos]
-        return (at.gather(-1, ans[:, None]) - at.gather(-1, cf[:, None]))[:, 0].float()
+        pos = resolve_positions(attention_mask.to(logits.device), int(position))
+        at = logits[torch.arange(rows, device=logits.device), pos].float()  # float first: a bf16 difference rounds
+        return (at.gather(-1, ans[:, None]) - at.gather(-1, cf[:, None]))[:, 0]
 
     metric.label = "logit difference"
     return metric
+
+
+def evaluate_metric(metric: Metric, logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[batch] float: the metric's values, checked to be one per row (batched analyses reshape them by row)."""
+    values = metric(logits, tokens, mask)
+    rows = logits.shape[0]
+    if not isinstance(values, torch.Tensor) or tuple(values.shape) != (rows,):
+        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(
+            f"the metric returned {got}; it must return one value per row, shape ({rows},): batched analyses "
+            "stack several runs along the batch, so return per-row values, not their mean"
+        )
+    return values.float()
 
 
 def metric_name(metric: Metric) -> str:
@@ -92,14 +109,14 @@ def metric_name(metric: Metric) -> str:
 
 def _check_heads(model: HookedDecoder, heads) -> list[tuple[int, int]]:
     heads = list(heads)
-    ok = all(isinstance(h, (tuple, list)) and len(h) == 2 and all(isinstance(i, int) for i in h) for h in heads)
+    ok = all(isinstance(h, (tuple, list)) and len(h) == 2 and all(is_int(i) for i in h) for h in heads)
     bad = [h for h in heads if not ok or not (0 <= h[0] < model.cfg.n_layers and 0 <= h[1] < model.cfg.layer_heads(h[0]))]
     if not ok or bad or not heads:
         raise ValueError(
-            f"heads must be a non-empty list of (layer, head) with layer < {model.cfg.n_layers} and "
+            f"heads must be a non-empty list of (layer, head) ints with layer < {model.cfg.n_layers} and "
             f"head < the layer's head count ({model.cfg.n_heads} unless pruned); got {bad or heads!r}"
         )
-    return [tuple(h) for h in heads]
+    return [(int(l), int(h)) for l, h in heads]
 
 
 @torch.no_grad()
@@ -137,8 +154,17 @@ def _replacements(
             out[l] = einsum(weight.to(cache[name].dtype), cache[name][:, :n],
                             "batch pos, batch pos head d_head -> pos head d_head")[None]
     else:
+        # A prompt may only take its sample from a reference prompt that is real wherever it is: a
+        # shorter (padded) reference would hand it the activations of padding tokens.
+        covers = (ref_mask.bool()[None, :, :] | ~mask.bool()[:, None, :]).all(dim=-1)  # [batch reference]
+        short = (~covers.any(dim=1)).nonzero().flatten().tolist()
+        if short:
+            raise ValueError(
+                f"resample ablation: no reference prompt is as long as input prompt(s) {short}; give references "
+                "at least as long as every prompt"
+            )
         gen = torch.Generator().manual_seed(seed)
-        rows = torch.randint(0, ref_tokens.shape[0], (tokens.shape[0],), generator=gen).to(model.device)
+        rows = torch.multinomial(covers.float().cpu(), 1, generator=gen)[:, 0].to(model.device)
         for l, name in zip(layers, names):
             out[l] = cache[name][rows, :n]
     return out
@@ -152,16 +178,19 @@ def ablate_heads(
     method: AblationMethod = "zero",
     reference: Optional[AnalysisInput] = None,
     seed: int = 0,
+    *,
+    attention_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Logits [batch pos vocab] with every head in `heads` ablated at once, through hook_z.
 
     zero: the head writes nothing (its b_O share stays, as b_O is not per head).
     mean: the head's output is its mean over the reference prompts, position by position.
     resample: each prompt gets the head's output on a reference prompt drawn at random (seeded).
-    The reference defaults to the input batch itself.
+    The reference defaults to the input batch itself. `attention_mask` [batch pos] marks the real
+    tokens of padded token ids (text is padded and masked for you).
     """
     heads = _check_heads(model, heads)
-    tokens, mask = tokens_and_mask(model, input)
+    tokens, mask = tokens_and_mask(model, input, attention_mask)
     layers = sorted({l for l, _ in heads})
     repl = _replacements(model, method, tokens, mask, layers, reference, seed)
 
@@ -239,21 +268,24 @@ def head_ablation_effects(
     reference: Optional[AnalysisInput] = None,
     seed: int = 0,
     max_rows: Optional[int] = None,
+    *,
+    attention_mask: Optional[torch.Tensor] = None,
 ) -> HeadAblationEffects:
     """The metric (default: loss on the input) with each head alone ablated, for every head.
 
     Ablating a head of layer l leaves layers < l unchanged, so each run restarts at layer l from the
     cached residual, and the ablations of one layer share a forward: the prompts are stacked once
     per ablated head along the batch (at most `max_rows` rows per forward; default: a memory budget).
+    `attention_mask` [batch pos] marks the real tokens of padded token ids.
     """
     metric = loss_metric if metric is None else metric
-    tokens, mask = tokens_and_mask(model, input)
+    tokens, mask = tokens_and_mask(model, input, attention_mask)
     batch, n = tokens.shape
     n_layer, n_head = model.cfg.n_layers, model.cfg.n_heads
     repl = _replacements(model, method, tokens, mask, range(n_layer), reference, seed)
     names = [f"blocks.{l}.hook_resid_pre" for l in range(1, n_layer)]
     logits, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask), names=names)
-    baseline = metric(logits, tokens, mask).float().cpu()
+    baseline = evaluate_metric(metric, logits, tokens, mask).cpu()
     del logits
 
     copies = max(1, _rows_per_forward(model, n, max_rows) // batch)  # ablations per forward
@@ -276,6 +308,6 @@ def head_ablation_effects(
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
                 start_at_layer=layer, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", ablate)],
             )
-            values = metric(logits, tokens.repeat(k, 1), stacked_mask)
-            per_prompt[layer, first: first + k] = values.float().view(k, batch).cpu()
+            values = evaluate_metric(metric, logits, tokens.repeat(k, 1), stacked_mask)
+            per_prompt[layer, first: first + k] = values.view(k, batch).cpu()
     return HeadAblationEffects(per_prompt=per_prompt, baseline=baseline, method=method, metric_name=metric_name(metric))

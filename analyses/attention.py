@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, as_tokens, token_labels
+from analyses.common import AnalysisInput, as_tokens, token_labels, token_strings
 from probe import HookedDecoder
 
 # Beyond this many tokens the tick labels of a single-head heatmap would overprint even in a
@@ -30,6 +30,7 @@ class AttentionPatterns:
 
     pattern: [layer head query_pos key_pos], for `layers` x `heads` (indices into the model).
     labels:  one escaped, position-suffixed label per token (safe to put into HTML).
+    strings: each token's raw string (for frames and CSV, not HTML).
     """
 
     pattern: torch.Tensor
@@ -37,6 +38,7 @@ class AttentionPatterns:
     heads: list[int]
     tokens: torch.Tensor  # [pos]
     labels: list[str]
+    strings: list[str]
 
     def to_frame(self) -> pd.DataFrame:
         """One row per (layer, head, query_pos, key_pos) the causal mask allows."""
@@ -46,14 +48,14 @@ class AttentionPatterns:
         )
         keep = (key <= query).flatten() & ~self.pattern.isnan().flatten()
         query, key = query.flatten()[keep], key.flatten()[keep]
-        labels = pd.Series(self.labels)
+        strings = pd.Series(self.strings)
         return pd.DataFrame({
             "layer": layer.flatten()[keep].numpy(),
             "head": head.flatten()[keep].numpy(),
             "query_pos": query.numpy(),
             "key_pos": key.numpy(),
-            "query_token": labels[query.numpy()].to_numpy(),
-            "key_token": labels[key.numpy()].to_numpy(),
+            "query_token": strings[query.numpy()].to_numpy(),
+            "key_token": strings[key.numpy()].to_numpy(),
             "weight": self.pattern.flatten()[keep].float().numpy(),
         })
 
@@ -203,4 +205,4 @@ def attention_patterns(
         present = [j for j, h in enumerate(heads) if h < model.cfg.layer_heads(layer)]
         pattern[i, present] = cache[name][0, [heads[j] for j in present]]
     return AttentionPatterns(pattern=pattern, layers=layers, heads=heads, tokens=tokens[0].cpu(),
-                             labels=token_labels(model, tokens))
+                             labels=token_labels(model, tokens), strings=token_strings(model, tokens[0].tolist()))

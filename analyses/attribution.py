@@ -16,9 +16,9 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, escape_token
+from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder
 from analyses.lens import (
-    _final_norm, _forward_mask, _resolve_positions, _token_strings, has_final_scale, lens_sites, position_labels,
+    _final_norm, _forward_mask, _resolve_positions, has_final_scale, lens_sites, position_labels,
     single_token_id, site_label, tokens_and_mask,
 )
 from probe import HookedDecoder
@@ -153,6 +153,8 @@ class ResidualDecomposition:
 
     def figure(self, prompt: int = 0, position: int = -1) -> go.Figure:
         """Bar chart of each component's norm at one position."""
+        if not 0 <= prompt < self.components.shape[0]:
+            raise ValueError(f"prompt={prompt} is outside the batch of {self.components.shape[0]}")
         pos = int(_resolve_positions(self.mask[prompt:prompt + 1], position)[0])
         norm = self.components[prompt, pos].float().norm(dim=-1).cpu()
         names = self.index.names
@@ -175,7 +177,7 @@ def residual_decomposition(
     return ResidualDecomposition(
         tokens=tokens, mask=mask, components=_stack_components(model, cache),
         index=Components.for_model(model), n_layers=model.cfg.n_layers,
-        position_labels=position_labels(model, tokens), token_strings=_token_strings(model),
+        position_labels=position_labels(model, tokens), token_strings=token_decoder(model),
     )
 
 
@@ -217,8 +219,9 @@ class LogitAttribution:
     def head_contributions(self) -> torch.Tensor:
         """[batch layer head]; NaN for heads a (pruned) layer does not have."""
         head_cols = [i for i, kind in enumerate(self.index.kinds) if kind == "head"]
-        layers = torch.tensor([self.index.layers[i] for i in head_cols], device=self.contributions.device)
-        heads = torch.tensor([self.index.heads[i] for i in head_cols], device=self.contributions.device)
+        # long even when empty (every head pruned): an empty float index tensor cannot index
+        layers = torch.tensor([self.index.layers[i] for i in head_cols], dtype=torch.long, device=self.contributions.device)
+        heads = torch.tensor([self.index.heads[i] for i in head_cols], dtype=torch.long, device=self.contributions.device)
         out = self.contributions.new_full((self.contributions.shape[0], self.n_layers, self.n_heads), float("nan"))
         out[:, layers, heads] = self.contributions[:, head_cols]  # NaN where a pruned layer has no such head
         return out
@@ -311,10 +314,10 @@ class LogitAttribution:
 def _token_ids(model: HookedDecoder, spec: TokenSpec, batch: int, what: str) -> torch.Tensor:
     """[batch] ids from an id, a single-token string, a list of either (one per prompt) or a tensor."""
     if isinstance(spec, torch.Tensor):
-        ids = spec.long().flatten().tolist() if spec.dim() <= 1 else None
-        if ids is None:
+        if spec.dim() > 1:
             raise ValueError(f"{what} as a tensor must be a scalar or [batch], got shape {tuple(spec.shape)}")
-    elif isinstance(spec, (str, int)) and not isinstance(spec, bool):
+        ids = check_id_tensor(spec, what).flatten().tolist()
+    elif isinstance(spec, str) or is_int(spec):
         ids = [spec]
     elif isinstance(spec, (list, tuple)):
         ids = list(spec)
@@ -326,8 +329,11 @@ def _token_ids(model: HookedDecoder, spec: TokenSpec, batch: int, what: str) -> 
     if len(ids) != batch:
         raise ValueError(f"{what} has {len(ids)} entries for a batch of {batch} prompts; give one, or one per prompt")
     for t in ids:
-        if not (isinstance(t, int) and 0 <= t < model.cfg.d_vocab):
+        if not is_int(t):
+            raise TypeError(f"{what} {t!r} is not a token id: give an int or a string that is one token")
+        if not 0 <= int(t) < model.cfg.d_vocab:
             raise ValueError(f"{what} token id {t!r} is outside the vocabulary [0, {model.cfg.d_vocab})")
+    ids = [int(t) for t in ids]
     return torch.tensor(ids, dtype=torch.long, device=model.device)
 
 
@@ -387,5 +393,5 @@ def direct_logit_attribution(
         tokens=tokens, positions=positions, answer=answer_ids, counterfactual=cf_ids, contributions=contributions,
         ln_bias=ln_bias, unembed_bias=unembed_bias, actual=actual, accumulated=accumulated, index=index,
         n_layers=model.cfg.n_layers, n_heads=max(block.attn.n_heads for block in model.blocks),
-        position_labels=position_labels(model, tokens), token_strings=_token_strings(model),
+        position_labels=position_labels(model, tokens), token_strings=token_decoder(model),
     )

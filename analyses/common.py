@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import html
-from typing import Optional, Sequence, Union
+import numbers
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -11,11 +12,26 @@ from probe import HookedDecoder
 AnalysisInput = Union[str, Sequence[str], torch.Tensor]
 
 
-def as_tokens(model: HookedDecoder, input: AnalysisInput, prepend_bos: bool = True) -> torch.Tensor:
-    """Token ids [batch pos] on the model's device, validated, from a string, list of strings or ids."""
+def as_tokens(model: HookedDecoder, input: AnalysisInput, prepend_bos: Optional[bool] = None) -> torch.Tensor:
+    """Token ids [batch pos] on the model's device, validated, from a string, list of strings or ids.
+    Text gets a BOS when the tokenizer has one (GPT-2's <|endoftext|>; GPT-1 has none)."""
     if isinstance(input, torch.Tensor):
         return model.validate_tokens(input)
     return model.to_tokens(input, prepend_bos=prepend_bos)
+
+
+def token_decoder(model: HookedDecoder) -> Callable[[Sequence[int]], list[str]]:
+    """`token_strings` for this model's tokenizer, holding the tokenizer but not the model (results keep it)."""
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        return lambda ids: [str(int(i)) for i in ids]
+    return lambda ids: tokenizer.token_strings([int(i) for i in ids])
+
+
+def token_strings(model: HookedDecoder, ids: Sequence[int]) -> list[str]:
+    """Each id's raw string (decoded on its own, so they concatenate back to the text); the id itself
+    as a string for a model without a tokenizer. Raw: escape with `escape_token` before HTML."""
+    return token_decoder(model)(ids)
 
 
 def token_labels(model: HookedDecoder, tokens: torch.Tensor) -> list[str]:
@@ -25,11 +41,7 @@ def token_labels(model: HookedDecoder, tokens: torch.Tensor) -> list[str]:
     suffixed with its position (a prompt like `the cat the` keeps three columns).
     """
     ids = tokens[0] if tokens.dim() == 2 else tokens
-    if model.tokenizer is None:
-        strings = [str(i) for i in ids.tolist()]
-    else:
-        strings = model.tokenizer.token_strings(ids.tolist())
-    return [f"{escape_token(s)} ({pos})" for pos, s in enumerate(strings)]
+    return [f"{escape_token(s)} ({pos})" for pos, s in enumerate(token_strings(model, ids.tolist()))]
 
 
 def escape_token(token: str) -> str:
@@ -62,3 +74,35 @@ def tokens_and_mask(
 
 def model_mask(mask: torch.Tensor) -> Optional[torch.Tensor]:
     return None if bool(mask.all()) else mask.long()  # nothing padded: the causal-only path is exact and faster
+
+
+def is_int(value) -> bool:
+    """An int-like value usable as a token id or an index: Python or NumPy integers, 0-d integer
+    tensors; not bools (True would silently mean 1) and not floats (which would be truncated)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_id_tensor(ids: torch.Tensor, what: str) -> torch.Tensor:
+    """Token ids given as a tensor must be integers: `.long()` would truncate 3.7 to token 3 without a word."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{what} as a tensor must hold integer token ids, got dtype {ids.dtype}")
+    return ids.long()
+
+
+def resolve_positions(mask: torch.Tensor, position: int) -> torch.Tensor:
+    """[batch] index of `position` counted among each prompt's real tokens (-1 = each prompt's last),
+    for right or left padding."""
+    lengths = mask.long().sum(-1)
+    if position >= 0:
+        if bool((position >= lengths).any()):
+            raise ValueError(f"position={position} is past the end of a prompt with {int(lengths.min())} tokens")
+        index = torch.full_like(lengths, position)
+    else:
+        if bool((-position > lengths).any()):
+            raise ValueError(f"position={position} is before the start of a prompt with {int(lengths.min())} tokens")
+        index = lengths + position
+    if not bool(mask[:, :1].all()):  # left padding: real tokens start later
+        index = index + (~mask.bool()).long().cumprod(-1).sum(-1)
+    return index

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from analyses.common import model_mask as _forward_mask, tokens_and_mask
-from analyses.common import AnalysisInput, escape_token
+from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder
+from analyses.common import resolve_positions as _resolve_positions
 from probe.io import atomic_directory
 from probe import HELDOUT_TEXT, HookedDecoder
 
@@ -54,14 +55,8 @@ def site_label(site: str) -> str:
 
 def position_labels(model: HookedDecoder, tokens: torch.Tensor) -> list[list[str]]:
     """Per prompt, one escaped label per position, suffixed with the position so equal tokens stay apart."""
-    strings = _token_strings(model)
+    strings = token_decoder(model)
     return [[f"{escape_token(s)} ({pos})" for pos, s in enumerate(strings(row.tolist()))] for row in tokens]
-
-
-def _token_strings(model: HookedDecoder) -> Callable[[list[int]], list[str]]:
-    if model.tokenizer is None:
-        return lambda ids: [str(i) for i in ids]
-    return model.tokenizer.token_strings
 
 
 def has_final_scale(model: HookedDecoder) -> bool:
@@ -213,11 +208,12 @@ class LogitLensResult:
         prob = self.target_prob[prompt, :, pos].float().cpu()
         rank = self.target_rank[prompt, :, pos].cpu()
         target = escape_token(self.token_strings([int(self.target[prompt, pos])])[0])
-        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=("probability", "rank (0 = top)"))
-        hover = [f"{lab}: p={p:.6g}, rank {int(r)}" for lab, p, r in zip(self.labels, prob.tolist(), rank.tolist())]
+        # ranks start at 1 here (target_rank counts the tokens above, from 0): a log axis cannot show 0
+        fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=("probability", "rank (1 = top)"))
+        hover = [f"{lab}: p={p:.6g}, rank {int(r) + 1}" for lab, p, r in zip(self.labels, prob.tolist(), rank.tolist())]
         fig.add_trace(go.Scatter(x=self.labels, y=prob.numpy(), mode="lines+markers", name="probability",
                                  hovertext=hover, hoverinfo="text"), row=1, col=1)
-        fig.add_trace(go.Scatter(x=self.labels, y=rank.numpy(), mode="lines+markers", name="rank",
+        fig.add_trace(go.Scatter(x=self.labels, y=(rank + 1).numpy(), mode="lines+markers", name="rank",
                                  hovertext=hover, hoverinfo="text"), row=2, col=1)
         fig.update_yaxes(type="log", row=2, col=1)
         fig.update_layout(title=f"{self.lens_name}: target {target} at {self.position_labels[prompt][pos]} across layers",
@@ -231,22 +227,6 @@ class LogitLensResult:
                                    hoverinfo="text"))
         fig.update_layout(title=f"{self.lens_name}: mean KL(final || layer)", xaxis_title="layer", yaxis_title="KL (nats)")
         return fig
-
-
-def _resolve_positions(mask: torch.Tensor, position: int) -> torch.Tensor:
-    """[batch] index of `position` counted among each prompt's real tokens (-1 = each prompt's last)."""
-    lengths = mask.long().sum(-1)
-    if position >= 0:
-        if bool((position >= lengths).any()):
-            raise ValueError(f"position={position} is past the end of a prompt with {int(lengths.min())} tokens")
-        index = torch.full_like(lengths, position)
-    else:
-        if bool((-position > lengths).any()):
-            raise ValueError(f"position={position} is before the start of a prompt with {int(lengths.min())} tokens")
-        index = lengths + position
-    if not bool(mask[:, :1].all()):  # left padding: real tokens start later
-        index = index + (~mask).long().cumprod(-1).sum(-1)
-    return index
 
 
 @torch.no_grad()
@@ -333,7 +313,7 @@ def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLe
     return LogitLensResult(
         tokens=tokens, mask=mask, sites=sites, logits=logits, top_tokens=top_tokens, top_probs=top_logprobs.exp(),
         target=target_ids, target_prob=target_logprob.exp(), target_rank=rank, kl=kl, lens_name=name,
-        position_labels=position_labels(model, tokens), token_strings=_token_strings(model),
+        position_labels=position_labels(model, tokens), token_strings=token_decoder(model),
     )
 
 
@@ -345,12 +325,13 @@ def _resolve_target(model, tokens, mask, target: TargetSpec, final_logits) -> to
         return torch.where(is_last, final_logits.argmax(-1), nxt)
     if isinstance(target, str):
         target = single_token_id(model, target, "target")
-    if isinstance(target, int) and not isinstance(target, bool):
+    if is_int(target) and not isinstance(target, torch.Tensor):
+        target = int(target)
         if not 0 <= target < model.cfg.d_vocab:
             raise ValueError(f"target token id {target} is outside the vocabulary [0, {model.cfg.d_vocab})")
         return torch.full_like(tokens, target)
     if isinstance(target, torch.Tensor):
-        t = target.to(tokens.device).long()
+        t = check_id_tensor(target, "target").to(tokens.device)
         t = t.expand(batch, n) if t.dim() == 1 and t.shape[0] == n else t
         if t.shape != tokens.shape:
             raise ValueError(f"a target tensor must have shape [batch pos] {tuple(tokens.shape)} or [pos], got {tuple(target.shape)}")
@@ -427,7 +408,8 @@ class TunedLens(nn.Module):
 
     def forward(self, resid: torch.Tensor, sites: Sequence[str]) -> torch.Tensor:
         index = [self._index(s) for s in sites]
-        A, b = self.A[index].to(resid.dtype), self.b[index].to(resid.dtype)
+        # a lens loaded on the CPU reads a model's residuals wherever they are
+        A, b = self.A[index].to(resid.device, resid.dtype), self.b[index].to(resid.device, resid.dtype)
         return resid + einsum(resid, A, "batch layer pos d_model, layer d_model d_out -> batch layer pos d_out") + b[:, None]
 
     def _index(self, site: str) -> int:
@@ -512,18 +494,22 @@ def _windows(model: HookedDecoder, text: str, max_tokens: int, n_ctx: Optional[i
     """Batches of BOS + (n-1) tokens covering the text's first max_tokens tokens: full windows, then the tail."""
     if model.tokenizer is None:
         raise ValueError("training or comparing lenses on text needs a model with a tokenizer")
+    if n_ctx is not None and not (isinstance(n_ctx, int) and n_ctx >= 2):
+        raise ValueError(f"n_ctx={n_ctx!r}: a window holds BOS plus at least one token, so give an int >= 2 (or None "
+                         f"for the model's n_ctx={model.cfg.n_ctx})")
     ids = torch.tensor(model.tokenizer.encode(text)[:max_tokens], dtype=torch.long)
     if len(ids) < 2:
         raise ValueError(f"the text has {len(ids)} tokens; the lens needs at least 2")
     n = min(n_ctx or model.cfg.n_ctx, model.cfg.n_ctx)
-    step = n - 1
-    full = len(ids) // step
-    rows = ids[: full * step].view(full, step)
     bos = model.tokenizer.bos_id
-    batches = [torch.cat([torch.full((full, 1), bos), rows], dim=1)] if full else []
+    step = n if bos is None else n - 1  # without a BOS (GPT-1's vocabulary has none) a window is text alone
+    full = len(ids) // step
+    batches = [ids[: full * step].view(full, step)] if full else []
     tail = ids[full * step:]
     if len(tail):
-        batches.append(torch.cat([torch.tensor([bos]), tail])[None])
+        batches.append(tail[None])
+    if bos is not None:
+        batches = [torch.cat([torch.full((len(rows), 1), bos), rows], dim=1) for rows in batches]
     return [b.to(model.device) for b in batches]
 
 
@@ -532,10 +518,11 @@ def _collect_residuals(model: HookedDecoder, text: str, sites: list[str], max_to
                        batch_size: int = 8) -> torch.Tensor:
     """[token layer d_model] residuals at `sites` for every text token (not the BOS, whose residual is fixed)."""
     out = []
+    first = 0 if model.tokenizer.bos_id is None else 1
     for rows in _windows(model, text, max_tokens, n_ctx):
         for chunk in rows.split(batch_size):
             _, cache = model.run_with_cache(chunk, names=sites)
-            stacked = torch.stack([cache[s][:, 1:] for s in sites], dim=2)  # [batch pos layer d_model]
+            stacked = torch.stack([cache[s][:, first:] for s in sites], dim=2)  # [batch pos layer d_model]
             out.append(rearrange(stacked, "batch pos layer d_model -> (batch pos) layer d_model").float())
     return torch.cat(out)
 
@@ -578,6 +565,9 @@ def train_tuned_lens(
     model is run once with no gradient and only the translators are optimised (Adam), on random
     batches of `batch_tokens` tokens drawn with `seed`. The model is not modified.
     """
+    for name, value in (("steps", steps), ("batch_tokens", batch_tokens)):
+        if not (isinstance(value, int) and value >= 1):  # 0 would leave the lens untrained and its KL NaN
+            raise ValueError(f"{name}={value!r} must be a positive int")
     if text is None:
         text, source = heldout_split()[0], "probe.HELDOUT_TEXT (training part, heldout_split()[0])"
     else:

@@ -15,14 +15,10 @@ from the command line and writes the result as safetensors.
 from __future__ import annotations
 
 import argparse
-import codecs
-import itertools
 import json
 import math
 import os
 import sys
-import tempfile
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -33,11 +29,12 @@ import torch
 from einops import einsum, rearrange
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, as_tokens, escape_token
-from probe import HELDOUT_TEXT, HookedDecoder
+from analyses.common import AnalysisInput, as_tokens, escape_token, token_strings
+from analyses.corpus import Corpus, _encode_document, _iter_document_pieces, iter_documents
+from probe import HookedDecoder, Norm
+from probe.io import atomic_file
 
 Layers = Union[int, Sequence[int], None]
-Corpus = Union[str, os.PathLike, Iterable]
 
 # value_tokens multiplies [neuron d_model] by [d_model vocab] in chunks of at most this many logits,
 # so all 3072 neurons of a GPT-2 layer against a 50k vocabulary never sit in memory at once
@@ -76,19 +73,15 @@ def _neuron_tensor(model: HookedDecoder, neurons: Optional[Sequence[int]]) -> to
     return ids
 
 
-def _token_strings(model: HookedDecoder, ids: Sequence[int]) -> list[str]:
-    ids = [int(i) for i in ids]
-    if model.tokenizer is None:
-        return [f"#{i}" for i in ids]
-    return model.tokenizer.token_strings(ids)
-
-
 def _value_directions(model: HookedDecoder, layer: int, neurons: torch.Tensor, through_final_norm: bool) -> torch.Tensor:
-    """[neuron d_model]: the values v_i, or what the final LayerNorm does to them as directions
-    (centred, times its weight; the scale is per position and never changes a ranking)."""
+    """[neuron d_model]: the values v_i, or what the final norm does to them as directions: a
+    LayerNorm centres them and multiplies by its weight, an RMSNorm only multiplies, and a model
+    without a final norm leaves them be (the scale is per position and never changes a ranking)."""
     values = model.blocks[layer].mlp.W_out[neurons.to(model.device)]
-    if through_final_norm:
-        values = (values - values.mean(-1, keepdim=True)) * model.ln_final.w
+    if through_final_norm and model.cfg.final_norm:
+        if model.cfg.norm is Norm.LAYER:
+            values = values - values.mean(-1, keepdim=True)
+        values = values * model.ln_final.w
     return values
 
 
@@ -169,15 +162,16 @@ def value_tokens(
 ) -> ValueTokens:
     """The top-k promoted and suppressed tokens of v_i W_U for each neuron of `layer` (None = all).
 
-    `through_final_norm=True` reads (v_i - mean(v_i)) * ln_final.w instead of v_i: what the final
-    LayerNorm does to the direction before the unembedding (Geva et al. read the raw v_i).
+    `through_final_norm=True` reads what the final norm does to the direction before the
+    unembedding instead of v_i: (v_i - mean(v_i)) * ln_final.w for a LayerNorm, v_i * ln_final.w for
+    an RMSNorm (Geva et al. read the raw v_i).
     """
     (layer,) = _layer_list(model, layer)
     ids = _neuron_tensor(model, neurons)
     if not isinstance(k, int) or not 0 < k <= model.cfg.d_vocab:
         raise ValueError(f"k={k!r} must be an integer in [1, d_vocab={model.cfg.d_vocab}]")
     top_logits, top_ids, bottom_logits, bottom_ids = _top_value_tokens(model, layer, ids, k, through_final_norm)
-    strings = [_token_strings(model, top_ids[i].tolist() + bottom_ids[i].tolist()) for i in range(len(ids))]
+    strings = [token_strings(model, top_ids[i].tolist() + bottom_ids[i].tolist()) for i in range(len(ids))]
     return ValueTokens(layer, ids, top_ids, top_logits, bottom_ids, bottom_logits, strings, through_final_norm)
 
 
@@ -266,7 +260,7 @@ def memory_lookup(
 
     For each chosen layer (None = all) the top-k neurons, each with its coefficient, its value's
     `n_tokens` most promoted tokens, and its direct effect on the logit of the model's own next-token
-    prediction at that position (through the final LayerNorm with this prompt's scale).
+    prediction at that position (through the final norm, at this prompt's scale there).
     """
     tokens = as_tokens(model, input)
     if tokens.shape[0] != 1:
@@ -280,10 +274,10 @@ def memory_lookup(
     layers = _layer_list(model, layer)
     if not isinstance(k, int) or not 0 < k <= model.cfg.d_mlp:
         raise ValueError(f"k={k!r} must be an integer in [1, d_mlp={model.cfg.d_mlp}]")
-    names = [f"blocks.{l}.mlp.hook_post" for l in layers] + ["ln_final.hook_scale"]
+    names = [f"blocks.{l}.mlp.hook_post" for l in layers] + (["ln_final.hook_scale"] if model.cfg.final_norm else [])
     logits, cache = model.run_with_cache(tokens, names=names)
     predicted = int(logits[0, position].argmax())
-    scale = cache["ln_final.hook_scale"][0, position]  # [1]
+    scale = cache["ln_final.hook_scale"][0, position] if model.cfg.final_norm else torch.ones(1, device=model.device)
     unembed_predicted = model.unembed.W_U[:, predicted]  # [d_model]
 
     coefficients = torch.stack([cache[f"blocks.{l}.mlp.hook_post"][0, position] for l in layers]).float()
@@ -296,13 +290,13 @@ def memory_lookup(
         effects.append(effect)
         top_ids.append(_top_value_tokens(model, l, neurons[li], n_tokens, through_final_norm)[1])
     top_ids = torch.stack(top_ids)
-    strings = [[_token_strings(model, top_ids[li, r].tolist()) for r in range(k)] for li in range(len(layers))]
+    strings = [[token_strings(model, top_ids[li, r].tolist()) for r in range(k)] for li in range(len(layers))]
     return MemoryLookup(
         tokens=tokens[0].cpu(), position=position, layers=layers, coefficients=coefficients.cpu(),
         value_norms=value_norms.cpu(), neurons=neurons.cpu(), sizes=sizes.cpu(),
         prediction_effect=torch.stack(effects).cpu(), top_token_ids=top_ids, top_token_strings=strings,
-        predicted_token=predicted, predicted_string=_token_strings(model, [predicted])[0],
-        token_string=_token_strings(model, [int(tokens[0, position])])[0],
+        predicted_token=predicted, predicted_string=token_strings(model, [predicted])[0],
+        token_string=token_strings(model, [int(tokens[0, position])])[0],
     )
 
 
@@ -310,156 +304,6 @@ def sub_updates(model: HookedDecoder, layer: int, coefficients: torch.Tensor) ->
     """[d_mlp d_model]: every memory's sub-update m_i v_i for coefficients [d_mlp] of `layer`."""
     W_out = model.blocks[layer].mlp.W_out.detach()
     return einsum(coefficients.to(W_out), W_out, "d_mlp, d_mlp d_model -> d_mlp d_model")
-
-
-# ---- corpus reading ------------------------------------------------------------------------------
-# A corpus file is read this many bytes at a time, and a document tokenised this many characters
-# at a time, so a file larger than memory scans in bounded memory (tests set them tiny). The span
-# is small because a `tokenizers` encoding costs ~200 bytes a character, and is no faster longer.
-CORPUS_CHUNK_BYTES = 1 << 20
-CORPUS_SPAN_CHARS = 1 << 16
-_ASCII_WHITESPACE = " \t\n\r\x0b\x0c"  # what bytes.strip() strips: an empty file is only these
-# characters each side of a candidate cut that must tokenise the same split as joined
-_CUT_CHECK = 512
-_CUT_TRIES = 32  # candidate cuts of each kind tried per span before cutting blind
-
-
-def _read_text_pieces(path: Path) -> Iterator[str]:
-    """A UTF-8 text file as consecutive pieces, read CORPUS_CHUNK_BYTES at a time when iterated.
-
-    The incremental decoder carries a multi-byte character split between two reads over to the
-    next piece, so the pieces join to exactly the decoded file.
-    """
-    chunk = CORPUS_CHUNK_BYTES
-    decoder = codecs.getincrementaldecoder("utf-8")()  # strict: a bad byte raises with its position
-    offset = 0  # bytes read before `data`
-    held, seen_text = "", False  # leading whitespace waits until the file proves not to be empty
-    with open(path, "rb") as f:
-        while True:
-            data = f.read(chunk)
-            final = not data
-            nul = data.find(b"\x00")
-            if nul >= 0:
-                raise ValueError(f"corpus file {path} looks binary (a NUL byte at byte {offset + nul}); "
-                                 f"pass UTF-8 text files")
-            pending = len(decoder.getstate()[0])  # bytes of a character begun in the previous read
-            try:
-                text = decoder.decode(data, final=final)
-            except UnicodeDecodeError as err:
-                raise ValueError(
-                    f"corpus file {path} is not UTF-8 text (byte {offset - pending + err.start}: {err.reason}); "
-                    f"convert it with `iconv -t utf-8` or pass its decoded text as a string"
-                ) from None
-            offset += len(data)
-            if not seen_text:
-                held += text
-                seen_text = bool(held.strip(_ASCII_WHITESPACE))
-                if not seen_text:
-                    if final:
-                        raise ValueError(f"corpus file {path} is empty; remove it or pass another file")
-                    if len(held) < chunk:
-                        continue
-                    # more leading whitespace than a chunk: pass it on; an all-whitespace file
-                    # then fails at its end rather than holding the whole file here
-                text, held = held, ""
-            if text:
-                yield text
-            if final:
-                return
-
-
-def _iter_document_pieces(corpus: Corpus = None) -> Iterator[tuple[str, Iterable[str]]]:
-    """(name, text pieces) for each document: a file's pieces are read only when iterated."""
-    if corpus is None:
-        corpus = HELDOUT_TEXT
-    if isinstance(corpus, (str, os.PathLike)):
-        path = Path(corpus)
-        if not path.exists():
-            hint = "; to scan a string itself, pass it in a list: [text]" if isinstance(corpus, str) else ""
-            raise FileNotFoundError(f"corpus path {str(corpus)[:200]!r} does not exist{hint}")
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*.txt") if p.is_file())
-            if not files:
-                raise ValueError(f"corpus folder {path} holds no .txt files")
-            for file in files:
-                yield str(file.relative_to(path)), _read_text_pieces(file)
-        else:
-            yield path.name, _read_text_pieces(path)
-        return
-    if isinstance(corpus, (bytes, bytearray)):
-        raise TypeError("the corpus is bytes; decode it to a string and pass [text]")
-    try:
-        items = iter(corpus)
-    except TypeError:
-        raise TypeError(
-            f"corpus must be a path, a folder, or an iterable of strings, got {type(corpus).__name__}"
-        ) from None
-    for i, item in enumerate(items):
-        if isinstance(item, dict) and "text" in item:  # a Hugging Face dataset row
-            item = item["text"]
-        if isinstance(item, os.PathLike):
-            yield str(item), _read_text_pieces(Path(item))
-            continue
-        if not isinstance(item, str):
-            raise TypeError(f"corpus document {i} is a {type(item).__name__}; documents must be strings or paths")
-        if not item:
-            raise ValueError(f"corpus document {i} is an empty string; drop it before scanning")
-        yield f"doc {i}", (item,)
-
-
-def iter_documents(corpus: Corpus = None) -> Iterator[tuple[str, str]]:
-    """(name, text) for each document of a corpus, lazily.
-
-    A corpus is a path (a text file is one document, a folder is its `*.txt` files in sorted
-    order), a list or any iterable of strings (each one document) or of paths, or a Hugging Face
-    dataset / iterable of dicts with a "text" field. None is the bundled held-out Shakespeare.
-    Each text is whole here; `top_triggers` reads files piece by piece instead, in bounded memory.
-    """
-    for name, pieces in _iter_document_pieces(corpus):
-        yield name, "".join(pieces)
-
-
-def _splits_at(tokenizer, text: str, cut: int) -> bool:
-    """Whether the tokenizer splits `text` at `cut`: the tokens of the text around the cut equal
-    the tokens of its two sides. Byte-level BPE pre-tokenizes with a regex that looks at most a
-    few characters past a boundary, so this local test stands for the whole document."""
-    left, right = text[max(0, cut - _CUT_CHECK):cut], text[cut:cut + _CUT_CHECK]
-    return tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right)
-
-
-def _cut(tokenizer, text: str, start: int, end: int) -> int:
-    """Where to end the span of `text` that begins at `start` and may reach `end` (< len(text)):
-    the last cut before `end` that the tokenizer splits at, trying after a line break first, then
-    before a space. A span with neither (a line of CORPUS_SPAN_CHARS characters without a space, or a
-    tokenizer that splits nowhere, like one that prepends a space to every text) is cut at `end`,
-    and only the tokens at that cut can differ from tokenizing the document whole."""
-    for mark, after in (("\n", 1), (" ", 0)):
-        i = end
-        for _ in range(_CUT_TRIES):
-            i = text.rfind(mark, start + 1 - after, i)
-            if i < 0:
-                break
-            if start < i + after <= end and _splits_at(tokenizer, text, i + after):
-                return i + after
-    return end
-
-
-def _encode_document(tokenizer, pieces: Iterable[str]) -> Iterator[list[int]]:
-    """The token ids of a document given as consecutive text pieces, a span of at most
-    CORPUS_SPAN_CHARS characters at a time, cut where tokenizing the spans apart gives the ids of
-    the whole document (see `_cut`)."""
-    limit = CORPUS_SPAN_CHARS
-    text, start = "", 0
-    for piece in itertools.chain(pieces, (None,)):  # None: the document has ended
-        if piece is not None:
-            text, start = (text[start:] + piece if start < len(text) else piece), 0  # carried tail + piece
-        lookahead = 0 if piece is None else _CUT_CHECK  # so `_splits_at` sees what follows every cut
-        while len(text) - start > limit + lookahead:
-            cut = _cut(tokenizer, text, start, start + limit)
-            yield tokenizer.encode(text[start:cut])
-            start = cut
-    if start < len(text):
-        yield tokenizer.encode(text[start:])
 
 
 # ---- top_triggers --------------------------------------------------------------------------------
@@ -526,7 +370,7 @@ class TopTriggers:
         labels, hover = [], []
         for r in filled:
             ctx = [t for t in self.contexts[li, ni, r].tolist() if t != _PAD]
-            strings = _token_strings(model, ctx)
+            strings = token_strings(model, ctx)
             labels.append(f"#{r + 1} {escape_token(strings[-1])}")
             hover.append(f"activation {float(self.activations[li, ni, r]):.5g}<br>doc {int(self.docs[li, ni, r])} "
                          f"pos {int(self.positions[li, ni, r])}<br>…{escape_token(''.join(strings))}")
@@ -540,24 +384,15 @@ class TopTriggers:
         """Write to `path` (safetensors) atomically; an existing file is kept unless overwrite=True."""
         from safetensors.torch import save_file
 
-        path = Path(path)
-        if path.exists() and not overwrite:
-            raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
         tensors = dict(neurons=self.neurons, activations=self.activations, docs=self.docs,
                        positions=self.positions, contexts=self.contexts, next_tokens=self.next_tokens)
         meta = dict(layers=self.layers, n_docs=self.n_docs, resume_start=self.resume_start, n_tokens=self.n_tokens,
                     complete=self.complete,
                     doc_names={str(d): n for d, n in self.doc_names.items()})
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-        os.close(fd)
-        try:
-            save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, tmp,
+        with atomic_file(path, overwrite=overwrite) as tmp:
+            save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(tmp),
                       metadata={"top_triggers": json.dumps(meta)})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        return path
+        return Path(path).expanduser()
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "TopTriggers":
@@ -828,8 +663,8 @@ def top_triggers(
     with BOS when `prepend_bos`; BOS positions never count as triggers. The forward stops after the
     last chosen layer, and each layer's activations are folded into a running top-k inside its hook,
     so memory is O(layers x neurons x k) however long the corpus. A file is read and tokenised a
-    piece at a time (CORPUS_CHUNK_BYTES, CORPUS_SPAN_CHARS), so one larger than memory scans too,
-    to the same tokens as reading it whole (see `_cut` for the one exception).
+    piece at a time (`analyses.corpus`), so one larger than memory scans too, to the same tokens as
+    reading it whole (see `analyses.corpus._cut` for the one exception).
 
     Ctrl-C stops the scan and returns what was folded so far (`complete=False`, `n_docs` documents
     fully done); `resume=` continues such a result over the same corpus. `save_path` writes the

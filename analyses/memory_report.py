@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import html
 import os
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from analyses.common import escape_token
-from analyses.memories import _PAD, TopTriggers, _token_strings, _top_value_tokens
+from analyses.common import escape_token, token_strings
+from analyses.memories import _PAD, TopTriggers, _top_value_tokens
 from probe import HookedDecoder
+from probe.io import atomic_file
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; background: #fafafa; color: #222; }
@@ -38,7 +38,7 @@ mark { background: #ffd54f; font-weight: bold; }
 
 
 def _tokens_html(model: HookedDecoder, ids, logits, css: str) -> str:
-    strings = _token_strings(model, ids.tolist())
+    strings = token_strings(model, ids.tolist())
     return "".join(f'<span class="tok {css}" title="logit {v:.4g}">{escape_token(s)}</span>'
                    for s, v in zip(strings, logits.tolist()))
 
@@ -53,7 +53,7 @@ def _card(model: HookedDecoder, triggers: TopTriggers, li: int, ni: int, value_t
         if doc < 0:
             break
         ctx = [t for t in triggers.contexts[li, ni, r].tolist() if t != _PAD]
-        strings = _token_strings(model, ctx)
+        strings = token_strings(model, ctx)
         position = int(triggers.positions[li, ni, r])
         cut = "…" if position + 1 > len(ctx) else ""  # the document goes on before the stored context
         prefix = cut + html.escape("".join(strings[:-1]))
@@ -62,7 +62,7 @@ def _card(model: HookedDecoder, triggers: TopTriggers, li: int, ni: int, value_t
         hit = nxt >= 0 and nxt == int(top_ids[0])
         after = ""
         if nxt >= 0:
-            shown = escape_token(_token_strings(model, [nxt])[0])
+            shown = escape_token(token_strings(model, [nxt])[0])
             after = f'<span class="next{" hit" if hit else ""}" title="next token">{shown}</span>'
         where = html.escape(triggers.doc_names.get(doc, f"doc {doc}"))
         rows.append(
@@ -121,16 +121,6 @@ def memory_report(
         f'<div class="cards">{"".join(cards)}</div></body></html>'
     )
     if path is not None:
-        _write_atomic(Path(path), page)
+        with atomic_file(path, overwrite=overwrite) as tmp:
+            tmp.write_text(page, encoding="utf-8")
     return page
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)

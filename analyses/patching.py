@@ -16,9 +16,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.ablation import Metric, _model_mask, _rows_per_forward, metric_name, tokens_and_mask
+from analyses.ablation import Metric, _model_mask, _rows_per_forward, evaluate_metric, metric_name, tokens_and_mask
 from analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
-from analyses.common import AnalysisInput, token_labels
+from analyses.common import AnalysisInput, token_labels, token_strings
 from probe import HookedDecoder
 
 Activation = Literal["z", "resid_pre", "attn_out", "mlp_out"]
@@ -91,6 +91,7 @@ class PatchingResult:
     labels: list[str]  # escaped token labels of the first corrupted prompt
     clean_labels: list[str]
     sweep: Optional[str] = None
+    strings: Optional[list[str]] = None  # the first corrupted prompt's token strings, raw (for frames, not HTML)
 
     @property
     def recovered(self) -> torch.Tensor:
@@ -104,7 +105,7 @@ class PatchingResult:
             "layer": [s.layer for s in self.sites],
             "head": pd.array([s.head for s in self.sites], dtype="Int64"),
             "pos": pd.array(pos, dtype="Int64"),
-            "token": [None if p is None else self.labels[p] for p in pos],
+            "token": [None if p is None else (self.strings or self.labels)[p] for p in pos],
             "metric": self.patched.numpy(),
             "recovered": self.recovered.numpy(),
             "method": self.method,
@@ -191,16 +192,19 @@ def patch(
     sites: Union[str, Sequence[Site]] = "heads",
     method: Literal["exact", "attribution"] = "exact",
     max_rows: Optional[int] = None,
+    *,
+    attention_mask: Optional[torch.Tensor] = None,
 ) -> PatchingResult:
     """Patch each site from the clean run into the corrupted run and measure the metric.
 
     sites: 'heads' (every head's hook_z), 'resid_pre' / 'attn_out' / 'mlp_out' (every layer x
     position), or a list of Site. method 'exact' reruns the model per site (batched: sites of one
     layer share a forward, restarting there from the cached corrupted residual); 'attribution'
-    estimates every site from one forward and one backward.
+    estimates every site from one forward and one backward. `attention_mask` [batch pos] marks the
+    real tokens of padded token ids, the same for both (text is padded and masked for you).
     """
-    clean_tokens, clean_mask = tokens_and_mask(model, clean)
-    tokens, mask = tokens_and_mask(model, corrupted)
+    clean_tokens, clean_mask = tokens_and_mask(model, clean, attention_mask)
+    tokens, mask = tokens_and_mask(model, corrupted, attention_mask)
     if clean_tokens.shape != tokens.shape or not torch.equal(clean_mask, mask):
         raise ValueError(
             f"clean {tuple(clean_tokens.shape)} and corrupted {tuple(tokens.shape)} prompts must have the same "
@@ -221,7 +225,7 @@ def patch(
     hook_names = sorted({s.hook_name for s in sites})
     with torch.no_grad():
         clean_logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=_model_mask(mask), names=hook_names)
-        clean_value = float(metric(clean_logits, clean_tokens, mask).float().mean())
+        clean_value = float(evaluate_metric(metric, clean_logits, clean_tokens, mask).mean())
     del clean_logits
     if method == "exact":
         corrupted_value, patched = _exact(model, tokens, mask, metric, sites, clean_cache, max_rows)
@@ -236,13 +240,15 @@ def patch(
         sites=sites, patched=patched, clean=clean_value, corrupted=corrupted_value, method=method,
         metric_name=metric_name(metric),
         labels=token_labels(model, tokens[0]), clean_labels=token_labels(model, clean_tokens[0]), sweep=sweep,
+        strings=token_strings(model, tokens[0].tolist()),
     )
 
 
 def attribution_patch(model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
-                      sites: Union[str, Sequence[Site]] = "heads") -> PatchingResult:
+                      sites: Union[str, Sequence[Site]] = "heads", *,
+                      attention_mask: Optional[torch.Tensor] = None) -> PatchingResult:
     """Attribution patching: `patch(..., method='attribution')`."""
-    return patch(model, clean, corrupted, metric, sites, method="attribution")
+    return patch(model, clean, corrupted, metric, sites, method="attribution", attention_mask=attention_mask)
 
 
 def _groups(sites: Sequence[Site]):
@@ -258,7 +264,7 @@ def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
     layers = sorted({s.layer for s in sites if s.layer > 0})
     logits, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask),
                                          names=[f"blocks.{l}.hook_resid_pre" for l in layers])
-    corrupted_value = float(metric(logits, tokens, mask).float().mean())
+    corrupted_value = float(evaluate_metric(metric, logits, tokens, mask).mean())
     del logits
     copies = max(1, _rows_per_forward(model, n, max_rows) // batch)
     patched = torch.empty(len(sites))
@@ -279,7 +285,7 @@ def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
                 start_at_layer=layer, fwd_hooks=[(HOOKS[act].format(layer=layer), swap)],
             )
-            values = metric(logits, tokens.repeat(k, 1), stacked_mask).float().view(k, batch).mean(dim=1)
+            values = evaluate_metric(metric, logits, tokens.repeat(k, 1), stacked_mask).view(k, batch).mean(dim=1)
             patched[chunk] = values.cpu()
     return corrupted_value, patched
 
@@ -296,7 +302,7 @@ def _attribution(model, tokens, mask, metric, sites, clean_cache):
 
     with torch.enable_grad():
         logits = model.run_with_hooks(tokens, attention_mask=_model_mask(mask), fwd_hooks=[(names, keep)])
-        value = metric(logits, tokens, mask).float().mean()
+        value = evaluate_metric(metric, logits, tokens, mask).mean()
         grads = dict(zip(names, torch.autograd.grad(value, [acts[name] for name in names])))
     corrupted_value = float(value.detach())
     estimate = torch.empty(len(sites))

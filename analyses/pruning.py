@@ -34,8 +34,9 @@ import torch
 from einops import rearrange
 from plotly.subplots import make_subplots
 
-from probe.io import atomic_directory
+from analyses.corpus import _encode_document, _iter_document_pieces
 from probe import HELDOUT_TEXT, HookedDecoder
+from probe.io import atomic_directory
 
 Metric = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 PruningData = Union[None, str, os.PathLike, Sequence[str], torch.Tensor, Iterable[torch.Tensor]]
@@ -55,12 +56,14 @@ def token_batches(
 ) -> list[torch.Tensor]:
     """The data as a list of token batches [batch pos] on the model's device.
 
-    data: None (the bundled held-out Shakespeare, `probe.HELDOUT_TEXT`), a `pathlib.Path` to a text
-    file, a string (the text itself), a list of strings, token ids [batch pos] (split into batches
-    of `batch_size` rows), or an iterable of token batches (kept as given). Texts are tokenised into
-    one stream, each text preceded by BOS, and cut into non-overlapping windows of BOS + seq_len - 1
-    tokens (default seq_len: n_ctx), the way the bundled model was trained; a ragged tail is dropped
-    unless it is all there is. `max_windows` caps the number of rows (windows) used.
+    data: None (the bundled held-out Shakespeare, `probe.HELDOUT_TEXT`), a `pathlib.Path` to a UTF-8
+    text file or to a folder of `*.txt` files (each one document), a string (the text itself), a list
+    of strings, token ids [batch pos] (split into batches of `batch_size` rows), or an iterable of
+    token batches (kept as given). Texts are tokenised into one stream, each document preceded by
+    BOS, and cut into non-overlapping windows of BOS + seq_len - 1 tokens (default seq_len: n_ctx),
+    the way the bundled model was trained; a ragged tail is dropped unless it is all there is.
+    `max_windows` caps the number of rows (windows) used. Files are read and tokenised a piece at a
+    time (`analyses.corpus`), and reading stops once `max_windows` windows are full.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -68,26 +71,24 @@ def token_batches(
         raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
     if data is None:
         data = Path(HELDOUT_TEXT)
+    documents = None  # each document as consecutive text pieces
     if isinstance(data, os.PathLike):
-        path = Path(data)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is not a text file; pass a path to one, the text itself as a str, or token ids")
-        data = [path.read_text(encoding="utf-8")]
-    if isinstance(data, str):
-        data = [data]
-    if isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
-        rows = _windows(model, data, seq_len or model.cfg.n_ctx)
-        if max_windows is not None:
-            rows = rows[:max_windows]
+        documents = (pieces for _, pieces in _iter_document_pieces(data))
+    elif isinstance(data, str):
+        documents = [(data,)]
+    elif isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
+        documents = [(text,) for text in data]
+    if documents is not None:
+        rows = _windows(model, documents, seq_len or model.cfg.n_ctx, max_windows)
         return [model.validate_tokens(b) for b in rows.split(batch_size)]
     if isinstance(data, torch.Tensor):
-        rows = model.validate_tokens(data)
+        rows = _check_length(model.validate_tokens(data))
         if max_windows is not None:
             rows = rows[:max_windows]
         return list(rows.split(batch_size))
     if not isinstance(data, Iterable):
         _not_tokens(data)
-    batches = [model.validate_tokens(b) if isinstance(b, torch.Tensor) else _not_tokens(b) for b in data]
+    batches = [_check_length(model.validate_tokens(b)) if isinstance(b, torch.Tensor) else _not_tokens(b) for b in data]
     if not batches:
         raise ValueError("the data is empty: give at least one text or one batch of token ids")
     if max_windows is not None:
@@ -108,23 +109,55 @@ def _not_tokens(value):
     )
 
 
-def _windows(model: HookedDecoder, texts: Sequence[str], seq_len: int) -> torch.Tensor:
+def _check_length(tokens: torch.Tensor) -> torch.Tensor:
+    """Token ids with at least one next token to predict: a 1-token row has no loss, and would
+    make the mean loss (and every importance) NaN."""
+    if tokens.shape[-1] < 2:
+        raise ValueError(
+            f"token ids of shape {tuple(tokens.shape)} have fewer than 2 positions: the loss needs at least "
+            f"one token after the first; pass longer sequences"
+        )
+    return tokens
+
+
+def _windows(
+    model: HookedDecoder, documents: Iterable[Iterable[str]], seq_len: int, max_windows: Optional[int]
+) -> torch.Tensor:
+    """[window seq_len]: BOS + the next seq_len - 1 ids of the stream of documents (each BOS +
+    its ids), built a span at a time so only the windows and one span's ids are ever held. A
+    tokenizer without a BOS (GPT-1's) gives windows of seq_len ids of the documents run together."""
     if not 2 <= seq_len <= model.cfg.n_ctx:
         raise ValueError(f"seq_len must be between 2 and n_ctx={model.cfg.n_ctx}, got {seq_len}")
     tokenizer = model._require_tokenizer()
-    ids: list[int] = []
-    for text in texts:
-        ids.append(tokenizer.bos_id)
-        ids.extend(tokenizer.encode(text))
-    stream = torch.tensor(ids, dtype=torch.long)
-    body_len = seq_len - 1
-    n = len(stream) // body_len
-    if n == 0:
-        if len(stream) < 2:
-            raise ValueError("the text is empty: the loss needs at least one token after BOS")
-        return stream[None]  # shorter than one window: use it whole
-    body = stream[: n * body_len].view(n, body_len)
-    return torch.cat([torch.full((n, 1), tokenizer.bos_id, dtype=torch.long), body], dim=1)
+    bos = tokenizer.bos_id
+    body_len = seq_len if bos is None else seq_len - 1
+
+    def spans():
+        for pieces in documents:
+            if bos is not None:
+                yield [bos]
+            yield from _encode_document(tokenizer, pieces)
+
+    bodies: list[torch.Tensor] = []  # [n body_len] blocks of full windows, in stream order
+    n_rows, carry = 0, []  # carry: ids after the last full window
+    for span in spans():
+        carry.extend(span)
+        n = len(carry) // body_len
+        if max_windows is not None:
+            n = min(n, max_windows - n_rows)
+        if n:
+            bodies.append(torch.tensor(carry[: n * body_len], dtype=torch.long).view(n, body_len))
+            carry, n_rows = carry[n * body_len:], n_rows + n
+        if max_windows is not None and n_rows >= max_windows:
+            break  # enough windows: the rest of the corpus is never read
+    if n_rows == 0:
+        if len(carry) < 2:
+            raise ValueError("the text is empty (or one token): the loss needs at least two tokens, BOS included")
+        return torch.tensor(carry, dtype=torch.long)[None]  # shorter than one window: use it whole
+    body = torch.cat(bodies)
+    if bos is None:
+        return body
+    return torch.cat([torch.full((n_rows, 1), bos, dtype=torch.long), body], dim=1)
 
 
 # ---- the head gate --------------------------------------------------------------------------------
@@ -285,7 +318,7 @@ def evaluate_masks(
     correct = torch.zeros(n_masks, dtype=torch.float64)
     count = 0
     for tokens in batches:
-        batch, n = tokens.shape
+        batch, n = _check_length(tokens).shape
         per_forward = max(1, LOGIT_BUDGET // (batch * n * model.cfg.d_vocab))
         for first in range(0, n_masks, per_forward):
             chunk = masks[first: first + per_forward]
@@ -615,7 +648,12 @@ def load_pruned(
     directory: Union[str, Path], device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None
 ) -> HookedDecoder:
     """`HookedDecoder.from_pretrained` plus the head map from `head_map.json` when the directory has one."""
-    model = HookedDecoder.from_pretrained(directory, device=device, dtype=dtype)
+    return attach_head_map(HookedDecoder.from_pretrained(directory, device=device, dtype=dtype), directory)
+
+
+def attach_head_map(model: HookedDecoder, directory: Union[str, Path]) -> HookedDecoder:
+    """Set `model.head_map` from `directory/head_map.json` (written by `save_pruned`) when there is one,
+    for a model loaded from that directory some other way; returns the model."""
     path = Path(directory).expanduser() / HEAD_MAP_FILE
     if path.is_file():
         try:

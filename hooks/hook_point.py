@@ -10,16 +10,18 @@ HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
 
 
 class HookHandle:
-    """Removes one hook function from its HookPoint; removing twice is harmless."""
+    """One attachment of a hook function to a HookPoint; `remove()` detaches exactly that one, and
+    removing twice is harmless. The same function attached twice gets two handles, so an inner
+    `with` block that re-attaches a function leaves the outer block's hooks in their order."""
 
     def __init__(self, point: "HookPoint", fn: HookFn):
         self.point, self.fn = point, fn
 
     def remove(self) -> None:
-        fns = self.point._fns
-        for i, registered in enumerate(fns):
-            if registered is self.fn:
-                del fns[i]
+        handles = self.point._fns
+        for i, registered in enumerate(handles):
+            if registered is self:
+                del handles[i]
                 return
 
 
@@ -38,7 +40,7 @@ class HookPoint(nn.Module):
         super().__init__()
         self.name: str = "<unnamed>"  # set by HookedRootModule.setup_hooks
         self.opt_in = opt_in
-        self._fns: list[HookFn] = []
+        self._fns: list[HookHandle] = []  # in the order the hooks run
 
     @property
     def active(self) -> bool:
@@ -47,11 +49,12 @@ class HookPoint(nn.Module):
     def add(self, fn: HookFn) -> HookHandle:
         if not callable(fn):
             raise TypeError(f"hook for {self.name!r} must be callable as fn(activation, hook), got {type(fn).__name__}")
-        self._fns.append(fn)
-        return HookHandle(self, fn)
+        handle = HookHandle(self, fn)
+        self._fns.append(handle)
+        return handle
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for fn in list(self._fns):
+        for fn in [handle.fn for handle in self._fns]:
             try:
                 out = fn(x, self)
             except Exception as err:

@@ -122,7 +122,7 @@ def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dic
              mlp_bias=True, tied_embeddings=True)
     if cfg.n_heads * cfg.d_head != cfg.d_model:
         raise ValueError("a GPT-2 checkpoint needs n_heads * d_head == d_model")
-    special = tokenizer.bos_id if tokenizer is not None else cfg.d_vocab - 1
+    special = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else cfg.d_vocab - 1
     return {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
         "n_head": cfg.n_heads, "n_inner": cfg.d_mlp, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx,

@@ -70,6 +70,14 @@ class Rotary(nn.Module):
         device = self.inv_freq.device if not self.inv_freq.is_meta else "cpu"
         self.inv_freq = (1.0 / (self.base**exponents)).to(device)
 
+    def _apply(self, fn, recurse=True):
+        # model.to(bfloat16) would round the frequencies to 8 bits, turning the angle at position 1000
+        # by radians; recompute them in float32 on the new device instead (what transformers keeps)
+        super()._apply(fn, recurse)
+        if not self.inv_freq.is_meta:
+            self.build_buffers()
+        return self
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [batch pos head d_head], positions [batch pos] -> x rotated by its position."""
         angles = positions[..., None].float() * self.inv_freq  # [batch pos d_head/2]

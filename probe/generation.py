@@ -47,16 +47,26 @@ def generate(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
+    fwd_hooks = list(fwd_hooks)  # attached on every pass: a generator would be used up by the first
     as_text = isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and isinstance(input[0], str))
     if as_text:
+        if attention_mask is not None:
+            raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
         tokens, attention_mask = model.to_tokens(input, return_attention_mask=True, padding_side="left")
     else:
-        tokens = model.validate_tokens(input)
+        tokens, attention_mask = model._tokens_and_mask(input, attention_mask)
     if tokens.shape[1] + max_new_tokens > model.cfg.n_ctx:
         raise ValueError(
             f"the prompt has {tokens.shape[1]} tokens; {max_new_tokens} more would exceed n_ctx={model.cfg.n_ctx}"
         )
-    mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.to(tokens.device).long()
+    mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.to(tokens.device)
+    padded_last = (mask[:, -1] == 0).nonzero().flatten().tolist()
+    if padded_last:
+        # each prompt continues from the last position, so that position must be a real token
+        raise ValueError(
+            f"attention_mask marks the last position of prompt(s) {padded_last} as padding; generation continues "
+            "from the last position, so pad on the left (model.to_tokens(..., padding_side='left'))"
+        )
     generator = None
     if seed is not None:
         generator = torch.Generator(device=tokens.device).manual_seed(seed)
@@ -85,7 +95,8 @@ def generate(
 
     output: Union[str, list[str], torch.Tensor] = tokens
     if as_text:
-        texts = [model.tokenizer.decode(row[m.bool()].tolist()[1:]) for row, m in zip(tokens, mask)]  # drop BOS
+        first = 0 if model.tokenizer.bos_id is None else 1  # to_tokens prepended BOS exactly when there is one
+        texts = [model.tokenizer.decode(row[m.bool()].tolist()[first:]) for row, m in zip(tokens, mask)]
         output = texts[0] if isinstance(input, str) else texts
     return (output, caches) if cache_names is not None else output
 

@@ -1,4 +1,5 @@
-"""Writing a directory of results all at once: complete under its final name, or not there at all."""
+"""Writing results all at once, a file or a directory: complete under its final name, or not there
+at all, never replacing an existing one unless asked, with the usual (umask) permissions."""
 from __future__ import annotations
 
 import os
@@ -25,17 +26,64 @@ def atomic_directory(directory: Union[str, Path], overwrite: bool = False) -> It
     try:
         yield tmp
         _publish_permissions(tmp)
-        if directory.exists():
-            shutil.rmtree(directory) if directory.is_dir() else directory.unlink()
-        os.replace(tmp, directory)
+        if directory.exists() and not overwrite:
+            # it appeared while we were writing (another run, same name): that one is kept
+            raise FileExistsError(f"{directory} was created by something else while this was written; nothing replaced")
+        _replace(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _publish_permissions(directory: Path) -> None:
+@contextmanager
+def atomic_file(path: Union[str, Path], overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling path to write; on success it is renamed to `path`.
+
+    An existing `path` is refused unless `overwrite` (checked before and again after writing, so a
+    file that appeared meanwhile is kept); on any failure the temporary file is removed.
+    """
+    path = Path(path).expanduser()
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it or choose another path")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        tmp.chmod(0o666 & ~_umask())  # mkstemp's files are private; results are ordinary files
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path} was created by something else while this was written; nothing replaced")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
+    return umask
+
+
+def _replace(new: Path, directory: Path) -> None:
+    """Put `new` at `directory`; an old one is moved aside first and deleted only once `new` is in place."""
+    if not directory.exists():
+        os.replace(new, directory)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old.", dir=directory.parent))
+    old = aside / directory.name
+    os.replace(directory, old)
+    try:
+        os.replace(new, directory)
+    except BaseException:
+        os.replace(old, directory)
+        aside.rmdir()
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _publish_permissions(directory: Path) -> None:
+    umask = _umask()
     directory.chmod(0o777 & ~umask)
     for path in directory.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)

@@ -31,8 +31,9 @@ class Ledger:
     @property
     def flops_per_token(self) -> int:
         """Forward FLOPs for one token at context `n_ctx`: 2 per multiply-add in every matmul (the
-        unembedding included), plus attention's scores and weighted sum over n_ctx keys (the
-        convention of Kaplan et al. 2020, which ignores that a causal mask halves the average)."""
+        unembedding included), plus attention's scores and weighted sum over n_ctx keys, 2 * n_ctx *
+        d_head per head each (as Hoffmann et al. 2022 count; Kaplan et al. 2020's 2 * n_ctx * d_attn
+        per layer is half this attention term). A causal mask would halve the average; not counted."""
         cfg = self.cfg
         matmul_weights = sum(r["params"] for r in self.rows if r["component"].endswith("weight") and r["group"] != "embedding")
         if cfg.tied_embeddings:  # the unembedding matmul happens even when its weights are the embedding's
@@ -65,6 +66,8 @@ class Ledger:
 
 
 def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype = torch.float32) -> Ledger:
+    if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
+        raise ValueError(f"n_ctx={n_ctx!r}: give a positive number of positions, or None for the model's n_ctx")
     d, m, h, kv, dh, v = cfg.d_model, cfg.d_mlp, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_vocab
     rows: list[dict] = []
 
@@ -97,4 +100,4 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("ln_final", "norm", norm_params)
     if not cfg.tied_embeddings:  # tied: the embedding's row already counts these weights
         add("unembed.weight", "unembedding", d * v)
-    return Ledger(cfg=cfg, n_ctx=n_ctx or cfg.n_ctx, dtype=dtype, rows=rows)
+    return Ledger(cfg=cfg, n_ctx=cfg.n_ctx if n_ctx is None else n_ctx, dtype=dtype, rows=rows)

@@ -10,7 +10,7 @@ from torch import nn
 
 from hooks import HookedRootModule, HookPoint
 from probe.attention import Attention
-from probe.config import DecoderConfig, NormPlacement
+from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.embedding import Embed, Unembed, make_pos_embed
 from probe.kv_cache import KVCache
 from probe.mlp import make_mlp
@@ -19,6 +19,7 @@ from probe.shapes import hook_shapes
 from probe.tokenizer import Tokenizer
 
 ModelInput = Union[str, Sequence[str], torch.Tensor]
+NORM_HOOKS = (".hook_scale", ".hook_normalized")
 
 
 class PreNormBlock(nn.Module):
@@ -109,8 +110,24 @@ class HookedDecoder(HookedRootModule):
         else:
             resid = self._validate_residual(input, start_at_layer)
             batch, n_new = resid.shape[:2]
+            attention_mask = _check_mask(attention_mask, (batch, n_new), "the residual stream's [batch pos]")
+        if stop_at_layer is not None:
+            n_layers = self.cfg.n_layers
+            stop = stop_at_layer + n_layers if stop_at_layer < 0 else stop_at_layer
+            if not start_at_layer <= stop <= n_layers:
+                # a slice would quietly run nothing, or every layer, and return a residual all the same
+                raise ValueError(
+                    f"stop_at_layer={stop_at_layer} must be in [start_at_layer={start_at_layer}, n_layers={n_layers}] "
+                    f"(or negative, counting from the end)"
+                )
         device = self.device
         if kv_cache is not None:
+            if start_at_layer != 0 or stop_at_layer is not None:
+                # the cache must grow in every layer at once, or its length and mask stop matching the keys
+                raise ValueError(
+                    f"kv_cache needs a pass through every layer; got start_at_layer={start_at_layer}, "
+                    f"stop_at_layer={stop_at_layer}"
+                )
             if kv_cache.length + n_new > self.cfg.n_ctx:
                 raise ValueError(
                     f"the KV cache holds {kv_cache.length} positions; {n_new} more would exceed n_ctx={self.cfg.n_ctx}"
@@ -144,13 +161,14 @@ class HookedDecoder(HookedRootModule):
             if self.tokenizer is None:
                 return None  # the forward pass will say what is missing
             texts = [input] if isinstance(input, str) else list(input)
-            batch, pos = len(texts), 1 + max(len(self.tokenizer.encode(t)) for t in texts)
+            batch, pos = len(texts), (self.tokenizer.bos_id is not None) + max(len(self.tokenizer.encode(t)) for t in texts)
         else:
             return None
         key_pos = pos + (kv_cache.length if kv_cache is not None else 0)
         shapes = hook_shapes(self.cfg, batch, pos, key_pos)
         item = torch.empty((), dtype=dtype or self.embed.W_E.dtype).element_size()
-        return sum(math.prod(shapes[n]) for n in names if n in shapes) * item
+        norm_item = 4 if dtype is None and self.cfg.norm is Norm.RMS else item  # RMSNorm's hooks are float32, as Llama computes
+        return sum(math.prod(shapes[n]) * (norm_item if n.endswith(NORM_HOOKS) else item) for n in names if n in shapes)
 
     def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:
         if not 0 < start_at_layer <= self.cfg.n_layers:
@@ -162,7 +180,8 @@ class HookedDecoder(HookedRootModule):
                 f"with start_at_layer={start_at_layer} the input is the residual stream [batch pos d_model="
                 f"{self.cfg.d_model}] (floating point), got {shape}"
             )
-        return resid
+        # like token ids, a residual from a cache stored elsewhere (device='cpu', dtype=bfloat16) is moved in
+        return resid.to(self.device, self.embed.W_E.dtype)
 
     @torch.no_grad()
     def generate(self, input: ModelInput, max_new_tokens: int, **kwargs):
@@ -226,22 +245,27 @@ class HookedDecoder(HookedRootModule):
     def to_tokens(
         self,
         text: Union[str, Sequence[str]],
-        prepend_bos: bool = True,
+        prepend_bos: Optional[bool] = None,
         return_attention_mask: bool = False,
         padding_side: str = "right",
     ):
         """Token ids [batch pos] for a string or a list of strings, padded on `padding_side` ("right",
-        or "left" so that every prompt ends at the last position, as generation needs), on the model's device."""
+        or "left" so that every prompt ends at the last position, as generation needs), on the model's device.
+        `prepend_bos=None` prepends BOS when the tokenizer has one (GPT-2 does, GPT-1 does not)."""
         if padding_side not in ("right", "left"):
             raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
         tokenizer = self._require_tokenizer()
+        if prepend_bos is None:
+            prepend_bos = tokenizer.bos_id is not None
+        elif prepend_bos and tokenizer.bos_id is None:
+            raise ValueError("this model's tokenizer has no BOS token (as GPT-1's); pass prepend_bos=False")
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("to_tokens takes a string or a non-empty list of strings")
         ids = [([tokenizer.bos_id] if prepend_bos else []) + tokenizer.encode(t) for t in texts]
         for i, row in enumerate(ids):
             if not row:
-                raise ValueError(f"prompt {i} is empty and prepend_bos=False, so it has no tokens")
+                raise ValueError(f"prompt {i} is empty and no BOS is prepended, so it has no tokens")
         length = max(len(row) for row in ids)
         tokens = torch.full((len(ids), length), tokenizer.pad_id, dtype=torch.long)
         mask = torch.zeros((len(ids), length), dtype=torch.long)
@@ -252,7 +276,7 @@ class HookedDecoder(HookedRootModule):
         tokens, mask = tokens.to(self.device), mask.to(self.device)
         return (tokens, mask) if return_attention_mask else tokens
 
-    def to_str_tokens(self, input: Union[str, torch.Tensor], prepend_bos: bool = True) -> list[str]:
+    def to_str_tokens(self, input: Union[str, torch.Tensor], prepend_bos: Optional[bool] = None) -> list[str]:
         """The string of every token of one prompt (a string or 1-D ids)."""
         tokenizer = self._require_tokenizer()
         if isinstance(input, str):
@@ -277,19 +301,12 @@ class HookedDecoder(HookedRootModule):
                 attention_mask = None  # nothing padded: the causal-only path is exact and faster
         elif isinstance(input, torch.Tensor):
             tokens = input
+        elif isinstance(input, (list, tuple)) and not input:
+            raise ValueError("the input is an empty list: give a string, a non-empty list of strings or token ids")
         else:
             raise TypeError(f"input must be a string, a list of strings or a tensor of token ids, got {type(input).__name__}")
         tokens = self.validate_tokens(tokens)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(tokens.device)
-            if attention_mask.dim() == 1:
-                attention_mask = attention_mask.unsqueeze(0)
-            if attention_mask.shape != tokens.shape:
-                raise ValueError(
-                    f"attention_mask has shape {tuple(attention_mask.shape)} but the tokens have shape {tuple(tokens.shape)}"
-                )
-            attention_mask = attention_mask.long()
-        return tokens, attention_mask
+        return tokens, _check_mask(attention_mask, tuple(tokens.shape), "the tokens'")
 
     def validate_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Check token ids before they reach an embedding lookup, where mistakes become cryptic."""
@@ -312,6 +329,19 @@ class HookedDecoder(HookedRootModule):
             bad = low if low < 0 else high
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.d_vocab})")
         return tokens.to(self.device, torch.long)
+
+
+def _check_mask(attention_mask: Optional[torch.Tensor], shape: tuple[int, int], what: str) -> Optional[torch.Tensor]:
+    """A [pos] or [batch pos] mask as [batch pos] long, or an error naming both shapes."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor [batch pos] (1 = real token), got {type(attention_mask).__name__}")
+    if attention_mask.dim() == 1:
+        attention_mask = attention_mask.unsqueeze(0)
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but {what} shape is {tuple(shape)}")
+    return attention_mask.long()
 
 
 def _positions(attention_mask: Optional[torch.Tensor], batch: int, n_new: int, device) -> torch.Tensor:

@@ -21,9 +21,14 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.hook_scale.active or self.hook_normalized.active):
             return F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)  # fused: nothing to observe
-        centred = x - x.mean(-1, keepdim=True)
-        scale = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        return self.hook_normalized(centred / scale) * self.w + self.b
+        # in float32 whatever the model's dtype, as the fused kernel computes: float16 squares overflow
+        # past 256, so a cached scale would otherwise turn a float16 model's output into garbage. The
+        # hooks still see (and may replace) tensors in the model's dtype.
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True)
+        scale = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt().to(x.dtype))
+        normalized = self.hook_normalized((centred / scale.float()).to(x.dtype))
+        return (normalized.float() * self.w.float() + self.b.float()).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -31,8 +36,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.w = nn.Parameter(torch.ones(d_model))
-        self.hook_scale = HookPoint()  # [batch pos 1]: sqrt(mean(x^2) + eps)
-        self.hook_normalized = HookPoint()  # [batch pos d_model]: x / scale, before w
+        self.hook_scale = HookPoint()  # [batch pos 1] float32: sqrt(mean(x^2) + eps)
+        self.hook_normalized = HookPoint()  # [batch pos d_model] float32: x / scale, before w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # in float32 whatever the model's dtype, as Llama does: low-precision squares overflow or lose digits

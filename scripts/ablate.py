@@ -14,14 +14,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/ablate.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, parse_heads  # noqa: E402
+from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, parse_heads, read_prompts_file  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="the prompt")
     parser.add_argument("--heads", default=None, help="heads to ablate together: LAYER.HEAD,... e.g. 1.3,2.0")
     parser.add_argument("--method", default="zero", choices=["zero", "mean", "resample"], help="what replaces the head's output")
-    parser.add_argument("--reference-file", default=None, help="prompts (one per line) for mean/resample ablation (default: the prompt itself)")
+    parser.add_argument("--reference-file", default=None,
+                        help="prompts (one per line, each at least as long as --prompt) to take the mean or the samples from; "
+                             "needed by --method mean and resample")
     parser.add_argument("--sweep", action="store_true", help="the effect of ablating every head alone")
     parser.add_argument("--top", type=int, default=10, help="tokens to show")
 
@@ -35,18 +37,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.heads is None and not args.sweep:
         raise CommandError("give --heads LAYER.HEAD,... and/or --sweep")
+    if args.method != "zero" and args.reference_file is None:  # one prompt has no mean, and nothing to resample from
+        raise CommandError(f"--method {args.method} needs --reference-file FILE: prompts, one per line, to take the "
+                           f"{'mean' if args.method == 'mean' else 'samples'} from")
     out = Output(default_out(args, "ablate"), args.force)
     model = load_model(args)
     check_prompt(model, args.prompt)
-    reference = None
-    if args.reference_file:
-        path = Path(args.reference_file)
-        if not path.is_file():
-            raise CommandError(f"--reference-file {path} does not exist")
-        reference = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not 1 <= args.top <= model.cfg.d_vocab:
+        raise CommandError(f"--top {args.top} is outside [1, {model.cfg.d_vocab}] (the vocabulary size)")
+    heads = None if args.heads is None else parse_heads(args.heads, model)  # checked before any forward pass
+    reference = None if args.reference_file is None else read_prompts_file(args.reference_file, "--reference-file")
     tokens, mask = model.to_tokens(args.prompt, return_attention_mask=True)
-    if args.heads:
-        heads = parse_heads(args.heads, model)
+    if heads is not None:
         with torch.no_grad():
             clean = model(tokens)
         ablated = ablate_heads(model, tokens, heads, method=args.method, reference=reference, seed=args.seed)

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 try:
-    from scripts.common import Output, add_common_arguments, default_out, load_model, run_command
+    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, run_command
 except ImportError:  # run as `python scripts/anatomy.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from scripts.common import Output, add_common_arguments, default_out, load_model, run_command
+    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +38,8 @@ def anatomy_tables(model, n_ctx: Optional[int]):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.n_ctx is not None and args.n_ctx < 1:  # the ledger would read 0 as "the model's" and count negative FLOPs
+        raise CommandError(f"--n-ctx {args.n_ctx} must be a positive number of tokens")
     out = Output(default_out(args, "anatomy"), args.force)
     model = load_model(args)
     config, ledger, summary, shapes = anatomy_tables(model, args.n_ctx)

@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--head needs --layer")
     if args.layer is not None and not 0 <= args.layer < model.cfg.n_layers:
         raise CommandError(f"--layer {args.layer} is outside [0, {model.cfg.n_layers})")
+    if args.head is not None and not 0 <= args.head < model.cfg.layer_heads(args.layer):
+        raise CommandError(f"--head {args.head} is outside [0, {model.cfg.layer_heads(args.layer)}) in layer {args.layer}")
     patterns = attention_patterns(model, args.prompt)
     out.write_csv("patterns.csv", patterns.to_frame())
     out.write_figure("patterns_overview.html", patterns.figure())

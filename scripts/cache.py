@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 try:
-    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, log, run_command
+    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, log, read_prompts_file, run_command
 except ImportError:  # run as `python scripts/cache.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, log, run_command
+    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, log, read_prompts_file, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,16 +51,7 @@ def select_names(model, patterns: Optional[list[str]]) -> list[str]:
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise CommandError(f"--prompts-file {path} does not exist")
-        try:
-            prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        except UnicodeDecodeError as err:
-            raise CommandError(f"--prompts-file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from err
-        if not prompts:
-            raise CommandError(f"--prompts-file {path} holds no prompts")
-        return prompts
+        return read_prompts_file(args.prompts_file, "--prompts-file")
     if args.prompt is None:
         raise CommandError("give --prompt TEXT, --prompts-file FILE, or --show FILE")
     return [args.prompt]

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import random
 import sys
 import tempfile
@@ -13,12 +12,6 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 class CommandError(Exception):
@@ -54,6 +47,17 @@ def resolve_device(name: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise CommandError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:  # torch's message lists twenty device types; ours names the usual ones
+        raise CommandError(f"--device {name} is not a device name; use auto, cpu, cuda or cuda:N") from err
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise CommandError(f"--device {name}: CUDA device {device.index} is not available on this machine, which has "
+                           f"{torch.cuda.device_count()} (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise CommandError(f"--device {name}: MPS is not available on this machine; use --device cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise CommandError(f"--device {name}: probe runs on cpu, cuda or mps")
     return name
 
 
@@ -97,16 +101,11 @@ class Output:
         return self.directory / name
 
     def write_bytes(self, name: str, data: bytes) -> Path:
+        from probe.io import atomic_file  # not at import time: `probe --help` should not load torch
+
         final = self.directory / name
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes files private; results are ordinary files
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(final, overwrite=True) as tmp:  # whether to replace was settled by --force, up front
+            tmp.write_bytes(data)
         self.written.append(final)
         return final
 
@@ -121,23 +120,10 @@ class Output:
     def write_json(self, name: str, value) -> Path:
         return self.write_text(name, json.dumps(value, indent=2, default=str) + "\n")
 
-    def write_figure(self, name: str, figure, title: Optional[str] = None) -> Path:
+    def write_figure(self, name: str, figure) -> Path:
         """A self-contained HTML page (plotly.js inline, so it opens offline)."""
         html = figure.to_html(full_html=True, include_plotlyjs=True)
         return self.write_text(name, html)
-
-    def write_with(self, name: str, writer: Callable[[Path], None]) -> Path:
-        """For libraries that write files themselves: write to a temp name, then rename."""
-        final = self.directory / name
-        tmp = self.directory / f".{name}.tmp"
-        try:
-            writer(tmp)
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        self.written.append(final)
-        return final
 
     def report(self, args: argparse.Namespace) -> None:
         for path in self.written:
@@ -158,21 +144,29 @@ def run_command(run: Callable[[argparse.Namespace], int], parser: argparse.Argum
         print("interrupted", file=sys.stderr)
         return 130
     except CommandError as err:
-        if args.debug:
-            traceback.print_exc()
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _fail(args, str(err))
     except (ValueError, TypeError, KeyError, FileNotFoundError, OSError, MemoryError) as err:
-        if args.debug:
-            traceback.print_exc()
-        message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+        return _fail(args, str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err))
+    except RuntimeError as err:
+        import torch
+
+        if not isinstance(err, torch.cuda.OutOfMemoryError):  # other RuntimeErrors are bugs: show their traceback
+            raise
+        return _fail(args, f"out of memory on --device {args.device}: {err}; try shorter or fewer prompts, "
+                           "--dtype bfloat16, or --device cpu")
+
+
+def _fail(args: argparse.Namespace, message: str) -> int:
+    """The error as one line: library messages may span lines (the hub's do), and a log line must not."""
+    if args.debug:
+        traceback.print_exc()
+    print("error: " + " ".join(line.strip() for line in message.splitlines() if line.strip()), file=sys.stderr)
+    return 2
 
 
 def token_id(model, value: str, flag: str) -> int:
     """A token given on the command line: an integer id, or text that is exactly one token."""
-    if value.lstrip("-").isdigit():
+    if value.isascii() and value.lstrip("-").isdigit():  # not str.isdigit alone: '²' is a digit to it, not to int()
         token = int(value)
         if not 0 <= token < model.cfg.d_vocab:
             raise CommandError(f"{flag} {token} is not a token id in [0, {model.cfg.d_vocab})")
@@ -220,3 +214,23 @@ def check_prompt(model, prompt: str) -> None:
     n = model.to_tokens(prompt).shape[1]
     if n > model.cfg.n_ctx:
         raise CommandError(f"the prompt is {n} tokens but the model's context is {model.cfg.n_ctx}; shorten it")
+
+
+def read_prompts_file(path: str, flag: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file, one prompt each."""
+    file = Path(path)
+    if not file.is_file():
+        raise CommandError(f"{flag} {file} does not exist")
+    try:
+        prompts = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as err:
+        raise CommandError(f"{flag} {file} is not UTF-8 text ({err.reason} at byte {err.start})") from err
+    if not prompts:
+        raise CommandError(f"{flag} {file} holds no prompts (one per line)")
+    return prompts
+
+
+def check_position(model, prompt: str, position: int, flag: str = "--position") -> None:
+    n = model.to_tokens(prompt).shape[1]
+    if not -n <= position < n:
+        raise CommandError(f"{flag} {position} is outside the prompt's {n} tokens (BOS included): use {-n} to {n - 1}")

@@ -5,13 +5,34 @@
 # benchmark leaves its cases out, and says so, where it cannot be imported).
 #
 #   bash scripts/gpu_check.sh OUT_DIR
-#   WHEELS=dir bash scripts/gpu_check.sh OUT_DIR   # a machine without internet: install these wheels first
+#   WHEELS=dir bash scripts/gpu_check.sh OUT_DIR      # a machine without internet: install these wheels first
+#   STAGES="float32 bfloat16" F32_WORKLOADS=2,11 bash scripts/gpu_check.sh OUT_DIR   # only what is missing
+#   GPU_CHECK_DEVICE=cpu TESTS_K=tiny bash scripts/gpu_check.sh OUT_DIR   # the same stages on the CPU at tiny
+#                                                                         # shapes: checks this script itself
 #
-# Each stage has a time limit (seconds: TESTS_S, F32_S, BF16_S, MEDIUM_S), so the whole takes about
-# ten minutes at most; a stage cut short keeps what it finished (bench.partial.json).
+# Stages, in order (STAGES, default all four): tests, float32, bfloat16, medium. Workloads per
+# benchmark stage: F32_WORKLOADS, BF16_WORKLOADS (default all), MEDIUM_WORKLOADS (default 1,2,3).
+# On an H200 a benchmark workload takes 15-30 s (most of it starting its process), so all four stages
+# take about twelve minutes: more than one 10-minute call. TOTAL_S (default 540) caps the whole run;
+# each stage also has its own cap (TESTS_S, F32_S, BF16_S, MEDIUM_S) and gets no more than is left.
+# A stage cut short keeps what it finished (bench.partial.json); OUT_DIR/stages.txt says, per stage,
+# whether it finished, failed, was cut short or did not start. Exit 0 only when every stage finished
+# and passed.
 set -uo pipefail
 OUT=${1:?usage: bash scripts/gpu_check.sh OUT_DIR}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+STAGES=${STAGES:-tests float32 bfloat16 medium}
+case $DEVICE in
+    cuda) BENCH_SHAPES=(--device cuda --repeats 3 --min-run-time 0.1 --batch 16 --seq 1024); MEDIUM_SHAPE=medium ;;
+    cpu) BENCH_SHAPES=(--device cpu --quick); MEDIUM_SHAPE=tiny ;;  # medium would be a 355M-parameter build
+    *) echo "gpu_check: GPU_CHECK_DEVICE=$DEVICE; use cuda (the default) or cpu (a check of this script)" >&2; exit 2 ;;
+esac
+for stage in $STAGES; do
+    case $stage in tests|float32|bfloat16|medium) ;;
+        *) echo "gpu_check: unknown stage '$stage' in STAGES; choose from: tests float32 bfloat16 medium" >&2; exit 2 ;;
+    esac
+done
 if [ -e "$OUT" ] && [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then
     echo "gpu_check: $OUT exists and is not empty; give a new directory (earlier results are kept)" >&2
     exit 2
@@ -21,27 +42,60 @@ if [ -n "${WHEELS:-}" ]; then
     export PYTHONPATH=/tmp/probe-gpu-site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$REPO:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "gpu_check: this torch sees no CUDA device; run it on a machine with a GPU" >&2
+if [ "$DEVICE" = cuda ] && ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: this torch sees no CUDA device; run it on a machine with a GPU (or GPU_CHECK_DEVICE=cpu)" >&2
     exit 2
 fi
 mkdir -p "$OUT"
 cd "$REPO" || exit 2
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+if [ "$DEVICE" = cuda ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+fi
 
-timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-    "tests/test_attribution.py::test_gpu_matches_cpu" 2>&1 | tee "$OUT/tests.log"
-tests=${PIPESTATUS[0]}
-
-bench() {  # seconds, out subdirectory, bench.py arguments...
-    local limit=$1 dir=$2
-    shift 2
-    timeout "$limit" python3 scripts/bench.py --device cuda --repeats 3 --min-run-time 0.1 --batch 16 --seq 1024 \
-        --workload-timeout 120 --out "$OUT/$dir" "$@" 2>&1 | tee "$OUT/$dir.log"
-    pkill -f "bench.py --workload" 2>/dev/null  # a child the time limit orphaned
+deadline=$((SECONDS + ${TOTAL_S:-540}))
+all_ok=1
+record() {  # stage, outcome
+    echo "$1: $2" | tee -a "$OUT/stages.txt" >&2
+    [ "$2" = finished ] || all_ok=0
 }
-bench "${F32_S:-300}" float32 --dtype float32
-bench "${BF16_S:-200}" bfloat16 --dtype bfloat16 --workloads 1,2,3,4,6,9
-bench "${MEDIUM_S:-100}" medium-bfloat16 --dtype bfloat16 --shape medium --workloads 1,2,3
-echo "gpu_check: tests exit $tests; results in $OUT" >&2
-exit "$tests"
+limit_for() {  # the stage's own cap, or what is left of TOTAL_S if less
+    local left=$((deadline - SECONDS))
+    echo $(( $1 < left ? $1 : left ))
+}
+outcome() {  # exit status of a time-limited command -> what stages.txt says
+    case $1 in 0) echo finished ;; 124|137) echo "cut short by its time limit" ;; *) echo "failed (exit $1)" ;; esac
+}
+run_stage() {  # stage, own cap in seconds, command...
+    local stage=$1 limit
+    limit=$(limit_for "$2")
+    shift 2
+    if [ "$limit" -lt 30 ]; then
+        record "$stage" "not started: under 30 s of TOTAL_S left"
+        return
+    fi
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$stage.log"
+    local status=${PIPESTATUS[0]}
+    pkill -f "$REPO/scripts/bench.py --workload" 2>/dev/null  # a child the time limit orphaned
+    record "$stage" "$(outcome "$status")"
+}
+
+for stage in $STAGES; do
+    case $stage in
+        tests)
+            tests=(tests/test_gpu.py)
+            [ "$DEVICE" = cuda ] && tests+=("tests/test_attribution.py::test_gpu_matches_cpu")
+            PROBE_TEST_DEVICE=$DEVICE run_stage tests "${TESTS_S:-240}" \
+                python3 -m pytest -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} "${tests[@]}" ;;
+        float32)
+            run_stage float32 "${F32_S:-300}" python3 scripts/bench.py "${BENCH_SHAPES[@]}" --workload-timeout 120 \
+                --out "$OUT/float32" --dtype float32 --workloads "${F32_WORKLOADS:-all}" ;;
+        bfloat16)
+            run_stage bfloat16 "${BF16_S:-300}" python3 scripts/bench.py "${BENCH_SHAPES[@]}" --workload-timeout 120 \
+                --out "$OUT/bfloat16" --dtype bfloat16 --workloads "${BF16_WORKLOADS:-all}" ;;
+        medium)
+            run_stage medium "${MEDIUM_S:-120}" python3 scripts/bench.py "${BENCH_SHAPES[@]}" --workload-timeout 120 \
+                --out "$OUT/medium-bfloat16" --dtype bfloat16 --shape "$MEDIUM_SHAPE" --workloads "${MEDIUM_WORKLOADS:-1,2,3}" ;;
+    esac
+done
+echo "gpu_check: results in $OUT (stages.txt says what finished)" >&2
+[ "$all_ok" = 1 ]

@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", default=None, help="text file or folder to scan for trigger examples (default with --triggers: the bundled held-out text)")
     parser.add_argument("--triggers", action="store_true", help="scan the corpus for each neuron's top trigger examples")
     parser.add_argument("--layers", type=int, nargs="*", default=None, help="layers (default: all)")
-    parser.add_argument("--neurons", type=int, nargs="*", default=None, help="neurons to report (default: the lookup's top ones, or all)")
+    parser.add_argument("--neurons", type=int, nargs="+", default=None,
+                        help="neurons (of every chosen layer) to report value tokens and triggers for (default: the lookup's top ones; all for triggers)")
     parser.add_argument("--k", type=int, default=10, help="memories per layer / trigger examples per neuron")
 
 
@@ -37,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
     for layer in layers:
         if not 0 <= layer < model.cfg.n_layers:
             raise CommandError(f"--layers: {layer} is outside [0, {model.cfg.n_layers})")
+    for neuron in args.neurons or []:
+        if not 0 <= neuron < model.cfg.d_mlp:
+            raise CommandError(f"--neurons: {neuron} is outside [0, {model.cfg.d_mlp})")
     if args.corpus is not None and not Path(args.corpus).exists():
         raise CommandError(f"--corpus {args.corpus} does not exist")
     if args.prompt is not None:
@@ -45,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         out.write_csv("lookup.csv", lookup.to_frame())
         out.write_figure("lookup.html", lookup.figure())
         for layer in layers:
-            neurons = lookup.neurons[lookup.layers.index(layer)].tolist()
+            neurons = args.neurons if args.neurons is not None else lookup.neurons[lookup.layers.index(layer)].tolist()
             out.write_csv(f"value_tokens_L{layer}.csv", value_tokens(model, layer, neurons, k=10).to_frame())
         print(lookup.to_frame().head(2 * args.k).to_string(index=False))
     if args.triggers or args.corpus is not None:

@@ -23,46 +23,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-fraction", type=float, default=1.0, help="stop after pruning this fraction of heads")
     parser.add_argument("--max-windows", type=int, default=16, help="text windows used (more: slower, steadier)")
     parser.add_argument("--no-curve", action="store_true", help="importance only")
-    parser.add_argument("--heads", default=None, help="with --save: remove these heads (LAYER.HEAD,...) instead of the least important")
-    parser.add_argument("--save", default=None, help="write a structurally pruned model to this directory")
-    parser.add_argument("--save-fraction", type=float, default=0.25, help="with --save and no --heads: prune this fraction, least important first")
+    parser.add_argument("--heads", default=None, help="with --save: remove these heads (LAYER.HEAD,..., numbered as in importance.csv) instead of the least important")
+    parser.add_argument("--save", default=None, help="write a structurally pruned model (and its head_map.json) to this directory")
+    parser.add_argument("--save-fraction", type=float, default=0.25, help="with --save and no --heads: prune this fraction of the heads, least important first")
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import head_importance, prune_by_importance, prune_heads
+    from analyses.pruning import attach_head_map, head_importance, original_heads, prune_by_importance, prune_heads, save_pruned
 
     out = Output(default_out(args, "prune"), args.force)
     model = load_model(args)
-    text = None
+    if Path(args.model).is_dir():  # a model pruned by `probe prune --save`: its heads' original numbers
+        attach_head_map(model, args.model)
+    data = None  # the bundled held-out text
     if args.text_file:
-        path = Path(args.text_file)
-        if not path.is_file():
-            raise CommandError(f"--text-file {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise CommandError(f"--text-file {path} is not UTF-8 text") from err
-        if not text.strip():
-            raise CommandError(f"--text-file {path} is empty")
+        data = Path(args.text_file)
+        if not data.is_file():
+            raise CommandError(f"--text-file {data} does not exist")
     if args.save and Path(args.save).exists():
         raise CommandError(f"--save {args.save} already exists; choose a new directory")
-    importance = head_importance(model, text, max_windows=args.max_windows, progress=not args.quiet)
+    if args.save and model.cfg.heads_per_layer is not None and getattr(model, "head_map", None) is None:
+        raise CommandError(f"--model {args.model} was structurally pruned, but has no head_map.json to say which "
+                           f"original heads remain; prune the original model instead")
+    heads = parse_heads(args.heads, model) if args.save and args.heads else None
+    # the file is read a piece at a time; a bad byte or an empty file is a ValueError naming it
+    importance = head_importance(model, data, max_windows=args.max_windows, progress=not args.quiet)
     out.write_csv("importance.csv", importance.to_frame())
     out.write_figure("importance.html", importance.figure())
     if not args.no_curve:
-        curve = prune_by_importance(model, text, text, step=args.step, max_fraction=args.max_fraction,
+        curve = prune_by_importance(model, data, step=args.step, max_fraction=args.max_fraction,
                                     max_windows=args.max_windows, progress=not args.quiet)
         out.write_csv("pruning_curve.csv", curve.to_frame())
         out.write_figure("pruning_curve.html", curve.figure())
     if args.save:
-        if args.heads:
-            heads = parse_heads(args.heads, model)
-        else:
-            order = importance.to_frame().sort_values("importance")
-            n = int(round(args.save_fraction * len(order)))
-            heads = [(int(r.layer), int(r.head)) for r in order.head(n).itertuples()]
-        pruned = prune_heads(model, heads)
-        pruned.save_pretrained(args.save)
+        if heads is None:
+            order = importance.order()  # the heads the model has, least important first
+            heads = order[: int(round(args.save_fraction * len(order)))]
+        pruned = prune_heads(model, original_heads(model, heads))  # importance.csv numbers the heads the model has
+        save_pruned(pruned, args.save)
         log(args, f"pruned {len(heads)} heads; saved the model to {args.save} "
                   f"({pruned.ledger().total_params:,} parameters, was {model.ledger().total_params:,})")
     out.report(args)

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-from probe import DEFAULT_MODEL, HookedDecoder
+if __package__ in (None, ""):  # run as `python scripts/quickstart.py` from a checkout, as the README says
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from probe import DEFAULT_MODEL, HookedDecoder  # noqa: E402
 
 
 def top_tokens(model: HookedDecoder, logits: torch.Tensor, k: int = 5) -> str:
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     effects = []
     with torch.no_grad():
         for layer in range(model.cfg.n_layers):
-            for head in range(model.cfg.n_heads):
+            for head in range(model.cfg.layer_heads(layer)):  # a pruned model's layers differ
                 def zero_head(z, hook, head=head):
                     z = z.clone()
                     z[:, :, head] = 0.0

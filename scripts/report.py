@@ -40,12 +40,15 @@ pre { background: #f7f7f7; padding: .6em; white-space: pre-wrap; }
 """
 
 
+SKIPPABLE = ("memories", "importance")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a Shakespeare line, repeated so induction shows)")
     parser.add_argument("--answer", default=None, help="token to attribute (default: the model's prediction)")
     parser.add_argument("--counterfactual", default=None, help="token to contrast with (default: the model's second choice)")
     parser.add_argument("--corrupted", default=None, help="a corrupted prompt of the same length, for activation patching")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections to leave out, e.g. importance memories")
+    parser.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE, help="slow sections to leave out: " + ", ".join(SKIPPABLE))
 
 
 class Report:
@@ -91,19 +94,28 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args)
     check_prompt(model, args.prompt)
     tokens, mask = model.to_tokens(args.prompt, return_attention_mask=True)
+    if tokens.shape[1] < 2:  # the loss and the lens need a token after BOS; fail before any section writes
+        raise CommandError("--prompt is empty; give at least one token of text")
     corrupted = None
     if args.corrupted:  # checked before any analysis runs, so a mistake costs no time
         check_prompt(model, args.corrupted)
         corrupted = model.to_tokens(args.corrupted)
         if corrupted.shape != tokens.shape:
             raise CommandError(f"--corrupted is {corrupted.shape[1]} tokens but --prompt is {tokens.shape[1]}; they must be equal")
+        if torch.equal(corrupted, tokens):  # patching would fail only after every other section had run and written
+            raise CommandError("--corrupted is the same tokens as --prompt; patching needs them to differ")
     with torch.no_grad():
         logits = model(tokens)
     probs = logits[0, -1].float().softmax(-1)
     top = probs.topk(10)
-    answer = token_id(model, args.answer, "--answer") if args.answer else int(top.indices[0])
-    counterfactual = token_id(model, args.counterfactual, "--counterfactual") if args.counterfactual else int(top.indices[1])
     strings = model.tokenizer.token_strings
+    answer = token_id(model, args.answer, "--answer") if args.answer else int(top.indices[0])
+    if args.counterfactual:
+        counterfactual = token_id(model, args.counterfactual, "--counterfactual")
+    else:  # the model's best guess other than the answer (which may itself be the top guess)
+        counterfactual = next(int(t) for t in top.indices if int(t) != answer)
+    if counterfactual == answer:  # every attribution would be zero, and patching has nothing to recover
+        raise CommandError(f"--counterfactual is the same token as the answer (id {answer}, {strings([answer])[0]!r}); give a different one")
     report = Report(f"probe report: {Path(str(args.model)).name}")
     timings = {}
 

@@ -374,7 +374,15 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", type=Path, default=None, help="save the model here every --ckpt-every steps")
     p.add_argument("--ckpt-every", type=int, default=250)
     p.add_argument("--no-save", action="store_true", help="pilot run: train and report speed, write nothing")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out directory and --heldout-out file (the defaults are the shipped ones)")
     args = p.parse_args(argv)
+    if not args.no_save and not args.overwrite:
+        # checked before an hour of training, not after
+        existing = [str(path) for path in (args.out, args.heldout_out) if path.exists()]
+        if existing:
+            p.error(f"{' and '.join(existing)} already exist(s); give new --out DIR --heldout-out FILE, or pass "
+                    "--overwrite to replace them (the defaults are the bundled model and its held-out text)")
     for name in ("repeat_frac", "pure_repeat_frac", "random_span_frac"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             p.error(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(args, name)}")

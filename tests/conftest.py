@@ -77,6 +77,18 @@ def tiny_model(tiny_dir) -> HookedDecoder:
     return HookedDecoder.from_pretrained(tiny_dir).eval()
 
 
+@pytest.fixture
+def no_bos_model(tiny_model) -> HookedDecoder:
+    """The tiny model (same weights) with a tokenizer that has no BOS, as GPT-1's vocabulary has none."""
+    import copy
+
+    from probe.tokenizer import Tokenizer as ProbeTokenizer
+
+    model = copy.copy(tiny_model)  # shares the modules; only the tokenizer attribute differs
+    model.tokenizer = ProbeTokenizer(tiny_model.tokenizer.backend, bos_token=None)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_dir):
     from transformers import GPT2LMHeadModel

@@ -18,3 +18,31 @@ def hf_forward_states(hf, tokens):
         for h in handles:
             h.remove()
     return out.logits, [attn_out[l] for l in range(len(attn_out))], out.hidden_states, final["x"]
+
+
+def hf_head_inputs(hf, tokens) -> dict[int, torch.Tensor]:
+    """Every layer's merged head outputs (c_proj's input) [batch pos n_head*d_head]."""
+    seen, handles = {}, []
+    for layer, block in enumerate(hf.transformer.h):
+        handles.append(block.attn.c_proj.register_forward_pre_hook(
+            lambda mod, args, layer=layer: seen.__setitem__(layer, args[0].detach().clone())))
+    try:
+        with torch.no_grad():
+            hf(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def hf_head_writes(hf, tokens):
+    """[layer] of [batch pos head d_model]: what each head writes to the residual stream (without c_proj's
+    bias), from its slice of c_proj's input (the merged heads) times its rows of c_proj (Conv1D: [in, out])."""
+    merged = hf_head_inputs(hf, tokens)
+    n_head = hf.config.n_head
+    writes = []
+    for l, block in enumerate(hf.transformer.h):
+        z = merged[l].unflatten(-1, (n_head, -1))  # [batch pos head d_head]
+        weight = block.attn.c_proj.weight.unflatten(0, (n_head, -1))  # [head d_head d_model]
+        writes.append(torch.einsum("bphd,hdm->bphm", z, weight))
+    return writes

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from analyses import ablate_heads, head_ablation_effects, logit_diff_metric
+from hf_oracle import hf_head_inputs
 
 
 def d_head(hf) -> int:
@@ -22,21 +23,6 @@ def hf_zeroed(hf, heads):
         for layer, head in heads:
             hf.transformer.h[layer].attn.c_proj.weight[head * dh:(head + 1) * dh, :] = 0  # Conv1D: [in, out]
     return hf
-
-
-def hf_head_inputs(hf, tokens) -> dict[int, torch.Tensor]:
-    """Every layer's merged head outputs (c_proj's input) [batch pos n_head*d_head]."""
-    seen, handles = {}, []
-    for layer, block in enumerate(hf.transformer.h):
-        handles.append(block.attn.c_proj.register_forward_pre_hook(
-            lambda mod, args, layer=layer: seen.__setitem__(layer, args[0].detach().clone())))
-    try:
-        with torch.no_grad():
-            hf(tokens)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
 
 
 def hf_logits_with_heads_replaced(hf, tokens, replacements) -> torch.Tensor:
@@ -200,3 +186,81 @@ def test_pruned_layers_ablate_their_own_heads(tokens):
         assert float(result.effects[layer, head]) == pytest.approx(loss(cut) - base, abs=1e-4)
     with pytest.raises(ValueError, match="head count"):
         ablate_heads(model, tokens, [(1, 2)])
+
+
+def test_resample_never_hands_a_prompt_a_shorter_references_padding(tiny_model, tiny_hf):
+    """References given as text are right-padded: a prompt may only be resampled from a reference that is
+    real at all of its positions, else it would receive the padding tokens' activations."""
+    prompt = tiny_model.to_tokens("The quick brown fox")
+    long, short = "To be, or not to be, that is the question", "To be"
+    n, dh = prompt.shape[1], d_head(tiny_hf)
+    ref = hf_head_inputs(tiny_hf, tiny_model.to_tokens(long))[1][:, :n, 2 * dh:3 * dh]
+    expected = hf_logits_with_heads_replaced(tiny_hf, prompt, {(1, 2): ref})
+    for seed in range(8):  # uniform draws over both references would pick the short one about half the time
+        logits = ablate_heads(tiny_model, prompt, [(1, 2)], method="resample", reference=[long, short], seed=seed)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_logit_diff_metric_counts_positions_among_real_tokens(tiny_model, tiny_hf):
+    """position=-1 is each prompt's last real token and position=k its k-th, on either padding side, as in
+    direct_logit_attribution; the oracle is transformers on each prompt alone."""
+    texts = ["To be, or not to be, that is the question", "The quick brown fox"]
+    answers, counterfactuals = [5, 9], [7, 2]
+    alone = []
+    with torch.no_grad():
+        for text in texts:
+            alone.append(tiny_hf(tiny_model.to_tokens(text)).logits[0])
+    for side in ("right", "left"):
+        tokens, mask = tiny_model.to_tokens(texts, return_attention_mask=True, padding_side=side)
+        with torch.no_grad():
+            logits = tiny_model(tokens, attention_mask=mask)
+        for position in (-1, -3, 2, None):
+            values = logit_diff_metric(tiny_model, answers, counterfactuals, position=position)(logits, tokens, mask)
+            index = -1 if position is None else position
+            expected = torch.stack([alone[b][index, answers[b]] - alone[b][index, counterfactuals[b]] for b in range(2)])
+            torch.testing.assert_close(values, expected, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="past the end"):
+        logit_diff_metric(tiny_model, 5, 7, position=15)(logits, tokens, mask)
+
+
+def test_padded_token_ids_take_an_attention_mask(tiny_model, tiny_hf):
+    """Token ids padded by hand (here on the left) with their mask: each prompt scores as if alone."""
+    texts = ["the dog sleeps on the lazy fox", "To be, or not"]
+    tokens, mask = tiny_model.to_tokens(texts, return_attention_mask=True, padding_side="left")
+    result = head_ablation_effects(tiny_model, tokens, attention_mask=mask)
+    singles = [tiny_model.to_tokens(t) for t in texts]
+    for l, h in [(0, 1), (1, 3)]:
+        zeroed = hf_zeroed(tiny_hf, [(l, h)])
+        for b, single in enumerate(singles):
+            expected = hf_loss(zeroed, single) - hf_loss(tiny_hf, single)
+            assert float(result.per_prompt[l, h, b] - result.baseline[b]) == pytest.approx(expected, abs=1e-4)
+    logits = ablate_heads(tiny_model, tokens, [(0, 1)], attention_mask=mask)
+    with torch.no_grad():
+        expected = hf_zeroed(tiny_hf, [(0, 1)])(singles[1]).logits[0]
+    torch.testing.assert_close(logits[1, -singles[1].shape[1]:], expected, atol=1e-4, rtol=0)
+
+
+def test_a_metric_must_give_one_value_per_row(tiny_model, tokens):
+    def mean_metric(logits, tokens, mask):  # the common slip: the batch mean instead of per-row values
+        return (logits[:, -1, 3] - logits[:, -1, 4]).mean()
+
+    with pytest.raises(ValueError, match=r"one value per row, shape \(3,\)"):
+        head_ablation_effects(tiny_model, tokens, mean_metric)
+
+
+def test_ids_as_numpy_ints_are_accepted_and_bools_or_floats_refused(tiny_model, tokens):
+    import numpy as np
+
+    logits = ablate_heads(tiny_model, tokens, [(np.int64(0), np.int64(1))])
+    torch.testing.assert_close(logits, ablate_heads(tiny_model, tokens, [(0, 1)]), atol=0, rtol=0)
+    with torch.no_grad():
+        full = tiny_model(tokens)
+    mask = torch.ones_like(tokens)
+    by_numpy = logit_diff_metric(tiny_model, np.int64(5), [np.int32(7)])(full, tokens, mask)
+    torch.testing.assert_close(by_numpy, full[:, -1, 5] - full[:, -1, 7], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="layer"):
+        ablate_heads(tiny_model, tokens, [(True, 0)])  # was the hook name 'blocks.True.attn.hook_z'
+    with pytest.raises(TypeError, match="not a token id"):
+        logit_diff_metric(tiny_model, True, 7)
+    with pytest.raises(TypeError, match="integer token ids"):
+        logit_diff_metric(tiny_model, torch.tensor([5.7]), torch.tensor([7]))

@@ -45,7 +45,19 @@ def test_frame_has_one_row_per_allowed_pair(tiny_model, tiny_hf, tokens):
     expected = hf_attentions(tiny_hf, tokens[:1])
     row = frame[(frame["layer"] == 1) & (frame["head"] == 2) & (frame.query_pos == 9) & (frame.key_pos == 4)]
     assert row.weight.item() == pytest.approx(float(expected[1, 2, 9, 4]), abs=1e-6)
-    assert row.query_token.item() == result.labels[9]
+    strings = tiny_model.tokenizer.token_strings(tokens[0].tolist())
+    assert (row.query_token.item(), row.key_token.item()) == (strings[9], strings[4])
+
+
+def test_frame_holds_raw_token_strings_not_html(tiny_model):
+    """Labels are escaped for plotly; a CSV of the frame must hold the text itself."""
+    text = "a <b> & c"
+    result = attention_patterns(tiny_model, text)
+    frame = result.to_frame()
+    ids = tiny_model.to_tokens(text)[0].tolist()
+    last_row = frame[(frame.layer == 0) & (frame["head"] == 0) & (frame.query_pos == len(ids) - 1)]
+    assert "".join(last_row.key_token) == tiny_model.tokenizer.decode(ids)
+    assert not frame.key_token.str.contains("&lt;|&amp;").any()
 
 
 def test_head_heatmap_shows_causal_mask_and_tokens(tiny_model):
@@ -55,6 +67,8 @@ def test_head_heatmap_shows_causal_mask_and_tokens(tiny_model):
     n = z.shape[0]
     future = torch.ones(n, n, dtype=torch.bool).triu(1)
     assert torch.isnan(z[future]).all() and not torch.isnan(z[~future]).any()
+    shown = result.pattern[1, 2].double()  # rows are queries, columns keys: the layer's own head, not transposed
+    torch.testing.assert_close(z[~future], shown[~future], atol=1e-6, rtol=0)
     assert list(fig.data[0].x) == result.labels and list(fig.data[0].y) == result.labels
     assert "query" in fig.data[0].hovertemplate and "key" in fig.data[0].hovertemplate
     assert fig.layout.yaxis.autorange == "reversed"  # query tokens run down the page

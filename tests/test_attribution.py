@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_oracle import hf_forward_states
+from hf_oracle import hf_forward_states, hf_head_writes
 
 from analyses.attribution import direct_logit_attribution, residual_decomposition
 
@@ -30,6 +30,11 @@ def test_components_sum_to_final_residual(tiny_model, tiny_hf, tokens):
         cols = [i for i, n in enumerate(names) if n.startswith(f"L{layer}H") or n == f"L{layer} attn bias"]
         assert len(cols) == cfg.n_heads + 1
         torch.testing.assert_close(result.components[:, :, cols].sum(2), attn_out[layer], atol=ATOL, rtol=0)
+    # and each head column is that head's own write (a sum alone would not see heads swapped)
+    for layer, writes in enumerate(hf_head_writes(tiny_hf, tokens)):
+        for head in range(cfg.n_heads):
+            torch.testing.assert_close(result.components[:, :, names.index(f"L{layer}H{head}")], writes[:, :, head],
+                                       atol=ATOL, rtol=0)
     # the embedding rows are rows of the weight matrices
     torch.testing.assert_close(result.components[:, :, 0], tiny_hf.transformer.wte.weight[tokens], atol=0, rtol=0)
     torch.testing.assert_close(result.components[:, :, 1, :], tiny_hf.transformer.wpe.weight[: tokens.shape[1]].expand(3, -1, -1),
@@ -102,6 +107,11 @@ def test_dla_rows_by_hand(tiny_model, tiny_hf, tokens):
     heads = result.head_contributions()
     torch.testing.assert_close(heads[:, 1].sum(-1) + result.contributions[:, names.index("L1 attn bias")],
                                through_norm(attn_out[1][:, position]), atol=ATOL, rtol=0)
+    for layer, writes in enumerate(hf_head_writes(tiny_hf, tokens)):  # and one by one, in head order
+        for head in range(tiny_model.cfg.n_heads):
+            expected = through_norm(writes[:, position, head])
+            torch.testing.assert_close(result.contributions[:, names.index(f"L{layer}H{head}")], expected, atol=ATOL, rtol=0)
+            torch.testing.assert_close(heads[:, layer, head], expected, atol=ATOL, rtol=0)
     # the accumulated line: the residual after each sublayer, through the same frozen norm
     sites = [resid[0]]
     for layer in range(tiny_model.cfg.n_layers):
@@ -218,3 +228,38 @@ def test_gpu_matches_cpu(tiny_model, tokens):
     on_cpu = direct_logit_attribution(tiny_model, tokens, 5, 7)
     torch.testing.assert_close(on_gpu.contributions.cpu(), on_cpu.contributions, atol=1e-3, rtol=0)
     torch.testing.assert_close(on_gpu.total, on_gpu.actual, atol=1e-3, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_every_head_pruned_still_gives_a_head_table():
+    """A model whose layers all keep no head: the per-head table is empty, not an IndexError."""
+    from probe import DecoderConfig, HookedDecoder
+
+    torch.manual_seed(0)
+    model = HookedDecoder(DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16,
+                                        heads_per_layer=(0, 0))).eval()
+    tokens = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    result = direct_logit_attribution(model, tokens, 3, 4)
+    with torch.no_grad():
+        logits = model(tokens)
+    torch.testing.assert_close(result.total, logits[:, -1, 3] - logits[:, -1, 4], atol=ATOL, rtol=0)
+    assert result.head_contributions().shape == (2, 2, 0)
+    result.figure("heads")
+
+
+def test_answer_ids_must_be_integers(tiny_model, tokens):
+    import numpy as np
+
+    by_int = direct_logit_attribution(tiny_model, tokens, 5, 7)
+    by_numpy = direct_logit_attribution(tiny_model, tokens, np.int64(5), [np.int32(7)] * 3)
+    assert torch.equal(by_numpy.answer, by_int.answer) and torch.equal(by_numpy.counterfactual, by_int.counterfactual)
+    torch.testing.assert_close(by_numpy.contributions, by_int.contributions, atol=0, rtol=0)
+    with pytest.raises(TypeError, match="integer token ids"):  # was .long(): 5.9 silently became token 5
+        direct_logit_attribution(tiny_model, tokens, torch.tensor([5.9, 5.0, 5.0]))
+    with pytest.raises(TypeError, match="not a token id"):
+        direct_logit_attribution(tiny_model, tokens, [True])
+
+
+def test_decomposition_figure_checks_the_prompt(tiny_model, tokens):
+    with pytest.raises(ValueError, match="prompt=3 is outside the batch of 3"):
+        residual_decomposition(tiny_model, tokens).figure(prompt=3)

@@ -46,10 +46,10 @@ def test_command_line_bad_heads_and_answers(tiny_dir, tmp_path, capsys, args, me
 def test_command_line_corpus_file_bad_deep_inside(tiny_dir, tmp_path, capsys, monkeypatch):
     """A corpus file is read a chunk at a time: a bad byte found after the scan has begun is still
     a one-line error naming the file and the byte, and no result is written."""
-    from analyses import memories
+    from analyses import corpus
 
-    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 64)
-    monkeypatch.setattr(memories, "CORPUS_SPAN_CHARS", 64)
+    monkeypatch.setattr(corpus, "CORPUS_CHUNK_BYTES", 64)
+    monkeypatch.setattr(corpus, "CORPUS_SPAN_CHARS", 64)
     good = "To be, or not to be, that is the question.\n" * 40
     for name, data, message in (("latin1.txt", good.encode() + "caf\xe9".encode("latin-1"), "is not UTF-8 text (byte"),
                                 ("nul.txt", good.encode() + b"\x00\x01", "looks binary (a NUL byte at byte")):

@@ -262,6 +262,23 @@ def test_training_script_runs_end_to_end(tmp_path, monkeypatch):
     assert held.read_text().startswith(train_tiny.HELDOUT_PLAYS[0].upper())
 
 
+def test_training_script_never_overwrites_without_being_asked(tmp_path):
+    """Its defaults are the shipped model and held-out text: an existing --out or --heldout-out is
+    refused before any training, and kept as it was."""
+    train_tiny = _train_tiny_module()
+    out, held = tmp_path / "model", tmp_path / "heldout.txt"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    for args in (["--out", str(out), "--heldout-out", str(tmp_path / "new.txt")],
+                 ["--out", str(tmp_path / "new"), "--heldout-out", str(held)], []):
+        held.write_text("earlier")
+        with pytest.raises(SystemExit) as exit_info:
+            train_tiny.main(["--corpus", str(tmp_path / "no-such-corpus"), *args])
+        assert exit_info.value.code == 2
+        assert held.read_text() == "earlier" and (out / "config.json").read_text() == "{}"
+    assert not (tmp_path / "new").exists() and not (tmp_path / "new.txt").exists()
+
+
 def test_training_batches_hold_the_promised_rows():
     """sample_batch's three kinds of rows: plain text windows, text with a span copied later, and a
     random span repeated to fill the row (checked from the rows themselves, not from the code's

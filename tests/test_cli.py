@@ -52,7 +52,7 @@ def test_cache_refuses_a_non_empty_output_directory(tiny_dir, tmp_path, capsys):
         (["--names", "blocks.*.hook_resid_psot"], "matches no hook point"),
         (["--model", "/no/such/dir"], "cannot load --model"),
         (["--prompt", "word " * 100], "n_ctx=48"),
-        (["--device", "cuda:7"], "CUDA is not available"),
+        (["--device", "cuda:7"], "--device cuda:7"),  # no CUDA here, or no 8th device on a GPU machine
     ],
 )
 def test_cache_errors_are_one_line(tiny_dir, tmp_path, capsys, args, message):
@@ -67,6 +67,8 @@ def test_output_that_is_a_file_or_unwritable(tiny_dir, tmp_path, capsys):
     afile.write_text("x")
     code, _, err = run_cli(capsys, "cache", "--model", str(tiny_dir), "--prompt", "hi", "--out", str(afile))
     assert code == 2 and "is a file" in err
+    code, _, err = run_cli(capsys, "cache", "--model", str(tiny_dir), "--prompt", "hi", "--out", str(afile / "sub"))
+    assert code == 2 and "cannot be written" in err  # fails for root too, unlike the permission check below
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
@@ -160,3 +162,204 @@ def test_bad_flag_is_a_usage_error(tiny_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["lens", "--model", str(tiny_dir), "--prompt", "x", "--no-such-flag"])
     assert exit_info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+# ---- bad flag values: one line, exit 2, and nothing written ----------------------------------------
+def _binary_file(tmp_path):
+    path = tmp_path / "binary.txt"
+    path.write_bytes(b"\xff\xfe\x00\x01")
+    return str(path)
+
+
+def _blank_file(tmp_path):
+    path = tmp_path / "blank.txt"
+    path.write_text("\n  \n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["contributions", "--prompt", "To be", "--position", "99"], "--position 99"),
+        (["contributions", "--prompt", "To be", "--position", "-99"], "--position -99"),
+        (["contributions", "--prompt", "To be", "--answer", "5", "--counterfactual", "5"], "--counterfactual"),
+        (["ablate", "--prompt", "To be", "--heads", "0.1", "--top", "100000"], "--top 100000"),
+        (["ablate", "--prompt", "To be", "--heads", "0.1", "--top", "0"], "--top 0"),
+        (["ablate", "--prompt", "To be", "--heads", ""], "--heads"),
+        (["ablate", "--prompt", "To be", "--heads", "0.1", "--method", "mean"], "--reference-file"),
+        (["ablate", "--prompt", "To be", "--sweep", "--method", "resample"], "--reference-file"),
+        (["ablate", "--prompt", "To be", "--heads", "0.1", "--method", "mean", "--reference-file", _binary_file], "not UTF-8"),
+        (["ablate", "--prompt", "To be", "--heads", "0.1", "--method", "mean", "--reference-file", _blank_file], "holds no prompts"),
+        (["attention", "--prompt", "To be", "--layer", "0", "--head", "9"], "--head 9"),
+        (["attention", "--prompt", "To be", "--layer", "0", "--head", "-1"], "--head -1"),
+        (["anatomy", "--n-ctx", "0"], "--n-ctx 0"),
+        (["anatomy", "--n-ctx", "-5"], "--n-ctx -5"),
+        (["anatomy", "--device", "foo"], "--device foo"),
+        (["lens", "--prompt", "To be", "--target", "\u00b2"], "--target"),
+        (["report", "--prompt", ""], "--prompt"),
+        (["report", "--prompt", "To be", "--answer", "5", "--counterfactual", "5"], "--counterfactual"),
+        (["report", "--prompt", "To be", "--corrupted", "To be"], "--corrupted"),
+    ],
+)
+def test_bad_values_are_one_line_errors_and_write_nothing(tiny_dir, tmp_path, capsys, argv, message):
+    argv = [a(tmp_path) if callable(a) else a for a in argv]
+    out = tmp_path / "o"
+    code, _, err = run_cli(capsys, *argv, "--model", str(tiny_dir), "--out", str(out))
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+def test_report_skip_takes_only_sections_it_can_skip(tiny_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["report", "--model", str(tiny_dir), "--skip", "lens", "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_run_command_errors_are_one_line(capsys):
+    """A library message spanning lines (the hub's errors do) and a CUDA out-of-memory both come out as one line."""
+    import argparse
+
+    from scripts.common import add_common_arguments, run_command
+
+    parser = argparse.ArgumentParser()
+    add_common_arguments(parser, output=False)
+
+    def multi_line(args):
+        raise ValueError("could not download gpt2 (Got: ConnectError\nAn error happened).\nOn a machine with network access ...")
+
+    def out_of_memory(args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nSee documentation")
+
+    for fn, words in ((multi_line, "could not download gpt2"), (out_of_memory, "out of memory")):
+        code = run_command(fn, parser, [])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_device_that_torch_cannot_use_is_a_one_line_error(tiny_dir, tmp_path, capsys):
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    code, _, err = run_cli(capsys, "anatomy", "--model", str(tiny_dir), "--device", "mps", "--out", str(tmp_path / "o"))
+    assert code == 2 and "--device mps" in err and "Traceback" not in err
+
+
+# ---- answer / counterfactual -------------------------------------------------------------------------
+def test_report_default_counterfactual_is_never_the_answer(tiny_dir, tiny_model, tmp_path, capsys):
+    """With --answer set to the model's second choice, the contrast must be its first choice, not the answer itself."""
+    import pandas as pd
+
+    prompt = "To be, or not to be"
+    with torch.no_grad():
+        first, second = tiny_model(prompt)[0, -1].topk(2).indices.tolist()
+    out = tmp_path / "report"
+    code, _, err = run_cli(capsys, "report", "--model", str(tiny_dir), "--prompt", prompt, "--answer", str(second),
+                           "--skip", "memories", "importance", "--out", str(out))
+    assert code == 0, err
+    frame = pd.read_csv(out / "attribution.csv", keep_default_na=False)
+    strings = tiny_model.tokenizer.token_strings([first, second])
+    assert set(frame["answer"]) == {strings[1]} and set(frame["counterfactual"]) == {strings[0]}
+    assert frame["contribution"].abs().sum() > 0
+
+
+# ---- memories --neurons ----------------------------------------------------------------------------
+def test_memories_neurons_choose_the_value_tokens_reported(tiny_dir, tmp_path, capsys):
+    """--neurons picks the neurons whose value tokens are written; the top token is argmax(v_i W_U) from the raw weights."""
+    import pandas as pd
+    from safetensors.torch import load_file
+
+    out = tmp_path / "m"
+    code, _, err = run_cli(capsys, "memories", "--model", str(tiny_dir), "--prompt", "To be, or not", "--layers", "1",
+                           "--neurons", "3", "17", "--out", str(out))
+    assert code == 0, err
+    frame = pd.read_csv(out / "value_tokens_L1.csv", keep_default_na=False)
+    assert set(frame["neuron"]) == {3, 17}
+    weights = load_file(str(tiny_dir / "model.safetensors"))
+    values = weights["transformer.h.1.mlp.c_proj.weight"]  # Conv1D: [d_mlp d_model], row i is v_i
+    logits = values @ weights["transformer.wte.weight"].T  # tied unembedding
+    for neuron in (3, 17):
+        rows = frame[(frame["neuron"] == neuron) & (frame["direction"] == "promoted")].sort_values("rank")
+        assert int(rows["token_id"].iloc[0]) == int(logits[neuron].argmax())
+
+
+# ---- the quickstart ----------------------------------------------------------------------------------
+def test_quickstart_handles_a_pruned_model(tiny_model, tmp_path, capsys):
+    """Layers of a structurally pruned model have fewer heads than cfg.n_heads; the quickstart loops over each layer's own."""
+    import re
+
+    from analyses import ablate_heads, prune_heads, save_pruned
+    from scripts import quickstart
+
+    pruned = prune_heads(tiny_model, [(0, 1), (0, 2), (1, 0)])
+    save_pruned(pruned, tmp_path / "pruned")
+    prompt = "To be, or not"
+    assert quickstart.main(["--model", str(tmp_path / "pruned"), "--prompt", prompt]) == 0
+    printed = capsys.readouterr().out
+    match = re.search(r"zeroing head (\d+)\.(\d+) lowers log p\(.*\) the most: by (-?[\d.]+) nats", printed)
+    assert match, printed
+    tokens = pruned.to_tokens(prompt)
+    with torch.no_grad():
+        clean = pruned(tokens)[0, -1].log_softmax(-1)
+    target = int(clean.argmax())
+    drops = {(l, h): float(clean[target] - ablate_heads(pruned, tokens, [(l, h)])[0, -1].log_softmax(-1)[target])
+             for l in range(pruned.cfg.n_layers) for h in range(pruned.cfg.layer_heads(l))}
+    best = max(drops, key=drops.get)
+    assert (int(match[1]), int(match[2])) == best
+    assert abs(float(match[3]) - drops[best]) < 1e-3
+
+
+def test_quickstart_runs_standalone_in_under_a_minute_and_prints_true_numbers(bundled_model):
+    """`python scripts/quickstart.py` from a checkout, as the README says; its numbers checked against the model."""
+    import os
+    import re
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "scripts/quickstart.py"], capture_output=True, text=True, timeout=120, env=env)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    assert elapsed < 60, elapsed
+    printed = result.stdout
+    n_params = sum(p.numel() for p in bundled_model.parameters())
+    assert f"{n_params:,} parameters" in printed
+    prompt = "ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the"
+    n_tokens = bundled_model.to_tokens(prompt).shape[1]
+    assert f"({n_tokens} tokens)" in printed
+    assert f"blocks.0.attn.hook_pattern (1, {bundled_model.cfg.layer_heads(0)}, {n_tokens}, {n_tokens})" in printed
+    with torch.no_grad():
+        top = int(bundled_model(prompt)[0, -1].argmax())
+    assert re.search(r"next token: (.*?) \d", printed)[1] == repr(bundled_model.tokenizer.decode([top]))
+
+
+def test_ablate_mean_matches_a_hand_written_hook(tiny_dir, tiny_model, tmp_path, capsys):
+    """--method mean with --reference-file: each position's z of the head becomes the references' mean there."""
+    import pandas as pd
+
+    prompt = "To be, or not"
+    references = ["The quick brown dog sleeps on and on", "When in the course of human events", "Numbers 0123456789 and more"]
+    refs = tmp_path / "refs.txt"
+    refs.write_text("\n".join(references) + "\n")
+    out = tmp_path / "ablate"
+    code, _, err = run_cli(capsys, "ablate", "--model", str(tiny_dir), "--prompt", prompt, "--heads", "1.2", "--method", "mean",
+                           "--reference-file", str(refs), "--out", str(out))
+    assert code == 0, err
+
+    n = tiny_model.to_tokens(prompt).shape[1]
+    with torch.no_grad():
+        zs = [tiny_model.run_with_cache(r, names=["blocks.1.attn.hook_z"])[1]["blocks.1.attn.hook_z"][0, :n, 2] for r in references]
+        mean = torch.stack(zs).mean(0)  # [pos d_head]; every reference is longer than the prompt
+
+        def replace(z, hook):
+            z = z.clone()
+            z[0, :, 2] = mean
+            return z
+
+        clean = tiny_model(prompt)[0, -1].softmax(-1)
+        ablated = tiny_model.run_with_hooks(prompt, fwd_hooks=[("blocks.1.attn.hook_z", replace)])[0, -1].softmax(-1)
+    table = pd.read_csv(out / "next_token.csv", keep_default_na=False)
+    ids = torch.tensor(table["token_id"].tolist())
+    torch.testing.assert_close(torch.tensor(table["p_clean"].tolist()), clean[ids])
+    torch.testing.assert_close(torch.tensor(table["p_ablated"].tolist()), ablated[ids])
+    assert int(table["token_id"].iloc[0]) == int(clean.argmax())

@@ -13,3 +13,32 @@ def test_token_labels_are_unique_per_position(tiny_model):
     tokens = tiny_model.to_tokens("the the the")
     labels = token_labels(tiny_model, tokens)
     assert len(labels) == len(set(labels)) == tokens.shape[1]
+
+
+def test_resolve_positions_counts_real_tokens_on_either_side():
+    import pytest
+    import torch
+
+    from analyses.common import resolve_positions
+
+    right = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    left = right.flip(-1)  # [[0 1 1 1 1], [0 0 0 1 1]]
+    for mask in (right, right.bool()):
+        assert resolve_positions(mask, -1).tolist() == [3, 1]
+        assert resolve_positions(mask, 1).tolist() == [1, 1]
+    for mask in (left, left.bool()):  # a long mask too: metrics receive them (~ on a long tensor is bitwise)
+        assert resolve_positions(mask, -1).tolist() == [4, 4]
+        assert resolve_positions(mask, 0).tolist() == [1, 3]
+        assert resolve_positions(mask, -2).tolist() == [3, 3]
+    with pytest.raises(ValueError, match="past the end"):
+        resolve_positions(right, 2)
+
+
+def test_text_gets_a_bos_only_when_the_tokenizer_has_one(tiny_model, no_bos_model):
+    """GPT-1's vocabulary has no BOS: analyses of its text must not ask for one."""
+    from analyses.common import as_tokens
+
+    text = "To be, or not"
+    ids = tiny_model.tokenizer.encode(text)
+    assert as_tokens(tiny_model, text).tolist() == [[tiny_model.tokenizer.bos_id] + ids]
+    assert as_tokens(no_bos_model, text).tolist() == [ids]

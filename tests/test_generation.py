@@ -96,3 +96,60 @@ def test_generation_errors(tiny_model):
         tiny_model.generate("hi", max_new_tokens=2, temperature=1.0, top_p=1.5)
     with pytest.raises(ValueError, match="max_new_tokens"):
         tiny_model.generate("hi", max_new_tokens=-1)
+
+
+def test_hooks_given_as_a_generator_fire_on_every_pass(tiny_model):
+    passes = []
+    prompt = torch.randint(0, tiny_model.cfg.d_vocab, (1, 4), generator=torch.Generator().manual_seed(8))
+    hooks = ((name, lambda x, hook: passes.append(x.shape[1])) for name in ["hook_embed"])
+    tiny_model.generate(prompt, max_new_tokens=4, fwd_hooks=hooks)
+    assert passes == [4, 1, 1, 1]  # the prompt, then one pass per new token but the last
+
+
+def test_generation_refuses_right_padding_and_takes_a_one_dimensional_mask(tiny_model, tiny_hf):
+    prompt = torch.randint(1, tiny_model.cfg.d_vocab, (2, 6), generator=torch.Generator().manual_seed(9))
+    right = torch.ones_like(prompt)
+    right[1, -2:] = 0
+    with pytest.raises(ValueError, match=r"last position of prompt\(s\) \[1\].*padding_side='left'"):
+        tiny_model.generate(prompt, max_new_tokens=3, attention_mask=right)
+    with pytest.raises(ValueError, match="attention_mask is built for you"):
+        tiny_model.generate("To be", max_new_tokens=3, attention_mask=torch.ones(1, 3))
+    with torch.no_grad():
+        expected = tiny_hf.generate(prompt[:1], max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                    attention_mask=torch.ones_like(prompt[:1]))
+    ours = tiny_model.generate(prompt[0], max_new_tokens=5, attention_mask=torch.ones(6, dtype=torch.long))
+    assert ours.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, None, None), (1.5, 6, None), (1.0, None, 0.6), (0.8, 8, 0.7)])
+def test_sampled_tokens_follow_the_tempered_truncated_softmax(tiny_model, temperature, top_k, top_p):
+    """The first sampled token of many copies of one prompt, against softmax(logits / T) restricted by hand to
+    the top_k tokens and to the smallest set reaching top_p. The unembedding is scaled up so the distribution
+    is peaked: with the near-uniform logits of random weights, T and the cut-offs would barely show."""
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():  # scaling the final norm's affine map scales the logits (the unembedding is tied to W_E)
+        model.ln_final.w.mul_(6)
+        model.ln_final.b.mul_(6)
+    prompt = torch.randint(0, model.cfg.d_vocab, (1, 5), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        logits = model(prompt)[0, -1].double() / temperature
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    if top_k is not None:
+        allowed &= logits >= logits.topk(top_k).values[-1]
+    if top_p is not None:
+        probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+        order = probs.argsort(descending=True)
+        before = probs[order].cumsum(0) - probs[order]  # mass of the more likely tokens
+        nucleus = torch.zeros_like(allowed)
+        nucleus[order[before < top_p]] = True
+        allowed &= nucleus
+    expected = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    assert 2 <= int(allowed.sum()) and float(expected.max()) < 0.9  # a distribution worth sampling
+    n = 20000
+    out = model.generate(prompt.expand(n, -1), max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
+    freq = torch.bincount(out[:, -1], minlength=model.cfg.d_vocab).double() / n
+    assert set(freq.nonzero().flatten().tolist()) <= set(allowed.nonzero().flatten().tolist())
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert bool(((freq - expected).abs() <= 5 * sigma + 1e-3).all()), (freq - expected).abs().max()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from analyses import (attribution_patch, direct_logit_attribution, head_ablation_effects, head_importance,
-                      head_scores, logit_diff_metric, logit_lens, patch)
+                      head_scores, logit_diff_metric, logit_lens, patch, train_tuned_lens)
 from probe import DEFAULT_MODEL, HELDOUT_TEXT, HookedDecoder
 from probe.kv_cache import KVCache
 
@@ -353,8 +353,27 @@ def run_head_importance(model):
     return {"raw": head_importance(model, heldout_tokens(model, 4, 64), batch_size=2, progress=False).raw}
 
 
+def run_tuned_lens(model):
+    """A lens trained (tiny, seeded) and kept on the CPU reads the model's residuals on the device."""
+    lens = cpu_tuned_lens(model)
+    result = logit_lens(model, PROMPTS, lens=lens)
+    real = result.mask.cpu()
+    return {"kl": result.kl.float().cpu().movedim(1, 2)[real]}
+
+
+_LENSES = {}
+
+
+def cpu_tuned_lens(model):
+    if "lens" not in _LENSES:
+        cpu_model = copy.deepcopy(model).to("cpu", torch.float32)
+        _LENSES["lens"] = train_tuned_lens(cpu_model, steps=3, batch_tokens=256, seed=0)
+    return _LENSES["lens"]
+
+
 ANALYSES = {
     "logit_lens": run_logit_lens,
+    "tuned_lens": run_tuned_lens,
     "direct_logit_attribution": run_direct_logit_attribution,
     "head_ablation_effects": run_head_ablation_effects,
     "patch": run_patch,

@@ -47,6 +47,12 @@ def test_matches_transformers(name, tmp_path):
     # the plain forward (SDPA path, fused LayerNorm) gives the same logits as the cached one
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+    # what we save, transformers loads as the same model: every config field (eps, activation, n_inner) is written
+    from transformers import GPT2LMHeadModel
+
+    again = GPT2LMHeadModel.from_pretrained(ours.save_pretrained(tmp_path / "saved")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
@@ -85,3 +91,22 @@ def test_text_input_matches_transformers_on_same_token_ids(tiny_model, tiny_hf):
     assert tokens[0, 0].item() == tiny_model.tokenizer.bos_id
     with torch.no_grad():
         torch.testing.assert_close(tiny_model(text), tiny_hf(tokens).logits, atol=1e-4, rtol=0)
+
+
+def test_weight_views_are_transformers_parameters(tiny_model, tiny_hf):
+    """W_Q/W_K/W_V/W_O/W_in/W_out/W_U, the per-head views analyses read, sliced by hand from transformers'
+    own parameters (Conv1D stores [in, out]; c_attn's columns are q, k, v, each head after head)."""
+    dm, dh = tiny_model.cfg.d_model, tiny_model.cfg.d_head
+    for ours, theirs in zip(tiny_model.blocks, tiny_hf.transformer.h):
+        attn, c_attn, c_proj = ours.attn, theirs.attn.c_attn.weight, theirs.attn.c_proj.weight
+        for h in range(tiny_model.cfg.n_heads):
+            cols = slice(h * dh, (h + 1) * dh)
+            assert torch.equal(attn.W_Q[h], c_attn[:, cols])
+            assert torch.equal(attn.W_K[h], c_attn[:, dm:][:, cols])
+            assert torch.equal(attn.W_V[h], c_attn[:, 2 * dm:][:, cols])
+            assert torch.equal(attn.W_O[h], c_proj[cols])
+        assert torch.equal(attn.b_O, theirs.attn.c_proj.bias)
+        assert torch.equal(ours.mlp.W_in, theirs.mlp.c_fc.weight) and torch.equal(ours.mlp.W_out, theirs.mlp.c_proj.weight)
+    assert torch.equal(tiny_model.unembed.W_U, tiny_hf.lm_head.weight.T)
+    assert torch.equal(tiny_model.embed.W_E, tiny_hf.transformer.wte.weight)
+    assert torch.equal(tiny_model.pos_embed.W_pos, tiny_hf.transformer.wpe.weight)

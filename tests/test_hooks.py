@@ -91,6 +91,18 @@ def test_same_function_twice_is_attached_and_removed_twice():
     assert attached(toy) == 0
 
 
+def test_inner_block_reattaching_a_function_keeps_the_outer_order():
+    toy = Toy()
+    plus_one, double = (lambda x, h: x + 1), (lambda x, h: 2 * x)
+    with toy.hooks([("hook_in", plus_one), ("hook_in", double)]):
+        assert toy(torch.zeros(1)).item() == 5.0  # ((0 + 1) * 2) * 2 + 1
+        with toy.hooks([("hook_in", plus_one)]):
+            assert toy(torch.zeros(1)).item() == 7.0  # ((0 + 1) * 2 + 1) * 2 + 1
+        # the inner block must detach its own attachment, not the outer one (which would run double first: 3)
+        assert toy(torch.zeros(1)).item() == 5.0
+    assert attached(toy) == 0
+
+
 def test_wrong_shape_names_the_point_and_both_shapes():
     toy = Toy()
     with pytest.raises(ValueError, match=r"inner\.hook_mid.*\(3,\).*\(2,\)"):
@@ -130,10 +142,15 @@ def test_cache_shows_edits_made_by_fwd_hooks():
 
 
 def test_cache_dtype_and_device_options():
-    _, cache = Toy().run_with_cache(torch.ones(2), dtype=torch.bfloat16, device="cpu")
+    x = torch.tensor([0.3, -1.7])
+    _, cache = Toy().run_with_cache(x, dtype=torch.bfloat16, device="cpu")
     assert all(t.dtype == torch.bfloat16 for t in cache.values())
+    # the values are the activations rounded once: x, 2x, 2x + 1
+    for name, value in (("hook_in", x), ("inner.hook_mid", 2 * x), ("hook_out", 2 * x + 1)):
+        assert torch.equal(cache[name], value.to(torch.bfloat16)), name
     moved = cache.to(dtype=torch.float64)
     assert moved["hook_out"].dtype == torch.float64 and cache["hook_out"].dtype == torch.bfloat16
+    assert torch.equal(moved["hook_out"], cache["hook_out"].double())
 
 
 def test_cache_is_read_only_and_reports_unknown_names():

@@ -76,6 +76,9 @@ def test_empty_prompts(tiny_model):
         tiny_model.to_tokens("", prepend_bos=False)
     with pytest.raises(ValueError, match="non-empty list"):
         tiny_model.to_tokens([])
+    for run in (tiny_model, tiny_model.run_with_cache, lambda x: tiny_model.generate(x, max_new_tokens=1)):
+        with pytest.raises(ValueError, match="empty list"):
+            run([])
 
 
 def test_mask_shape_mismatch(tiny_model, tokens):

@@ -43,3 +43,10 @@ def test_kv_bytes_and_flops():
     frame = book.to_frame()
     assert frame["params"].sum() == book.total_params and set(frame.columns) == {"component", "layer", "group", "params"}
     assert HookedDecoder(DecoderConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=5, n_ctx=4)).ledger().total_params > 0
+
+
+@pytest.mark.parametrize("n_ctx", [0, -5, 2.5, True])
+def test_a_context_length_must_be_a_positive_int(n_ctx):
+    """0 used to mean "the model's n_ctx" and -5 gave negative FLOPs, both silently."""
+    with pytest.raises(ValueError, match="positive number of positions"):
+        ledger(GPT2_SMALL, n_ctx=n_ctx)

@@ -117,6 +117,17 @@ def test_figures_escape_tokens(tiny_model):
         result.figure("bogus")
 
 
+def test_target_figure_plots_every_rank_on_its_log_axis(tiny_model, tokens):
+    """The rank panel is on a log axis, where a rank of 0 (the top token) would vanish: it plots rank + 1."""
+    result = logit_lens(tiny_model, tokens[:1], target=int(tokens[0, 3]))
+    fig = result.figure("target", position=2)
+    expected = result.target_rank[0, :, 2].numpy() + 1
+    assert list(fig.data[1].y) == list(expected)
+    assert fig.layout.yaxis2.type == "log" and min(fig.data[1].y) >= 1
+    top = logit_lens(tiny_model, tokens[:1])  # default target at the last position: the final layer's own top token
+    assert top.figure("target", position=-1).data[1].y[-1] == 1
+
+
 def test_figures_show_control_characters(tiny_model):
     """Byte-level BPE has tokens that are lone control bytes; plotly fails to draw them raw."""
     strings = tiny_model.tokenizer.token_strings(list(range(tiny_model.cfg.d_vocab)))
@@ -246,3 +257,42 @@ def test_tuned_lens_beats_logit_lens_on_bundled_model(bundled_model, tmp_path):
     assert bool((comparison.tuned_kl[:-1] < comparison.logit_kl[:-1]).all()), comparison.to_frame()
     loaded = TunedLens.load(lens.save(tmp_path / "lens"), bundled_model)
     assert torch.equal(loaded.A, lens.A.cpu()) and torch.equal(loaded.b, lens.b.cpu())
+
+
+def test_target_ids_must_be_integers(tiny_model, tokens):
+    """A float tensor used to be cast with .long(), so target 3.9 silently became token 3."""
+    import numpy as np
+
+    with pytest.raises(TypeError, match="integer token ids"):
+        logit_lens(tiny_model, tokens, target=torch.full(tokens.shape, 3.9))
+    with pytest.raises(TypeError, match="integer token ids"):
+        logit_lens(tiny_model, tokens, target=torch.ones(tokens.shape, dtype=torch.bool))
+    by_numpy = logit_lens(tiny_model, tokens, target=np.int64(7))
+    assert bool((by_numpy.target == 7).all())
+    probs = by_numpy.logits.double().softmax(-1)[..., 7]
+    torch.testing.assert_close(by_numpy.target_prob.double(), probs, atol=1e-6, rtol=0)
+
+
+def test_training_arguments_are_checked(tiny_model):
+    text = "To be, or not to be, that is the question"
+    with pytest.raises(ValueError, match="n_ctx=1"):  # was a ZeroDivisionError
+        train_tuned_lens(tiny_model, text, steps=1, n_ctx=1)
+    with pytest.raises(ValueError, match="batch_tokens=0"):  # was a lens trained on nothing, final KL NaN
+        train_tuned_lens(tiny_model, text, steps=1, batch_tokens=0)
+    with pytest.raises(ValueError, match="n_ctx=-3"):
+        compare_lenses(tiny_model, TunedLens.for_model(tiny_model), text, n_ctx=-3)
+
+
+def test_tuned_lens_trains_on_text_without_a_bos(no_bos_model):
+    """GPT-1's vocabulary has no BOS: every position of the text is a training token (none is skipped)."""
+    from analyses.lens import _collect_residuals
+
+    text = "To be, or not to be, that is the question. " * 4
+    n_tokens = len(no_bos_model.tokenizer.encode(text))
+    sites = lens_sites(no_bos_model.cfg.n_layers)
+    resid = _collect_residuals(no_bos_model, text, sites, max_tokens=10_000, n_ctx=16)
+    assert resid.shape == (n_tokens, len(sites), no_bos_model.cfg.d_model)
+    _, cache = no_bos_model.run_with_cache(no_bos_model.to_tokens(text)[:, :16], names=sites)
+    torch.testing.assert_close(resid[:16, 0], cache[sites[0]][0], atol=1e-6, rtol=0)  # the first window, from position 0
+    lens = train_tuned_lens(no_bos_model, text, steps=2, batch_tokens=32, n_ctx=16, seed=0)
+    assert all(v == v for v in lens.config.training.values() if isinstance(v, float))  # no NaN recorded

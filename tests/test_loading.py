@@ -49,6 +49,7 @@ def test_save_refuses_to_overwrite(tiny_model, tmp_path):
     assert (target / "mine.txt").read_text() == "keep me"
     tiny_model.save_pretrained(target, overwrite=True)
     assert not (target / "mine.txt").exists() and (target / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]  # no temporary or set-aside siblings left
 
 
 def test_failed_save_leaves_nothing_under_the_final_name(tiny_model, tmp_path, monkeypatch):
@@ -61,6 +62,22 @@ def test_failed_save_leaves_nothing_under_the_final_name(tiny_model, tmp_path, m
     with pytest.raises(OSError, match="disk full"):
         tiny_model.save_pretrained(tmp_path / "saved")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_created_during_the_save_is_never_replaced(tiny_model, tmp_path, monkeypatch):
+    import probe.loading
+
+    target, real_save_file = tmp_path / "results", probe.loading.save_file
+
+    def another_run_finishes_first(*args, **kwargs):
+        target.mkdir()
+        (target / "theirs.txt").write_text("keep me")
+        return real_save_file(*args, **kwargs)
+
+    monkeypatch.setattr(probe.loading, "save_file", another_run_finishes_first)
+    with pytest.raises(FileExistsError, match="created by something else"):
+        tiny_model.save_pretrained(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["results"] and (target / "theirs.txt").read_text() == "keep me"
 
 
 def test_weights_only_bin_checkpoint_loads(tiny_dir, tmp_path, tokens):
@@ -232,3 +249,29 @@ def test_any_hub_repository_id_is_looked_up_in_the_cache_first(tmp_path, monkeyp
         assert torch.equal(HookedDecoder.from_pretrained("someone/tiny-llama")(tokens), HookedDecoder.from_pretrained(source)(tokens))
     with pytest.raises(CheckpointError, match="no local directory someone/missing.*local directory"):
         HookedDecoder.from_pretrained("someone/missing")
+
+
+def test_gpt1_checkpoint_with_its_bos_free_tokenizer_loads_and_runs_text(tmp_path):
+    """openai-gpt's tokenizer (word-level BPE with `</w>` suffixes) has no `<|endoftext|>` and no BOS."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from conftest import TOKENIZER_TEXT
+    from test_variants import build
+
+    hf = build("gpt1", tmp_path)
+    tok = HFTokenizer(models.BPE(unk_token="<unk>", end_of_word_suffix="</w>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.BPEDecoder(suffix="</w>")
+    tok.train_from_iterator(TOKENIZER_TEXT, trainers.BpeTrainer(vocab_size=hf.config.vocab_size, special_tokens=["<unk>"],
+                                                                end_of_word_suffix="</w>", show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = tok.encode(text).ids  # nothing prepended: GPT-1 was trained without a BOS
+    assert model.to_tokens(text).tolist() == [ids]
+    with torch.no_grad():
+        torch.testing.assert_close(model(text), hf(torch.tensor([ids])).logits, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="no BOS token.*prepend_bos=False"):
+        model.to_tokens(text, prepend_bos=True)
+    out = model.generate(text, max_new_tokens=3)
+    assert out == tok.decode(model.generate(torch.tensor([ids]), max_new_tokens=3)[0].tolist())

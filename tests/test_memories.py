@@ -15,8 +15,9 @@ import torch
 
 from analyses import agreement, iter_documents, memory_lookup, memory_report, merge, sub_updates, top_triggers, value_tokens
 from analyses.common import escape_token
-from analyses import memories
+from analyses import corpus
 from analyses.memories import TopTriggers
+from test_corpus import LONG_WORD, _long_text, _tiny_chunks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -289,49 +290,6 @@ def test_corpus_sources_and_errors(tiny_model, tmp_path):
 
 
 # ---- huge corpus files: streamed in bounded memory ----------------------------------------------
-LONG_WORD = "the" * 100  # one word longer than a span, so cut blind, inside a token ("th|e")
-
-
-def _long_text(n: int = 60) -> str:
-    """Lines of every kind a cut meets: LF and CRLF endings, blank lines, indentation, tabs,
-    contractions, markup, 2-, 3- and 4-byte characters, and lines longer than the spans."""
-    lines = []
-    for i in range(n):
-        lines.append(f"{i}. The quick brown fox's café jumps over 日本 the lazy 😀 dog, and the dog sleeps on.")
-        lines.append("" if i % 3 else "   indented\tline <b>with</b> markup ")
-        if i % 7 == 0:
-            lines.append("To be, or not to be, that is the question: " * 6)  # longer than a span
-        if i % 5 == 0:
-            lines.append(LONG_WORD)
-    half = len(lines) // 2
-    return "\r\n".join(lines[:half]) + "\r\n" + "\n".join(lines[half:]) + "\n"
-
-
-def _tiny_chunks(monkeypatch, read: int = 64, span: int = 200) -> None:
-    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", read)
-    monkeypatch.setattr(memories, "CORPUS_SPAN_CHARS", span)
-
-
-def test_a_file_read_in_pieces_tokenises_as_a_whole(tiny_model, tmp_path, monkeypatch):
-    """The oracle is the tokenizer run on the whole text at once. A word longer than a span offers
-    no cut, so the scan cuts it blind: its tokens at that cut are the one documented difference."""
-    tokenizer = tiny_model.tokenizer
-    clean = _long_text().replace(LONG_WORD, "the " * 100)
-    path = tmp_path / "long.txt"
-    for text, exact in ((clean, True), (_long_text(), False)):
-        path.write_bytes(text.encode("utf-8"))
-        _tiny_chunks(monkeypatch)
-        pieces = list(memories._read_text_pieces(path))
-        assert len(pieces) > 50 and "".join(pieces) == text
-        spans = list(memories._encode_document(tokenizer, pieces))
-        assert len(spans) > 10
-        ids = [i for span in spans for i in span]
-        if exact:
-            assert ids == tokenizer.encode(text)
-        else:  # different tokens at the blind cuts, but nothing lost or doubled
-            assert ids != tokenizer.encode(text) and tokenizer.decode(ids) == text
-
-
 def test_a_file_scanned_in_pieces_equals_brute_force(tiny_model, tiny_hf, tmp_path, monkeypatch):
     text = _long_text(20).replace(LONG_WORD, "the " * 100)
     path = tmp_path / "long.txt"
@@ -367,19 +325,6 @@ def test_a_file_scanned_in_pieces_equals_brute_force(tiny_model, tiny_hf, tmp_pa
     assert resumed.n_tokens == result.n_tokens
 
 
-@pytest.mark.parametrize("char", ["é", "日", "😀"])
-def test_a_character_split_between_two_reads_decodes_whole(tmp_path, monkeypatch, char):
-    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 8)
-    n = len(char.encode("utf-8"))
-    for before in range(8 - n + 1, 8):  # the character's first byte in the first read, the rest in the next
-        text = "x" * before + char + " tail " + char * 9
-        path = tmp_path / f"split{before}.txt"
-        path.write_bytes(text.encode("utf-8"))
-        pieces = list(memories._read_text_pieces(path))
-        assert "".join(pieces) == text and pieces[0] == "x" * before
-        assert [t for _, t in iter_documents(path)] == [text]
-
-
 @pytest.mark.parametrize("data", [
     b"x" * 100 + b"\xff" + b"y" * 50,  # a byte never valid in UTF-8, past the first read
     b"x" * 63 + "日".encode()[:2] + b"z" * 40,  # a character begun in one read, broken in the next
@@ -392,13 +337,13 @@ def test_invalid_utf8_past_the_first_read_names_the_byte(tiny_model, tmp_path, m
         data.decode("utf-8")
     except UnicodeDecodeError as err:
         where = err.start  # the oracle: Python decoding the whole file at once
-    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 64)
+    monkeypatch.setattr(corpus, "CORPUS_CHUNK_BYTES", 64)
     with pytest.raises(ValueError, match=rf"bad.txt is not UTF-8 text \(byte {where}:"):
         top_triggers(tiny_model, path, progress=False)
 
 
 def test_nul_and_whitespace_past_the_first_read(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 8)
+    monkeypatch.setattr(corpus, "CORPUS_CHUNK_BYTES", 8)
     (tmp_path / "late.txt").write_bytes(b"plain text, then " + b"\x00" + b"more")
     with pytest.raises(ValueError, match=r"late.txt looks binary \(a NUL byte at byte 17\)"):
         top_triggers(tiny_model, tmp_path / "late.txt", progress=False)
@@ -415,60 +360,6 @@ def test_nul_and_whitespace_past_the_first_read(tiny_model, tmp_path, monkeypatc
     (tmp_path / "shards" / "1.txt").write_bytes(b"\x00")
     with pytest.raises(ValueError, match="1.txt looks binary"):
         top_triggers(tiny_model, tmp_path / "shards", shard=(0, 2), progress=False)
-
-
-def test_a_large_file_is_read_in_bounded_memory(tiny_model, tmp_path, monkeypatch):
-    """A 20 MB file is read a chunk at a time (no read asks for more, the Python heap peaks far
-    below the file's size), and tokenised a span at a time (no encode sees more)."""
-    import builtins
-    import tracemalloc
-
-    block = ("ROMEO. But soft, what light through yonder window breaks? 日本 😀\n" * 400).encode("utf-8")
-    path = tmp_path / "huge.txt"
-    with open(path, "wb") as f:
-        for _ in range(20_000_000 // len(block)):
-            f.write(block)
-    size = path.stat().st_size
-    reads = []
-
-    class SpyFile:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def read(self, n=-1):
-            reads.append(n)
-            return self.f.read(n)
-
-    monkeypatch.setattr(memories, "open", lambda *a, **kw: SpyFile(builtins.open(*a, **kw)), raising=False)
-    monkeypatch.setattr(memories, "CORPUS_CHUNK_BYTES", 1 << 20)
-    tracemalloc.start()
-    try:
-        n_chars = sum(len(piece) for piece in memories._read_text_pieces(path))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert n_chars == len(block.decode("utf-8")) * (size // len(block))
-    assert reads and all(0 < n <= 1 << 20 for n in reads) and len(reads) > 18
-    assert peak < 16 << 20 < size, f"reading peaked at {peak} bytes of Python memory for a {size}-byte file"
-
-    # the tokenising stage, on the file's first part: no encode is handed more than a span
-    with open(path, "rb") as f:
-        (tmp_path / "part.txt").write_bytes(f.read(300_000))
-    monkeypatch.setattr(memories, "CORPUS_SPAN_CHARS", 4096)
-    seen = []
-    encode = tiny_model.tokenizer.encode
-    monkeypatch.setattr(tiny_model.tokenizer, "encode", lambda text: seen.append(len(text)) or encode(text))
-    windows = list(memories._windows(tiny_model, tmp_path / "part.txt", tiny_model.cfg.n_ctx, True, (0, 0), 0, 1))
-    assert max(seen) <= 4096 and len(seen) > 50
-    monkeypatch.undo()
-    ids = tiny_model.tokenizer.encode((tmp_path / "part.txt").read_text(encoding="utf-8"))
-    assert [i for w in windows for i in w[3]] == ids  # and the windows are the whole file's
 
 
 # ---- agreement and report ------------------------------------------------------------------------
@@ -558,3 +449,45 @@ def test_bundled_model_triggers_and_lookup(bundled_model):
             assert float(acts[li][1:, neuron].max()) <= float(triggers.activations[li, ni, 0]) + 1e-4
     lookup = memory_lookup(bundled_model, "ROMEO:\nBut soft, what light through yonder window", -1, k=5)
     assert lookup.neurons.shape == (n_layers, 5)
+
+
+# ---- other final norms ---------------------------------------------------------------------------
+@pytest.mark.parametrize("config", [dict(norm="rms"), dict(final_norm=False)])
+def test_direct_effect_through_an_rms_final_norm_or_none(config):
+    """The oracle is the model's own forward: the sub-update m_i v_i added to the last residual with
+    the final norm's scale held at its value there; the change in the predicted token's logit is
+    the direct effect. (An RMSNorm does not centre: the values get a mean so that centring shows.)"""
+    from probe import DecoderConfig, HookedDecoder
+
+    torch.manual_seed(0)
+    cfg = DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, **config)
+    model = HookedDecoder(cfg).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+        model.blocks[1].mlp.W_out.add_(0.3)
+    tokens = torch.randint(0, 50, (1, 10))
+    position, k = 5, 4
+    result = memory_lookup(model, tokens, position, layer=1, k=k)
+    predicted = result.predicted_token
+    scale_name = ["ln_final.hook_scale"] if cfg.final_norm else []
+    with torch.no_grad():
+        base, cache = model.run_with_cache(tokens, names=scale_name)
+        for j, neuron in enumerate(result.neurons[0].tolist()):
+            update = result.coefficients[0, neuron] * model.blocks[1].mlp.W_out[neuron]
+
+            def add(resid, hook):
+                resid = resid.clone()
+                resid[0, position] += update
+                return resid
+
+            hooks = [("blocks.1.hook_resid_post", add)]
+            if cfg.final_norm:
+                hooks.append(("ln_final.hook_scale", lambda scale, hook: cache["ln_final.hook_scale"]))
+            logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
+            effect = float(logits[0, position, predicted] - base[0, position, predicted])
+            assert float(result.prediction_effect[0, j]) == pytest.approx(effect, rel=1e-4, abs=1e-6)
+        # and the value tokens read through the same norm
+        values = model.blocks[1].mlp.W_out[:3] * (model.ln_final.w if cfg.final_norm else 1.0)
+        expected = (values @ model.unembed.W_U).topk(5, dim=-1).indices
+        assert torch.equal(value_tokens(model, 1, [0, 1, 2], 5, through_final_norm=True).top_ids, expected)

@@ -9,7 +9,6 @@ from hooks import UnknownNameError
 
 
 def expected_shapes(cfg, batch, pos):
-    d = dict(batch=batch, pos=pos)
     shapes = {"hook_embed": (batch, pos, cfg.d_model), "hook_pos_embed": (batch, pos, cfg.d_model),
               "ln_final.hook_scale": (batch, pos, 1), "ln_final.hook_normalized": (batch, pos, cfg.d_model)}
     for l in range(cfg.n_layers):
@@ -96,6 +95,27 @@ def test_scale_hook_path_equals_fused_layernorm(tiny_model, tokens):
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scale_hook_path_keeps_half_precision_norms_exact(tiny_dir, dtype):
+    from probe import HookedDecoder
+
+    model = HookedDecoder.from_pretrained(tiny_dir, dtype=dtype).eval()
+    ln = model.blocks[0].ln1
+    # residual entries of a few hundred, as trained GPT-2s have: their squares overflow float16
+    x = (300 * torch.randn(2, 5, model.cfg.d_model, generator=torch.Generator().manual_seed(0))).to(dtype)
+    x64, w, b = x.double(), ln.w.double(), ln.b.double()
+    centred = x64 - x64.mean(-1, keepdim=True)
+    std = (centred.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt()
+    by_hand = centred / std * w + b
+    seen = {}
+    with torch.no_grad(), model.hooks([("blocks.0.ln1.hook_scale", lambda s, hook: seen.setdefault("scale", s))]):
+        hooked = ln(x)
+    tol = 4 * torch.finfo(dtype).eps * by_hand.abs().max().item()
+    torch.testing.assert_close(hooked.double(), by_hand, atol=tol, rtol=0)
+    assert seen["scale"].dtype == dtype  # hooks see the model's dtype
+    torch.testing.assert_close(seen["scale"].double(), std, atol=0, rtol=torch.finfo(dtype).eps)
+
+
 def test_identity_hooks_everywhere_change_nothing(tiny_model, tokens):
     with torch.no_grad():
         plain = tiny_model(tokens)
@@ -156,6 +176,46 @@ def test_start_and_stop_at_layer_compose_to_the_full_forward(tiny_model, tokens)
         tiny_model(tokens, start_at_layer=1)
     with pytest.raises(ValueError, match="start_at_layer=7"):
         tiny_model(resid, start_at_layer=7)
+    with torch.no_grad():  # negative counts from the end, as in a slice
+        torch.testing.assert_close(tiny_model(tokens, stop_at_layer=-1), resid)
+    for start, stop in ((0, 3), (0, -3), (2, 1)):  # past the last layer, before the first, before the start
+        with pytest.raises(ValueError, match=f"stop_at_layer={stop} must be in"):
+            tiny_model(tokens if start == 0 else resid, start_at_layer=start, stop_at_layer=stop)
+
+
+def test_start_at_layer_takes_a_stored_residual_and_a_mask(tiny_model, tokens):
+    from probe.kv_cache import KVCache
+
+    mask = torch.ones_like(tokens)
+    mask[1, -5:] = 0
+    with torch.no_grad():
+        full = tiny_model(tokens, attention_mask=mask)
+        resid = tiny_model(tokens, attention_mask=mask, stop_at_layer=1)
+        torch.testing.assert_close(tiny_model(resid, attention_mask=mask, start_at_layer=1), full, atol=1e-5, rtol=0)
+        # a residual cached in bfloat16 is the float32 residual rounded once, nothing else
+        _, cache = tiny_model.run_with_cache(tokens, attention_mask=mask, names="blocks.1.hook_resid_pre", dtype=torch.bfloat16)
+        stored = cache["blocks.1.hook_resid_pre"]
+        rounded = tiny_model(stored.float(), attention_mask=mask, start_at_layer=1)
+        assert torch.equal(tiny_model(stored, attention_mask=mask, start_at_layer=1), rounded)
+        one = tiny_model(resid[:1], attention_mask=mask[0], start_at_layer=1)  # a [pos] mask for one prompt
+        torch.testing.assert_close(one, full[:1], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 5\).*\(3, 17\)"):
+        tiny_model(resid, attention_mask=mask[:, :5], start_at_layer=1)
+    with pytest.raises(ValueError, match="kv_cache needs a pass through every layer"):
+        tiny_model(resid, start_at_layer=1, kv_cache=KVCache(tiny_model.cfg.n_layers))
+    with pytest.raises(ValueError, match="kv_cache needs a pass through every layer"):
+        tiny_model(tokens, stop_at_layer=1, kv_cache=KVCache(tiny_model.cfg.n_layers))
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_cache_estimate_is_exact_for_a_half_precision_model(norm, tokens):
+    from probe import DecoderConfig, HookedDecoder
+
+    cfg = DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=400, n_ctx=32, norm=norm)
+    model = HookedDecoder(cfg).to(torch.bfloat16).eval()  # RMSNorm computes (and hooks) in float32, as Llama does
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names=lambda n: True)
+    assert model.estimate_cache_bytes(list(cache), None, tokens) == sum(t.numel() * t.element_size() for t in cache.values())
 
 
 def test_hook_shapes_predict_the_cache(tiny_model, tokens):
@@ -178,3 +238,17 @@ def test_oversized_cache_is_refused_before_running(tiny_model, tokens):
     assert ran == [] and not any(tiny_model.hook_point(n).active for n in tiny_model.hook_names)
     _, small = tiny_model.run_with_cache(tokens, names="blocks.0.hook_resid_pre", max_cache_bytes=10**6)
     assert len(small) == 1
+
+
+def test_cache_estimate_counts_the_keys_already_in_a_kv_cache(tiny_model, tokens):
+    """With a KV cache, a pattern's key axis spans the cached positions too; the estimate must count them."""
+    from probe.kv_cache import KVCache
+
+    kv = KVCache(tiny_model.cfg.n_layers)
+    names = ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_attn_scores", "blocks.0.hook_resid_pre"]
+    with torch.no_grad():
+        tiny_model(tokens[:, :-2], kv_cache=kv)
+        estimate = tiny_model.estimate_cache_bytes(names, None, tokens[:, -2:], kv_cache=kv)
+        _, cache = tiny_model.run_with_cache(tokens[:, -2:], kv_cache=kv, names=names)
+    assert cache["blocks.0.attn.hook_pattern"].shape[-2:] == (2, tokens.shape[1])
+    assert estimate == sum(t.numel() * t.element_size() for t in cache.values())

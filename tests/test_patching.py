@@ -196,3 +196,46 @@ def test_a_lambda_metric_does_not_put_a_tag_into_the_figure(tiny_model, prompts)
     result = patch(tiny_model, clean, corrupted, lambda logits, tokens, mask: logits[:, -1, 3] - logits[:, -1, 4],
                    sites=[Site("resid_pre", 1, pos=CORRUPTED_POS)])
     assert "<lambda>" not in result.figure().to_json()
+
+
+def test_frame_holds_raw_token_strings(tiny_model):
+    """The frame is data (CSV), not HTML: its token column is the token itself, unescaped and unsuffixed."""
+    metric = logit_diff_metric(tiny_model, " dog", " the")
+    result = patch(tiny_model, "<b>the</b> dog", "<i>the</i> dog", metric, sites="resid_pre")
+    tokens = tiny_model.to_tokens("<i>the</i> dog")[0]
+    strings = tiny_model.tokenizer.token_strings(tokens.tolist())
+    frame = result.to_frame()
+    assert list(frame.token) == [strings[s.pos] for s in result.sites]
+    assert any("<" in t for t in frame.token) and not any("&lt;" in t for t in frame.token)
+
+
+def test_padded_token_ids_with_their_mask_match_each_pair_alone(tiny_model, tiny_hf):
+    """Left-padded token ids and their attention_mask: the batch's patched metric is the mean of each
+    (clean, corrupted) pair patched alone, the pairs checked against transformers."""
+    pairs = [("To be, or not to be, that is the dog", "To be, or not to be, that is the the"),
+             ("The quick brown the", "The quick brown dog")]
+    dog, the = tiny_model.tokenizer.encode(" dog")[0], tiny_model.tokenizer.encode(" the")[0]
+    clean, mask = tiny_model.to_tokens([c for c, _ in pairs], return_attention_mask=True, padding_side="left")
+    corrupted, mask2 = tiny_model.to_tokens([x for _, x in pairs], return_attention_mask=True, padding_side="left")
+    assert torch.equal(mask, mask2) and not bool(mask.all())
+    metric = logit_diff_metric(tiny_model, the, dog)
+    sites = [Site("z", 0, head=1), Site("z", 1, head=3), Site("mlp_out", 0)]
+    for method in ("exact", "attribution"):
+        batched = patch(tiny_model, clean, corrupted, metric, sites=sites, method=method, attention_mask=mask)
+        alone = [patch(tiny_model, c, x, metric, sites=sites, method=method) for c, x in pairs]
+        torch.testing.assert_close(batched.patched, (alone[0].patched + alone[1].patched) / 2, atol=1e-5, rtol=0)
+        assert batched.corrupted == pytest.approx((alone[0].corrupted + alone[1].corrupted) / 2, abs=1e-5)
+    for c, x in pairs:  # the single pairs against transformers, as the other tests do for fixed answers
+        c_ids, x_ids = tiny_model.to_tokens(c), tiny_model.to_tokens(x)
+        with torch.no_grad():
+            hf_clean, hf_corrupted = tiny_hf(c_ids).logits[0, -1], tiny_hf(x_ids).logits[0, -1]
+        single = patch(tiny_model, c, x, metric, sites=sites)
+        assert single.clean == pytest.approx(float(hf_clean[the] - hf_clean[dog]), abs=1e-4)
+        assert single.corrupted == pytest.approx(float(hf_corrupted[the] - hf_corrupted[dog]), abs=1e-4)
+
+
+def test_a_metric_must_give_one_value_per_row(tiny_model, prompts):
+    clean, corrupted = prompts
+    for method in ("exact", "attribution"):
+        with pytest.raises(ValueError, match=r"one value per row, shape \(2,\)"):
+            patch(tiny_model, clean, corrupted, lambda logits, tokens, mask: logits[:, -1, :2], method=method)

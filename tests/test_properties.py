@@ -88,10 +88,15 @@ def test_padded_batch_matches_each_prompt_alone(case, data):
             mask[i, :n] = 1
     with torch.no_grad():
         batched = model(tokens, attention_mask=mask)
+        # the explicit attention path (taken whenever a pattern is hooked) masks padding on its own
+        explicit, _ = model.run_with_cache(tokens, attention_mask=mask, names=lambda n: n.endswith("hook_pattern"))
         for i, n in enumerate(lengths):
             real = mask[i].bool()
             alone = model(tokens[i][real][None])
             torch.testing.assert_close(batched[i][real], alone[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(explicit[i][real], alone[0], atol=1e-5, rtol=1e-5)
+    # padded positions are meaningless but finite, so a masked mean over positions is never NaN
+    assert bool(torch.isfinite(batched).all()) and bool(torch.isfinite(explicit).all())
 
 
 @given(model_and_tokens(), st.integers(0, 5))

@@ -3,15 +3,15 @@ ablation on the unpruned model, the pruning curve against losses of structurally
 from __future__ import annotations
 
 import copy
-import dataclasses
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 
 from analyses.pruning import (
-    head_importance, load_pruned, original_heads, prune_by_importance, prune_heads, pruning_schedule, save_pruned,
-    token_batches,
+    evaluate_masks, head_importance, load_pruned, original_heads, prune_by_importance, prune_heads, pruning_schedule,
+    save_pruned, token_batches,
 )
 from probe import DecoderConfig, HookedDecoder
 
@@ -350,3 +350,73 @@ def test_curve_without_baselines(tiny_model, tokens):
     assert curve.random_loss.shape == (0, len(curve.loss)) and curve.ablation_loss is None
     assert float(curve.loss[0]) > 0
     curve.to_frame(), curve.figure()
+
+
+# ---- the command line ----------------------------------------------------------------------------
+def test_command_line_saves_a_pruned_model_that_prunes_again(tiny_dir, tiny_model, tokens, tmp_path):
+    """`probe prune --save` keeps the head map, so its output can be pruned again by the command line:
+    --heads and the --save-fraction choice are in the loaded model's numbering (as in importance.csv),
+    and each saved model equals the original with the heads removed so far zero-ablated."""
+    from scripts import cli
+
+    def prune(model_dir, out, *flags):
+        code = cli.main(["prune", "--model", str(model_dir), "--no-curve", "--max-windows", "2", "--quiet",
+                         "--out", str(tmp_path / out), *flags])
+        assert code == 0
+
+    def assert_ablates(directory, heads):
+        with torch.no_grad():
+            expected, _ = zero_ablated(tiny_model, tokens, heads)
+            torch.testing.assert_close(load_pruned(directory)(tokens), expected, atol=1e-4, rtol=0)
+
+    prune(tiny_dir, "o1", "--heads", "0.1,1.2", "--save", str(tmp_path / "p1"))
+    assert load_pruned(tmp_path / "p1").head_map == ((0, 2, 3), (0, 1, 3))
+    assert_ablates(tmp_path / "p1", [(0, 1), (1, 2)])
+
+    prune(tmp_path / "p1", "o2", "--heads", "0.1", "--save", str(tmp_path / "p2"))  # head 1 of (0, 2, 3): original 2
+    assert load_pruned(tmp_path / "p2").head_map == ((0, 3), (0, 1, 3))
+    assert_ablates(tmp_path / "p2", [(0, 1), (0, 2), (1, 2)])
+
+    prune(tmp_path / "p1", "o3", "--save-fraction", "0.5", "--save", str(tmp_path / "p3"))
+    scores = pd.read_csv(tmp_path / "o3" / "importance.csv").dropna()  # the 6 heads p1 has
+    assert len(scores) == 6
+    least = scores.sort_values("importance", kind="stable").head(3)
+    p1_map = ((0, 2, 3), (0, 1, 3))
+    removed = [(0, 1), (1, 2)] + [(int(r.layer), p1_map[int(r.layer)][int(r.head)]) for r in least.itertuples()]
+    assert_ablates(tmp_path / "p3", removed)
+
+
+def test_command_line_text_file_is_read_as_a_path(tiny_dir, tiny_model, tmp_path):
+    from scripts import cli
+
+    text = "To be, or not to be, that is the question.\r\n" * 30
+    path = tmp_path / "play.txt"
+    path.write_bytes(text.encode("utf-8"))
+    code = cli.main(["prune", "--model", str(tiny_dir), "--no-curve", "--max-windows", "3", "--quiet",
+                     "--text-file", str(path), "--out", str(tmp_path / "o")])
+    assert code == 0
+    frame = pd.read_csv(tmp_path / "o" / "importance.csv")
+    expected = head_importance(tiny_model, [text], max_windows=3, progress=False)  # the text as it is, CRLF kept
+    assert frame.raw_importance.tolist() == pytest.approx(expected.raw.flatten().tolist(), rel=1e-5)
+
+
+def test_one_token_sequences_are_refused_not_scored_zero(tiny_model, tokens):
+    """A 1-token row has no next token: its loss is an empty mean, which made every importance 0
+    and the evaluated loss NaN. Now each entry point names the problem."""
+    short = tokens[:, :1]
+    for call in (lambda: head_importance(tiny_model, short, progress=False),
+                 lambda: token_batches(tiny_model, [short]),
+                 lambda: evaluate_masks(tiny_model, [short], torch.ones(1, 2, 4))):
+        with pytest.raises(ValueError, match="fewer than 2 positions"):
+            call()
+
+
+def test_windows_without_a_bos_are_the_text_alone(no_bos_model):
+    """GPT-1's vocabulary has no BOS: windows are seq_len ids of the documents run together."""
+    texts = ["To be, or not to be, that is the question.", "Whether 'tis nobler in the mind to suffer"]
+    ids = [i for text in texts for i in no_bos_model.tokenizer.encode(text)]
+    (rows,) = token_batches(no_bos_model, texts, seq_len=5, batch_size=100)
+    n = len(ids) // 5
+    assert rows.tolist() == torch.tensor(ids[: n * 5]).view(n, 5).tolist()
+    importance = head_importance(no_bos_model, texts, seq_len=5, progress=False)
+    assert bool(importance.raw.isfinite().all()) and bool((importance.raw > 0).any())

@@ -46,7 +46,8 @@ def build(kind, directory, **overrides):
 
 CASES = {
     "llama-gqa-untied": ("llama", {}),
-    "llama-mqa-biases": ("llama", {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True}),
+    # a non-default epsilon: random-init residuals are small (~0.02), so eps=1e-4 changes every norm
+    "llama-mqa-biases-eps": ("llama", {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-4}),
     "qwen2-qkv-bias-tied": ("qwen2", {}),
     "gpt1-post-norm": ("gpt1", {}),
 }
@@ -92,12 +93,49 @@ def test_llama_patterns_and_rotary_hooks(tmp_path):
     assert "hook_pos_embed" not in ours.hook_names
 
 
-def test_save_round_trip_for_each_family(tmp_path):
-    import transformers as tf
+def test_llama_weight_views_are_transformers_parameters(tmp_path):
+    """GQA views: W_Q has n_heads heads, W_K and W_V n_kv_heads; nn.Linear stores [out, in], the views [in, out]."""
+    hf = build("llama", tmp_path)
+    ours = HookedDecoder.from_pretrained(tmp_path)
+    dh = ours.cfg.d_head
+    for block, theirs in zip(ours.blocks, hf.model.layers):
+        attn, mlp = block.attn, block.mlp
+        assert attn.W_Q.shape[0] == 8 and attn.W_K.shape[0] == attn.W_V.shape[0] == 2
+        for name, views in (("q_proj", attn.W_Q), ("k_proj", attn.W_K), ("v_proj", attn.W_V)):
+            weight = getattr(theirs.self_attn, name).weight
+            for h in range(views.shape[0]):
+                assert torch.equal(views[h], weight[h * dh:(h + 1) * dh].T), (name, h)
+        for h in range(8):
+            assert torch.equal(attn.W_O[h], theirs.self_attn.o_proj.weight[:, h * dh:(h + 1) * dh].T)
+        assert torch.equal(mlp.W_gate, theirs.mlp.gate_proj.weight.T)
+        assert torch.equal(mlp.W_in, theirs.mlp.up_proj.weight.T)
+        assert torch.equal(mlp.W_out, theirs.mlp.down_proj.weight.T)
+    assert torch.equal(ours.unembed.W_U, hf.lm_head.weight.T)
 
+
+def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
+    build("llama", tmp_path, max_position_embeddings=1024, num_hidden_layers=1)
+    model = HookedDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    tokens = torch.randint(0, 101, (1, 1024), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names=["blocks.0.attn.hook_k", "blocks.0.attn.hook_rot_k"])
+    k = cache["blocks.0.attn.hook_k"].double()
+    half = k.shape[-1] // 2
+    # angle = position * base^(-2i/d_head), computed by hand in float64
+    angles = torch.arange(1024, dtype=torch.float64)[:, None] * model.cfg.rotary_base ** (-2 * torch.arange(half) / (2 * half))
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    first, second = k[..., :half], k[..., half:]
+    by_hand = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    # bfloat16 rounds the input and output (8 bits each); rounded frequencies would be off by radians
+    tol = 4 * 2**-8 * k.abs().max().item()
+    torch.testing.assert_close(cache["blocks.0.attn.hook_rot_k"].double(), by_hand, atol=tol, rtol=0)
+    assert model.blocks[0].attn.rotary.inv_freq.dtype == torch.float32
+
+
+def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1"):
         src = tmp_path / kind
-        hf = build(kind, src)
+        hf = build(kind, src, **({"rms_norm_eps": 1e-4} if kind == "llama" else {}))  # a non-default eps must be written
         ours = HookedDecoder.from_pretrained(src)
         out = ours.save_pretrained(tmp_path / f"{kind}-saved")
         again = type(hf).from_pretrained(out).eval()
