@@ -1,6 +1,8 @@
-"""HookPoint: an identity module that lets callers read or replace the tensor passing through it."""
+"""HookPoint: an identity module that lets callers read or replace the tensor passing through it,
+and the gradient flowing back through it."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -14,14 +16,15 @@ class HookHandle:
     removing twice is harmless. The same function attached twice gets two handles, so an inner
     `with` block that re-attaches a function leaves the outer block's hooks in their order."""
 
-    def __init__(self, point: "HookPoint", fn: HookFn):
-        self.point, self.fn = point, fn
+    def __init__(self, registry: list["HookHandle"], fn: HookFn):
+        self.registry, self.fn = registry, fn
+        self.removed = False  # a backward pass after the block ended must not run it
 
     def remove(self) -> None:
-        handles = self.point._fns
-        for i, registered in enumerate(handles):
+        self.removed = True
+        for i, registered in enumerate(self.registry):
             if registered is self:
-                del handles[i]
+                del self.registry[i]
                 return
 
 
@@ -30,7 +33,10 @@ class HookPoint(nn.Module):
 
     A hook is `fn(activation, hook) -> Tensor | None`; returning a tensor replaces the activation.
     The replacement must keep the activation's shape, so a mistake surfaces here, named, rather
-    than as a broadcasting error layers later.
+    than as a broadcasting error layers later. A backward hook is `fn(grad, hook) -> Tensor | None`,
+    called with the gradient reaching this point during a backward pass (d output / d activation);
+    returning a tensor replaces the gradient that flows on. It runs only for a forward made while
+    it was attached, and only while it still is.
 
     `opt_in` marks points whose activation costs extra work to compute (per-head results): the
     model computes them only while something is attached, and a cache of "everything" skips them.
@@ -41,45 +47,60 @@ class HookPoint(nn.Module):
         self.name: str = "<unnamed>"  # set by HookedRootModule.setup_hooks
         self.opt_in = opt_in
         self._fns: list[HookHandle] = []  # in the order the hooks run
+        self._bwd_fns: list[HookHandle] = []
 
     @property
     def active(self) -> bool:
-        return bool(self._fns)
+        """Something is attached: the model must materialise this activation (opt-in or explicit paths)."""
+        return bool(self._fns or self._bwd_fns)
 
-    def add(self, fn: HookFn) -> HookHandle:
+    def add(self, fn: HookFn, backward: bool = False) -> HookHandle:
         if not callable(fn):
-            raise TypeError(f"hook for {self.name!r} must be callable as fn(activation, hook), got {type(fn).__name__}")
-        handle = HookHandle(self, fn)
-        self._fns.append(handle)
+            what = "grad" if backward else "activation"
+            raise TypeError(f"hook for {self.name!r} must be callable as fn({what}, hook), got {type(fn).__name__}")
+        handle = HookHandle(self._bwd_fns if backward else self._fns, fn)
+        handle.registry.append(handle)
         return handle
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for fn in [handle.fn for handle in self._fns]:
-            try:
-                out = fn(x, self)
-            except Exception as err:
-                if hasattr(err, "add_note"):  # Python 3.11+: say where the user's hook failed, keep its type
-                    err.add_note(f"raised by the hook {getattr(fn, '__name__', fn)!r} on {self.name!r}")
-                raise
-            if out is None:
-                continue
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"hook on {self.name!r} returned {type(out).__name__}; return a Tensor or None")
-            if out.shape != x.shape:
-                raise ValueError(
-                    f"hook on {self.name!r} returned shape {tuple(out.shape)}, but the activation has shape "
-                    f"{tuple(x.shape)}; a hook must return a tensor of the same shape (or None)"
-                )
-            if out.dtype != x.dtype or out.device != x.device:
-                raise ValueError(
-                    f"hook on {self.name!r} returned a {out.dtype} tensor on {out.device}, but the activation is "
-                    f"{x.dtype} on {x.device}; convert it with .to(activation)"
-                )
-            if out.is_floating_point() and bool(torch.isnan(out).any()):
-                # -inf stays allowed: masking attention scores by hook is a legitimate edit
-                raise ValueError(f"hook on {self.name!r} returned a tensor containing NaN")
-            x = out
+            x = self._apply_hook(fn, x, "activation")
+        if self._bwd_fns and x.requires_grad:
+            x.register_hook(partial(self._backward, list(self._bwd_fns)))
         return x
+
+    def _backward(self, handles: list[HookHandle], grad: torch.Tensor) -> torch.Tensor:
+        for handle in handles:
+            if not handle.removed:
+                grad = self._apply_hook(handle.fn, grad, "gradient")
+        return grad
+
+    def _apply_hook(self, fn: HookFn, x: torch.Tensor, what: str) -> torch.Tensor:
+        """fn's replacement for x, checked, or x itself when fn returns None."""
+        try:
+            out = fn(x, self)
+        except Exception as err:
+            if hasattr(err, "add_note"):  # Python 3.11+: say where the user's hook failed, keep its type
+                err.add_note(f"raised by the hook {getattr(fn, '__name__', fn)!r} on {self.name!r}")
+            raise
+        if out is None:
+            return x
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"hook on {self.name!r} returned {type(out).__name__}; return a Tensor or None")
+        if out.shape != x.shape:
+            raise ValueError(
+                f"hook on {self.name!r} returned shape {tuple(out.shape)}, but the {what} has shape "
+                f"{tuple(x.shape)}; a hook must return a tensor of the same shape (or None)"
+            )
+        if out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(
+                f"hook on {self.name!r} returned a {out.dtype} tensor on {out.device}, but the {what} is "
+                f"{x.dtype} on {x.device}; convert it with .to({what})"
+            )
+        if out.is_floating_point() and bool(torch.isnan(out).any()):
+            # -inf stays allowed: masking attention scores by hook is a legitimate edit
+            raise ValueError(f"hook on {self.name!r} returned a tensor containing NaN")
+        return out
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}"

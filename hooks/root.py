@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional, Union
 
 import torch
@@ -66,19 +66,34 @@ class HookedRootModule(nn.Module):
         return names
 
     @contextmanager
-    def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = ()) -> Iterator["HookedRootModule"]:
-        """Attach hooks for the duration of the block; they are removed on exit, whatever happens."""
+    def hooks(
+        self, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = ()
+    ) -> Iterator["HookedRootModule"]:
+        """Attach hooks for the duration of the block; they are removed on exit, whatever happens.
+
+        Backward hooks `fn(grad, hook)` see the gradient at their point during a backward pass made
+        inside the block, of a forward made inside it: call `.backward()` before the block ends.
+        """
         handles = []
         try:
-            for names, fn in fwd_hooks:
-                for name in self.select_hook_names(names):
-                    handles.append(self.hook_point(name).add(fn))
+            for hook_list, backward in ((fwd_hooks, False), (bwd_hooks, True)):
+                for names, fn in hook_list:
+                    for name in self.select_hook_names(names):
+                        handles.append(self.hook_point(name).add(fn, backward=backward))
             yield self
         finally:
             for handle in reversed(handles):
                 handle.remove()
 
-    def run_with_hooks(self, *args: Any, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), **kwargs: Any) -> Any:
+    def run_with_hooks(
+        self, *args: Any, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
+        bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), **kwargs: Any,
+    ) -> Any:
+        if list(bwd_hooks):
+            # the hooks are gone when this returns, before anyone can call backward on the output
+            raise ValueError("run_with_hooks removes its hooks before a backward pass can run, so bwd_hooks would never "
+                             "fire; use `with model.hooks(bwd_hooks=...):` and call .backward() inside the block, or "
+                             "run_with_cache(..., grads_of=...) to cache gradients")
         with self.hooks(fwd_hooks):
             return self(*args, **kwargs)
 
@@ -90,6 +105,7 @@ class HookedRootModule(nn.Module):
         dtype: Optional[torch.dtype] = None,
         fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
         max_cache_bytes: Optional[float] = None,
+        grads_of: Optional[Callable[[Any], torch.Tensor]] = None,
         **kwargs: Any,
     ) -> tuple[Any, ActivationCache]:
         """Run the model and return `(output, cache)`.
@@ -99,21 +115,53 @@ class HookedRootModule(nn.Module):
         `fwd_hooks` run before caching, so the cache shows the edited activations. A cache estimated
         above `max_cache_bytes` (default: the model's `max_cache_bytes`, 8 GiB) is refused before
         anything runs.
+
+        `grads_of(output) -> scalar` also caches the gradient of that scalar with respect to each
+        stored activation, under `name + "_grad"` (transformer-lens's key). The gradients come from
+        `torch.autograd.grad`, so the parameters' `.grad` are left alone and frozen weights work too.
         """
         store: dict[str, torch.Tensor] = {}
+        live: dict[str, torch.Tensor] = {}  # with grads_of: the activations themselves, in the graph
 
-        def save(activation: torch.Tensor, hook: HookPoint) -> None:
+        def save(activation: torch.Tensor, hook: HookPoint) -> Optional[torch.Tensor]:
             store[hook.name] = _store(activation, device, dtype)
+            if grads_of is None:
+                return None
+            if activation.requires_grad:
+                live[hook.name] = activation
+                return None
+            # nothing before it needs a gradient (frozen weights): it becomes a leaf we can differentiate to
+            live[hook.name] = activation.detach().requires_grad_(True)
+            return live[hook.name]
 
         selected = self.select_hook_names(names)
         limit = self.max_cache_bytes if max_cache_bytes is None else max_cache_bytes
         estimate = self.estimate_cache_bytes(selected, dtype, *args, **kwargs)
+        if estimate is not None and grads_of is not None:
+            estimate *= 2  # a gradient per activation
         if estimate is not None and estimate > limit:
             raise CacheTooLargeError(
                 f"caching {len(selected)} activations would take about {estimate / 2**30:.2f} GiB, over the limit of "
                 f"{limit / 2**30:.2f} GiB. Cache fewer (names=...), store them in lower precision (dtype=torch.bfloat16) "
                 f"or on the CPU (device='cpu'), use a shorter input, or raise the limit (max_cache_bytes=...)"
             )
-        with self.hooks(list(fwd_hooks) + [(selected, save)]):
-            out = self(*args, **kwargs)
+        with torch.enable_grad() if grads_of is not None else nullcontext():
+            with self.hooks(list(fwd_hooks) + [(selected, save)]):
+                out = self(*args, **kwargs)
+            if grads_of is not None:
+                out = self._cache_gradients(out, grads_of, live, store, device, dtype)
         return out, ActivationCache(store)
+
+    @staticmethod
+    def _cache_gradients(out: Any, grads_of: Callable[[Any], torch.Tensor], live: dict[str, torch.Tensor],
+                         store: dict[str, torch.Tensor], device, dtype) -> Any:
+        value = grads_of(out)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"grads_of must return a scalar tensor to differentiate (e.g. a mean), got {got}")
+        names = list(live)
+        grads = torch.autograd.grad(value.squeeze(), [live[n] for n in names], allow_unused=True)
+        for name, grad in zip(names, grads):
+            # an activation the scalar does not depend on has gradient zero
+            store[f"{name}_grad"] = _store(torch.zeros_like(live[name]) if grad is None else grad, device, dtype)
+        return out.detach() if isinstance(out, torch.Tensor) else out

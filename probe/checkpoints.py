@@ -316,6 +316,9 @@ FAMILIES = {
 
 def family_for_config(cfg: DecoderConfig) -> Family:
     """The checkpoint format that can hold this model (for saving)."""
+    if cfg.unembed_bias:
+        raise ValueError("no Hugging Face checkpoint format here holds an unembedding bias (a model from "
+                         "process_weights has one); save the unprocessed model and process it again after loading")
     errors = []
     for family in FAMILIES.values():
         try:

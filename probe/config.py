@@ -69,6 +69,7 @@ class DecoderConfig:
     out_bias: bool = True  # attention output projection bias
     mlp_bias: bool = True
     tied_embeddings: bool = True  # unembedding = embedding transposed, as in GPT-2
+    unembed_bias: bool = False  # a bias on the logits (none of the supported checkpoints; a processed model's folded norm bias)
     init_std: float = 0.02  # weight init for models trained from scratch
 
     def __post_init__(self) -> None:

@@ -99,12 +99,13 @@ def make_pos_embed(cfg: DecoderConfig) -> nn.Module | None:
 class Unembed(nn.Module):
     """Logits = x @ W_U. Stores W_U transposed ([vocab d_model]) so it can share the embedding's tensor."""
 
-    def __init__(self, d_vocab: int, d_model: int):
+    def __init__(self, d_vocab: int, d_model: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
+        self.bias = nn.Parameter(torch.zeros(d_vocab)) if bias else None  # [vocab]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch pos d_model] -> [batch pos vocab]
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     @property
     def W_U(self) -> torch.Tensor:  # [d_model vocab]

@@ -76,7 +76,7 @@ class HookedDecoder(HookedRootModule):
             self.hook_pos_embed = HookPoint()  # [batch pos d_model]
         self.blocks = nn.ModuleList([BLOCKS[cfg.norm_placement](cfg, layer) for layer in range(cfg.n_layers)])
         self.ln_final = make_norm(cfg) if cfg.final_norm else nn.Identity()
-        self.unembed = Unembed(cfg.d_vocab, cfg.d_model)
+        self.unembed = Unembed(cfg.d_vocab, cfg.d_model, bias=cfg.unembed_bias)
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
         self.init_weights()
@@ -285,6 +285,14 @@ class HookedDecoder(HookedRootModule):
         if ids.dim() != 1:
             raise ValueError(f"to_str_tokens takes one prompt; got token ids of shape {tuple(input.shape)}")
         return tokenizer.token_strings(ids.tolist())
+
+    def to_single_token(self, text: str) -> int:
+        """The id of `text` when it is exactly one token (e.g. " love"); otherwise an error listing its tokens."""
+        ids = self._require_tokenizer().encode(text)
+        if len(ids) != 1:
+            pieces = self.tokenizer.token_strings(ids)
+            raise ValueError(f"{text!r} is {len(ids)} tokens {pieces}, not one; choose a string that is a single token")
+        return ids[0]
 
     def to_string(self, tokens: torch.Tensor) -> Union[str, list[str]]:
         tokenizer = self._require_tokenizer()

@@ -46,3 +46,18 @@ def hf_head_writes(hf, tokens):
         weight = block.attn.c_proj.weight.unflatten(0, (n_head, -1))  # [head d_head d_model]
         writes.append(torch.einsum("bphd,hdm->bphm", z, weight))
     return writes
+
+
+def next_token_logprob(logits, tokens):
+    """Mean log-probability of each next token: a scalar to differentiate."""
+    return logits[:, :-1].float().log_softmax(-1).gather(-1, tokens[:, 1:, None]).mean()
+
+
+def hf_gradients(hf, tokens):
+    """d next_token_logprob / d (every block's input residual, every attention pattern), by
+    transformers' autograd (eager attention, so its attention weights are the ones multiplied into V)."""
+    out = hf(tokens, output_hidden_states=True, output_attentions=True)
+    n_layers = len(out.attentions)
+    wanted = list(out.hidden_states[:n_layers]) + list(out.attentions)
+    grads = torch.autograd.grad(next_token_logprob(out.logits, tokens), wanted)
+    return list(grads[:n_layers]), list(grads[n_layers:])

@@ -210,3 +210,58 @@ def test_an_exception_in_a_hook_keeps_its_type_and_names_the_point():
 
     if sys.version_info >= (3, 11):
         assert any("inner.hook_mid" in note and "broken" in note for note in notes)
+
+
+# ---- backward hooks and cached gradients (Toy: mid = 2 x, out = mid + 1; value = sum(out^2)) --------
+def toy_value(out):
+    return (out**2).sum()
+
+
+def test_backward_hooks_see_the_gradient_at_their_point():
+    toy, x = Toy(), torch.tensor([1.0, -2.0], requires_grad=True)
+    seen = {}
+    with toy.hooks(bwd_hooks=[(toy.hook_names, lambda grad, hook: seen.__setitem__(hook.name, grad.clone()))]):
+        out = toy(x)
+        toy_value(out).backward()
+    out = (2 * x + 1).detach()  # by hand: d/d out = 2 out, d/d mid = 2 out, d/d in = 4 out
+    assert torch.equal(seen["hook_out"], 2 * out) and torch.equal(seen["inner.hook_mid"], 2 * out)
+    assert torch.equal(seen["hook_in"], 4 * out) and torch.equal(x.grad, 4 * out)
+
+
+def test_a_backward_hook_can_replace_the_gradient_flowing_on():
+    toy, x = Toy(), torch.tensor([1.0, -2.0], requires_grad=True)
+    with toy.hooks(bwd_hooks=[("inner.hook_mid", lambda grad, hook: torch.ones_like(grad))]):
+        toy_value(toy(x)).backward()
+    assert torch.equal(x.grad, torch.tensor([2.0, 2.0]))  # the replaced gradient (1) times d mid / d x (2)
+    with toy.hooks(bwd_hooks=[("inner.hook_mid", lambda grad, hook: grad[:1])]), pytest.raises(ValueError, match="gradient has shape"):
+        toy_value(toy(torch.tensor([1.0, -2.0], requires_grad=True))).backward()
+
+
+def test_backward_hooks_are_scoped_like_forward_hooks():
+    toy, calls = Toy(), []
+    with toy.hooks(bwd_hooks=[("hook_out", lambda grad, hook: calls.append(hook.name))]):
+        assert toy.hook_point("hook_out").active  # attached hooks make the point materialise its activation
+        out = toy(torch.tensor([1.0], requires_grad=True))
+    toy_value(out).backward()  # after the block: the hook was removed, so it must not run
+    assert calls == [] and not toy.hook_point("hook_out").active
+    with pytest.raises(RuntimeError, match="inside"):
+        with toy.hooks(bwd_hooks=[("hook_out", lambda grad, hook: None)]):
+            raise RuntimeError("inside")
+    assert not toy.hook_point("hook_out")._bwd_fns
+    with pytest.raises(ValueError, match="bwd_hooks would never fire"):
+        toy.run_with_hooks(torch.ones(1), bwd_hooks=[("hook_out", lambda grad, hook: None)])
+
+
+def test_run_with_cache_caches_gradients_without_touching_parameters():
+    toy = Toy()
+    toy.scale = nn.Parameter(torch.tensor(3.0))  # a parameter the forward does not use must keep grad None
+    x = torch.tensor([1.0, -2.0])  # no grad anywhere upstream: each cached point becomes a leaf
+    out, cache = toy.run_with_cache(x, grads_of=toy_value)
+    by_hand = 2 * (2 * x + 1)
+    assert torch.equal(out, 2 * x + 1) and not out.requires_grad
+    assert torch.equal(cache["hook_out_grad"], by_hand) and torch.equal(cache["inner.hook_mid_grad"], by_hand)
+    assert torch.equal(cache["hook_in_grad"], 2 * by_hand)
+    assert set(cache) == {n for name in toy.hook_names for n in (name, f"{name}_grad")}
+    assert toy.scale.grad is None
+    with pytest.raises(ValueError, match="scalar"):
+        toy.run_with_cache(x, grads_of=lambda out: out)

@@ -17,6 +17,16 @@ def test_tokenizer_round_trip(tiny_model):
     assert tiny_model.to_tokens(text, prepend_bos=False).shape[1] == tokens.shape[1] - 1
 
 
+def test_single_token_strings_and_the_error_for_several(tiny_model):
+    backend = tiny_model.tokenizer.backend  # the oracle: the tokenizer library itself
+    one = next(s for s in (" the", " to", "e", "a") if len(backend.encode(s).ids) == 1)
+    assert tiny_model.to_single_token(one) == backend.encode(one).ids[0]
+    with pytest.raises(ValueError, match=r"is \d+ tokens .*not one"):
+        tiny_model.to_single_token(" antidisestablishmentarianism")
+    with pytest.raises(ValueError, match="is 0 tokens"):
+        tiny_model.to_single_token("")
+
+
 def test_padded_batch_gives_each_prompt_its_own_activations(tiny_model):
     prompts = ["The quick brown fox", "To be, or not to be, that is the question: whether", "Numbers"]
     with torch.no_grad():

@@ -252,3 +252,26 @@ def test_cache_estimate_counts_the_keys_already_in_a_kv_cache(tiny_model, tokens
         _, cache = tiny_model.run_with_cache(tokens[:, -2:], kv_cache=kv, names=names)
     assert cache["blocks.0.attn.hook_pattern"].shape[-2:] == (2, tokens.shape[1])
     assert estimate == sum(t.numel() * t.element_size() for t in cache.values())
+
+
+def test_gradients_match_transformers_autograd(tiny_model, tiny_hf, tokens):
+    """Backward hooks and run_with_cache(grads_of=...) see d(log-prob of the next tokens) / d(activation)
+    as transformers' own autograd computes it, for the residual stream and the attention pattern
+    (a pattern hook also switches the decoder from the fused kernel to the explicit path)."""
+    from hf_oracle import hf_gradients, next_token_logprob
+
+    resid_grads, pattern_grads = hf_gradients(tiny_hf, tokens)
+    names = [f"blocks.{l}.hook_resid_pre" for l in range(tiny_model.cfg.n_layers)]
+    names += [f"blocks.{l}.attn.hook_pattern" for l in range(tiny_model.cfg.n_layers)]
+    expected = dict(zip(names, resid_grads + pattern_grads))
+
+    _, cache = tiny_model.run_with_cache(tokens, names=names, grads_of=lambda logits: next_token_logprob(logits, tokens))
+    seen = {}
+    with tiny_model.hooks(bwd_hooks=[(names, lambda grad, hook: seen.__setitem__(hook.name, grad.clone()))]):
+        value = next_token_logprob(tiny_model(tokens), tokens)
+        torch.autograd.grad(value, tiny_model.embed.W_E)  # a backward through every point; no .grad written
+    for name, grad in expected.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(cache[f"{name}_grad"], grad, atol=1e-5 * scale, rtol=1e-4, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(seen[name], grad, atol=1e-5 * scale, rtol=1e-4, msg=lambda s: f"{name}: {s}")
+    assert all(p.grad is None for p in tiny_model.parameters())

@@ -1,0 +1,121 @@
+"""probe.processing: weight processing keeps what the model computes (transformers' log-probabilities
+as the oracle) and changes the activations exactly as the algebra says (relations derived by hand)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probe import DecoderConfig, HookedDecoder
+from probe.processing import process_weights
+
+ATOL = 1e-4
+
+
+def log_probs(model, tokens):
+    with torch.no_grad():
+        return model(tokens).float().log_softmax(-1)
+
+
+def test_processed_gpt2_gives_transformers_log_probs_and_leaves_the_original(tiny_model, tiny_hf, tokens):
+    before = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
+    processed = process_weights(tiny_model)
+    with torch.no_grad():
+        expected = tiny_hf(tokens).logits.log_softmax(-1)
+    torch.testing.assert_close(log_probs(processed, tokens), expected, atol=ATOL, rtol=0)
+    assert all(torch.equal(p, before[name]) for name, p in tiny_model.named_parameters())
+    assert tiny_model.cfg.tied_embeddings and tiny_model.unembed.weight is tiny_model.embed.W_E
+    assert not processed.cfg.tied_embeddings and processed.cfg.unembed_bias  # GPT-2's ln_f bias now lives there
+
+
+def test_activations_change_as_the_algebra_says(tiny_model, tokens):
+    """Centring the writers removes each residual's mean over d_model; folding keeps every norm's
+    normalised output, queries, keys and pattern; folding value biases takes b_V out of v and z."""
+    processed = process_weights(tiny_model)
+    _, old = tiny_model.run_with_cache(tokens)
+    _, new = processed.run_with_cache(tokens)
+    for name in old:
+        if name.endswith(("hook_resid_pre", "hook_resid_mid", "hook_resid_post")):
+            expected = old[name] - old[name].mean(-1, keepdim=True)
+        elif name.endswith(("hook_v", "hook_z")):
+            layer = int(name.split(".")[1])
+            block = tiny_model.blocks[layer]
+            v_rows = slice(2 * block.attn.n_heads * block.attn.d_head, None)
+            # v's constant part: its own bias plus ln1's bias read through W_V (folded into it first)
+            b_v = block.attn.qkv.bias[v_rows] + block.attn.qkv.weight[v_rows] @ block.ln1.b
+            expected = old[name] - b_v.view(block.attn.n_heads, block.attn.d_head)  # pattern rows sum to 1: z carries it too
+        elif name.endswith(("hook_normalized", "hook_scale", "hook_q", "hook_k", "hook_attn_scores", "hook_pattern",
+                            "hook_pre", "hook_post")):
+            expected = old[name]
+        else:  # embeddings and sublayer outputs: centred writers
+            expected = old[name] - old[name].mean(-1, keepdim=True)
+        torch.testing.assert_close(new[name], expected, atol=ATOL, rtol=0, msg=lambda s: f"{name}: {s}")
+
+
+def test_processed_weights_have_the_promised_form(tiny_model):
+    processed = process_weights(tiny_model)
+    zero = lambda t: torch.testing.assert_close(t, torch.zeros_like(t), atol=1e-6, rtol=0)  # noqa: E731
+    for norm in [processed.ln_final] + [b.ln1 for b in processed.blocks] + [b.ln2 for b in processed.blocks]:
+        assert torch.equal(norm.w, torch.ones_like(norm.w)) and torch.equal(norm.b, torch.zeros_like(norm.b))
+    zero(processed.embed.W_E.mean(-1))
+    zero(processed.pos_embed.W_pos.mean(-1))
+    for block in processed.blocks:
+        zero(block.attn.W_O.mean(-1))
+        zero(block.mlp.W_out.mean(-1))
+        zero(block.attn.qkv.bias[2 * block.attn.n_heads * block.attn.d_head:])  # b_V
+    zero(processed.unembed.W_U.mean(-1))  # each logit's mean over the vocabulary
+
+
+def test_each_step_alone_keeps_the_log_probs(tiny_model, tokens):
+    expected = log_probs(tiny_model, tokens)
+    steps = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
+    for step in steps:
+        only = process_weights(tiny_model, **{s: s == step for s in steps})
+        torch.testing.assert_close(log_probs(only, tokens), expected, atol=ATOL, rtol=0, msg=lambda s: f"{step}: {s}")
+
+
+def test_layers_without_biases_get_the_folded_norm_bias():
+    """A LayerNorm model without any linear bias (and a pruned layer without heads): folding a norm's
+    bias needs a bias in the layer that reads it, so one is added."""
+    cfg = DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, qkv_bias=False, out_bias=False,
+                        mlp_bias=False, heads_per_layer=(3, 0))
+    torch.manual_seed(0)
+    model = HookedDecoder(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".w", ".b")):
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith(".w") else 0.0))
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    processed = process_weights(model)
+    torch.testing.assert_close(log_probs(processed, tokens), log_probs(model, tokens), atol=ATOL, rtol=0)
+    assert processed.cfg.qkv_bias and processed.cfg.mlp_bias and not model.cfg.qkv_bias
+
+
+def test_rms_models_fold_but_cannot_centre(tmp_path):
+    """Llama's RMSNorm does not subtract the mean, so centring would change its outputs."""
+    from test_variants import build
+
+    hf = build("llama", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="center_writing_weights=False"):
+        process_weights(model)
+    processed = process_weights(model, center_writing_weights=False)
+    with torch.no_grad():
+        expected = hf(tokens).logits.log_softmax(-1)
+    torch.testing.assert_close(log_probs(processed, tokens), expected, atol=ATOL, rtol=0)
+    assert all(torch.equal(b.ln1.w, torch.ones_like(b.ln1.w)) for b in processed.blocks)
+
+
+def test_post_norm_models_are_refused(tmp_path):
+    from test_variants import build
+
+    build("gpt1", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="pre-norm"):
+        process_weights(model)
+
+
+def test_a_processed_model_says_why_it_cannot_be_saved(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="unembedding bias"):
+        process_weights(tiny_model).save_pretrained(tmp_path / "processed")
+    assert not (tmp_path / "processed").exists()
