@@ -2,10 +2,11 @@
 from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.model import Block, HookedDecoder, PostNormBlock, PreNormBlock
+from probe.names import act_name
 from probe.processing import process_weights
 from probe.tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "HookedDecoder", "Norm",
-    "NormPlacement", "Positions", "PostNormBlock", "PreNormBlock", "Tokenizer", "process_weights",
+    "NormPlacement", "Positions", "PostNormBlock", "PreNormBlock", "Tokenizer", "act_name", "process_weights",
 ]

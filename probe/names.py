@@ -1,0 +1,53 @@
+"""Hook names from short kinds, as transformer-lens's `get_act_name` spells them:
+`act_name("pattern", 3)` is "blocks.3.attn.hook_pattern"."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+# kind -> where it lives inside block l ("" is the block itself)
+_BLOCK_KINDS = {
+    "resid_pre": "", "resid_mid": "", "resid_post": "", "attn_out": "", "mlp_out": "",
+    "q": "attn", "k": "attn", "v": "attn", "rot_q": "attn", "rot_k": "attn", "attn_scores": "attn",
+    "pattern": "attn", "z": "attn", "result": "attn",
+    "pre": "mlp", "post": "mlp", "pre_linear": "mlp",
+}
+_ALIASES = {"attn": "pattern", "scores": "attn_scores", "mlp_pre": "pre", "mlp_post": "post"}
+_NORM_KINDS = ("scale", "normalized")
+_TOP_KINDS = ("embed", "pos_embed")
+
+
+def act_name(kind: str, layer: Optional[int] = None, norm: Optional[Literal["ln1", "ln2"]] = None) -> str:
+    """The hook name of `kind` in block `layer`.
+
+    kinds: resid_pre resid_mid resid_post attn_out mlp_out; q k v rot_q rot_k attn_scores (scores)
+    pattern (attn) z result; pre (mlp_pre) post (mlp_post) pre_linear; scale normalized (of `norm`
+    ln1/ln2 in block `layer`, or of ln_final without a layer); embed pos_embed (no layer).
+    The name is only built here: the model's `hook_point(name)` says whether this model has it.
+    """
+    kind = _ALIASES.get(kind, kind)
+    if kind in _TOP_KINDS:
+        if layer is not None or norm is not None:
+            raise ValueError(f"{kind!r} is not inside a block; call act_name({kind!r}) without a layer")
+        return f"hook_{kind}"
+    if kind in _NORM_KINDS:
+        if layer is None and norm is None:
+            return f"ln_final.hook_{kind}"
+        if layer is None or norm not in ("ln1", "ln2"):
+            raise ValueError(f"{kind!r} of a block's norm needs a layer and norm='ln1' or 'ln2' "
+                             f"(got layer={layer!r}, norm={norm!r}); without either it is ln_final's")
+        return f"blocks.{_layer(layer)}.{norm}.hook_{kind}"
+    if kind not in _BLOCK_KINDS:
+        valid = sorted(set(_BLOCK_KINDS) | set(_ALIASES) | set(_NORM_KINDS) | set(_TOP_KINDS))
+        raise ValueError(f"unknown activation kind {kind!r}; choose one of: {', '.join(valid)}")
+    if layer is None:
+        raise ValueError(f"{kind!r} is inside a block: give its layer, e.g. act_name({kind!r}, 0)")
+    if norm is not None:
+        raise ValueError(f"norm={norm!r} only applies to 'scale' and 'normalized'")
+    where = _BLOCK_KINDS[kind]
+    return f"blocks.{_layer(layer)}.{where + '.' if where else ''}hook_{kind}"
+
+
+def _layer(layer) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer must be a non-negative int, got {layer!r}")
+    return layer

@@ -1,0 +1,51 @@
+"""probe.act_name: short kinds to hook names, the names the model really has and transformer-lens spells."""
+from __future__ import annotations
+
+import pytest
+
+from probe import act_name
+
+BLOCK_KINDS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "attn_scores", "pattern",
+               "attn", "z", "result", "pre", "mlp_pre", "post", "mlp_post"]
+
+
+def test_every_kind_names_a_hook_point_of_the_model(tiny_model):
+    names = set(tiny_model.hook_names)
+    for layer in range(tiny_model.cfg.n_layers):
+        for kind in BLOCK_KINDS:
+            assert act_name(kind, layer) in names, kind
+        for norm in ("ln1", "ln2"):
+            assert act_name("scale", layer, norm) in names and act_name("normalized", layer, norm) in names
+    assert {act_name("embed"), act_name("pos_embed"), act_name("scale"), act_name("normalized")} <= names
+
+
+def test_rotary_and_gated_kinds_exist_where_the_model_has_them(tmp_path):
+    from probe import HookedDecoder
+    from test_variants import build
+
+    build("llama", tmp_path)
+    names = set(HookedDecoder.from_pretrained(tmp_path).hook_names)
+    assert {act_name("rot_q", 1), act_name("rot_k", 1), act_name("pre_linear", 1)} <= names
+
+
+def test_names_agree_with_transformer_lens():
+    utilities = pytest.importorskip("transformer_lens.utilities")
+    for kind in BLOCK_KINDS + ["rot_q", "rot_k", "pre_linear"]:
+        assert act_name(kind, 3) == utilities.get_act_name(kind, 3), kind
+    assert act_name("scale", 3, "ln1") == utilities.get_act_name("scale", 3, "ln1")
+    assert act_name("normalized", 2, "ln2") == utilities.get_act_name("normalized", 2, "ln2")
+    assert act_name("scale") == utilities.get_act_name("scale")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("resid_pre",), "give its layer"),
+    (("embed", 2), "not inside a block"),
+    (("scale", 2), "norm='ln1' or 'ln2'"),
+    (("pattern", 1, "ln1"), "only applies to"),
+    (("resid_prev", 1), "unknown activation kind 'resid_prev'"),
+    (("z", -1), "non-negative int"),
+    (("z", True), "non-negative int"),
+])
+def test_mistakes_are_named(args, message):
+    with pytest.raises(ValueError, match=message):
+        act_name(*args)
