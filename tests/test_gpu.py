@@ -446,3 +446,48 @@ def test_gradients_match_cpu(dtype, bundled_model):
         for name, grad in got.items():
             cosine = float(F.cosine_similarity(grad.float().cpu().flatten(), expected[name].flatten(), dim=0))
             assert cosine > 0.99, f"{name}: cosine {cosine:.3f} with the CPU float32 gradient"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cached_gradients_and_backward_hooks_match_cpu(dtype, bundled_model):
+    """run_with_cache(grads_of=...) and a backward hook on the device see the CPU float32 gradients."""
+    tokens = heldout_tokens(bundled_model, 2, 64)
+    names = ["blocks.1.hook_resid_pre", "blocks.2.attn.hook_pattern", "blocks.3.mlp.hook_post"]
+
+    def score(logits):
+        return logits[:, :-1].float().log_softmax(-1).gather(-1, tokens[:, 1:, None].to(logits.device)).mean()
+
+    def gradients(model):
+        _, cache = model.run_with_cache(tokens.to(model.device), names=names, grads_of=score)
+        seen = {}
+        with model.hooks(bwd_hooks=[(names, lambda grad, hook: seen.__setitem__(hook.name, grad.detach()))]):
+            torch.autograd.grad(score(model(tokens.to(model.device))), model.embed.W_E)
+        return {n: cache[f"{n}_grad"] for n in names}, seen
+
+    (expected, _), (got, seen) = gradients(bundled_model), gradients(on_device(bundled_model, dtype))
+    for name in names:
+        for found in (got[name], seen[name]):
+            assert found.device.type == torch.device(DEVICE).type, name
+            found, reference = found.float().cpu(), expected[name]
+            if dtype == torch.float32:
+                scale = float(reference.abs().max())
+                torch.testing.assert_close(found, reference, atol=1e-4 * scale, rtol=0, msg=lambda s: f"{name}: {s}")
+            else:
+                cosine = float(F.cosine_similarity(found.flatten(), reference.flatten(), dim=0))
+                assert cosine > 0.99, f"{name}: cosine {cosine:.3f} with the CPU float32 gradient"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_processed_weights_on_the_device_keep_the_log_probs(dtype, bundled_model):
+    from probe import process_weights
+
+    tokens = heldout_tokens(bundled_model, 2, 64)
+    with torch.no_grad():
+        expected = bundled_model(tokens).float().log_softmax(-1)
+        got = process_weights(on_device(bundled_model, dtype))(tokens.to(DEVICE)).float().log_softmax(-1).cpu()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    else:  # bfloat16 rounding of weights that were rewritten in float32: the same error as the unprocessed model's
+        with torch.no_grad():
+            unprocessed = on_device(bundled_model, dtype)(tokens.to(DEVICE)).float().log_softmax(-1).cpu()
+        assert (got - expected).abs().mean() < 2 * (unprocessed - expected).abs().mean() + 1e-3
