@@ -368,9 +368,11 @@ def direct_logit_attribution(
     scale = cache["ln_final.hook_scale"][rows, positions][:, None, :] if frozen else None  # [batch 1 1]
 
     # With its scale frozen at the forward pass's value the final norm is affine, N(x) = L(x) + N(0):
-    # a component's row is L(component), and N(0) (the norm's bias) is a row of its own.
+    # a component's row is L(component), and N(0) (the norm's bias) is a row of its own. In float32
+    # whatever the model's dtype: N(c) - N(0) rounded to bfloat16 would lose a small component's
+    # digits to the bias it cancels (a 1% error), where float32 keeps the forward's own activations exact.
     zero = torch.zeros_like(comps[:, :1])
-    normed = _final_norm(model, torch.cat([comps, zero], dim=1), frozen_scale=scale).float()
+    normed = _final_norm(model, torch.cat([comps, zero], dim=1).float(), frozen_scale=scale).float()
     linear, at_zero = normed[:, :-1] - normed[:, -1:], normed[:, -1]
 
     W_U = model.unembed.W_U.float()

@@ -37,7 +37,8 @@ from probe.io import atomic_file
 Layers = Union[int, Sequence[int], None]
 
 # value_tokens multiplies [neuron d_model] by [d_model vocab] in chunks of at most this many logits,
-# so all 3072 neurons of a GPT-2 layer against a 50k vocabulary never sit in memory at once
+# so all 3072 neurons of a GPT-2 layer against a 50k vocabulary never sit in memory at once (and a
+# half-precision unembedding is converted to float32 at most this many entries at a time)
 _LOGIT_CHUNK = 1 << 24
 
 
@@ -74,14 +75,16 @@ def _neuron_tensor(model: HookedDecoder, neurons: Optional[Sequence[int]]) -> to
 
 
 def _value_directions(model: HookedDecoder, layer: int, neurons: torch.Tensor, through_final_norm: bool) -> torch.Tensor:
-    """[neuron d_model]: the values v_i, or what the final norm does to them as directions: a
+    """[neuron d_model] float32: the values v_i, or what the final norm does to them as directions: a
     LayerNorm centres them and multiplies by its weight, an RMSNorm only multiplies, and a model
     without a final norm leaves them be (the scale is per position and never changes a ranking)."""
-    values = model.blocks[layer].mlp.W_out[neurons.to(model.device)]
+    # float32 whatever the model's dtype: the weights are exact, and bfloat16 arithmetic on them would
+    # round v_i W_U to 8 bits, tying and reordering near-equal tokens (half the neurons' top-10 lists)
+    values = model.blocks[layer].mlp.W_out[neurons.to(model.device)].float()
     if through_final_norm and model.cfg.final_norm:
         if model.cfg.norm is Norm.LAYER:
             values = values - values.mean(-1, keepdim=True)
-        values = values * model.ln_final.w
+        values = values * model.ln_final.w.float()
     return values
 
 
@@ -90,12 +93,18 @@ def _top_value_tokens(
     model: HookedDecoder, layer: int, neurons: torch.Tensor, k: int, through_final_norm: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k and bottom-k of v_i W_U for each neuron: (top_logits, top_ids, bottom_logits, bottom_ids), [neuron k]."""
-    W_U = model.unembed.W_U
-    chunk = max(1, _LOGIT_CHUNK // model.cfg.d_vocab)
+    W_U = model.unembed.W_U  # [d_model vocab]
+    d_model, d_vocab = W_U.shape
+    # float32 like the values: a half-precision W_U is converted a slice of columns at a time, so no
+    # float32 copy of the whole unembedding is ever held (a float32 W_U is used whole, uncopied)
+    cols = d_vocab if W_U.dtype == torch.float32 else max(1, _LOGIT_CHUNK // d_model)
+    chunk = max(1, _LOGIT_CHUNK // d_vocab)
     outs = []
     for start in range(0, len(neurons), chunk):
         values = _value_directions(model, layer, neurons[start:start + chunk], through_final_norm)
-        logits = einsum(values, W_U, "neuron d_model, d_model vocab -> neuron vocab").float()
+        logits = values.new_empty(len(values), d_vocab)  # [neuron vocab]
+        for col in range(0, d_vocab, cols):
+            logits[:, col:col + cols] = einsum(values, W_U[:, col:col + cols].float(), "neuron d_model, d_model vocab -> neuron vocab")
         top = logits.topk(k, dim=-1)
         bottom = logits.topk(k, dim=-1, largest=False)
         outs.append((top.values, top.indices, bottom.values, bottom.indices))
@@ -278,7 +287,7 @@ def memory_lookup(
     logits, cache = model.run_with_cache(tokens, names=names)
     predicted = int(logits[0, position].argmax())
     scale = cache["ln_final.hook_scale"][0, position] if model.cfg.final_norm else torch.ones(1, device=model.device)
-    unembed_predicted = model.unembed.W_U[:, predicted]  # [d_model]
+    unembed_predicted = model.unembed.W_U[:, predicted].float()  # [d_model]
 
     coefficients = torch.stack([cache[f"blocks.{l}.mlp.hook_post"][0, position] for l in layers]).float()
     value_norms = torch.stack([model.blocks[l].mlp.W_out.float().norm(dim=-1) for l in layers])
@@ -286,7 +295,7 @@ def memory_lookup(
     effects, top_ids = [], []
     for li, l in enumerate(layers):
         directions = _value_directions(model, l, neurons[li], through_final_norm=True)
-        effect = coefficients[li, neurons[li]] * (directions @ unembed_predicted).float() / scale.float()
+        effect = coefficients[li, neurons[li]] * (directions @ unembed_predicted) / scale.float()
         effects.append(effect)
         top_ids.append(_top_value_tokens(model, l, neurons[li], n_tokens, through_final_norm)[1])
     top_ids = torch.stack(top_ids)

@@ -213,6 +213,34 @@ def test_post_norm_is_refused():
         direct_logit_attribution(model, torch.tensor([[1, 2, 3]]), 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dla_of_a_half_precision_model_linearises_its_own_activations_exactly(tiny_model, tokens, dtype):
+    """The oracle: the half-precision model's own cached writes and weights, through the frozen final norm
+    in float64. Rounding N(c) and N(0) to bfloat16 before their difference would cost small rows ~1%."""
+    import copy
+
+    model = copy.deepcopy(tiny_model).to(dtype)
+    answer, counterfactual = 33, 90
+    result = direct_logit_attribution(model, tokens, answer, counterfactual)
+    names = ["hook_embed", "hook_pos_embed", "ln_final.hook_scale"]
+    names += [f"blocks.{l}.{n}" for l in range(model.cfg.n_layers) for n in ("attn.hook_result", "hook_mlp_out")]
+    _, cache = model.run_with_cache(tokens, names=names)
+    rows = [cache["hook_embed"][:, -1], cache["hook_pos_embed"][:, -1]]
+    for layer, block in enumerate(model.blocks):
+        rows += list(cache[f"blocks.{layer}.attn.hook_result"][:, -1].unbind(1))  # one per head
+        rows += [block.attn.b_O.detach().expand_as(rows[0]), cache[f"blocks.{layer}.hook_mlp_out"][:, -1]]
+    writes = torch.stack(rows, dim=1).double()  # [batch component d_model]
+    scale = cache["ln_final.hook_scale"][:, -1].double()[:, None]  # [batch 1 1]
+    W_U = model.unembed.weight.detach().double()
+    direction = (W_U[answer] - W_U[counterfactual]) * model.ln_final.w.detach().double()
+    expected = ((writes - writes.mean(-1, keepdim=True)) / scale) @ direction
+    assert len(result.index.names) == expected.shape[1]
+    bound = 1e-5 * float(expected.abs().max())
+    torch.testing.assert_close(result.contributions.double(), expected, atol=bound, rtol=0)
+    ln_bias = model.ln_final.b.detach().double() @ (W_U[answer] - W_U[counterfactual])
+    torch.testing.assert_close(result.ln_bias.double(), ln_bias.expand(tokens.shape[0]), atol=bound, rtol=0)
+
+
 def test_bundled_model_dla_adds_up(bundled_model):
     result = direct_logit_attribution(bundled_model, ["ROMEO: What light through yonder", "KING: My lord, I"],
                                       answer=5, counterfactual=9)

@@ -5,6 +5,7 @@ activation and output) and its raw weights, and a brute-force scan that keeps ev
 """
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -92,6 +93,48 @@ def test_value_tokens_equal_topk_of_values_times_unembedding(tiny_model, tiny_hf
     fig = result.figure()
     cells = [cell for row in fig.data[0].text for cell in row]
     assert cells == [escape_token(t) for strings in result.token_strings for t in strings[:k]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("through_final_norm", [False, True])
+def test_value_tokens_of_a_half_precision_model_rank_its_weights_exactly(tiny_model, dtype, through_final_norm,
+                                                                        monkeypatch):
+    """The oracle is float64 arithmetic on the half-precision model's own weights: the ranking is a
+    property of those weights, and rounding v W_U to 8 bits (bfloat16) ties and reorders near-equal tokens."""
+    from analyses import memories
+
+    # a small budget: several chunks of neurons, and the unembedding converted in slices of 100 columns
+    monkeypatch.setattr(memories, "_LOGIT_CHUNK", tiny_model.cfg.d_model * 100)
+    model = copy.deepcopy(tiny_model).to(dtype)
+    layer, k = 1, 10
+    values = model.blocks[layer].mlp.W_out.detach().double()  # [d_mlp d_model]
+    if through_final_norm:
+        values = (values - values.mean(-1, keepdim=True)) * model.ln_final.w.detach().double()
+    logits = values @ model.unembed.weight.detach().double().T  # [d_mlp vocab]
+    result = value_tokens(model, layer, k=k, through_final_norm=through_final_norm)
+    assert result.top_logits.dtype == torch.float32
+    for ids, got, largest in ((result.top_ids, result.top_logits, True), (result.bottom_ids, result.bottom_logits, False)):
+        # the exact logits of the tokens chosen are the k most extreme, in order, up to float32 rounding
+        # (ids alone could differ where two tokens' logits agree to float32 precision)
+        chosen = logits.gather(-1, ids)
+        torch.testing.assert_close(chosen, logits.topk(k, dim=-1, largest=largest).values, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(got.double(), chosen, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_memory_lookup_effect_of_a_half_precision_model_adds_no_rounding(tiny_model, dtype):
+    """The direct effect from the model's own half-precision coefficients and weights, in float64."""
+    model = copy.deepcopy(tiny_model).to(dtype)
+    text, position = "To be, or not to be, that is the question", 6
+    result = memory_lookup(model, text, position, k=20)
+    _, cache = model.run_with_cache(model.to_tokens(text), names=["blocks.1.mlp.hook_post", "ln_final.hook_scale"])
+    neurons = result.neurons[1]
+    values = model.blocks[1].mlp.W_out.detach().double()[neurons]
+    direction = (values - values.mean(-1, keepdim=True)) * model.ln_final.w.detach().double()
+    unembed = model.unembed.weight.detach().double()[result.predicted_token]
+    scale = cache["ln_final.hook_scale"][0, position].double()
+    effect = cache["blocks.1.mlp.hook_post"][0, position, neurons].double() * (direction @ unembed) / scale
+    torch.testing.assert_close(result.prediction_effect[1].double(), effect, rtol=1e-5, atol=1e-7)
 
 
 def test_value_tokens_all_neurons_and_bad_arguments(tiny_model, tiny_hf):

@@ -166,6 +166,12 @@ def test_bad_requests_are_explained(tiny_model, prompts, metric):
         patch(tiny_model, clean, corrupted[:, :-1], metric)
     with pytest.raises(ValueError, match="nothing to recover"):
         patch(tiny_model, clean, clean, metric)
+    with pytest.raises(ValueError, match="nothing to recover"):
+        patch(tiny_model, clean, clean, lambda logits, tokens, mask: torch.zeros(logits.shape[0]))
+    tiny = lambda logits, tokens, mask: 1e-6 * metric(logits, tokens, mask)  # noqa: E731  small, and still moving
+    result = patch(tiny_model, clean, corrupted, tiny, sites="resid_pre")
+    reference = patch(tiny_model, clean, corrupted, metric, sites="resid_pre")
+    torch.testing.assert_close(result.recovered, reference.recovered, atol=1e-3, rtol=0)
     with pytest.raises(ValueError, match="head="):
         patch(tiny_model, clean, corrupted, metric, sites=[Site("mlp_out", 0, head=1)])
     with pytest.raises(ValueError, match="not a sweep"):
