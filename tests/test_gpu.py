@@ -19,8 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from analyses import (attribution_patch, direct_logit_attribution, head_ablation_effects, head_importance,
-                      head_scores, logit_diff_metric, logit_lens, patch, train_tuned_lens)
+from analyses import (ablate_heads, attention_patterns, attribution_patch, direct_logit_attribution,
+                      head_ablation_effects, head_importance, head_scores, logit_diff_metric, logit_lens,
+                      memory_lookup, patch, prune_heads, residual_decomposition, top_triggers, train_tuned_lens,
+                      value_tokens)
 from probe import DEFAULT_MODEL, HELDOUT_TEXT, HookedDecoder
 from probe.kv_cache import KVCache
 
@@ -371,6 +373,37 @@ def cpu_tuned_lens(model):
     return _LENSES["lens"]
 
 
+def run_residual_decomposition(model):
+    result = residual_decomposition(model, PROMPTS)
+    return {"components": result.components.float().cpu()[result.mask.cpu()]}  # [real-token component d_model]
+
+
+def run_attention_patterns(model):
+    return {"pattern": attention_patterns(model, PROMPTS[0]).pattern}
+
+
+def run_ablate_heads_mean_and_resample(model):
+    tokens = heldout_tokens(model, 3, 24)
+    reference = heldout_tokens(model, 6, 24).flip(0)
+    return {method: ablate_heads(model, tokens, [(1, 2), (2, 0)], method=method, reference=reference, seed=3)[:, -1]
+            for method in ("mean", "resample")}
+
+
+def run_memories(model):
+    values = value_tokens(model, 2, neurons=list(range(32)), k=5, through_final_norm=True)
+    lookup = memory_lookup(model, PROMPTS[0], layer=3, k=8)
+    triggers = top_triggers(model, [PROMPTS[1] * 3, PROMPTS[2] * 3], layers=[1], neurons=list(range(64)), k=4,
+                            batch_size=2, progress=False)
+    return {"value_logits": values.top_logits, "lookup_sizes": lookup.sizes, "lookup_effect": lookup.prediction_effect,
+            "trigger_activations": triggers.activations}
+
+
+def run_pruned_forward(model):
+    pruned = prune_heads(model, [(0, 1), (2, 3), (2, 4), (3, 0)])
+    with torch.no_grad():
+        return {"logits": pruned(heldout_tokens(model, 2, 32).to(model.device))[:, -4:]}
+
+
 ANALYSES = {
     "logit_lens": run_logit_lens,
     "tuned_lens": run_tuned_lens,
@@ -380,6 +413,11 @@ ANALYSES = {
     "attribution_patch": run_attribution_patch,
     "head_scores": run_head_scores,
     "head_importance": run_head_importance,
+    "residual_decomposition": run_residual_decomposition,
+    "attention_patterns": run_attention_patterns,
+    "ablate_heads_mean_and_resample": run_ablate_heads_mean_and_resample,
+    "memories": run_memories,
+    "pruned_forward": run_pruned_forward,
 }
 
 
