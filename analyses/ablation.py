@@ -20,6 +20,7 @@ from einops import einsum
 from analyses.common import AnalysisInput, check_id_tensor, is_int, resolve_positions, tokens_and_mask
 from analyses.common import model_mask as _model_mask
 from probe import HookedDecoder
+from probe.names import act_name
 
 Metric = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 AblationMethod = Literal["zero", "mean", "resample"]
@@ -144,7 +145,7 @@ def _replacements(
             f"the reference has {ref_tokens.shape[1]} positions but the input has {n}; ablations replace each "
             "position with the reference's at the same position, so give a reference at least as long"
         )
-    names = [f"blocks.{l}.attn.hook_z" for l in layers]
+    names = [act_name("z", l) for l in layers]
     _, cache = model.run_with_cache(ref_tokens, attention_mask=_model_mask(ref_mask), names=names)
     ref_mask = ref_mask[:, :n].to(torch.float32)
     out = {}
@@ -199,7 +200,7 @@ def ablate_heads(
         chosen[[h for l, h in heads if l == layer]] = True
         return torch.where(chosen[:, None], repl[layer].to(z.dtype), z)
 
-    hooks = [(f"blocks.{l}.attn.hook_z", lambda z, hook, l=l: ablate(z, hook, l)) for l in layers]
+    hooks = [(act_name("z", l), lambda z, hook, l=l: ablate(z, hook, l)) for l in layers]
     return model.run_with_hooks(tokens, attention_mask=_model_mask(mask), fwd_hooks=hooks)
 
 
@@ -283,7 +284,7 @@ def head_ablation_effects(
     batch, n = tokens.shape
     n_layer, n_head = model.cfg.n_layers, model.cfg.n_heads
     repl = _replacements(model, method, tokens, mask, range(n_layer), reference, seed)
-    names = [f"blocks.{l}.hook_resid_pre" for l in range(1, n_layer)]
+    names = [act_name("resid_pre", l) for l in range(1, n_layer)]
     logits, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask), names=names)
     baseline = evaluate_metric(metric, logits, tokens, mask).cpu()
     del logits
@@ -291,7 +292,7 @@ def head_ablation_effects(
     copies = max(1, _rows_per_forward(model, n, max_rows) // batch)  # ablations per forward
     per_prompt = torch.full((n_layer, n_head, batch), float("nan"))  # NaN stays where pruning removed a head
     for layer in range(n_layer):
-        start = tokens if layer == 0 else cache[f"blocks.{layer}.hook_resid_pre"]
+        start = tokens if layer == 0 else cache[act_name("resid_pre", layer)]
         layer_heads = model.cfg.layer_heads(layer)
         eye = torch.eye(layer_heads, dtype=torch.bool, device=model.device)
         for first in range(0, layer_heads, copies):
@@ -306,7 +307,7 @@ def head_ablation_effects(
             stacked_mask = mask.repeat(k, 1)
             logits = model.run_with_hooks(
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
-                start_at_layer=layer, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", ablate)],
+                start_at_layer=layer, fwd_hooks=[(act_name("z", layer), ablate)],
             )
             values = evaluate_metric(metric, logits, tokens.repeat(k, 1), stacked_mask)
             per_prompt[layer, first: first + k] = values.view(k, batch).cpu()

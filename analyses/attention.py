@@ -14,6 +14,7 @@ from plotly.subplots import make_subplots
 
 from analyses.common import AnalysisInput, as_tokens, token_labels, token_strings
 from probe import HookedDecoder
+from probe.names import act_name
 
 # Beyond this many tokens the tick labels of a single-head heatmap would overprint even in a
 # figure that grows with the prompt; the hover still names both tokens.
@@ -196,7 +197,7 @@ def attention_patterns(
         raise ValueError(
             f"attention_patterns shows one prompt, got a batch of {tokens.shape[0]}; pass tokens[i] for the one you want"
         )
-    names = [f"blocks.{l}.attn.hook_pattern" for l in layers]
+    names = [act_name("pattern", l) for l in layers]
     _, cache = model.run_with_cache(tokens, names=names, device="cpu", dtype=torch.float32)
     n = tokens.shape[1]
     # NaN marks heads a (structurally pruned) layer does not have

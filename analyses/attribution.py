@@ -22,6 +22,7 @@ from analyses.lens import (
     single_token_id, site_label, tokens_and_mask,
 )
 from probe import HookedDecoder
+from probe.names import act_name
 
 TokenSpec = Union[int, str, Sequence[Union[int, str]], torch.Tensor]
 
@@ -94,17 +95,17 @@ def _stack_components(model: HookedDecoder, cache, positions: Optional[torch.Ten
     if _has_pos_embed(model):
         parts.append(pick(cache["hook_pos_embed"]).unsqueeze(-2))
     for layer, block in enumerate(model.blocks):
-        parts.append(pick(cache[f"blocks.{layer}.attn.hook_result"]))  # [batch (pos) head d_model]
+        parts.append(pick(cache[act_name("result", layer)]))  # [batch (pos) head d_model]
         if block.attn.b_O is not None:
             parts.append(block.attn.b_O.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2))
-        parts.append(pick(cache[f"blocks.{layer}.hook_mlp_out"]).unsqueeze(-2))
+        parts.append(pick(cache[act_name("mlp_out", layer)]).unsqueeze(-2))
     return torch.cat(parts, dim=-2)
 
 
 def _component_hooks(model: HookedDecoder) -> list[str]:
     names = ["hook_embed"] + (["hook_pos_embed"] if _has_pos_embed(model) else [])
     for layer in range(model.cfg.n_layers):
-        names += [f"blocks.{layer}.attn.hook_result", f"blocks.{layer}.hook_mlp_out"]
+        names += [act_name("result", layer), act_name("mlp_out", layer)]
     return names
 
 

@@ -11,6 +11,7 @@ from einops import einsum
 
 from analyses.common import AnalysisInput
 from probe import HookedDecoder
+from probe.names import act_name
 
 HeadKind = Literal["previous_token", "first_token", "duplicate_token", "induction"]
 
@@ -150,7 +151,7 @@ def head_scores(
 
         model.run_with_hooks(chunk, attention_mask=chunk_mask, fwd_hooks=[(lambda name: name.endswith("attn.hook_pattern"), score)])
         for layer in range(model.cfg.n_layers):  # layers may have different head counts after pruning
-            layer_hits = store[f"blocks.{layer}.attn.hook_pattern"]
+            layer_hits = store[act_name("pattern", layer)]
             hit[layer, : len(layer_hits)] += layer_hits
     if n_queries == 0:
         raise ValueError(f"no query in the input has a {kind} target ({DESCRIPTIONS[kind]}); use longer or repeated text")

@@ -27,6 +27,7 @@ from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int
 from analyses.common import resolve_positions as _resolve_positions
 from probe.io import atomic_directory
 from probe import HELDOUT_TEXT, HookedDecoder
+from probe.names import act_name
 
 NormMode = Literal["recompute", "frozen"]
 TargetSpec = Union[None, int, str, torch.Tensor]
@@ -38,8 +39,8 @@ def lens_sites(n_layers: int, include_mid: bool = False) -> list[str]:
     sites = ["blocks.0.hook_resid_pre"]
     for layer in range(n_layers):
         if include_mid:
-            sites.append(f"blocks.{layer}.hook_resid_mid")
-        sites.append(f"blocks.{layer}.hook_resid_post")
+            sites.append(act_name("resid_mid", layer))
+        sites.append(act_name("resid_post", layer))
     return sites
 
 

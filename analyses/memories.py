@@ -33,6 +33,7 @@ from analyses.common import AnalysisInput, as_tokens, escape_token, token_string
 from analyses.corpus import Corpus, _encode_document, _iter_document_pieces, iter_documents
 from probe import HookedDecoder, Norm
 from probe.io import atomic_file
+from probe.names import act_name
 
 Layers = Union[int, Sequence[int], None]
 
@@ -283,13 +284,13 @@ def memory_lookup(
     layers = _layer_list(model, layer)
     if not isinstance(k, int) or not 0 < k <= model.cfg.d_mlp:
         raise ValueError(f"k={k!r} must be an integer in [1, d_mlp={model.cfg.d_mlp}]")
-    names = [f"blocks.{l}.mlp.hook_post" for l in layers] + (["ln_final.hook_scale"] if model.cfg.final_norm else [])
+    names = [act_name("post", l) for l in layers] + (["ln_final.hook_scale"] if model.cfg.final_norm else [])
     logits, cache = model.run_with_cache(tokens, names=names)
     predicted = int(logits[0, position].argmax())
     scale = cache["ln_final.hook_scale"][0, position] if model.cfg.final_norm else torch.ones(1, device=model.device)
     unembed_predicted = model.unembed.W_U[:, predicted].float()  # [d_model]
 
-    coefficients = torch.stack([cache[f"blocks.{l}.mlp.hook_post"][0, position] for l in layers]).float()
+    coefficients = torch.stack([cache[act_name("post", l)][0, position] for l in layers]).float()
     value_norms = torch.stack([model.blocks[l].mlp.W_out.float().norm(dim=-1) for l in layers])
     sizes, neurons = (coefficients.abs() * value_norms).topk(k, dim=-1)
     effects, top_ids = [], []
@@ -507,7 +508,7 @@ class _Scanner:
         self.layer_states = self.staged
 
     def hooks(self):
-        return [(f"blocks.{l}.mlp.hook_post", self._hook(li)) for li, l in enumerate(self.layers)]
+        return [(act_name("post", l), self._hook(li)) for li, l in enumerate(self.layers)]
 
     def _hook(self, li: int):
         def fold(post: torch.Tensor, hook) -> None:

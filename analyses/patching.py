@@ -20,14 +20,11 @@ from analyses.ablation import Metric, _model_mask, _rows_per_forward, evaluate_m
 from analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
 from analyses.common import AnalysisInput, token_labels, token_strings
 from probe import HookedDecoder
+from probe.names import act_name
 
 Activation = Literal["z", "resid_pre", "attn_out", "mlp_out"]
-HOOKS = {
-    "z": "blocks.{layer}.attn.hook_z",  # [batch pos head d_head]
-    "resid_pre": "blocks.{layer}.hook_resid_pre",  # [batch pos d_model]
-    "attn_out": "blocks.{layer}.hook_attn_out",
-    "mlp_out": "blocks.{layer}.hook_mlp_out",
-}
+# z: [batch pos head d_head]; the others: [batch pos d_model]
+ACTIVATIONS = ("z", "resid_pre", "attn_out", "mlp_out")
 SWEEPS = ("heads", "resid_pre", "attn_out", "mlp_out")
 
 
@@ -43,7 +40,7 @@ class Site:
 
     @property
     def hook_name(self) -> str:
-        return HOOKS[self.act].format(layer=self.layer)
+        return act_name(self.act, self.layer)
 
     @property
     def label(self) -> str:
@@ -54,8 +51,8 @@ class Site:
     def check(self, model: HookedDecoder, n_pos: int) -> None:
         cfg = model.cfg
         problems = []
-        if self.act not in HOOKS:
-            problems.append(f"act={self.act!r} is not one of {', '.join(HOOKS)}")
+        if self.act not in ACTIVATIONS:
+            problems.append(f"act={self.act!r} is not one of {', '.join(ACTIVATIONS)}")
         if not (isinstance(self.layer, int) and 0 <= self.layer < cfg.n_layers):
             problems.append(f"layer={self.layer!r} is outside [0, {cfg.n_layers})")
         heads = cfg.layer_heads(self.layer) if not problems else cfg.n_heads
@@ -72,7 +69,7 @@ def sweep_sites(model: HookedDecoder, sweep: str, n_pos: int) -> list[Site]:
     layers = range(model.cfg.n_layers)
     if sweep == "heads":
         return [Site("z", l, head=h) for l in layers for h in range(model.cfg.layer_heads(l))]
-    if sweep in HOOKS and sweep != "z":
+    if sweep in ACTIVATIONS and sweep != "z":
         return [Site(sweep, l, pos=p) for l in layers for p in range(n_pos)]
     raise ValueError(f"sites={sweep!r} is not a sweep; choose one of {', '.join(SWEEPS)}, or give a list of Site")
 
@@ -264,14 +261,14 @@ def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
     batch, n = tokens.shape
     layers = sorted({s.layer for s in sites if s.layer > 0})
     logits, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask),
-                                         names=[f"blocks.{l}.hook_resid_pre" for l in layers])
+                                         names=[act_name("resid_pre", l) for l in layers])
     corrupted_value = float(evaluate_metric(metric, logits, tokens, mask).mean())
     del logits
     copies = max(1, _rows_per_forward(model, n, max_rows) // batch)
     patched = torch.empty(len(sites))
     for members, layer, act in _groups(sites):
-        start = tokens if layer == 0 else cache[f"blocks.{layer}.hook_resid_pre"]
-        clean_act = clean_cache[HOOKS[act].format(layer=layer)]
+        start = tokens if layer == 0 else cache[act_name("resid_pre", layer)]
+        clean_act = clean_cache[act_name(act, layer)]
         for first in range(0, len(members), copies):
             chunk = members[first: first + copies]
             k = len(chunk)
@@ -284,7 +281,7 @@ def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
             stacked_mask = mask.repeat(k, 1)
             logits = model.run_with_hooks(
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
-                start_at_layer=layer, fwd_hooks=[(HOOKS[act].format(layer=layer), swap)],
+                start_at_layer=layer, fwd_hooks=[(act_name(act, layer), swap)],
             )
             values = evaluate_metric(metric, logits, tokens.repeat(k, 1), stacked_mask).view(k, batch).mean(dim=1)
             patched[chunk] = values.cpu()
@@ -308,7 +305,7 @@ def _attribution(model, tokens, mask, metric, sites, clean_cache):
     corrupted_value = float(value.detach())
     estimate = torch.empty(len(sites))
     for members, layer, act in _groups(sites):
-        name = HOOKS[act].format(layer=layer)
+        name = act_name(act, layer)
         # d metric ~ sum over the patched elements of (clean - corrupted) * gradient, summed over the batch
         contribution = ((clean_cache[name] - acts[name].detach()) * grads[name]).sum(dim=(0, -1))  # [pos (head)]
         masks = _site_masks([sites[i] for i in members], tokens.shape[1], model.cfg.layer_heads(layer), tokens.device)

@@ -37,6 +37,7 @@ from plotly.subplots import make_subplots
 from analyses.corpus import _encode_document, _iter_document_pieces
 from probe import HELDOUT_TEXT, HookedDecoder
 from probe.io import atomic_directory
+from probe.names import act_name
 
 Metric = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 PruningData = Union[None, str, os.PathLike, Sequence[str], torch.Tensor, Iterable[torch.Tensor]]
@@ -178,7 +179,7 @@ def _gate_hooks(model: HookedDecoder, xi: torch.Tensor) -> list:
             return z * rearrange(g, "head -> 1 1 head 1")
         return z * rearrange(g, "batch head -> batch 1 head 1")
 
-    return [(f"blocks.{l}.attn.hook_z", lambda z, hook, l=l: gate(z, hook, l)) for l in range(model.cfg.n_layers)]
+    return [(act_name("z", l), lambda z, hook, l=l: gate(z, hook, l)) for l in range(model.cfg.n_layers)]
 
 
 def _lm_loss(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
