@@ -65,7 +65,12 @@ class HookPoint(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for fn in [handle.fn for handle in self._fns]:
             x = self._apply_hook(fn, x, "activation")
-        if self._bwd_fns and x.requires_grad:
+        if self._bwd_fns and x.requires_grad and torch.is_grad_enabled():
+            # Hook a fresh autograd node, not x itself: the same tensor often passes two points
+            # (resid_post of block l is resid_pre of block l+1), and hooks on one tensor run in the
+            # order they were registered, so the earlier point would see the gradient before the
+            # later point's hook could replace it. It also keeps hooks off the caller's leaf tensors.
+            x = x.view_as(x)
             x.register_hook(partial(self._backward, list(self._bwd_fns)))
         return x
 
@@ -101,6 +106,13 @@ class HookPoint(nn.Module):
             # -inf stays allowed: masking attention scores by hook is a legitimate edit
             raise ValueError(f"hook on {self.name!r} returned a tensor containing NaN")
         return out
+
+    def __getstate__(self) -> dict:
+        # hooks belong to the call or `with` block that attached them: a copy of the model
+        # (copy.deepcopy inside a block, process_weights) must not keep them after the block ends
+        state = self.__dict__.copy()
+        state["_fns"], state["_bwd_fns"] = [], []
+        return state
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}"

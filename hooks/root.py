@@ -118,7 +118,8 @@ class HookedRootModule(nn.Module):
 
         `grads_of(output) -> scalar` also caches the gradient of that scalar with respect to each
         stored activation, under `name + "_grad"` (transformer-lens's key). The gradients come from
-        `torch.autograd.grad`, so the parameters' `.grad` are left alone and frozen weights work too.
+        `torch.autograd.grad`, so the parameters' `.grad` are left alone and frozen weights work too;
+        that uses up the graph, so the output comes back detached.
         """
         store: dict[str, torch.Tensor] = {}
         live: dict[str, torch.Tensor] = {}  # with grads_of: the activations themselves, in the graph
@@ -134,6 +135,10 @@ class HookedRootModule(nn.Module):
             live[hook.name] = activation.detach().requires_grad_(True)
             return live[hook.name]
 
+        if grads_of is not None and torch.is_inference_mode_enabled():
+            # enable_grad cannot reach out of inference mode: the scalar would have no graph
+            raise RuntimeError("run_with_cache(grads_of=...) needs autograd, which torch.inference_mode() turns off; "
+                               "call it outside the inference_mode block (torch.no_grad() around it is fine)")
         selected = self.select_hook_names(names)
         limit = self.max_cache_bytes if max_cache_bytes is None else max_cache_bytes
         estimate = self.estimate_cache_bytes(selected, dtype, *args, **kwargs)
@@ -159,6 +164,12 @@ class HookedRootModule(nn.Module):
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"grads_of must return a scalar tensor to differentiate (e.g. a mean), got {got}")
+        if not live:  # nothing selected was reached: no activations, so no gradients either
+            return out.detach() if isinstance(out, torch.Tensor) else out
+        if not value.requires_grad:
+            raise ValueError("grads_of returned a scalar that depends on no cached activation (it has no autograd "
+                             "graph); compute it from the output with differentiable operations, not .detach(), "
+                             ".item() or argmax")
         names = list(live)
         grads = torch.autograd.grad(value.squeeze(), [live[n] for n in names], allow_unused=True)
         for name, grad in zip(names, grads):

@@ -2,6 +2,7 @@
 `act_name("pattern", 3)` is "blocks.3.attn.hook_pattern"."""
 from __future__ import annotations
 
+import operator
 from typing import Literal, Optional
 
 # kind -> where it lives inside block l ("" is the block itself)
@@ -11,7 +12,8 @@ _BLOCK_KINDS = {
     "pattern": "attn", "z": "attn", "result": "attn",
     "pre": "mlp", "post": "mlp", "pre_linear": "mlp",
 }
-_ALIASES = {"attn": "pattern", "scores": "attn_scores", "mlp_pre": "pre", "mlp_post": "post"}
+_ALIASES = {"attn": "pattern", "scores": "attn_scores", "attn_logits": "attn_scores", "query": "q", "key": "k",
+            "value": "v", "mlp_pre": "pre", "mlp_post": "post"}
 _NORM_KINDS = ("scale", "normalized")
 _TOP_KINDS = ("embed", "pos_embed")
 
@@ -19,9 +21,10 @@ _TOP_KINDS = ("embed", "pos_embed")
 def act_name(kind: str, layer: Optional[int] = None, norm: Optional[Literal["ln1", "ln2"]] = None) -> str:
     """The hook name of `kind` in block `layer`.
 
-    kinds: resid_pre resid_mid resid_post attn_out mlp_out; q k v rot_q rot_k attn_scores (scores)
-    pattern (attn) z result; pre (mlp_pre) post (mlp_post) pre_linear; scale normalized (of `norm`
-    ln1/ln2 in block `layer`, or of ln_final without a layer); embed pos_embed (no layer).
+    kinds: resid_pre resid_mid resid_post attn_out mlp_out; q (query) k (key) v (value) rot_q rot_k
+    attn_scores (scores, attn_logits) pattern (attn) z result; pre (mlp_pre) post (mlp_post)
+    pre_linear; scale normalized (of `norm` ln1/ln2 in block `layer`, or of ln_final without a
+    layer); embed pos_embed (no layer).
     The name is only built here: the model's `hook_point(name)` says whether this model has it.
     """
     kind = _ALIASES.get(kind, kind)
@@ -48,6 +51,12 @@ def act_name(kind: str, layer: Optional[int] = None, norm: Optional[Literal["ln1
 
 
 def _layer(layer) -> int:
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+    # operator.index accepts what indexes like an int (numpy integers, 0-d integer tensors), so a
+    # layer from np.argmax or tensor.argmax() gives "blocks.3", not "blocks.tensor(3)"
+    try:
+        index = None if isinstance(layer, bool) else operator.index(layer)
+    except TypeError:
+        index = None
+    if index is None or index < 0:
         raise ValueError(f"layer must be a non-negative int, got {layer!r}")
-    return layer
+    return index

@@ -4,9 +4,10 @@ more simply, leaving what the model computes unchanged.
 - `fold_ln`: each norm's weight (and bias) moves into the layer that reads the norm's output, so
   the norm only normalises (w = 1, b = 0) and `hook_normalized` is exactly what that layer reads.
 - `center_writing_weights`: everything that writes into the residual stream (embeddings, attention
-  and MLP outputs) writes a mean-zero vector. Every reader of the residual is a LayerNorm, which
-  subtracts the mean first, so nothing downstream changes, while the residual itself (and so each
-  component's direct contribution) loses a direction no reader can see.
+  and MLP outputs) writes a mean-zero vector (fixed sinusoidal positions are not weights and keep
+  their mean). Every reader of the residual is a LayerNorm, which subtracts the mean first, so
+  nothing downstream changes, while the residual itself (and so each component's direct
+  contribution) loses a direction no reader can see.
 - `center_unembed`: each position's logits lose their mean over the vocabulary; probabilities, log-
   probabilities and logit differences are unchanged.
 - `fold_value_biases`: the value bias moves into the output bias. Each query's attention weights
@@ -89,15 +90,37 @@ def _fold_norm_into(norm: nn.Module, readers: list[nn.Module], model: HookedDeco
     for reader in readers:
         weight = reader.weight.float()  # [out in]
         if b is not None and bool(b.any()):
-            shift = weight @ b
             if reader.bias is None:  # the folded norm bias needs somewhere to live
-                reader.bias = nn.Parameter(torch.zeros(weight.shape[0], dtype=reader.weight.dtype, device=reader.weight.device))
-                model.cfg = dataclasses.replace(model.cfg, **{bias_field: True})
-            reader.bias.copy_(reader.bias.float() + shift)
+                _add_biases(model, bias_field)
+            reader.bias.copy_(reader.bias.float() + weight @ b)
         reader.weight.copy_(weight * w)
     norm.w.fill_(1.0)
     if b is not None:
         norm.b.zero_()
+
+
+def _biased_layers(model: HookedDecoder, bias_field: str) -> list[nn.Module]:
+    """Every layer whose bias the config field `bias_field` switches on (as the constructors read it)."""
+    if bias_field == "unembed_bias":
+        return [model.unembed]
+    if bias_field == "qkv_bias":
+        return [block.attn.qkv for block in model.blocks]
+    if bias_field == "out_bias":
+        return [block.attn.out for block in model.blocks]
+    if bias_field == "mlp_bias":
+        return [layer for block in model.blocks for layer in (block.mlp.fc_in, getattr(block.mlp, "gate", None), block.mlp.fc_out)
+                if layer is not None]
+    raise ValueError(f"unknown bias field {bias_field!r}")
+
+
+def _add_biases(model: HookedDecoder, bias_field: str) -> None:
+    """Turn `bias_field` on, giving a zero bias to every layer it governs that has none. All of them, not
+    only the layer receiving a folded bias: a model rebuilt from the config (pruning, loading a state
+    dict) expects each one to have a bias once the field says so."""
+    for layer in _biased_layers(model, bias_field):
+        if layer.bias is None:
+            layer.bias = nn.Parameter(torch.zeros(layer.weight.shape[0], dtype=layer.weight.dtype, device=layer.weight.device))
+    model.cfg = dataclasses.replace(model.cfg, **{bias_field: True})
 
 
 def _center_writers(model: HookedDecoder) -> None:
@@ -123,7 +146,6 @@ def _fold_value_biases(model: HookedDecoder) -> None:
         per_head = b_v.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=0)  # [head d_head]: each query head's kv head
         folded = torch.einsum("hd,hdm->m", per_head.float(), attn.W_O.float())
         if attn.out.bias is None:
-            attn.out.bias = nn.Parameter(torch.zeros_like(attn.out.weight[:, 0]))
-            model.cfg = dataclasses.replace(model.cfg, out_bias=True)
+            _add_biases(model, "out_bias")
         attn.out.bias.copy_(attn.out.bias.float() + folded)
         b_v.zero_()

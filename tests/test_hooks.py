@@ -265,3 +265,88 @@ def test_run_with_cache_caches_gradients_without_touching_parameters():
     assert toy.scale.grad is None
     with pytest.raises(ValueError, match="scalar"):
         toy.run_with_cache(x, grads_of=lambda out: out)
+
+
+class Chain(HookedRootModule):
+    """The same tensor leaves hook_a and enters hook_b, as resid_post of block l enters block l+1."""
+
+    def __init__(self):
+        super().__init__()
+        self.hook_a, self.hook_b = HookPoint(), HookPoint()
+        self.setup_hooks()
+
+    def forward(self, x):
+        return (self.hook_b(self.hook_a(3 * x)) ** 2).sum()  # d/d b = d/d a = 2 * 3x; d/d x = 18 x
+
+
+def test_backward_hooks_on_one_tensor_run_in_backward_order():
+    chain, x = Chain(), torch.tensor([1.0, 2.0], requires_grad=True)
+    seen, order = {}, []
+
+    def record(grad, hook):
+        order.append(hook.name)
+        seen[hook.name] = grad.clone()
+
+    with chain.hooks(bwd_hooks=[("hook_a", record), ("hook_b", record)]):
+        chain(x).backward()
+    assert order == ["hook_b", "hook_a"]  # the later point first, as the gradient flows
+    assert torch.equal(seen["hook_a"], 6 * x.detach()) and torch.equal(seen["hook_b"], 6 * x.detach())
+    # a replacement at the later point is what the earlier point (the same activation) sees
+    x.grad = None
+    with chain.hooks(bwd_hooks=[("hook_b", lambda grad, hook: torch.ones_like(grad)), ("hook_a", record)]):
+        chain(x).backward()
+    assert torch.equal(seen["hook_a"], torch.ones(2)) and torch.equal(x.grad, torch.full((2,), 3.0))
+
+
+def test_a_gradient_replaced_at_resid_pre_is_what_the_previous_resid_post_sees(tiny_model, tokens):
+    seen = {}
+    bwd_hooks = [("blocks.1.hook_resid_pre", lambda grad, hook: torch.zeros_like(grad)),
+                 ("blocks.0.hook_resid_post", lambda grad, hook: seen.__setitem__(hook.name, grad.clone()))]
+    with tiny_model.hooks(bwd_hooks=bwd_hooks):
+        logits = tiny_model(tokens)
+        torch.autograd.grad(logits.float().log_softmax(-1)[:, :, 0].sum(), tiny_model.embed.W_E)
+    grad = seen["blocks.0.hook_resid_post"]  # the same tensor as blocks.1.hook_resid_pre: zeroed
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_backward_hooks_leave_nothing_on_the_callers_tensor():
+    class Passthrough(HookedRootModule):
+        def __init__(self):
+            super().__init__()
+            self.hook_in = HookPoint()
+            self.setup_hooks()
+
+        def forward(self, x):
+            return self.hook_in(x).sum()
+
+    model, x = Passthrough(), torch.ones(2, requires_grad=True)
+    for _ in range(3):
+        with model.hooks(bwd_hooks=[("hook_in", lambda grad, hook: None)]):
+            model(x)
+    assert not x._backward_hooks
+
+
+def test_a_copy_of_the_model_made_inside_a_block_keeps_no_hooks():
+    import copy
+
+    toy, calls = Toy(), []
+    with toy.hooks([("hook_in", lambda x, h: calls.append(h.name) or x * 10)],
+                   bwd_hooks=[("hook_out", lambda grad, hook: calls.append(hook.name))]):
+        twin = copy.deepcopy(toy)
+    x = torch.ones(1, requires_grad=True)
+    toy_value(twin(x)).backward()
+    assert calls == [] and attached(twin) == 0 and not twin.hook_point("hook_out").active
+    assert twin(torch.ones(1)).item() == 3.0  # 2 * 1 + 1: the copy computes without the block's edit
+    with twin.hooks([("hook_in", lambda x, h: x * 10)]):  # and can be hooked as usual
+        assert twin(torch.ones(1)).item() == 21.0
+
+
+def test_grads_of_mistakes_are_named():
+    toy, x = Toy(), torch.tensor([1.0, -2.0])
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        toy.run_with_cache(x, grads_of=toy_value)
+    with pytest.raises(ValueError, match="no autograd graph"):
+        toy.run_with_cache(x, grads_of=lambda out: toy_value(out).detach())
+    assert attached(toy) == 0
+    out, cache = toy.run_with_cache(x, names=[], grads_of=toy_value)  # nothing cached: no gradients to take
+    assert len(cache) == 0 and torch.equal(out, 2 * x + 1)

@@ -49,3 +49,17 @@ def test_names_agree_with_transformer_lens():
 def test_mistakes_are_named(args, message):
     with pytest.raises(ValueError, match=message):
         act_name(*args)
+
+
+def test_transformer_lens_aliases_and_integer_like_layers():
+    import numpy as np
+    import torch
+
+    utilities = pytest.importorskip("transformer_lens.utilities")
+    for kind in ("attn_logits", "query", "key", "value"):
+        assert act_name(kind, 2) == utilities.get_act_name(kind, 2), kind
+    # a layer from argmax: numpy or 0-d tensor, named as the int it stands for
+    assert act_name("z", np.int64(3)) == act_name("z", torch.tensor(3)) == "blocks.3.attn.hook_z"
+    for bad in (1.0, torch.tensor(1.5), torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match="non-negative int"):
+            act_name("z", bad)

@@ -119,3 +119,56 @@ def test_a_processed_model_says_why_it_cannot_be_saved(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="unembedding bias"):
         process_weights(tiny_model).save_pretrained(tmp_path / "processed")
     assert not (tmp_path / "processed").exists()
+
+
+def randomised(cfg, seed=0):
+    """A model with every norm and bias random too, so each fold moves something."""
+    torch.manual_seed(seed)
+    model = HookedDecoder(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".w"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith((".b", ".bias")):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_a_config_that_gains_biases_describes_every_layer():
+    """Folding gives some layers a bias; the config then says every such layer has one, so a model rebuilt
+    from it (as pruning and state-dict loading do) must take the processed weights as they are."""
+    cfg = DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, qkv_bias=False, out_bias=False,
+                        mlp_bias=False, heads_per_layer=(3, 0))
+    model = randomised(cfg)
+    with torch.no_grad():
+        model.blocks[1].ln1.b.zero_()  # nothing to fold into layer 1's qkv
+    processed = process_weights(model)
+    rebuilt = HookedDecoder(processed.cfg).eval()
+    rebuilt.load_state_dict(processed.state_dict(), strict=True)
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(log_probs(rebuilt, tokens), log_probs(model, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(n_kv_heads=2, tied_embeddings=False),  # grouped-query, every bias
+    dict(n_kv_heads=1, gated_mlp=True, activation="silu", positions="rotary", mlp_bias=False),  # multi-query, gated
+])
+def test_grouped_query_models_keep_their_log_probs(variant):
+    model = randomised(DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, **variant), seed=3)
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    processed = process_weights(model)
+    torch.testing.assert_close(log_probs(processed, tokens), log_probs(model, tokens), atol=ATOL, rtol=0)
+    for block in processed.blocks:  # each kv head's value bias went into b_O, through every query head it serves
+        attn = block.attn
+        b_v = attn.qkv.bias[(attn.n_heads + attn.n_kv_heads) * attn.d_head:]
+        assert b_v.numel() == attn.n_kv_heads * attn.d_head and not b_v.any()
+
+
+def test_processing_inside_a_hooks_block_gives_a_model_without_those_hooks(tiny_model, tokens):
+    calls = []
+    with tiny_model.hooks([("blocks.0.hook_resid_pre", lambda x, hook: calls.append(1) or x * 0)]):
+        processed = process_weights(tiny_model)
+    expected = log_probs(tiny_model, tokens)  # outside the block: the unhooked model
+    torch.testing.assert_close(log_probs(processed, tokens), expected, atol=ATOL, rtol=0)
+    assert calls == []
