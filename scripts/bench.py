@@ -212,7 +212,7 @@ def forward(ctx: Context) -> list[Case]:
 
 
 @workload("cache_all", 2, "run_with_cache of every hook",
-          "time <= transformer-lens; extra memory for the cache <= 0.5x transformer-lens's",
+          "time <= transformer-lens; memory the cache holds <= 0.5x transformer-lens's",
           floor="transformer-lens run_with_cache",
           check=_all_of(
               _at_most("probe run_with_cache", "transformer-lens run_with_cache", 1.0),
@@ -240,24 +240,29 @@ def cache_all(ctx: Context) -> list[Case]:
 
 
 def _extra_memory_check(rows: dict[str, dict]) -> list[dict]:
-    """The cache's extra memory: the peak of run_with_cache above the peak of the same library's forward."""
+    """The cache's memory: the bytes of the distinct storages it holds (exact, and what stays allocated
+    while it is kept). The rise of the peak above the same library's forward is reported beside it,
+    but depends on what the allocator reuses (transformer-lens's forward peak is higher, so less of
+    its cache shows as a rise), so the verdict is on the bytes held."""
 
-    def extra(library: str, label: str) -> Optional[float]:
+    def peak_rise(library: str, label: str) -> Optional[float]:
         cache, plain = rows.get(label, {}), rows.get(f"{library} forward", {})
         if cache.get("peak_extra_bytes") is None or plain.get("peak_extra_bytes") is None:
             return None
         return cache["peak_extra_bytes"] - plain["peak_extra_bytes"]
 
-    theirs = extra(TL, f"{TL} run_with_cache")
+    tl_label = f"{TL} run_with_cache"
+    theirs = rows.get(tl_label, {}).get("cache_bytes")
     verdicts = []
     for label in (f"{PROBE} run_with_cache", f"{PROBE} run_with_cache, bfloat16 storage"):
         if label not in rows:
             continue
-        ours = extra(PROBE, label)
+        ours = rows[label].get("cache_bytes")
         ratio = ours / theirs if ours is not None and theirs else None
-        verdicts.append(dict(measure=f"extra memory (peak above the forward's): {label} / {TL} run_with_cache",
-                             ratio=ratio, limit=0.5, met=None if ratio is None else ratio <= 0.5,
-                             detail=f"{_mib(ours)} vs {_mib(theirs)}"))
+        verdicts.append(dict(measure=f"cache memory held: {label} / {tl_label}", ratio=ratio, limit=0.5,
+                             met=None if ratio is None else ratio <= 0.5,
+                             detail=f"{_mib(ours)} vs {_mib(theirs)}; peak rise above the forward "
+                                    f"{_mib(peak_rise(PROBE, label))} vs {_mib(peak_rise(TL, tl_label))}"))
     return verdicts
 
 
