@@ -44,4 +44,4 @@ print(dla.to_frame(mean=True).sort_values("contribution", key=abs, ascending=Fal
 print("actual:", dla.actual.tolist(), "sum of rows:", dla.total.tolist())
 save(dla.figure("bar"), "dla_bar", height=500)
 save(dla.figure("heads"), "dla_heads", width=600, height=400)
-save(dla.figure("accumulated"), "dla_accumulated")
+save(dla.figure("accumulated"), "dla_accumulated", width=1100)
