@@ -102,3 +102,24 @@ class Attention(nn.Module):
     @property
     def b_O(self) -> Optional[torch.Tensor]:  # [d_model], None without an output bias
         return self.out.bias
+
+    def _split_qkv_bias(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        if self.qkv.bias is None:
+            return None
+        sizes = [self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head]
+        return tuple(b.view(-1, self.d_head) for b in self.qkv.bias.split(sizes))
+
+    @property
+    def b_Q(self) -> Optional[torch.Tensor]:  # [head d_head], None without q/k/v biases
+        biases = self._split_qkv_bias()
+        return None if biases is None else biases[0]
+
+    @property
+    def b_K(self) -> Optional[torch.Tensor]:  # [kv_head d_head]
+        biases = self._split_qkv_bias()
+        return None if biases is None else biases[1]
+
+    @property
+    def b_V(self) -> Optional[torch.Tensor]:  # [kv_head d_head]
+        biases = self._split_qkv_bias()
+        return None if biases is None else biases[2]

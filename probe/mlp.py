@@ -1,6 +1,8 @@
 """The feed-forward sublayer: plain (d_model -> d_mlp -> act -> d_model) or gated (SwiGLU)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -36,6 +38,14 @@ class MLP(nn.Module):
     @property
     def W_out(self) -> torch.Tensor:  # [d_mlp d_model]
         return self.fc_out.weight.T
+
+    @property
+    def b_in(self) -> Optional[torch.Tensor]:  # [d_mlp], None without MLP biases
+        return self.fc_in.bias
+
+    @property
+    def b_out(self) -> Optional[torch.Tensor]:  # [d_model]
+        return self.fc_out.bias
 
 
 class GatedMLP(MLP):

@@ -110,3 +110,36 @@ def test_weight_views_are_transformers_parameters(tiny_model, tiny_hf):
     assert torch.equal(tiny_model.unembed.W_U, tiny_hf.lm_head.weight.T)
     assert torch.equal(tiny_model.embed.W_E, tiny_hf.transformer.wte.weight)
     assert torch.equal(tiny_model.pos_embed.W_pos, tiny_hf.transformer.wpe.weight)
+
+
+def test_model_level_weights_stack_transformers_parameters(tiny_model, tiny_hf):
+    """model.W_Q [layer head d_model d_head], model.b_V, ... (transformer-lens's names), sliced by hand
+    from transformers' parameters."""
+    dm, dh, m = tiny_model.cfg.d_model, tiny_model.cfg.d_head, tiny_model
+    for l, theirs in enumerate(tiny_hf.transformer.h):
+        c_attn, bias = theirs.attn.c_attn.weight, theirs.attn.c_attn.bias
+        for h in range(m.cfg.n_heads):
+            cols = slice(h * dh, (h + 1) * dh)
+            assert torch.equal(m.W_Q[l, h], c_attn[:, cols]) and torch.equal(m.b_Q[l, h], bias[cols])
+            assert torch.equal(m.W_K[l, h], c_attn[:, dm:][:, cols]) and torch.equal(m.b_K[l, h], bias[dm:][cols])
+            assert torch.equal(m.W_V[l, h], c_attn[:, 2 * dm:][:, cols]) and torch.equal(m.b_V[l, h], bias[2 * dm:][cols])
+            assert torch.equal(m.W_O[l, h], theirs.attn.c_proj.weight[cols])
+        assert torch.equal(m.b_O[l], theirs.attn.c_proj.bias)
+        assert torch.equal(m.W_in[l], theirs.mlp.c_fc.weight) and torch.equal(m.b_in[l], theirs.mlp.c_fc.bias)
+        assert torch.equal(m.W_out[l], theirs.mlp.c_proj.weight) and torch.equal(m.b_out[l], theirs.mlp.c_proj.bias)
+    assert torch.equal(m.W_E, tiny_hf.transformer.wte.weight) and torch.equal(m.W_pos, tiny_hf.transformer.wpe.weight)
+    assert torch.equal(m.W_U, tiny_hf.lm_head.weight.T) and m.b_U is None
+
+
+def test_model_level_weights_say_when_they_do_not_exist():
+    from probe import DecoderConfig, HookedDecoder
+
+    pruned = HookedDecoder(DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, heads_per_layer=(3, 1)))
+    with pytest.raises(ValueError, match="structurally pruned"):
+        pruned.W_Q
+    assert pruned.W_in.shape == (2, 32, 128)  # MLPs are not pruned: they stack
+    rotary = HookedDecoder(DecoderConfig(n_layers=1, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, positions="rotary",
+                                         qkv_bias=False, mlp_bias=False))
+    with pytest.raises(ValueError, match="rotary"):
+        rotary.W_pos
+    assert rotary.b_Q is None and rotary.b_in is None
