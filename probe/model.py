@@ -63,7 +63,7 @@ Block = PreNormBlock
 
 
 def _stacked(path: str, shape: str) -> property:
-    """A read-only view of every block's `path` (e.g. "attn.W_Q"), stacked over layers: [layer ...]."""
+    """Every block's `path` (e.g. "attn.W_Q") stacked over layers, [layer ...]: a copy, to read."""
     sublayer, name = path.split(".")
 
     def get(self: "HookedDecoder") -> Optional[torch.Tensor]:

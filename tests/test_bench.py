@@ -183,3 +183,40 @@ def test_gpu_check_script_refuses_cleanly_without_a_gpu_or_with_a_used_directory
     proc = subprocess.run(["bash", str(script), str(used)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not empty" in proc.stderr
     assert (used / "bench.md").read_text() == "earlier results\n"
+
+
+def test_cache_bytes_leave_out_the_logits_the_call_returns_anyway(bench):
+    """A cache that also holds the returned logits (transformer-lens caches `hook_unembed`) costs no
+    memory for them beyond the forward's own output: only the other storages are the cache's."""
+    logits, other = torch.zeros(2, 3, 5), torch.zeros(7)
+    cache = {"unembed.hook_out": logits, "hook_unembed": logits[:], "a": other, "b": other[:3]}
+    assert bench.cache_stats((logits, cache)) == (7 * 4, 4)
+
+
+def test_an_interrupted_runs_partial_results_are_not_overwritten(bench, tmp_path):
+    (tmp_path / bench.PARTIAL_FILE).write_text("results of an interrupted run")
+    with pytest.raises(FileExistsError, match="interrupted run.*--overwrite"):
+        bench.check_out_dir(tmp_path, overwrite=False)
+    bench.check_out_dir(tmp_path, overwrite=True)
+
+
+def test_load_leaves_transformer_lens_out_where_it_cannot_be_imported(bench, tiny_dir, monkeypatch):
+    """Its loader would return None at once and be timed as a 0 ms load; the other workloads find out
+    at build time, so must this one."""
+    monkeypatch.setitem(sys.modules, "transformer_lens", None)
+    monkeypatch.setitem(sys.modules, "transformer_lens.model_bridge", None)
+    ctx = bench.Context(path=tiny_dir, batch=2, seq=8, dtype="float32", device="cpu")
+    cases = bench.WORKLOADS["load"].build(ctx)
+    assert ctx.peer_missing and "transformer-lens unavailable" in ctx.peer_missing
+    assert bench.TL not in {case.library for case in cases}
+    assert {case.library for case in cases} == {bench.PROBE, bench.HF}
+
+
+def test_trigger_scan_floor_keeps_only_the_last_positions(bench, tiny_dir, one_thread):
+    """The plain forward it is compared with returns each window's last-position logits; views of them
+    would keep every batch's full logits alive (peak memory growing with the corpus)."""
+    ctx = bench.Context(path=tiny_dir, batch=2, seq=8, dtype="float32", device="cpu")
+    floor = next(case for case in bench.WORKLOADS["trigger_scan"].build(ctx) if case.label == bench.WORKLOADS["trigger_scan"].floor)
+    out = floor.run()
+    vocab = ctx.vocab
+    assert bench.unique_storage_bytes(out) == sum(row.shape[0] for row in out) * vocab * 4
