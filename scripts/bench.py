@@ -14,7 +14,7 @@ one extra call per case, from a clean baseline: on CPU the rise of the process's
 `max_memory_allocated` above `memory_allocated`.
 
 Weights are random (a `transformers` GPT2LMHeadModel saved to a temporary directory) and inputs
-are random token ids: no network, no tokenizer. The small-model workloads (4, 5, 7) use the bundled
+are random token ids: no network, no tokenizer. The small-model workloads (4, 5, 7, 8) use the bundled
 model (`probe.DEFAULT_MODEL`) when it exists, else a random GPT-2 of its shape; the logit lens (6)
 runs one sequence (batch 1), since it holds [layer pos vocab] logits.
 
@@ -147,15 +147,23 @@ class Context:
         model = GPT2LMHeadModel.from_pretrained(self.path, attn_implementation="sdpa", **_hf_dtype_kwarg(self.torch_dtype))
         return model.to(self.device).eval()
 
-    def tl_model(self):
-        """transformer-lens's model, or None where it cannot be imported (its cases are then dropped and
-        the reason reported: a GPU machine without internet may lack it, and probe's rows still count)."""
+    def tl_bridge(self):
+        """transformer-lens's TransformerBridge, or None where it cannot be imported (its cases are then
+        dropped and the reason reported: a GPU machine without internet may lack it, and probe's rows
+        still count). Call it while building the cases: the cases are filtered right after."""
         try:
             from transformer_lens.model_bridge import TransformerBridge
         except Exception as err:  # ImportError, or a dependency that breaks at import time
             self.peer_missing = f"transformer-lens unavailable ({type(err).__name__}: {str(err)[:200]})"
             return None
-        return TransformerBridge.boot_transformers(str(self.path), device=self.device, dtype=self.torch_dtype).eval()
+        return TransformerBridge
+
+    def tl_model(self):
+        """transformer-lens's model, or None where it cannot be imported (see `tl_bridge`)."""
+        bridge = self.tl_bridge()
+        if bridge is None:
+            return None
+        return bridge.boot_transformers(str(self.path), device=self.device, dtype=self.torch_dtype).eval()
 
 
 def _hf_dtype_kwarg(dtype) -> dict:
@@ -240,10 +248,11 @@ def cache_all(ctx: Context) -> list[Case]:
 
 
 def _extra_memory_check(rows: dict[str, dict]) -> list[dict]:
-    """The cache's memory: the bytes of the distinct storages it holds (exact, and what stays allocated
-    while it is kept). The rise of the peak above the same library's forward is reported beside it,
-    but depends on what the allocator reuses (transformer-lens's forward peak is higher, so less of
-    its cache shows as a rise), so the verdict is on the bytes held."""
+    """The cache's memory: the bytes of the distinct storages it holds beyond the returned logits
+    (exact, and what stays allocated while it is kept; see `cache_stats`). The rise of the peak above
+    the same library's forward is reported beside it, but depends on what the allocator reuses
+    (transformer-lens's forward peak is higher, so less of its cache shows as a rise), so the verdict
+    is on the bytes held."""
 
     def peak_rise(library: str, label: str) -> Optional[float]:
         cache, plain = rows.get(label, {}), rows.get(f"{library} forward", {})
@@ -395,7 +404,8 @@ def trigger_scan(ctx: Context) -> list[Case]:
         batches.append((tokens.to(ctx.device), mask.to(ctx.device)))
 
     def forward_all():
-        return [probe(tokens, attention_mask=mask)[:, -1] for tokens, mask in batches]
+        # a copy: a view would keep every batch's full logits alive, and the scan keeps none of them
+        return [probe(tokens, attention_mask=mask)[:, -1].clone() for tokens, mask in batches]
 
     n_tokens = sum(map(len, windows))
     return [
@@ -488,10 +498,11 @@ def _first_forward(model_fn: Callable[[], Any], ctx: Context, hf: bool) -> Calla
                                  "transformers from_pretrained + one-token forward", 1.2)))
 def load(ctx: Context) -> list[Case]:
     both = "transformers from_pretrained + one-token forward"
+    ctx.tl_bridge()  # loading happens only when timed: find out now whether transformer-lens imports
     return [
         Case("transformers from_pretrained", HF, ctx.hf_model),
         Case("probe from_pretrained", PROBE, ctx.probe_model),
-        Case("transformer-lens boot_transformers", TL, ctx.tl_model),
+        Case("transformer-lens boot_transformers", TL, ctx.tl_model),  # dropped if tl_bridge() found none
         Case(both, HF, _first_forward(ctx.hf_model, ctx, hf=True), ratio_to=both,
              note="includes touching every weight once"),
         Case("probe from_pretrained + one-token forward", PROBE, _first_forward(ctx.probe_model, ctx, hf=False), ratio_to=both),
@@ -555,26 +566,36 @@ def peak_extra_bytes(run: Callable[[], Any], device: str) -> tuple[Optional[int]
     return (_proc_status_kib("VmHWM") - base) * 1024, out
 
 
-def unique_storage_bytes(tensors) -> int:
-    """Memory the tensors hold: each underlying storage counted once (views and aliases share one)."""
+def _storage_key(t) -> tuple:
+    storage = t.untyped_storage()
+    return storage.device.type, storage.data_ptr()
+
+
+def unique_storage_bytes(tensors, exclude=()) -> int:
+    """Memory the tensors hold: each underlying storage counted once (views and aliases share one),
+    leaving out the storages of the tensors in `exclude`."""
+    skip = {_storage_key(t) for t in exclude}
     seen: dict[tuple, int] = {}
     for t in tensors:
-        storage = t.untyped_storage()
-        seen[(storage.device.type, storage.data_ptr())] = storage.nbytes()
+        key = _storage_key(t)
+        if key not in skip:
+            seen[key] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
 def cache_stats(out: Any) -> tuple[Optional[int], Optional[int]]:
-    """(bytes held, entries) of the cache in a `(logits, cache)` pair or transformers' hidden states."""
+    """(bytes held, entries) of the cache in a `(logits, cache)` pair or transformers' hidden states.
+    A cache entry that is the returned logits (transformer-lens caches `hook_unembed`) costs nothing
+    beyond what a plain forward returns, so its storage is not the cache's."""
     import torch
 
     if isinstance(out, tuple) and len(out) == 2 and not isinstance(out[1], torch.Tensor):
         cache = out[1]
         tensors = [cache[name] for name in cache.keys()]
-        return unique_storage_bytes(tensors), len(tensors)
+        return unique_storage_bytes(tensors, exclude=[out[0]]), len(tensors)
     hidden = getattr(out, "hidden_states", None)
     if hidden is not None:
-        return unique_storage_bytes(hidden), len(hidden)
+        return unique_storage_bytes(hidden, exclude=[out.logits]), len(hidden)
     return None, None
 
 
@@ -815,8 +836,12 @@ def _write_atomic(path: Path, text: str, overwrite: bool) -> None:
         raise
 
 
-def check_out_dir(out: Path, overwrite: bool) -> None:
+def check_out_dir(out: Path, overwrite: bool, partial: bool = True) -> None:
+    """Refuse (unless `overwrite`) a directory holding results; `partial=False` once this run's own
+    partial file is there."""
     existing = [name for name in RESULT_FILES if (out / name).exists()]
+    if partial and (out / PARTIAL_FILE).exists():  # a new run would replace it with its own first workload
+        existing.append(f"{PARTIAL_FILE} (the workloads an interrupted run finished)")
     if existing and not overwrite:
         raise FileExistsError(
             f"{out} already holds {', '.join(existing)}; choose another --out directory or pass --overwrite"
@@ -980,7 +1005,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_all(args, argv)
     table = markdown(results)
     print(table)
-    check_out_dir(args.out, args.overwrite)
+    try:
+        check_out_dir(args.out, args.overwrite, partial=False)  # something may have written there meanwhile
+    except FileExistsError as err:
+        _write_atomic(args.out / PARTIAL_FILE, json.dumps(results, indent=1), overwrite=True)
+        print(f"bench.py: error: {err}; this run's results are in {args.out / PARTIAL_FILE}", file=sys.stderr)
+        return 2
     for name, text in (("bench.json", json.dumps(results, indent=1)), ("bench.csv", to_csv(results)), ("bench.md", table)):
         _write_atomic(args.out / name, text, overwrite=args.overwrite)
     (args.out / PARTIAL_FILE).unlink(missing_ok=True)

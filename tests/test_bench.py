@@ -200,16 +200,22 @@ def test_an_interrupted_runs_partial_results_are_not_overwritten(bench, tmp_path
     bench.check_out_dir(tmp_path, overwrite=True)
 
 
-def test_load_leaves_transformer_lens_out_where_it_cannot_be_imported(bench, tiny_dir, monkeypatch):
+def test_load_leaves_transformer_lens_out_where_it_cannot_be_imported(bench, tiny_dir, tmp_path, monkeypatch):
     """Its loader would return None at once and be timed as a 0 ms load; the other workloads find out
     at build time, so must this one."""
     monkeypatch.setitem(sys.modules, "transformer_lens", None)
     monkeypatch.setitem(sys.modules, "transformer_lens.model_bridge", None)
-    ctx = bench.Context(path=tiny_dir, batch=2, seq=8, dtype="float32", device="cpu")
-    cases = bench.WORKLOADS["load"].build(ctx)
-    assert ctx.peer_missing and "transformer-lens unavailable" in ctx.peer_missing
-    assert bench.TL not in {case.library for case in cases}
-    assert {case.library for case in cases} == {bench.PROBE, bench.HF}
+    result_file = tmp_path / "load.json"
+    args = bench.parse_args(["--workload", "load", "--result-file", str(result_file), "--checkpoint", str(tiny_dir),
+                             "--batch", "1", "--seq", "4", "--repeats", "1", "--min-run-time", "0", "--threads", "1"])
+    before = torch.get_num_threads()
+    try:
+        bench.run_workload(args)
+    finally:
+        torch.set_num_threads(before)
+    result = json.loads(result_file.read_text())
+    assert "transformer-lens unavailable" in result["peer_missing"]
+    assert {row["library"] for row in result["rows"]} == {bench.PROBE, bench.HF}
 
 
 def test_trigger_scan_floor_keeps_only_the_last_positions(bench, tiny_dir, one_thread):
@@ -220,3 +226,13 @@ def test_trigger_scan_floor_keeps_only_the_last_positions(bench, tiny_dir, one_t
     out = floor.run()
     vocab = ctx.vocab
     assert bench.unique_storage_bytes(out) == sum(row.shape[0] for row in out) * vocab * 4
+
+
+def test_a_run_writes_its_files_and_removes_its_partial_file(bench, tmp_path):
+    """The run's own partial file, written after each workload, must not count as earlier results."""
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--workloads", "load", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(out)) == sorted(bench.RESULT_FILES)
+    assert {row["workload"] for row in json.loads((out / "bench.json").read_text())["rows"]} == {"load"}
