@@ -794,7 +794,7 @@ def markdown(results: dict) -> str:
         measured = "n/a" if goal["ratio"] is None else f"{goal['ratio']:.2f}x"
         met = {True: "yes", False: "**no**", None: "n/a"}[goal["met"]]
         detail = f" ({goal['detail']})" if goal.get("detail") else ""
-        lines.append(f"| {goal['number']} | {goal['measure']}{detail} | {measured} | {goal['limit']}x | {met} |")
+        lines.append(f"| {goal['number']} | {goal['measure']}{detail} | {measured} | {goal['limit']:.3g}x | {met} |")
     for skipped in results["skipped"]:
         lines.append(f"\nworkload {skipped['workload']} skipped: {skipped['reason']}")
     for failure in results["failures"]:
