@@ -1,0 +1,74 @@
+"""analyses.circuits: OV/QK matrices sliced by hand from transformers' parameters, copying scores
+against the eigenvalues of the full vocabulary-by-vocabulary OV circuit, and heads built to copy."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from analyses.circuits import copying_scores, ov_circuit, qk_circuit
+from probe import DecoderConfig, HookedDecoder
+
+
+def test_ov_and_qk_are_transformers_weights_multiplied_by_hand(tiny_model, tiny_hf):
+    dm, dh = tiny_model.cfg.d_model, tiny_model.cfg.d_head
+    for layer, block in enumerate(tiny_hf.transformer.h):
+        c_attn, c_proj = block.attn.c_attn.weight.double(), block.attn.c_proj.weight.double()  # Conv1D: [in, out]
+        for head in range(tiny_model.cfg.n_heads):
+            cols = slice(head * dh, (head + 1) * dh)
+            w_q, w_k, w_v = c_attn[:, cols], c_attn[:, dm:][:, cols], c_attn[:, 2 * dm:][:, cols]
+            torch.testing.assert_close(ov_circuit(tiny_model, layer, head).double(), w_v @ c_proj[cols], atol=1e-5, rtol=0)
+            torch.testing.assert_close(qk_circuit(tiny_model, layer, head).double(), w_q @ w_k.T, atol=1e-5, rtol=0)
+
+
+def test_copying_scores_are_those_of_the_full_vocabulary_circuit(tiny_model):
+    """The oracle builds W_E W_V W_O W_U [vocab vocab] whole and takes all its eigenvalues."""
+    scores = copying_scores(tiny_model)
+    w_e, w_u = tiny_model.W_E.detach().double(), tiny_model.W_U.detach().double()
+    for layer in range(tiny_model.cfg.n_layers):
+        for head in range(tiny_model.cfg.n_heads):
+            full = w_e @ ov_circuit(tiny_model, layer, head).double() @ w_u
+            eig = torch.linalg.eigvals(full)
+            expected = float(eig.sum().real) / float(eig.abs().sum())
+            assert scores.scores[layer, head] == pytest.approx(expected, abs=1e-4)
+            assert float(scores.eigenvalues[layer][head].sum().real) == pytest.approx(float(full.trace()), rel=1e-4, abs=1e-6)
+    frame = scores.to_frame()
+    assert list(frame.columns) == ["layer", "head", "copying_score", "positive_share"]
+    assert len(frame) == tiny_model.cfg.n_layers * tiny_model.cfg.n_heads
+    assert scores.figure().data[0].z.shape == (tiny_model.cfg.n_layers, tiny_model.cfg.n_heads)
+    one = copying_scores(tiny_model, layers=[1])  # a subset keeps its own layer numbers
+    assert torch.equal(one.scores[0], scores.scores[1]) and set(one.to_frame().layer) == {1}
+    assert list(one.figure().data[0].y) == ["L1"]
+
+
+def test_a_head_built_to_copy_scores_one_and_its_negation_minus_one():
+    """OV = identity and a tied unembedding: the full circuit is W_E W_E^T, positive semi-definite."""
+    cfg = DecoderConfig(n_layers=1, d_model=8, n_heads=1, d_vocab=30, n_ctx=8)
+    model = HookedDecoder(cfg)
+    with torch.no_grad():
+        qkv = model.blocks[0].attn.qkv.weight
+        qkv[16:24] = torch.eye(8)  # W_V = I
+        for sign, expected in ((1.0, 1.0), (-1.0, -1.0)):
+            model.blocks[0].attn.out.weight.copy_(sign * torch.eye(8))
+            assert float(copying_scores(model).scores[0, 0]) == pytest.approx(expected, abs=1e-5)
+
+
+def test_grouped_query_heads_use_their_key_value_head(tmp_path):
+    from test_variants import build
+
+    hf = build("llama", tmp_path)  # 8 query heads, 2 key/value heads
+    model = HookedDecoder.from_pretrained(tmp_path)
+    attn, dh = hf.model.layers[1].self_attn, model.cfg.d_head
+    for head in (0, 3, 4, 7):
+        kv = head // 4
+        w_v = attn.v_proj.weight[kv * dh:(kv + 1) * dh].T.double()  # nn.Linear: [out, in]
+        w_o = attn.o_proj.weight[:, head * dh:(head + 1) * dh].T.double()
+        torch.testing.assert_close(ov_circuit(model, 1, head).double(), w_v @ w_o, atol=1e-5, rtol=0)
+
+
+def test_bad_heads_and_layers_are_named(tiny_model):
+    with pytest.raises(ValueError, match="head=9"):
+        ov_circuit(tiny_model, 0, 9)
+    with pytest.raises(ValueError, match="layer=5"):
+        qk_circuit(tiny_model, 5, 0)
+    with pytest.raises(ValueError, match="layers must be"):
+        copying_scores(tiny_model, layers=[0, 7])
