@@ -85,6 +85,7 @@ class Output:
     def __init__(self, directory: Path, force: bool):
         self.directory = Path(directory)
         self.written: list[Path] = []
+        self.removed: list[Path] = []
         if self.directory.exists():
             if not self.directory.is_dir():
                 raise CommandError(f"--out {self.directory} is a file; give a directory")
@@ -125,9 +126,21 @@ class Output:
         html = figure.to_html(full_html=True, include_plotlyjs=True)
         return self.write_text(name, html)
 
+    def discard(self, name: str) -> Optional[Path]:
+        """Remove a file this command writes under another name in other runs (a partial result that a
+        complete one supersedes), so the two never sit side by side; returns it if it was there."""
+        path = self.directory / name
+        if path in self.written or not path.is_file():
+            return None
+        path.unlink()
+        self.removed.append(path)
+        return path
+
     def report(self, args: argparse.Namespace) -> None:
         for path in self.written:
             log(args, f"wrote {path}")
+        for path in self.removed:
+            log(args, f"removed {path}, left by an earlier run and superseded by this one")
 
 
 def default_out(args: argparse.Namespace, command: str) -> Path:

@@ -57,10 +57,13 @@ def run(args: argparse.Namespace) -> int:
         if not triggers.complete:  # Ctrl-C: keep what was scanned, under a name that says it is partial
             out.write_csv("triggers.partial.csv", triggers.to_frame(model))
             out.report(args)
+            if out.path("triggers.csv").exists():
+                print(f"note: {out.path('triggers.csv')} is from an earlier, complete run, not this one", file=sys.stderr)
             print(f"interrupted: the scan covered {triggers.n_tokens} tokens ({triggers.n_docs} documents complete); "
                   f"triggers.partial.csv holds their top-{args.k}; rerun to scan the whole corpus", file=sys.stderr)
             return 130
         out.write_csv("triggers.csv", triggers.to_frame(model))
+        out.discard("triggers.partial.csv")
         stats = agreement(model, triggers)
         out.write_csv("agreement.csv", stats.to_frame())
         out.write_figure("agreement.html", stats.figure())

@@ -93,3 +93,11 @@ def test_command_line_ctrl_c_during_a_corpus_scan(tiny_dir, tmp_path, capsys, mo
     partial = pd.read_csv(out / "triggers.partial.csv")
     assert len(partial) > 0  # the first document's windows were folded before the interrupt
     assert (earlier / "triggers.csv").read_text() == "an earlier result\n"
+    # the scan rerun into the same directory completes: its result supersedes the partial one, which goes
+    monkeypatch.setattr(memories, "_encode_document", real_encode)
+    code = cli.main(["memories", "--model", str(tiny_dir), "--triggers", "--corpus", str(corpus), "--out", str(out), "--force"])
+    err = capsys.readouterr().err
+    assert code == 0 and "removed" in err and "triggers.partial.csv" in err
+    names = sorted(p.name for p in out.iterdir())
+    assert "triggers.csv" in names and "triggers.partial.csv" not in names
+    assert len(pd.read_csv(out / "triggers.csv")) >= len(partial)
