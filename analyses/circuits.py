@@ -9,10 +9,10 @@ attended token's own logit, so this matrix has mostly positive eigenvalues. The 
 `sum(eigenvalues) / sum(|eigenvalues|)`, in [-1, 1]; its non-zero eigenvalues are those of the small
 `W_O W_U W_E W_V` [d_head d_head], so nothing vocabulary-sized is built.
 
-The weights are used as they are. Norms sit between these matrices in the model; folding their
-weights in first (`probe.process_weights`, as transformer-lens does when loading) makes the
-circuits closer to what the model computes. Position embeddings and MLPs are left out, as in the
-paper.
+`ov_circuit` and `qk_circuit` use the weights as they are. Norms sit between these matrices in the
+model, so `copying_scores` by default first folds their weights in (`probe.process_weights` with
+every step the model allows, as transformer-lens does when loading); `process=False` uses the
+weights as they are. Position embeddings and MLPs are left out, as in the paper.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from probe import HookedDecoder
+from probe import HookedDecoder, Norm, NormPlacement, process_weights
 
 
 def _head_weights(model: HookedDecoder, layer: int, head: int) -> tuple[torch.Tensor, ...]:
@@ -78,9 +78,21 @@ class CopyingScores:
         return fig
 
 
+def _processed(model: HookedDecoder) -> HookedDecoder:
+    """A copy with every weight-processing step this architecture allows: folding needs pre-norm
+    blocks, centring needs LayerNorm (a post-norm model is used as it is)."""
+    if model.cfg.norm_placement is not NormPlacement.PRE:
+        return model
+    centre = model.cfg.norm is Norm.LAYER and model.cfg.final_norm
+    return process_weights(model, center_writing_weights=centre)
+
+
 @torch.no_grad()
-def copying_scores(model: HookedDecoder, layers: Optional[Sequence[int]] = None) -> CopyingScores:
-    """Every head's copying score (Elhage et al. 2021), from the eigenvalues of its full OV circuit."""
+def copying_scores(model: HookedDecoder, layers: Optional[Sequence[int]] = None, *, process: bool = True) -> CopyingScores:
+    """Every head's copying score (Elhage et al. 2021), from the eigenvalues of its full OV circuit,
+    after folding the norms' weights in (`process=False`: the weights as they are)."""
+    if process:
+        model = _processed(model)
     layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
     bad = [l for l in layers if not (isinstance(l, int) and 0 <= l < model.cfg.n_layers)]
     if bad or not layers:

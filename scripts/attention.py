@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import attention_patterns, head_scores
+    from analyses import attention_patterns, copying_scores, head_scores
 
     out = Output(default_out(args, "attention"), args.force)
     model = load_model(args)
@@ -50,6 +50,11 @@ def run(args: argparse.Namespace) -> int:
         out.write_figure(f"scores_{kind}.html", scores.figure())
         top = scores.top(3)
         print(f"{kind}: " + ", ".join(f"{r.layer}.{r.head} {r.score:.2f}" for r in top.itertuples()))
+    copying = copying_scores(model)
+    out.write_csv("copying_scores.csv", copying.to_frame())
+    out.write_figure("copying_scores.html", copying.figure())
+    top = copying.to_frame().nlargest(3, "copying_score")
+    print("OV copying: " + ", ".join(f"{r.layer}.{r.head} {r.copying_score:.2f}" for r in top.itertuples()))
     out.report(args)
     return 0
 

@@ -22,7 +22,7 @@ def test_ov_and_qk_are_transformers_weights_multiplied_by_hand(tiny_model, tiny_
 
 def test_copying_scores_are_those_of_the_full_vocabulary_circuit(tiny_model):
     """The oracle builds W_E W_V W_O W_U [vocab vocab] whole and takes all its eigenvalues."""
-    scores = copying_scores(tiny_model)
+    scores = copying_scores(tiny_model, process=False)
     w_e, w_u = tiny_model.W_E.detach().double(), tiny_model.W_U.detach().double()
     for layer in range(tiny_model.cfg.n_layers):
         for head in range(tiny_model.cfg.n_heads):
@@ -35,7 +35,7 @@ def test_copying_scores_are_those_of_the_full_vocabulary_circuit(tiny_model):
     assert list(frame.columns) == ["layer", "head", "copying_score", "positive_share"]
     assert len(frame) == tiny_model.cfg.n_layers * tiny_model.cfg.n_heads
     assert scores.figure().data[0].z.shape == (tiny_model.cfg.n_layers, tiny_model.cfg.n_heads)
-    one = copying_scores(tiny_model, layers=[1])  # a subset keeps its own layer numbers
+    one = copying_scores(tiny_model, layers=[1], process=False)  # a subset keeps its own layer numbers
     assert torch.equal(one.scores[0], scores.scores[1]) and set(one.to_frame().layer) == {1}
     assert list(one.figure().data[0].y) == ["L1"]
 
@@ -49,7 +49,19 @@ def test_a_head_built_to_copy_scores_one_and_its_negation_minus_one():
         qkv[16:24] = torch.eye(8)  # W_V = I
         for sign, expected in ((1.0, 1.0), (-1.0, -1.0)):
             model.blocks[0].attn.out.weight.copy_(sign * torch.eye(8))
-            assert float(copying_scores(model).scores[0, 0]) == pytest.approx(expected, abs=1e-5)
+            assert float(copying_scores(model, process=False).scores[0, 0]) == pytest.approx(expected, abs=1e-5)
+
+
+def test_by_default_the_norms_are_folded_in_first(tiny_model, tmp_path):
+    from probe import process_weights
+    from test_variants import build
+
+    processed = copying_scores(process_weights(tiny_model), process=False)
+    assert torch.equal(copying_scores(tiny_model).scores, processed.scores)
+    assert not torch.allclose(copying_scores(tiny_model, process=False).scores, processed.scores)
+    build("gpt1", tmp_path)  # post-norm: nothing to fold, the weights as they are
+    gpt1 = HookedDecoder.from_pretrained(tmp_path)
+    assert torch.equal(copying_scores(gpt1).scores, copying_scores(gpt1, process=False).scores)
 
 
 def test_grouped_query_heads_use_their_key_value_head(tmp_path):

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -363,3 +364,18 @@ def test_ablate_mean_matches_a_hand_written_hook(tiny_dir, tiny_model, tmp_path,
     torch.testing.assert_close(torch.tensor(table["p_clean"].tolist()), clean[ids])
     torch.testing.assert_close(torch.tensor(table["p_ablated"].tolist()), ablated[ids])
     assert int(table["token_id"].iloc[0]) == int(clean.argmax())
+
+
+def test_attention_writes_patterns_detectors_and_copying_scores(tiny_dir, tiny_model, tmp_path, capsys):
+    from analyses import copying_scores
+
+    out = tmp_path / "attention"
+    code = cli.main(["attention", "--model", str(tiny_dir), "--prompt", "To be, or not to be", "--detectors", "induction",
+                     "--samples", "2", "--out", str(out), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    written = pd.read_csv(out / "copying_scores.csv")
+    expected = copying_scores(tiny_model).to_frame()
+    assert list(written.layer) == list(expected.layer) and list(written["head"]) == list(expected["head"])
+    assert written.copying_score.tolist() == pytest.approx(expected.copying_score.tolist(), abs=1e-6)
+    assert {"patterns.csv", "scores_induction.csv", "copying_scores.html"} <= {p.name for p in out.iterdir()}
+    assert "OV copying:" in capsys.readouterr().out
