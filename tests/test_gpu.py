@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from analyses import (ablate_heads, attention_patterns, attribution_patch, direct_logit_attribution,
+from analyses import (ablate_heads, attention_patterns, attribution_patch, copying_scores, direct_logit_attribution,
                       head_ablation_effects, head_importance, head_scores, logit_diff_metric, logit_lens,
                       memory_lookup, patch, prune_heads, residual_decomposition, top_triggers, train_tuned_lens,
                       value_tokens)
@@ -398,6 +398,10 @@ def run_memories(model):
             "trigger_activations": triggers.activations}
 
 
+def run_copying_scores(model):
+    return {"scores": copying_scores(model).scores}
+
+
 def run_pruned_forward(model):
     pruned = prune_heads(model, [(0, 1), (2, 3), (2, 4), (3, 0)])
     with torch.no_grad():
@@ -418,6 +422,7 @@ ANALYSES = {
     "ablate_heads_mean_and_resample": run_ablate_heads_mean_and_resample,
     "memories": run_memories,
     "pruned_forward": run_pruned_forward,
+    "copying_scores": run_copying_scores,
 }
 
 
