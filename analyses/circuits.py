@@ -57,7 +57,9 @@ class CopyingScores:
     """The copying score of every head, and the eigenvalues it came from."""
 
     layers: list[int]
-    scores: torch.Tensor  # [layer head] float32 in [-1, 1], a row per entry of `layers`; NaN for heads a pruned layer lacks
+    # [layer head] float32 in [-1, 1], a row per entry of `layers`, a column per current head index: a
+    # structurally pruned layer's row ends in NaN (`analyses.original_heads` gives the original indices)
+    scores: torch.Tensor
     eigenvalues: list[list[torch.Tensor]]  # [layer][head] complex [d_head]: the full OV circuit's non-zero ones
 
     def to_frame(self) -> pd.DataFrame:
@@ -91,12 +93,12 @@ def _processed(model: HookedDecoder) -> HookedDecoder:
 def copying_scores(model: HookedDecoder, layers: Optional[Sequence[int]] = None, *, process: bool = True) -> CopyingScores:
     """Every head's copying score (Elhage et al. 2021), from the eigenvalues of its full OV circuit,
     after folding the norms' weights in (`process=False`: the weights as they are)."""
-    if process:
-        model = _processed(model)
     layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
     bad = [l for l in layers if not (isinstance(l, int) and 0 <= l < model.cfg.n_layers)]
     if bad or not layers:
         raise ValueError(f"layers must be a non-empty list of layers in [0, {model.cfg.n_layers}); got {layers!r}")
+    if process:  # after the check: processing copies the whole model
+        model = _processed(model)
     w_e, w_u = model.W_E.float(), model.W_U.float()  # [vocab d_model], [d_model vocab]
     unembed_embed = w_u @ w_e  # [d_model d_model]: the vocabulary-sized product, contracted once
     scores = torch.full((len(layers), model.cfg.n_heads), float("nan"))
@@ -105,7 +107,9 @@ def copying_scores(model: HookedDecoder, layers: Optional[Sequence[int]] = None,
         per_head = []
         for head in range(model.blocks[layer].attn.n_heads):
             _, _, w_v, w_o = _head_weights(model, layer, head)
-            values = torch.linalg.eigvals(w_o @ unembed_embed @ w_v).cpu()  # [d_head] complex
+            # on the CPU: a d_head-sized problem gains nothing from a GPU, and CUDA's eig needs MAGMA or a
+            # recent cuSOLVER, which not every PyTorch build has
+            values = torch.linalg.eigvals((w_o @ unembed_embed @ w_v).cpu())  # [d_head] complex
             total = float(values.abs().sum())
             scores[i, head] = float(values.sum().real) / total if total > 0 else 0.0
             per_head.append(values)

@@ -1,6 +1,7 @@
 """HookedRootModule: gives any nn.Module built from HookPoints named hooks, scoped hooking and caching."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, Optional, Union
@@ -124,8 +125,18 @@ class HookedRootModule(nn.Module):
         store: dict[str, torch.Tensor] = {}
         live: dict[str, torch.Tensor] = {}  # with grads_of: the activations themselves, in the graph
 
+        # id -> (weak reference, stored copy): one tensor passing two points (resid_post of block l is
+        # resid_pre of block l + 1) is converted once, so dtype=/device= storage keeps one copy of it
+        converted: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
         def save(activation: torch.Tensor, hook: HookPoint) -> Optional[torch.Tensor]:
-            store[hook.name] = _store(activation, device, dtype)
+            seen = converted.get(id(activation))
+            if seen is not None and seen[0]() is activation:
+                store[hook.name] = seen[1]
+            else:
+                store[hook.name] = _store(activation, device, dtype)
+                if device is not None or dtype is not None:
+                    converted[id(activation)] = (weakref.ref(activation), store[hook.name])
             if grads_of is None:
                 return None
             if activation.requires_grad:

@@ -131,6 +131,29 @@ def test_model_level_weights_stack_transformers_parameters(tiny_model, tiny_hf):
     assert torch.equal(m.W_U, tiny_hf.lm_head.weight.T) and m.b_U is None
 
 
+def test_model_level_weights_of_grouped_query_attention_keep_one_key_value_head_each(tmp_path):
+    """Llama with 8 query heads sharing 2 key/value heads, q/k/v biases and a gated MLP: W_K, W_V,
+    b_K, b_V are stacked over key/value heads (transformer-lens repeats them per query head)."""
+    from test_variants import build
+
+    hf = build("llama", tmp_path, attention_bias=True)
+    m = HookedDecoder.from_pretrained(tmp_path)
+    dh, n_layers = m.cfg.d_head, m.cfg.n_layers
+    assert m.W_Q.shape == (n_layers, 8, m.cfg.d_model, dh) and m.W_K.shape == m.W_V.shape == (n_layers, 2, m.cfg.d_model, dh)
+    assert m.b_Q.shape == (n_layers, 8, dh) and m.b_K.shape == m.b_V.shape == (n_layers, 2, dh)
+    for l, layer in enumerate(hf.model.layers):
+        attn, rows = layer.self_attn, lambda h: slice(h * dh, (h + 1) * dh)  # nn.Linear weight: [out, in]
+        for h in range(8):
+            assert torch.equal(m.W_Q[l, h], attn.q_proj.weight[rows(h)].T) and torch.equal(m.b_Q[l, h], attn.q_proj.bias[rows(h)])
+            assert torch.equal(m.W_O[l, h], attn.o_proj.weight[:, rows(h)].T)
+        for kv in range(2):
+            assert torch.equal(m.W_K[l, kv], attn.k_proj.weight[rows(kv)].T) and torch.equal(m.b_K[l, kv], attn.k_proj.bias[rows(kv)])
+            assert torch.equal(m.W_V[l, kv], attn.v_proj.weight[rows(kv)].T) and torch.equal(m.b_V[l, kv], attn.v_proj.bias[rows(kv)])
+        assert torch.equal(m.b_O[l], attn.o_proj.bias)  # attention_bias covers the output projection too
+        assert torch.equal(m.W_in[l], layer.mlp.up_proj.weight.T) and torch.equal(m.W_out[l], layer.mlp.down_proj.weight.T)
+    assert torch.equal(m.W_U, hf.lm_head.weight.T) and m.b_in is None and m.b_U is None
+
+
 def test_model_level_weights_say_when_they_do_not_exist():
     from probe import DecoderConfig, HookedDecoder
 

@@ -275,3 +275,15 @@ def test_gradients_match_transformers_autograd(tiny_model, tiny_hf, tokens):
         torch.testing.assert_close(cache[f"{name}_grad"], grad, atol=1e-5 * scale, rtol=1e-4, msg=lambda s: f"{name}: {s}")
         torch.testing.assert_close(seen[name], grad, atol=1e-5 * scale, rtol=1e-4, msg=lambda s: f"{name}: {s}")
     assert all(p.grad is None for p in tiny_model.parameters())
+
+
+@pytest.mark.parametrize("storage", [dict(dtype=torch.bfloat16), dict(device="cpu", dtype=torch.float16)])
+def test_converted_cache_keeps_one_copy_of_a_tensor_seen_at_two_points(tiny_model, tokens, storage):
+    """resid_post of block l is resid_pre of block l + 1: stored in another dtype, it is converted once."""
+    _, plain = tiny_model.run_with_cache(tokens)
+    _, cache = tiny_model.run_with_cache(tokens, **storage)
+    post, pre = cache["blocks.0.hook_resid_post"], cache["blocks.1.hook_resid_pre"]
+    assert post.data_ptr() == pre.data_ptr() and post.dtype == storage["dtype"]
+    assert torch.equal(post, plain["blocks.0.hook_resid_post"].to(storage["dtype"]))
+    q, k = cache["blocks.0.attn.hook_q"], cache["blocks.0.attn.hook_k"]
+    assert q.data_ptr() != k.data_ptr()  # different tensors stay different
