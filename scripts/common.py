@@ -70,7 +70,9 @@ def load_model(args: argparse.Namespace):
     try:
         model = HookedDecoder.from_pretrained(args.model, device=resolve_device(args.device), dtype=getattr(torch, DTYPES[args.dtype]))
     except (CheckpointError, FileNotFoundError) as err:
-        raise CommandError(f"cannot load --model {args.model}: {err}") from err
+        # the library's advice names its own function; on the command line the way in is --model
+        message = str(err).replace("to from_pretrained", "as --model")
+        raise CommandError(f"cannot load --model {args.model}: {message}") from err
     return model.eval()
 
 

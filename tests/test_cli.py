@@ -379,3 +379,14 @@ def test_attention_writes_patterns_detectors_and_copying_scores(tiny_dir, tiny_m
     assert written.copying_score.tolist() == pytest.approx(expected.copying_score.tolist(), abs=1e-6)
     assert {"patterns.csv", "scores_induction.csv", "copying_scores.html"} <= {p.name for p in out.iterdir()}
     assert "OV copying:" in capsys.readouterr().out
+
+
+def test_a_hub_name_offline_says_to_pass_a_directory_as_model(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    code = cli.main(["anatomy", "--model", "gpt2", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "then pass that local directory as --model" in err and "from_pretrained" not in err
+    assert len(err.strip().splitlines()) == 1
