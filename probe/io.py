@@ -50,7 +50,7 @@ def atomic_file(path: Union[str, Path], overwrite: bool = False) -> Iterator[Pat
     tmp = Path(name)
     try:
         yield tmp
-        tmp.chmod(0o666 & ~_umask())  # mkstemp's files are private; results are ordinary files
+        tmp.chmod(0o666 & ~umask())  # mkstemp's files are private; results are ordinary files
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} was created by something else while this was written; nothing replaced")
         os.replace(tmp, path)
@@ -59,10 +59,11 @@ def atomic_file(path: Union[str, Path], overwrite: bool = False) -> Iterator[Pat
         raise
 
 
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
+def umask() -> int:
+    """The process's umask (reading it means setting it, so it is set back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _replace(new: Path, directory: Path) -> None:
@@ -83,7 +84,7 @@ def _replace(new: Path, directory: Path) -> None:
 
 
 def _publish_permissions(directory: Path) -> None:
-    umask = _umask()
-    directory.chmod(0o777 & ~umask)
+    mask = umask()
+    directory.chmod(0o777 & ~mask)
     for path in directory.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)

@@ -141,8 +141,7 @@ def _fold_value_biases(model: HookedDecoder) -> None:
         attn = block.attn
         if attn.qkv.bias is None or attn.n_heads == 0:
             continue
-        d_head = attn.d_head
-        b_v = attn.qkv.bias[(attn.n_heads + attn.n_kv_heads) * d_head:].view(attn.n_kv_heads, d_head)
+        b_v = attn.b_V  # [kv_head d_head], a view of the qkv bias
         per_head = b_v.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=0)  # [head d_head]: each query head's kv head
         folded = torch.einsum("hd,hdm->m", per_head.float(), attn.W_O.float())
         if attn.out.bias is None:

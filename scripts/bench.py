@@ -822,9 +822,9 @@ def _write_atomic(path: Path, text: str, overwrite: bool) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's files are private; results are ordinary files
+        from probe.io import umask  # not at import time: this module imports only the standard library
+
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp's files are private; results are ordinary files
         if overwrite:
             os.replace(tmp, path)
         else:

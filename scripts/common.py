@@ -179,6 +179,13 @@ def _fail(args: argparse.Namespace, message: str) -> int:
     return 2
 
 
+def check_contrast(model, answer: int, counterfactual: Optional[int]) -> None:
+    """A logit difference against the answer itself is zero everywhere, which would read as a finding."""
+    if counterfactual == answer:
+        shown = model.tokenizer.token_strings([answer])[0] if model.tokenizer is not None else str(answer)
+        raise CommandError(f"--counterfactual is the same token as the answer (id {answer}, {shown!r}); give a different one")
+
+
 def token_id(model, value: str, flag: str) -> int:
     """A token given on the command line: an integer id, or text that is exactly one token."""
     if value.isascii() and value.lstrip("-").isdigit():  # not str.isdigit alone: '²' is a digit to it, not to int()

@@ -13,7 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/contributions.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_position, check_prompt, command, default_out, load_model, token_id  # noqa: E402
+from scripts.common import Output, check_position, check_prompt, check_contrast, command, default_out, load_model, token_id  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         answer = token_id(model, args.answer, "--answer")
     counterfactual = None if args.counterfactual is None else token_id(model, args.counterfactual, "--counterfactual")
-    if counterfactual == answer:  # the logit difference would be zero everywhere, which reads as a finding
-        raise CommandError(f"--counterfactual is the same token as the answer (id {answer}); give a different one, or omit it")
+    check_contrast(model, answer, counterfactual)
     dla = direct_logit_attribution(model, args.prompt, answer, counterfactual, position=args.position)
     decomposition = residual_decomposition(model, args.prompt)
     out.write_csv("attribution.csv", dla.to_frame())

@@ -79,6 +79,13 @@ run_stage() {  # stage, own cap in seconds, command...
     record "$stage" "$(outcome "$status")"
 }
 
+bench_stage() {  # stage, own cap, out subdirectory, dtype, workloads, more bench.py arguments...
+    local stage=$1 cap=$2 dir=$3 dtype=$4 workloads=$5
+    shift 5
+    run_stage "$stage" "$cap" python3 scripts/bench.py "${BENCH_SHAPES[@]}" --workload-timeout 120 \
+        --out "$OUT/$dir" --dtype "$dtype" --workloads "$workloads" "$@"
+}
+
 for stage in $STAGES; do
     case $stage in
         tests)
@@ -86,15 +93,10 @@ for stage in $STAGES; do
             [ "$DEVICE" = cuda ] && tests+=("tests/test_attribution.py::test_gpu_matches_cpu")
             PROBE_TEST_DEVICE=$DEVICE run_stage tests "${TESTS_S:-240}" \
                 python3 -m pytest -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} "${tests[@]}" ;;
-        float32)
-            run_stage float32 "${F32_S:-300}" python3 scripts/bench.py "${BENCH_SHAPES[@]}" --workload-timeout 120 \
-                --out "$OUT/float32" --dtype float32 --workloads "${F32_WORKLOADS:-all}" ;;
-        bfloat16)
-            run_stage bfloat16 "${BF16_S:-300}" python3 scripts/bench.py "${BENCH_SHAPES[@]}" --workload-timeout 120 \
-                --out "$OUT/bfloat16" --dtype bfloat16 --workloads "${BF16_WORKLOADS:-all}" ;;
-        medium)
-            run_stage medium "${MEDIUM_S:-120}" python3 scripts/bench.py "${BENCH_SHAPES[@]}" --workload-timeout 120 \
-                --out "$OUT/medium-bfloat16" --dtype bfloat16 --shape "$MEDIUM_SHAPE" --workloads "${MEDIUM_WORKLOADS:-1,2,3}" ;;
+        float32) bench_stage float32 "${F32_S:-300}" float32 float32 "${F32_WORKLOADS:-all}" ;;
+        bfloat16) bench_stage bfloat16 "${BF16_S:-300}" bfloat16 bfloat16 "${BF16_WORKLOADS:-all}" ;;
+        medium) bench_stage medium "${MEDIUM_S:-120}" medium-bfloat16 bfloat16 "${MEDIUM_WORKLOADS:-1,2,3}" \
+                    --shape "$MEDIUM_SHAPE" ;;
     esac
 done
 echo "gpu_check: results in $OUT (stages.txt says what finished)" >&2

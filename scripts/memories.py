@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from analyses import agreement, memory_lookup, memory_report, top_triggers, value_tokens
+    from analyses.memories import _neuron_tensor
 
     if args.prompt is None and not args.triggers and args.corpus is None:
         raise CommandError("give --prompt TEXT for a lookup and/or --triggers [--corpus PATH] for a corpus scan")
@@ -38,9 +39,11 @@ def run(args: argparse.Namespace) -> int:
     for layer in layers:
         if not 0 <= layer < model.cfg.n_layers:
             raise CommandError(f"--layers: {layer} is outside [0, {model.cfg.n_layers})")
-    for neuron in args.neurons or []:
-        if not 0 <= neuron < model.cfg.d_mlp:
-            raise CommandError(f"--neurons: {neuron} is outside [0, {model.cfg.d_mlp})")
+    if args.neurons is not None:
+        try:
+            _neuron_tensor(model, args.neurons)  # the library's own check, before any work
+        except ValueError as err:
+            raise CommandError(f"--neurons: {err}") from err
     if args.corpus is not None and not Path(args.corpus).exists():
         raise CommandError(f"--corpus {args.corpus} does not exist")
     if args.prompt is not None:

@@ -29,12 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses.pruning import attach_head_map, head_importance, original_heads, prune_by_importance, prune_heads, save_pruned
+    from analyses.pruning import (attach_head_map, head_importance, head_map_of, original_heads, prune_by_importance,
+                                  prune_heads, save_pruned)
 
     out = Output(default_out(args, "prune"), args.force)
     model = load_model(args)
-    if Path(args.model).is_dir():  # a model pruned by `probe prune --save`: its heads' original numbers
-        attach_head_map(model, args.model)
+    attach_head_map(model, args.model)  # a model pruned by `probe prune --save`: its heads' original numbers
     data = None  # the bundled held-out text
     if args.text_file:
         data = Path(args.text_file)
@@ -42,9 +42,12 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError(f"--text-file {data} does not exist")
     if args.save and Path(args.save).exists():
         raise CommandError(f"--save {args.save} already exists; choose a new directory")
-    if args.save and model.cfg.heads_per_layer is not None and getattr(model, "head_map", None) is None:
-        raise CommandError(f"--model {args.model} was structurally pruned, but has no head_map.json to say which "
-                           f"original heads remain; prune the original model instead")
+    if args.save:
+        try:
+            head_map_of(model)  # a pruned model needs its head map to be pruned again
+        except ValueError as err:
+            raise CommandError(f"--model {args.model} was structurally pruned, but has no head_map.json to say which "
+                               f"original heads remain; prune the original model instead") from err
     heads = parse_heads(args.heads, model) if args.save and args.heads else None
     # the file is read a piece at a time; a bad byte or an empty file is a ValueError naming it
     importance = head_importance(model, data, max_windows=args.max_windows, progress=not args.quiet)

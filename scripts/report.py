@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/report.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, log, token_id  # noqa: E402
+from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, log, token_id, check_contrast  # noqa: E402
 
 DEFAULT_PROMPT = ("ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
                   "ROMEO.\nBut soft, what light through yonder")
@@ -114,8 +114,7 @@ def run(args: argparse.Namespace) -> int:
         counterfactual = token_id(model, args.counterfactual, "--counterfactual")
     else:  # the model's best guess other than the answer (which may itself be the top guess)
         counterfactual = next(int(t) for t in top.indices if int(t) != answer)
-    if counterfactual == answer:  # every attribution would be zero, and patching has nothing to recover
-        raise CommandError(f"--counterfactual is the same token as the answer (id {answer}, {strings([answer])[0]!r}); give a different one")
+    check_contrast(model, answer, counterfactual)
     report = Report(f"probe report: {Path(str(args.model)).name}")
     timings = {}
 
