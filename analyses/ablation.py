@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, check_id_tensor, is_int, resolve_positions, tokens_and_mask
+from analyses.common import AnalysisInput, check_id_tensor, evaluate_metric, is_int, resolve_positions, token_id, tokens_and_mask
 from analyses.common import model_mask as _model_mask
 from probe import HookedDecoder
 from probe.names import act_name
@@ -47,19 +47,7 @@ def _token_ids(model: HookedDecoder, value, what: str) -> torch.Tensor:
     values = value if isinstance(value, (list, tuple)) else [value]
     if isinstance(value, torch.Tensor):
         values = check_id_tensor(value, what).flatten().tolist()
-    ids = []
-    for v in values:
-        if isinstance(v, str):
-            encoded = model._require_tokenizer().encode(v)
-            if len(encoded) != 1:
-                raise ValueError(f"{what} {v!r} is {len(encoded)} tokens; give a string that is one token, or its id")
-            v = encoded[0]
-        if not is_int(v):
-            raise TypeError(f"{what} {v!r} is not a token id: give an int or a string that is one token")
-        if not 0 <= int(v) < model.cfg.d_vocab:
-            raise ValueError(f"{what} {v!r} is not a token id in [0, {model.cfg.d_vocab})")
-        ids.append(int(v))
-    return torch.tensor(ids, device=model.device)
+    return torch.tensor([token_id(model, v, what) for v in values], device=model.device)
 
 
 def logit_diff_metric(model: HookedDecoder, answer, counterfactual, position: int = -1) -> Metric:
@@ -87,19 +75,6 @@ def logit_diff_metric(model: HookedDecoder, answer, counterfactual, position: in
 
     metric.label = "logit difference"
     return metric
-
-
-def evaluate_metric(metric: Metric, logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[batch] float: the metric's values, checked to be one per row (batched analyses reshape them by row)."""
-    values = metric(logits, tokens, mask)
-    rows = logits.shape[0]
-    if not isinstance(values, torch.Tensor) or tuple(values.shape) != (rows,):
-        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-        raise ValueError(
-            f"the metric returned {got}; it must return one value per row, shape ({rows},): batched analyses "
-            "stack several runs along the batch, so return per-row values, not their mean"
-        )
-    return values.float()
 
 
 def metric_name(metric: Metric) -> str:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, as_tokens, token_labels, token_strings
+from analyses.common import AnalysisInput, as_tokens, labels_of, token_strings
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -205,5 +205,6 @@ def attention_patterns(
     for i, (layer, name) in enumerate(zip(layers, names)):
         present = [j for j, h in enumerate(heads) if h < model.cfg.layer_heads(layer)]
         pattern[i, present] = cache[name][0, [heads[j] for j in present]]
+    strings = token_strings(model, tokens[0].tolist())
     return AttentionPatterns(pattern=pattern, layers=layers, heads=heads, tokens=tokens[0].cpu(),
-                             labels=token_labels(model, tokens), strings=token_strings(model, tokens[0].tolist()))
+                             labels=labels_of(strings), strings=strings)

@@ -16,10 +16,10 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder
+from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder, token_id
 from analyses.lens import (
     _final_norm, _forward_mask, _resolve_positions, has_final_scale, lens_sites, position_labels,
-    single_token_id, site_label, tokens_and_mask,
+    site_label, tokens_and_mask,
 )
 from probe import HookedDecoder
 from probe.names import act_name
@@ -324,17 +324,11 @@ def _token_ids(model: HookedDecoder, spec: TokenSpec, batch: int, what: str) -> 
         ids = list(spec)
     else:
         raise TypeError(f"{what} must be a token id, a string, a list of them or a tensor, got {type(spec).__name__}")
-    ids = [single_token_id(model, t, what) if isinstance(t, str) else t for t in ids]
+    ids = [token_id(model, t, what) for t in ids]
     if len(ids) == 1:
         ids = ids * batch
     if len(ids) != batch:
         raise ValueError(f"{what} has {len(ids)} entries for a batch of {batch} prompts; give one, or one per prompt")
-    for t in ids:
-        if not is_int(t):
-            raise TypeError(f"{what} {t!r} is not a token id: give an int or a string that is one token")
-        if not 0 <= int(t) < model.cfg.d_vocab:
-            raise ValueError(f"{what} token id {t!r} is outside the vocabulary [0, {model.cfg.d_vocab})")
-    ids = [int(t) for t in ids]
     return torch.tensor(ids, dtype=torch.long, device=model.device)
 
 

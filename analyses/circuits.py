@@ -23,7 +23,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from probe import HookedDecoder, Norm, NormPlacement, process_weights
+from probe import HookedDecoder, process_weights
+from probe.processing import can_center_writing_weights, can_fold_ln
 
 
 def _head_weights(model: HookedDecoder, layer: int, head: int) -> tuple[torch.Tensor, ...]:
@@ -83,10 +84,9 @@ class CopyingScores:
 def _processed(model: HookedDecoder) -> HookedDecoder:
     """A copy with every weight-processing step this architecture allows: folding needs pre-norm
     blocks, centring needs LayerNorm (a post-norm model is used as it is)."""
-    if model.cfg.norm_placement is not NormPlacement.PRE:
+    if not can_fold_ln(model.cfg):
         return model
-    centre = model.cfg.norm is Norm.LAYER and model.cfg.final_norm
-    return process_weights(model, center_writing_weights=centre)
+    return process_weights(model, center_writing_weights=can_center_writing_weights(model.cfg))
 
 
 @torch.no_grad()

@@ -41,7 +41,12 @@ def token_labels(model: HookedDecoder, tokens: torch.Tensor) -> list[str]:
     suffixed with its position (a prompt like `the cat the` keeps three columns).
     """
     ids = tokens[0] if tokens.dim() == 2 else tokens
-    return [f"{escape_token(s)} ({pos})" for pos, s in enumerate(token_strings(model, ids.tolist()))]
+    return labels_of(token_strings(model, ids.tolist()))
+
+
+def labels_of(strings: Sequence[str]) -> list[str]:
+    """`token_labels` from token strings already decoded (escaped, position-suffixed)."""
+    return [f"{escape_token(s)} ({pos})" for pos, s in enumerate(strings)]
 
 
 def escape_token(token: str) -> str:
@@ -106,3 +111,41 @@ def resolve_positions(mask: torch.Tensor, position: int) -> torch.Tensor:
     if not bool(mask[:, :1].all()):  # left padding: real tokens start later
         index = index + (~mask.bool()).long().cumprod(-1).sum(-1)
     return index
+
+
+def evaluate_metric(metric: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[batch] float: the metric's values, checked to be one per row (batched analyses reshape them by row)."""
+    values = metric(logits, tokens, mask)
+    rows = logits.shape[0]
+    if not isinstance(values, torch.Tensor) or tuple(values.shape) != (rows,):
+        got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(
+            f"the metric returned {got}; it must return one value per row, shape ({rows},), i.e. one value per "
+            "sequence: batched analyses stack several runs along the batch, so return per-row values, not their mean"
+        )
+    return values.float()
+
+
+def single_token_id(model: HookedDecoder, text: str, what: str = "answer") -> int:
+    """The id of a string that is exactly one token; a multi-token string is an error, not its first token."""
+    if model.tokenizer is None:
+        raise ValueError(f"this model has no tokenizer: give the {what} as a token id")
+    ids = model.tokenizer.encode(text)
+    if len(ids) != 1:
+        shown = model.tokenizer.token_strings(ids)
+        raise ValueError(
+            f"{what} {text!r} is {len(ids)} tokens {shown}, not one; pass a string that is one token (mind the "
+            f"leading space, e.g. ' Paris') or a token id"
+        )
+    return ids[0]
+
+
+def token_id(model: HookedDecoder, value, what: str) -> int:
+    """A token id from an int-like id or a single-token string, checked against the vocabulary."""
+    if isinstance(value, str):
+        return single_token_id(model, value, what)
+    if not is_int(value):
+        raise TypeError(f"{what} {value!r} is not a token id: give an int or a string that is one token")
+    if not 0 <= int(value) < model.cfg.d_vocab:
+        raise ValueError(f"{what} token id {value!r} is outside the vocabulary [0, {model.cfg.d_vocab})")
+    return int(value)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from analyses.common import model_mask as _forward_mask, tokens_and_mask
-from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder
+from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder, token_id, token_labels
 from analyses.common import resolve_positions as _resolve_positions
 from probe.io import atomic_directory
 from probe import HELDOUT_TEXT, HookedDecoder
@@ -56,8 +56,7 @@ def site_label(site: str) -> str:
 
 def position_labels(model: HookedDecoder, tokens: torch.Tensor) -> list[list[str]]:
     """Per prompt, one escaped label per position, suffixed with the position so equal tokens stay apart."""
-    strings = token_decoder(model)
-    return [[f"{escape_token(s)} ({pos})" for pos, s in enumerate(strings(row.tolist()))] for row in tokens]
+    return [token_labels(model, row) for row in tokens]
 
 
 def has_final_scale(model: HookedDecoder) -> bool:
@@ -324,13 +323,8 @@ def _resolve_target(model, tokens, mask, target: TargetSpec, final_logits) -> to
         nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
         is_last = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
         return torch.where(is_last, final_logits.argmax(-1), nxt)
-    if isinstance(target, str):
-        target = single_token_id(model, target, "target")
-    if is_int(target) and not isinstance(target, torch.Tensor):
-        target = int(target)
-        if not 0 <= target < model.cfg.d_vocab:
-            raise ValueError(f"target token id {target} is outside the vocabulary [0, {model.cfg.d_vocab})")
-        return torch.full_like(tokens, target)
+    if isinstance(target, str) or (is_int(target) and not isinstance(target, torch.Tensor)):
+        return torch.full_like(tokens, token_id(model, target, "target"))
     if isinstance(target, torch.Tensor):
         t = check_id_tensor(target, "target").to(tokens.device)
         t = t.expand(batch, n) if t.dim() == 1 and t.shape[0] == n else t
@@ -340,20 +334,6 @@ def _resolve_target(model, tokens, mask, target: TargetSpec, final_logits) -> to
             raise ValueError(f"target token ids must lie in [0, {model.cfg.d_vocab})")
         return t
     raise TypeError(f"target must be None, a token id, a string or a tensor of ids, got {type(target).__name__}")
-
-
-def single_token_id(model: HookedDecoder, text: str, what: str = "answer") -> int:
-    """The id of a string that is exactly one token; a multi-token string is an error, not its first token."""
-    if model.tokenizer is None:
-        raise ValueError(f"this model has no tokenizer: give the {what} as a token id")
-    ids = model.tokenizer.encode(text)
-    if len(ids) != 1:
-        shown = [s for s in model.tokenizer.token_strings(ids)]
-        raise ValueError(
-            f"{what} {text!r} is {len(ids)} tokens {shown}, not one; pass a single-token string (mind the leading "
-            f"space, e.g. ' Paris') or a token id"
-        )
-    return ids[0]
 
 
 # ---- the tuned lens ---------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.ablation import Metric, _model_mask, _rows_per_forward, evaluate_metric, metric_name, tokens_and_mask
+from analyses.ablation import Metric, _model_mask, _rows_per_forward, metric_name, tokens_and_mask
 from analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
-from analyses.common import AnalysisInput, token_labels, token_strings
+from analyses.common import AnalysisInput, evaluate_metric, labels_of, token_labels, token_strings
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -88,7 +88,7 @@ class PatchingResult:
     labels: list[str]  # escaped token labels of the first corrupted prompt
     clean_labels: list[str]
     sweep: Optional[str] = None
-    strings: Optional[list[str]] = None  # the first corrupted prompt's token strings, raw (for frames, not HTML)
+    strings: Optional[list[str]] = None  # the first corrupted prompt's token strings, raw (for frames, not HTML); patch sets it
 
     @property
     def recovered(self) -> torch.Tensor:
@@ -102,7 +102,7 @@ class PatchingResult:
             "layer": [s.layer for s in self.sites],
             "head": pd.array([s.head for s in self.sites], dtype="Int64"),
             "pos": pd.array(pos, dtype="Int64"),
-            "token": [None if p is None else (self.strings or self.labels)[p] for p in pos],
+            "token": [None if p is None else self.strings[p] for p in pos],
             "metric": self.patched.numpy(),
             "recovered": self.recovered.numpy(),
             "method": self.method,
@@ -234,11 +234,11 @@ def patch(
             f"the metric is {clean_value:.6g} on both the clean and the corrupted prompts, so there is nothing to "
             "recover; choose prompts (or a metric) that tell them apart"
         )
+    strings = token_strings(model, tokens[0].tolist())
     return PatchingResult(
         sites=sites, patched=patched, clean=clean_value, corrupted=corrupted_value, method=method,
         metric_name=metric_name(metric),
-        labels=token_labels(model, tokens[0]), clean_labels=token_labels(model, clean_tokens[0]), sweep=sweep,
-        strings=token_strings(model, tokens[0].tolist()),
+        labels=labels_of(strings), clean_labels=token_labels(model, clean_tokens[0]), sweep=sweep, strings=strings,
     )
 
 

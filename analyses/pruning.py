@@ -34,6 +34,7 @@ import torch
 from einops import rearrange
 from plotly.subplots import make_subplots
 
+from analyses.common import evaluate_metric
 from analyses.corpus import _encode_document, _iter_document_pieces
 from probe import HELDOUT_TEXT, HookedDecoder
 from probe.io import atomic_directory
@@ -289,9 +290,7 @@ def head_importance(
         xi = base.expand(tokens.shape[0], *base.shape).clone().requires_grad_(True)
         with torch.enable_grad():
             logits = model.run_with_hooks(tokens, fwd_hooks=_gate_hooks(model, xi))
-            values = metric(logits, tokens, torch.ones_like(tokens))
-            if values.dim() != 1 or values.shape[0] != tokens.shape[0]:
-                raise ValueError(f"the metric must return one value per sequence, shape [{tokens.shape[0]}]; got {tuple(values.shape)}")
+            values = evaluate_metric(metric, logits, tokens, torch.ones_like(tokens))
             (grad,) = torch.autograd.grad(values.sum(), xi)
         total += grad.abs().sum(dim=0).float()
         n_examples += tokens.shape[0]

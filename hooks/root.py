@@ -142,9 +142,11 @@ class HookedRootModule(nn.Module):
             if activation.requires_grad:
                 live[hook.name] = activation
                 return None
-            # nothing before it needs a gradient (frozen weights): it becomes a leaf we can differentiate to
-            live[hook.name] = activation.detach().requires_grad_(True)
-            return live[hook.name]
+            # nothing before it needs a gradient (frozen weights): it becomes a leaf we can differentiate to,
+            # and the next point it reaches (as the same tensor) reuses what is stored for it
+            leaf = live[hook.name] = activation.detach().requires_grad_(True)
+            converted[id(leaf)] = (weakref.ref(leaf), store[hook.name])
+            return leaf
 
         if grads_of is not None and torch.is_inference_mode_enabled():
             # enable_grad cannot reach out of inference mode: the scalar would have no graph
@@ -182,8 +184,11 @@ class HookedRootModule(nn.Module):
                              "graph); compute it from the output with differentiable operations, not .detach(), "
                              ".item() or argmax")
         names = list(live)
-        grads = torch.autograd.grad(value.squeeze(), [live[n] for n in names], allow_unused=True)
+        # an activation the scalar does not depend on has gradient zero (materialize_grads)
+        grads = torch.autograd.grad(value.squeeze(), [live[n] for n in names], allow_unused=True, materialize_grads=True)
+        stored: dict[int, torch.Tensor] = {}  # one tensor at two points has one gradient: stored once
         for name, grad in zip(names, grads):
-            # an activation the scalar does not depend on has gradient zero
-            store[f"{name}_grad"] = _store(torch.zeros_like(live[name]) if grad is None else grad, device, dtype)
+            if id(grad) not in stored:
+                stored[id(grad)] = _store(grad, device, dtype)
+            store[f"{name}_grad"] = stored[id(grad)]
         return out.detach() if isinstance(out, torch.Tensor) else out

@@ -18,6 +18,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = cfg.layer_heads(layer), cfg.layer_kv_heads(layer), cfg.d_head
+        self.qkv_sizes = [self.n_heads * cfg.d_head, self.n_kv_heads * cfg.d_head, self.n_kv_heads * cfg.d_head]
         # q of every head, then k and v of every key/value head, in one matmul
         self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
         self.out = nn.Linear(self.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
@@ -43,7 +44,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [batch pos d_model]; positions [batch pos]; `allowed` [batch 1 query_pos key_pos] says which
         keys each query may see (None: plain causal); `past` holds earlier passes' keys and values."""
-        q, k, v = self.qkv(x).split([self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head], dim=-1)
+        q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
         q = self.hook_q(rearrange(q, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
         k = self.hook_k(rearrange(k, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
         v = self.hook_v(rearrange(v, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
@@ -80,8 +81,7 @@ class Attention(nn.Module):
 
     # Per-head views of the weights, in the shapes interpretability code expects.
     def _split_qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        sizes = [self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head]
-        return self.qkv.weight.split(sizes, dim=0)
+        return self.qkv.weight.split(self.qkv_sizes, dim=0)
 
     @property
     def W_Q(self) -> torch.Tensor:  # [head d_model d_head]
@@ -103,23 +103,20 @@ class Attention(nn.Module):
     def b_O(self) -> Optional[torch.Tensor]:  # [d_model], None without an output bias
         return self.out.bias
 
-    def _split_qkv_bias(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _qkv_bias(self, part: int) -> Optional[torch.Tensor]:
+        """Part 0, 1 or 2 (q, k, v) of the fused bias as [head d_head]; None without q/k/v biases."""
         if self.qkv.bias is None:
             return None
-        sizes = [self.n_heads * self.d_head, self.n_kv_heads * self.d_head, self.n_kv_heads * self.d_head]
-        return tuple(b.view(-1, self.d_head) for b in self.qkv.bias.split(sizes))
+        return self.qkv.bias.split(self.qkv_sizes)[part].view(-1, self.d_head)
 
     @property
     def b_Q(self) -> Optional[torch.Tensor]:  # [head d_head], None without q/k/v biases
-        biases = self._split_qkv_bias()
-        return None if biases is None else biases[0]
+        return self._qkv_bias(0)
 
     @property
     def b_K(self) -> Optional[torch.Tensor]:  # [kv_head d_head]
-        biases = self._split_qkv_bias()
-        return None if biases is None else biases[1]
+        return self._qkv_bias(1)
 
     @property
     def b_V(self) -> Optional[torch.Tensor]:  # [kv_head d_head]
-        biases = self._split_qkv_bias()
-        return None if biases is None else biases[2]
+        return self._qkv_bias(2)

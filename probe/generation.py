@@ -49,17 +49,13 @@ def generate(
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     fwd_hooks = list(fwd_hooks)  # attached on every pass: a generator would be used up by the first
     as_text = isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and isinstance(input[0], str))
-    if as_text:
-        if attention_mask is not None:
-            raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
-        tokens, attention_mask = model.to_tokens(input, return_attention_mask=True, padding_side="left")
-    else:
-        tokens, attention_mask = model._tokens_and_mask(input, attention_mask)
+    # text is padded on the left: every prompt then ends at the last position, where generation continues
+    tokens, attention_mask = model._tokens_and_mask(input, attention_mask, padding_side="left")
     if tokens.shape[1] + max_new_tokens > model.cfg.n_ctx:
         raise ValueError(
             f"the prompt has {tokens.shape[1]} tokens; {max_new_tokens} more would exceed n_ctx={model.cfg.n_ctx}"
         )
-    mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.to(tokens.device)
+    mask = torch.ones_like(tokens) if attention_mask is None else attention_mask
     padded_last = (mask[:, -1] == 0).nonzero().flatten().tolist()
     if padded_last:
         # each prompt continues from the last position, so that position must be a real token

@@ -127,7 +127,7 @@ class HookedDecoder(HookedRootModule):
         else:
             resid = self._validate_residual(input, start_at_layer)
             batch, n_new = resid.shape[:2]
-            attention_mask = _check_mask(attention_mask, (batch, n_new), "the residual stream's [batch pos]")
+            attention_mask = _check_mask(attention_mask, (batch, n_new), "the residual stream's [batch pos]", self.device)
         if stop_at_layer is not None:
             n_layers = self.cfg.n_layers
             stop = stop_at_layer + n_layers if stop_at_layer < 0 else stop_at_layer
@@ -150,9 +150,7 @@ class HookedDecoder(HookedRootModule):
                     f"the KV cache holds {kv_cache.length} positions; {n_new} more would exceed n_ctx={self.cfg.n_ctx}"
                 )
             new_mask = attention_mask if attention_mask is not None else torch.ones(batch, n_new, dtype=torch.long, device=device)
-            attention_mask = kv_cache.extend_mask(new_mask.to(device).long())
-        elif attention_mask is not None:
-            attention_mask = attention_mask.to(device).long()
+            attention_mask = kv_cache.extend_mask(new_mask)
         positions = _positions(attention_mask, batch, n_new, device)
         if start_at_layer == 0:
             resid = self.hook_embed(self.embed(tokens))
@@ -349,11 +347,12 @@ class HookedDecoder(HookedRootModule):
             return tokenizer.decode(tokens.tolist())
         return [tokenizer.decode(row.tolist()) for row in tokens]
 
-    def _tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor]):
+    def _tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor], padding_side: str = "right"):
+        """Token ids on the model's device and their [batch pos] long mask (None: nothing padded)."""
         if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
             if attention_mask is not None:
                 raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
-            tokens, attention_mask = self.to_tokens(input, return_attention_mask=True)
+            tokens, attention_mask = self.to_tokens(input, return_attention_mask=True, padding_side=padding_side)
             if bool(attention_mask.all()):
                 attention_mask = None  # nothing padded: the causal-only path is exact and faster
         elif isinstance(input, torch.Tensor):
@@ -363,7 +362,7 @@ class HookedDecoder(HookedRootModule):
         else:
             raise TypeError(f"input must be a string, a list of strings or a tensor of token ids, got {type(input).__name__}")
         tokens = self.validate_tokens(tokens)
-        return tokens, _check_mask(attention_mask, tuple(tokens.shape), "the tokens'")
+        return tokens, _check_mask(attention_mask, tuple(tokens.shape), "the tokens'", tokens.device)
 
     def validate_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Check token ids before they reach an embedding lookup, where mistakes become cryptic."""
@@ -388,8 +387,8 @@ class HookedDecoder(HookedRootModule):
         return tokens.to(self.device, torch.long)
 
 
-def _check_mask(attention_mask: Optional[torch.Tensor], shape: tuple[int, int], what: str) -> Optional[torch.Tensor]:
-    """A [pos] or [batch pos] mask as [batch pos] long, or an error naming both shapes."""
+def _check_mask(attention_mask: Optional[torch.Tensor], shape: tuple[int, int], what: str, device) -> Optional[torch.Tensor]:
+    """A [pos] or [batch pos] mask as [batch pos] long on `device`, or an error naming both shapes."""
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor):
@@ -398,7 +397,7 @@ def _check_mask(attention_mask: Optional[torch.Tensor], shape: tuple[int, int], 
         attention_mask = attention_mask.unsqueeze(0)
     if tuple(attention_mask.shape) != tuple(shape):
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but {what} shape is {tuple(shape)}")
-    return attention_mask.long()
+    return attention_mask.to(device, torch.long)
 
 
 def _positions(attention_mask: Optional[torch.Tensor], batch: int, n_new: int, device) -> torch.Tensor:

@@ -27,8 +27,18 @@ import dataclasses
 import torch
 from torch import nn
 
-from probe.config import Norm, NormPlacement
+from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.model import HookedDecoder
+
+
+def can_fold_ln(cfg: DecoderConfig) -> bool:
+    """Folding needs pre-norm blocks: in a post-norm model the norm's output is the residual stream itself."""
+    return cfg.norm_placement is NormPlacement.PRE
+
+
+def can_center_writing_weights(cfg: DecoderConfig) -> bool:
+    """Centring the writers needs every reader of the residual stream to be a LayerNorm (which subtracts the mean)."""
+    return cfg.norm is Norm.LAYER and cfg.final_norm and cfg.norm_placement is NormPlacement.PRE
 
 
 @torch.no_grad()
@@ -43,10 +53,10 @@ def process_weights(
     """A copy of `model` with its weights processed (see the module docstring); its log-probabilities
     equal the original's up to rounding."""
     cfg = model.cfg
-    if fold_ln and cfg.norm_placement is not NormPlacement.PRE:
+    if fold_ln and not can_fold_ln(cfg):
         raise ValueError("fold_ln needs pre-norm blocks: in a post-norm model (GPT-1) the norm's output is the "
                          "residual stream itself, not the input of one layer; pass fold_ln=False")
-    if center_writing_weights and not (cfg.norm is Norm.LAYER and cfg.final_norm and cfg.norm_placement is NormPlacement.PRE):
+    if center_writing_weights and not can_center_writing_weights(cfg):
         raise ValueError("center_writing_weights needs every reader of the residual stream to be a LayerNorm (pre-norm "
                          f"blocks and a final LayerNorm); this model has norm={cfg.norm.value}, "
                          f"final_norm={cfg.final_norm}, norm_placement={cfg.norm_placement.value}; "
@@ -73,11 +83,15 @@ def _untie(model: HookedDecoder) -> None:
         model.cfg = dataclasses.replace(model.cfg, tied_embeddings=False)
 
 
+def _mlp_inputs(block: nn.Module) -> list[nn.Module]:
+    """The MLP's layers that read ln2: the up projection, and the gate of a gated MLP."""
+    return [block.mlp.fc_in] + ([block.mlp.gate] if hasattr(block.mlp, "gate") else [])
+
+
 def _fold_norms(model: HookedDecoder) -> None:
     for block in model.blocks:
         _fold_norm_into(block.ln1, [block.attn.qkv], model, "qkv_bias")
-        readers = [block.mlp.fc_in] + ([block.mlp.gate] if hasattr(block.mlp, "gate") else [])
-        _fold_norm_into(block.ln2, readers, model, "mlp_bias")
+        _fold_norm_into(block.ln2, _mlp_inputs(block), model, "mlp_bias")
     if model.cfg.final_norm:
         _fold_norm_into(model.ln_final, [model.unembed], model, "unembed_bias")
 
@@ -87,9 +101,10 @@ def _fold_norm_into(norm: nn.Module, readers: list[nn.Module], model: HookedDeco
     reader.bias + reader.weight @ b; the norm keeps w = 1 (and b = 0)."""
     w = norm.w.float()
     b = norm.b.float() if hasattr(norm, "b") else None
+    fold_bias = b is not None and bool(b.any())
     for reader in readers:
         weight = reader.weight.float()  # [out in]
-        if b is not None and bool(b.any()):
+        if fold_bias:
             if reader.bias is None:  # the folded norm bias needs somewhere to live
                 _add_biases(model, bias_field)
             reader.bias.copy_(reader.bias.float() + weight @ b)
@@ -108,8 +123,7 @@ def _biased_layers(model: HookedDecoder, bias_field: str) -> list[nn.Module]:
     if bias_field == "out_bias":
         return [block.attn.out for block in model.blocks]
     if bias_field == "mlp_bias":
-        return [layer for block in model.blocks for layer in (block.mlp.fc_in, getattr(block.mlp, "gate", None), block.mlp.fc_out)
-                if layer is not None]
+        return [layer for block in model.blocks for layer in _mlp_inputs(block) + [block.mlp.fc_out]]
     raise ValueError(f"unknown bias field {bias_field!r}")
 
 
