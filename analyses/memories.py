@@ -934,6 +934,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               overwrite=args.overwrite)
         if not _distributed() or _distributed().get_rank() == 0:
             print(f"scanned {result.n_tokens} tokens; wrote {args.out}")
+        if _distributed():
+            # every rank waits for the others (rank 0 may still be writing) before tearing the group
+            # down: gloo can abort a process whose peer closes its connections mid-exchange. Only on
+            # success: after an error the ranks' collectives no longer match, and torchrun stops them.
+            _distributed().barrier()
     finally:
         if _distributed():
             _distributed().destroy_process_group()
