@@ -44,6 +44,15 @@ def lens_sites(n_layers: int, include_mid: bool = False) -> list[str]:
     return sites
 
 
+def model_lens_sites(model: HookedDecoder, include_mid: bool = False) -> list[str]:
+    """`lens_sites` for this model; include_mid needs a residual between the sublayers, which parallel blocks lack."""
+    if include_mid and act_name("resid_mid", 0) not in model.hook_names:
+        raise ValueError("include_mid reads the residual between each block's attention and MLP (hook_resid_mid); "
+                         f"this model's blocks are {model.cfg.norm_placement.value} (attention and MLP both read "
+                         "hook_resid_pre), so there is none: leave include_mid=False")
+    return lens_sites(model.cfg.n_layers, include_mid)
+
+
 def site_label(site: str) -> str:
     """A short readable name: `embed`, `L3 attn` (after block 3's attention), `L3` (after block 3)."""
     if site == "blocks.0.hook_resid_pre":
@@ -256,7 +265,7 @@ def logit_lens(
     if not (isinstance(k, int) and 1 <= k <= model.cfg.d_vocab):
         raise ValueError(f"k={k!r} must be an int in [1, d_vocab={model.cfg.d_vocab}]")
     tokens, mask = tokens_and_mask(model, input, attention_mask)
-    sites = lens_sites(model.cfg.n_layers, include_mid)
+    sites = model_lens_sites(model, include_mid)
     if lens is not None:
         lens.check_compatible(model, sites)
     # Stop before the final norm: every site, the final one included, goes through ln_final and the
@@ -378,7 +387,7 @@ class TunedLens(nn.Module):
 
     @classmethod
     def for_model(cls, model: HookedDecoder, include_mid: bool = False, training: Optional[dict] = None) -> "TunedLens":
-        sites = tuple(lens_sites(model.cfg.n_layers, include_mid)[:-1])
+        sites = tuple(model_lens_sites(model, include_mid)[:-1])
         cfg = TunedLensConfig(d_model=model.cfg.d_model, n_layers=model.cfg.n_layers, sites=sites,
                               model_signature=_signature(model), training=dict(training or {}))
         return cls(cfg).to(model.device)
@@ -553,7 +562,7 @@ def train_tuned_lens(
         text, source = heldout_split()[0], "probe.HELDOUT_TEXT (training part, heldout_split()[0])"
     else:
         source = "user text"
-    sites = lens_sites(model.cfg.n_layers, include_mid)
+    sites = model_lens_sites(model, include_mid)
     resid = _collect_residuals(model, text, sites, max_tokens, n_ctx)
     lens = TunedLens.for_model(model, include_mid)
     lens.float()

@@ -4,11 +4,14 @@ One small table of functions per family; loading.py does the file handling for a
 """
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from einops import rearrange
 
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.tokenizer import Tokenizer
@@ -22,7 +25,7 @@ class Source:
     """A checkpoint's tensors, taken one by one with their expected shapes; leftovers are an error."""
 
     # Buffers some checkpoints carry (causal masks, rotary tables) that we rebuild ourselves.
-    IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+    IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
 
     def __init__(self, state: dict[str, torch.Tensor], directory: Path, prefixes: tuple[str, ...]):
         self.directory = directory
@@ -112,6 +115,7 @@ _GPT_ACTIVATION_NAMES = {Activation.GELU_TANH: "gelu_new", Activation.GELU: "gel
 
 def _require(cfg: DecoderConfig, family: str, **wanted) -> None:
     wrong = {k: getattr(cfg, k) for k, v in wanted.items() if getattr(cfg, k) != v}
+    wrong = {k: v.value if isinstance(v, enum.Enum) else v for k, v in wrong.items()}
     if wrong:
         raise ValueError(f"a {family} checkpoint cannot hold this model: {', '.join(f'{k}={v}' for k, v in wrong.items())}")
 
@@ -300,6 +304,118 @@ def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
     return {k: v.contiguous() for k, v in out.items()}
 
 
+
+# ---- GPT-NeoX (Pythia): nn.Linear layers; q, k, v fused and interleaved per head ---------------------
+def neox_config(hf: dict) -> DecoderConfig:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise CheckpointError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain rotary")
+    n_heads, d_model = hf["num_attention_heads"], hf["hidden_size"]
+    d_head = d_model // n_heads
+    # older config files (every Pythia on the hub) say rotary_pct / rotary_emb_base; transformers 5 writes rope_parameters
+    fraction = rope.get("partial_rotary_factor", hf.get("rotary_pct", 1.0))
+    bias = hf.get("attention_bias", True)
+    heads = hf.get("heads_per_layer")  # written by probe for structurally pruned models
+    return DecoderConfig(
+        n_layers=hf["num_hidden_layers"], d_model=d_model, n_heads=n_heads, d_mlp=hf["intermediate_size"],
+        d_vocab=hf["vocab_size"], n_ctx=hf["max_position_embeddings"], eps=hf.get("layer_norm_eps", 1e-5),
+        activation=_activation(hf.get("hidden_act", "gelu"), GPT_ACTIVATIONS),
+        norm_placement=NormPlacement.PARALLEL if hf.get("use_parallel_residual", True) else NormPlacement.PRE,
+        positions=Positions.ROTARY, rotary_dim=int(d_head * fraction),
+        rotary_base=float(rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))),
+        qkv_bias=bias, out_bias=bias, tied_embeddings=hf.get("tie_word_embeddings", False),
+        heads_per_layer=None if heads is None else tuple(heads),
+    )
+
+
+def neox_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+    _require(cfg, "GPT-NeoX", norm=Norm.LAYER, final_norm=True, positions=Positions.ROTARY,
+             gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, out_bias=cfg.qkv_bias,
+             mlp_bias=True)
+    if cfg.norm_placement is NormPlacement.POST:
+        raise ValueError("a GPT-NeoX checkpoint cannot hold this model: norm_placement=post")
+    if cfg.n_heads * cfg.d_head != cfg.d_model:
+        raise ValueError("a GPT-NeoX checkpoint needs n_heads * d_head == d_model")
+    special = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else 0
+    fraction = cfg.rotary_dim / cfg.d_head
+    while int(cfg.d_head * fraction) < cfg.rotary_dim:  # transformers truncates d_head * fraction (4 / 49 * 49 < 4)
+        fraction = math.nextafter(fraction, 1.0)
+    return {
+        "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "num_hidden_layers": cfg.n_layers,
+        "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads, "intermediate_size": cfg.d_mlp,
+        "vocab_size": cfg.d_vocab, "max_position_embeddings": cfg.n_ctx, "layer_norm_eps": cfg.eps,
+        "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation],
+        "use_parallel_residual": cfg.norm_placement is NormPlacement.PARALLEL,
+        # both spellings: transformers 5 reads rope_parameters, older versions rotary_pct / rotary_emb_base
+        "rotary_pct": fraction, "rotary_emb_base": cfg.rotary_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base, "partial_rotary_factor": fraction},
+        "attention_bias": cfg.qkv_bias, "tie_word_embeddings": cfg.tied_embeddings,
+        "bos_token_id": special, "eos_token_id": special,
+        # transformers cannot load a pruned model (its layers differ in width); probe can
+        **({"heads_per_layer": list(cfg.heads_per_layer)} if cfg.heads_per_layer is not None else {}),
+    }
+
+
+def _neox_qkv(tensor: torch.Tensor, ours: str, cfg: DecoderConfig, to_probe: bool) -> torch.Tensor:
+    """GPT-NeoX stores q, k, v interleaved per head, [(head qkv d_head) ...]; probe stores [(qkv head d_head) ...].
+    Other tensors (`ours` names which) pass unchanged."""
+    if ".attn.qkv." not in ours:
+        return tensor
+    heads = cfg.layer_heads(int(ours.split(".")[1]))
+    if to_probe:
+        return rearrange(tensor, "(head qkv d_head) ... -> (qkv head d_head) ...", head=heads, qkv=3)
+    return rearrange(tensor, "(qkv head d_head) ... -> (head qkv d_head) ...", head=heads, qkv=3)
+
+
+def _neox_names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """ours -> (theirs, their shape); every weight stored [out, in] as ours."""
+    d, m, v = cfg.d_model, cfg.d_mlp, cfg.d_vocab
+    table = {"embed.W_E": ("embed_in.weight", (v, d)), "ln_final.w": ("final_layer_norm.weight", (d,)),
+             "ln_final.b": ("final_layer_norm.bias", (d,))}
+    for l in range(cfg.n_layers):
+        o, t, a = f"blocks.{l}", f"layers.{l}", cfg.layer_heads(l) * cfg.d_head  # a: this layer's attention width
+        table.update({
+            f"{o}.ln1.w": (f"{t}.input_layernorm.weight", (d,)), f"{o}.ln1.b": (f"{t}.input_layernorm.bias", (d,)),
+            f"{o}.ln2.w": (f"{t}.post_attention_layernorm.weight", (d,)),
+            f"{o}.ln2.b": (f"{t}.post_attention_layernorm.bias", (d,)),
+            f"{o}.attn.qkv.weight": (f"{t}.attention.query_key_value.weight", (3 * a, d)),
+            f"{o}.attn.out.weight": (f"{t}.attention.dense.weight", (d, a)),
+            f"{o}.mlp.fc_in.weight": (f"{t}.mlp.dense_h_to_4h.weight", (m, d)),
+            f"{o}.mlp.fc_in.bias": (f"{t}.mlp.dense_h_to_4h.bias", (m,)),
+            f"{o}.mlp.fc_out.weight": (f"{t}.mlp.dense_4h_to_h.weight", (d, m)),
+            f"{o}.mlp.fc_out.bias": (f"{t}.mlp.dense_4h_to_h.bias", (d,)),
+        })
+        if cfg.qkv_bias:
+            table[f"{o}.attn.qkv.bias"] = (f"{t}.attention.query_key_value.bias", (3 * a,))
+            table[f"{o}.attn.out.bias"] = (f"{t}.attention.dense.bias", (d,))
+    return table
+
+
+def neox_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    for ours, (theirs, shape) in _neox_names(cfg).items():
+        out[ours] = _neox_qkv(source.take(theirs, shape), ours, cfg, to_probe=True)
+    # GPTNeoXForCausalLM names its head embed_out (every Pythia file); some converted files say lm_head
+    head = source.take_optional("embed_out.weight")
+    head = source.take_optional("lm_head.weight") if head is None else head
+    if cfg.tied_embeddings:
+        out["unembed.weight"] = out["embed.W_E"]
+    elif head is None:
+        raise CheckpointError(f"checkpoint in {source.directory} is missing the tensor 'embed_out.weight' (tie_word_embeddings is false)")
+    elif tuple(head.shape) != (cfg.d_vocab, cfg.d_model):
+        raise CheckpointError(f"tensor 'embed_out.weight' in {source.directory} has shape {tuple(head.shape)}, "
+                              f"but config.json implies {(cfg.d_vocab, cfg.d_model)}")
+    else:
+        out["unembed.weight"] = head
+    return out
+
+
+def neox_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    out = {f"gpt_neox.{theirs}": _neox_qkv(params[ours], ours, cfg, to_probe=False) for ours, (theirs, _) in _neox_names(cfg).items()}
+    if not cfg.tied_embeddings:
+        out["embed_out.weight"] = params["unembed.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
 FAMILIES = {
     family.model_type: family
     for family in (
@@ -310,6 +426,7 @@ FAMILIES = {
         Family("llama", "LlamaForCausalLM", ("model.",), llama_config, llama_config_to_hf, llama_to_probe, llama_to_hf),
         Family("qwen2", "Qwen2ForCausalLM", ("model.",), qwen2_config,
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen2"), llama_to_probe, llama_to_hf),
+        Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf),
     )
 }
 

@@ -26,8 +26,11 @@ class Norm(enum.Enum):
 
 
 class NormPlacement(enum.Enum):
+    """Where the norms sit, which decides how the two sublayers meet the residual stream."""
+
     PRE = "pre"  # x + F(norm(x)): GPT-2, Llama
     POST = "post"  # norm(x + F(x)): the 2017 original, GPT-1
+    PARALLEL = "parallel"  # x + attn(norm1(x)) + mlp(norm2(x)): both read the same residual (GPT-NeoX, Pythia)
 
 
 class Positions(enum.Enum):
@@ -65,6 +68,7 @@ class DecoderConfig:
     final_norm: bool = True
     positions: Positions = Positions.LEARNED
     rotary_base: float = 10000.0
+    rotary_dim: Optional[int] = None  # None: d_head; fewer: only each head's first rotary_dim dimensions rotate (Pythia: d_head / 4)
     qkv_bias: bool = True
     out_bias: bool = True  # attention output projection bias
     mlp_bias: bool = True
@@ -112,8 +116,18 @@ class DecoderConfig:
         object.__setattr__(self, "norm", _enum(Norm, self.norm, "norm"))
         object.__setattr__(self, "norm_placement", _enum(NormPlacement, self.norm_placement, "norm_placement"))
         object.__setattr__(self, "positions", _enum(Positions, self.positions, "positions"))
-        if self.positions is Positions.ROTARY and self.d_head % 2:
-            raise ValueError(f"positions=rotary rotates pairs of dimensions, so d_head must be even, got d_head={self.d_head}")
+        if self.rotary_dim is not None and self.positions is not Positions.ROTARY:
+            raise ValueError(f"rotary_dim={self.rotary_dim!r} applies only to positions=rotary (got positions={self.positions.value})")
+        if self.positions is Positions.ROTARY:
+            if self.rotary_dim is None:
+                if self.d_head % 2:
+                    raise ValueError(f"positions=rotary rotates pairs of dimensions, so d_head must be even, got d_head="
+                                     f"{self.d_head} (or rotate only part of each head: an even rotary_dim below it)")
+                object.__setattr__(self, "rotary_dim", self.d_head)
+            positive("rotary_dim")
+            if self.rotary_dim % 2 or self.rotary_dim > self.d_head:
+                raise ValueError(f"positions=rotary rotates pairs of dimensions, so rotary_dim must be even and at most "
+                                 f"d_head={self.d_head}, got rotary_dim={self.rotary_dim}")
         if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
             raise ValueError(f"eps must be a small positive float, got {self.eps!r}")
         if not (isinstance(self.rotary_base, (int, float)) and self.rotary_base > 1):

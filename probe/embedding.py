@@ -55,18 +55,20 @@ class SinusoidalPosEmbed(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021) in the half-split layout Llama checkpoints use:
-    dimension i is paired with i + d_head/2, and the pair is rotated by position * base^(-2i/d_head)."""
+    """Rotary position embedding (Su et al. 2021) in the half-split layout Llama and GPT-NeoX checkpoints
+    use, on each head's first `dim` dimensions (all of them in Llama; a quarter in Pythia), the rest
+    passing through: dimension i is paired with i + dim/2, and the pair is rotated by
+    position * base^(-2i/dim)."""
 
-    def __init__(self, d_head: int, base: float):
+    def __init__(self, dim: int, base: float):
         super().__init__()
-        self.d_head, self.base = d_head, base
-        self.register_buffer("inv_freq", torch.empty(d_head // 2), persistent=False)
+        self.dim, self.base = dim, base
+        self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
         self.build_buffers()
 
     def build_buffers(self) -> None:
         """(Re)compute the frequencies; buffers are derived, never stored in checkpoints."""
-        exponents = torch.arange(0, self.d_head, 2, dtype=torch.float32, device="cpu") / self.d_head
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device="cpu") / self.dim
         device = self.inv_freq.device if not self.inv_freq.is_meta else "cpu"
         self.inv_freq = (1.0 / (self.base**exponents)).to(device)
 
@@ -80,11 +82,12 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [batch pos head d_head], positions [batch pos] -> x rotated by its position."""
-        angles = positions[..., None].float() * self.inv_freq  # [batch pos d_head/2]
-        angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # [batch pos 1 d_head]
+        angles = positions[..., None].float() * self.inv_freq  # [batch pos dim/2]
+        angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # [batch pos 1 dim]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        first, second = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-second, first], dim=-1) * sin
+        rotating, passing = x[..., : self.dim], x[..., self.dim :]
+        first, second = rotating.chunk(2, dim=-1)
+        return torch.cat([rotating * cos + torch.cat([-second, first], dim=-1) * sin, passing], dim=-1)
 
 
 def make_pos_embed(cfg: DecoderConfig) -> nn.Module | None:

@@ -16,12 +16,16 @@ from probe.io import atomic_directory
 from probe.model import HookedDecoder
 from probe.tokenizer import Tokenizer
 
-GPT2_FAMILY = {
+# short names, as transformer-lens spells them -> hub repositories
+SHORT_NAMES = {
     "gpt2": "openai-community/gpt2",
     "gpt2-medium": "openai-community/gpt2-medium",
     "gpt2-large": "openai-community/gpt2-large",
     "gpt2-xl": "openai-community/gpt2-xl",
     "distilgpt2": "distilbert/distilgpt2",
+    **{f"pythia-{size}{dedup}": f"EleutherAI/pythia-{size}{dedup}"
+       for size in ("14m", "31m", "70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
+       for dedup in ("", "-deduped")},
 }
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
              "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
@@ -30,8 +34,9 @@ def load_pretrained(
     name_or_path: Union[str, Path],
     device: Optional[Union[str, torch.device]] = None,
     dtype: Optional[torch.dtype] = None,
+    revision: Optional[str] = None,
 ) -> HookedDecoder:
-    directory = resolve_checkpoint(name_or_path)
+    directory = resolve_checkpoint(name_or_path, revision)
     hf_config = _read_json(directory / "config.json")
     cfg = config_from_hf(hf_config, directory)
     state = state_dict_from_hf(_read_weights(directory), hf_config, cfg, directory)
@@ -45,42 +50,49 @@ def load_pretrained(
 
 
 # ---- finding the files ---------------------------------------------------------------------------
-def resolve_checkpoint(name_or_path: Union[str, Path]) -> Path:
-    """A local directory as given, or a GPT-2 family name fetched from (or found in the cache of) the hub."""
+def resolve_checkpoint(name_or_path: Union[str, Path], revision: Optional[str] = None) -> Path:
+    """A local directory as given, or a short name (`gpt2`, `pythia-70m`) or hub repository fetched from (or
+    found in the cache of) the hub, at `revision` (a branch, tag or commit: Pythia's training checkpoints
+    are the branches `step0` ... `step143000`)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
+        if revision is not None:
+            raise CheckpointError(f"revision={revision!r} selects a version of a hub repository; {path} is a local "
+                                  "directory, which has only the version it holds: drop revision=")
         return path
     name = str(name_or_path)
-    if name in GPT2_FAMILY:
-        return _from_hub(GPT2_FAMILY[name])
+    if name in SHORT_NAMES:
+        return _from_hub(SHORT_NAMES[name], revision=revision)
     if path.exists():
         raise CheckpointError(f"{path} is a file; pass the checkpoint directory holding config.json")
     if HUB_REPO_ID.fullmatch(name):  # not a local directory, but shaped like owner/name: a hub repository
-        return _from_hub(name, also=f"there is no local directory {path}")
+        return _from_hub(name, also=f"there is no local directory {path}", revision=revision)
     if any(sep in name for sep in ("/", "\\")) or name.startswith((".", "~")):
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     raise CheckpointError(
         f"{name!r} is neither a local checkpoint directory nor a supported model name; "
-        f"supported names: {', '.join(GPT2_FAMILY)}; or pass a directory holding config.json and model.safetensors"
+        f"supported names: {', '.join(SHORT_NAMES)}; or a hub repository (owner/name); "
+        "or pass a directory holding config.json and model.safetensors"
     )
 
 
-def _from_hub(repo_id: str, also: str = "") -> Path:
+def _from_hub(repo_id: str, also: str = "", revision: Optional[str] = None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:  # the local cache first: works offline and costs no request
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES, local_files_only=True))
     except Exception:
         pass
+    at = "" if revision is None else f" at revision {revision!r}"
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
     except Exception as err:
         raise CheckpointError(
             (f"{also}; " if also else "") +
-            f"could not download {repo_id} from the Hugging Face hub, and it is not in the local cache "
+            f"could not download {repo_id}{at} from the Hugging Face hub, and it is not in the local cache "
             f"({type(err).__name__}: {err}). On a machine with network access run "
-            f"`hf download {repo_id}` (or save_pretrained it), then pass that local directory "
-            f"to from_pretrained."
+            f"`hf download {repo_id}{'' if revision is None else f' --revision {revision}'}` (or save_pretrained it), "
+            f"then pass that local directory to from_pretrained."
         ) from err
 
 

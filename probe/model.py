@@ -58,7 +58,23 @@ class PostNormBlock(PreNormBlock):
         return self.hook_resid_post(self.ln2(resid_mid + mlp_out))
 
 
-BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock}
+class ParallelBlock(PreNormBlock):
+    """The parallel residual block (GPT-NeoX, Pythia, GPT-J): y = x + attn(ln1(x)) + mlp(ln2(x)).
+
+    Both sublayers read the same residual, so there is no residual between them: no hook_resid_mid."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        super().__init__(cfg, layer)
+        del self.hook_resid_mid
+
+    def forward(self, resid_pre, positions, allowed=None, past=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), positions, allowed, past))
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_pre)))
+        return self.hook_resid_post(resid_pre + attn_out + mlp_out)
+
+
+BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, NormPlacement.PARALLEL: ParallelBlock}
 Block = PreNormBlock
 
 
@@ -232,14 +248,18 @@ class HookedDecoder(HookedRootModule):
         name_or_path: Union[str, Path],
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
+        revision: Optional[str] = None,
     ) -> "HookedDecoder":
-        """Load a Hugging Face GPT-2 checkpoint: a hub name (`gpt2`, `gpt2-medium`, ...) or a local directory."""
+        """Load a Hugging Face checkpoint (GPT-2, GPT-1, Llama, Qwen2, GPT-NeoX/Pythia): a local directory, a
+        short name (`gpt2`, `gpt2-medium`, `pythia-160m`, ...) or a hub repository (`owner/name`).
+
+        `revision`: a hub branch, tag or commit, e.g. one of Pythia's training checkpoints (`"step3000"`)."""
         from probe.loading import load_pretrained
 
-        return load_pretrained(name_or_path, device=device, dtype=dtype)
+        return load_pretrained(name_or_path, device=device, dtype=dtype, revision=revision)
 
     def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
-        """Write a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`, `tokenizer.json`)."""
+        """Write a Hugging Face directory in this model's family (`config.json`, `model.safetensors`, `tokenizer.json`)."""
         from probe.loading import save_pretrained
 
         return save_pretrained(self, directory, overwrite=overwrite)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from probe.config import DecoderConfig, Positions
+from probe.config import DecoderConfig, NormPlacement, Positions
 
 
 def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int] = None) -> dict[str, tuple[int, ...]]:
@@ -33,7 +33,8 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.attn.hook_z"] = (batch, pos, heads, cfg.d_head)
         shapes[f"{b}.attn.hook_result"] = (batch, pos, heads, cfg.d_model)
         shapes[f"{b}.hook_attn_out"] = resid
-        shapes[f"{b}.hook_resid_mid"] = resid
+        if cfg.norm_placement is not NormPlacement.PARALLEL:  # both sublayers read resid_pre: nothing between them
+            shapes[f"{b}.hook_resid_mid"] = resid
         norm(f"{b}.ln2")
         shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
         if cfg.gated_mlp:

@@ -22,7 +22,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, output: bool = True
     from probe import DEFAULT_MODEL
 
     common = parser.add_argument_group("common options")
-    common.add_argument("--model", default=DEFAULT_MODEL, help="hub name (gpt2, ...) or checkpoint directory (default: the bundled model)")
+    common.add_argument("--model", default=DEFAULT_MODEL,
+                        help="hub name (gpt2, pythia-160m, owner/name, ...) or checkpoint directory (default: the bundled model)")
+    common.add_argument("--revision", default=None,
+                        help="a hub branch, tag or commit of --model, e.g. a Pythia training checkpoint: step3000")
     common.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     common.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model precision")
     if output:
@@ -68,10 +71,11 @@ def load_model(args: argparse.Namespace):
     from probe.loading import CheckpointError
 
     try:
-        model = HookedDecoder.from_pretrained(args.model, device=resolve_device(args.device), dtype=getattr(torch, DTYPES[args.dtype]))
+        model = HookedDecoder.from_pretrained(args.model, device=resolve_device(args.device),
+                                              dtype=getattr(torch, DTYPES[args.dtype]), revision=args.revision)
     except (CheckpointError, FileNotFoundError) as err:
         # the library's advice names its own function; on the command line the way in is --model
-        message = str(err).replace("to from_pretrained", "as --model")
+        message = str(err).replace("to from_pretrained", "as --model").replace("drop revision=", "drop --revision")
         raise CommandError(f"cannot load --model {args.model}: {message}") from err
     return model.eval()
 

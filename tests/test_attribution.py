@@ -177,6 +177,7 @@ ARCHITECTURES = {
                        gated_mlp=True, activation="silu", n_kv_heads=2),
     "no final norm": dict(final_norm=False),
     "pruned heads": dict(heads_per_layer=(4, 2)),
+    "pythia-like": dict(norm_placement="parallel", positions="rotary", rotary_dim=4, activation="gelu", tied_embeddings=False),
 }
 
 
@@ -200,7 +201,7 @@ def test_other_architectures_add_up(arch):
     torch.testing.assert_close(result.total, expected, atol=ATOL, rtol=0)
     decomposition = residual_decomposition(model, tokens)
     torch.testing.assert_close(decomposition.total(), cache["blocks.1.hook_resid_post"], atol=ATOL, rtol=0)
-    assert ("pos_embed" in result.index.names) == (arch != "llama-like")
+    assert ("pos_embed" in result.index.names) == (arch not in ("llama-like", "pythia-like"))
     heads = result.head_contributions()
     assert int(heads.isnan().sum()) == (2 * 2 if arch == "pruned heads" else 0)
 

@@ -17,6 +17,17 @@ def llama_pair(tmp_path_factory):
     return hf, HookedDecoder.from_pretrained(directory).eval()
 
 
+@pytest.fixture(scope="module")
+def neox_pair(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("neox")
+    hf = build("neox", directory)
+    return hf, HookedDecoder.from_pretrained(directory).eval()
+
+
+def pair_of(which, tiny_hf, tiny_model, request):
+    return (tiny_hf, tiny_model) if which == "gpt2" else request.getfixturevalue(f"{which}_pair")
+
+
 def decode_step_by_step(model, tokens, mask, n_new):
     """Prefill, then one-token passes through the cache; returns every step's logits and the tokens."""
     cache = KVCache(model.cfg.n_layers)
@@ -28,9 +39,9 @@ def decode_step_by_step(model, tokens, mask, n_new):
     return step_logits, tokens, mask
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama"])
-def test_each_cached_step_equals_a_full_forward(which, tiny_model, llama_pair):
-    model = tiny_model if which == "gpt2" else llama_pair[1]
+@pytest.mark.parametrize("which", ["gpt2", "llama", "neox"])
+def test_each_cached_step_equals_a_full_forward(which, tiny_model, tiny_hf, request):
+    model = pair_of(which, tiny_hf, tiny_model, request)[1]
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(1, model.cfg.d_vocab, (2, 7), generator=gen)
     mask = torch.ones_like(tokens)
@@ -46,9 +57,9 @@ def test_each_cached_step_equals_a_full_forward(which, tiny_model, llama_pair):
     torch.testing.assert_close(step_logits[-1][1:], alone, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama"])
-def test_greedy_equals_transformers_generate(which, tiny_model, tiny_hf, llama_pair):
-    hf, model = (tiny_hf, tiny_model) if which == "gpt2" else llama_pair
+@pytest.mark.parametrize("which", ["gpt2", "llama", "neox"])
+def test_greedy_equals_transformers_generate(which, tiny_model, tiny_hf, request):
+    hf, model = pair_of(which, tiny_hf, tiny_model, request)
     prompt = torch.randint(0, model.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))

@@ -296,3 +296,27 @@ def test_tuned_lens_trains_on_text_without_a_bos(no_bos_model):
     torch.testing.assert_close(resid[:16, 0], cache[sites[0]][0], atol=1e-6, rtol=0)  # the first window, from position 0
     lens = train_tuned_lens(no_bos_model, text, steps=2, batch_tokens=32, n_ctx=16, seed=0)
     assert all(v == v for v in lens.config.training.values() if isinstance(v, float))  # no NaN recorded
+
+
+def test_logit_lens_on_parallel_blocks_matches_transformers(tmp_path):
+    """GPT-NeoX (Pythia): the lens reads transformers' hidden states through its own final norm and head;
+    with parallel blocks there is no residual between attention and MLP, so include_mid is refused."""
+    from test_variants import build
+
+    from probe import HookedDecoder
+
+    hf = build("neox", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    result = logit_lens(model, tokens)
+    with torch.no_grad():
+        out = hf(tokens, output_hidden_states=True)
+        for layer, resid in enumerate(out.hidden_states[:-1]):  # the last is after the final norm
+            expected = hf.lm_head(hf.gpt_neox.final_layer_norm(resid))
+            torch.testing.assert_close(result.logits[:, layer], expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(result.logits[:, -1], out.logits, atol=ATOL, rtol=0)
+    for call in (lambda: logit_lens(model, tokens, include_mid=True),
+                 lambda: train_tuned_lens(model, "some text " * 20, include_mid=True, steps=1),
+                 lambda: TunedLens.for_model(model, include_mid=True)):
+        with pytest.raises(ValueError, match="parallel .*leave include_mid=False"):
+            call()

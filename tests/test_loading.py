@@ -195,6 +195,35 @@ def test_hub_name_found_in_local_cache_offline(tiny_dir, tmp_path, monkeypatch, 
         assert torch.equal(HookedDecoder.from_pretrained("gpt2")(tokens), HookedDecoder.from_pretrained(tiny_dir)(tokens))
 
 
+def test_pythia_training_checkpoints_by_revision_from_the_local_cache(tmp_path, monkeypatch):
+    """`from_pretrained("pythia-70m", revision="step1000")` reads that branch of EleutherAI/pythia-70m; offline,
+    from the cache. Two revisions with different weights give different models, each equal to its files."""
+    import huggingface_hub.constants as hub
+
+    from test_variants import build
+
+    repo = tmp_path / "models--EleutherAI--pythia-70m"
+    (repo / "refs").mkdir(parents=True)
+    models = {}
+    for seed, revision in enumerate(("main", "step1000")):
+        commit = str(seed + 1) * 40
+        (repo / "refs" / revision).write_text(commit)
+        torch.manual_seed(seed)
+        models[revision] = build("neox", repo / "snapshots" / commit, layer_norm_eps=1e-5 * (seed + 1))
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    tokens = torch.randint(0, 103, (1, 9), generator=torch.Generator().manual_seed(0))
+    for revision, hf in models.items():
+        ours = HookedDecoder.from_pretrained("pythia-70m", revision=None if revision == "main" else revision)
+        assert ours.cfg.eps == hf.config.layer_norm_eps
+        with torch.no_grad():
+            torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+    with pytest.raises(CheckpointError, match="at revision 'step9'.*hf download EleutherAI/pythia-70m --revision step9"):
+        HookedDecoder.from_pretrained("pythia-70m", revision="step9")
+    with pytest.raises(CheckpointError, match="local directory, which has only the version it holds"):
+        HookedDecoder.from_pretrained(repo / "snapshots" / ("1" * 40), revision="step1000")
+
+
 def test_weights_only_directory_loads_without_tokenizer(tiny_dir, tmp_path, tokens):
     directory = copy_checkpoint(tiny_dir, tmp_path / "no-tok")
     (directory / "tokenizer.json").unlink()

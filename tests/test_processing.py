@@ -106,6 +106,23 @@ def test_rms_models_fold_but_cannot_centre(tmp_path):
     assert all(torch.equal(b.ln1.w, torch.ones_like(b.ln1.w)) for b in processed.blocks)
 
 
+def test_parallel_blocks_process_like_transformers(tmp_path):
+    """GPT-NeoX (Pythia): both norms read resid_pre; each folds into the layer that reads it."""
+    from test_variants import build
+
+    hf = build("neox", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    processed = process_weights(model)
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(tokens).logits.log_softmax(-1)
+    torch.testing.assert_close(log_probs(processed, tokens), expected, atol=ATOL, rtol=0)
+    _, cache = processed.run_with_cache(tokens, names=lambda n: n.endswith("hook_resid_post"))
+    for name, resid in cache.items():  # every writer centred: the residual has no mean left
+        torch.testing.assert_close(resid.mean(-1), torch.zeros_like(resid.mean(-1)), atol=1e-5, rtol=0)
+    assert all(torch.equal(b.ln2.w, torch.ones_like(b.ln2.w)) and not b.ln2.b.any() for b in processed.blocks)
+
+
 def test_post_norm_models_are_refused(tmp_path):
     from test_variants import build
 

@@ -30,13 +30,15 @@ def configs(draw):
     n_layers = draw(st.integers(1, 3))
     if n_kv_heads == n_heads and draw(st.booleans()):
         heads_per_layer = tuple(draw(st.integers(0, n_heads)) for _ in range(n_layers))
+    positions = draw(st.sampled_from(["learned", "sinusoidal", "rotary"]))
+    rotary_dim = draw(st.sampled_from([None] + [r for r in (2, 4) if r <= d_head])) if positions == "rotary" else None
     return DecoderConfig(
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
         d_model=draw(st.sampled_from([8, 12, 16])), d_mlp=draw(st.sampled_from([8, 20])),
         d_vocab=draw(st.integers(5, 40)), n_ctx=draw(st.integers(4, 24)),
         activation="silu" if gated else draw(st.sampled_from(["gelu_new", "gelu", "relu"])), gated_mlp=gated,
-        norm=draw(st.sampled_from(["layer", "rms"])), norm_placement=draw(st.sampled_from(["pre", "post"])),
-        final_norm=draw(st.booleans()), positions=draw(st.sampled_from(["learned", "sinusoidal", "rotary"])),
+        norm=draw(st.sampled_from(["layer", "rms"])), norm_placement=draw(st.sampled_from(["pre", "post", "parallel"])),
+        final_norm=draw(st.booleans()), positions=positions, rotary_dim=rotary_dim,
         qkv_bias=draw(st.booleans()), out_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
         tied_embeddings=draw(st.booleans()), heads_per_layer=heads_per_layer,
     )
@@ -72,6 +74,15 @@ def test_forward_is_finite_and_paths_agree(case):
             c = lambda n: cache[f"blocks.{l}.{n}"]  # noqa: E731
             torch.testing.assert_close(c("hook_resid_mid"), c("hook_resid_pre") + c("hook_attn_out"), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(c("hook_resid_post"), c("hook_resid_mid") + c("hook_mlp_out"), atol=1e-5, rtol=1e-5)
+    if cfg.norm_placement is NormPlacement.PARALLEL:  # both sublayers read resid_pre, and both write to it
+        for l in range(cfg.n_layers):
+            c = lambda n: cache[f"blocks.{l}.{n}"]  # noqa: E731
+            torch.testing.assert_close(c("hook_resid_post"), c("hook_resid_pre") + c("hook_attn_out") + c("hook_mlp_out"),
+                                       atol=1e-5, rtol=1e-5)
+            block = model.blocks[l]
+            reads = (block.mlp.gate if cfg.gated_mlp else block.mlp.fc_in)(block.ln2(c("hook_resid_pre")))
+            torch.testing.assert_close(c("mlp.hook_pre"), reads, atol=1e-5, rtol=1e-5)
+            assert f"blocks.{l}.hook_resid_mid" not in model.hook_names
     assert not any(model.hook_point(n).active for n in model.hook_names)
 
 

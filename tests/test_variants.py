@@ -34,6 +34,12 @@ def build(kind, directory, **overrides):
                              num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=40,
                              tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **overrides)
         model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "neox":  # Pythia's layout: parallel sublayers, a quarter of each head rotated, an untied head
+        settings = dict(vocab_size=103, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=40, layer_norm_eps=1e-4,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.25})
+        cfg = tf.GPTNeoXConfig(**{**settings, **overrides})
+        model = tf.GPTNeoXForCausalLM(cfg)
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -50,6 +56,9 @@ CASES = {
     "llama-mqa-biases-eps": ("llama", {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-4}),
     "qwen2-qkv-bias-tied": ("qwen2", {}),
     "gpt1-post-norm": ("gpt1", {}),
+    "neox-parallel-partial-rotary": ("neox", {}),
+    "neox-sequential-tied-no-bias": ("neox", {"use_parallel_residual": False, "tie_word_embeddings": True,
+                                              "attention_bias": False, "hidden_act": "gelu_new"}),
 }
 
 
@@ -133,7 +142,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 
 def test_save_round_trip_for_each_family(tmp_path):
-    for kind in ("llama", "qwen2", "gpt1"):
+    for kind in ("llama", "qwen2", "gpt1", "neox"):
         src = tmp_path / kind
         hf = build(kind, src, **({"rms_norm_eps": 1e-4} if kind == "llama" else {}))  # a non-default eps must be written
         ours = HookedDecoder.from_pretrained(src)
@@ -175,6 +184,10 @@ def test_gqa_config_errors():
         DecoderConfig(n_layers=1, d_model=16, n_heads=4, n_kv_heads=3, d_vocab=11, n_ctx=8)
     with pytest.raises(ValueError, match="d_head must be even"):
         DecoderConfig(n_layers=1, d_model=15, n_heads=5, d_vocab=11, n_ctx=8, positions="rotary")
+    with pytest.raises(ValueError, match="rotary_dim must be even and at most d_head=4, got rotary_dim=6"):
+        DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, positions="rotary", rotary_dim=6)
+    with pytest.raises(ValueError, match="rotary_dim=2 applies only to positions=rotary"):
+        DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, rotary_dim=2)
     with pytest.raises(ValueError, match="'rotary'"):
         DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, positions="alibi")
 
@@ -183,7 +196,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     from probe.loading import CheckpointError
 
     (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
-    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2"):
+    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2, gpt_neox"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
@@ -202,3 +215,91 @@ def test_per_layer_head_counts_run_save_and_load(tmp_path):
         assert torch.equal(again(tokens), fast)
     with pytest.raises(ValueError, match="heads_per_layer"):
         DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, heads_per_layer=(4, 5))
+
+
+# ---- GPT-NeoX (Pythia) -------------------------------------------------------------------------------
+def test_neox_patterns_partial_rotary_and_no_resid_mid(tmp_path):
+    hf = build("neox", tmp_path)
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert ours.cfg.norm_placement is NormPlacement.PARALLEL and ours.cfg.rotary_dim == 4 and ours.cfg.d_head == 16
+    tokens = torch.randint(0, 103, (2, 15), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = hf(tokens, output_attentions=True)
+        _, cache = ours.run_with_cache(tokens)
+    for layer in range(2):
+        torch.testing.assert_close(cache[f"blocks.{layer}.attn.hook_pattern"], expected.attentions[layer], atol=1e-4, rtol=0)
+    assert not any("resid_mid" in name for name in ours.hook_names)
+    # only the first rotary_dim dimensions of q and k turn; the rest pass through
+    q, rot_q = cache["blocks.0.attn.hook_q"], cache["blocks.0.attn.hook_rot_q"]
+    assert torch.equal(rot_q[..., 4:], q[..., 4:])
+    assert not torch.allclose(rot_q[:, 5, :, :4], q[:, 5, :, :4])
+    pair_norm = lambda x: x[..., :2] ** 2 + x[..., 2:4] ** 2  # noqa: E731  pairs (i, i + rotary_dim/2)
+    torch.testing.assert_close(pair_norm(rot_q), pair_norm(q), atol=1e-5, rtol=1e-5)
+
+
+def test_neox_weight_views_are_transformers_parameters(tmp_path):
+    """GPT-NeoX interleaves q, k, v per head in one [(head qkv d_head) d_model] matrix."""
+    hf = build("neox", tmp_path)
+    ours = HookedDecoder.from_pretrained(tmp_path)
+    dh = ours.cfg.d_head
+    for block, theirs in zip(ours.blocks, hf.gpt_neox.layers):
+        weight, bias = theirs.attention.query_key_value.weight, theirs.attention.query_key_value.bias
+        for h in range(4):
+            rows = lambda part: slice((3 * h + part) * dh, (3 * h + part + 1) * dh)  # noqa: E731
+            for part, (w_view, b_view) in enumerate(((block.attn.W_Q, block.attn.b_Q), (block.attn.W_K, block.attn.b_K),
+                                                     (block.attn.W_V, block.attn.b_V))):
+                assert torch.equal(w_view[h], weight[rows(part)].T), (h, part)
+                assert torch.equal(b_view[h], bias[rows(part)]), (h, part)
+            assert torch.equal(block.attn.W_O[h], theirs.attention.dense.weight[:, h * dh:(h + 1) * dh].T)
+        assert torch.equal(block.mlp.W_in, theirs.mlp.dense_h_to_4h.weight.T)
+        assert torch.equal(block.mlp.W_out, theirs.mlp.dense_4h_to_h.weight.T)
+        assert torch.equal(block.ln2.w, theirs.post_attention_layernorm.weight)
+    assert torch.equal(ours.unembed.W_U, hf.lm_head.weight.T)
+    assert not torch.equal(ours.unembed.weight, ours.embed.W_E)
+
+
+def test_neox_loads_a_pythia_style_checkpoint(tmp_path):
+    """The files on the hub (Pythia) predate transformers 5: rotary_pct / rotary_emb_base in config.json,
+    the head saved as embed_out, and the causal-mask and rotary buffers saved beside the weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf = build("neox", tmp_path / "new")
+    config = json.loads((tmp_path / "new" / "config.json").read_text())
+    config.pop("rope_parameters")
+    config.update(rotary_pct=0.25, rotary_emb_base=1000, transformers_version="4.24.0")
+    state = load_file(str(tmp_path / "new" / "model.safetensors"))
+    head = state.pop("embed_out.weight", None)
+    head = state.pop("lm_head.weight") if head is None else head
+    for layer in range(2):
+        state[f"gpt_neox.layers.{layer}.attention.bias"] = torch.ones(1, 1, 40, 40, dtype=torch.bool).tril()
+        state[f"gpt_neox.layers.{layer}.attention.masked_bias"] = torch.tensor(-1e9)
+        state[f"gpt_neox.layers.{layer}.attention.rotary_emb.inv_freq"] = torch.ones(2)
+    tokens = torch.randint(0, 103, (1, 30), generator=torch.Generator().manual_seed(6))
+    for head_name in ("embed_out.weight", "lm_head.weight"):  # the file format, and some conversions' name
+        old = tmp_path / head_name
+        old.mkdir()
+        (old / "config.json").write_text(json.dumps(config))
+        save_file({**state, head_name: head}, str(old / "model.safetensors"))
+        ours = HookedDecoder.from_pretrained(old).eval()
+        assert ours.cfg.rotary_dim == 4 and ours.cfg.rotary_base == 1000.0
+        with torch.no_grad():
+            torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+
+
+def test_neox_saved_rotary_fraction_survives_transformers_rounding(tmp_path):
+    """transformers computes the rotated width as int(d_head * fraction); 4 / 49 * 49 truncates to 3."""
+    cfg = DecoderConfig(n_layers=1, d_model=98, n_heads=2, d_vocab=30, n_ctx=12, positions="rotary", rotary_dim=4,
+                        norm_placement="parallel", activation="gelu", tied_embeddings=False)
+    assert int(49 * (4 / 49)) == 3
+    model = HookedDecoder(cfg).eval()
+    out = model.save_pretrained(tmp_path / "odd")
+    import transformers as tf
+
+    hf = tf.GPTNeoXForCausalLM.from_pretrained(out).eval()
+    assert hf.gpt_neox.layers[0].attention.rotary_ndims == 4
+    tokens = torch.randint(0, 30, (1, 12), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+    assert HookedDecoder.from_pretrained(out).cfg == cfg
