@@ -26,7 +26,7 @@ class Attention(nn.Module):
         self.hook_q = HookPoint()  # [batch pos head d_head]
         self.hook_k = HookPoint()  # [batch pos kv_head d_head]
         self.hook_v = HookPoint()  # [batch pos kv_head d_head]
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rotary_base) if cfg.positions is Positions.ROTARY else None
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rotary_base, cfg.rotary_scaling) if cfg.positions is Positions.ROTARY else None
         if self.rotary is not None:
             self.hook_rot_q = HookPoint()  # [batch pos head d_head]: q after the rotation
             self.hook_rot_k = HookPoint()  # [batch pos kv_head d_head]

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 from einops import rearrange
 
-from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
+from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
 from probe.tokenizer import Tokenizer
 
 
@@ -202,24 +202,56 @@ def gpt1_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dic
             "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": True}
 
 
+# ---- rotary settings, shared by the rotary families ---------------------------------------------------
+def _rope(hf: dict) -> tuple[dict, Optional[RotaryScaling]]:
+    """config.json's rope dict (transformers 5: rope_parameters; older files: rope_scaling, with rope_theta beside
+    it) and the frequency rescaling it asks for."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return rope, None
+    if kind == "linear":
+        return rope, RotaryScaling("linear", float(rope["factor"]))
+    if kind == "llama3":
+        return rope, RotaryScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                                   float(rope["high_freq_factor"]),
+                                   int(rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]))
+    raise CheckpointError(f"rope scaling {kind!r} is not supported; supported: default (none), linear, llama3")
+
+
+def _rope_to_hf(cfg: DecoderConfig, **extra) -> dict:
+    """rope_parameters (transformers 5) and, for older versions, rope_theta and rope_scaling beside it."""
+    params: dict = {"rope_type": "default", "rope_theta": cfg.rotary_base, **extra}
+    scaling = cfg.rotary_scaling
+    if scaling is not None:
+        params.update(rope_type=scaling.kind, factor=scaling.factor)
+        if scaling.kind == "llama3":
+            params.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                          original_max_position_embeddings=scaling.original_n_ctx)
+    out = {"rope_theta": cfg.rotary_base, "rope_parameters": params}
+    if scaling is not None:
+        out["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", *extra)}
+    return out
+
+
 # ---- Llama and Qwen2: nn.Linear layers, stored [out, in]; separate q, k, v -----------------------
 def llama_config(hf: dict, qkv_bias: Optional[bool] = None) -> DecoderConfig:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain rotary")
+    rope, scaling = _rope(hf)
     if hf.get("use_sliding_window"):
         raise CheckpointError("sliding-window attention is not supported")
     n_heads = hf["num_attention_heads"]
+    heads = hf.get("heads_per_layer")  # written by probe for structurally pruned models
     return DecoderConfig(
         n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_head=hf.get("head_dim") or hf["hidden_size"] // n_heads,
         d_mlp=hf["intermediate_size"], d_vocab=hf["vocab_size"], n_ctx=hf["max_position_embeddings"],
         eps=hf.get("rms_norm_eps", 1e-6), activation=_activation(hf.get("hidden_act", "silu"), GPT_ACTIVATIONS),
         gated_mlp=True, norm=Norm.RMS, positions=Positions.ROTARY,
-        rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rotary_scaling=scaling,
         qkv_bias=hf.get("attention_bias", False) if qkv_bias is None else qkv_bias,
         out_bias=hf.get("attention_bias", False) if qkv_bias is None else False,
         mlp_bias=hf.get("mlp_bias", False), tied_embeddings=hf.get("tie_word_embeddings", False),
+        heads_per_layer=None if heads is None else tuple(heads),
     )
 
 
@@ -228,16 +260,17 @@ def qwen2_config(hf: dict) -> DecoderConfig:
 
 
 def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "llama") -> dict:
-    _require(cfg, model_type, heads_per_layer=None, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.ROTARY,
+    _require(cfg, model_type, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.ROTARY,
              gated_mlp=True, out_bias=cfg.qkv_bias if model_type == "llama" else False)
     out = {
         "model_type": model_type, "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
         "num_hidden_layers": cfg.n_layers, "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head, "intermediate_size": cfg.d_mlp,
         "vocab_size": cfg.d_vocab, "max_position_embeddings": cfg.n_ctx, "rms_norm_eps": cfg.eps,
-        "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation], "rope_theta": cfg.rotary_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+        "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation], **_rope_to_hf(cfg),
         "mlp_bias": cfg.mlp_bias, "tie_word_embeddings": cfg.tied_embeddings,
+        # transformers cannot load a pruned model (its layers differ in width); probe can
+        **({"heads_per_layer": list(cfg.heads_per_layer)} if cfg.heads_per_layer is not None else {}),
     }
     if model_type == "llama":
         out["attention_bias"] = cfg.qkv_bias
@@ -246,16 +279,16 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     return out
 
 
-def _llama_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    d, m, h, kv, dh = cfg.d_model, cfg.d_mlp, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+def _llama_shapes(cfg: DecoderConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    d, m, h, kv, dh = cfg.d_model, cfg.d_mlp, cfg.layer_heads(layer), cfg.layer_kv_heads(layer), cfg.d_head
     return {"q": (h * dh, d), "k": (kv * dh, d), "v": (kv * dh, d), "o": (d, h * dh), "gate": (m, d), "up": (m, d), "down": (d, m)}
 
 
 def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    s, d = _llama_shapes(cfg), cfg.d_model
+    d = cfg.d_model
     out = {"embed.W_E": source.take("embed_tokens.weight", (cfg.d_vocab, d)), "ln_final.w": source.take("norm.weight", (d,))}
     for l in range(cfg.n_layers):
-        o, t = f"blocks.{l}", f"layers.{l}"
+        o, t, s = f"blocks.{l}", f"layers.{l}", _llama_shapes(cfg, l)
         out[f"{o}.ln1.w"] = source.take(f"{t}.input_layernorm.weight", (d,))
         out[f"{o}.ln2.w"] = source.take(f"{t}.post_attention_layernorm.weight", (d,))
         out[f"{o}.attn.qkv.weight"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.weight", s[p]) for p in "qkv"])
@@ -281,10 +314,10 @@ def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
 
 
 def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    sizes = [cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head]
     out = {"model.embed_tokens.weight": params["embed.W_E"], "model.norm.weight": params["ln_final.w"]}
     for l in range(cfg.n_layers):
-        o, t = f"blocks.{l}", f"model.layers.{l}"
+        o, t, s = f"blocks.{l}", f"model.layers.{l}", _llama_shapes(cfg, l)
+        sizes = [s["q"][0], s["k"][0], s["v"][0]]
         out[f"{t}.input_layernorm.weight"] = params[f"{o}.ln1.w"]
         out[f"{t}.post_attention_layernorm.weight"] = params[f"{o}.ln2.w"]
         for p, w in zip("qkv", params[f"{o}.attn.qkv.weight"].split(sizes)):
@@ -307,9 +340,7 @@ def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
 
 # ---- GPT-NeoX (Pythia): nn.Linear layers; q, k, v fused and interleaved per head ---------------------
 def neox_config(hf: dict) -> DecoderConfig:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain rotary")
+    rope, scaling = _rope(hf)
     n_heads, d_model = hf["num_attention_heads"], hf["hidden_size"]
     d_head = d_model // n_heads
     # older config files (every Pythia on the hub) say rotary_pct / rotary_emb_base; transformers 5 writes rope_parameters
@@ -322,7 +353,7 @@ def neox_config(hf: dict) -> DecoderConfig:
         activation=_activation(hf.get("hidden_act", "gelu"), GPT_ACTIVATIONS),
         norm_placement=NormPlacement.PARALLEL if hf.get("use_parallel_residual", True) else NormPlacement.PRE,
         positions=Positions.ROTARY, rotary_dim=int(d_head * fraction),
-        rotary_base=float(rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))),
+        rotary_base=float(rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))), rotary_scaling=scaling,
         qkv_bias=bias, out_bias=bias, tied_embeddings=hf.get("tie_word_embeddings", False),
         heads_per_layer=None if heads is None else tuple(heads),
     )
@@ -347,8 +378,7 @@ def neox_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dic
         "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation],
         "use_parallel_residual": cfg.norm_placement is NormPlacement.PARALLEL,
         # both spellings: transformers 5 reads rope_parameters, older versions rotary_pct / rotary_emb_base
-        "rotary_pct": fraction, "rotary_emb_base": cfg.rotary_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base, "partial_rotary_factor": fraction},
+        "rotary_pct": fraction, "rotary_emb_base": cfg.rotary_base, **_rope_to_hf(cfg, partial_rotary_factor=fraction),
         "attention_bias": cfg.qkv_bias, "tie_word_embeddings": cfg.tied_embeddings,
         "bos_token_id": special, "eos_token_id": special,
         # transformers cannot load a pruned model (its layers differ in width); probe can

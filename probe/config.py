@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 
 class Activation(enum.Enum):
@@ -37,6 +37,35 @@ class Positions(enum.Enum):
     LEARNED = "learned"  # a learned vector per position, added to the embedding (GPT-2, GPT-1)
     SINUSOIDAL = "sinusoidal"  # fixed sinusoids added to the embedding (Vaswani et al. 2017)
     ROTARY = "rotary"  # q and k rotated by position inside every attention layer (Llama)
+
+
+@dataclass(frozen=True)
+class RotaryScaling:
+    """How a long-context checkpoint rescales its rotary frequencies (transformers' `rope_type`).
+
+    "linear": every frequency divided by `factor` (positions interpolated). "llama3" (Llama 3.1,
+    3.2): frequencies whose wavelength exceeds original_n_ctx / low_freq_factor divided by `factor`,
+    those shorter than original_n_ctx / high_freq_factor kept, and the ones between blended linearly
+    in original_n_ctx / wavelength.
+    """
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_n_ctx: Optional[int] = None  # llama3 only: the context length of pretraining
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f"rotary scaling kind={self.kind!r} is not supported; choose one of: 'linear', 'llama3'")
+        if not (isinstance(self.factor, (int, float)) and self.factor > 0):
+            raise ValueError(f"rotary scaling factor must be a positive number, got {self.factor!r}")
+        if self.kind == "llama3":
+            if not (isinstance(self.original_n_ctx, int) and self.original_n_ctx > 0):
+                raise ValueError(f"llama3 rotary scaling needs original_n_ctx, a positive int, got {self.original_n_ctx!r}")
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                raise ValueError(f"llama3 rotary scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                                 f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
 
 
 def _enum(cls, value, field):
@@ -69,6 +98,7 @@ class DecoderConfig:
     positions: Positions = Positions.LEARNED
     rotary_base: float = 10000.0
     rotary_dim: Optional[int] = None  # None: d_head; fewer: only each head's first rotary_dim dimensions rotate (Pythia: d_head / 4)
+    rotary_scaling: Optional[RotaryScaling] = None  # long-context frequency rescaling (Llama 3.1+); a dict is converted
     qkv_bias: bool = True
     out_bias: bool = True  # attention output projection bias
     mlp_bias: bool = True
@@ -118,6 +148,12 @@ class DecoderConfig:
         object.__setattr__(self, "positions", _enum(Positions, self.positions, "positions"))
         if self.rotary_dim is not None and self.positions is not Positions.ROTARY:
             raise ValueError(f"rotary_dim={self.rotary_dim!r} applies only to positions=rotary (got positions={self.positions.value})")
+        if isinstance(self.rotary_scaling, dict):
+            object.__setattr__(self, "rotary_scaling", RotaryScaling(**self.rotary_scaling))
+        if self.rotary_scaling is not None and self.positions is not Positions.ROTARY:
+            raise ValueError(f"rotary_scaling applies only to positions=rotary (got positions={self.positions.value})")
+        if self.rotary_scaling is not None and not isinstance(self.rotary_scaling, RotaryScaling):
+            raise ValueError(f"rotary_scaling must be a RotaryScaling (or its fields as a dict), got {self.rotary_scaling!r}")
         if self.positions is Positions.ROTARY:
             if self.rotary_dim is None:
                 if self.d_head % 2:

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from probe.config import DecoderConfig, Positions
+from probe.config import DecoderConfig, Positions, RotaryScaling
 
 
 class Embed(nn.Module):
@@ -60,9 +61,9 @@ class Rotary(nn.Module):
     passing through: dimension i is paired with i + dim/2, and the pair is rotated by
     position * base^(-2i/dim)."""
 
-    def __init__(self, dim: int, base: float):
+    def __init__(self, dim: int, base: float, scaling: Optional[RotaryScaling] = None):
         super().__init__()
-        self.dim, self.base = dim, base
+        self.dim, self.base, self.scaling = dim, base, scaling
         self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
         self.build_buffers()
 
@@ -70,7 +71,7 @@ class Rotary(nn.Module):
         """(Re)compute the frequencies; buffers are derived, never stored in checkpoints."""
         exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device="cpu") / self.dim
         device = self.inv_freq.device if not self.inv_freq.is_meta else "cpu"
-        self.inv_freq = (1.0 / (self.base**exponents)).to(device)
+        self.inv_freq = _rescaled(1.0 / (self.base**exponents), self.scaling).to(device)
 
     def _apply(self, fn, recurse=True):
         # model.to(bfloat16) would round the frequencies to 8 bits, turning the angle at position 1000
@@ -88,6 +89,19 @@ class Rotary(nn.Module):
         rotating, passing = x[..., : self.dim], x[..., self.dim :]
         first, second = rotating.chunk(2, dim=-1)
         return torch.cat([rotating * cos + torch.cat([-second, first], dim=-1) * sin, passing], dim=-1)
+
+
+def _rescaled(inv_freq: torch.Tensor, scaling: Optional[RotaryScaling]) -> torch.Tensor:
+    """Frequencies [dim/2] after a long-context checkpoint's rescaling (see RotaryScaling)."""
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: slow rotations (long wavelengths, which pretraining never saw complete) are slowed by
+    # `factor`; fast ones kept; between, a linear blend in (pretraining context / wavelength)
+    cycles = scaling.original_n_ctx * inv_freq / (2 * math.pi)  # turns within the pretraining context
+    blend = ((cycles - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
+    return (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
 
 
 def make_pos_embed(cfg: DecoderConfig) -> nn.Module | None:

@@ -63,6 +63,22 @@ def test_matches_transformers_at_gpt2_small_size(tmp_path):
     assert_matches_transformers(hf, ours, tokens)
 
 
+@pytest.mark.slow
+def test_matches_transformers_at_pythia_70m_size(tmp_path):
+    """Pythia-70m's shape: 6 parallel blocks, d_head 64 of which 16 rotate, an untied 50304-token head."""
+    from test_variants import build
+
+    hf = build("neox", tmp_path, vocab_size=50304, hidden_size=512, intermediate_size=2048, num_hidden_layers=6,
+               num_attention_heads=8, max_position_embeddings=2048, layer_norm_eps=1e-5,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert (ours.cfg.d_head, ours.cfg.rotary_dim) == (64, 16)
+    tokens = torch.randint(0, 50304, (2, 96), generator=torch.Generator().manual_seed(2))
+    assert_matches_transformers(hf, ours, tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+
+
 def test_zeroing_a_head_equals_zeroing_its_output_projection_rows(tiny_dir, tiny_model, tokens):
     """Ablating head h on hook_z == a transformers model whose c_proj input rows for h are zero."""
     from transformers import GPT2LMHeadModel

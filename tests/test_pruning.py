@@ -422,22 +422,26 @@ def test_windows_without_a_bos_are_the_text_alone(no_bos_model):
     assert bool(importance.raw.isfinite().all()) and bool((importance.raw > 0).any())
 
 
-def test_pythia_layout_prunes_saves_and_loads_against_transformers(tmp_path):
-    """GPT-NeoX interleaves q, k, v per head, so a pruned layer's rows must be re-interleaved per kept head.
-    Oracle: transformers' own model with the pruned heads' columns of the output projection zeroed."""
+@pytest.mark.parametrize("kind", ["neox", "llama"])
+def test_other_families_prune_save_and_load_against_transformers(kind, tmp_path):
+    """GPT-NeoX interleaves q, k, v per head, so a pruned layer's rows must be re-interleaved per kept head;
+    Llama stores q, k and v apart, each pruned alike. Oracle: transformers' own model with the pruned
+    heads' columns of the output projection zeroed."""
     from test_variants import build
 
-    hf = build("neox", tmp_path / "neox")
-    model = HookedDecoder.from_pretrained(tmp_path / "neox").eval()
+    hf = build(kind, tmp_path / kind, **({"num_key_value_heads": 8} if kind == "llama" else {}))
+    model = HookedDecoder.from_pretrained(tmp_path / kind).eval()
     heads = [(0, 1), (1, 0), (1, 3)]
     pruned = prune_heads(model, heads)
     again = load_pruned(save_pruned(pruned, tmp_path / "pruned"))
-    assert again.cfg.heads_per_layer == (3, 2) and again.head_map == ((0, 2, 3), (1, 2))
+    n = model.cfg.n_heads
+    assert again.cfg.heads_per_layer == (n - 1, n - 2)
     dh = model.cfg.d_head
     with torch.no_grad():
         for layer, head in heads:
-            hf.gpt_neox.layers[layer].attention.dense.weight[:, head * dh:(head + 1) * dh] = 0
-        toks = torch.randint(0, 103, (2, 12), generator=torch.Generator().manual_seed(3))
+            dense = hf.gpt_neox.layers[layer].attention.dense if kind == "neox" else hf.model.layers[layer].self_attn.o_proj
+            dense.weight[:, head * dh:(head + 1) * dh] = 0
+        toks = torch.randint(0, model.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(3))
         expected = hf(toks).logits
         torch.testing.assert_close(pruned(toks), expected, atol=1e-4, rtol=0)
         torch.testing.assert_close(again(toks), expected, atol=1e-4, rtol=0)

@@ -1,6 +1,7 @@
 """Decoder variants and the Llama, Qwen2 and GPT-1 checkpoint families, each against `transformers`."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -56,6 +57,10 @@ CASES = {
     "llama-mqa-biases-eps": ("llama", {"num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-4}),
     "qwen2-qkv-bias-tied": ("qwen2", {}),
     "gpt1-post-norm": ("gpt1", {}),
+    "llama3-rope-scaling": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 16}}),
+    "llama-linear-rope-scaling": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}}),
     "neox-parallel-partial-rotary": ("neox", {}),
     "neox-sequential-tied-no-bias": ("neox", {"use_parallel_residual": False, "tie_word_embeddings": True,
                                               "attention_bias": False, "hidden_act": "gelu_new"}),
@@ -144,7 +149,8 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox"):
         src = tmp_path / kind
-        hf = build(kind, src, **({"rms_norm_eps": 1e-4} if kind == "llama" else {}))  # a non-default eps must be written
+        # a non-default eps and a rotary rescaling must be written
+        hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
         ours = HookedDecoder.from_pretrained(src)
         out = ours.save_pretrained(tmp_path / f"{kind}-saved")
         again = type(hf).from_pretrained(out).eval()
@@ -303,3 +309,59 @@ def test_neox_saved_rotary_fraction_survives_transformers_rounding(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
     assert HookedDecoder.from_pretrained(out).cfg == cfg
+
+
+# ---- rotary scaling (Llama 3.1+) ----------------------------------------------------------------------
+def test_llama3_frequencies_follow_the_published_rule(tmp_path):
+    """Meta's rule, by wavelength: shorter than original / high_freq_factor kept, longer than original /
+    low_freq_factor divided by the factor, between smoothly blended. Computed here in float64."""
+    build("llama", tmp_path, max_position_embeddings=64, head_dim=32,
+          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 512})
+    model = HookedDecoder.from_pretrained(tmp_path)
+    got = model.blocks[0].attn.rotary.inv_freq.double()
+    expected = []
+    for i in range(16):
+        freq = 500000.0 ** (-2 * i / 32)
+        wavelength = 2 * math.pi / freq
+        if wavelength < 512 / 4.0:
+            expected.append(freq)
+        elif wavelength > 512 / 1.0:
+            expected.append(freq / 8.0)
+        else:
+            smooth = (512 / wavelength - 1.0) / (4.0 - 1.0)
+            expected.append((1 - smooth) * freq / 8.0 + smooth * freq)
+    expected = torch.tensor(expected, dtype=torch.float64)
+    kinds = {"kept": 0, "divided": 0, "blended": 0}
+    for g, e, i in zip(got, expected, range(16)):
+        freq = 500000.0 ** (-2 * i / 32)
+        kinds["kept" if e == freq else "divided" if abs(e - freq / 8) < 1e-18 else "blended"] += 1
+    assert all(kinds.values()), kinds  # the test covers all three regimes
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+def test_rotary_scaling_changes_the_model_and_is_refused_where_unknown(tmp_path):
+    hf = build("llama", tmp_path / "scaled", **CASES["llama3-rope-scaling"][1])
+    scaled = HookedDecoder.from_pretrained(tmp_path / "scaled").eval()
+    plain = HookedDecoder(dataclasses.replace(scaled.cfg, rotary_scaling=None)).eval()
+    plain.load_state_dict(scaled.state_dict())
+    tokens = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert (plain(tokens) - hf(tokens).logits).abs().max() > 1e-3  # 10x the family test's tolerance: it can fail
+    import json
+
+    from probe.loading import CheckpointError
+
+    config = json.loads((tmp_path / "scaled" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (tmp_path / "scaled" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="rope scaling 'yarn' is not supported; supported: default .*linear, llama3"):
+        HookedDecoder.from_pretrained(tmp_path / "scaled")
+    with pytest.raises(ValueError, match="rotary_scaling applies only to positions=rotary"):
+        DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, rotary_scaling={"kind": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="llama3 rotary scaling needs original_n_ctx"):
+        DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, positions="rotary",
+                      rotary_scaling={"kind": "llama3", "factor": 2.0})
+    cfg = DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, positions="rotary",
+                        rotary_scaling={"kind": "linear", "factor": 2.0})
+    assert DecoderConfig.from_dict(cfg.to_dict()) == cfg
