@@ -4,6 +4,7 @@ One small table of functions per family; loading.py does the file handling for a
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -121,7 +122,7 @@ def _require(cfg: DecoderConfig, family: str, **wanted) -> None:
 
 
 def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-2", norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
+    _require(cfg, "GPT-2", sliding_window=None, norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
              gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, qkv_bias=True, out_bias=True,
              mlp_bias=True, tied_embeddings=True)
     if cfg.n_heads * cfg.d_head != cfg.d_model:
@@ -192,7 +193,7 @@ _gpt1_names = _gpt_names("tokens_embed.weight", "positions_embed.weight", final_
 
 
 def gpt1_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-1", heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
+    _require(cfg, "GPT-1", sliding_window=None, heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
              gated_mlp=False, n_kv_heads=cfg.n_heads, qkv_bias=True, out_bias=True, mlp_bias=True, tied_embeddings=True)
     afn = {Activation.GELU_TANH: "gelu", Activation.RELU: "relu", Activation.SILU: "silu"}
     if cfg.activation not in afn:
@@ -237,8 +238,8 @@ def _rope_to_hf(cfg: DecoderConfig, **extra) -> dict:
 # ---- Llama and Qwen2: nn.Linear layers, stored [out, in]; separate q, k, v -----------------------
 def llama_config(hf: dict, qkv_bias: Optional[bool] = None) -> DecoderConfig:
     rope, scaling = _rope(hf)
-    if hf.get("use_sliding_window"):
-        raise CheckpointError("sliding-window attention is not supported")
+    if hf.get("use_sliding_window"):  # Qwen2's: windows in some layers only (max_window_layers)
+        raise CheckpointError("use_sliding_window=true (a window in some layers only) is not supported")
     n_heads = hf["num_attention_heads"]
     heads = hf.get("heads_per_layer")  # written by probe for structurally pruned models
     return DecoderConfig(
@@ -259,11 +260,25 @@ def qwen2_config(hf: dict) -> DecoderConfig:
     return llama_config(hf, qkv_bias=True)  # Qwen2: biases on q, k, v and none on the output
 
 
+def mistral_config(hf: dict) -> DecoderConfig:
+    # Mistral: Llama's layers without any bias, and (v0.1) a sliding window; later versions say null
+    return dataclasses.replace(llama_config(hf, qkv_bias=False), sliding_window=hf.get("sliding_window"))
+
+
+# what each Llama-like format fixes beyond Llama's own layout
+_LLAMA_LIKE = {
+    "llama": ("LlamaForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, sliding_window=None)),
+    "qwen2": ("Qwen2ForCausalLM", lambda cfg: dict(qkv_bias=True, out_bias=False, sliding_window=None)),
+    "mistral": ("MistralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False)),
+}
+
+
 def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "llama") -> dict:
+    architecture, fixed = _LLAMA_LIKE[model_type]
     _require(cfg, model_type, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.ROTARY,
-             gated_mlp=True, out_bias=cfg.qkv_bias if model_type == "llama" else False)
+             gated_mlp=True, **fixed(cfg))
     out = {
-        "model_type": model_type, "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
+        "model_type": model_type, "architectures": [architecture],
         "num_hidden_layers": cfg.n_layers, "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head, "intermediate_size": cfg.d_mlp,
         "vocab_size": cfg.d_vocab, "max_position_embeddings": cfg.n_ctx, "rms_norm_eps": cfg.eps,
@@ -274,8 +289,8 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     }
     if model_type == "llama":
         out["attention_bias"] = cfg.qkv_bias
-    elif not cfg.qkv_bias:
-        raise ValueError("a Qwen2 checkpoint has q/k/v biases; this model has none")
+    if model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window
     return out
 
 
@@ -360,7 +375,7 @@ def neox_config(hf: dict) -> DecoderConfig:
 
 
 def neox_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-NeoX", norm=Norm.LAYER, final_norm=True, positions=Positions.ROTARY,
+    _require(cfg, "GPT-NeoX", sliding_window=None, norm=Norm.LAYER, final_norm=True, positions=Positions.ROTARY,
              gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, out_bias=cfg.qkv_bias,
              mlp_bias=True)
     if cfg.norm_placement is NormPlacement.POST:
@@ -456,6 +471,8 @@ FAMILIES = {
         Family("llama", "LlamaForCausalLM", ("model.",), llama_config, llama_config_to_hf, llama_to_probe, llama_to_hf),
         Family("qwen2", "Qwen2ForCausalLM", ("model.",), qwen2_config,
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen2"), llama_to_probe, llama_to_hf),
+        Family("mistral", "MistralForCausalLM", ("model.",), mistral_config,
+               lambda cfg, tok: llama_config_to_hf(cfg, tok, "mistral"), llama_to_probe, llama_to_hf),
         Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf),
     )
 }

@@ -99,6 +99,7 @@ class DecoderConfig:
     rotary_base: float = 10000.0
     rotary_dim: Optional[int] = None  # None: d_head; fewer: only each head's first rotary_dim dimensions rotate (Pythia: d_head / 4)
     rotary_scaling: Optional[RotaryScaling] = None  # long-context frequency rescaling (Llama 3.1+); a dict is converted
+    sliding_window: Optional[int] = None  # each query sees at most this many keys, itself included (Mistral); None: all earlier ones
     qkv_bias: bool = True
     out_bias: bool = True  # attention output projection bias
     mlp_bias: bool = True
@@ -127,6 +128,8 @@ class DecoderConfig:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         for field in ("d_head", "d_mlp", "n_kv_heads"):
             positive(field)
+        if self.sliding_window is not None:
+            positive("sliding_window")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "

@@ -172,7 +172,7 @@ class HookedDecoder(HookedRootModule):
             resid = self.hook_embed(self.embed(tokens))
             if self.pos_embed is not None:
                 resid = resid + self.hook_pos_embed(self.pos_embed(positions))
-        allowed = None if attention_mask is None else _allowed_keys(attention_mask, n_new)
+        allowed = _allowed_keys(attention_mask, positions, self.cfg.sliding_window)
         for index, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=start_at_layer):
             resid = block(resid, positions, allowed, None if kv_cache is None else kv_cache.layers[index])
         if stop_at_layer is not None:
@@ -428,13 +428,23 @@ def _positions(attention_mask: Optional[torch.Tensor], batch: int, n_new: int, d
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)[:, -n_new:]
 
 
-def _allowed_keys(attention_mask: torch.Tensor, n_new: int) -> torch.Tensor:
-    """[batch 1 query_pos key_pos] for the last n_new of the mask's positions as queries: causal, padded
-    keys hidden. Each query always sees itself, so a padded query's row stays finite (its values are
-    meaningless but never NaN)."""
+def _allowed_keys(attention_mask: Optional[torch.Tensor], positions: torch.Tensor,
+                  sliding_window: Optional[int] = None) -> Optional[torch.Tensor]:
+    """[batch 1 query_pos key_pos], which keys each new query (at `positions` [batch n_new], the last n_new of
+    the mask's) may see: earlier or itself, not padding, and with a sliding window fewer than `sliding_window`
+    real tokens back. Each query always sees itself, so a padded query's row stays finite (its values are
+    meaningless but never NaN). None when plain causal attention says it all (no padding, no window reached)."""
+    n_new = positions.shape[1]
+    if attention_mask is None:
+        if sliding_window is None or n_new <= sliding_window:
+            return None
+        attention_mask = torch.ones(positions.shape, dtype=torch.long, device=positions.device)
     n_all = attention_mask.shape[1]
     device = attention_mask.device
     query_at = torch.arange(n_all - n_new, n_all, device=device)[:, None]
     key_at = torch.arange(n_all, device=device)[None, :]
     allowed = (key_at <= query_at) & attention_mask.bool()[:, None, None, :]
+    if sliding_window is not None:  # distances in real tokens, so padding never changes what a prompt sees
+        key_positions = attention_mask.cumsum(dim=1) - 1  # [batch key_pos]
+        allowed &= (positions[:, None, :, None] - key_positions[:, None, None, :]) < sliding_window
     return allowed | (key_at == query_at)

@@ -41,6 +41,7 @@ def configs(draw):
         final_norm=draw(st.booleans()), positions=positions, rotary_dim=rotary_dim,
         qkv_bias=draw(st.booleans()), out_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
         tied_embeddings=draw(st.booleans()), heads_per_layer=heads_per_layer,
+        sliding_window=draw(st.sampled_from([None, None, 1, 3])),
     )
 
 

@@ -41,6 +41,11 @@ def build(kind, directory, **overrides):
                         rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.25})
         cfg = tf.GPTNeoXConfig(**{**settings, **overrides})
         model = tf.GPTNeoXForCausalLM(cfg)
+    elif kind == "mistral":  # Llama without biases; a sliding window shorter than the tests' sequences
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=8, max_position_embeddings=40, sliding_window=6)
+        cfg = tf.MistralConfig(**{**settings, **overrides})
+        model = tf.MistralForCausalLM(cfg)
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -61,6 +66,7 @@ CASES = {
                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                           "original_max_position_embeddings": 16}}),
     "llama-linear-rope-scaling": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}}),
+    "mistral-sliding-window": ("mistral", {}),
     "neox-parallel-partial-rotary": ("neox", {}),
     "neox-sequential-tied-no-bias": ("neox", {"use_parallel_residual": False, "tie_word_embeddings": True,
                                               "attention_bias": False, "hidden_act": "gelu_new"}),
@@ -147,7 +153,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 
 def test_save_round_trip_for_each_family(tmp_path):
-    for kind in ("llama", "qwen2", "gpt1", "neox"):
+    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -201,8 +207,8 @@ def test_gqa_config_errors():
 def test_unsupported_model_type_lists_the_supported(tmp_path):
     from probe.loading import CheckpointError
 
-    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
-    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2, gpt_neox"):
+    (tmp_path / "config.json").write_text('{"model_type": "gemma2"}')
+    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2, mistral, gpt_neox"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
@@ -365,3 +371,34 @@ def test_rotary_scaling_changes_the_model_and_is_refused_where_unknown(tmp_path)
     cfg = DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, positions="rotary",
                         rotary_scaling={"kind": "linear", "factor": 2.0})
     assert DecoderConfig.from_dict(cfg.to_dict()) == cfg
+
+
+# ---- sliding-window attention (Mistral) ----------------------------------------------------------------
+def test_sliding_window_patterns_match_transformers_and_reach_back_window_tokens(tmp_path):
+    hf = build("mistral", tmp_path)
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert ours.cfg.sliding_window == 6
+    tokens = torch.randint(0, 101, (2, 30), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        expected = hf(tokens, output_attentions=True)
+        _, cache = ours.run_with_cache(tokens, names=lambda n: n.endswith("hook_pattern"))
+    for layer in range(2):
+        pattern = cache[f"blocks.{layer}.attn.hook_pattern"]
+        torch.testing.assert_close(pattern, expected.attentions[layer], atol=1e-4, rtol=0)
+        query, key = torch.meshgrid(torch.arange(30), torch.arange(30), indexing="ij")
+        outside = (key > query) | (query - key >= 6)  # later, or 6 or more tokens back
+        assert not pattern[..., outside].any() and (pattern[..., ~outside] > 0).all()
+
+
+def test_sliding_window_counts_real_tokens_so_padding_changes_nothing(tmp_path):
+    build("mistral", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(1, 101, (2, 20), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(tokens)
+    mask[1, :7] = 0  # the second prompt is left-padded by 7
+    with torch.no_grad():
+        batched = model(tokens, attention_mask=mask)
+        alone = model(tokens[1:, 7:])
+    torch.testing.assert_close(batched[1, 7:], alone[0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, sliding_window=0)
