@@ -73,6 +73,11 @@ class Components:
         return torch.tensor(depth)
 
 
+def _has_mid(model: HookedDecoder) -> bool:
+    """Whether blocks have a residual between attention and MLP (parallel blocks have none)."""
+    return act_name("resid_mid", 0) in model.hook_names
+
+
 def _has_pos_embed(model: HookedDecoder) -> bool:
     return "hook_pos_embed" in model.hook_names  # models with rotary positions write no position embedding
 
@@ -122,6 +127,7 @@ class ResidualDecomposition:
     n_layers: int
     position_labels: list[list[str]]
     token_strings: Callable[[list[int]], list[str]] = field(repr=False)
+    has_mid: bool = True  # a residual between attention and MLP exists (not in parallel blocks)
 
     def total(self) -> torch.Tensor:
         """[batch pos d_model]: the sum of every component, the final residual stream."""
@@ -130,6 +136,9 @@ class ResidualDecomposition:
     def accumulated(self, include_mid: bool = False) -> torch.Tensor:
         """[batch layer pos d_model]: the residual after the embedding and after each block (and each
         attention sublayer with include_mid), i.e. the sum of the components written so far."""
+        if include_mid and not self.has_mid:
+            raise ValueError("include_mid=True reads the residual between attention and MLP; this model's blocks are "
+                             "parallel (both read the residual entering the block), so there is none")
         written = self.index.written(self.n_layers, include_mid, self.components.device).to(self.components.dtype)
         return einsum(self.components, written, "batch pos component d_model, layer component -> batch layer pos d_model")
 
@@ -178,7 +187,7 @@ def residual_decomposition(
     return ResidualDecomposition(
         tokens=tokens, mask=mask, components=_stack_components(model, cache),
         index=Components.for_model(model), n_layers=model.cfg.n_layers,
-        position_labels=position_labels(model, tokens), token_strings=token_decoder(model),
+        position_labels=position_labels(model, tokens), token_strings=token_decoder(model), has_mid=_has_mid(model),
     )
 
 
@@ -190,7 +199,8 @@ class LogitAttribution:
     `contributions` [batch component] plus `ln_bias` [batch] (and `unembed_bias` [batch], zero for
     GPT-2) add up to `actual` [batch], the model's own logit (difference), within float error.
     `accumulated` [batch layer] is the same quantity read from the residual after the embedding
-    and after each sublayer (sites embed, L0 attn, L0, ...), the final scale still frozen.
+    and after each sublayer (sites embed, L0 attn, L0, ...; parallel blocks: embed, L0, ...), the
+    final scale still frozen.
     """
 
     tokens: torch.Tensor  # [batch pos]
@@ -207,6 +217,7 @@ class LogitAttribution:
     n_heads: int  # the most heads any layer has
     position_labels: list[list[str]]
     token_strings: Callable[[list[int]], list[str]] = field(repr=False)
+    has_mid: bool = True  # `accumulated` reads after each attention sublayer too (not in parallel blocks)
 
     @property
     def total(self) -> torch.Tensor:
@@ -215,7 +226,7 @@ class LogitAttribution:
 
     @property
     def sites(self) -> list[str]:
-        return lens_sites(self.n_layers, include_mid=True)
+        return lens_sites(self.n_layers, include_mid=self.has_mid)
 
     def head_contributions(self) -> torch.Tensor:
         """[batch layer head]; NaN for heads a (pruned) layer does not have."""
@@ -384,11 +395,11 @@ def direct_logit_attribution(
     ln_bias = einsum(at_zero, direction, "batch d_model, batch d_model -> batch")
 
     index = Components.for_model(model)
-    written = index.written(model.cfg.n_layers, include_mid=True, device=tokens.device)
+    written = index.written(model.cfg.n_layers, include_mid=_has_mid(model), device=tokens.device)
     accumulated = einsum(contributions, written, "batch component, layer component -> batch layer") + (ln_bias + unembed_bias)[:, None]
     return LogitAttribution(
         tokens=tokens, positions=positions, answer=answer_ids, counterfactual=cf_ids, contributions=contributions,
         ln_bias=ln_bias, unembed_bias=unembed_bias, actual=actual, accumulated=accumulated, index=index,
         n_layers=model.cfg.n_layers, n_heads=max(block.attn.n_heads for block in model.blocks),
-        position_labels=position_labels(model, tokens), token_strings=token_decoder(model),
+        position_labels=position_labels(model, tokens), token_strings=token_decoder(model), has_mid=_has_mid(model),
     )

@@ -905,6 +905,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analyses.memories",
                                      description="Scan a corpus for each FFN neuron's top-k triggers (torchrun-aware).")
     parser.add_argument("--model", default=None, help="checkpoint directory or hub name (default: the bundled model)")
+    parser.add_argument("--revision", default=None, help="a hub branch, tag or commit of --model (e.g. a Pythia step)")
     parser.add_argument("--corpus", default=None,
                         help="a text file or a folder of .txt files (default: the bundled held-out text)")
     parser.add_argument("--layers", type=int, nargs="*", default=None)
@@ -928,7 +929,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(args.device)
     try:
-        model = HookedDecoder.from_pretrained(args.model or DEFAULT_MODEL, device=args.device).eval()
+        model = HookedDecoder.from_pretrained(args.model or DEFAULT_MODEL, device=args.device, revision=args.revision).eval()
         result = top_triggers(model, args.corpus, args.layers or None, args.neurons or None, k=args.k,
                               batch_size=args.batch_size, window=args.window, save_path=args.out,
                               overwrite=args.overwrite)

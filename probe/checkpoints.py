@@ -77,7 +77,7 @@ class Family:
 
 
 # ---- GPT-2 and GPT-1: Conv1D layers, stored [in, out] -----------------------------------------
-GPT_ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH,
+GPT_ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_fast": Activation.GELU_TANH,
                    "gelu": Activation.GELU, "relu": Activation.RELU, "silu": Activation.SILU, "swish": Activation.SILU}
 
 
@@ -359,7 +359,7 @@ def neox_config(hf: dict) -> DecoderConfig:
     n_heads, d_model = hf["num_attention_heads"], hf["hidden_size"]
     d_head = d_model // n_heads
     # older config files (every Pythia on the hub) say rotary_pct / rotary_emb_base; transformers 5 writes rope_parameters
-    fraction = rope.get("partial_rotary_factor", hf.get("rotary_pct", 1.0))
+    fraction = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))  # transformers' default: a quarter
     bias = hf.get("attention_bias", True)
     heads = hf.get("heads_per_layer")  # written by probe for structurally pruned models
     return DecoderConfig(
@@ -407,9 +407,10 @@ def _neox_qkv(tensor: torch.Tensor, ours: str, cfg: DecoderConfig, to_probe: boo
     if ".attn.qkv." not in ours:
         return tensor
     heads = cfg.layer_heads(int(ours.split(".")[1]))
+    sizes = dict(head=heads, qkv=3, d_head=cfg.d_head)  # all given: a layer pruned to no heads has nothing to infer from
     if to_probe:
-        return rearrange(tensor, "(head qkv d_head) ... -> (qkv head d_head) ...", head=heads, qkv=3)
-    return rearrange(tensor, "(qkv head d_head) ... -> (head qkv d_head) ...", head=heads, qkv=3)
+        return rearrange(tensor, "(head qkv d_head) ... -> (qkv head d_head) ...", **sizes)
+    return rearrange(tensor, "(qkv head d_head) ... -> (head qkv d_head) ...", **sizes)
 
 
 def _neox_names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:

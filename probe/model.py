@@ -59,7 +59,7 @@ class PostNormBlock(PreNormBlock):
 
 
 class ParallelBlock(PreNormBlock):
-    """The parallel residual block (GPT-NeoX, Pythia, GPT-J): y = x + attn(ln1(x)) + mlp(ln2(x)).
+    """The parallel residual block (GPT-NeoX, Pythia): y = x + attn(ln1(x)) + mlp(ln2(x)).
 
     Both sublayers read the same residual, so there is no residual between them: no hook_resid_mid."""
 

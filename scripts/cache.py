@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         _, mask = model.to_tokens(prompts, return_attention_mask=True)
     tensors = {name: t.contiguous().clone() for name, t in cache.items()}  # resid_post(l) and resid_pre(l+1) share memory
     tensors["attention_mask"] = mask.cpu()
-    metadata = {"model": str(args.model), "prompts": json.dumps(prompts)}
+    metadata = {"model": str(args.model), "revision": str(args.revision or ""), "prompts": json.dumps(prompts)}
     out.write_bytes("activations.safetensors", save(tensors, metadata=metadata))
     import pandas as pd
 

@@ -80,6 +80,11 @@ def load_model(args: argparse.Namespace):
     return model.eval()
 
 
+def model_label(args: argparse.Namespace) -> str:
+    """--model as given, with @revision when one was asked for (two Pythia steps are two different models)."""
+    return str(args.model) + (f"@{args.revision}" if getattr(args, "revision", None) else "")
+
+
 def log(args: argparse.Namespace, message: str) -> None:
     if not getattr(args, "quiet", False):
         print(message, file=sys.stderr)

@@ -13,7 +13,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/lens.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import Output, check_prompt, command, default_out, load_model, token_id  # noqa: E402
+from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, token_id  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,9 @@ def run(args: argparse.Namespace) -> int:
     out = Output(default_out(args, "lens"), args.force)
     model = load_model(args)
     check_prompt(model, args.prompt)
+    if args.mid and "blocks.0.hook_resid_mid" not in model.hook_names:
+        raise CommandError(f"--mid reads the residual between each block's attention and MLP; --model {args.model} has "
+                           "parallel blocks (both read the residual entering the block), so there is none: drop --mid")
     target = None if args.target is None else token_id(model, args.target, "--target")
     norm = "frozen" if args.frozen_scale else "recompute"
     result = logit_lens(model, args.prompt, target=target, k=args.k, include_mid=args.mid, norm=norm)

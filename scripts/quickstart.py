@@ -25,10 +25,11 @@ def top_tokens(model: HookedDecoder, logits: torch.Tensor, k: int = 5) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or hub name (default: the bundled model)")
+    parser.add_argument("--revision", default=None, help="a hub branch, tag or commit of --model (e.g. a Pythia step)")
     parser.add_argument("--prompt", default="ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the")
     args = parser.parse_args(argv)
 
-    model = HookedDecoder.from_pretrained(args.model).eval()
+    model = HookedDecoder.from_pretrained(args.model, revision=args.revision).eval()
     print(f"model: {args.model}\n  {model.cfg.n_layers} layers, d_model {model.cfg.d_model}, {model.cfg.n_heads} heads, "
           f"{model.ledger().total_params:,} parameters, {len(model.hook_names)} hook points")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/report.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, log, token_id, check_contrast  # noqa: E402
+from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, log, model_label, token_id, check_contrast  # noqa: E402
 
 DEFAULT_PROMPT = ("ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
                   "ROMEO.\nBut soft, what light through yonder")
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # the model's best guess other than the answer (which may itself be the top guess)
         counterfactual = next(int(t) for t in top.indices if int(t) != answer)
     check_contrast(model, answer, counterfactual)
-    report = Report(f"probe report: {Path(str(args.model)).name}")
+    report = Report(f"probe report: {Path(str(args.model)).name}" + (f"@{args.revision}" if args.revision else ""))
     timings = {}
 
     def timed(name):
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
         config, ledger, summary, _ = anatomy_tables(model, None)
         part = report.section("model", "The model")
-        part += [f"<pre>{html.escape(str(args.model))}</pre>", table_html(summary, 20), table_html(config, 40)]
+        part += [f"<pre>{html.escape(model_label(args))}</pre>", table_html(summary, 20), table_html(config, 40)]
         out.write_csv("ledger.csv", ledger)
         prompt_part = report.section("prompt", "Prompt and prediction")
         prediction = pd.DataFrame({"token": strings(top.indices.tolist()), "id": top.indices.tolist(), "probability": top.values.tolist()})

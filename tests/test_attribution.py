@@ -204,6 +204,18 @@ def test_other_architectures_add_up(arch):
     assert ("pos_embed" in result.index.names) == (arch not in ("llama-like", "pythia-like"))
     heads = result.head_contributions()
     assert int(heads.isnan().sum()) == (2 * 2 if arch == "pruned heads" else 0)
+    # the accumulated line reads the residuals this model has: after each block, and after each attention
+    # sublayer only where one exists (a parallel block's MLP reads the residual entering the block)
+    parallel = arch == "pythia-like"
+    assert result.sites == [s for s in model.hook_names if s.endswith(("resid_pre", "resid_mid", "resid_post"))
+                            and s != "blocks.1.hook_resid_pre"]
+    assert result.accumulated.shape[1] == len(result.sites) == (3 if parallel else 5)
+    _, cache = model.run_with_cache(tokens, names=result.sites)
+    residuals = torch.stack([cache[s] for s in result.sites], dim=1)  # [batch site pos d_model]
+    torch.testing.assert_close(decomposition.accumulated(include_mid=not parallel), residuals, atol=ATOL, rtol=0)
+    if parallel:
+        with pytest.raises(ValueError, match="parallel"):
+            decomposition.accumulated(include_mid=True)
 
 
 def test_post_norm_is_refused():

@@ -387,3 +387,40 @@ def test_a_hub_name_offline_says_to_pass_a_directory_as_model(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert code == 2 and "then pass that local directory as --model" in err and "from_pretrained" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_pythia_model_from_the_cache_by_revision_through_the_commands(tmp_path, capsys, monkeypatch):
+    """`--model pythia-70m --revision step1000` reads that branch from the local cache; the revision is
+    recorded with the activations and in the report; `--mid` is refused with the reason on parallel blocks."""
+    import huggingface_hub.constants as hub
+    from safetensors import safe_open
+
+    from conftest import train_tokenizer
+    from test_variants import build
+
+    from probe import HookedDecoder
+
+    snapshot = tmp_path / "models--EleutherAI--pythia-70m" / "snapshots" / ("7" * 40)
+    (snapshot.parent.parent / "refs").mkdir(parents=True)
+    (snapshot.parent.parent / "refs" / "step1000").write_text("7" * 40)
+    tokenizer = train_tokenizer()
+    build("neox", snapshot, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=256)
+    tokenizer.save(str(snapshot / "tokenizer.json"))
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    model = ["--model", "pythia-70m", "--revision", "step1000"]
+    code, _, err = run_cli(capsys, "cache", *model, "--prompt", "To be, or not", "--names", "blocks.1.hook_resid_post",
+                           "--out", str(tmp_path / "cache"))
+    assert code == 0, err
+    with safe_open(str(tmp_path / "cache" / "activations.safetensors"), "pt") as f:
+        assert f.metadata()["revision"] == "step1000"
+        saved = f.get_tensor("blocks.1.hook_resid_post")
+    _, cache = HookedDecoder.from_pretrained(snapshot).run_with_cache("To be, or not", names="blocks.1.hook_resid_post")
+    torch.testing.assert_close(saved, cache["blocks.1.hook_resid_post"])
+    code, _, err = run_cli(capsys, "lens", *model, "--prompt", "To be", "--mid", "--out", str(tmp_path / "lens"))
+    assert code == 2 and "parallel blocks" in err and "drop --mid" in err
+    code, _, err = run_cli(capsys, "report", *model, "--out", str(tmp_path / "report"), "--skip", "importance", "--quiet")
+    assert code == 0, err
+    assert "pythia-70m@step1000" in (tmp_path / "report" / "report.html").read_text()
+    code, _, err = run_cli(capsys, "cache", *model[:2], "--revision", "step9", "--prompt", "x", "--out", str(tmp_path / "c9"))
+    assert code == 2 and "--revision step9" in err

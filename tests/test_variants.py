@@ -300,6 +300,25 @@ def test_neox_loads_a_pythia_style_checkpoint(tmp_path):
             torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
 
 
+def test_neox_config_without_a_rotary_fraction_rotates_a_quarter_as_transformers_does(tmp_path):
+    import json
+
+    hf = build("neox", tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters")
+    config.pop("rotary_pct", None)
+    config["rotary_emb_base"] = 1000
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    import transformers as tf
+
+    theirs = tf.GPTNeoXForCausalLM.from_pretrained(tmp_path).eval()
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert ours.cfg.rotary_dim == theirs.gpt_neox.layers[0].attention.rotary_ndims == 4
+    tokens = torch.randint(0, 103, (1, 30), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, atol=1e-4, rtol=0)
+
+
 def test_neox_saved_rotary_fraction_survives_transformers_rounding(tmp_path):
     """transformers computes the rotated width as int(d_head * fraction); 4 / 49 * 49 truncates to 3."""
     cfg = DecoderConfig(n_layers=1, d_model=98, n_heads=2, d_vocab=30, n_ctx=12, positions="rotary", rotary_dim=4,
