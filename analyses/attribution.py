@@ -14,6 +14,7 @@ from typing import Callable, Literal, Optional, Sequence, Union
 import pandas as pd
 import plotly.graph_objects as go
 import torch
+import torch.nn.functional as F
 from einops import einsum
 
 from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder, token_id
@@ -22,6 +23,7 @@ from analyses.lens import (
     site_label, tokens_and_mask,
 )
 from probe import HookedDecoder
+from probe.config import Norm, NormPlacement
 from probe.names import act_name
 
 TokenSpec = Union[int, str, Sequence[Union[int, str]], torch.Tensor]
@@ -83,10 +85,13 @@ def _has_pos_embed(model: HookedDecoder) -> bool:
 
 
 def _check_pre_norm(model: HookedDecoder) -> None:
-    placement = getattr(model.cfg, "norm_placement", None)
-    if placement is not None and "post" in str(getattr(placement, "value", placement)).lower():
+    placement = model.cfg.norm_placement
+    if placement is NormPlacement.POST:
         raise ValueError("this model normalises after each sublayer (post-norm), so its residual stream is not a sum of "
                          "component writes; residual decomposition and direct logit attribution need a pre-norm model")
+    if placement is NormPlacement.SANDWICH and model.cfg.norm is not Norm.RMS:
+        raise ValueError("sandwich blocks are decomposed with RMSNorm write norms (Gemma 2); with LayerNorm ones the "
+                         "split into heads is not implemented")
 
 
 def _stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -100,10 +105,17 @@ def _stack_components(model: HookedDecoder, cache, positions: Optional[torch.Ten
     if _has_pos_embed(model):
         parts.append(pick(cache["hook_pos_embed"]).unsqueeze(-2))
     for layer, block in enumerate(model.blocks):
-        parts.append(pick(cache[act_name("result", layer)]))  # [batch (pos) head d_model]
-        if block.attn.b_O is not None:
-            parts.append(block.attn.b_O.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2))
-        parts.append(pick(cache[act_name("mlp_out", layer)]).unsqueeze(-2))
+        heads = pick(cache[act_name("result", layer)])  # [batch (pos) head d_model]
+        bias = None if block.attn.b_O is None else block.attn.b_O.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2)
+        if hasattr(block, "ln1_post"):
+            # a sandwich block normalises the attention's write; with that norm's scale frozen at its value in
+            # this forward (as the final norm's is), x -> x * w / scale is linear, so each head's share of
+            # hook_attn_out is its result through the same map, and the shares add up to it exactly
+            through = (block.ln1_post.w.detach() / pick(cache[act_name("scale", layer, "ln1_post")])).unsqueeze(-2)
+            heads = (heads * through).to(embed.dtype)
+            bias = None if bias is None else (bias * through).to(embed.dtype)
+        parts += [heads] + ([] if bias is None else [bias])
+        parts.append(pick(cache[act_name("mlp_out", layer)]).unsqueeze(-2))  # a sandwich block's is already normalised
     return torch.cat(parts, dim=-2)
 
 
@@ -111,6 +123,8 @@ def _component_hooks(model: HookedDecoder) -> list[str]:
     names = ["hook_embed"] + (["hook_pos_embed"] if _has_pos_embed(model) else [])
     for layer in range(model.cfg.n_layers):
         names += [act_name("result", layer), act_name("mlp_out", layer)]
+        if model.cfg.norm_placement is NormPlacement.SANDWICH:
+            names.append(act_name("scale", layer, "ln1_post"))
     return names
 
 
@@ -358,7 +372,8 @@ def direct_logit_attribution(
     `answer`/`counterfactual`: a token id or a string that is exactly one token (a multi-token
     string raises ValueError naming its tokens; give its first token explicitly if that is what you
     mean), or a list/tensor with one per prompt. `position` counts each prompt's real tokens (-1 =
-    its last token, whatever the padding).
+    its last token, whatever the padding). With a logit soft cap (Gemma 2), `actual` is the logit
+    (difference) before the cap, which is what the components add up to; the cap only squashes it.
     """
     _check_pre_norm(model)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
@@ -367,9 +382,15 @@ def direct_logit_attribution(
     cf_ids = None if counterfactual is None else _token_ids(model, counterfactual, batch, "counterfactual")
     positions = _resolve_positions(mask, position)
     frozen = has_final_scale(model)
-    names = _component_hooks(model) + (["ln_final.hook_scale"] if frozen else [])
+    capped = model.cfg.logit_softcap is not None
+    final_name = act_name("resid_post", model.cfg.n_layers - 1)
+    names = _component_hooks(model) + (["ln_final.hook_scale"] if frozen else []) + ([final_name] if capped else [])
     logits, cache = model.run_with_cache(tokens, attention_mask=_forward_mask(mask), names=names)
     rows = torch.arange(batch, device=tokens.device)
+    explained = logits[rows, positions]  # [batch vocab]
+    if capped:  # the components add up to the logits before the cap (a monotone squash), so those are explained
+        final = cache[final_name][rows, positions][:, None]  # [batch 1 d_model]
+        explained = F.linear(model.ln_final(final), model.unembed.weight, model.unembed.bias)[:, 0]
     comps = _stack_components(model, cache, positions)  # [batch component d_model]
     scale = cache["ln_final.hook_scale"][rows, positions][:, None, :] if frozen else None  # [batch 1 1]
 
@@ -383,12 +404,12 @@ def direct_logit_attribution(
 
     W_U = model.unembed.W_U.float()
     direction = W_U[:, answer_ids].T  # [batch d_model]
-    actual = logits[rows, positions, answer_ids].float()
+    actual = explained[rows, answer_ids].float()
     bias = getattr(model.unembed, "bias", None)
     unembed_bias = torch.zeros(batch, device=tokens.device) if bias is None else bias.float()[answer_ids]
     if cf_ids is not None:
         direction = direction - W_U[:, cf_ids].T
-        actual = actual - logits[rows, positions, cf_ids].float()
+        actual = actual - explained[rows, cf_ids].float()
         if bias is not None:
             unembed_bias = unembed_bias - bias.float()[cf_ids]
     contributions = einsum(linear, direction, "batch component d_model, batch d_model -> batch component")

@@ -31,7 +31,7 @@ from plotly.subplots import make_subplots
 
 from analyses.common import AnalysisInput, as_tokens, escape_token, token_strings
 from analyses.corpus import Corpus, _encode_document, _iter_document_pieces, iter_documents
-from probe import HookedDecoder, Norm
+from probe import HookedDecoder, Norm, NormPlacement
 from probe.io import atomic_file
 from probe.names import act_name
 
@@ -81,7 +81,10 @@ def _value_directions(model: HookedDecoder, layer: int, neurons: torch.Tensor, t
     without a final norm leaves them be (the scale is per position and never changes a ranking)."""
     # float32 whatever the model's dtype: the weights are exact, and bfloat16 arithmetic on them would
     # round v_i W_U to 8 bits, tying and reordering near-equal tokens (half the neurons' top-10 lists)
-    values = model.blocks[layer].mlp.W_out[neurons.to(model.device)].float()
+    block = model.blocks[layer]
+    values = block.mlp.W_out[neurons.to(model.device)].float()
+    if hasattr(block, "ln2_post"):  # a sandwich block's write: the MLP output times ln2_post.w over a per-position scale
+        values = values * block.ln2_post.w.float()
     if through_final_norm and model.cfg.final_norm:
         if model.cfg.norm is Norm.LAYER:
             values = values - values.mean(-1, keepdim=True)
@@ -194,7 +197,7 @@ class MemoryLookup:
     position: int
     layers: list[int]
     coefficients: torch.Tensor  # [layer d_mlp]: m_i, equal to mlp.hook_post at the position
-    value_norms: torch.Tensor  # [layer d_mlp]: ||v_i||
+    value_norms: torch.Tensor  # [layer d_mlp]: ||v_i|| (a sandwich block: of v_i * ln2_post.w / its scale, what it writes)
     neurons: torch.Tensor  # [layer k]: ranked by sub-update size, largest first
     sizes: torch.Tensor  # [layer k]: |m_i| ||v_i||
     prediction_effect: torch.Tensor  # [layer k]: direct effect of m_i v_i on the predicted token's logit
@@ -284,18 +287,26 @@ def memory_lookup(
     layers = _layer_list(model, layer)
     if not isinstance(k, int) or not 0 < k <= model.cfg.d_mlp:
         raise ValueError(f"k={k!r} must be an integer in [1, d_mlp={model.cfg.d_mlp}]")
-    names = [act_name("post", l) for l in layers] + (["ln_final.hook_scale"] if model.cfg.final_norm else [])
+    sandwich = model.cfg.norm_placement is NormPlacement.SANDWICH
+    post_scales = [act_name("scale", l, "ln2_post") for l in layers] if sandwich else []
+    names = [act_name("post", l) for l in layers] + (["ln_final.hook_scale"] if model.cfg.final_norm else []) + post_scales
     logits, cache = model.run_with_cache(tokens, names=names)
     predicted = int(logits[0, position].argmax())
     scale = cache["ln_final.hook_scale"][0, position] if model.cfg.final_norm else torch.ones(1, device=model.device)
     unembed_predicted = model.unembed.W_U[:, predicted].float()  # [d_model]
 
     coefficients = torch.stack([cache[act_name("post", l)][0, position] for l in layers]).float()
-    value_norms = torch.stack([model.blocks[l].mlp.W_out.float().norm(dim=-1) for l in layers])
+    # what each memory writes per unit coefficient: v_i, or in a sandwich block v_i * ln2_post.w / ln2_post's scale
+    # (frozen at this position, so the sub-updates still add up to the block's hook_mlp_out)
+    write_scale = (torch.stack([cache[n][0, position, 0] for n in post_scales]).float() if sandwich
+                   else torch.ones(len(layers), device=coefficients.device))
+    all_neurons = torch.arange(model.cfg.d_mlp)
+    value_norms = torch.stack([_value_directions(model, l, all_neurons, through_final_norm=False).norm(dim=-1)
+                               for l in layers]) / write_scale[:, None]
     sizes, neurons = (coefficients.abs() * value_norms).topk(k, dim=-1)
     effects, top_ids = [], []
     for li, l in enumerate(layers):
-        directions = _value_directions(model, l, neurons[li], through_final_norm=True)
+        directions = _value_directions(model, l, neurons[li], through_final_norm=True) / write_scale[li]
         effect = coefficients[li, neurons[li]] * (directions @ unembed_predicted) / scale.float()
         effects.append(effect)
         top_ids.append(_top_value_tokens(model, l, neurons[li], n_tokens, through_final_norm)[1])

@@ -1,12 +1,12 @@
 """probe: a hookable decoder-only transformer for mechanistic interpretability."""
 from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
-from probe.model import Block, HookedDecoder, ParallelBlock, PostNormBlock, PreNormBlock
+from probe.model import Block, HookedDecoder, ParallelBlock, PostNormBlock, PreNormBlock, SandwichBlock
 from probe.names import act_name
 from probe.processing import process_weights
 from probe.tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "HookedDecoder", "Norm",
-    "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "Tokenizer", "act_name", "process_weights",
+    "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SandwichBlock", "Tokenizer", "act_name", "process_weights",
 ]

@@ -12,6 +12,7 @@ from hooks import HookPoint
 from probe.config import DecoderConfig, Positions
 from probe.embedding import Rotary
 from probe.kv_cache import LayerKV
+from probe.softcap import make_softcap
 
 
 class Attention(nn.Module):
@@ -22,7 +23,9 @@ class Attention(nn.Module):
         # q of every head, then k and v of every key/value head, in one matmul
         self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
         self.out = nn.Linear(self.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
-        self.scale = cfg.d_head**-0.5
+        self.scale = (cfg.d_head if cfg.attn_scale_dim is None else cfg.attn_scale_dim) ** -0.5
+        self.score_cap = make_softcap(cfg.attn_softcap)
+        self.fusable = cfg.attn_softcap is None  # the fused kernel cannot cap scores
         self.hook_q = HookPoint()  # [batch pos head d_head]
         self.hook_k = HookPoint()  # [batch pos kv_head d_head]
         self.hook_v = HookPoint()  # [batch pos kv_head d_head]
@@ -30,7 +33,7 @@ class Attention(nn.Module):
         if self.rotary is not None:
             self.hook_rot_q = HookPoint()  # [batch pos head d_head]: q after the rotation
             self.hook_rot_k = HookPoint()  # [batch pos kv_head d_head]
-        self.hook_attn_scores = HookPoint()  # [batch head query_pos key_pos]: scaled, masked (-inf), pre-softmax
+        self.hook_attn_scores = HookPoint()  # [batch head query_pos key_pos]: scaled, capped, masked (-inf), pre-softmax
         self.hook_pattern = HookPoint()  # [batch head query_pos key_pos]
         self.hook_z = HookPoint()  # [batch pos head d_head]: pattern-weighted values
         self.hook_result = HookPoint(opt_in=True)  # [batch pos head d_model]: each head's write, without b_O
@@ -55,7 +58,7 @@ class Attention(nn.Module):
         if self.n_kv_heads != self.n_heads:  # each key/value head serves a group of adjacent query heads
             k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
             v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
-        if self.hook_attn_scores.active or self.hook_pattern.active:
+        if not self.fusable or self.hook_attn_scores.active or self.hook_pattern.active:
             z = self._attend_explicitly(q, k, v, allowed)
         else:  # nothing observes the pattern: let the fused kernel avoid materialising it
             z = F.scaled_dot_product_attention(
@@ -75,7 +78,7 @@ class Attention(nn.Module):
         if allowed is None:
             n = q.shape[1]
             allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        scores = self.hook_attn_scores((scores * self.scale).masked_fill(~allowed, float("-inf")))
+        scores = self.hook_attn_scores(self.score_cap(scores * self.scale).masked_fill(~allowed, float("-inf")))
         pattern = self.hook_pattern(scores.softmax(dim=-1))
         return einsum(pattern, v, "batch head query_pos key_pos, batch key_pos head d_head -> batch query_pos head d_head")
 

@@ -121,8 +121,11 @@ def _require(cfg: DecoderConfig, family: str, **wanted) -> None:
         raise ValueError(f"a {family} checkpoint cannot hold this model: {', '.join(f'{k}={v}' for k, v in wrong.items())}")
 
 
+# what only Gemma's formats hold; every other format needs these at their defaults
+_PLAIN = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_layers=None)
+
 def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-2", sliding_window=None, norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
+    _require(cfg, "GPT-2", **_PLAIN, sliding_window=None, norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
              gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, qkv_bias=True, out_bias=True,
              mlp_bias=True, tied_embeddings=True)
     if cfg.n_heads * cfg.d_head != cfg.d_model:
@@ -193,7 +196,7 @@ _gpt1_names = _gpt_names("tokens_embed.weight", "positions_embed.weight", final_
 
 
 def gpt1_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-1", sliding_window=None, heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
+    _require(cfg, "GPT-1", **_PLAIN, sliding_window=None, heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
              gated_mlp=False, n_kv_heads=cfg.n_heads, qkv_bias=True, out_bias=True, mlp_bias=True, tied_embeddings=True)
     afn = {Activation.GELU_TANH: "gelu", Activation.RELU: "relu", Activation.SILU: "silu"}
     if cfg.activation not in afn:
@@ -273,20 +276,25 @@ _LLAMA_LIKE = {
 }
 
 
-def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "llama") -> dict:
-    architecture, fixed = _LLAMA_LIKE[model_type]
-    _require(cfg, model_type, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.ROTARY,
-             gated_mlp=True, **fixed(cfg))
-    out = {
+def _llama_like_hf(cfg: DecoderConfig, model_type: str, architecture: str) -> dict:
+    """The config.json fields Llama, Qwen2, Mistral and Gemma share."""
+    return {
         "model_type": model_type, "architectures": [architecture],
         "num_hidden_layers": cfg.n_layers, "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head, "intermediate_size": cfg.d_mlp,
         "vocab_size": cfg.d_vocab, "max_position_embeddings": cfg.n_ctx, "rms_norm_eps": cfg.eps,
-        "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation], **_rope_to_hf(cfg),
-        "mlp_bias": cfg.mlp_bias, "tie_word_embeddings": cfg.tied_embeddings,
+        **_rope_to_hf(cfg), "tie_word_embeddings": cfg.tied_embeddings,
         # transformers cannot load a pruned model (its layers differ in width); probe can
         **({"heads_per_layer": list(cfg.heads_per_layer)} if cfg.heads_per_layer is not None else {}),
     }
+
+
+def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "llama") -> dict:
+    architecture, fixed = _LLAMA_LIKE[model_type]
+    _require(cfg, model_type, **_PLAIN, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True,
+             positions=Positions.ROTARY, rotary_dim=cfg.d_head, gated_mlp=True, **fixed(cfg))
+    out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation],
+           "mlp_bias": cfg.mlp_bias}
     if model_type == "llama":
         out["attention_bias"] = cfg.qkv_bias
     if model_type == "mistral":
@@ -299,13 +307,22 @@ def _llama_shapes(cfg: DecoderConfig, layer: int) -> dict[str, tuple[int, ...]]:
     return {"q": (h * dh, d), "k": (kv * dh, d), "v": (kv * dh, d), "o": (d, h * dh), "gate": (m, d), "up": (m, d), "down": (d, m)}
 
 
+def _llama_norms(cfg: DecoderConfig) -> dict[str, str]:
+    """Each block's norms, ours -> theirs. Gemma 2's "post_attention_layernorm" normalises the attention's write;
+    Llama's is the norm before the MLP."""
+    if cfg.norm_placement is NormPlacement.SANDWICH:
+        return {"ln1": "input_layernorm", "ln1_post": "post_attention_layernorm", "ln2": "pre_feedforward_layernorm",
+                "ln2_post": "post_feedforward_layernorm"}
+    return {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+
+
 def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     d = cfg.d_model
     out = {"embed.W_E": source.take("embed_tokens.weight", (cfg.d_vocab, d)), "ln_final.w": source.take("norm.weight", (d,))}
     for l in range(cfg.n_layers):
         o, t, s = f"blocks.{l}", f"layers.{l}", _llama_shapes(cfg, l)
-        out[f"{o}.ln1.w"] = source.take(f"{t}.input_layernorm.weight", (d,))
-        out[f"{o}.ln2.w"] = source.take(f"{t}.post_attention_layernorm.weight", (d,))
+        for ours, theirs in _llama_norms(cfg).items():
+            out[f"{o}.{ours}.w"] = source.take(f"{t}.{theirs}.weight", (d,))
         out[f"{o}.attn.qkv.weight"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.weight", s[p]) for p in "qkv"])
         if cfg.qkv_bias:
             out[f"{o}.attn.qkv.bias"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.bias", s[p][:1]) for p in "qkv"])
@@ -333,8 +350,8 @@ def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
     for l in range(cfg.n_layers):
         o, t, s = f"blocks.{l}", f"model.layers.{l}", _llama_shapes(cfg, l)
         sizes = [s["q"][0], s["k"][0], s["v"][0]]
-        out[f"{t}.input_layernorm.weight"] = params[f"{o}.ln1.w"]
-        out[f"{t}.post_attention_layernorm.weight"] = params[f"{o}.ln2.w"]
+        for ours, theirs in _llama_norms(cfg).items():
+            out[f"{t}.{theirs}.weight"] = params[f"{o}.{ours}.w"]
         for p, w in zip("qkv", params[f"{o}.attn.qkv.weight"].split(sizes)):
             out[f"{t}.self_attn.{p}_proj.weight"] = w
         if cfg.qkv_bias:
@@ -351,6 +368,63 @@ def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
         out["lm_head.weight"] = params["unembed.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
+
+
+# ---- Gemma and Gemma 2: Llama's layout; norms store w - 1, embeddings scaled, GeGLU -----------------------
+def gemma_config(hf: dict) -> DecoderConfig:
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    return dataclasses.replace(llama_config(hf), activation=_activation(act, GPT_ACTIVATIONS), scale_embed=True,
+                               tied_embeddings=hf.get("tie_word_embeddings", True))
+
+
+def gemma2_config(hf: dict) -> DecoderConfig:
+    n_layers = hf["num_hidden_layers"]
+    # older files have no layer_types; transformers then windows the even layers
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise CheckpointError(f"layer_types {unknown} are not supported; supported: sliding_attention, full_attention")
+    window = hf.get("sliding_window")
+    return dataclasses.replace(
+        gemma_config(hf), norm_placement=NormPlacement.SANDWICH, attn_scale_dim=hf.get("query_pre_attn_scalar"),
+        attn_softcap=hf.get("attn_logit_softcapping"), logit_softcap=hf.get("final_logit_softcapping"),
+        sliding_window=window, sliding_layers=None if window is None else tuple(t == "sliding_attention" for t in types),
+    )
+
+
+def gemma_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str) -> dict:
+    gemma2 = model_type == "gemma2"
+    _require(cfg, model_type, scale_embed=True, norm=Norm.RMS, final_norm=True, positions=Positions.ROTARY,
+             rotary_dim=cfg.d_head, gated_mlp=True, mlp_bias=False, out_bias=cfg.qkv_bias,
+             norm_placement=NormPlacement.SANDWICH if gemma2 else NormPlacement.PRE,
+             **({} if gemma2 else dict(attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None)))
+    if gemma2 and cfg.sliding_layers is not None and not any(cfg.sliding_layers):
+        raise ValueError("a Gemma 2 checkpoint cannot hold a sliding_window that no layer uses; set sliding_window=None")
+    out = {**_llama_like_hf(cfg, model_type, "Gemma2ForCausalLM" if gemma2 else "GemmaForCausalLM"),
+           "attention_bias": cfg.qkv_bias, "hidden_activation" if gemma2 else "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation]}
+    if gemma2:
+        windows = cfg.sliding_layers or (True,) * cfg.n_layers
+        out.update(query_pre_attn_scalar=cfg.d_head if cfg.attn_scale_dim is None else cfg.attn_scale_dim,
+                   attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.logit_softcap,
+                   sliding_window=cfg.sliding_window,
+                   layer_types=["sliding_attention" if cfg.sliding_window is not None and w else "full_attention" for w in windows])
+    return out
+
+
+def _norm_weights_offset(params: dict[str, torch.Tensor], offset: float) -> dict[str, torch.Tensor]:
+    """Gemma's norms multiply by 1 + w and store w; probe's multiply by w. Every `.w` is a norm weight."""
+    return {k: (v.float() + offset).to(v.dtype) if k.endswith(".w") else v for k, v in params.items()}
+
+
+def gemma_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    out = _norm_weights_offset(llama_to_probe(source, cfg), 1.0)
+    if cfg.tied_embeddings:
+        out["unembed.weight"] = out["embed.W_E"]
+    return out
+
+
+def gemma_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    return llama_to_hf(_norm_weights_offset(params, -1.0), cfg)
 
 
 # ---- GPT-NeoX (Pythia): nn.Linear layers; q, k, v fused and interleaved per head ---------------------
@@ -375,7 +449,7 @@ def neox_config(hf: dict) -> DecoderConfig:
 
 
 def neox_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-NeoX", sliding_window=None, norm=Norm.LAYER, final_norm=True, positions=Positions.ROTARY,
+    _require(cfg, "GPT-NeoX", **_PLAIN, sliding_window=None, norm=Norm.LAYER, final_norm=True, positions=Positions.ROTARY,
              gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, out_bias=cfg.qkv_bias,
              mlp_bias=True)
     if cfg.norm_placement is NormPlacement.POST:
@@ -474,6 +548,10 @@ FAMILIES = {
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen2"), llama_to_probe, llama_to_hf),
         Family("mistral", "MistralForCausalLM", ("model.",), mistral_config,
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "mistral"), llama_to_probe, llama_to_hf),
+        Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,
+               lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma"), gemma_to_probe, gemma_to_hf),
+        Family("gemma2", "Gemma2ForCausalLM", ("model.",), gemma2_config,
+               lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma2"), gemma_to_probe, gemma_to_hf),
         Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf),
     )
 }

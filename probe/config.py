@@ -31,6 +31,7 @@ class NormPlacement(enum.Enum):
     PRE = "pre"  # x + F(norm(x)): GPT-2, Llama
     POST = "post"  # norm(x + F(x)): the 2017 original, GPT-1
     PARALLEL = "parallel"  # x + attn(norm1(x)) + mlp(norm2(x)): both read the same residual (GPT-NeoX, Pythia)
+    SANDWICH = "sandwich"  # x + norm1_post(attn(norm1(x))), then the same for the MLP: each write normalised (Gemma 2)
 
 
 class Positions(enum.Enum):
@@ -100,6 +101,11 @@ class DecoderConfig:
     rotary_dim: Optional[int] = None  # None: d_head; fewer: only each head's first rotary_dim dimensions rotate (Pythia: d_head / 4)
     rotary_scaling: Optional[RotaryScaling] = None  # long-context frequency rescaling (Llama 3.1+); a dict is converted
     sliding_window: Optional[int] = None  # each query sees at most this many keys, itself included (Mistral); None: all earlier ones
+    sliding_layers: Optional[tuple[bool, ...]] = None  # which layers use sliding_window (Gemma 2: every other); None: all
+    attn_scale_dim: Optional[float] = None  # q.k is divided by sqrt(attn_scale_dim); None: d_head (Gemma 2: query_pre_attn_scalar)
+    attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2: 50)
+    logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
+    scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
     qkv_bias: bool = True
     out_bias: bool = True  # attention output projection bias
     mlp_bias: bool = True
@@ -130,6 +136,16 @@ class DecoderConfig:
             positive(field)
         if self.sliding_window is not None:
             positive("sliding_window")
+        if self.sliding_layers is not None:
+            layers = tuple(self.sliding_layers)
+            if self.sliding_window is None or len(layers) != self.n_layers or not all(isinstance(x, bool) for x in layers):
+                raise ValueError(f"sliding_layers={self.sliding_layers!r} must give each of the n_layers={self.n_layers} "
+                                 f"layers True (windowed) or False, with sliding_window set (got {self.sliding_window!r})")
+            object.__setattr__(self, "sliding_layers", layers)
+        for field in ("attn_scale_dim", "attn_softcap", "logit_softcap"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{field} must be a positive number or None, got {value!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
@@ -176,13 +192,19 @@ class DecoderConfig:
         """The number of query heads in `layer` (fewer than n_heads after structural pruning)."""
         return self.n_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
 
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of `layer`'s attention, or None when it sees every earlier key."""
+        windowed = self.sliding_layers is None or self.sliding_layers[layer]
+        return self.sliding_window if windowed else None
+
     def layer_kv_heads(self, layer: int) -> int:
         return self.n_kv_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items()}
-        if out["heads_per_layer"] is not None:
-            out["heads_per_layer"] = list(out["heads_per_layer"])
+        for field in ("heads_per_layer", "sliding_layers"):
+            if out[field] is not None:
+                out[field] = list(out[field])
         return out
 
     @classmethod
@@ -192,6 +214,7 @@ class DecoderConfig:
         if unknown:
             raise ValueError(f"unknown DecoderConfig fields: {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}")
         values = dict(values)
-        if values.get("heads_per_layer") is not None:
-            values["heads_per_layer"] = tuple(values["heads_per_layer"])
+        for field in ("heads_per_layer", "sliding_layers"):
+            if values.get(field) is not None:
+                values[field] = tuple(values[field])
         return cls(**values)

@@ -9,15 +9,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from probe.config import DecoderConfig, Positions, RotaryScaling
+from probe.softcap import make_softcap
 
 
 class Embed(nn.Module):
-    def __init__(self, d_vocab: int, d_model: int):
+    """Token embeddings; `scale` (Gemma: sqrt(d_model)) multiplies them, rounded to the weights' dtype as Gemma does."""
+
+    def __init__(self, d_vocab: int, d_model: int, scale: Optional[float] = None):
         super().__init__()
         self.W_E = nn.Parameter(torch.empty(d_vocab, d_model))
+        self.scale = scale
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [batch pos] -> [batch pos d_model]
-        return F.embedding(tokens, self.W_E)
+        embedded = F.embedding(tokens, self.W_E)
+        if self.scale is None:
+            return embedded
+        return embedded * torch.tensor(self.scale, dtype=embedded.dtype, device=embedded.device)
 
 
 class PosEmbed(nn.Module):
@@ -116,13 +123,14 @@ def make_pos_embed(cfg: DecoderConfig) -> nn.Module | None:
 class Unembed(nn.Module):
     """Logits = x @ W_U. Stores W_U transposed ([vocab d_model]) so it can share the embedding's tensor."""
 
-    def __init__(self, d_vocab: int, d_model: int, bias: bool = False):
+    def __init__(self, d_vocab: int, d_model: int, bias: bool = False, softcap: Optional[float] = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
         self.bias = nn.Parameter(torch.zeros(d_vocab)) if bias else None  # [vocab]
+        self.cap = make_softcap(softcap)  # Gemma 2 caps its logits; everything that unembeds gets the same logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch pos d_model] -> [batch pos vocab]
-        return F.linear(x, self.weight, self.bias)
+        return self.cap(F.linear(x, self.weight, self.bias))
 
     @property
     def W_U(self) -> torch.Tensor:  # [d_model vocab]

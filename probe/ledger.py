@@ -7,7 +7,7 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from probe.config import DecoderConfig, Norm, Positions
+from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,9 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("attn.o.weight", "attention", h * dh * d, layer)
         add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
         add("ln2", "norm", norm_params, layer)
+        if cfg.norm_placement is NormPlacement.SANDWICH:
+            add("ln1_post", "norm", norm_params, layer)
+            add("ln2_post", "norm", norm_params, layer)
         if cfg.gated_mlp:
             add("mlp.gate.weight", "mlp", d * m, layer)
             add("mlp.gate.bias", "mlp", m if cfg.mlp_bias else 0, layer)

@@ -26,6 +26,9 @@ SHORT_NAMES = {
     **{f"pythia-{size}{dedup}": f"EleutherAI/pythia-{size}{dedup}"
        for size in ("14m", "31m", "70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
        for dedup in ("", "-deduped")},
+    # gated on the hub: accept Google's licence there, then `hf auth login` (or pass a downloaded directory)
+    **{f"{name}{it}": f"google/{name}{it}" for name in ("gemma-2b", "gemma-7b", "gemma-2-2b", "gemma-2-9b", "gemma-2-27b")
+       for it in ("", "-it")},
 }
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
              "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]

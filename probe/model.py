@@ -74,7 +74,26 @@ class ParallelBlock(PreNormBlock):
         return self.hook_resid_post(resid_pre + attn_out + mlp_out)
 
 
-BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, NormPlacement.PARALLEL: ParallelBlock}
+class SandwichBlock(PreNormBlock):
+    """Norms on both sides of each sublayer (Gemma 2): h = x + ln1_post(attn(ln1(x))); y = h + ln2_post(mlp(ln2(h))).
+
+    hook_attn_out and hook_mlp_out are the normalised writes, what the residual stream receives."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        super().__init__(cfg, layer)
+        self.ln1_post = make_norm(cfg)
+        self.ln2_post = make_norm(cfg)
+
+    def forward(self, resid_pre, positions, allowed=None, past=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.ln1_post(self.attn(self.ln1(resid_pre), positions, allowed, past)))
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
+        mlp_out = self.hook_mlp_out(self.ln2_post(self.mlp(self.ln2(resid_mid))))
+        return self.hook_resid_post(resid_mid + mlp_out)
+
+
+BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, NormPlacement.PARALLEL: ParallelBlock,
+          NormPlacement.SANDWICH: SandwichBlock}
 Block = PreNormBlock
 
 
@@ -102,14 +121,15 @@ class HookedDecoder(HookedRootModule):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.embed = Embed(cfg.d_vocab, cfg.d_model)
+        self.embed = Embed(cfg.d_vocab, cfg.d_model, math.sqrt(cfg.d_model) if cfg.scale_embed else None)
         self.hook_embed = HookPoint()  # [batch pos d_model]
         self.pos_embed = make_pos_embed(cfg)  # None with rotary positions, which act inside attention
         if self.pos_embed is not None:
             self.hook_pos_embed = HookPoint()  # [batch pos d_model]
         self.blocks = nn.ModuleList([BLOCKS[cfg.norm_placement](cfg, layer) for layer in range(cfg.n_layers)])
+        self.windows = {cfg.layer_window(layer) for layer in range(cfg.n_layers)}
         self.ln_final = make_norm(cfg) if cfg.final_norm else nn.Identity()
-        self.unembed = Unembed(cfg.d_vocab, cfg.d_model, bias=cfg.unembed_bias)
+        self.unembed = Unembed(cfg.d_vocab, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
         self.init_weights()
@@ -172,9 +192,11 @@ class HookedDecoder(HookedRootModule):
             resid = self.hook_embed(self.embed(tokens))
             if self.pos_embed is not None:
                 resid = resid + self.hook_pos_embed(self.pos_embed(positions))
-        allowed = _allowed_keys(attention_mask, positions, self.cfg.sliding_window)
+        # one mask per distinct window (Gemma 2 alternates a window with full attention)
+        allowed = {window: _allowed_keys(attention_mask, positions, window) for window in self.windows}
         for index, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=start_at_layer):
-            resid = block(resid, positions, allowed, None if kv_cache is None else kv_cache.layers[index])
+            past = None if kv_cache is None else kv_cache.layers[index]
+            resid = block(resid, positions, allowed[self.cfg.layer_window(index)], past)
         if stop_at_layer is not None:
             return resid
         return self.unembed(self.ln_final(resid))

@@ -16,7 +16,7 @@ more simply, leaving what the model computes unchanged.
 
 The result is a new model (the input is left as it was) whose unembedding is no longer tied to the
 embedding, and which has an unembedding bias when a final LayerNorm bias was folded in (so it cannot
-be saved in a Hugging Face format). Folding needs pre-norm or parallel blocks; centring the writers needs
+be saved in a Hugging Face format). Folding needs pre-norm, parallel or sandwich blocks; centring the writers needs
 LayerNorm everywhere.
 """
 from __future__ import annotations
@@ -32,14 +32,14 @@ from probe.model import HookedDecoder
 
 
 def can_fold_ln(cfg: DecoderConfig) -> bool:
-    """Folding needs each norm to feed layers (pre-norm or parallel blocks): in a post-norm model the norm's
-    output is the residual stream itself."""
-    return cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL)
+    """Folding needs each norm to feed layers (pre-norm, parallel or sandwich blocks; a sandwich block's write
+    norms stay as they are): in a post-norm model the norm's output is the residual stream itself."""
+    return cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH)
 
 
 def can_center_writing_weights(cfg: DecoderConfig) -> bool:
     """Centring the writers needs every reader of the residual stream to be a LayerNorm (which subtracts the mean)."""
-    return cfg.norm is Norm.LAYER and cfg.final_norm and can_fold_ln(cfg)
+    return cfg.norm is Norm.LAYER and cfg.final_norm and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL)
 
 
 @torch.no_grad()
@@ -55,13 +55,16 @@ def process_weights(
     equal the original's up to rounding."""
     cfg = model.cfg
     if fold_ln and not can_fold_ln(cfg):
-        raise ValueError("fold_ln needs pre-norm or parallel blocks: in a post-norm model (GPT-1) the norm's output is the "
+        raise ValueError("fold_ln needs pre-norm, parallel or sandwich blocks: in a post-norm model (GPT-1) the norm's output is the "
                          "residual stream itself, not the input of one layer; pass fold_ln=False")
     if center_writing_weights and not can_center_writing_weights(cfg):
         raise ValueError("center_writing_weights needs every reader of the residual stream to be a LayerNorm (pre-norm "
                          f"or parallel blocks and a final LayerNorm); this model has norm={cfg.norm.value}, "
                          f"final_norm={cfg.final_norm}, norm_placement={cfg.norm_placement.value}; "
                          "pass center_writing_weights=False")
+    if center_unembed and cfg.logit_softcap is not None:
+        raise ValueError("center_unembed shifts each position's logits, which a logit soft cap (Gemma 2) does not "
+                         "pass through unchanged; pass center_unembed=False")
     processed = copy.deepcopy(model)
     _untie(processed)
     if fold_ln:

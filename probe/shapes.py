@@ -32,6 +32,9 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.attn.hook_pattern"] = (batch, heads, pos, key_pos)
         shapes[f"{b}.attn.hook_z"] = (batch, pos, heads, cfg.d_head)
         shapes[f"{b}.attn.hook_result"] = (batch, pos, heads, cfg.d_model)
+        sandwich = cfg.norm_placement is NormPlacement.SANDWICH  # each write normalised before it is added
+        if sandwich:
+            norm(f"{b}.ln1_post")
         shapes[f"{b}.hook_attn_out"] = resid
         if cfg.norm_placement is not NormPlacement.PARALLEL:  # both sublayers read resid_pre: nothing between them
             shapes[f"{b}.hook_resid_mid"] = resid
@@ -40,6 +43,8 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         if cfg.gated_mlp:
             shapes[f"{b}.mlp.hook_pre_linear"] = (batch, pos, cfg.d_mlp)
         shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
+        if sandwich:
+            norm(f"{b}.ln2_post")
         shapes[f"{b}.hook_mlp_out"] = resid
         shapes[f"{b}.hook_resid_post"] = resid
     if cfg.final_norm:

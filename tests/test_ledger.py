@@ -25,6 +25,8 @@ def test_one_bias_free_block_attention_and_mlp_counts():
                                      "activation": "silu", "qkv_bias": False, "out_bias": False, "mlp_bias": False},
     {"positions": "sinusoidal", "norm_placement": "post", "final_norm": False},
     {"heads_per_layer": (8, 3, 0)},
+    {"norm_placement": "sandwich", "norm": "rms", "positions": "rotary", "scale_embed": True},  # Gemma 2's extra norms
+    {"norm_placement": "parallel", "positions": "rotary", "rotary_dim": 4},
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)

@@ -534,3 +534,29 @@ def test_direct_effect_through_an_rms_final_norm_or_none(config):
         values = model.blocks[1].mlp.W_out[:3] * (model.ln_final.w if cfg.final_norm else 1.0)
         expected = (values @ model.unembed.W_U).topk(5, dim=-1).indices
         assert torch.equal(value_tokens(model, 1, [0, 1, 2], 5, through_final_norm=True).top_ids, expected)
+
+
+def test_gemma2_memories_write_through_the_write_norm(tmp_path):
+    """In a sandwich block (Gemma 2) the residual receives ln2_post(MLP output): with its scale frozen, memory i
+    writes m_i v_i * ln2_post.w / scale. Oracle: the sub-updates of all neurons add up to hook_mlp_out, and their
+    direct effects to the whole write's effect on the predicted logit (before the logit cap)."""
+    from test_variants import build
+
+    from probe import HookedDecoder
+
+    build("gemma2", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(4))
+    position, layer, d_mlp = 7, 1, model.cfg.d_mlp
+    result = memory_lookup(model, tokens, position, layer=layer, k=d_mlp)
+    _, cache = model.run_with_cache(tokens)
+    block = model.blocks[layer]
+    write_scale = cache[f"blocks.{layer}.ln2_post.hook_scale"][0, position]
+    coefficients = cache[f"blocks.{layer}.mlp.hook_post"][0, position]
+    writes = coefficients[:, None] * block.mlp.W_out * block.ln2_post.w / write_scale  # [d_mlp d_model]
+    torch.testing.assert_close(writes.sum(0), cache[f"blocks.{layer}.hook_mlp_out"][0, position], atol=1e-5, rtol=0)
+    order = result.neurons[0]
+    torch.testing.assert_close(result.sizes[0], writes.norm(dim=-1)[order], atol=1e-5, rtol=1e-5)
+    direction = model.ln_final.w * model.unembed.W_U[:, result.predicted_token] / cache["ln_final.hook_scale"][0, position]
+    whole = cache[f"blocks.{layer}.hook_mlp_out"][0, position] @ direction
+    torch.testing.assert_close(result.prediction_effect[0].sum(), whole.detach(), atol=1e-4, rtol=0)

@@ -189,3 +189,25 @@ def test_processing_inside_a_hooks_block_gives_a_model_without_those_hooks(tiny_
     expected = log_probs(tiny_model, tokens)  # outside the block: the unhooked model
     torch.testing.assert_close(log_probs(processed, tokens), expected, atol=ATOL, rtol=0)
     assert calls == []
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gemma2"])
+def test_gemma_norms_fold_and_keep_transformers_log_probs(kind, tmp_path):
+    """Gemma (RMS, scaled embeddings) folds its norms; Gemma 2 folds the norms before each sublayer and keeps
+    the write norms. Neither can centre (RMSNorm), and Gemma 2's logit cap does not pass a shift through."""
+    from test_variants import build
+
+    hf = build(kind, tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    processed = process_weights(model, center_writing_weights=False, center_unembed=kind == "gemma")
+    tokens = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(tokens).logits.log_softmax(-1)
+    torch.testing.assert_close(log_probs(processed, tokens), expected, atol=ATOL, rtol=0)
+    for block, original in zip(processed.blocks, model.blocks):
+        assert torch.equal(block.ln1.w, torch.ones_like(block.ln1.w)) and torch.equal(block.ln2.w, torch.ones_like(block.ln2.w))
+        if kind == "gemma2":
+            assert torch.equal(block.ln1_post.w, original.ln1_post.w)  # a write norm has no reader to fold into
+    if kind == "gemma2":
+        with pytest.raises(ValueError, match="center_unembed=False"):
+            process_weights(model, center_writing_weights=False)

@@ -31,17 +31,21 @@ def configs(draw):
     if n_kv_heads == n_heads and draw(st.booleans()):
         heads_per_layer = tuple(draw(st.integers(0, n_heads)) for _ in range(n_layers))
     positions = draw(st.sampled_from(["learned", "sinusoidal", "rotary"]))
+    window = draw(st.sampled_from([None, None, 1, 3]))
     rotary_dim = draw(st.sampled_from([None] + [r for r in (2, 4) if r <= d_head])) if positions == "rotary" else None
     return DecoderConfig(
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
         d_model=draw(st.sampled_from([8, 12, 16])), d_mlp=draw(st.sampled_from([8, 20])),
         d_vocab=draw(st.integers(5, 40)), n_ctx=draw(st.integers(4, 24)),
         activation="silu" if gated else draw(st.sampled_from(["gelu_new", "gelu", "relu"])), gated_mlp=gated,
-        norm=draw(st.sampled_from(["layer", "rms"])), norm_placement=draw(st.sampled_from(["pre", "post", "parallel"])),
+        norm=draw(st.sampled_from(["layer", "rms"])), norm_placement=draw(st.sampled_from(["pre", "post", "parallel", "sandwich"])),
         final_norm=draw(st.booleans()), positions=positions, rotary_dim=rotary_dim,
         qkv_bias=draw(st.booleans()), out_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
         tied_embeddings=draw(st.booleans()), heads_per_layer=heads_per_layer,
-        sliding_window=draw(st.sampled_from([None, None, 1, 3])),
+        sliding_window=window, sliding_layers=None if window is None or n_layers == 1 else draw(
+            st.sampled_from([None, tuple(i % 2 == 0 for i in range(n_layers))])),
+        scale_embed=draw(st.booleans()), attn_scale_dim=draw(st.sampled_from([None, 3.0])),
+        attn_softcap=draw(st.sampled_from([None, 2.0])), logit_softcap=draw(st.sampled_from([None, 5.0])),
     )
 
 
@@ -70,7 +74,7 @@ def test_forward_is_finite_and_paths_agree(case):
     assert fast.shape == (*tokens.shape, cfg.d_vocab) and torch.isfinite(fast).all()
     torch.testing.assert_close(cached, fast, atol=1e-5, rtol=1e-5)  # explicit attention + cache == SDPA
     torch.testing.assert_close(identity, fast, atol=1e-5, rtol=1e-5)
-    if cfg.norm_placement is NormPlacement.PRE:
+    if cfg.norm_placement in (NormPlacement.PRE, NormPlacement.SANDWICH):
         for l in range(cfg.n_layers):
             c = lambda n: cache[f"blocks.{l}.{n}"]  # noqa: E731
             torch.testing.assert_close(c("hook_resid_mid"), c("hook_resid_pre") + c("hook_attn_out"), atol=1e-5, rtol=1e-5)

@@ -63,3 +63,30 @@ def test_gpt_neox_hooks_match_transformer_lens(tmp_path):
         if hook.endswith("hook_attn_scores"):
             a, b = a[..., allowed], b[..., allowed]
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"{hook}: {m}")
+
+
+def test_gemma2_hooks_match_transformer_lens(tmp_path):
+    """Gemma 2 through TL's own loader: scaled embeddings, (1 + w) norms, the write norms ln1_post / ln2_post,
+    capped scores and logits, a window on every other layer: every hook of ours TL has, and they agree."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from test_variants import build
+
+    build("gemma2", tmp_path)
+    bridge = TransformerBridge.boot_transformers(str(tmp_path), device="cpu")
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, ours.cfg.d_vocab, (2, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        their_logits, theirs = bridge.run_with_cache(tokens)
+        our_logits, cache = ours.run_with_cache(tokens)
+    torch.testing.assert_close(our_logits, their_logits, atol=1e-4, rtol=0)
+    assert set(cache) <= set(theirs), set(cache) - set(theirs)
+    assert "blocks.2.ln1_post.hook_scale" in cache
+    allowed = torch.ones(20, 20, dtype=torch.bool).tril()
+    for hook in cache:
+        a, b = cache[hook], theirs[hook]
+        if hook.endswith("hook_attn_scores"):
+            a, b = a[..., allowed], b[..., allowed]
+            finite = torch.isfinite(a)  # the windowed layers mask more than the causal triangle
+            a, b = a[finite], b[finite]
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"{hook}: {m}")

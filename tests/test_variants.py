@@ -46,6 +46,15 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, head_dim=8, max_position_embeddings=40, sliding_window=6)
         cfg = tf.MistralConfig(**{**settings, **overrides})
         model = tf.MistralForCausalLM(cfg)
+    elif kind == "gemma":  # (1 + w) norms, embeddings times sqrt(d_model), GeGLU, d_head * n_heads != d_model
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=24, max_position_embeddings=40)
+        model = tf.GemmaForCausalLM(tf.GemmaConfig(**{**settings, **overrides}))
+    elif kind == "gemma2":  # and sandwich norms, soft caps small enough to bite, a window on every other layer
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=24, max_position_embeddings=40, sliding_window=6,
+                        query_pre_attn_scalar=20, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -67,6 +76,8 @@ CASES = {
                                                           "original_max_position_embeddings": 16}}),
     "llama-linear-rope-scaling": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}}),
     "mistral-sliding-window": ("mistral", {}),
+    "gemma-scaled-embed-geglu": ("gemma", {}),
+    "gemma2-sandwich-softcaps-windows": ("gemma2", {}),
     "neox-parallel-partial-rotary": ("neox", {}),
     "neox-sequential-tied-no-bias": ("neox", {"use_parallel_residual": False, "tie_word_embeddings": True,
                                               "attention_bias": False, "hidden_act": "gelu_new"}),
@@ -153,7 +164,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 
 def test_save_round_trip_for_each_family(tmp_path):
-    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral"):
+    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -207,8 +218,8 @@ def test_gqa_config_errors():
 def test_unsupported_model_type_lists_the_supported(tmp_path):
     from probe.loading import CheckpointError
 
-    (tmp_path / "config.json").write_text('{"model_type": "gemma2"}')
-    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2, mistral, gpt_neox"):
+    (tmp_path / "config.json").write_text('{"model_type": "gemma3"}')
+    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2, mistral, gemma, gemma2, gpt_neox"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
@@ -421,3 +432,46 @@ def test_sliding_window_counts_real_tokens_so_padding_changes_nothing(tmp_path):
     torch.testing.assert_close(batched[1, 7:], alone[0], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="sliding_window must be a positive int"):
         DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, sliding_window=0)
+
+
+# ---- Gemma and Gemma 2 ---------------------------------------------------------------------------------
+def test_gemma2_hooks_follow_its_sandwich_and_caps(tmp_path):
+    """Against transformers' own modules: the embedding is scaled by sqrt(d_model) (rounded to the weights'
+    dtype), each write is normalised (ln1_post, ln2_post), scores are capped before the mask, patterns on the
+    windowed layers are zero past the window, and the logits are capped."""
+    hf = build("gemma2", tmp_path)
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert ours.cfg.sliding_layers == (True, False, True) and ours.cfg.attn_scale_dim == 20
+    tokens = torch.randint(0, 101, (2, 25), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        expected = hf(tokens, output_attentions=True, output_hidden_states=True)
+        _, cache = ours.run_with_cache(tokens)
+        embed = hf.model.embed_tokens(tokens)
+        layer0 = hf.model.layers[0]
+        torch.testing.assert_close(cache["hook_embed"], embed, atol=1e-5, rtol=0)
+        normed = layer0.input_layernorm(embed)
+        torch.testing.assert_close(cache["blocks.0.ln1.hook_normalized"] * ours.blocks[0].ln1.w, normed, atol=1e-5, rtol=0)
+    for layer in range(3):
+        pattern = cache[f"blocks.{layer}.attn.hook_pattern"]
+        torch.testing.assert_close(pattern, expected.attentions[layer], atol=1e-4, rtol=0)
+        query, key = torch.meshgrid(torch.arange(25), torch.arange(25), indexing="ij")
+        reach = (query - key >= 6) & (key <= query)
+        assert bool(pattern[..., reach].any()) == (layer == 1)  # only the full-attention layer sees 6+ back
+        scores = cache[f"blocks.{layer}.attn.hook_attn_scores"]
+        assert float(scores[torch.isfinite(scores)].abs().max()) <= 5.0
+        c = lambda n: cache[f"blocks.{layer}.{n}"]  # noqa: E731
+        block = ours.blocks[layer]
+        torch.testing.assert_close(c("hook_attn_out"), c("ln1_post.hook_normalized") * block.ln1_post.w, atol=1e-5, rtol=0)
+        torch.testing.assert_close(c("hook_resid_mid"), c("hook_resid_pre") + c("hook_attn_out"), atol=1e-5, rtol=0)
+        torch.testing.assert_close(c("hook_resid_post"), c("hook_resid_mid") + c("hook_mlp_out"), atol=1e-5, rtol=0)
+    assert float(ours(tokens).abs().max()) <= 3.0
+
+
+def test_gemma_norm_weights_are_one_plus_the_stored_offset(tmp_path):
+    hf = build("gemma", tmp_path)
+    ours = HookedDecoder.from_pretrained(tmp_path)
+    for block, theirs in zip(ours.blocks, hf.model.layers):
+        assert torch.equal(block.ln1.w, 1 + theirs.input_layernorm.weight)
+        assert torch.equal(block.ln2.w, 1 + theirs.post_attention_layernorm.weight)
+    assert torch.equal(ours.ln_final.w, 1 + hf.model.norm.weight)
+    assert ours.embed.scale == 8.0 and ours.unembed.weight is ours.embed.W_E  # tied, and unscaled in the unembedding
