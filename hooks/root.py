@@ -67,6 +67,25 @@ class HookedRootModule(nn.Module):
         return names
 
     @contextmanager
+    def lent_hook_points(self, points: dict[str, HookPoint]) -> Iterator["HookedRootModule"]:
+        """For the block, `points` (another module's hook points, e.g. a spliced-in SAE's) are this model's too,
+        under the given names: hooks, caches and name filters see them. Their names are restored after."""
+        taken = [name for name in points if name in self._hook_points]
+        if taken:
+            raise ValueError(f"hook point names already in use: {', '.join(taken)}")
+        previous = {name: point.name for name, point in points.items()}
+        try:
+            for name, point in points.items():
+                self._hook_points[name] = point
+                point.name = name
+            yield self
+        finally:
+            for name, point in points.items():
+                if self._hook_points.get(name) is point:
+                    del self._hook_points[name]
+                point.name = previous[name]
+
+    @contextmanager
     def hooks(
         self, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = ()
     ) -> Iterator["HookedRootModule"]:

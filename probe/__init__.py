@@ -4,9 +4,11 @@ from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positio
 from probe.model import Block, HookedDecoder, ParallelBlock, PostNormBlock, PreNormBlock, SandwichBlock
 from probe.names import act_name
 from probe.processing import process_weights
+from probe.sae import SAEConfig, SparseAutoencoder, spliced
 from probe.tokenizer import Tokenizer
 
 __all__ = [
-    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "HookedDecoder", "Norm",
-    "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SandwichBlock", "Tokenizer", "act_name", "process_weights",
+    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "HookedDecoder", "Norm", "NormPlacement",
+    "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig", "SandwichBlock",
+    "SparseAutoencoder", "Tokenizer", "act_name", "process_weights", "spliced",
 ]

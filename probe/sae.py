@@ -1,0 +1,231 @@
+"""Sparse autoencoders on one hook point, in SAELens's file format, and splicing them into a model.
+
+An SAE reads an activation x [... d_in] and writes it back as a sparse sum of learned directions:
+
+    x' = x - b_dec (when apply_b_dec_to_input)     hook_sae_input is x
+    pre = x' W_enc + b_enc                          hook_sae_acts_pre   [... d_sae]
+    features = act(pre)                             hook_sae_acts_post  [... d_sae]
+    reconstruction = features W_dec + b_dec        hook_sae_recons     [... d_in]
+
+with act ReLU ("standard"), ReLU where pre > threshold ("jumprelu", Gemma Scope), or ReLU of the k
+largest ("topk"). An SAE on `hook_z` reads the heads flattened, [... (head d_head)].
+
+`spliced(model, sae)` replaces the model's activation at `sae.cfg.hook_name` by the SAE's output for
+the duration of a `with` block, and lends the SAE's hook points to the model under
+`<hook_name>.hook_sae_acts_post` and so on (SAELens's names), so `run_with_cache` and hooks reach the
+features. With `use_error_term=True` the output adds back what the SAE misses, x - reconstruction
+(computed without hooks, `hook_sae_error`): the model then computes exactly what it did without the
+SAE, and an edit of the features changes it by exactly the edit's decoded difference.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Literal, Optional, Sequence, Union
+
+import torch
+from einops import rearrange
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from hooks import HookedRootModule, HookPoint
+from probe.io import atomic_directory
+
+Architecture = Literal["standard", "jumprelu", "topk"]
+ARCHITECTURES = ("standard", "jumprelu", "topk")
+CONFIG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"  # SAELens's names
+
+
+@dataclass(frozen=True, kw_only=True)
+class SAEConfig:
+    d_in: int
+    d_sae: int
+    hook_name: str  # where it reads and writes, e.g. "blocks.8.hook_resid_pre"
+    architecture: Architecture = "standard"
+    k: Optional[int] = None  # topk: how many features stay on
+    apply_b_dec_to_input: bool = True
+    model_name: Optional[str] = None  # what it was trained on, as its file says (not checked)
+
+    def __post_init__(self) -> None:
+        for field in ("d_in", "d_sae"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"SAE architecture {self.architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        if self.architecture == "topk":
+            if not (isinstance(self.k, int) and 0 < self.k <= self.d_sae):
+                raise ValueError(f"a topk SAE needs k, an int in [1, d_sae={self.d_sae}], got {self.k!r}")
+        elif self.k is not None:
+            raise ValueError(f"k={self.k!r} applies only to architecture='topk'")
+        if not isinstance(self.hook_name, str) or not self.hook_name:
+            raise ValueError(f"hook_name must name the model's hook point it reads, got {self.hook_name!r}")
+
+
+class SparseAutoencoder(HookedRootModule):
+    """See the module docstring. Parameters in SAELens's names and shapes: W_enc [d_in d_sae], b_enc [d_sae],
+    W_dec [d_sae d_in], b_dec [d_in], and threshold [d_sae] for jumprelu."""
+
+    def __init__(self, cfg: SAEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.W_enc = nn.Parameter(torch.zeros(cfg.d_in, cfg.d_sae))
+        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae))
+        self.W_dec = nn.Parameter(torch.zeros(cfg.d_sae, cfg.d_in))
+        self.b_dec = nn.Parameter(torch.zeros(cfg.d_in))
+        self.threshold = nn.Parameter(torch.zeros(cfg.d_sae)) if cfg.architecture == "jumprelu" else None
+        self.hook_sae_input = HookPoint()  # [... d_in]
+        self.hook_sae_acts_pre = HookPoint()  # [... d_sae]
+        self.hook_sae_acts_post = HookPoint()  # [... d_sae]: the features
+        self.hook_sae_recons = HookPoint()  # [... d_in]
+        self.hook_sae_error = HookPoint()  # [... d_in]: x - reconstruction, with use_error_term
+        self.hook_sae_output = HookPoint()  # [... d_in]: what the model receives when spliced
+        self.setup_hooks()
+
+    # ---- the SAE itself --------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Features [... d_sae] of activations [... d_in] (a hook_z SAE: [... head d_head])."""
+        return self._encode(x, hooked=True)
+
+    def decode(self, features: torch.Tensor) -> torch.Tensor:
+        """Reconstruction [... d_in] of features [... d_sae]."""
+        return self.hook_sae_recons(features @ self.W_dec + self.b_dec)
+
+    def forward(self, x: torch.Tensor, use_error_term: bool = False) -> torch.Tensor:
+        """The SAE's output for activations x, in x's shape, dtype and device."""
+        reconstruction = self.decode(self.encode(x))
+        if use_error_term:
+            with torch.no_grad():  # the error is a constant: an edit of the features acts on the reconstruction alone
+                clean = self._encode(x, hooked=False) @ self.W_dec + self.b_dec
+                error = self._flat(x).to(clean.dtype) - clean
+            reconstruction = reconstruction + self.hook_sae_error(error)
+        return self.hook_sae_output(reconstruction).reshape(x.shape).to(x.dtype)
+
+    def _flat(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.hook_name.endswith("hook_z"):  # [... head d_head] -> [... (head d_head)]
+            x = rearrange(x, "... head d_head -> ... (head d_head)")
+        if x.shape[-1] != self.cfg.d_in:
+            raise ValueError(f"the SAE reads {self.cfg.d_in} dimensions, but the activation at {self.cfg.hook_name!r} "
+                             f"has {x.shape[-1]}: it was trained for another model or hook point")
+        return x
+
+    def _encode(self, x: torch.Tensor, hooked: bool) -> torch.Tensor:
+        observe = (lambda point, t: point(t)) if hooked else (lambda point, t: t)  # noqa: E731
+        x = observe(self.hook_sae_input, self._flat(x).to(self.W_enc.dtype))
+        pre = observe(self.hook_sae_acts_pre, (x - self.b_dec * self.cfg.apply_b_dec_to_input) @ self.W_enc + self.b_enc)
+        return observe(self.hook_sae_acts_post, self._activate(pre))
+
+    def _activate(self, pre: torch.Tensor) -> torch.Tensor:
+        if self.cfg.architecture == "jumprelu":
+            return torch.relu(pre) * (pre > self.threshold)
+        if self.cfg.architecture == "topk":
+            top = pre.topk(self.cfg.k, dim=-1)
+            return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+        return torch.relu(pre)
+
+    # ---- files -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, directory: Union[str, Path], device: Optional[Union[str, torch.device]] = None,
+                        dtype: Optional[torch.dtype] = None) -> "SparseAutoencoder":
+        """Read an SAELens directory (cfg.json and sae_weights.safetensors), as SAELens 3 to 6 write them."""
+        directory = Path(directory).expanduser()
+        config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing: an SAE directory holds {CONFIG_FILE} and {WEIGHTS_FILE}")
+        try:
+            raw = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+        cfg = _config_from_saelens(raw, config_path)
+        try:
+            state = load_file(str(weights_path))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"could not read the SAE weights in {weights_path}: {err}") from err
+        if "log_threshold" in state and cfg.architecture == "jumprelu":  # a training checkpoint's parametrisation
+            state["threshold"] = state.pop("log_threshold").exp()
+        sae = cls(cfg)
+        expected = {name: tuple(p.shape) for name, p in sae.named_parameters()}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        wrong = [f"{n} {tuple(state[n].shape)} (expected {expected[n]})" for n in expected
+                 if n in state and tuple(state[n].shape) != expected[n]]
+        if missing or unexpected or wrong:
+            raise ValueError(f"{weights_path} does not fit a {cfg.architecture} SAE with d_in={cfg.d_in}, d_sae={cfg.d_sae}: "
+                             + "; ".join(filter(None, [missing and f"missing {', '.join(missing)}",
+                                                       unexpected and f"unexpected {', '.join(unexpected)}",
+                                                       wrong and f"misshapen {', '.join(wrong)}"])))
+        sae.load_state_dict(state)
+        return sae.to(device=device, dtype=dtype)
+
+    def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
+        """Write cfg.json and sae_weights.safetensors (loadable here and by SAELens); written whole or not at all."""
+        config = {"architecture": self.cfg.architecture, "d_in": self.cfg.d_in, "d_sae": self.cfg.d_sae,
+                  "dtype": str(self.W_enc.dtype).removeprefix("torch."), "apply_b_dec_to_input": self.cfg.apply_b_dec_to_input,
+                  "normalize_activations": "none", "hook_name": self.cfg.hook_name,
+                  "metadata": {"hook_name": self.cfg.hook_name, "model_name": self.cfg.model_name},
+                  **({"k": self.cfg.k} if self.cfg.k is not None else {})}
+        state = {name: p.detach().cpu().contiguous() for name, p in self.named_parameters()}
+        with atomic_directory(directory, overwrite=overwrite) as tmp:
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+            save_file(state, str(tmp / WEIGHTS_FILE))
+        return Path(directory).expanduser()
+
+
+def _config_from_saelens(raw: dict, path: Path) -> SAEConfig:
+    meta = {**(raw.get("metadata") or {}), **(raw.get("meta") or {})}  # SAELens 6 nests these; older files do not
+    hook_name = raw.get("hook_name") or meta.get("hook_name")
+    if hook_name is None:
+        raise ValueError(f"{path} names no hook_name: which activation the SAE reads is unknown")
+    if (raw.get("hook_head_index") or meta.get("hook_head_index")) is not None:
+        raise ValueError(f"{path}: SAEs on one head (hook_head_index) are not supported")
+    normalize = raw.get("normalize_activations") or "none"
+    if normalize != "none":
+        raise ValueError(f"{path}: normalize_activations={normalize!r} is not supported (only 'none'); SAELens folds "
+                         "'expected_average_only_in' into the weights when it downloads such an SAE: save it from there")
+    if raw.get("rescale_acts_by_decoder_norm"):
+        raise ValueError(f"{path}: rescale_acts_by_decoder_norm=true is not supported")
+    architecture = raw.get("architecture", "standard")
+    kwargs = raw.get("activation_fn_kwargs") or {}
+    if raw.get("activation_fn_str") == "topk" or raw.get("activation_fn") == "topk":  # SAELens 3-5 spelled topk so
+        architecture = "topk"
+    try:
+        return SAEConfig(d_in=raw["d_in"], d_sae=raw["d_sae"], hook_name=hook_name, architecture=architecture,
+                         k=raw.get("k", kwargs.get("k")) if architecture == "topk" else None,
+                         apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", True)),
+                         model_name=raw.get("model_name") or meta.get("model_name"))
+    except KeyError as err:
+        raise ValueError(f"{path} lacks the field {err.args[0]!r}") from None
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+@contextmanager
+def spliced(model: HookedRootModule, saes: Union[SparseAutoencoder, Sequence[SparseAutoencoder]],
+            use_error_term: bool = False) -> Iterator[HookedRootModule]:
+    """Inside the block, each SAE's output replaces the model's activation at its hook point, and the SAE's hook
+    points are the model's, named `<hook_name>.hook_sae_acts_post` etc. Hooks on the hook point itself attached
+    inside the block see the SAE's output. Everything is undone on exit, whatever happens."""
+    saes = [saes] if isinstance(saes, SparseAutoencoder) else list(saes)
+    names = [sae.cfg.hook_name for sae in saes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two SAEs read the same hook point ({', '.join(sorted(n for n in set(names) if names.count(n) > 1))});"
+                         " splice one per point")
+    with ExitStack() as stack:
+        for sae in saes:
+            model.hook_point(sae.cfg.hook_name)  # a misspelt or foreign hook point fails here, named
+            lent = {f"{sae.cfg.hook_name}.{name}": point for name, point in sae._hook_points.items()}
+            stack.enter_context(model.lent_hook_points(lent))
+            stack.enter_context(model.hooks([(sae.cfg.hook_name, _replace_with(sae, use_error_term))]))
+        yield model
+
+
+def _replace_with(sae: SparseAutoencoder, use_error_term: bool):
+    def replace(activation: torch.Tensor, hook: HookPoint) -> torch.Tensor:
+        return sae(activation.to(sae.W_enc.device), use_error_term=use_error_term).to(activation.device)
+
+    replace.__name__ = f"sae on {sae.cfg.hook_name}"
+    return replace

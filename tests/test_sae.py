@@ -1,0 +1,197 @@
+"""Sparse autoencoders: the formulas by hand in float64, SAELens's files, and splicing into the model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from probe import SAEConfig, SparseAutoencoder, spliced
+
+D_SAE = 96
+HOOK = "blocks.0.hook_resid_post"
+
+
+def random_sae(architecture="standard", hook=HOOK, d_in=64, seed=0, **extra):
+    cfg = SAEConfig(d_in=d_in, d_sae=D_SAE, hook_name=hook, architecture=architecture,
+                    k=12 if architecture == "topk" else None, **extra)
+    sae = SparseAutoencoder(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sae.named_parameters():
+            scale = {"W_enc": 0.3, "W_dec": 0.3, "b_enc": 0.2, "b_dec": 0.2, "threshold": 0.1}[name]
+            param.copy_(scale * torch.randn(param.shape, generator=gen) + (0.15 if name == "threshold" else 0.0))
+    return sae
+
+
+def by_hand(sae, x):
+    """Features and reconstruction in float64, written out from the parameters."""
+    W_enc, b_enc, W_dec, b_dec = (getattr(sae, n).double() for n in ("W_enc", "b_enc", "W_dec", "b_dec"))
+    x = x.double()
+    pre = (x - b_dec * sae.cfg.apply_b_dec_to_input) @ W_enc + b_enc
+    if sae.cfg.architecture == "standard":
+        features = pre.clamp(min=0)
+    elif sae.cfg.architecture == "jumprelu":
+        features = torch.where(pre > sae.threshold.double(), pre, torch.zeros_like(pre)).clamp(min=0)
+    else:
+        kth = pre.sort(dim=-1, descending=True).values[..., sae.cfg.k - 1: sae.cfg.k]
+        features = torch.where(pre >= kth, pre, torch.zeros_like(pre)).clamp(min=0)
+    return features, features @ W_dec + b_dec
+
+
+@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+@pytest.mark.parametrize("apply_b_dec_to_input", [True, False])
+def test_encode_and_decode_follow_the_formulas(architecture, apply_b_dec_to_input):
+    sae = random_sae(architecture, apply_b_dec_to_input=apply_b_dec_to_input)
+    x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1))
+    features, reconstruction = by_hand(sae, x)
+    with torch.no_grad():
+        got = sae.encode(x)
+        torch.testing.assert_close(got.double(), features, atol=1e-5, rtol=0)
+        torch.testing.assert_close(sae.decode(got).double(), reconstruction, atol=1e-5, rtol=0)
+        torch.testing.assert_close(sae(x).double(), reconstruction, atol=1e-5, rtol=0)
+    active = (features > 0).sum(-1)
+    if architecture == "topk":
+        assert bool((active <= 12).all())
+    assert 0 < float(active.float().mean()) < D_SAE  # sparse, and not dead: the test sees the activation function
+
+
+def test_spliced_model_runs_on_the_reconstruction_and_caches_the_features(tiny_model, tokens):
+    sae = random_sae()
+    features_name = f"{HOOK}.hook_sae_acts_post"
+    with torch.no_grad():
+        original, cache = tiny_model.run_with_cache(tokens, names=HOOK)
+        _, reconstruction = by_hand(sae, cache[HOOK])
+        expected = tiny_model.run_with_hooks(tokens, fwd_hooks=[(HOOK, lambda x, hook: reconstruction.float())])
+        with spliced(tiny_model, sae):
+            logits, spliced_cache = tiny_model.run_with_cache(tokens, names=[features_name, f"{HOOK}.hook_sae_input"])
+        after = tiny_model(tokens)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert not torch.allclose(logits, original, atol=1e-3)  # the reconstruction is not the activation
+    torch.testing.assert_close(spliced_cache[f"{HOOK}.hook_sae_input"], cache[HOOK])
+    torch.testing.assert_close(spliced_cache[features_name].double(), by_hand(sae, cache[HOOK])[0], atol=1e-5, rtol=0)
+    # the block is over: the names are gone, the SAE's points have their own names back, the model is itself
+    assert features_name not in tiny_model.hook_names and sae.hook_point("hook_sae_acts_post").name == "hook_sae_acts_post"
+    assert torch.equal(after, original)
+
+
+def test_error_term_keeps_the_model_and_an_edit_acts_through_the_decoder(tiny_model, tokens):
+    """With the error term the model computes what it did without the SAE; zeroing feature j then moves the
+    activation by exactly -f_j W_dec[j], as a hand-written hook on the plain model does."""
+    sae = random_sae(seed=2)
+    with torch.no_grad():
+        original, cache = tiny_model.run_with_cache(tokens, names=HOOK)
+        features, _ = by_hand(sae, cache[HOOK])
+        j = int(features.reshape(-1, D_SAE).gt(0).sum(0).argmax())  # the feature active most often
+
+        def zero_feature(f, hook):
+            f = f.clone()
+            f[..., j] = 0
+            return f
+
+        with spliced(tiny_model, sae, use_error_term=True):
+            unchanged = tiny_model(tokens)
+            edited = tiny_model.run_with_hooks(tokens, fwd_hooks=[(f"{HOOK}.hook_sae_acts_post", zero_feature)])
+        shift = -features[..., j:j + 1] * sae.W_dec[j].double()
+        expected = tiny_model.run_with_hooks(tokens, fwd_hooks=[(HOOK, lambda x, hook: (x.double() + shift).float())])
+    torch.testing.assert_close(unchanged, original, atol=1e-5, rtol=0)
+    torch.testing.assert_close(edited, expected, atol=1e-4, rtol=0)
+    assert not torch.allclose(edited, original, atol=1e-3)
+
+
+def test_feature_gradients_are_the_decoder_applied_to_the_activation_gradient(tiny_model, tokens):
+    """d metric / d f = W_dec (d metric / d output): cached by name like any activation's gradient."""
+    sae = random_sae(seed=3)
+    names = [f"{HOOK}.hook_sae_acts_post", f"{HOOK}.hook_sae_output"]
+    with spliced(tiny_model, sae, use_error_term=True):
+        _, cache = tiny_model.run_with_cache(tokens, names=names, grads_of=lambda logits: logits[:, -1, 5].sum())
+    expected = cache[f"{HOOK}.hook_sae_output_grad"] @ sae.W_dec.detach().T
+    torch.testing.assert_close(cache[f"{HOOK}.hook_sae_acts_post_grad"], expected, atol=1e-5, rtol=0)
+    assert float(expected.abs().max()) > 0
+
+
+def test_an_sae_on_hook_z_reads_the_heads_flattened(tiny_model, tokens):
+    hook = "blocks.1.attn.hook_z"
+    sae = random_sae(hook=hook, d_in=64)  # 4 heads x 16
+    with torch.no_grad():
+        _, cache = tiny_model.run_with_cache(tokens, names=hook)
+        _, reconstruction = by_hand(sae, cache[hook].flatten(-2))
+        expected = tiny_model.run_with_hooks(tokens, fwd_hooks=[(hook, lambda z, h: reconstruction.float().view_as(z))])
+        with spliced(tiny_model, sae):
+            got = tiny_model(tokens)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_splicing_refuses_what_cannot_work_and_leaves_nothing_behind(tiny_model, tokens):
+    with pytest.raises(KeyError, match="blocks.0.hook_resid_posst"):
+        with spliced(tiny_model, random_sae(hook="blocks.0.hook_resid_posst")):
+            pass
+    with pytest.raises(ValueError, match="same hook point"):
+        with spliced(tiny_model, [random_sae(), random_sae(seed=1)]):
+            pass
+    with pytest.raises(ValueError, match="reads 32 dimensions, but the activation at 'blocks.0.hook_resid_post' has 64"):
+        with spliced(tiny_model, random_sae(d_in=32)):
+            tiny_model(tokens)
+    with pytest.raises(RuntimeError, match="boom"):
+        with spliced(tiny_model, random_sae()):
+            raise RuntimeError("boom")
+    assert not any("hook_sae" in name for name in tiny_model.hook_names)
+    assert not any(tiny_model.hook_point(name).active for name in tiny_model.hook_names)
+
+
+def write_saelens(directory, cfg: dict, state: dict):
+    directory.mkdir(parents=True)
+    (directory / "cfg.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "sae_weights.safetensors"))
+    return directory
+
+
+def test_saelens_files_of_several_versions_load_and_round_trip(tmp_path):
+    jump = random_sae("jumprelu", seed=4)
+    state = {name: p.detach() for name, p in jump.named_parameters()}
+    # SAELens 6: metadata nested under "meta"; Gemma Scope's jumprelu does not subtract b_dec first
+    v6 = write_saelens(tmp_path / "v6", {"architecture": "jumprelu", "d_in": 64, "d_sae": D_SAE, "dtype": "float32",
+                                          "apply_b_dec_to_input": False, "normalize_activations": "none",
+                                          "meta": {"hook_name": HOOK, "model_name": "tiny"}}, state)
+    loaded = SparseAutoencoder.from_pretrained(v6)
+    assert loaded.cfg == SAEConfig(d_in=64, d_sae=D_SAE, hook_name=HOOK, architecture="jumprelu",
+                                   apply_b_dec_to_input=False, model_name="tiny")
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.encode(x).double(), by_hand(loaded, x)[0], atol=1e-5, rtol=0)
+    again = SparseAutoencoder.from_pretrained(loaded.save_pretrained(tmp_path / "saved"))
+    assert again.cfg == loaded.cfg and all(torch.equal(a, b) for a, b in zip(again.parameters(), loaded.parameters()))
+    with pytest.raises(FileExistsError):
+        loaded.save_pretrained(tmp_path / "saved")
+    # SAELens 3-5: hook_name at the top, topk spelled as an activation function with its k
+    top = random_sae("topk", seed=6)
+    v5 = write_saelens(tmp_path / "v5", {"d_in": 64, "d_sae": D_SAE, "hook_name": HOOK, "activation_fn_str": "topk",
+                                          "activation_fn_kwargs": {"k": 12}, "apply_b_dec_to_input": True},
+                       {name: p.detach() for name, p in top.named_parameters()})
+    assert SparseAutoencoder.from_pretrained(v5).cfg.k == 12
+    # a training checkpoint keeps log(threshold)
+    log_state = {**state, "log_threshold": state["threshold"].clamp(min=1e-3).log()}
+    del log_state["threshold"]
+    logged = write_saelens(tmp_path / "log", {"architecture": "jumprelu", "d_in": 64, "d_sae": D_SAE, "hook_name": HOOK},
+                           log_state)
+    torch.testing.assert_close(SparseAutoencoder.from_pretrained(logged).threshold, state["threshold"].clamp(min=1e-3))
+
+
+@pytest.mark.parametrize("breakage, match", [
+    (lambda cfg, state: cfg.update(architecture="gated"), "architecture 'gated' is not supported"),
+    (lambda cfg, state: cfg.pop("hook_name"), "names no hook_name"),
+    (lambda cfg, state: cfg.update(normalize_activations="constant_norm_rescale"), "normalize_activations"),
+    (lambda cfg, state: state.update(W_dec=torch.zeros(D_SAE, 63)), r"misshapen W_dec \(96, 63\)"),
+    (lambda cfg, state: state.pop("b_enc"), "missing b_enc"),
+    (lambda cfg, state: cfg.pop("d_sae"), "lacks the field 'd_sae'"),
+])
+def test_broken_sae_files_get_clear_errors(tmp_path, breakage, match):
+    sae = random_sae()
+    cfg = {"architecture": "standard", "d_in": 64, "d_sae": D_SAE, "hook_name": HOOK}
+    state = {name: p.detach() for name, p in sae.named_parameters()}
+    breakage(cfg, state)
+    with pytest.raises(ValueError, match=match):
+        SparseAutoencoder.from_pretrained(write_saelens(tmp_path / "broken", cfg, state))
+    with pytest.raises(FileNotFoundError, match="cfg.json"):
+        SparseAutoencoder.from_pretrained(tmp_path / "nothing")
