@@ -3,7 +3,7 @@ from analyses.memories import Agreement, MemoryLookup, TopTriggers, ValueTokens,
 from analyses.memory_report import memory_report
 from analyses.attention import AttentionPatterns, attention_patterns
 from analyses.heads import HeadScores, head_scores
-from analyses.circuits import CopyingScores, copying_scores, ov_circuit, qk_circuit
+from analyses.circuits import CompositionScores, CopyingScores, composition_scores, copying_scores, ov_circuit, qk_circuit
 from analyses.ablation import HeadAblationEffects, ablate_heads, head_ablation_effects, logit_diff_metric, loss_metric
 from analyses.patching import PatchingResult, Site, attribution_patch, compare_patching, patch
 from analyses.lens import TunedLens, compare_lenses, logit_lens, train_tuned_lens

@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -76,20 +76,25 @@ def _neuron_tensor(model: HookedDecoder, neurons: Optional[Sequence[int]]) -> to
 
 
 def _value_directions(model: HookedDecoder, layer: int, neurons: torch.Tensor, through_final_norm: bool) -> torch.Tensor:
-    """[neuron d_model] float32: the values v_i, or what the final norm does to them as directions: a
-    LayerNorm centres them and multiplies by its weight, an RMSNorm only multiplies, and a model
-    without a final norm leaves them be (the scale is per position and never changes a ranking)."""
+    """[neuron d_model] float32: the values v_i, or what the final norm does to them (`_final_norm_directions`)."""
     # float32 whatever the model's dtype: the weights are exact, and bfloat16 arithmetic on them would
     # round v_i W_U to 8 bits, tying and reordering near-equal tokens (half the neurons' top-10 lists)
     block = model.blocks[layer]
     values = block.mlp.W_out[neurons.to(model.device)].float()
     if hasattr(block, "ln2_post"):  # a sandwich block's write: the MLP output times ln2_post.w over a per-position scale
         values = values * block.ln2_post.w.float()
-    if through_final_norm and model.cfg.final_norm:
+    return _final_norm_directions(model, values) if through_final_norm else values
+
+
+def _final_norm_directions(model: HookedDecoder, directions: torch.Tensor) -> torch.Tensor:
+    """[n d_model] float32: what the final norm does to residual directions: a LayerNorm centres them and
+    multiplies by its weight, an RMSNorm only multiplies, and a model without a final norm leaves them be
+    (the scale is per position and never changes a ranking)."""
+    if model.cfg.final_norm:
         if model.cfg.norm is Norm.LAYER:
-            values = values - values.mean(-1, keepdim=True)
-        values = values * model.ln_final.w.float()
-    return values
+            directions = directions - directions.mean(-1, keepdim=True)
+        directions = directions * model.ln_final.w.float()
+    return directions
 
 
 @torch.no_grad()
@@ -97,6 +102,15 @@ def _top_value_tokens(
     model: HookedDecoder, layer: int, neurons: torch.Tensor, k: int, through_final_norm: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k and bottom-k of v_i W_U for each neuron: (top_logits, top_ids, bottom_logits, bottom_ids), [neuron k]."""
+    return _top_tokens(model, lambda rows: _value_directions(model, layer, neurons[rows], through_final_norm),
+                       len(neurons), k)
+
+
+@torch.no_grad()
+def _top_tokens(
+    model: HookedDecoder, directions: Callable[[slice], torch.Tensor], n: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_top_value_tokens` for any n residual directions, `directions(rows)` giving rows [rows d_model] float32."""
     W_U = model.unembed.W_U  # [d_model vocab]
     d_model, d_vocab = W_U.shape
     # float32 like the values: a half-precision W_U is converted a slice of columns at a time, so no
@@ -104,8 +118,8 @@ def _top_value_tokens(
     cols = d_vocab if W_U.dtype == torch.float32 else max(1, _LOGIT_CHUNK // d_model)
     chunk = max(1, _LOGIT_CHUNK // d_vocab)
     outs = []
-    for start in range(0, len(neurons), chunk):
-        values = _value_directions(model, layer, neurons[start:start + chunk], through_final_norm)
+    for start in range(0, n, chunk):
+        values = directions(slice(start, start + chunk))
         logits = values.new_empty(len(values), d_vocab)  # [neuron vocab]
         for col in range(0, d_vocab, cols):
             logits[:, col:col + cols] = einsum(values, W_U[:, col:col + cols].float(), "neuron d_model, d_model vocab -> neuron vocab")

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import attention_patterns, copying_scores, head_scores
+    from analyses import attention_patterns, composition_scores, copying_scores, head_scores
 
     out = Output(default_out(args, "attention"), args.force)
     model = load_model(args)
@@ -55,6 +55,15 @@ def run(args: argparse.Namespace) -> int:
     out.write_figure("copying_scores.html", copying.figure())
     top = copying.to_frame().nlargest(3, "copying_score")
     print("OV copying: " + ", ".join(f"{r.layer}.{r.head} {r.copying_score:.2f}" for r in top.itertuples()))
+    if model.cfg.n_layers > 1:
+        composition = composition_scores(model)
+        frame = composition.to_frame()
+        out.write_csv("composition.csv", frame)
+        for kind in "qkv":
+            out.write_figure(f"composition_{kind}.html", composition.figure(kind))
+        strongest = frame.nlargest(3, "k")
+        print("K-composition: " + ", ".join(f"{r.layer}.{r.head} -> {r.later_layer}.{r.later_head} {r.k:.2f}"
+                                            for r in strongest.itertuples()))
     out.report(args)
     return 0
 

@@ -90,3 +90,68 @@ def test_bad_heads_and_layers_are_named(tiny_model, monkeypatch):
         qk_circuit(tiny_model, 5, 0)
     with pytest.raises(ValueError, match="layers must be"):
         copying_scores(tiny_model, layers=[0, 7])
+
+
+def dense_composition(writer_ov, reader, kind):
+    product = writer_ov @ (reader.T if kind == "k" else reader)
+    return float(product.norm() / (writer_ov.norm() * reader.norm()))
+
+
+def test_composition_scores_equal_the_dense_products(tiny_model, tiny_hf):
+    """Oracle: d_model x d_model circuits multiplied out from transformers' own c_attn/c_proj weights (float64)."""
+    from analyses import composition_scores
+
+    d, n_heads = tiny_model.cfg.d_model, tiny_model.cfg.n_heads
+    dh = d // n_heads
+    circuits = {}
+    for layer, block in enumerate(tiny_hf.transformer.h):
+        w, w_out = block.attn.c_attn.weight.double(), block.attn.c_proj.weight.double()  # Conv1D: [in out]
+        for h in range(n_heads):
+            q, k, v = (w[:, part * d + h * dh: part * d + (h + 1) * dh] for part in range(3))
+            circuits[layer, h] = dict(ov=v @ w_out[h * dh:(h + 1) * dh], qk=q @ k.T)
+    scores = composition_scores(tiny_model, process=False)
+    assert scores.q.shape == (2, n_heads, 2, n_heads)
+    for (l1, h1), writer in circuits.items():
+        for (l2, h2), reader in circuits.items():
+            for kind in "qkv":
+                got = float(getattr(scores, kind)[l1, h1, l2, h2])
+                if l2 <= l1:
+                    assert got != got  # NaN: a head cannot read a head of its own or a later layer
+                else:
+                    expected = dense_composition(writer["ov"], reader["ov" if kind == "v" else "qk"], kind)
+                    assert got == pytest.approx(expected, rel=1e-4), (kind, l1, h1, l2, h2)
+    frame = scores.to_frame()
+    assert len(frame) == n_heads * n_heads and set(frame.columns) >= {"layer", "head", "later_layer", "later_head", "q", "k", "v"}
+    assert scores.figure("v").data[0].z.shape == (2 * n_heads, 2 * n_heads)
+
+
+def test_composition_of_a_head_built_to_feed_another(tiny_model):
+    """A reader whose keys read exactly the subspace the writer writes K-composes fully (score 1 when both are
+    rank one and aligned); turning the reader's keys orthogonal to it drops the score to 0."""
+    import copy
+
+    from analyses import composition_scores
+
+    model = copy.deepcopy(tiny_model)
+    d = model.cfg.d_model
+    dh = d // model.cfg.n_heads
+    u, w = torch.zeros(d), torch.zeros(d)
+    u[3], w[5] = 1.0, 1.0
+    with torch.no_grad():
+        qkv, out = model.blocks[0].attn.qkv.weight, model.blocks[0].attn.out.weight  # [(qkv head d_head) d_model]
+        value_rows = slice(2 * d, 2 * d + dh)  # head 0's values
+        qkv[value_rows] = 0
+        qkv[2 * d] = u  # head 0 reads direction u into its first value dimension ...
+        out[:, :dh] = 0
+        out[:, 0] = w  # ... and writes it along w: OV = u w^T
+        qkv1 = model.blocks[1].attn.qkv.weight
+        qkv1[:dh] = 0
+        qkv1[0] = u  # head 1.0's queries read u
+        qkv1[d:d + dh] = 0
+        qkv1[d] = w  # and its keys read w, exactly what head 0.0 writes
+    scores = composition_scores(model, process=False)
+    assert float(scores.k[0, 0, 1, 0]) == pytest.approx(1.0, abs=1e-6)
+    assert float(scores.q[0, 0, 1, 0]) == pytest.approx(0.0, abs=1e-6)  # its queries read u, which 0.0 never writes
+    with torch.no_grad():
+        model.blocks[1].attn.qkv.weight[d] = u  # keys now read u too
+    assert float(composition_scores(model, process=False).k[0, 0, 1, 0]) == pytest.approx(0.0, abs=1e-6)

@@ -374,8 +374,14 @@ def test_attention_writes_patterns_detectors_and_copying_scores(tiny_dir, tiny_m
     expected = copying_scores(tiny_model).to_frame()
     assert list(written.layer) == list(expected.layer) and list(written["head"]) == list(expected["head"])
     assert written.copying_score.tolist() == pytest.approx(expected.copying_score.tolist(), abs=1e-6)
-    assert {"patterns.csv", "scores_induction.csv", "copying_scores.html"} <= {p.name for p in out.iterdir()}
-    assert "OV copying:" in capsys.readouterr().out
+    assert {"patterns.csv", "scores_induction.csv", "copying_scores.html", "composition_k.html"} <= {p.name for p in out.iterdir()}
+    from analyses import composition_scores
+
+    composition = pd.read_csv(out / "composition.csv")
+    expected = composition_scores(tiny_model).to_frame()
+    assert composition.k.tolist() == pytest.approx(expected.k.tolist(), abs=1e-6) and len(composition) == 16
+    printed = capsys.readouterr().out
+    assert "OV copying:" in printed and "K-composition:" in printed
 
 
 def test_a_hub_name_offline_says_to_pass_a_directory_as_model(tmp_path, capsys, monkeypatch):
