@@ -89,7 +89,7 @@ def _check_pre_norm(model: HookedDecoder) -> None:
     if placement is NormPlacement.POST:
         raise ValueError("this model normalises after each sublayer (post-norm), so its residual stream is not a sum of "
                          "component writes; residual decomposition and direct logit attribution need a pre-norm model")
-    if placement is NormPlacement.SANDWICH and model.cfg.norm is not Norm.RMS:
+    if placement is NormPlacement.SANDWICH and model.cfg.norm is Norm.LAYER:
         raise ValueError("sandwich blocks are decomposed with RMSNorm write norms (Gemma 2); with LayerNorm ones the "
                          "split into heads is not implemented")
 

@@ -42,12 +42,17 @@ def _head_weights(model: HookedDecoder, layer: int, head: int) -> tuple[torch.Te
     if not (isinstance(head, int) and 0 <= head < attn.n_heads):
         raise ValueError(f"head={head!r} is outside layer {layer}'s heads [0, {attn.n_heads})")
     kv = head // (attn.n_heads // attn.n_kv_heads)  # grouped-query: adjacent query heads share a key/value head
-    return attn.W_Q[head].float(), attn.W_K[kv].float(), attn.W_V[kv].float(), attn.W_O[head].float()
+    w_o = attn.W_O[head].float()
+    write_norm = getattr(model.blocks[layer], "ln1_post", None)
+    if write_norm is not None:  # a sandwich block's write passes its norm: w per dimension (its scale is one number)
+        w_o = w_o * write_norm.w.float()
+    return attn.W_Q[head].float(), attn.W_K[kv].float(), attn.W_V[kv].float(), w_o
 
 
 @torch.no_grad()
 def ov_circuit(model: HookedDecoder, layer: int, head: int) -> torch.Tensor:
-    """[d_model d_model]: W_V W_O, what the head writes (x W_V W_O) per unit of attention to a residual x."""
+    """[d_model d_model]: W_V W_O, what the head writes (x W_V W_O) per unit of attention to a residual x (in a
+    sandwich block, through its write norm's weight; the norm's scale, one number per position, is left out)."""
     _, _, w_v, w_o = _head_weights(model, layer, head)
     return w_v @ w_o
 
@@ -93,7 +98,8 @@ def _processed(model: HookedDecoder) -> HookedDecoder:
     blocks, centring needs LayerNorm (a post-norm model is used as it is)."""
     if not can_fold_ln(model.cfg):
         return model
-    return process_weights(model, center_writing_weights=can_center_writing_weights(model.cfg))
+    return process_weights(model, center_writing_weights=can_center_writing_weights(model.cfg),
+                           center_unembed=model.cfg.logit_softcap is None)  # a capped logit does not pass a shift
 
 
 @torch.no_grad()

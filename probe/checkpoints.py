@@ -264,8 +264,9 @@ def qwen2_config(hf: dict) -> DecoderConfig:
 
 
 def mistral_config(hf: dict) -> DecoderConfig:
-    # Mistral: Llama's layers without any bias, and (v0.1) a sliding window; later versions say null
-    return dataclasses.replace(llama_config(hf, qkv_bias=False), sliding_window=hf.get("sliding_window"))
+    # Mistral: Llama's layers without any bias, and (v0.1) a sliding window; later versions say null (a key left out
+    # is transformers' default, 4096)
+    return dataclasses.replace(llama_config(hf, qkv_bias=False), sliding_window=hf.get("sliding_window", 4096))
 
 
 # what each Llama-like format fixes beyond Llama's own layout
@@ -371,10 +372,14 @@ def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
 
 
 # ---- Gemma and Gemma 2: Llama's layout; norms store w - 1, embeddings scaled, GeGLU -----------------------
-def gemma_config(hf: dict) -> DecoderConfig:
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    return dataclasses.replace(llama_config(hf), activation=_activation(act, GPT_ACTIVATIONS), scale_embed=True,
-                               tied_embeddings=hf.get("tie_word_embeddings", True))
+# Gemma's "gelu" is the tanh approximation: transformers rewrites the released configs' "gelu" to it
+GEMMA_ACTIVATIONS = {**GPT_ACTIVATIONS, "gelu": Activation.GELU_TANH}
+
+
+def gemma_config(hf: dict, activation_key: str = "hidden_act") -> DecoderConfig:
+    act = hf.get(activation_key) or "gelu_pytorch_tanh"  # Gemma reads hidden_act, Gemma 2 hidden_activation
+    return dataclasses.replace(llama_config(hf), activation=_activation(act, GEMMA_ACTIVATIONS), scale_embed=True,
+                               norm=Norm.RMS_FLOAT32, tied_embeddings=hf.get("tie_word_embeddings", True))
 
 
 def gemma2_config(hf: dict) -> DecoderConfig:
@@ -384,22 +389,26 @@ def gemma2_config(hf: dict) -> DecoderConfig:
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
     if unknown:
         raise CheckpointError(f"layer_types {unknown} are not supported; supported: sliding_attention, full_attention")
-    window = hf.get("sliding_window")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    # a key left out means transformers' default; a key set to null means none
+    window = hf.get("sliding_window", 4096) if any(sliding) else None
     return dataclasses.replace(
-        gemma_config(hf), norm_placement=NormPlacement.SANDWICH, attn_scale_dim=hf.get("query_pre_attn_scalar"),
-        attn_softcap=hf.get("attn_logit_softcapping"), logit_softcap=hf.get("final_logit_softcapping"),
-        sliding_window=window, sliding_layers=None if window is None else tuple(t == "sliding_attention" for t in types),
+        gemma_config(hf, "hidden_activation"), norm_placement=NormPlacement.SANDWICH,
+        attn_scale_dim=hf.get("query_pre_attn_scalar", 256), attn_softcap=hf.get("attn_logit_softcapping", 50.0),
+        logit_softcap=hf.get("final_logit_softcapping", 30.0), sliding_window=window,
+        sliding_layers=None if window is None else sliding,
     )
 
 
 def gemma_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str) -> dict:
     gemma2 = model_type == "gemma2"
-    _require(cfg, model_type, scale_embed=True, norm=Norm.RMS, final_norm=True, positions=Positions.ROTARY,
+    if cfg.activation is Activation.GELU:
+        raise ValueError(f"a {model_type} checkpoint cannot hold activation=gelu (exact): transformers reads Gemma's "
+                         "'gelu' as the tanh approximation")
+    _require(cfg, model_type, scale_embed=True, norm=Norm.RMS_FLOAT32, final_norm=True, positions=Positions.ROTARY,
              rotary_dim=cfg.d_head, gated_mlp=True, mlp_bias=False, out_bias=cfg.qkv_bias,
              norm_placement=NormPlacement.SANDWICH if gemma2 else NormPlacement.PRE,
              **({} if gemma2 else dict(attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None)))
-    if gemma2 and cfg.sliding_layers is not None and not any(cfg.sliding_layers):
-        raise ValueError("a Gemma 2 checkpoint cannot hold a sliding_window that no layer uses; set sliding_window=None")
     out = {**_llama_like_hf(cfg, model_type, "Gemma2ForCausalLM" if gemma2 else "GemmaForCausalLM"),
            "attention_bias": cfg.qkv_bias, "hidden_activation" if gemma2 else "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation]}
     if gemma2:
@@ -412,8 +421,9 @@ def gemma_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
 
 
 def _norm_weights_offset(params: dict[str, torch.Tensor], offset: float) -> dict[str, torch.Tensor]:
-    """Gemma's norms multiply by 1 + w and store w; probe's multiply by w. Every `.w` is a norm weight."""
-    return {k: (v.float() + offset).to(v.dtype) if k.endswith(".w") else v for k, v in params.items()}
+    """Gemma's norms multiply by 1 + w and store w; probe's multiply by w. Every `.w` is a norm weight; in float32,
+    as Gemma adds the 1 (its norms keep w in float32, see RMSNormFloat32)."""
+    return {k: v.float() + offset if k.endswith(".w") else v for k, v in params.items()}
 
 
 def gemma_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ class Activation(enum.Enum):
 class Norm(enum.Enum):
     LAYER = "layer"  # subtract the mean, divide by the std, then w * x + b
     RMS = "rms"  # divide by the root mean square, then w * x (Llama)
+    RMS_FLOAT32 = "rms_float32"  # the same, w kept and applied in float32, rounded once (Gemma; w = 1 + the stored offset)
 
 
 class NormPlacement(enum.Enum):
@@ -141,7 +142,8 @@ class DecoderConfig:
             if self.sliding_window is None or len(layers) != self.n_layers or not all(isinstance(x, bool) for x in layers):
                 raise ValueError(f"sliding_layers={self.sliding_layers!r} must give each of the n_layers={self.n_layers} "
                                  f"layers True (windowed) or False, with sliding_window set (got {self.sliding_window!r})")
-            object.__setattr__(self, "sliding_layers", layers)
+            # every layer windowed is what None says: one spelling, so configs compare equal after a round trip
+            object.__setattr__(self, "sliding_layers", None if all(layers) else layers)
         for field in ("attn_scale_dim", "attn_softcap", "logit_softcap"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):

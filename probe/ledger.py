@@ -33,12 +33,14 @@ class Ledger:
         """Forward FLOPs for one token at context `n_ctx`: 2 per multiply-add in every matmul (the
         unembedding included), plus attention's scores and weighted sum over n_ctx keys, 2 * n_ctx *
         d_head per head each (as Hoffmann et al. 2022 count; Kaplan et al. 2020's 2 * n_ctx * d_attn
-        per layer is half this attention term). A causal mask would halve the average; not counted."""
+        per layer is half this attention term); a layer with a sliding window sees at most that many
+        keys. A causal mask would halve the average; not counted."""
         cfg = self.cfg
         matmul_weights = sum(r["params"] for r in self.rows if r["component"].endswith("weight") and r["group"] != "embedding")
         if cfg.tied_embeddings:  # the unembedding matmul happens even when its weights are the embedding's
             matmul_weights += cfg.d_vocab * cfg.d_model
-        attention = 2 * 2 * sum(cfg.layer_heads(l) for l in range(cfg.n_layers)) * cfg.d_head * self.n_ctx
+        keys = [min(self.n_ctx, cfg.layer_window(l) or self.n_ctx) for l in range(cfg.n_layers)]
+        attention = 2 * 2 * sum(cfg.layer_heads(l) * keys[l] for l in range(cfg.n_layers)) * cfg.d_head
         return 2 * matmul_weights + attention
 
     @property

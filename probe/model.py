@@ -220,7 +220,8 @@ class HookedDecoder(HookedRootModule):
         key_pos = pos + (kv_cache.length if kv_cache is not None else 0)
         shapes = hook_shapes(self.cfg, batch, pos, key_pos)
         item = torch.empty((), dtype=dtype or self.embed.W_E.dtype).element_size()
-        norm_item = 4 if dtype is None and self.cfg.norm is Norm.RMS else item  # RMSNorm's hooks are float32, as Llama computes
+        rms = self.cfg.norm in (Norm.RMS, Norm.RMS_FLOAT32)
+        norm_item = 4 if dtype is None and rms else item  # RMSNorm's hooks are float32, as Llama computes
         return sum(math.prod(shapes[n]) * (norm_item if n.endswith(NORM_HOOKS) else item) for n in names if n in shapes)
 
     def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:

@@ -46,5 +46,21 @@ class RMSNorm(nn.Module):
         return self.w * self.hook_normalized(x32 / scale).to(x.dtype)
 
 
+class RMSNormFloat32(RMSNorm):
+    """Gemma's RMSNorm: w multiplies in float32 and the product is rounded once (Llama rounds first), and w itself
+    stays float32 in a bfloat16 model: Gemma stores w - 1, and 1 + w rounded to 8 bits would lose its digits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return (self.hook_normalized(x32 / scale) * self.w.float()).to(x.dtype)
+
+    def _apply(self, fn, recurse=True):
+        exact = self.w.detach().float()
+        super()._apply(fn, recurse)
+        self.w.data = exact.to(self.w.device)  # follow a move, not a cast
+        return self
+
+
 def make_norm(cfg: DecoderConfig) -> nn.Module:
-    return {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm}[cfg.norm](cfg.d_model, cfg.eps)
+    return {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32}[cfg.norm](cfg.d_model, cfg.eps)

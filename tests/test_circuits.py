@@ -155,3 +155,23 @@ def test_composition_of_a_head_built_to_feed_another(tiny_model):
     with torch.no_grad():
         model.blocks[1].attn.qkv.weight[d] = u  # keys now read u too
     assert float(composition_scores(model, process=False).k[0, 0, 1, 0]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_gemma2_heads_write_through_their_write_norm_and_process_without_centring_the_capped_logits(tmp_path):
+    """A sandwich block's head writes W_O times ln1_post.w (per dimension) before the residual: the copying score's
+    full circuit includes it. Processing folds the norms but leaves the capped logits uncentred."""
+    from test_variants import build
+
+    build("gemma2", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    scores = copying_scores(model, process=False)
+    w_e, w_u = model.W_E.detach().double(), model.W_U.detach().double()
+    for layer, block in enumerate(model.blocks):
+        attn = block.attn
+        for head in range(attn.n_heads):
+            kv = head // (attn.n_heads // attn.n_kv_heads)
+            full = w_e @ attn.W_V[kv].double() @ (attn.W_O[head].double() * block.ln1_post.w.double()) @ w_u
+            eig = torch.linalg.eigvals(full)
+            assert scores.scores[layer, head] == pytest.approx(float(eig.sum().real) / float(eig.abs().sum()), abs=1e-4)
+    processed = copying_scores(model)  # runs: folding is allowed, centring the capped logits is not attempted
+    assert processed.scores.isfinite().all()

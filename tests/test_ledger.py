@@ -52,3 +52,15 @@ def test_a_context_length_must_be_a_positive_int(n_ctx):
     """0 used to mean "the model's n_ctx" and -5 gave negative FLOPs, both silently."""
     with pytest.raises(ValueError, match="positive number of positions"):
         ledger(GPT2_SMALL, n_ctx=n_ctx)
+
+
+def test_windowed_layers_count_only_the_keys_they_see():
+    """Attention FLOPs: 4 * heads * d_head per key; a windowed layer sees min(n_ctx, window) keys."""
+    import dataclasses
+
+    gemma2_like = dataclasses.replace(GPT2_SMALL, positions="rotary", sliding_window=256,
+                                      sliding_layers=tuple(l % 2 == 0 for l in range(12)))
+    full, windowed = ledger(GPT2_SMALL, n_ctx=1024), ledger(gemma2_like, n_ctx=1024)
+    assert full.flops_per_token - windowed.flops_per_token == 6 * 4 * 12 * 64 * (1024 - 256)  # six windowed layers
+    short = ledger(gemma2_like, n_ctx=100)  # shorter than the window: every layer sees every key
+    assert short.flops_per_token == ledger(dataclasses.replace(GPT2_SMALL, positions="rotary"), n_ctx=100).flops_per_token

@@ -475,3 +475,77 @@ def test_gemma_norm_weights_are_one_plus_the_stored_offset(tmp_path):
         assert torch.equal(block.ln2.w, 1 + theirs.post_attention_layernorm.weight)
     assert torch.equal(ours.ln_final.w, 1 + hf.model.norm.weight)
     assert ours.embed.scale == 8.0 and ours.unembed.weight is ours.embed.W_E  # tied, and unscaled in the unembedding
+
+
+def _edit_config(directory, **changes):
+    import json
+
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is _DROP:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("kind, changes", [
+    ("gemma", dict(hidden_act="gelu")),  # the released Gemma configs: transformers reads it as the tanh GELU
+    ("gemma2", dict(hidden_act="gelu", hidden_activation=_DROP)),  # Gemma 2 reads only hidden_activation
+    ("gemma2", dict(query_pre_attn_scalar=_DROP, attn_logit_softcapping=_DROP, final_logit_softcapping=_DROP,
+                    sliding_window=_DROP, layer_types=_DROP)),  # keys left out: transformers' defaults
+    ("gemma2", dict(layer_types=["full_attention"] * 3)),  # a window no layer uses
+    ("mistral", dict(sliding_window=_DROP)),
+])
+def test_config_fields_are_read_as_transformers_reads_them(kind, changes, tmp_path):
+    import transformers as tf
+
+    build(kind, tmp_path, max_position_embeddings=5000)
+    _edit_config(tmp_path, **changes)
+    theirs = getattr(tf, {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "mistral": "MistralForCausalLM"}[kind])
+    hf = theirs.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 101, (1, 24), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+    if kind == "mistral" or "sliding_window" in changes:
+        assert ours.cfg.sliding_window == 4096
+    again = HookedDecoder.from_pretrained(ours.save_pretrained(tmp_path / "saved"))
+    assert again.cfg == ours.cfg
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gemma2"])
+def test_a_bfloat16_gemma_file_loads_exactly_and_keeps_its_norms_in_float32(kind, tmp_path):
+    """Gemma stores w - 1 and adds the 1 in float32; rounding 1 + w to bfloat16 would cost ~1e-2 in the logits."""
+    import transformers as tf
+
+    hf = build(kind, tmp_path / "f32")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    theirs = type(hf).from_pretrained(tmp_path / "bf16", dtype=torch.float32, attn_implementation="eager").eval()
+    ours = HookedDecoder.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 101, (2, 20), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, atol=1e-4, rtol=0)
+    half = HookedDecoder.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16).eval()
+    assert half.blocks[0].ln1.w.dtype == torch.float32 and half.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
+    assert torch.equal(half.blocks[0].ln1.w, 1 + theirs.model.layers[0].input_layernorm.weight)
+    # in bfloat16 the norm rounds once, after multiplying in float32, as transformers' Gemma norm does
+    x = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
+    hf_half = type(hf).from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        mine, theirs_norm = half.blocks[0].ln1(x), hf_half.model.layers[0].input_layernorm(x)
+    assert mine.dtype == torch.bfloat16
+    assert float((mine.float() - theirs_norm.float()).abs().max()) <= 2**-7 * float(theirs_norm.float().abs().max())
+    assert float((mine != theirs_norm).float().mean()) < 0.01  # rsqrt vs sqrt-then-divide: a rare last-bit tie
+    again = HookedDecoder.from_pretrained(half.save_pretrained(tmp_path / "saved"))
+    assert torch.equal(again.blocks[0].ln1.w, half.blocks[0].ln1.w)  # w - 1 written in float32: nothing lost
+
+
+def test_all_true_sliding_layers_are_the_same_config_as_none():
+    base = dict(n_layers=2, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, sliding_window=3)
+    assert DecoderConfig(**base, sliding_layers=(True, True)) == DecoderConfig(**base)
+    assert DecoderConfig(**base, sliding_layers=(True, False)).layer_window(1) is None
