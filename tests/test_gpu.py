@@ -41,6 +41,10 @@ CHECKPOINTS = {
     "tiny": ("tiny_dir", 48, True),
     "bundled": ("bundled_dir", 128, True),
     "gpt2-small-size": ("gpt2_small_dir", 256, False),
+    # other families; the windowed ones unpadded: transformers counts padded slots inside a window, probe does not
+    "neox": ("neox_dir", 40, True),
+    "mistral-window": ("mistral_dir", 40, False),
+    "gemma2": ("gemma2_dir", 40, False),
 }
 PROMPTS = [  # for the bundled model, which was trained on plays in this layout
     "DUKE.\nIf music be the food of love, play on;\nGive me excess of it, that, surfeiting,",
@@ -67,6 +71,29 @@ def gpt2_small_dir(tmp_path_factory) -> Path:
     return build_hf_checkpoint(tmp_path_factory.mktemp("gpt2-small-size"), **GPT2_SMALL)
 
 
+def _family_dir(tmp_path_factory, kind: str) -> Path:
+    from test_variants import build
+
+    directory = tmp_path_factory.mktemp(kind)
+    build(kind, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def neox_dir(tmp_path_factory) -> Path:
+    return _family_dir(tmp_path_factory, "neox")
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory) -> Path:
+    return _family_dir(tmp_path_factory, "mistral")
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory) -> Path:
+    return _family_dir(tmp_path_factory, "gemma2")
+
+
 @pytest.fixture(scope="module")
 def bundled_dir() -> Path:
     return Path(DEFAULT_MODEL)
@@ -85,11 +112,11 @@ def on_device(model: HookedDecoder, dtype) -> HookedDecoder:
 
 
 def transformers_model(directory, dtype=torch.float32):
-    """transformers' GPT-2 on DEVICE with eager attention: a plain matmul and softmax, an oracle that
-    shares no attention kernel with probe's fused path."""
-    from transformers import GPT2LMHeadModel
+    """transformers' model of the checkpoint's family on DEVICE with eager attention: a plain matmul and
+    softmax, an oracle that shares no attention kernel with probe's fused path."""
+    from transformers import AutoModelForCausalLM
 
-    return GPT2LMHeadModel.from_pretrained(directory, attn_implementation="eager").to(DEVICE, dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").to(DEVICE, dtype).eval()
 
 
 @torch.no_grad()
@@ -156,7 +183,8 @@ def test_logits_match_transformers(checkpoint, dtype, request):
     fixture, n_pos, padded = CHECKPOINTS[checkpoint]
     directory = request.getfixturevalue(fixture)
     ours = load_on_device(directory, dtype)
-    assert ours.unembed.weight is ours.embed.W_E  # the tie survives loading onto the device
+    if ours.cfg.tied_embeddings:
+        assert ours.unembed.weight is ours.embed.W_E  # the tie survives loading onto the device
     hf = transformers_model(directory)
     tokens, mask = padded_batch(ours.cfg.d_vocab, n_pos)
     batches = {"unpadded": (tokens, None)} | ({"padded": (tokens, mask)} if padded else {})
