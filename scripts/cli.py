@@ -16,6 +16,7 @@ COMMANDS = {
     "prune": "head importance, pruning curve, structurally pruned model",
     "memories": "FFN key-value memories: value tokens, lookup, corpus triggers",
     "anatomy": "structure, parameter ledger, shapes through one block",
+    "sae": "sparse autoencoder features of a prompt: top features, their tokens, loss recovered",
 }
 
 

@@ -1,0 +1,92 @@
+"""probe sae: a sparse autoencoder's features on a prompt, the tokens they write, and the loss it recovers.
+
+examples:
+  probe sae --sae path/to/sae --prompt "ROMEO. But soft, what light"            # top features at the last token
+  probe sae --sae path/to/sae --prompt "..." --position 3 --features 17 801      # these features' tokens
+
+--sae is a directory in SAELens's format (cfg.json and sae_weights.safetensors), for the --model given.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as `python scripts/sae.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.common import CommandError, Output, check_position, check_prompt, command, default_out, load_model  # noqa: E402
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sae", required=True, help="SAE directory (SAELens format: cfg.json, sae_weights.safetensors)")
+    parser.add_argument("--prompt", required=True, help="the prompt to read the features of")
+    parser.add_argument("--k", type=int, default=10, help="top features per position, and tokens per feature")
+    parser.add_argument("--position", type=int, default=-1, help="position whose top features are printed (default: the last)")
+    parser.add_argument("--features", type=int, nargs="+", default=None,
+                        help="features whose tokens to report (default: the top k at --position)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from analyses import feature_logits, sae_features, sae_loss_recovered
+    from analyses.features import _feature_ids, _hook_name
+    from hooks import UnknownNameError
+    from probe import SparseAutoencoder
+
+    out = Output(default_out(args, "sae"), args.force)
+    model = load_model(args)
+    try:
+        sae = SparseAutoencoder.from_pretrained(args.sae, device=model.device)
+    except (OSError, ValueError) as err:
+        raise CommandError(f"cannot load --sae {args.sae}: {err}") from err
+    try:
+        _hook_name(model, sae)
+    except UnknownNameError as err:
+        raise CommandError(f"--sae {args.sae}: {err}") from err
+    limit = min(sae.cfg.d_sae, model.cfg.d_vocab)  # --k counts features per position and tokens per feature
+    if not 0 < args.k <= limit:
+        raise CommandError(f"--k {args.k} must be in [1, {limit}] (d_sae={sae.cfg.d_sae}, d_vocab={model.cfg.d_vocab})")
+    if args.features is not None:
+        try:
+            _feature_ids(sae, args.features)  # the library's own check, before any work
+        except ValueError as err:
+            raise CommandError(f"--features: {err}") from err
+    check_prompt(model, args.prompt)
+    check_position(model, args.prompt, args.position)
+
+    try:
+        found = sae_features(model, sae, args.prompt, k=args.k)
+    except ValueError as err:  # the prompt and flags are checked: what is left is an SAE that does not fit the model
+        raise CommandError(f"--sae {args.sae}: {err}") from err
+    position = args.position % found.tokens.shape[1]
+    top = [f for f in found.top_ids[0, position].tolist() if f >= 0]
+    top_tokens = feature_logits(model, sae, top, k=args.k) if top else None
+    logits = top_tokens if args.features is None else feature_logits(model, sae, args.features, k=args.k)
+    loss = sae_loss_recovered(model, sae, args.prompt)
+
+    out.write_csv("features.csv", found.to_frame())
+    out.write_figure("features.html", found.figure())
+    if logits is not None:
+        out.write_csv("feature_logits.csv", logits.to_frame())
+        out.write_figure("feature_logits.html", logits.figure())
+    out.write_csv("loss.csv", loss.to_frame())
+    out.report(args)
+
+    token = found.token_strings[0][position]
+    print(f"SAE at {sae.cfg.hook_name} (d_sae={sae.cfg.d_sae}), position {position} {token!r}: "
+          f"L0 {int(found.l0[0, position])}, reconstruction error {float(found.fvu[0, position]):.4g} (fvu)")
+    if not top:
+        print("no feature is active at this position" + ("" if logits is not None else
+              "; feature_logits.csv not written: name features with --features"))
+    for rank, feature in enumerate(top):
+        promoted = " ".join(repr(s) for s in top_tokens.token_strings[rank][:5])
+        print(f"  #{rank + 1:<3} F{feature:<7} {float(found.top_activations[0, position, rank]):9.4f}   promotes {promoted}")
+    print(f"loss: clean {float(loss.clean[0]):.4f}, SAE spliced in {float(loss.spliced[0]):.4f}, zero-ablated "
+          f"{float(loss.zero_ablated[0]):.4f}; loss recovered {float(loss.recovered[0]):.4f}")
+    return 0
+
+
+build_parser, main = command(__doc__, "probe sae", add_arguments, run)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""SAE feature analyses and `probe sae`: every number against float64 arithmetic on the weights, or the model
+run with hand-written hooks (what it reads at the SAE's hook point, what it computes on a given activation)."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from analyses import feature_logits, sae_features, sae_loss_recovered
+from analyses.common import escape_token
+from probe import DecoderConfig, HookedDecoder, Norm, NormPlacement, SAEConfig, SparseAutoencoder
+from test_cli import run_cli
+from test_sae import D_SAE, by_hand, random_sae
+
+HOOK = "blocks.0.hook_resid_post"
+PROMPTS = ["To be, or not to be, that is the question", "The <b>quick</b> & brown"]  # unequal: the second is padded
+
+
+def captured(model, tokens, hook, mask=None):
+    """The activation at `hook`, kept by a hand-written hook."""
+    seen = {}
+
+    def keep(x, hook):
+        seen["x"] = x.detach().clone()
+
+    with torch.no_grad():
+        model.run_with_hooks(tokens, attention_mask=mask, fwd_hooks=[(hook, keep)])
+    return seen["x"]
+
+
+def cross_entropy(logits, tokens, mask):
+    """[batch] float64: mean -log p(next token) over each prompt's positions whose next token is real."""
+    losses = []
+    for b in range(tokens.shape[0]):
+        terms = [-logits[b, t].double().log_softmax(-1)[tokens[b, t + 1]]
+                 for t in range(tokens.shape[1] - 1) if mask[b, t] and mask[b, t + 1]]
+        losses.append(torch.stack(terms).mean())
+    return torch.stack(losses)
+
+
+# ---- sae_features --------------------------------------------------------------------------------
+@pytest.mark.parametrize("architecture, hook, k", [
+    ("standard", HOOK, 10),
+    ("jumprelu", "blocks.1.attn.hook_z", 7),  # reads the heads flattened
+    ("topk", "blocks.1.hook_resid_pre", 20),  # 12 active: the top 20 ends in -1s
+])
+def test_sae_features_match_the_formulas_at_every_real_position(tiny_model, architecture, hook, k):
+    sae = random_sae(architecture, hook=hook, seed=7)
+    tokens, mask = tiny_model.to_tokens(PROMPTS, return_attention_mask=True)
+    mask = mask.bool()
+    x = captured(tiny_model, tokens, hook, mask.long()).flatten(2).double()  # [batch pos d_in]
+    features, reconstruction = by_hand(sae, x)
+    l0 = (features > 0).sum(-1)
+    fvu = (x - reconstruction).pow(2).sum(-1) / (x - x.mean(-1, keepdim=True)).pow(2).sum(-1)
+    best = features.sort(-1, descending=True).values[..., :k]
+
+    got = sae_features(tiny_model, sae, PROMPTS, k=k)
+    assert torch.equal(got.tokens, tokens) and torch.equal(got.mask, mask)
+    assert torch.equal(got.l0, torch.where(mask, l0, 0))
+    torch.testing.assert_close(got.fvu[mask].double(), fvu[mask], rtol=1e-5, atol=0)
+    assert bool(got.fvu[~mask].isnan().all())
+    expected_top = torch.where(mask[..., None], best, 0.0)
+    torch.testing.assert_close(got.top_activations.double(), expected_top, atol=1e-5, rtol=0)
+    listed = got.top_ids >= 0
+    assert torch.equal(listed, expected_top > 0)  # -1 exactly past the active features, and at padding
+    at_ids = features.gather(-1, got.top_ids.clamp(min=0))  # each listed id really has the listed activation
+    torch.testing.assert_close(at_ids[listed], got.top_activations[listed].double(), atol=1e-5, rtol=0)
+    assert torch.equal(got.feature_ids, got.top_ids[listed].unique())
+    torch.testing.assert_close(got.feature_activations.double(),
+                               features[..., got.feature_ids] * mask[..., None], atol=1e-5, rtol=0)
+    if architecture == "topk":
+        assert int(listed.sum(-1).max()) == 12
+    else:
+        assert bool((l0[mask] > k).all())  # the top k is a real choice
+
+    frame = got.to_frame()
+    assert list(frame.columns) == ["prompt", "position", "token", "rank", "feature", "activation", "l0", "fvu"]
+    assert len(frame) == int(listed.sum())  # every real position has an active feature here; padding has no rows
+    assert set(zip(frame.prompt, frame.position)) == {tuple(bp) for bp in mask.nonzero().tolist()}
+    raw = [tiny_model.tokenizer.token_strings(row.tolist()) for row in tokens]
+    assert frame.token.tolist() == [raw[b][p] for b, p in zip(frame.prompt, frame.position)]
+    row = frame.iloc[-1]
+    assert row.feature == int(got.top_ids[row.prompt, row.position, row["rank"]])
+    assert row.l0 == int(l0[row.prompt, row.position])
+
+
+def test_sae_features_of_a_padded_prompt_are_those_of_the_prompt_alone(tiny_model):
+    sae = random_sae(seed=8)
+    alone = tiny_model.to_tokens(PROMPTS[1])[0]
+    longer = tiny_model.to_tokens(PROMPTS[0])[0]
+    pad = len(longer) - len(alone)
+    left = torch.stack([longer, torch.cat([torch.zeros(pad, dtype=torch.long), alone])])  # left padding, ids 0
+    mask = torch.stack([torch.ones(len(longer)), torch.cat([torch.zeros(pad), torch.ones(len(alone))])]).bool()
+    single = sae_features(tiny_model, sae, alone, k=5)
+    padded = sae_features(tiny_model, sae, left, k=5, attention_mask=mask)
+    assert torch.equal(padded.top_ids[1, pad:], single.top_ids[0]) and bool((padded.top_ids[1, :pad] == -1).all())
+    torch.testing.assert_close(padded.top_activations[1, pad:], single.top_activations[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded.fvu[1, pad:], single.fvu[0], rtol=1e-5, atol=0)
+    assert torch.equal(padded.l0[1, pad:], single.l0[0]) and bool((padded.l0[1, :pad] == 0).all())
+    frame = padded.to_frame()
+    assert sorted(frame[frame.prompt == 1].position.unique()) == list(range(pad, len(longer)))
+
+
+def test_a_position_with_no_active_feature_keeps_one_empty_row(tiny_model, tokens):
+    sae = random_sae(seed=9)
+    with torch.no_grad():
+        sae.b_enc.fill_(-1e3)  # nothing fires anywhere
+    got = sae_features(tiny_model, sae, tokens, k=3)
+    frame = got.to_frame()
+    assert len(frame) == tokens.numel() and frame.feature.isna().all() and (frame.l0 == 0).all()
+    assert bool((got.top_ids == -1).all()) and got.feature_ids.numel() == 0
+    assert frame.fvu.to_numpy() == pytest.approx(got.fvu.flatten().numpy())  # x_hat = b_dec: fvu is still defined
+    assert float(got.fvu.min()) > 0
+
+
+def test_the_features_figure_shows_one_prompts_positions_escaped(tiny_model):
+    sae = random_sae(seed=10)
+    got = sae_features(tiny_model, sae, PROMPTS, k=4)
+    fig = got.figure(prompt=1)
+    heat = fig.data[0]
+    real = got.mask[1].nonzero().flatten().tolist()
+    raw = [got.token_strings[1][p] for p in real]
+    assert any("<" in s or "&" in s for s in raw)  # the test sees markup
+    assert list(heat.y) == [f"{escape_token(s)} ({p})" for s, p in zip(raw, real)]
+    assert not any("<" in label or "& " in label for label in heat.y)
+    ids = got.top_ids[1, real]
+    expected = sorted(set(ids[ids >= 0].tolist()))
+    assert sorted(int(x[1:]) for x in heat.x) == expected  # only this prompt's features, every one of them
+    column = list(heat.x).index(f"F{expected[0]}")
+    where = got.feature_ids.tolist().index(expected[0])
+    assert [row[column] for row in heat.z] == pytest.approx(got.feature_activations[1, real, where].tolist())
+    assert len(got.figure(prompt=1, max_features=3).data[0].x) == 3
+    with pytest.raises(ValueError, match="outside the batch of 2"):
+        got.figure(prompt=2)
+    with pytest.raises(ValueError, match="max_features=0 must be a positive integer"):
+        got.figure(max_features=0)
+
+
+# ---- feature_logits ------------------------------------------------------------------------------
+def checkpoint_reading(tiny_dir, hook):
+    """[d_in vocab] float64 from the saved GPT-2 weights: what a unit direction at `hook` adds to the logits
+    through the final LayerNorm's centring and weight, for a fixed scale."""
+    w = {k: v.double() for k, v in load_file(str(tiny_dir / "model.safetensors")).items()}
+    into_residual = {HOOK: torch.eye(64, dtype=torch.float64),
+                     "blocks.1.attn.hook_z": w["transformer.h.1.attn.c_proj.weight"],  # Conv1D: [in out]
+                     "blocks.1.mlp.hook_post": w["transformer.h.1.mlp.c_proj.weight"]}[hook]
+    centred = into_residual - into_residual.mean(-1, keepdim=True)
+    return centred * w["transformer.ln_f.weight"] @ w["transformer.wte.weight"].T
+
+
+def assert_top_tokens(got, oracle, k):
+    """`got` lists each feature's k largest and smallest of oracle [feature vocab] with their values."""
+    torch.testing.assert_close(got.top_logits.double(), oracle.topk(k, -1).values, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.bottom_logits.double(), oracle.topk(k, -1, largest=False).values, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(oracle.gather(-1, got.top_ids), got.top_logits.double(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(oracle.gather(-1, got.bottom_ids), got.bottom_logits.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hook, d_in", [(HOOK, 64), ("blocks.1.attn.hook_z", 64), ("blocks.1.mlp.hook_post", 256)])
+def test_feature_logits_read_the_decoder_rows_through_the_final_norm(tiny_model, tiny_dir, hook, d_in):
+    sae = random_sae(hook=hook, d_in=d_in, seed=11)
+    features = [5, 0, 95]
+    oracle = sae.W_dec.detach().double()[features] @ checkpoint_reading(tiny_dir, hook)
+    got = feature_logits(tiny_model, sae, features, k=6)
+    assert got.features.tolist() == features
+    assert_top_tokens(got, oracle, 6)
+    strings = tiny_model.tokenizer.token_strings
+    assert got.token_strings == [strings(got.top_ids[i].tolist() + got.bottom_ids[i].tolist()) for i in range(3)]
+    frame = got.to_frame()
+    assert list(frame.columns) == ["feature", "direction", "rank", "token_id", "token", "logit"] and len(frame) == 36
+    promoted = frame[(frame.feature == 95) & (frame.direction == "promoted")]
+    assert promoted.token_id.tolist() == got.top_ids[2].tolist()
+    assert promoted.logit.to_numpy() == pytest.approx(oracle[2].topk(6).values.numpy(), abs=1e-5)
+    fig = got.figure()
+    assert [list(row) for row in fig.data[1].text] == [[escape_token(s) for s in got.token_strings[i][6:]] for i in range(3)]
+
+
+def small_model(**config):
+    torch.manual_seed(0)
+    model = HookedDecoder(DecoderConfig(n_layers=1, d_model=32, n_heads=2, d_vocab=50, n_ctx=16, **config)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".w"):  # norms start at one: random weights make the test see them
+                param.copy_(1 + 0.3 * torch.randn(param.shape))
+    return model
+
+
+@pytest.mark.parametrize("config", [dict(final_norm=False), dict(norm=Norm.RMS),
+                                    dict(norm=Norm.RMS, norm_placement=NormPlacement.SANDWICH)])
+def test_feature_logits_follow_the_final_norm_the_model_has(config):
+    """No final norm: W_dec W_U; RMSNorm: times its weight, not centred; a sandwich block's hook_z: through
+    W_O and ln1_post's weight too."""
+    model = small_model(**config)
+    hook = "blocks.0.attn.hook_z" if "norm_placement" in config else "blocks.0.hook_resid_mid"
+    sae = random_sae(hook=hook, d_in=32, seed=12)
+    directions = sae.W_dec.detach().double()[[1, 2]]
+    if hook.endswith("hook_z"):
+        directions = directions @ model.blocks[0].attn.out.weight.detach().double().T * model.blocks[0].ln1_post.w.double()
+    if model.cfg.final_norm:
+        directions = directions * model.ln_final.w.detach().double()
+    oracle = directions @ model.embed.W_E.detach().double().T  # tied embeddings
+    assert_top_tokens(feature_logits(model, sae, [1, 2], k=4), oracle, 4)
+
+
+# ---- sae_loss_recovered --------------------------------------------------------------------------
+@pytest.mark.parametrize("padded", [False, True])
+def test_loss_recovered_matches_the_model_run_on_hand_made_activations(tiny_model, tokens, padded):
+    sae = random_sae(seed=13)
+    if padded:
+        tokens, mask = tiny_model.to_tokens(PROMPTS, return_attention_mask=True)
+    else:
+        mask = torch.ones_like(tokens)
+    x = captured(tiny_model, tokens, HOOK, mask)
+    _, reconstruction = by_hand(sae, x)
+    with torch.no_grad():
+        clean = cross_entropy(tiny_model(tokens, attention_mask=mask), tokens, mask)
+        spliced = cross_entropy(tiny_model.run_with_hooks(tokens, attention_mask=mask,
+                                                          fwd_hooks=[(HOOK, lambda a, hook: reconstruction.float())]),
+                                tokens, mask)
+        zero = cross_entropy(tiny_model.run_with_hooks(tokens, attention_mask=mask,
+                                                       fwd_hooks=[(HOOK, lambda a, hook: torch.zeros_like(a))]),
+                             tokens, mask)
+    got = sae_loss_recovered(tiny_model, sae, PROMPTS if padded else tokens)
+    for value, expected in ((got.clean, clean), (got.spliced, spliced), (got.zero_ablated, zero)):
+        torch.testing.assert_close(value.double(), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got.recovered.double(), (zero - spliced) / (zero - clean), atol=1e-3, rtol=1e-3)
+    assert bool(((spliced - clean).abs() > 1e-3).all()) and bool(((zero - clean).abs() > 1e-3).all())
+    frame = got.to_frame()
+    assert frame.recovered.to_numpy() == pytest.approx(got.recovered.numpy())
+    assert frame.clean_loss.to_numpy() == pytest.approx(clean.numpy(), abs=1e-4)
+
+
+def test_an_sae_that_reconstructs_exactly_recovers_all_the_loss(tiny_model, tokens):
+    """W_enc = W_dec = I and b_dec = -1000: x_hat = relu(x + 1000) - 1000, which is x wherever x > -1000."""
+    sae = SparseAutoencoder(SAEConfig(d_in=64, d_sae=64, hook_name=HOOK))
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.eye(64))
+        sae.W_dec.copy_(torch.eye(64))
+        sae.b_dec.fill_(-1e3)
+    got = sae_loss_recovered(tiny_model, sae, tokens)
+    torch.testing.assert_close(got.spliced, got.clean, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got.recovered, torch.ones(3), atol=1e-3, rtol=0)
+    torch.testing.assert_close(sae_features(tiny_model, sae, tokens, k=1).fvu, torch.zeros(3, 17), atol=1e-6, rtol=0)
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------
+def test_bad_saes_and_arguments_get_clear_errors(tiny_model, tokens):
+    lacking = random_sae(hook="blocks.5.hook_resid_post")
+    for call in (lambda: sae_features(tiny_model, lacking, tokens), lambda: feature_logits(tiny_model, lacking, 1),
+                 lambda: sae_loss_recovered(tiny_model, lacking, tokens)):
+        with pytest.raises(KeyError, match=r"the SAE reads 'blocks.5.hook_resid_post', a hook point this model lacks"):
+            call()
+    narrow = random_sae(d_in=32)
+    message = "reads 32 dimensions, but the activation at 'blocks.0.hook_resid_post' has 64"
+    for call in (lambda: sae_features(tiny_model, narrow, tokens), lambda: feature_logits(tiny_model, narrow, 1),
+                 lambda: sae_loss_recovered(tiny_model, narrow, tokens)):
+        with pytest.raises(ValueError, match=message):
+            call()
+    sae = random_sae()
+    for k in (0, D_SAE + 1, True, 2.0):
+        with pytest.raises(ValueError, match=rf"k={k!r} must be an integer in \[1, d_sae=96\]"):
+            sae_features(tiny_model, sae, tokens, k=k)
+    with pytest.raises(ValueError, match=r"k=321 must be an integer in \[1, d_vocab=320\]"):
+        feature_logits(tiny_model, sae, 1, k=321)
+    for features, error, match in ((96, ValueError, r"feature 96 is outside the SAE's features \[0, d_sae=96\)"),
+                                   ([3, -1], ValueError, "feature -1 is outside"), ([], ValueError, "empty"),
+                                   ([3, 3], ValueError, "twice"), (torch.tensor([1.0]), TypeError, "integer feature ids"),
+                                   ([2.5], TypeError, "2.5 is not a feature id"), (True, TypeError, "True")):
+        with pytest.raises(error, match=match):
+            feature_logits(tiny_model, sae, features)
+    with pytest.raises(ValueError, match="'blocks.0.attn.hook_q' is not one"):
+        feature_logits(tiny_model, random_sae(hook="blocks.0.attn.hook_q", d_in=16), 1)
+    with pytest.raises(ValueError, match=r"one activation vector per position"):  # hook_q: one vector per head
+        sae_features(tiny_model, random_sae(hook="blocks.0.attn.hook_q", d_in=16), tokens)
+    with pytest.raises(TypeError, match="probe.SparseAutoencoder"):
+        sae_features(tiny_model, "sae/dir", tokens)
+    with pytest.raises(ValueError, match="attention_mask is built for you"):
+        sae_features(tiny_model, sae, "text", attention_mask=torch.ones(1, 2))
+
+
+# ---- probe sae -----------------------------------------------------------------------------------
+def test_probe_sae_writes_what_the_analyses_compute(tiny_dir, tiny_model, tmp_path, capsys):
+    sae = random_sae(seed=14)
+    directory = sae.save_pretrained(tmp_path / "sae")
+    prompt, out = "To be, or not <b>", tmp_path / "out"
+    code, shown, err = run_cli(capsys, "sae", "--model", str(tiny_dir), "--sae", str(directory), "--prompt", prompt,
+                               "--k", "4", "--out", str(out))
+    assert code == 0, err
+    found = sae_features(tiny_model, sae, prompt, k=4)
+    written = pd.read_csv(out / "features.csv", keep_default_na=False)
+    expected = found.to_frame()
+    assert written.token.tolist() == expected.token.tolist()
+    for column in ("prompt", "position", "rank", "feature", "l0"):
+        assert written[column].tolist() == expected[column].tolist(), column
+    assert written.activation.to_numpy() == pytest.approx(expected.activation.to_numpy())
+    top = found.top_ids[0, -1].tolist()
+    logits = pd.read_csv(out / "feature_logits.csv", keep_default_na=False)
+    assert logits.feature.unique().tolist() == top  # default: the top features at the last position
+    assert logits.token_id.tolist() == feature_logits(tiny_model, sae, top, k=4).to_frame().token_id.tolist()
+    loss = pd.read_csv(out / "loss.csv")
+    recovered = sae_loss_recovered(tiny_model, sae, prompt)
+    assert loss.recovered.to_numpy() == pytest.approx(recovered.recovered.numpy(), abs=1e-6)
+    html = (out / "features.html").read_text()
+    marked = [(p, s) for p, s in enumerate(found.token_strings[0]) if "<" in s or ">" in s]
+    assert marked and all(f'"{escape_token(s)} ({p})"' in html and f'"{s} ({p})"' not in html for p, s in marked)
+    assert (out / "feature_logits.html").is_file()
+    assert f"F{top[0]}" in shown and f"loss recovered {float(recovered.recovered[0]):.4f}" in shown
+
+    code, _, err = run_cli(capsys, "sae", "--model", str(tiny_dir), "--sae", str(directory), "--prompt", prompt,
+                           "--features", "3", "17", "--position", "2", "--out", str(out), "--force")
+    assert code == 0, err
+    assert pd.read_csv(out / "feature_logits.csv").feature.unique().tolist() == [3, 17]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sae", "{tmp}/nowhere"], "cannot load --sae {tmp}/nowhere: {tmp}/nowhere/cfg.json is missing"),
+    (["--sae", "{lacking}"], "the SAE reads 'blocks.5.hook_resid_post', a hook point this model lacks"),
+    (["--sae", "{narrow}"], "the SAE reads 32 dimensions"),
+    (["--sae", "{sae}", "--features", "96"], "--features: feature 96 is outside"),
+    (["--sae", "{sae}", "--k", "0"], "--k 0 must be in [1, 96]"),
+    (["--sae", "{sae}", "--position", "40"], "--position 40 is outside the prompt's"),
+])
+def test_probe_sae_errors_are_one_line(tiny_dir, tmp_path, capsys, args, message):
+    paths = dict(tmp=tmp_path, sae=random_sae().save_pretrained(tmp_path / "sae"),
+                 lacking=random_sae(hook="blocks.5.hook_resid_post").save_pretrained(tmp_path / "lacking"),
+                 narrow=random_sae(d_in=32).save_pretrained(tmp_path / "narrow"))
+    args = [a.format(**paths) for a in args]
+    code, _, err = run_cli(capsys, "sae", "--model", str(tiny_dir), "--prompt", "To be", "--out", str(tmp_path / "o"), *args)
+    assert code == 2 and message.format(**paths) in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o" / "features.csv").exists()
