@@ -42,6 +42,10 @@ def _hook_name(model: HookedDecoder, sae: SparseAutoencoder) -> str:
     except UnknownNameError as err:
         raise UnknownNameError(f"the SAE reads {name!r}, a hook point this model lacks (an SAE for another model?): "
                                f"{err}") from None
+    if f"{name}.hook_sae_input" in model.hook_names:
+        # the point then holds an SAE's output: features of a reconstruction, and a second splice would collide
+        raise ValueError(f"an SAE is spliced into the model at {name!r} right now; call this outside the "
+                         "`with spliced(...)` block (it runs the model with and without the SAE itself)")
     return name
 
 

@@ -37,30 +37,43 @@ class HookedRootModule(nn.Module):
 
     def setup_hooks(self) -> None:
         self._hook_points: dict[str, HookPoint] = {}
+        self._lent_points: dict[str, HookPoint] = {}  # another module's, for a `lent_hook_points` block
         for name, module in self.named_modules():
             if isinstance(module, HookPoint):
                 module.name = name
                 self._hook_points[name] = module
 
+    def __getstate__(self) -> dict:
+        # a copy made inside a lent_hook_points block (deepcopy, process_weights) must not keep the lent points:
+        # the block that would take them back only knows the original
+        state = self.__dict__.copy()
+        state["_lent_points"] = {}
+        return state
+
+    @property
+    def _all_points(self) -> dict[str, HookPoint]:
+        return {**self._hook_points, **self._lent_points}
+
     @property
     def hook_names(self) -> list[str]:
-        return list(self._hook_points)
+        return list(self._all_points)
 
     def hook_point(self, name: str) -> HookPoint:
+        points = self._all_points
         try:
-            return self._hook_points[name]
+            return points[name]
         except KeyError:
-            raise unknown_name_error(name, self._hook_points) from None
+            raise unknown_name_error(name, points) from None
 
     def select_hook_names(self, names: Optional[NameFilter] = None) -> list[str]:
         """Resolve a name filter: None = every point except opt-in ones, a name, a list of names, or a predicate."""
         if names is None:
-            return [n for n, p in self._hook_points.items() if not p.opt_in]
+            return [n for n, p in self._all_points.items() if not p.opt_in]
         if isinstance(names, str):
             self.hook_point(names)
             return [names]
         if callable(names):
-            return [n for n in self._hook_points if names(n)]
+            return [n for n in self._all_points if names(n)]
         names = list(names)
         for name in names:
             self.hook_point(name)
@@ -70,19 +83,19 @@ class HookedRootModule(nn.Module):
     def lent_hook_points(self, points: dict[str, HookPoint]) -> Iterator["HookedRootModule"]:
         """For the block, `points` (another module's hook points, e.g. a spliced-in SAE's) are this model's too,
         under the given names: hooks, caches and name filters see them. Their names are restored after."""
-        taken = [name for name in points if name in self._hook_points]
+        taken = [name for name in points if name in self._all_points]
         if taken:
             raise ValueError(f"hook point names already in use: {', '.join(taken)}")
         previous = {name: point.name for name, point in points.items()}
         try:
             for name, point in points.items():
-                self._hook_points[name] = point
+                self._lent_points[name] = point
                 point.name = name
             yield self
         finally:
             for name, point in points.items():
-                if self._hook_points.get(name) is point:
-                    del self._hook_points[name]
+                if self._lent_points.get(name) is point:
+                    del self._lent_points[name]
                 point.name = previous[name]
 
     @contextmanager

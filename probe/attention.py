@@ -12,6 +12,7 @@ from hooks import HookPoint
 from probe.config import DecoderConfig, Positions
 from probe.embedding import Rotary
 from probe.kv_cache import LayerKV
+from probe.norm import make_norm
 from probe.softcap import make_softcap
 
 
@@ -29,6 +30,12 @@ class Attention(nn.Module):
         self.hook_q = HookPoint()  # [batch pos head d_head]
         self.hook_k = HookPoint()  # [batch pos kv_head d_head]
         self.hook_v = HookPoint()  # [batch pos kv_head d_head]
+        # Qwen3 normalises each head's q and k over d_head after the projection (transformer-lens's names): rotary
+        # and the scores use hook_q_normed / hook_k_normed; without it these are identities, not hook points
+        self.q_norm = make_norm(cfg, cfg.d_head) if cfg.qk_norm else nn.Identity()
+        self.k_norm = make_norm(cfg, cfg.d_head) if cfg.qk_norm else nn.Identity()
+        self.hook_q_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos head d_head]
+        self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
         self.rotary = Rotary(cfg.rotary_dim, cfg.rotary_base, cfg.rotary_scaling) if cfg.positions is Positions.ROTARY else None
         if self.rotary is not None:
             self.hook_rot_q = HookPoint()  # [batch pos head d_head]: q after the rotation
@@ -50,6 +57,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
         q = self.hook_q(rearrange(q, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
         k = self.hook_k(rearrange(k, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
+        q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         v = self.hook_v(rearrange(v, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
         if self.rotary is not None:
             q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))

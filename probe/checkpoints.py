@@ -122,7 +122,8 @@ def _require(cfg: DecoderConfig, family: str, **wanted) -> None:
 
 
 # what only Gemma's formats hold; every other format needs these at their defaults
-_PLAIN = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_layers=None)
+_PLAIN = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_layers=None,
+              qk_norm=False)
 
 def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
     _require(cfg, "GPT-2", **_PLAIN, sliding_window=None, norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
@@ -263,6 +264,10 @@ def qwen2_config(hf: dict) -> DecoderConfig:
     return llama_config(hf, qkv_bias=True)  # Qwen2: biases on q, k, v and none on the output
 
 
+def qwen3_config(hf: dict) -> DecoderConfig:
+    return dataclasses.replace(llama_config(hf), qk_norm=True)  # Qwen3: Llama's layout, each head's q and k normalised
+
+
 def mistral_config(hf: dict) -> DecoderConfig:
     # Mistral: Llama's layers without any bias, and (v0.1) a sliding window; later versions say null (a key left out
     # is transformers' default, 4096)
@@ -274,6 +279,7 @@ _LLAMA_LIKE = {
     "llama": ("LlamaForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, sliding_window=None)),
     "qwen2": ("Qwen2ForCausalLM", lambda cfg: dict(qkv_bias=True, out_bias=False, sliding_window=None)),
     "mistral": ("MistralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False)),
+    "qwen3": ("Qwen3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, sliding_window=None, qk_norm=True)),
 }
 
 
@@ -292,11 +298,12 @@ def _llama_like_hf(cfg: DecoderConfig, model_type: str, architecture: str) -> di
 
 def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "llama") -> dict:
     architecture, fixed = _LLAMA_LIKE[model_type]
-    _require(cfg, model_type, **_PLAIN, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True,
-             positions=Positions.ROTARY, rotary_dim=cfg.d_head, gated_mlp=True, **fixed(cfg))
+    _require(cfg, model_type, **{**_PLAIN, **dict(norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True,
+                                                  positions=Positions.ROTARY, rotary_dim=cfg.d_head, gated_mlp=True),
+                                 **fixed(cfg)})
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
-    if model_type == "llama":
+    if model_type in ("llama", "qwen3"):
         out["attention_bias"] = cfg.qkv_bias
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
@@ -324,6 +331,9 @@ def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
         o, t, s = f"blocks.{l}", f"layers.{l}", _llama_shapes(cfg, l)
         for ours, theirs in _llama_norms(cfg).items():
             out[f"{o}.{ours}.w"] = source.take(f"{t}.{theirs}.weight", (d,))
+        if cfg.qk_norm:
+            for which in "qk":
+                out[f"{o}.attn.{which}_norm.w"] = source.take(f"{t}.self_attn.{which}_norm.weight", (cfg.d_head,))
         out[f"{o}.attn.qkv.weight"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.weight", s[p]) for p in "qkv"])
         if cfg.qkv_bias:
             out[f"{o}.attn.qkv.bias"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.bias", s[p][:1]) for p in "qkv"])
@@ -353,6 +363,9 @@ def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
         sizes = [s["q"][0], s["k"][0], s["v"][0]]
         for ours, theirs in _llama_norms(cfg).items():
             out[f"{t}.{theirs}.weight"] = params[f"{o}.{ours}.w"]
+        if cfg.qk_norm:
+            for which in "qk":
+                out[f"{t}.self_attn.{which}_norm.weight"] = params[f"{o}.attn.{which}_norm.w"]
         for p, w in zip("qkv", params[f"{o}.attn.qkv.weight"].split(sizes)):
             out[f"{t}.self_attn.{p}_proj.weight"] = w
         if cfg.qkv_bias:
@@ -405,7 +418,7 @@ def gemma_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     if cfg.activation is Activation.GELU:
         raise ValueError(f"a {model_type} checkpoint cannot hold activation=gelu (exact): transformers reads Gemma's "
                          "'gelu' as the tanh approximation")
-    _require(cfg, model_type, scale_embed=True, norm=Norm.RMS_FLOAT32, final_norm=True, positions=Positions.ROTARY,
+    _require(cfg, model_type, scale_embed=True, qk_norm=False, norm=Norm.RMS_FLOAT32, final_norm=True, positions=Positions.ROTARY,
              rotary_dim=cfg.d_head, gated_mlp=True, mlp_bias=False, out_bias=cfg.qkv_bias,
              norm_placement=NormPlacement.SANDWICH if gemma2 else NormPlacement.PRE,
              **({} if gemma2 else dict(attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None)))
@@ -556,6 +569,8 @@ FAMILIES = {
         Family("llama", "LlamaForCausalLM", ("model.",), llama_config, llama_config_to_hf, llama_to_probe, llama_to_hf),
         Family("qwen2", "Qwen2ForCausalLM", ("model.",), qwen2_config,
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen2"), llama_to_probe, llama_to_hf),
+        Family("qwen3", "Qwen3ForCausalLM", ("model.",), qwen3_config,
+               lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen3"), llama_to_probe, llama_to_hf),
         Family("mistral", "MistralForCausalLM", ("model.",), mistral_config,
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "mistral"), llama_to_probe, llama_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,

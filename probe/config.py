@@ -107,6 +107,7 @@ class DecoderConfig:
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2: 50)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
     scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
+    qk_norm: bool = False  # each head's q and k normalised over d_head (the model's norm kind) before rotary (Qwen3)
     qkv_bias: bool = True
     out_bias: bool = True  # attention output projection bias
     mlp_bias: bool = True

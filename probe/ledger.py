@@ -85,6 +85,7 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         h, kv = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
         add("ln1", "norm", norm_params, layer)
         add("attn.q.weight", "attention", d * h * dh, layer)
+        add("attn.qk_norm", "norm", 2 * dh * (2 if cfg.norm is Norm.LAYER else 1) if cfg.qk_norm else 0, layer)
         add("attn.k.weight", "attention", d * kv * dh, layer)
         add("attn.v.weight", "attention", d * kv * dh, layer)
         add("attn.qkv.bias", "attention", (h + 2 * kv) * dh if cfg.qkv_bias else 0, layer)

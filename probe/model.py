@@ -222,7 +222,17 @@ class HookedDecoder(HookedRootModule):
         item = torch.empty((), dtype=dtype or self.embed.W_E.dtype).element_size()
         rms = self.cfg.norm in (Norm.RMS, Norm.RMS_FLOAT32)
         norm_item = 4 if dtype is None and rms else item  # RMSNorm's hooks are float32, as Llama computes
-        return sum(math.prod(shapes[n]) * (norm_item if n.endswith(NORM_HOOKS) else item) for n in names if n in shapes)
+        total = 0
+        for name in names:
+            if name in shapes:
+                total += math.prod(shapes[name]) * (norm_item if name.endswith(NORM_HOOKS) else item)
+                continue
+            # a lent point (a spliced SAE's) says its width; [batch pos width] whatever it reads
+            width = getattr(self.hook_point(name), "width", None)
+            if width is None:
+                return None  # not knowable here: no estimate rather than a low one
+            total += batch * pos * width * item
+        return total
 
     def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:
         if not 0 < start_at_layer <= self.cfg.n_layers:

@@ -9,7 +9,7 @@ from typing import Literal, Optional
 _BLOCK_KINDS = {
     "resid_pre": "", "resid_mid": "", "resid_post": "", "attn_out": "", "mlp_out": "",
     "q": "attn", "k": "attn", "v": "attn", "rot_q": "attn", "rot_k": "attn", "attn_scores": "attn",
-    "pattern": "attn", "z": "attn", "result": "attn",
+    "pattern": "attn", "z": "attn", "result": "attn", "q_normed": "attn", "k_normed": "attn",
     "pre": "mlp", "post": "mlp", "pre_linear": "mlp",
 }
 _ALIASES = {"attn": "pattern", "scores": "attn_scores", "attn_logits": "attn_scores", "query": "q", "key": "k",

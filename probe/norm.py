@@ -1,6 +1,8 @@
 """Normalisation layers with their scale and normalised input exposed as hook points."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,5 +64,6 @@ class RMSNormFloat32(RMSNorm):
         return self
 
 
-def make_norm(cfg: DecoderConfig) -> nn.Module:
-    return {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32}[cfg.norm](cfg.d_model, cfg.eps)
+def make_norm(cfg: DecoderConfig, dim: Optional[int] = None) -> nn.Module:
+    """The config's norm over the last `dim` (default d_model) dimensions."""
+    return {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32}[cfg.norm](dim or cfg.d_model, cfg.eps)

@@ -84,6 +84,10 @@ class SparseAutoencoder(HookedRootModule):
         self.hook_sae_error = HookPoint()  # [... d_in]: x - reconstruction, with use_error_term
         self.hook_sae_output = HookPoint()  # [... d_in]: what the model receives when spliced
         self.setup_hooks()
+        # each point's last dimension, for a model's cache-size estimate (a hook_z SAE's error and output keep
+        # the heads, [... head d_head], the same number of elements as d_in)
+        for name, point in self._hook_points.items():
+            point.width = cfg.d_sae if name.startswith("hook_sae_acts") else cfg.d_in
 
     # ---- the SAE itself --------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,14 +99,17 @@ class SparseAutoencoder(HookedRootModule):
         return self.hook_sae_recons(features @ self.W_dec + self.b_dec)
 
     def forward(self, x: torch.Tensor, use_error_term: bool = False) -> torch.Tensor:
-        """The SAE's output for activations x, in x's shape, dtype and device."""
-        reconstruction = self.decode(self.encode(x))
+        """The SAE's output for activations x, in x's shape (a hook_z SAE's error and output keep the heads,
+        [... head d_head], as SAELens's do), dtype and device."""
+        output = self.decode(self.encode(x)).reshape(x.shape)
         if use_error_term:
             with torch.no_grad():  # the error is a constant: an edit of the features acts on the reconstruction alone
-                clean = self._encode(x, hooked=False) @ self.W_dec + self.b_dec
-                error = self._flat(x).to(clean.dtype) - clean
-            reconstruction = reconstruction + self.hook_sae_error(error)
-        return self.hook_sae_output(reconstruction).reshape(x.shape).to(x.dtype)
+                clean = (self._encode(x, hooked=False) @ self.W_dec + self.b_dec).reshape(x.shape)
+                # in the wider of the two dtypes: a bfloat16 SAE must not round a float32 model's activation
+                dtype = torch.promote_types(x.dtype, clean.dtype)
+                error = x.to(dtype) - clean.to(dtype)
+            output = output.to(dtype) + self.hook_sae_error(error)
+        return self.hook_sae_output(output).to(x.dtype)
 
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.hook_name.endswith("hook_z"):  # [... head d_head] -> [... (head d_head)]
@@ -147,6 +154,10 @@ class SparseAutoencoder(HookedRootModule):
             raise ValueError(f"could not read the SAE weights in {weights_path}: {err}") from err
         if "log_threshold" in state and cfg.architecture == "jumprelu":  # a training checkpoint's parametrisation
             state["threshold"] = state.pop("log_threshold").exp()
+        scaling = state.pop("scaling_factor", None)  # some SAELens versions saved a (fine-tuning) scale
+        if scaling is not None and not bool((scaling == 1).all()):
+            raise ValueError(f"{weights_path} has a scaling_factor other than 1 (a fine-tuned scale on the features); "
+                             "fold it into W_dec first (W_dec * scaling_factor[:, None])")
         sae = cls(cfg)
         expected = {name: tuple(p.shape) for name, p in sae.named_parameters()}
         missing = sorted(set(expected) - set(state))
@@ -177,11 +188,14 @@ class SparseAutoencoder(HookedRootModule):
 
 def _config_from_saelens(raw: dict, path: Path) -> SAEConfig:
     meta = {**(raw.get("metadata") or {}), **(raw.get("meta") or {})}  # SAELens 6 nests these; older files do not
-    hook_name = raw.get("hook_name") or meta.get("hook_name")
+    # SAELens before 3 said hook_point
+    hook_name = raw.get("hook_name") or meta.get("hook_name") or raw.get("hook_point")
     if hook_name is None:
         raise ValueError(f"{path} names no hook_name: which activation the SAE reads is unknown")
-    if (raw.get("hook_head_index") or meta.get("hook_head_index")) is not None:
+    if any(source.get(key) is not None for source in (raw, meta) for key in ("hook_head_index", "hook_point_head_index")):
         raise ValueError(f"{path}: SAEs on one head (hook_head_index) are not supported")
+    if raw.get("hook_name_out") is not None or raw.get("d_out") is not None:
+        raise ValueError(f"{path} is a transcoder (it writes to another hook point); only SAEs are supported")
     normalize = raw.get("normalize_activations") or "none"
     if normalize != "none":
         raise ValueError(f"{path}: normalize_activations={normalize!r} is not supported (only 'none'); SAELens folds "
@@ -190,8 +204,11 @@ def _config_from_saelens(raw: dict, path: Path) -> SAEConfig:
         raise ValueError(f"{path}: rescale_acts_by_decoder_norm=true is not supported")
     architecture = raw.get("architecture", "standard")
     kwargs = raw.get("activation_fn_kwargs") or {}
-    if raw.get("activation_fn_str") == "topk" or raw.get("activation_fn") == "topk":  # SAELens 3-5 spelled topk so
+    activation = raw.get("activation_fn_str") or raw.get("activation_fn") or "relu"
+    if activation == "topk":  # SAELens 3-5 spelled topk so
         architecture = "topk"
+    elif activation != "relu":
+        raise ValueError(f"{path}: activation {activation!r} is not supported; supported: relu (standard, jumprelu), topk")
     try:
         return SAEConfig(d_in=raw["d_in"], d_sae=raw["d_sae"], hook_name=hook_name, architecture=architecture,
                          k=raw.get("k", kwargs.get("k")) if architecture == "topk" else None,

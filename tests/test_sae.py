@@ -170,6 +170,11 @@ def test_saelens_files_of_several_versions_load_and_round_trip(tmp_path):
                                           "activation_fn_kwargs": {"k": 12}, "apply_b_dec_to_input": True},
                        {name: p.detach() for name, p in top.named_parameters()})
     assert SparseAutoencoder.from_pretrained(v5).cfg.k == 12
+    # SAELens before 3: hook_point; and a scaling_factor of ones, which some versions saved and ignore
+    old = write_saelens(tmp_path / "v2", {"d_in": 64, "d_sae": D_SAE, "hook_point": HOOK, "hook_point_layer": 0},
+                        {**{name: p.detach() for name, p in random_sae().named_parameters()},
+                         "scaling_factor": torch.ones(D_SAE)})
+    assert SparseAutoencoder.from_pretrained(old).cfg.hook_name == HOOK
     # a training checkpoint keeps log(threshold)
     log_state = {**state, "log_threshold": state["threshold"].clamp(min=1e-3).log()}
     del log_state["threshold"]
@@ -185,6 +190,11 @@ def test_saelens_files_of_several_versions_load_and_round_trip(tmp_path):
     (lambda cfg, state: state.update(W_dec=torch.zeros(D_SAE, 63)), r"misshapen W_dec \(96, 63\)"),
     (lambda cfg, state: state.pop("b_enc"), "missing b_enc"),
     (lambda cfg, state: cfg.pop("d_sae"), "lacks the field 'd_sae'"),
+    (lambda cfg, state: cfg.update(hook_head_index=0), "one head"),
+    (lambda cfg, state: cfg.update(hook_point_head_index=3), "one head"),
+    (lambda cfg, state: cfg.update(activation_fn_str="tanh-relu"), "activation 'tanh-relu' is not supported"),
+    (lambda cfg, state: cfg.update(hook_name_out="blocks.0.hook_mlp_out", d_out=64), "transcoder"),
+    (lambda cfg, state: state.update(scaling_factor=torch.full((D_SAE,), 2.0)), "scaling_factor other than 1"),
 ])
 def test_broken_sae_files_get_clear_errors(tmp_path, breakage, match):
     sae = random_sae()
@@ -195,3 +205,46 @@ def test_broken_sae_files_get_clear_errors(tmp_path, breakage, match):
         SparseAutoencoder.from_pretrained(write_saelens(tmp_path / "broken", cfg, state))
     with pytest.raises(FileNotFoundError, match="cfg.json"):
         SparseAutoencoder.from_pretrained(tmp_path / "nothing")
+
+
+def test_a_bfloat16_sae_with_its_error_term_leaves_a_float32_model_exact(tiny_model, tokens):
+    """The error x - reconstruction is taken in the wider dtype: rounding x to bfloat16 moved logits by ~1e-2."""
+    sae = random_sae(seed=7).to(torch.bfloat16)
+    with torch.no_grad():
+        original = tiny_model(tokens)
+        with spliced(tiny_model, sae, use_error_term=True):
+            unchanged = tiny_model(tokens)
+    torch.testing.assert_close(unchanged, original, atol=1e-5, rtol=0)
+
+
+def test_a_copy_made_inside_the_block_does_not_keep_the_sae_names(tiny_model, tokens):
+    import copy
+
+    sae = random_sae()
+    with spliced(tiny_model, sae):
+        twin = copy.deepcopy(tiny_model)
+    assert not any("hook_sae" in name for name in twin.hook_names)
+    with spliced(twin, sae):  # the copy can splice it itself: no name is taken
+        _, cache = twin.run_with_cache(tokens, names=f"{HOOK}.hook_sae_acts_post")
+    assert cache[f"{HOOK}.hook_sae_acts_post"].shape == (3, 17, D_SAE)
+
+
+def test_the_cache_estimate_counts_the_sae_points(tiny_model, tokens):
+    from hooks.root import CacheTooLargeError
+
+    sae = random_sae()
+    names = [f"{HOOK}.hook_sae_acts_pre", f"{HOOK}.hook_sae_acts_post", f"{HOOK}.hook_sae_input"]
+    with spliced(tiny_model, sae):
+        assert tiny_model.estimate_cache_bytes(names, None, tokens) == 3 * 17 * (D_SAE * 2 + 64) * 4
+        with pytest.raises(CacheTooLargeError):
+            tiny_model.run_with_cache(tokens, names=names, max_cache_bytes=1000)
+
+
+def test_a_hook_z_sae_hands_its_error_and_output_back_with_the_heads(tiny_model, tokens):
+    hook = "blocks.1.attn.hook_z"
+    shapes = {}
+    with spliced(tiny_model, random_sae(hook=hook, d_in=64), use_error_term=True):
+        tiny_model.run_with_hooks(tokens, fwd_hooks=[(lambda n: n.startswith(hook + "."),
+                                                      lambda x, h: shapes.__setitem__(h.name.rsplit(".", 1)[1], tuple(x.shape)))])
+    assert shapes["hook_sae_error"] == shapes["hook_sae_output"] == (3, 17, 4, 16)
+    assert shapes["hook_sae_recons"] == (3, 17, 64) and shapes["hook_sae_acts_post"] == (3, 17, D_SAE)

@@ -30,6 +30,9 @@ def compare_with_transformer_lens(directory, n_pos: int, seed: int) -> tuple[set
     allowed = torch.ones(n_pos, n_pos, dtype=torch.bool).tril()
     for hook in (n for n in cache if n in theirs):
         a, b = cache[hook], theirs[hook]
+        if hook.endswith(("_normed", "q_norm.hook_scale", "q_norm.hook_normalized", "k_norm.hook_scale",
+                          "k_norm.hook_normalized")) and a.dim() == 4:
+            b = b.transpose(1, 2)  # TL's bridge keeps Qwen3's per-head norms in [batch head pos ...]
         assert a.shape == b.shape, hook
         if hook.endswith("hook_attn_scores"):  # masked entries differ by convention (-inf here, finfo.min there)
             a, b = a[..., allowed], b[..., allowed]
@@ -66,3 +69,12 @@ def test_gemma2_hooks_match_transformer_lens(tmp_path):
     build("gemma2", tmp_path)
     missing, theirs = compare_with_transformer_lens(tmp_path, 20, seed=6)
     assert missing == set() and "blocks.2.ln1_post.hook_scale" in theirs
+
+
+def test_qwen3_hooks_match_transformer_lens(tmp_path):
+    """Qwen3's per-head q and k norms: hook_q is the projection, hook_q_normed what rotary reads, as in TL."""
+    from test_variants import build
+
+    build("qwen3", tmp_path)
+    missing, theirs = compare_with_transformer_lens(tmp_path, 20, seed=7)
+    assert missing == set() and "blocks.1.attn.hook_q_normed" in theirs

@@ -55,6 +55,10 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, head_dim=24, max_position_embeddings=40, sliding_window=6,
                         query_pre_attn_scalar=20, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
         model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**{**settings, **overrides}))
+    elif kind == "qwen3":  # Llama's layout with each head's q and k RMS-normalised before rotary
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=40, tie_word_embeddings=True)
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -76,6 +80,8 @@ CASES = {
                                                           "original_max_position_embeddings": 16}}),
     "llama-linear-rope-scaling": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}}),
     "mistral-sliding-window": ("mistral", {}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    "qwen3-biases-untied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": False}),
     "gemma-scaled-embed-geglu": ("gemma", {}),
     "gemma2-sandwich-softcaps-windows": ("gemma2", {}),
     "neox-parallel-partial-rotary": ("neox", {}),
@@ -164,7 +170,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 
 def test_save_round_trip_for_each_family(tmp_path):
-    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2"):
+    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -219,7 +225,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     from probe.loading import CheckpointError
 
     (tmp_path / "config.json").write_text('{"model_type": "gemma3"}')
-    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2, mistral, gemma, gemma2, gpt_neox"):
+    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2, qwen3, mistral, gemma, gemma2, gpt_neox"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
@@ -549,3 +555,23 @@ def test_all_true_sliding_layers_are_the_same_config_as_none():
     base = dict(n_layers=2, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, sliding_window=3)
     assert DecoderConfig(**base, sliding_layers=(True, True)) == DecoderConfig(**base)
     assert DecoderConfig(**base, sliding_layers=(True, False)).layer_window(1) is None
+
+
+def test_qwen3_normalises_each_heads_query_and_key_before_rotating(tmp_path):
+    """Against transformers' own q_norm / k_norm modules on the same projections: hook_q is the projection,
+    hook_q_normed what rotary and the scores use (transformer-lens's names)."""
+    hf = build("qwen3", tmp_path)
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 101, (2, 15), generator=torch.Generator().manual_seed(17))
+    with torch.no_grad():
+        _, cache = ours.run_with_cache(tokens)
+        attn = hf.model.layers[1].self_attn
+        x = hf.model.layers[1].input_layernorm(cache["blocks.1.hook_resid_pre"])
+        q = attn.q_norm(attn.q_proj(x).view(2, 15, 8, 16))
+        k = attn.k_norm(attn.k_proj(x).view(2, 15, 2, 16))
+    torch.testing.assert_close(cache["blocks.1.attn.hook_q_normed"], q, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache["blocks.1.attn.hook_k_normed"], k, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(cache["blocks.1.attn.hook_q"], attn.q_proj(x).view(2, 15, 8, 16), atol=1e-5, rtol=0)
+    assert cache["blocks.1.attn.q_norm.hook_scale"].shape == (2, 15, 8, 1)
+    assert torch.equal(ours.blocks[1].attn.q_norm.w, attn.q_norm.weight)
