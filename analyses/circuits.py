@@ -42,11 +42,13 @@ def _head_weights(model: HookedDecoder, layer: int, head: int) -> tuple[torch.Te
     if not (isinstance(head, int) and 0 <= head < attn.n_heads):
         raise ValueError(f"head={head!r} is outside layer {layer}'s heads [0, {attn.n_heads})")
     kv = head // (attn.n_heads // attn.n_kv_heads)  # grouped-query: adjacent query heads share a key/value head
-    w_o = attn.W_O[head].float()
+    w_q, w_k, w_o = attn.W_Q[head].float(), attn.W_K[kv].float(), attn.W_O[head].float()
     write_norm = getattr(model.blocks[layer], "ln1_post", None)
     if write_norm is not None:  # a sandwich block's write passes its norm: w per dimension (its scale is one number)
         w_o = w_o * write_norm.w.float()
-    return attn.W_Q[head].float(), attn.W_K[kv].float(), attn.W_V[kv].float(), w_o
+    if hasattr(attn.q_norm, "w"):  # Qwen3's per-head q and k norms: their weights likewise (scales left out)
+        w_q, w_k = w_q * attn.q_norm.w.float(), w_k * attn.k_norm.w.float()
+    return w_q, w_k, attn.W_V[kv].float(), w_o
 
 
 @torch.no_grad()
@@ -60,7 +62,7 @@ def ov_circuit(model: HookedDecoder, layer: int, head: int) -> torch.Tensor:
 @torch.no_grad()
 def qk_circuit(model: HookedDecoder, layer: int, head: int) -> torch.Tensor:
     """[d_model d_model]: W_Q W_K^T, the query-key bilinear form (score = x_q W_Q W_K^T x_k^T, before
-    the 1/sqrt(d_head) scale, rotary positions and biases)."""
+    the 1/sqrt(d_head) scale, rotary positions and biases; with per-head q/k norms, through their weights)."""
     w_q, w_k, _, _ = _head_weights(model, layer, head)
     return w_q @ w_k.T
 

@@ -175,3 +175,19 @@ def test_gemma2_heads_write_through_their_write_norm_and_process_without_centrin
             assert scores.scores[layer, head] == pytest.approx(float(eig.sum().real) / float(eig.abs().sum()), abs=1e-4)
     processed = copying_scores(model)  # runs: folding is allowed, centring the capped logits is not attempted
     assert processed.scores.isfinite().all()
+
+
+def test_qwen3_query_and_key_norm_weights_enter_the_qk_circuit(tmp_path):
+    """q_norm(q) = q / scale * w_q per d_head dimension: the bilinear form, up to the two scales, is
+    (W_Q diag(w_q)) (W_K diag(w_k))^T. Oracle: transformers' q_proj / k_proj / norm weights multiplied out."""
+    from test_variants import build
+
+    hf = build("qwen3", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    attn = hf.model.layers[1].self_attn
+    dh = 16
+    for head in (0, 5):
+        kv = head // 4
+        w_q = attn.q_proj.weight[head * dh:(head + 1) * dh].T.double() * attn.q_norm.weight.double()
+        w_k = attn.k_proj.weight[kv * dh:(kv + 1) * dh].T.double() * attn.k_norm.weight.double()
+        torch.testing.assert_close(qk_circuit(model, 1, head).double(), w_q @ w_k.T, atol=1e-5, rtol=0)
