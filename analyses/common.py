@@ -5,7 +5,10 @@ import html
 import numbers
 from typing import Callable, Optional, Sequence, Union
 
+import pandas as pd
+import plotly.graph_objects as go
 import torch
+from plotly.subplots import make_subplots
 
 from probe import HookedDecoder
 
@@ -149,3 +152,47 @@ def token_id(model: HookedDecoder, value, what: str) -> int:
     if not 0 <= int(value) < model.cfg.d_vocab:
         raise ValueError(f"{what} token id {value!r} is outside the vocabulary [0, {model.cfg.d_vocab})")
     return int(value)
+
+
+class PromotedTokens:
+    """Shared by tables of the tokens directions promote and suppress (FFN values, SAE decoder rows): each row i
+    has `top_ids` / `top_logits` and `bottom_ids` / `bottom_logits` [row k], and `token_strings[i]` holds its k
+    promoted strings then its k suppressed ones (raw)."""
+
+    top_ids: torch.Tensor
+    top_logits: torch.Tensor
+    bottom_ids: torch.Tensor
+    bottom_logits: torch.Tensor
+    token_strings: list[list[str]]
+
+    @property
+    def k(self) -> int:
+        return self.top_ids.shape[1]
+
+    def _promoted_frame(self, lead: dict[str, list]) -> pd.DataFrame:
+        """One row per (row, direction, rank); `lead` gives each row's leading columns (name -> a value per row)."""
+        n, k = self.top_ids.shape
+        rows = []
+        for direction, ids, logits, offset in (("promoted", self.top_ids, self.top_logits, 0),
+                                               ("suppressed", self.bottom_ids, self.bottom_logits, k)):
+            for i in range(n):
+                for r in range(k):
+                    rows.append([values[i] for values in lead.values()]
+                                + [direction, r, int(ids[i, r]), self.token_strings[i][offset + r], float(logits[i, r])])
+        return pd.DataFrame(rows, columns=[*lead, "direction", "rank", "token_id", "token", "logit"])
+
+    def _promoted_figure(self, labels: list[str], title: str) -> go.Figure:
+        """Heatmaps of the promoted (left) and suppressed (right) tokens' logits for the rows `labels` names,
+        tokens written (escaped) in the cells."""
+        n, k = len(labels), self.k
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("promoted", "suppressed"), horizontal_spacing=0.08)
+        for col, logits, offset in ((1, self.top_logits, 0), (2, self.bottom_logits, k)):
+            text = [[escape_token(self.token_strings[i][offset + r]) for r in range(k)] for i in range(n)]
+            fig.add_trace(go.Heatmap(
+                z=logits[:n].tolist(), x=[f"#{r + 1}" for r in range(k)], y=labels, text=text,
+                texttemplate="%{text}", colorscale="RdBu", zmid=0, showscale=(col == 1),
+                hovertemplate="%{y}, rank %{x}<br>token %{text}<br>logit %{z:.4f}<extra></extra>",
+            ), row=1, col=col)
+        fig.update_yaxes(autorange="reversed", type="category")
+        fig.update_layout(title=title, height=200 + 28 * n)
+        return fig

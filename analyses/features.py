@@ -20,10 +20,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 from einops import einsum, rearrange
-from plotly.subplots import make_subplots
 
 from analyses.ablation import loss_metric
-from analyses.common import AnalysisInput, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
+from analyses.common import AnalysisInput, PromotedTokens, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
 from analyses.memories import _final_norm_directions, _top_tokens, _value_directions
 from hooks import HookPoint, UnknownNameError
 from probe import HookedDecoder, SparseAutoencoder, spliced
@@ -220,7 +219,7 @@ def _residual_write(model: HookedDecoder, name: str) -> tuple[int, Callable[[tor
 
 
 @dataclass
-class FeatureLogits:
+class FeatureLogits(PromotedTokens):
     """The tokens each feature's decoder row promotes and suppresses, read through the final norm and W_U."""
 
     hook_name: str
@@ -231,39 +230,15 @@ class FeatureLogits:
     bottom_logits: torch.Tensor  # [feature k]
     token_strings: list[list[str]]  # [feature] of k promoted strings then k suppressed strings, raw
 
-    @property
-    def k(self) -> int:
-        return self.top_ids.shape[1]
-
     def to_frame(self) -> pd.DataFrame:
         """One row per (feature, direction, rank): the token, its id and its logit."""
-        n, k = self.top_ids.shape
-        rows = []
-        for direction, ids, logits, offset in (("promoted", self.top_ids, self.top_logits, 0),
-                                               ("suppressed", self.bottom_ids, self.bottom_logits, k)):
-            for i in range(n):
-                for r in range(k):
-                    rows.append((int(self.features[i]), direction, r, int(ids[i, r]), self.token_strings[i][offset + r],
-                                 float(logits[i, r])))
-        return pd.DataFrame(rows, columns=["feature", "direction", "rank", "token_id", "token", "logit"])
+        return self._promoted_frame({"feature": self.features.tolist()})
 
     def figure(self, max_features: int = 20) -> go.Figure:
         """Heatmaps of the promoted (left) and suppressed (right) tokens' logits, tokens written in the cells."""
-        n, k = min(max_features, len(self.features)), self.k
-        fig = make_subplots(rows=1, cols=2, subplot_titles=("promoted", "suppressed"), horizontal_spacing=0.08)
-        y = [f"F{int(f)}" for f in self.features[:n]]
-        for col, logits, offset in ((1, self.top_logits, 0), (2, self.bottom_logits, k)):
-            text = [[escape_token(self.token_strings[i][offset + r]) for r in range(k)] for i in range(n)]
-            fig.add_trace(go.Heatmap(
-                z=logits[:n].tolist(), x=[f"#{r + 1}" for r in range(k)], y=y, text=text,
-                texttemplate="%{text}", colorscale="RdBu", zmid=0, showscale=(col == 1),
-                hovertemplate="%{y}, rank %{x}<br>token %{text}<br>logit %{z:.4f}<extra></extra>",
-            ), row=1, col=col)
-        fig.update_yaxes(autorange="reversed", type="category")
-        fig.update_layout(title=f"Tokens promoted and suppressed by the decoder rows of the SAE at "
-                                f"{escape_token(self.hook_name)} (W_dec through the final norm and W_U)",
-                          height=200 + 28 * n)
-        return fig
+        return self._promoted_figure([f"F{int(f)}" for f in self.features[:max_features]],
+                                     f"Tokens promoted and suppressed by the decoder rows of the SAE at "
+                                     f"{escape_token(self.hook_name)} (W_dec through the final norm and W_U)")
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ import torch
 from einops import einsum, rearrange
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, as_tokens, escape_token, token_strings
+from analyses.common import AnalysisInput, PromotedTokens, as_tokens, escape_token, token_strings
 from analyses.corpus import Corpus, _encode_document, _iter_document_pieces, iter_documents
 from probe import HookedDecoder, Norm, NormPlacement
 from probe.io import atomic_file
@@ -131,7 +131,7 @@ def _top_tokens(
 
 # ---- value_tokens --------------------------------------------------------------------------------
 @dataclass
-class ValueTokens:
+class ValueTokens(PromotedTokens):
     """The tokens each value vector promotes and suppresses when read through the unembedding."""
 
     layer: int
@@ -143,40 +143,15 @@ class ValueTokens:
     token_strings: list[list[str]]  # [neuron] of k promoted strings then k suppressed strings
     through_final_norm: bool
 
-    @property
-    def k(self) -> int:
-        return self.top_ids.shape[1]
-
     def to_frame(self) -> pd.DataFrame:
         """One row per (neuron, direction, rank): the token, its id and its logit v_i W_U."""
-        n, k = self.top_ids.shape
-        rows = []
-        for direction, ids, logits, offset in (("promoted", self.top_ids, self.top_logits, 0),
-                                               ("suppressed", self.bottom_ids, self.bottom_logits, k)):
-            for i in range(n):
-                for r in range(k):
-                    rows.append((self.layer, int(self.neurons[i]), direction, r, int(ids[i, r]),
-                                 self.token_strings[i][offset + r], float(logits[i, r])))
-        return pd.DataFrame(rows, columns=["layer", "neuron", "direction", "rank", "token_id", "token", "logit"])
+        return self._promoted_frame({"layer": [self.layer] * len(self.neurons), "neuron": self.neurons.tolist()})
 
     def figure(self, max_neurons: int = 20) -> go.Figure:
         """Heatmaps of the promoted (left) and suppressed (right) tokens' logits, tokens written in the cells."""
-        n = min(max_neurons, len(self.neurons))
-        k = self.k
-        fig = make_subplots(rows=1, cols=2, subplot_titles=("promoted", "suppressed"), horizontal_spacing=0.08)
-        y = [f"L{self.layer} N{int(m)}" for m in self.neurons[:n]]
-        for col, logits, offset in ((1, self.top_logits, 0), (2, self.bottom_logits, k)):
-            text = [[escape_token(self.token_strings[i][offset + r]) for r in range(k)] for i in range(n)]
-            fig.add_trace(go.Heatmap(
-                z=logits[:n].tolist(), x=[f"#{r + 1}" for r in range(k)], y=y, text=text,
-                texttemplate="%{text}", colorscale="RdBu", zmid=0, showscale=(col == 1),
-                hovertemplate="%{y}, rank %{x}<br>token %{text}<br>logit %{z:.4f}<extra></extra>",
-            ), row=1, col=col)
-        fig.update_yaxes(autorange="reversed")
         norm = " through the final norm" if self.through_final_norm else ""
-        fig.update_layout(title=f"Tokens promoted and suppressed by layer {self.layer}'s values (v W_U{norm})",
-                          height=200 + 28 * n)
-        return fig
+        return self._promoted_figure([f"L{self.layer} N{int(m)}" for m in self.neurons[:max_neurons]],
+                                     f"Tokens promoted and suppressed by layer {self.layer}'s values (v W_U{norm})")
 
 
 def value_tokens(
