@@ -320,7 +320,7 @@ def test_neox_loads_a_pythia_style_checkpoint(tmp_path):
 def test_neox_config_without_a_rotary_fraction_rotates_a_quarter_as_transformers_does(tmp_path):
     import json
 
-    hf = build("neox", tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    build("neox", tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
     config = json.loads((tmp_path / "config.json").read_text())
     config.pop("rope_parameters")
     config.pop("rotary_pct", None)
@@ -527,8 +527,6 @@ def test_config_fields_are_read_as_transformers_reads_them(kind, changes, tmp_pa
 @pytest.mark.parametrize("kind", ["gemma", "gemma2"])
 def test_a_bfloat16_gemma_file_loads_exactly_and_keeps_its_norms_in_float32(kind, tmp_path):
     """Gemma stores w - 1 and adds the 1 in float32; rounding 1 + w to bfloat16 would cost ~1e-2 in the logits."""
-    import transformers as tf
-
     hf = build(kind, tmp_path / "f32")
     hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     theirs = type(hf).from_pretrained(tmp_path / "bf16", dtype=torch.float32, attn_implementation="eager").eval()
