@@ -6,11 +6,12 @@ the i-th row of W_out. Each term m_i v_i is a sub-update of the residual stream.
 
 - `value_tokens`: which tokens each value promotes and suppresses (v_i W_U).
 - `memory_lookup`: the memories that fire at one position of one prompt, ranked by |m_i| ||v_i||.
-- `top_triggers`: every chosen neuron's top-k activating prefixes over a corpus, streamed.
+- `top_triggers`: every chosen neuron's top-k activating prefixes over a corpus, streamed; with
+  `sae=`, the same scan of a sparse autoencoder's features at its hook point.
 - `agreement`: Geva's statistic, how often a value's top token is the next token after its triggers.
 
 `python -m analyses.memories` (or `torchrun --nproc_per_node N -m analyses.memories`) scans a corpus
-from the command line and writes the result as safetensors.
+from the command line (`--sae DIR` for an SAE's features) and writes the result as safetensors.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from plotly.subplots import make_subplots
 
 from analyses.common import AnalysisInput, PromotedTokens, as_tokens, escape_token, token_strings
 from analyses.corpus import Corpus, _encode_document, _iter_document_pieces, iter_documents
-from probe import HookedDecoder, Norm, NormPlacement
+from probe import HookedDecoder, Norm, NormPlacement, SparseAutoencoder
 from probe.io import atomic_file
 from probe.names import act_name
 
@@ -319,18 +320,25 @@ def sub_updates(model: HookedDecoder, layer: int, coefficients: torch.Tensor) ->
 # ---- top_triggers --------------------------------------------------------------------------------
 _EMPTY_DOC = -1  # doc index of an unfilled top-k slot (value -inf)
 _PAD = -1  # token id padding a context that starts before its window
+MLP_SOURCE = "mlp"  # TopTriggers.source of a scan of FFN neurons (mlp.hook_post)
 
 
 @dataclass
 class TopTriggers:
-    """Each neuron's k highest coefficients over a corpus, with where they happened.
+    """Each neuron's k highest coefficients (or SAE feature's k highest activations) over a corpus,
+    with where they happened.
 
     Slots are ordered by (activation descending, document, position); a slot never filled (fewer
     than k tokens scanned) has activation -inf and document -1.
+
+    `source` says what was scanned: "mlp" for FFN neurons (mlp.hook_post of each of `layers`), or
+    the hook name of the SAE whose features were scanned (`top_triggers(..., sae=)`). An SAE scan
+    has one entry in `layers`, the index of the block holding the SAE's hook point, or -1 for a hook
+    point outside the blocks (hook_embed, hook_pos_embed, ln_final.*), and `neurons` holds feature ids.
     """
 
     layers: list[int]
-    neurons: torch.Tensor  # [neuron]: the same neurons in every layer
+    neurons: torch.Tensor  # [neuron]: the same neurons in every layer (an SAE scan: feature ids)
     activations: torch.Tensor  # [layer neuron k] float32
     docs: torch.Tensor  # [layer neuron k] int64: document index in corpus order
     positions: torch.Tensor  # [layer neuron k] int64: token index in the document (BOS not counted)
@@ -341,28 +349,35 @@ class TopTriggers:
     n_tokens: int = 0
     complete: bool = True
     doc_names: dict[int, str] = field(default_factory=dict)  # names of the documents that hold a trigger
+    source: str = MLP_SOURCE  # "mlp", or the hook name of the SAE whose features were scanned
 
     @property
     def k(self) -> int:
         return self.activations.shape[-1]
 
+    @property
+    def unit(self) -> str:
+        """What one scanned unit is: "neuron" (an MLP scan) or "feature" (an SAE scan)."""
+        return "neuron" if self.source == MLP_SOURCE else "feature"
+
     def index(self, layer: int, neuron: int) -> tuple[int, int]:
-        """(layer slot, neuron slot) of a model layer and neuron index."""
+        """(layer slot, neuron slot) of a model layer and neuron index (an SAE scan: feature id)."""
         if layer not in self.layers:
             raise ValueError(f"layer {layer} was not scanned; scanned layers: {self.layers}")
         hits = (self.neurons == neuron).nonzero()
         if not len(hits):
-            raise ValueError(f"neuron {neuron} was not scanned")
+            raise ValueError(f"{self.unit} {neuron} was not scanned")
         return self.layers.index(layer), int(hits[0, 0])
 
     def to_frame(self, model: Optional[HookedDecoder] = None) -> pd.DataFrame:
-        """One row per filled (layer, neuron, rank); with a model, the prefix and tokens as text too."""
+        """One row per filled (layer, neuron, rank); with a model, the prefix and tokens as text too.
+        An SAE scan's rows name the feature in a `feature` column where an MLP scan's have `neuron`."""
         filled = (self.docs >= 0).nonzero().tolist()
         rows = []
         for li, ni, r in filled:
-            row = dict(layer=self.layers[li], neuron=int(self.neurons[ni]), rank=r,
-                       activation=float(self.activations[li, ni, r]), doc=int(self.docs[li, ni, r]),
-                       position=int(self.positions[li, ni, r]), next_token_id=int(self.next_tokens[li, ni, r]))
+            row = {"layer": self.layers[li], self.unit: int(self.neurons[ni]), "rank": r,
+                   "activation": float(self.activations[li, ni, r]), "doc": int(self.docs[li, ni, r]),
+                   "position": int(self.positions[li, ni, r]), "next_token_id": int(self.next_tokens[li, ni, r])}
             row["doc_name"] = self.doc_names.get(row["doc"], f"doc {row['doc']}")
             if model is not None and model.tokenizer is not None:
                 ctx = [t for t in self.contexts[li, ni, r].tolist() if t != _PAD]
@@ -374,7 +389,8 @@ class TopTriggers:
         return pd.DataFrame(rows)
 
     def figure(self, model: HookedDecoder, layer: int, neuron: int) -> go.Figure:
-        """The neuron's top activations as bars, hover showing the escaped prefix ending at the trigger."""
+        """The neuron's top activations as bars, hover showing the escaped prefix ending at the trigger.
+        For an SAE scan `layer` is its one entry of `layers` and `neuron` a feature id."""
         li, ni = self.index(layer, neuron)
         filled = (self.docs[li, ni] >= 0).nonzero().flatten().tolist()
         labels, hover = [], []
@@ -385,8 +401,12 @@ class TopTriggers:
             hover.append(f"activation {float(self.activations[li, ni, r]):.5g}<br>doc {int(self.docs[li, ni, r])} "
                          f"pos {int(self.positions[li, ni, r])}<br>…{escape_token(''.join(strings))}")
         fig = go.Figure(go.Bar(x=labels, y=self.activations[li, ni, filled].tolist(), hovertext=hover, hoverinfo="text"))
-        fig.update_layout(title=f"Top triggers of layer {layer} neuron {neuron}",
-                          xaxis_title="trigger token", yaxis_title="coefficient m (mlp.hook_post)")
+        if self.source == MLP_SOURCE:
+            title, y_title = f"Top triggers of layer {layer} neuron {neuron}", "coefficient m (mlp.hook_post)"
+        else:
+            hook = escape_token(self.source)
+            title, y_title = f"Top triggers of feature {neuron} of the SAE at {hook}", f"feature activation (SAE at {hook})"
+        fig.update_layout(title=title, xaxis_title="trigger token", yaxis_title=y_title)
         return fig
 
     # -- persistence: safetensors, so loading a result never unpickles anything
@@ -397,7 +417,7 @@ class TopTriggers:
         tensors = dict(neurons=self.neurons, activations=self.activations, docs=self.docs,
                        positions=self.positions, contexts=self.contexts, next_tokens=self.next_tokens)
         meta = dict(layers=self.layers, n_docs=self.n_docs, resume_start=self.resume_start, n_tokens=self.n_tokens,
-                    complete=self.complete,
+                    complete=self.complete, source=self.source,
                     doc_names={str(d): n for d, n in self.doc_names.items()})
         with atomic_file(path, overwrite=overwrite) as tmp:
             save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(tmp),
@@ -417,8 +437,9 @@ class TopTriggers:
         if missing:
             raise ValueError(f"{path} lacks the tensors {sorted(missing)} of a saved TopTriggers result")
         meta = json.loads(meta)
+        # files written before SAE scans existed have no source: they can only be MLP scans
         return cls(layers=meta["layers"], n_docs=meta["n_docs"], resume_start=meta["resume_start"],
-                   n_tokens=meta["n_tokens"], complete=meta["complete"],
+                   n_tokens=meta["n_tokens"], complete=meta["complete"], source=meta.get("source", MLP_SOURCE),
                    doc_names={int(d): n for d, n in meta["doc_names"].items()}, **tensors)
 
 
@@ -466,6 +487,9 @@ def merge(results: Sequence[TopTriggers]) -> TopTriggers:
         raise ValueError("merge needs at least one TopTriggers result")
     first = results[0]
     for r in results[1:]:
+        if r.source != first.source:
+            # an SAE's features and FFN neurons (or two hook points' SAEs) share ids but not meaning
+            raise ValueError(f"merge takes results of one source; got {first.source!r} and {r.source!r}")
         if r.layers != first.layers or not torch.equal(r.neurons, first.neurons) or r.k != first.k \
                 or r.contexts.shape[-1] != first.contexts.shape[-1]:
             raise ValueError("merge takes results of the same layers, neurons, k and context length")
@@ -477,16 +501,27 @@ def merge(results: Sequence[TopTriggers]) -> TopTriggers:
     return TopTriggers(layers=list(first.layers), neurons=first.neurons.clone(), **merged,
                        n_docs=max(r.n_docs for r in results), n_tokens=sum(r.n_tokens for r in results),
                        complete=all(r.complete for r in results),
-                       doc_names=_kept_names(doc_names, merged["docs"]))
+                       doc_names=_kept_names(doc_names, merged["docs"]), source=first.source)
 
 
 class _Scanner:
-    """The streaming state of one scan: hooks that fold each batch's activations into the top-k."""
+    """The streaming state of one scan: hooks that fold each batch's activations into the top-k.
 
-    def __init__(self, model: HookedDecoder, layers: list[int], neurons: torch.Tensor, k: int, context: int):
-        self.model, self.layers, self.k, self.context = model, layers, k, context
+    Without `sae` it reads mlp.hook_post of each of `layers`; with one it reads the SAE's features
+    at its hook point (`layers` is then that point's one entry, see `_sae_layer`)."""
+
+    def __init__(self, model: HookedDecoder, layers: list[int], neurons: torch.Tensor, k: int, context: int,
+                 sae: Optional[SparseAutoencoder] = None):
+        self.model, self.layers, self.k, self.context, self.sae = model, layers, k, context, sae
         self.neurons = neurons.to(model.device)
-        self.all_neurons = len(neurons) == model.cfg.d_mlp and bool((neurons == torch.arange(len(neurons))).all())
+        width = model.cfg.d_mlp if sae is None else sae.cfg.d_sae
+        self.all_neurons = len(neurons) == width and bool((neurons == torch.arange(len(neurons))).all())
+        # the forward runs only as far as the last activation read: through the last chosen layer, or the
+        # SAE's block; a point before the blocks needs none of them, one after them (ln_final) the whole model
+        if sae is None:
+            self.stop_at_layer = max(layers) + 1
+        else:
+            self.stop_at_layer = layers[0] + 1 if layers[0] >= 0 else _stop_outside_blocks(model, sae.cfg.hook_name)
         empty = _empty_state(1, len(neurons), k, context, model.device)
         self.layer_states = [empty] * len(layers)  # per layer [1 neuron k ...]; replaced, never edited in place
         self.staged: list = []
@@ -504,10 +539,12 @@ class _Scanner:
         """Fold one batch into every layer's top-k, all layers or none: a Ctrl-C during the forward
         leaves the state as it was before the batch, so a resumed scan never counts a window twice."""
         self.staged = list(self.layer_states)
-        self.model.run_with_hooks(tokens, fwd_hooks=self.hooks(), stop_at_layer=max(self.layers) + 1)
+        self.model.run_with_hooks(tokens, fwd_hooks=self.hooks(), stop_at_layer=self.stop_at_layer)
         self.layer_states = self.staged
 
     def hooks(self):
+        if self.sae is not None:
+            return [(self.sae.cfg.hook_name, self._sae_hook)]
         return [(act_name("post", l), self._hook(li)) for li, l in enumerate(self.layers)]
 
     def _hook(self, li: int):
@@ -515,10 +552,18 @@ class _Scanner:
             self._fold(li, post)
         return fold
 
+    def _sae_hook(self, activation: torch.Tensor, hook) -> None:
+        sae = self.sae
+        features = sae.encode(activation.to(sae.W_enc.device))  # the SAE says it when the width is wrong
+        if features.shape != (*self.batch_shape, sae.cfg.d_sae):
+            raise ValueError(f"the SAE's features at {sae.cfg.hook_name!r} have shape {tuple(features.shape)}; "
+                             f"top_triggers reads one activation vector per position, [batch pos d_sae]")
+        self._fold(0, features.to(self.model.device))
+
     def _fold(self, li: int, post: torch.Tensor) -> None:
         b = self.batch
         acts = post if self.all_neurons else post[..., self.neurons]
-        acts = rearrange(acts, "batch pos d_mlp -> (batch pos) d_mlp").float()
+        acts = rearrange(acts, "batch pos unit -> (batch pos) unit").float()
         # Only activations above a neuron's current k-th best can enter its top-k (an equal one
         # loses the tie to the earlier document already there). Once the state has filled, few do,
         # and gathering those few is much cheaper than a top-k over the whole batch.
@@ -613,7 +658,26 @@ class _Scanner:
         flat = lambda t: rearrange(t, "batch pos ... -> (batch pos) ...").to(device)
         self.batch = dict(valid=flat(valid), docs=flat(docs), positions=flat(positions),
                           contexts=flat(contexts.contiguous()), next_tokens=flat(next_ids))
+        self.batch_shape = (n, n_pos)
         return tokens.to(device)
+
+
+def _sae_layer(model: HookedDecoder, hook_name: str) -> int:
+    """The index of the block holding the hook point, or -1 for a point outside the blocks. Found by
+    the point's identity, so a name the hook point is also known by resolves the same."""
+    point = model.hook_point(hook_name)
+    for layer, block in enumerate(model.blocks):
+        if any(point is module for module in block.modules()):
+            return layer
+    return -1
+
+
+def _stop_outside_blocks(model: HookedDecoder, hook_name: str) -> Optional[int]:
+    """stop_at_layer for a hook point outside the blocks: 0 for the embeddings, which come before
+    every block, else None (the final norm's points come after all of them)."""
+    point = model.hook_point(hook_name)
+    before = [getattr(model, name, None) for name in ("hook_embed", "hook_pos_embed")]
+    return 0 if any(point is p for p in before) else None
 
 
 def _windows(model: HookedDecoder, corpus: Corpus, window: int, prepend_bos: bool, skip: tuple[int, int],
@@ -665,6 +729,7 @@ def top_triggers(
     resume: Optional[TopTriggers] = None,
     save_path: Union[str, os.PathLike, None] = None,
     overwrite: bool = False,
+    sae: Optional[SparseAutoencoder] = None,
 ) -> TopTriggers:
     """Each chosen neuron's k highest coefficients (mlp.hook_post) over every prefix of a corpus.
 
@@ -683,9 +748,28 @@ def top_triggers(
     `shard=(i, n)` scans only documents i, i+n, i+2n, ... (indices stay global), for splitting a
     corpus across jobs; `merge` of all n shards equals one scan. Under `torch.distributed` (torchrun)
     the shard is the process's rank, and every rank returns the merged result of all ranks.
+
+    `sae=` (a `probe.SparseAutoencoder`) scans the SAE's features instead: `sae.encode` of the
+    activation at `sae.cfg.hook_name`, `neurons` then being feature ids (None = all d_sae) and
+    `layers` left None. The forward stops after the hook point's block (before the first block for
+    hook_embed and hook_pos_embed; a final-norm point runs it all); everything else is as for
+    neurons, and the result's `source` is the hook name. Each batch's features are held whole for a
+    moment, batch_size x window x d_sae floats: lower batch_size for a wide SAE.
     """
-    layer_ids = _layer_list(model, layers)
-    neuron_ids = _neuron_tensor(model, neurons)
+    if sae is not None:
+        from analyses.features import _feature_ids, _hook_name  # analyses.features imports this module
+
+        hook_name = _hook_name(model, sae)  # an SAE, for a point this model has, and not spliced in
+        if layers is not None:
+            raise ValueError(f"layers={layers!r}: an SAE scan reads the features at the SAE's hook point "
+                             f"{hook_name!r}; leave layers=None")
+        layer_ids = [_sae_layer(model, hook_name)]
+        neuron_ids = torch.arange(sae.cfg.d_sae) if neurons is None else _feature_ids(sae, neurons)
+        source = hook_name
+    else:
+        layer_ids = _layer_list(model, layers)
+        neuron_ids = _neuron_tensor(model, neurons)
+        source = MLP_SOURCE
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k={k!r} must be a positive integer")
     window = model.cfg.n_ctx if window is None else window
@@ -705,9 +789,11 @@ def top_triggers(
     if not (isinstance(world, int) and isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"shard={shard!r} must be (index, count) with 0 <= index < count")
 
-    scanner = _Scanner(model, layer_ids, neuron_ids, k, context)
+    scanner = _Scanner(model, layer_ids, neuron_ids, k, context, sae)
     skip, skip_start, n_tokens, doc_names = 0, 0, 0, {}
     if resume is not None:
+        if resume.source != source:
+            raise ValueError(f"resume= is a scan of {resume.source!r}, this one of {source!r}: resume the same source")
         if resume.layers != layer_ids or not torch.equal(resume.neurons, neuron_ids) or resume.k != k \
                 or resume.contexts.shape[-1] != context:
             raise ValueError("resume= must be a result of the same layers, neurons, k and context")
@@ -754,7 +840,8 @@ def top_triggers(
 
     state = {n: t.cpu() for n, t in scanner.state.items()}
     result = TopTriggers(layers=layer_ids, neurons=neuron_ids, **state, n_docs=done_docs, resume_start=done_start,
-                         n_tokens=n_tokens, complete=complete, doc_names=_kept_names(doc_names, state["docs"]))
+                         n_tokens=n_tokens, complete=complete, doc_names=_kept_names(doc_names, state["docs"]),
+                         source=source)
     if dist is not None and complete:
         result = _gather(dist, result, world)
     if save_path is not None and (dist is None or rank == 0):
@@ -802,7 +889,7 @@ def _gather(dist, result: TopTriggers, world: int) -> TopTriggers:
     for r in range(world):
         names = {int(d): n for d, n in json.loads(bytes(all_names[r][: int(lengths[r])].tolist()).decode()).items()}
         shards.append(TopTriggers(result.layers, result.neurons, *(p[r] for p in parts), n_docs=0, n_tokens=0,
-                                  doc_names=names))
+                                  doc_names=names, source=result.source))
     merged = merge(shards)
     merged.n_tokens = int(counts.item())
     merged.n_docs = int(n_docs.item())
@@ -810,6 +897,15 @@ def _gather(dist, result: TopTriggers, world: int) -> TopTriggers:
 
 
 # ---- agreement -----------------------------------------------------------------------------------
+def _require_mlp(triggers: TopTriggers, what: str) -> None:
+    """Refuse an SAE scan where FFN value vectors are read: its ids are features, not neurons, and
+    its layer may not even be a block (-1)."""
+    if triggers.source != MLP_SOURCE:
+        raise ValueError(f"{what} reads FFN value vectors (W_out rows) and needs a scan of MLP neurons; this one "
+                         f"scanned the features of the SAE at {triggers.source!r} (for what a feature writes, see "
+                         "analyses.feature_logits)")
+
+
 @dataclass
 class Agreement:
     """Per layer, how often a memory's top value token is the actual next token after its triggers."""
@@ -853,6 +949,7 @@ def agreement(model: HookedDecoder, triggers: TopTriggers, *, through_final_norm
     The baseline pairs each neuron's triggers with the top token of the next scanned neuron's
     value (a cyclic shift), which keeps the token distribution and breaks the neuron's identity.
     """
+    _require_mlp(triggers, "agreement")
     matches, examples, baseline = [], [], []
     for li, layer in enumerate(triggers.layers):
         top = _top_value_tokens(model, layer, triggers.neurons, 1, through_final_norm)[1][:, 0]  # [neuron]
@@ -909,7 +1006,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--corpus", default=None,
                         help="a text file or a folder of .txt files (default: the bundled held-out text)")
     parser.add_argument("--layers", type=int, nargs="*", default=None)
-    parser.add_argument("--neurons", type=int, nargs="*", default=None)
+    parser.add_argument("--neurons", type=int, nargs="*", default=None, help="neuron ids (with --sae: feature ids)")
+    parser.add_argument("--sae", default=None,
+                        help="an SAE directory (SAELens format): scan its features at its hook point instead of neurons")
     parser.add_argument("-k", type=int, default=25)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--window", type=int, default=None)
@@ -917,6 +1016,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", required=True, help="output .safetensors path (written by rank 0)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
+    if args.sae is not None and args.layers:
+        parser.error("--layers does not apply to --sae: the SAE's hook point fixes the layer")
 
     from probe import DEFAULT_MODEL
 
@@ -930,9 +1031,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             torch.cuda.set_device(args.device)
     try:
         model = HookedDecoder.from_pretrained(args.model or DEFAULT_MODEL, device=args.device, revision=args.revision).eval()
+        sae = None if args.sae is None else SparseAutoencoder.from_pretrained(args.sae, device=model.device)
         result = top_triggers(model, args.corpus, args.layers or None, args.neurons or None, k=args.k,
                               batch_size=args.batch_size, window=args.window, save_path=args.out,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, sae=sae)
         if not _distributed() or _distributed().get_rank() == 0:
             print(f"scanned {result.n_tokens} tokens; wrote {args.out}")
         if _distributed():

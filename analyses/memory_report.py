@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from analyses.common import escape_token, token_strings
-from analyses.memories import _PAD, TopTriggers, _top_value_tokens
+from analyses.memories import _PAD, TopTriggers, _require_mlp, _top_value_tokens
 from probe import HookedDecoder
 from probe.io import atomic_file
 
@@ -99,6 +99,7 @@ def memory_report(
     `n_examples` trigger prefixes, activation first, the trigger token highlighted and the actual
     next token after it in blue (outlined in green when it is the value's top token).
     """
+    _require_mlp(triggers, "memory_report")  # cards read FFN value vectors; an SAE scan has none
     if path is not None and Path(path).exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it or choose another path")
     pairs = [(l, int(n)) for l in triggers.layers for n in triggers.neurons] if neurons is None else list(neurons)

@@ -1,8 +1,10 @@
-"""probe sae: a sparse autoencoder's features on a prompt, the tokens they write, and the loss it recovers.
+"""probe sae: a sparse autoencoder's features on a prompt, the tokens they write, the loss it recovers,
+and (--triggers) the corpus contexts where they fire hardest.
 
 examples:
   probe sae --sae path/to/sae --prompt "ROMEO. But soft, what light"            # top features at the last token
   probe sae --sae path/to/sae --prompt "..." --position 3 --features 17 801      # these features' tokens
+  probe sae --sae path/to/sae --prompt "..." --triggers --corpus plays/          # their top contexts in a corpus
 
 --sae is a directory in SAELens's format (cfg.json and sae_weights.safetensors), for the --model given.
 """
@@ -21,10 +23,14 @@ from scripts.common import CommandError, Output, check_position, check_prompt, c
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sae", required=True, help="SAE directory (SAELens format: cfg.json, sae_weights.safetensors)")
     parser.add_argument("--prompt", required=True, help="the prompt to read the features of")
-    parser.add_argument("--k", type=int, default=10, help="top features per position, and tokens per feature")
+    parser.add_argument("--k", type=int, default=10, help="top features per position, tokens per feature, and (--triggers) contexts per feature")
     parser.add_argument("--position", type=int, default=-1, help="position whose top features are printed (default: the last)")
     parser.add_argument("--features", type=int, nargs="+", default=None,
-                        help="features whose tokens to report (default: the top k at --position)")
+                        help="features whose tokens (and triggers) to report (default: the top k at --position)")
+    parser.add_argument("--triggers", action="store_true",
+                        help="scan a corpus for the features' top --k activating contexts (triggers.csv, one figure per feature)")
+    parser.add_argument("--corpus", default=None,
+                        help="text file or folder to scan with --triggers (default: the bundled held-out text; implies --triggers)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
             _feature_ids(sae, args.features)  # the library's own check, before any work
         except ValueError as err:
             raise CommandError(f"--features: {err}") from err
+    scan = args.triggers or args.corpus is not None  # as in probe memories, naming a corpus asks for the scan
+    if args.corpus is not None and not Path(args.corpus).exists():
+        raise CommandError(f"--corpus {args.corpus} does not exist")
     check_prompt(model, args.prompt)
     check_position(model, args.prompt, args.position)
 
@@ -70,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
         out.write_csv("feature_logits.csv", logits.to_frame())
         out.write_figure("feature_logits.html", logits.figure())
     out.write_csv("loss.csv", loss.to_frame())
+    scanned = args.features if args.features is not None else top
+    triggers = _triggers(args, out, model, sae, scanned) if scan and scanned else None
+    if triggers is not None and not triggers.complete:
+        return 130
     out.report(args)
 
     token = found.token_strings[0][position]
@@ -83,7 +96,46 @@ def run(args: argparse.Namespace) -> int:
         print(f"  #{rank + 1:<3} F{feature:<7} {float(found.top_activations[0, position, rank]):9.4f}   promotes {promoted}")
     print(f"loss: clean {float(loss.clean[0]):.4f}, SAE spliced in {float(loss.spliced[0]):.4f}, zero-ablated "
           f"{float(loss.zero_ablated[0]):.4f}; loss recovered {float(loss.recovered[0]):.4f}")
+    if scan and not scanned:
+        print("triggers not scanned: no feature is active at this position; name features with --features")
+    if triggers is not None:
+        print(f"top triggers over {triggers.n_tokens} corpus tokens (triggers.csv):")
+        # every feature has a value at every scanned token, so each one's first slot is filled
+        best = triggers.to_frame(model).query("rank == 0").set_index("feature")
+        for feature in scanned:
+            row = best.loc[feature]
+            print(f"  F{feature:<7} {row.activation:9.4f}   {row.prefix[-60:]!r} -> next {row.next_token!r}")
     return 0
+
+
+def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[int]):
+    """Scan the corpus for `features`' top --k triggers and write them; an interrupted scan (Ctrl-C)
+    writes what it folded as triggers.partial.csv, under a name that says so, and says how to finish."""
+    from plotly.subplots import make_subplots
+
+    from analyses import top_triggers
+
+    triggers = top_triggers(model, args.corpus, neurons=features, k=args.k, progress=not args.quiet, sae=sae)
+    if not triggers.complete:
+        out.write_csv("triggers.partial.csv", triggers.to_frame(model))
+        out.report(args)
+        if out.path("triggers.csv").exists():
+            print(f"note: {out.path('triggers.csv')} is from an earlier, complete run, not this one", file=sys.stderr)
+        print(f"interrupted: the scan covered {triggers.n_tokens} tokens ({triggers.n_docs} documents complete); "
+              f"triggers.partial.csv holds their top-{args.k}; rerun to scan the whole corpus", file=sys.stderr)
+        return triggers
+    out.write_csv("triggers.csv", triggers.to_frame(model))
+    out.discard("triggers.partial.csv")
+    # one page with a panel per feature: plotly.js is inlined once, not once per feature (~5 MB each)
+    panels = [triggers.figure(model, triggers.layers[0], feature) for feature in features]
+    page = make_subplots(rows=len(panels), cols=1, subplot_titles=[p.layout.title.text for p in panels],
+                         vertical_spacing=min(0.3 / len(panels), 0.08))
+    for row, panel in enumerate(panels, start=1):
+        for trace in panel.data:
+            page.add_trace(trace, row=row, col=1)
+    page.update_layout(height=260 * len(panels), showlegend=False, title=f"Top triggers of {len(panels)} features")
+    out.write_figure("triggers.html", page)
+    return triggers
 
 
 build_parser, main = command(__doc__, "probe sae", add_arguments, run)

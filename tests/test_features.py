@@ -345,3 +345,328 @@ def test_analyses_refuse_to_run_while_their_sae_is_spliced_in(tiny_model):
                      lambda: sae_loss_recovered(tiny_model, sae, "To be, or not")):
             with pytest.raises(ValueError, match="spliced into the model at 'blocks.0.hook_resid_post' right now"):
                 call()
+
+
+# ---- top_triggers over SAE features --------------------------------------------------------------
+SAE_CORPUS = [
+    "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 2,  # several windows
+    "To be, or not to be, that is the question.",
+    "<script>alert('x')</script> & other <b>markup</b> should stay text.",
+    "When in the course of human events it becomes necessary for one people to dissolve the bands.",
+]
+SCANNED = ("activations", "docs", "positions", "contexts", "next_tokens")
+
+
+def brute_force_sae_triggers(model, sae, docs, features, k, window, context):
+    """Each feature's top k over every token of every window, by (activation desc, document, position):
+    each window run alone (BOS first, no padding) with run_with_cache at the SAE's hook, the features
+    encoded by hand in float64 (`by_hand`)."""
+    tokenizer, hook, per_window = model.tokenizer, sae.cfg.hook_name, window - 1
+    found = {f: [] for f in features}
+    for d, text in enumerate(docs):
+        ids = tokenizer.encode(text)
+        for start in range(0, len(ids), per_window):
+            chunk = ids[start:start + per_window]
+            with torch.no_grad():
+                _, cache = model.run_with_cache(torch.tensor([[tokenizer.bos_id] + chunk]), names=hook)
+            x = cache[hook][0, 1:].flatten(1)  # BOS dropped; hook_z's heads flattened, as the SAE reads them
+            # each distinct activation encoded once: a matrix product may round a row by where it sits, and
+            # equal activations (hook_embed: a token wherever it occurs) must tie exactly, broken by (doc, pos)
+            distinct, which = x.unique(dim=0, return_inverse=True)
+            columns = by_hand(sae, distinct)[0][which][:, features].T.tolist()  # [feature pos]
+            for f, column in zip(features, columns):
+                for p, value in enumerate(column):
+                    pos = start + p
+                    found[f].append((value, d, pos, ids[max(start, pos - context + 1):pos + 1],
+                                     ids[pos + 1] if pos + 1 < len(ids) else -1))
+    return {f: sorted(rows, key=lambda e: (-e[0], e[1], e[2]))[:k] for f, rows in found.items()}
+
+
+def assert_same_scan(got, expected):
+    for name in SCANNED:
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert (got.n_tokens, got.n_docs, got.source, got.layers) == \
+        (expected.n_tokens, expected.n_docs, expected.source, expected.layers)
+
+
+@pytest.mark.parametrize("architecture, hook, layer, features, window", [
+    ("standard", HOOK, 0, None, None),  # every feature, one window per document
+    ("jumprelu", "blocks.1.attn.hook_z", 1, [50, 3, 17, 88], 12),  # the heads flattened; windows cut documents
+    ("topk", "blocks.1.hook_resid_pre", 1, [0, 5, 9, 40, 95], None),  # 12 of 96 active: ties at 0 broken by (doc, pos)
+    ("standard", "hook_embed", -1, [1, 2, 60], 16),  # before the blocks: the forward stops at once
+    ("standard", "ln_final.hook_normalized", -1, [7, 30], None),  # after the blocks: the whole forward
+])
+def test_sae_triggers_equal_brute_force(tiny_model, architecture, hook, layer, features, window):
+    from analyses import top_triggers
+
+    sae = random_sae(architecture, hook=hook, seed=21)
+    k, context = 7, 5
+    result = top_triggers(tiny_model, SAE_CORPUS, neurons=features, k=k, batch_size=3, window=window,
+                          context=context, progress=False, sae=sae)
+    features = list(range(D_SAE)) if features is None else features
+    expected = brute_force_sae_triggers(tiny_model, sae, SAE_CORPUS, features, k, window or tiny_model.cfg.n_ctx,
+                                        context)
+    assert result.source == hook and result.layers == [layer] and result.unit == "feature"
+    assert result.neurons.tolist() == features and result.activations.shape == (1, len(features), k)
+    for fi, feature in enumerate(features):
+        rows = expected[feature]
+        assert list(zip(result.docs[0, fi].tolist(), result.positions[0, fi].tolist())) == \
+            [(e[1], e[2]) for e in rows], feature
+        torch.testing.assert_close(result.activations[0, fi].double(), torch.tensor([e[0] for e in rows],
+                                   dtype=torch.float64), atol=1e-5, rtol=0)
+        assert result.next_tokens[0, fi].tolist() == [e[4] for e in rows]
+        assert result.contexts[0, fi].tolist() == [[-1] * (context - len(e[3])) + e[3] for e in rows]
+    n_tokens = sum(len(tiny_model.tokenizer.encode(t)) for t in SAE_CORPUS)
+    assert result.complete and result.n_tokens == n_tokens and result.n_docs == len(SAE_CORPUS)
+    if architecture == "topk":
+        assert (result.activations == 0).sum() > 5  # there were ties to break
+
+
+def test_sae_scan_stops_after_the_hook_block(tiny_model):
+    """The forward ends with the SAE's block: later blocks never run."""
+    from analyses import top_triggers
+
+    ran = []
+    with tiny_model.hooks([("blocks.1.hook_resid_pre", lambda x, hook: ran.append(1))]):
+        top_triggers(tiny_model, SAE_CORPUS[:2], neurons=[1], k=2, progress=False, sae=random_sae())
+        assert not ran
+        top_triggers(tiny_model, SAE_CORPUS[:2], neurons=[1], k=2, progress=False,
+                     sae=random_sae(hook="blocks.1.hook_resid_post"))
+        assert ran
+
+
+@pytest.mark.parametrize("stop", ["doc 2", "forward 2"])
+def test_sae_scan_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path, stop):
+    """Ctrl-C between documents, or inside a forward (at the SAE's own hook point): the partial result,
+    saved and loaded, resumes to the one-scan result; an MLP scan is no resume= for an SAE scan."""
+    from analyses import top_triggers
+    from analyses.memories import TopTriggers
+
+    sae = random_sae("jumprelu", hook="blocks.1.hook_resid_post", seed=4)
+    args = dict(neurons=[2, 11, 64], k=4, batch_size=2, progress=False, sae=sae)
+    full = top_triggers(tiny_model, SAE_CORPUS, **args)
+    where, n = stop.split()
+
+    def corpus():
+        for i, text in enumerate(SAE_CORPUS):
+            if where == "doc" and i == int(n):
+                raise KeyboardInterrupt
+            yield text
+
+    calls = []
+
+    def interrupt(activation, hook):
+        calls.append(1)
+        if where == "forward" and len(calls) == int(n):
+            raise KeyboardInterrupt
+
+    path = tmp_path / "partial.safetensors"
+    with tiny_model.hooks([(sae.cfg.hook_name, interrupt)]):
+        partial = top_triggers(tiny_model, corpus(), save_path=path, **args)
+    assert not partial.complete and 0 < partial.n_tokens < full.n_tokens
+    loaded = TopTriggers.load(path)
+    assert loaded.source == sae.cfg.hook_name and loaded.layers == [1]
+    resumed = top_triggers(tiny_model, SAE_CORPUS, resume=loaded, **args)
+    assert resumed.complete
+    assert_same_scan(resumed, full)
+    mlp = top_triggers(tiny_model, corpus(), layers=[1], neurons=[2, 11, 64], k=4, progress=False)
+    with pytest.raises(ValueError, match="resume= is a scan of 'mlp', this one of 'blocks.1.hook_resid_post'"):
+        top_triggers(tiny_model, SAE_CORPUS, resume=mlp, **args)
+    with pytest.raises(ValueError, match="resume= is a scan of 'blocks.1.hook_resid_post', this one of 'mlp'"):
+        top_triggers(tiny_model, SAE_CORPUS, layers=[1], neurons=[2, 11, 64], k=4, progress=False, resume=partial)
+
+
+def test_sae_scan_shards_merge_to_one_scan_and_save_round_trips(tiny_model, tmp_path):
+    from analyses import merge, top_triggers
+    from analyses.memories import TopTriggers
+
+    sae = random_sae("topk", hook="blocks.0.hook_mlp_out", seed=5)
+    args = dict(neurons=[4, 8, 15, 16, 23, 42], k=6, batch_size=2, progress=False, sae=sae)
+    whole = top_triggers(tiny_model, SAE_CORPUS, **args)
+    shards = [top_triggers(tiny_model, SAE_CORPUS, shard=(r, 2), **args) for r in (1, 0)]
+    merged = merge(shards)
+    assert_same_scan(merged, whole)
+
+    path = whole.save(tmp_path / "sae.safetensors")
+    loaded = TopTriggers.load(path)
+    assert_same_scan(loaded, whole)
+    assert torch.equal(loaded.neurons, whole.neurons) and loaded.doc_names == whole.doc_names
+
+    mlp = top_triggers(tiny_model, SAE_CORPUS, layers=[0], neurons=[4, 8, 15, 16, 23, 42], k=6, progress=False)
+    with pytest.raises(ValueError, match="merge takes results of one source; got 'mlp' and 'blocks.0.hook_mlp_out'"):
+        merge([mlp, whole])
+    other = top_triggers(tiny_model, SAE_CORPUS, **{**args, "sae": random_sae("topk", hook="blocks.1.hook_mlp_out")})
+    with pytest.raises(ValueError, match="one source"):
+        merge([whole, other])
+
+
+def test_a_file_saved_without_a_source_loads_as_an_mlp_scan(tiny_model, tmp_path):
+    """Files written before SAE scans existed have no `source` in their metadata."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from analyses import top_triggers
+    from analyses.memories import TopTriggers
+
+    scan = top_triggers(tiny_model, SAE_CORPUS[:2], layers=[1], neurons=[3, 9], k=3, progress=False)
+    path = scan.save(tmp_path / "new.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["top_triggers"])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    assert meta.pop("source") == "mlp"
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"top_triggers": json.dumps(meta)})
+    old = TopTriggers.load(tmp_path / "old.safetensors")
+    assert old.source == "mlp" and old.unit == "neuron"
+    assert_same_scan(old, scan)
+    assert list(old.to_frame().columns[:3]) == ["layer", "neuron", "rank"]
+
+
+def test_sae_scan_frame_and_figure_say_feature(tiny_model):
+    from analyses import top_triggers
+
+    sae = random_sae(seed=9)
+    result = top_triggers(tiny_model, SAE_CORPUS, neurons=[6, 70], k=40, context=12, progress=False, sae=sae)
+    frame = result.to_frame(tiny_model)
+    assert list(frame.columns[:3]) == ["layer", "feature", "rank"] and "neuron" not in frame.columns
+    assert len(frame) == 2 * 40 and set(frame.feature) == {6, 70} and set(frame.layer) == {0}
+    assert {"prefix", "trigger_token", "next_token"} <= set(frame.columns)
+    fig = result.figure(tiny_model, 0, 70)
+    assert fig.layout.title.text == f"Top triggers of feature 70 of the SAE at {HOOK}"
+    assert "neuron" not in fig.layout.title.text and "mlp" not in fig.layout.yaxis.title.text
+    hover = " ".join(fig.data[0].hovertext) + " ".join(fig.data[0].x)
+    assert "&lt;" in hover and "<script" not in hover and "<b>" not in hover  # corpus markup arrives as text
+    with pytest.raises(ValueError, match="feature 5 was not scanned"):
+        result.index(0, 5)
+
+
+def test_sae_scan_errors(tiny_model):
+    from analyses import agreement, top_triggers
+    from probe import spliced
+
+    sae = random_sae()
+    run = lambda **kw: top_triggers(tiny_model, SAE_CORPUS[:1], progress=False, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"layers=\[0\]: an SAE scan reads the features at the SAE's hook point "
+                                         r"'blocks.0.hook_resid_post'; leave layers=None"):
+        run(layers=[0], sae=sae)
+    with pytest.raises(ValueError, match=r"feature 96 is outside the SAE's features \[0, d_sae=96\)"):
+        run(neurons=[1, 96], sae=sae)
+    with pytest.raises(ValueError, match="features lists a feature twice"):
+        run(neurons=[1, 1], sae=sae)
+    with pytest.raises(TypeError, match="sae must be a probe.SparseAutoencoder"):
+        run(sae="path/to/sae")
+    with pytest.raises(KeyError, match="a hook point this model lacks"):  # hooks.UnknownNameError
+        run(sae=random_sae(hook="blocks.5.hook_resid_post"))
+    with pytest.raises(ValueError, match="the SAE reads 32 dimensions"):
+        run(sae=random_sae(d_in=32))
+    with spliced(tiny_model, sae):
+        with pytest.raises(ValueError, match="spliced into the model at 'blocks.0.hook_resid_post' right now"):
+            run(sae=sae)
+    scan = run(neurons=[1, 2], k=2, sae=sae)
+    with pytest.raises(ValueError, match="agreement reads FFN value vectors .* the SAE at 'blocks.0.hook_resid_post'"):
+        agreement(tiny_model, scan)
+
+
+def test_probe_sae_triggers_writes_what_top_triggers_finds(tiny_dir, tiny_model, tmp_path, capsys, monkeypatch):
+    from analyses import corpus, top_triggers
+
+    sae = random_sae(seed=14)
+    directory = sae.save_pretrained(tmp_path / "sae")
+    text = tmp_path / "plays.txt"
+    text.write_text(" ".join(SAE_CORPUS), encoding="utf-8")
+    base = ["sae", "--model", str(tiny_dir), "--sae", str(directory), "--prompt", "To be, or not", "--k", "4", "--quiet"]
+    code, shown, err = run_cli(capsys, *base, "--features", "3", "17", "--triggers", "--corpus", str(text),
+                               "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    expected = top_triggers(tiny_model, text, neurons=[3, 17], k=4, progress=False, sae=sae).to_frame(tiny_model)
+    written = pd.read_csv(tmp_path / "out" / "triggers.csv", keep_default_na=False)
+    assert list(written.columns) == list(expected.columns) and written.columns[1] == "feature"
+    for column in ("layer", "feature", "rank", "doc", "position", "next_token_id", "doc_name", "prefix",
+                   "trigger_token", "next_token"):
+        assert written[column].tolist() == expected[column].tolist(), column
+    assert written.activation.to_numpy() == pytest.approx(expected.activation.to_numpy())
+    page = (tmp_path / "out" / "triggers.html").read_text()
+    for feature in (3, 17):  # one page, a panel per feature
+        assert f"Top triggers of feature {feature} of the SAE at {HOOK}" in page
+    assert "top triggers over" in shown and "F17" in shown
+    assert (tmp_path / "out" / "features.csv").is_file()  # the command's other outputs as before
+
+    # no --features: the top --k features at --position; no --corpus: the bundled held-out text
+    monkeypatch.setattr(corpus, "HELDOUT_TEXT", text)
+    code, _, err = run_cli(capsys, *base, "--triggers", "--out", str(tmp_path / "default"))
+    assert code == 0, err
+    top = sae_features(tiny_model, sae, "To be, or not", k=4).top_ids[0, -1].tolist()
+    written = pd.read_csv(tmp_path / "default" / "triggers.csv", keep_default_na=False)
+    assert written.feature.unique().tolist() == top and set(written.doc_name) == {"plays.txt"}
+    page = (tmp_path / "default" / "triggers.html").read_text()
+    assert all(f"Top triggers of feature {f} of" in page for f in top)
+
+    code, _, err = run_cli(capsys, *base, "--corpus", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o"))
+    assert code == 2 and f"--corpus {tmp_path / 'nowhere'} does not exist" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o" / "features.csv").exists()  # refused before any work
+
+
+@pytest.mark.slow
+def test_torchrun_sae_scan_equals_one_process(tiny_model, tiny_dir, tmp_path):
+    """Two gloo ranks of `python -m analyses.memories --sae` merge to the single-process scan, source kept."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from analyses import top_triggers
+    from analyses.memories import TopTriggers
+
+    repo = Path(__file__).resolve().parents[1]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, text in enumerate(SAE_CORPUS):
+        (folder / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    sae = random_sae("jumprelu", hook="blocks.1.attn.hook_z", seed=3)
+    directory = sae.save_pretrained(tmp_path / "sae")
+    out = tmp_path / "merged.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "analyses.memories", "--model", str(tiny_dir), "--corpus", str(folder), "--sae", str(directory),
+           "--neurons", "0", "3", "40", "90", "-k", "6", "--batch-size", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = TopTriggers.load(out)
+    single = top_triggers(tiny_model, folder, neurons=[0, 3, 40, 90], k=6, batch_size=2, progress=False, sae=sae)
+    assert_same_scan(merged, single)
+    assert merged.doc_names == single.doc_names and merged.source == "blocks.1.attn.hook_z"
+
+
+def test_probe_sae_triggers_interrupted_keeps_a_partial_file(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the scan: what was folded goes to triggers.partial.csv, exit 130, no triggers.csv."""
+    import analyses
+    from analyses.memories import top_triggers
+
+    def interrupted(model, texts, **kwargs):
+        def corpus():  # the first two documents, then Ctrl-C
+            yield from SAE_CORPUS[:2]
+            raise KeyboardInterrupt
+        return top_triggers(model, corpus(), **{**kwargs, "batch_size": 1})  # each window folded as it comes
+
+    monkeypatch.setattr(analyses, "top_triggers", interrupted)
+    directory = random_sae(seed=14).save_pretrained(tmp_path / "sae")
+    code, _, err = run_cli(capsys, "sae", "--model", str(tiny_dir), "--sae", str(directory), "--prompt", "To be",
+                           "--features", "3", "--triggers", "--quiet", "--out", str(tmp_path / "out"))
+    assert code == 130 and "interrupted: the scan covered" in err and "2 documents complete" in err
+    partial = pd.read_csv(tmp_path / "out" / "triggers.partial.csv")
+    assert set(partial.doc) <= {0, 1} and len(partial) == 10 and partial.feature.unique().tolist() == [3]
+    assert not (tmp_path / "out" / "triggers.csv").exists()
+
+
+def test_memory_report_refuses_an_sae_scan(tiny_model, tmp_path):
+    """Its cards read FFN value vectors, which an SAE scan's features do not have."""
+    from test_sae import random_sae
+
+    from analyses import memory_report, top_triggers
+
+    triggers = top_triggers(tiny_model, ["To be, or not to be, that is the question."], neurons=[1, 2], k=2,
+                            progress=False, sae=random_sae())
+    with pytest.raises(ValueError, match="memory_report"):
+        memory_report(tiny_model, triggers, tmp_path / "cards.html")
+    assert not (tmp_path / "cards.html").exists()
