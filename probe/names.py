@@ -23,7 +23,7 @@ def act_name(kind: str, layer: Optional[int] = None, norm: Optional[Literal["ln1
 
     kinds: resid_pre resid_mid resid_post attn_out mlp_out; q (query) k (key) v (value) rot_q rot_k
     attn_scores (scores, attn_logits) pattern (attn) z result; pre (mlp_pre) post (mlp_post)
-    pre_linear; scale normalized (of `norm` ln1/ln2 in block `layer`, or of ln_final without a
+    pre_linear; q_normed k_normed (Qwen3); scale normalized (of `norm` ln1/ln2/ln1_post/ln2_post in block `layer`, or of ln_final without a
     layer); embed pos_embed (no layer).
     The name is only built here: the model's `hook_point(name)` says whether this model has it.
     """
@@ -36,7 +36,8 @@ def act_name(kind: str, layer: Optional[int] = None, norm: Optional[Literal["ln1
         if layer is None and norm is None:
             return f"ln_final.hook_{kind}"
         if layer is None or norm not in ("ln1", "ln2", "ln1_post", "ln2_post"):
-            raise ValueError(f"{kind!r} of a block's norm needs a layer and norm='ln1' or 'ln2' "
+            raise ValueError(f"{kind!r} of a block's norm needs a layer and norm='ln1' or 'ln2' (or a sandwich block's "
+                             "'ln1_post' / 'ln2_post') "
                              f"(got layer={layer!r}, norm={norm!r}); without either it is ln_final's")
         return f"blocks.{_layer(layer)}.{norm}.hook_{kind}"
     if kind not in _BLOCK_KINDS:

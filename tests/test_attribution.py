@@ -331,3 +331,11 @@ def test_gemma2_heads_share_the_normalised_write_and_add_up_to_the_logit_before_
     torch.testing.assert_close(result.total, before_cap[:, 5] - before_cap[:, 9], atol=ATOL, rtol=0)
     capped = out.logits[:, -1, 5] - out.logits[:, -1, 9]
     assert not torch.allclose(result.total, capped, atol=1e-3)  # the cap bites, so the test tells them apart
+
+
+def test_sandwich_blocks_with_layernorm_write_norms_are_refused():
+    from probe import DecoderConfig, HookedDecoder
+
+    model = HookedDecoder(DecoderConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=20, n_ctx=8, norm_placement="sandwich"))
+    with pytest.raises(ValueError, match="sandwich blocks are decomposed with RMSNorm write norms"):
+        direct_logit_attribution(model, torch.tensor([[1, 2, 3]]), 4)

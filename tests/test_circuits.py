@@ -123,6 +123,8 @@ def test_composition_scores_equal_the_dense_products(tiny_model, tiny_hf):
     frame = scores.to_frame()
     assert len(frame) == n_heads * n_heads and set(frame.columns) >= {"layer", "head", "later_layer", "later_head", "q", "k", "v"}
     assert scores.figure("v").data[0].z.shape == (2 * n_heads, 2 * n_heads)
+    with pytest.raises(ValueError, match="kind='o' is not one of: q, k, v"):
+        scores.figure("o")
 
 
 def test_composition_of_a_head_built_to_feed_another(tiny_model):

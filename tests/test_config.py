@@ -38,3 +38,21 @@ def test_dict_round_trip_and_unknown_fields():
     assert DecoderConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="n_layer"):
         DecoderConfig.from_dict({**BASE, "n_layer": 3})
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(sliding_window=4, sliding_layers=(True,)), "sliding_layers=.* must give each of the n_layers=2"),
+    (dict(sliding_window=4, sliding_layers=(1, 0)), "True \\(windowed\\) or False"),
+    (dict(sliding_layers=(True, False)), "with sliding_window set"),
+    (dict(attn_softcap=0.0), "attn_softcap must be a positive number"),
+    (dict(logit_softcap=-30.0), "logit_softcap must be a positive number"),
+    (dict(attn_scale_dim=True), "attn_scale_dim must be a positive number"),
+    (dict(positions="rotary", rotary_scaling={"kind": "yarn", "factor": 2.0}), "kind='yarn' is not supported"),
+    (dict(positions="rotary", rotary_scaling={"kind": "linear", "factor": 0}), "factor must be a positive number"),
+    (dict(positions="rotary", rotary_scaling={"kind": "llama3", "factor": 8.0, "original_n_ctx": 16,
+                                              "low_freq_factor": 4.0, "high_freq_factor": 1.0}), "low_freq_factor < high"),
+    (dict(positions="rotary", rotary_scaling="llama3"), "rotary_scaling must be a RotaryScaling"),
+])
+def test_the_newer_fields_are_validated(fields, match):
+    with pytest.raises(ValueError, match=match):
+        DecoderConfig(n_layers=2, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, **fields)

@@ -336,13 +336,14 @@ def test_analyses_refuse_to_run_while_their_sae_is_spliced_in(tiny_model):
     """Inside the block the hook point holds the SAE's own output: features of a reconstruction."""
     from test_sae import random_sae
 
-    from analyses import sae_features, sae_loss_recovered
+    from analyses import feature_logits, sae_features, sae_loss_recovered
     from probe import spliced
 
     sae = random_sae()
     with spliced(tiny_model, sae):
         for call in (lambda: sae_features(tiny_model, sae, "To be, or not"),
-                     lambda: sae_loss_recovered(tiny_model, sae, "To be, or not")):
+                     lambda: sae_loss_recovered(tiny_model, sae, "To be, or not"),
+                     lambda: feature_logits(tiny_model, sae, [1])):
             with pytest.raises(ValueError, match="spliced into the model at 'blocks.0.hook_resid_post' right now"):
                 call()
 

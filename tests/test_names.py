@@ -63,3 +63,16 @@ def test_transformer_lens_aliases_and_integer_like_layers():
     for bad in (1.0, torch.tensor(1.5), torch.tensor([1, 2])):
         with pytest.raises(ValueError, match="non-negative int"):
             act_name("z", bad)
+
+
+def test_the_names_of_newer_hook_points_exist_where_the_model_has_them():
+    """act_name builds names; the models with sandwich blocks and per-head q/k norms have exactly these points."""
+    from probe import DecoderConfig, HookedDecoder
+
+    sandwich = HookedDecoder(DecoderConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=11, n_ctx=8, norm="rms",
+                                           norm_placement="sandwich", positions="rotary", qk_norm=True))
+    for name in (act_name("scale", 0, "ln1_post"), act_name("normalized", 0, "ln2_post"), act_name("q_normed", 0),
+                 act_name("k_normed", 0)):
+        assert name in sandwich.hook_names, name
+    plain = HookedDecoder(DecoderConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=11, n_ctx=8))
+    assert act_name("q_normed", 0) not in plain.hook_names and act_name("scale", 0, "ln1_post") not in plain.hook_names

@@ -195,6 +195,9 @@ def test_saelens_files_of_several_versions_load_and_round_trip(tmp_path):
     (lambda cfg, state: cfg.update(activation_fn_str="tanh-relu"), "activation 'tanh-relu' is not supported"),
     (lambda cfg, state: cfg.update(hook_name_out="blocks.0.hook_mlp_out", d_out=64), "transcoder"),
     (lambda cfg, state: state.update(scaling_factor=torch.full((D_SAE,), 2.0)), "scaling_factor other than 1"),
+    (lambda cfg, state: cfg.update(architecture="topk"), "a topk SAE needs k"),
+    (lambda cfg, state: cfg.update(rescale_acts_by_decoder_norm=True), "rescale_acts_by_decoder_norm"),
+    (lambda cfg, state: state.update(extra=torch.zeros(3)), "unexpected extra"),
 ])
 def test_broken_sae_files_get_clear_errors(tmp_path, breakage, match):
     sae = random_sae()
@@ -248,3 +251,16 @@ def test_a_hook_z_sae_hands_its_error_and_output_back_with_the_heads(tiny_model,
                                                       lambda x, h: shapes.__setitem__(h.name.rsplit(".", 1)[1], tuple(x.shape)))])
     assert shapes["hook_sae_error"] == shapes["hook_sae_output"] == (3, 17, 4, 16)
     assert shapes["hook_sae_recons"] == (3, 17, 64) and shapes["hook_sae_acts_post"] == (3, 17, D_SAE)
+
+
+def test_a_config_that_is_not_json_and_a_second_splice_at_one_point_are_named(tiny_model, tmp_path):
+    broken = write_saelens(tmp_path / "broken", {}, {name: p.detach() for name, p in random_sae().named_parameters()})
+    (broken / "cfg.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cfg.json is not valid JSON"):
+        SparseAutoencoder.from_pretrained(broken)
+    with spliced(tiny_model, random_sae()):
+        with pytest.raises(ValueError, match="hook point names already in use: blocks.0.hook_resid_post.hook_sae_input"):
+            with spliced(tiny_model, random_sae(seed=1)):
+                pass
+        assert f"{HOOK}.hook_sae_input" in tiny_model.hook_names  # the outer splice is intact
+    assert f"{HOOK}.hook_sae_input" not in tiny_model.hook_names

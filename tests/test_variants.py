@@ -573,3 +573,32 @@ def test_qwen3_normalises_each_heads_query_and_key_before_rotating(tmp_path):
         torch.testing.assert_close(cache["blocks.1.attn.hook_q"], attn.q_proj(x).view(2, 15, 8, 16), atol=1e-5, rtol=0)
     assert cache["blocks.1.attn.q_norm.hook_scale"].shape == (2, 15, 8, 1)
     assert torch.equal(ours.blocks[1].attn.q_norm.w, attn.q_norm.weight)
+
+
+@pytest.mark.parametrize("kind, change, match", [
+    ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
+    ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "chunked_attention"),
+    ("neox", dict(tie_word_embeddings=False), "missing the tensor 'embed_out.weight'"),
+])
+def test_checkpoint_settings_that_cannot_load_are_refused_by_name(kind, change, match, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from probe.loading import CheckpointError
+
+    build(kind, tmp_path)
+    _edit_config(tmp_path, **change)
+    if kind == "neox":  # the untied head's tensor is gone
+        state = {k: v for k, v in load_file(str(tmp_path / "model.safetensors")).items()
+                 if k not in ("embed_out.weight", "lm_head.weight")}
+        save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=match):
+        HookedDecoder.from_pretrained(tmp_path)
+
+
+def test_a_gemma_model_with_exact_gelu_cannot_be_saved_as_gemma(tmp_path):
+    build("gemma", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path)
+    exact = HookedDecoder(dataclasses.replace(model.cfg, activation="gelu"))
+    with pytest.raises(ValueError, match="tanh approximation"):
+        exact.save_pretrained(tmp_path / "exact")
+    assert not (tmp_path / "exact").exists()
