@@ -350,6 +350,7 @@ class TopTriggers:
     complete: bool = True
     doc_names: dict[int, str] = field(default_factory=dict)  # names of the documents that hold a trigger
     source: str = MLP_SOURCE  # "mlp", or the hook name of the SAE whose features were scanned
+    sae_digest: str = ""  # an SAE scan: SparseAutoencoder.digest(), so scans of two SAEs at one hook never mix
 
     @property
     def k(self) -> int:
@@ -417,7 +418,7 @@ class TopTriggers:
         tensors = dict(neurons=self.neurons, activations=self.activations, docs=self.docs,
                        positions=self.positions, contexts=self.contexts, next_tokens=self.next_tokens)
         meta = dict(layers=self.layers, n_docs=self.n_docs, resume_start=self.resume_start, n_tokens=self.n_tokens,
-                    complete=self.complete, source=self.source,
+                    complete=self.complete, source=self.source, sae_digest=self.sae_digest,
                     doc_names={str(d): n for d, n in self.doc_names.items()})
         with atomic_file(path, overwrite=overwrite) as tmp:
             save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(tmp),
@@ -440,6 +441,7 @@ class TopTriggers:
         # files written before SAE scans existed have no source: they can only be MLP scans
         return cls(layers=meta["layers"], n_docs=meta["n_docs"], resume_start=meta["resume_start"],
                    n_tokens=meta["n_tokens"], complete=meta["complete"], source=meta.get("source", MLP_SOURCE),
+                   sae_digest=meta.get("sae_digest", ""),
                    doc_names={int(d): n for d, n in meta["doc_names"].items()}, **tensors)
 
 
@@ -487,9 +489,10 @@ def merge(results: Sequence[TopTriggers]) -> TopTriggers:
         raise ValueError("merge needs at least one TopTriggers result")
     first = results[0]
     for r in results[1:]:
-        if r.source != first.source:
+        if (r.source, r.sae_digest) != (first.source, first.sae_digest):
             # an SAE's features and FFN neurons (or two hook points' SAEs) share ids but not meaning
-            raise ValueError(f"merge takes results of one source; got {first.source!r} and {r.source!r}")
+            raise ValueError(f"merge takes results of one source; got {first.source!r} and {r.source!r}"
+                             + (" (two different SAEs at one hook point)" if r.source == first.source else ""))
         if r.layers != first.layers or not torch.equal(r.neurons, first.neurons) or r.k != first.k \
                 or r.contexts.shape[-1] != first.contexts.shape[-1]:
             raise ValueError("merge takes results of the same layers, neurons, k and context length")
@@ -501,7 +504,8 @@ def merge(results: Sequence[TopTriggers]) -> TopTriggers:
     return TopTriggers(layers=list(first.layers), neurons=first.neurons.clone(), **merged,
                        n_docs=max(r.n_docs for r in results), n_tokens=sum(r.n_tokens for r in results),
                        complete=all(r.complete for r in results),
-                       doc_names=_kept_names(doc_names, merged["docs"]), source=first.source)
+                       doc_names=_kept_names(doc_names, merged["docs"]), source=first.source,
+                       sae_digest=first.sae_digest)
 
 
 class _Scanner:
@@ -554,15 +558,18 @@ class _Scanner:
 
     def _sae_hook(self, activation: torch.Tensor, hook) -> None:
         sae = self.sae
-        features = sae.encode(activation.to(sae.W_enc.device))  # the SAE says it when the width is wrong
-        if features.shape != (*self.batch_shape, sae.cfg.d_sae):
+        # only the scanned features: a wide SAE's [batch pos d_sae] would be as large as the activations times d_sae
+        ids = self.neurons.to(sae.W_enc.device)
+        features = sae.feature_activations(activation.to(sae.W_enc.device), ids)  # the SAE says it when the width is wrong
+        if features.shape != (*self.batch_shape, len(ids)):
             raise ValueError(f"the SAE's features at {sae.cfg.hook_name!r} have shape {tuple(features.shape)}; "
                              f"top_triggers reads one activation vector per position, [batch pos d_sae]")
-        self._fold(0, features.to(self.model.device))
+        self._fold(0, features.to(self.model.device), selected=True)
 
-    def _fold(self, li: int, post: torch.Tensor) -> None:
+    def _fold(self, li: int, post: torch.Tensor, selected: bool = False) -> None:
+        """`post` [batch pos unit]: every unit, or with `selected` only the scanned ones, in their order."""
         b = self.batch
-        acts = post if self.all_neurons else post[..., self.neurons]
+        acts = post if self.all_neurons or selected else post[..., self.neurons]
         acts = rearrange(acts, "batch pos unit -> (batch pos) unit").float()
         # Only activations above a neuron's current k-th best can enter its top-k (an equal one
         # loses the tie to the earlier document already there). Once the state has filled, few do,
@@ -765,11 +772,11 @@ def top_triggers(
                              f"{hook_name!r}; leave layers=None")
         layer_ids = [_sae_layer(model, hook_name)]
         neuron_ids = torch.arange(sae.cfg.d_sae) if neurons is None else _feature_ids(sae, neurons)
-        source = hook_name
+        source, digest = hook_name, sae.digest()
     else:
         layer_ids = _layer_list(model, layers)
         neuron_ids = _neuron_tensor(model, neurons)
-        source = MLP_SOURCE
+        source, digest = MLP_SOURCE, ""
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k={k!r} must be a positive integer")
     window = model.cfg.n_ctx if window is None else window
@@ -794,6 +801,9 @@ def top_triggers(
     if resume is not None:
         if resume.source != source:
             raise ValueError(f"resume= is a scan of {resume.source!r}, this one of {source!r}: resume the same source")
+        if resume.sae_digest != digest:
+            raise ValueError("resume= is a scan of another SAE at the same hook point (their weights differ): resume it "
+                             "with the SAE it was started with")
         if resume.layers != layer_ids or not torch.equal(resume.neurons, neuron_ids) or resume.k != k \
                 or resume.contexts.shape[-1] != context:
             raise ValueError("resume= must be a result of the same layers, neurons, k and context")
@@ -841,7 +851,7 @@ def top_triggers(
     state = {n: t.cpu() for n, t in scanner.state.items()}
     result = TopTriggers(layers=layer_ids, neurons=neuron_ids, **state, n_docs=done_docs, resume_start=done_start,
                          n_tokens=n_tokens, complete=complete, doc_names=_kept_names(doc_names, state["docs"]),
-                         source=source)
+                         source=source, sae_digest=digest)
     if dist is not None and complete:
         result = _gather(dist, result, world)
     if save_path is not None and (dist is None or rank == 0):
@@ -889,7 +899,7 @@ def _gather(dist, result: TopTriggers, world: int) -> TopTriggers:
     for r in range(world):
         names = {int(d): n for d, n in json.loads(bytes(all_names[r][: int(lengths[r])].tolist()).decode()).items()}
         shards.append(TopTriggers(result.layers, result.neurons, *(p[r] for p in parts), n_docs=0, n_tokens=0,
-                                  doc_names=names, source=result.source))
+                                  doc_names=names, source=result.source, sae_digest=result.sae_digest))
     merged = merge(shards)
     merged.n_tokens = int(counts.item())
     merged.n_docs = int(n_docs.item())

@@ -19,6 +19,8 @@ SAE, and an edit of the features changes it by exactly the edit's decoded differ
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -94,6 +96,18 @@ class SparseAutoencoder(HookedRootModule):
         """Features [... d_sae] of activations [... d_in] (a hook_z SAE: [... head d_head])."""
         return self._encode(x, hooked=True)
 
+    def feature_activations(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[... feature]: the activations of the `features` [feature] only, without hooks. A standard or JumpReLU
+        feature depends on its own encoder column alone, so a wide SAE's other columns are never computed; a
+        TopK feature depends on all of them (the k largest), so those are encoded whole."""
+        if self.cfg.architecture == "topk":
+            return self._encode(x, hooked=False)[..., features]
+        x = self._flat(x).to(self.W_enc.dtype)
+        pre = (x - self.b_dec * self.cfg.apply_b_dec_to_input) @ self.W_enc[:, features] + self.b_enc[features]
+        if self.cfg.architecture == "jumprelu":
+            return torch.relu(pre) * (pre > self.threshold[features])
+        return torch.relu(pre)
+
     def decode(self, features: torch.Tensor) -> torch.Tensor:
         """Reconstruction [... d_in] of features [... d_sae]."""
         return self.hook_sae_recons(features @ self.W_dec + self.b_dec)
@@ -132,6 +146,16 @@ class SparseAutoencoder(HookedRootModule):
             top = pre.topk(self.cfg.k, dim=-1)
             return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
         return torch.relu(pre)
+
+    def digest(self) -> str:
+        """A short fingerprint of the config and every weight: two SAEs at one hook point (Gemma Scope ships several
+        widths and sparsities per layer) have different digests, so their results are never mixed."""
+        fingerprint = hashlib.sha256(json.dumps(dataclasses.asdict(self.cfg), sort_keys=True).encode())
+        for name, param in sorted(self.named_parameters()):
+            data = param.detach().cpu().contiguous()
+            fingerprint.update(f"{name} {data.dtype} {tuple(data.shape)}".encode())
+            fingerprint.update(memoryview(data.view(torch.uint8).numpy()))  # the bytes as they are, without a copy
+        return fingerprint.hexdigest()[:16]
 
     # ---- files -----------------------------------------------------------------------------------------
     @classmethod

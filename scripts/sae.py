@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scan a corpus for the features' top --k activating contexts (triggers.csv, one figure per feature)")
     parser.add_argument("--corpus", default=None,
                         help="text file or folder to scan with --triggers (default: the bundled held-out text; implies --triggers)")
+    parser.add_argument("--batch-size", type=int, default=8, help="--triggers: windows per forward (lower it for a wide SAE)")
+    parser.add_argument("--window", type=int, default=None, help="--triggers: tokens per window (default: the model's n_ctx)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     scan = args.triggers or args.corpus is not None  # as in probe memories, naming a corpus asks for the scan
     if args.corpus is not None and not Path(args.corpus).exists():
         raise CommandError(f"--corpus {args.corpus} does not exist")
+    if scan:
+        _check_scan(args, model)
     check_prompt(model, args.prompt)
     check_position(model, args.prompt, args.position)
 
@@ -108,6 +112,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_scan(args: argparse.Namespace, model) -> None:
+    """The scan's settings, and the corpus's first piece, before any work: an empty file or a folder without
+    .txt files is named now, not after the other outputs were written."""
+    from analyses.corpus import _iter_document_pieces
+
+    if args.batch_size < 1:
+        raise CommandError(f"--batch-size {args.batch_size} must be at least 1")
+    if args.window is not None and not 2 <= args.window <= model.cfg.n_ctx:
+        raise CommandError(f"--window {args.window} must be in [2, n_ctx={model.cfg.n_ctx}]")
+    try:
+        _, pieces = next(_iter_document_pieces(args.corpus))
+        next(iter(pieces), None)
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise CommandError(f"--corpus {args.corpus}: {err}") from err
+
+
 def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[int]):
     """Scan the corpus for `features`' top --k triggers and write them; an interrupted scan (Ctrl-C)
     writes what it folded as triggers.partial.csv, under a name that says so, and says how to finish."""
@@ -115,7 +135,8 @@ def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[
 
     from analyses import top_triggers
 
-    triggers = top_triggers(model, args.corpus, neurons=features, k=args.k, progress=not args.quiet, sae=sae)
+    triggers = top_triggers(model, args.corpus, neurons=features, k=args.k, progress=not args.quiet, sae=sae,
+                            batch_size=args.batch_size, window=args.window)
     if not triggers.complete:
         out.write_csv("triggers.partial.csv", triggers.to_frame(model))
         out.report(args)

@@ -434,6 +434,11 @@ def test_sae_scan_stops_after_the_hook_block(tiny_model):
         top_triggers(tiny_model, SAE_CORPUS[:2], neurons=[1], k=2, progress=False,
                      sae=random_sae(hook="blocks.1.hook_resid_post"))
         assert ran
+    ran.clear()
+    with tiny_model.hooks([("blocks.0.hook_resid_pre", lambda x, hook: ran.append(1))]):
+        for hook in ("hook_embed", "hook_pos_embed"):  # outside the blocks: no block runs at all
+            top_triggers(tiny_model, SAE_CORPUS[:2], neurons=[1], k=2, progress=False, sae=random_sae(hook=hook))
+        assert not ran
 
 
 @pytest.mark.parametrize("stop", ["doc 2", "forward 2"])
@@ -671,3 +676,55 @@ def test_memory_report_refuses_an_sae_scan(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="memory_report"):
         memory_report(tiny_model, triggers, tmp_path / "cards.html")
     assert not (tmp_path / "cards.html").exists()
+
+
+def test_sae_scans_of_two_saes_at_one_hook_never_mix(tiny_model, tmp_path):
+    """Gemma Scope ships several SAEs per hook point: resume= and merge refuse a scan of another SAE there."""
+    from test_sae import random_sae
+
+    from analyses import merge, top_triggers
+
+    first, second = random_sae(seed=11), random_sae(seed=12)
+    assert first.digest() != second.digest() and first.digest() == random_sae(seed=11).digest()
+    args = dict(neurons=[1, 2], k=2, progress=False)
+    half = top_triggers(tiny_model, SAE_CORPUS, sae=first, shard=(0, 2), **args)
+    other = top_triggers(tiny_model, SAE_CORPUS, sae=second, shard=(1, 2), **args)
+    with pytest.raises(ValueError, match="two different SAEs at one hook point"):
+        merge([half, other])
+    import dataclasses
+
+    with pytest.raises(ValueError, match="another SAE at the same hook point"):
+        top_triggers(tiny_model, SAE_CORPUS, sae=second, resume=dataclasses.replace(half, complete=False), **args)
+    half.save(tmp_path / "half.safetensors")
+    from analyses.memories import TopTriggers
+
+    assert TopTriggers.load(tmp_path / "half.safetensors").sae_digest == first.digest()
+
+
+def test_a_scan_computes_only_the_features_it_keeps(tiny_model):
+    """A standard or JumpReLU feature needs its own encoder column only: the scan's activations equal the whole
+    encode's columns, for a subset, in the order asked."""
+    from test_sae import random_sae
+
+    for architecture in ("standard", "jumprelu", "topk"):
+        sae = random_sae(architecture, seed=13)
+        x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+        ids = torch.tensor([40, 3, 17])
+        with torch.no_grad():
+            torch.testing.assert_close(sae.feature_activations(x, ids), sae.encode(x)[..., ids], atol=1e-6, rtol=0)
+
+
+def test_probe_sae_triggers_checks_its_corpus_and_settings_before_writing_anything(tiny_dir, tmp_path, capsys):
+    sae = random_sae(seed=15)
+    directory = sae.save_pretrained(tmp_path / "sae")
+    (tmp_path / "empty.txt").write_text("", encoding="utf-8")
+    (tmp_path / "nodocs").mkdir()
+    base = ["sae", "--model", str(tiny_dir), "--sae", str(directory), "--prompt", "To be, or not", "--quiet"]
+    for extra, message in ((["--corpus", str(tmp_path / "empty.txt")], "is empty"),
+                           (["--corpus", str(tmp_path / "nodocs")], "holds no .txt files"),
+                           (["--triggers", "--window", "1"], "--window 1 must be in [2, n_ctx=48]"),
+                           (["--triggers", "--batch-size", "0"], "--batch-size 0 must be at least 1")):
+        out = tmp_path / f"out{len(message)}"
+        code, _, err = run_cli(capsys, *base, *extra, "--out", str(out))
+        assert code == 2 and message in err, err
+        assert not out.exists() or not any(out.iterdir())  # nothing written before the refusal
