@@ -80,6 +80,23 @@ def load_model(args: argparse.Namespace):
     return model.eval()
 
 
+def load_sae(model, directory: str):
+    """An SAE directory for `model`, checked to read a hook point the model has; a one-line error otherwise."""
+    from analyses.features import _hook_name
+    from hooks import UnknownNameError
+    from probe import SparseAutoencoder
+
+    try:
+        sae = SparseAutoencoder.from_pretrained(directory, device=model.device)
+    except (OSError, ValueError) as err:
+        raise CommandError(f"cannot load --sae {directory}: {err}") from err
+    try:
+        _hook_name(model, sae)
+    except UnknownNameError as err:
+        raise CommandError(f"--sae {directory}: {err}") from err
+    return sae
+
+
 def model_label(args: argparse.Namespace) -> str:
     """--model as given, with @revision when one was asked for (two Pythia steps are two different models)."""
     return str(args.model) + (f"@{args.revision}" if getattr(args, "revision", None) else "")

@@ -2,7 +2,8 @@
 
 Sections: the model, its next-token prediction, the logit lens, direct logit attribution, attention
 patterns, head detectors, head ablation, activation patching (with --corrupted), FFN memories and
-head importance. The page embeds plotly.js once, so it opens offline.
+head importance; with --sae, a section per sparse autoencoder. The page embeds plotly.js once, so it
+opens offline.
 
 examples:
   probe report                                        # the bundled model on a default prompt
@@ -20,7 +21,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/report.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, log, model_label, token_id, check_contrast  # noqa: E402
+from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, load_sae, log, model_label, token_id, check_contrast  # noqa: E402
 
 DEFAULT_PROMPT = ("ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
                   "ROMEO.\nBut soft, what light through yonder")
@@ -49,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--counterfactual", default=None, help="token to contrast with (default: the model's second choice)")
     parser.add_argument("--corrupted", default=None, help="a corrupted prompt of the same length, for activation patching")
     parser.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE, help="slow sections to leave out: " + ", ".join(SKIPPABLE))
+    parser.add_argument("--sae", nargs="+", default=[], metavar="DIR",
+                        help="sparse autoencoders (SAELens directories) for this model: a section each")
 
 
 class Report:
@@ -115,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # the model's best guess other than the answer (which may itself be the top guess)
         counterfactual = next(int(t) for t in top.indices if int(t) != answer)
     check_contrast(model, answer, counterfactual)
+    saes = [load_sae(model, directory) for directory in args.sae]  # before any section: a bad directory costs nothing
     report = Report(f"probe report: {Path(str(args.model)).name}" + (f"@{args.revision}" if args.revision else ""))
     timings = {}
 
@@ -206,6 +210,24 @@ def run(args: argparse.Namespace) -> int:
             part += [note("Michel et al. (2019): mean |dL/dξ| of each head's mask on held-out text, normalised per layer."),
                      figure_html(importance.figure())]
             out.write_csv("importance.csv", importance.to_frame())
+
+    for index, sae in enumerate(saes):
+        with timed(f"sae {index}"):
+            found = A.sae_features(model, sae, tokens, k=8)
+            active = [f for f in found.top_ids[0, -1].tolist() if f >= 0]
+            loss = A.sae_loss_recovered(model, sae, tokens)
+            part = report.section(f"sae{index}", f"Sparse autoencoder at {sae.cfg.hook_name}")  # render escapes
+            part += [note(f"{args.sae[index]}: d_sae {sae.cfg.d_sae}, {sae.cfg.architecture}. At the last "
+                          f"position L0 {int(found.l0[0, -1])}, reconstruction error {float(found.fvu[0, -1]):.3g} (FVU); "
+                          f"loss clean {float(loss.clean[0]):.3f}, with the SAE {float(loss.spliced[0]):.3f}, hook zeroed "
+                          f"{float(loss.zero_ablated[0]):.3f}: {float(loss.recovered[0]):.2f} of the loss recovered."),
+                     figure_html(found.figure(max_features=40))]
+            if active:
+                logits = A.feature_logits(model, sae, active, k=8)
+                part += [note("The tokens the last position's top features write (decoder rows through the final norm and W_U)."),
+                         figure_html(logits.figure())]
+                out.write_csv(f"sae{index}_feature_logits.csv", logits.to_frame())
+            out.write_csv(f"sae{index}_features.csv", found.to_frame())
 
     timing = pd.DataFrame({"section": list(timings), "seconds": list(timings.values())})
     report.section("timing", "Timing").extend([table_html(timing, 50)])

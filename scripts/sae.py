@@ -17,7 +17,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/sae.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_position, check_prompt, command, default_out, load_model  # noqa: E402
+from scripts.common import CommandError, Output, check_position, check_prompt, command, default_out, load_model, load_sae  # noqa: E402
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,20 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from analyses import feature_logits, sae_features, sae_loss_recovered
-    from analyses.features import _feature_ids, _hook_name
-    from hooks import UnknownNameError
-    from probe import SparseAutoencoder
+    from analyses.features import _feature_ids
 
     out = Output(default_out(args, "sae"), args.force)
     model = load_model(args)
-    try:
-        sae = SparseAutoencoder.from_pretrained(args.sae, device=model.device)
-    except (OSError, ValueError) as err:
-        raise CommandError(f"cannot load --sae {args.sae}: {err}") from err
-    try:
-        _hook_name(model, sae)
-    except UnknownNameError as err:
-        raise CommandError(f"--sae {args.sae}: {err}") from err
+    sae = load_sae(model, args.sae)
     limit = min(sae.cfg.d_sae, model.cfg.d_vocab)  # --k counts features per position and tokens per feature
     if not 0 < args.k <= limit:
         raise CommandError(f"--k {args.k} must be in [1, {limit}] (d_sae={sae.cfg.d_sae}, d_vocab={model.cfg.d_vocab})")

@@ -430,3 +430,29 @@ def test_a_pythia_model_from_the_cache_by_revision_through_the_commands(tmp_path
     assert "pythia-70m@step1000" in (tmp_path / "report" / "report.html").read_text()
     code, _, err = run_cli(capsys, "cache", *model[:2], "--revision", "step9", "--prompt", "x", "--out", str(tmp_path / "c9"))
     assert code == 2 and "--revision step9" in err
+
+
+def test_report_has_a_section_per_sae_with_true_numbers(tiny_dir, tiny_model, tmp_path, capsys):
+    """`probe report --sae DIR`: the section's features and loss recovered are what the analyses give."""
+    from test_sae import random_sae
+
+    from analyses import sae_features, sae_loss_recovered
+
+    sae = random_sae(hook="blocks.1.hook_resid_pre", seed=21)
+    directory = sae.save_pretrained(tmp_path / "<sae>")
+    prompt = "To be, or not to be, that is the question"
+    code = cli.main(["report", "--model", str(tiny_dir), "--prompt", prompt, "--sae", str(directory),
+                     "--skip", "memories", "importance", "--out", str(tmp_path / "report"), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    page = (tmp_path / "report" / "report.html").read_text()
+    tokens = tiny_model.to_tokens(prompt)
+    loss = sae_loss_recovered(tiny_model, sae, tokens)
+    assert "Sparse autoencoder at blocks.1.hook_resid_pre" in page and "&lt;sae&gt;" in page and "<sae>" not in page
+    assert f"{float(loss.recovered[0]):.2f} of the loss recovered" in page
+    written = pd.read_csv(tmp_path / "report" / "sae0_features.csv")
+    expected = sae_features(tiny_model, sae, tokens, k=8).to_frame()
+    assert written.feature.dropna().astype(int).tolist() == expected.feature.dropna().astype(int).tolist()
+    code = cli.main(["report", "--model", str(tiny_dir), "--prompt", prompt, "--sae", str(tmp_path / "nowhere"),
+                     "--out", str(tmp_path / "r2")])
+    assert code == 2 and "cannot load --sae" in capsys.readouterr().err
+    assert not (tmp_path / "r2").exists() or not any((tmp_path / "r2").iterdir())  # refused before any section
