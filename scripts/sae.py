@@ -131,8 +131,9 @@ def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[
     if not triggers.complete:
         out.write_csv("triggers.partial.csv", triggers.to_frame(model))
         out.report(args)
-        if out.path("triggers.csv").exists():
-            print(f"note: {out.path('triggers.csv')} is from an earlier, complete run, not this one", file=sys.stderr)
+        for stale in ("triggers.csv", "triggers.html"):
+            if out.path(stale).exists():
+                print(f"note: {out.path(stale)} is from an earlier, complete run, not this one", file=sys.stderr)
         print(f"interrupted: the scan covered {triggers.n_tokens} tokens ({triggers.n_docs} documents complete); "
               f"triggers.partial.csv holds their top-{args.k}; rerun to scan the whole corpus", file=sys.stderr)
         return triggers
