@@ -46,6 +46,9 @@ class HookPoint(nn.Module):
         super().__init__()
         self.name: str = "<unnamed>"  # set by HookedRootModule.setup_hooks
         self.opt_in = opt_in
+        # the last dimension's size, where the owner knows it but the model's shape table cannot (a lent SAE
+        # point): what a cache-size estimate needs
+        self.width: Optional[int] = None
         self._fns: list[HookHandle] = []  # in the order the hooks run
         self._bwd_fns: list[HookHandle] = []
 

@@ -57,8 +57,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
         q = self.hook_q(rearrange(q, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
         k = self.hook_k(rearrange(k, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
-        q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         v = self.hook_v(rearrange(v, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
+        q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         if self.rotary is not None:
             q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))
         if past is not None:

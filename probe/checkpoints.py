@@ -65,6 +65,20 @@ def _finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
+def _take_unembed(source: Source, cfg: DecoderConfig, embed: torch.Tensor,
+                  names: tuple[str, ...] = ("lm_head.weight",)) -> torch.Tensor:
+    """The unembedding [vocab d_model], under the first of `names` the file has: the embedding itself when tied
+    (a head saved beside it must then equal it), else taken and checked like every other tensor."""
+    name = next((n for n in names if n in source.state), names[0])
+    if cfg.tied_embeddings:
+        head = source.take_optional(name)
+        if head is not None and not torch.equal(head, embed):
+            raise CheckpointError(f"{name} in {source.directory} differs from the embedding, but the config ties them "
+                                  "(tie_word_embeddings); fix the config or the file")
+        return embed
+    return source.take(name, (cfg.d_vocab, cfg.d_model))
+
+
 @dataclass(frozen=True)
 class Family:
     model_type: str
@@ -115,18 +129,22 @@ _GPT_ACTIVATION_NAMES = {Activation.GELU_TANH: "gelu_new", Activation.GELU: "gel
 
 
 def _require(cfg: DecoderConfig, family: str, **wanted) -> None:
-    wrong = {k: getattr(cfg, k) for k, v in wanted.items() if getattr(cfg, k) != v}
+    """Refuse a config the format cannot hold: `wanted` gives each field's value (or a set of values) in the
+    format; fields only some formats hold (`_PLAIN`) must be at their defaults unless `wanted` says otherwise."""
+    wanted = {**_PLAIN, **wanted}
+    wrong = {k: getattr(cfg, k) for k, v in wanted.items()
+             if not (getattr(cfg, k) in v if isinstance(v, (set, frozenset)) else getattr(cfg, k) == v)}
     wrong = {k: v.value if isinstance(v, enum.Enum) else v for k, v in wrong.items()}
     if wrong:
         raise ValueError(f"a {family} checkpoint cannot hold this model: {', '.join(f'{k}={v}' for k, v in wrong.items())}")
 
 
-# what only Gemma's formats hold; every other format needs these at their defaults
-_PLAIN = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_layers=None,
-              qk_norm=False)
+# fields only some formats hold (Gemma's, Mistral's windows, Qwen3's q/k norms): every other needs their defaults
+_PLAIN = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None,
+              sliding_layers=None, qk_norm=False)
 
 def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-2", **_PLAIN, sliding_window=None, norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
+    _require(cfg, "GPT-2", norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
              gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, qkv_bias=True, out_bias=True,
              mlp_bias=True, tied_embeddings=True)
     if cfg.n_heads * cfg.d_head != cfg.d_model:
@@ -175,10 +193,7 @@ def _gpt_to_probe(names):
             tensor = source.take(theirs, shape)
             # a transposed Conv1D weight stays a view: F.linear on it reads the stored layout directly
             out[ours] = tensor.T if transposed else tensor
-        head = source.take_optional("lm_head.weight")
-        if head is not None and not torch.equal(head, out["embed.W_E"]):
-            raise CheckpointError(f"lm_head.weight in {source.directory} differs from the embedding; untied heads are not supported here")
-        out["unembed.weight"] = out["embed.W_E"]
+        out["unembed.weight"] = _take_unembed(source, cfg, out["embed.W_E"])  # GPT-1 and GPT-2 are always tied
         return out
 
     return convert
@@ -197,7 +212,7 @@ _gpt1_names = _gpt_names("tokens_embed.weight", "positions_embed.weight", final_
 
 
 def gpt1_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-1", **_PLAIN, sliding_window=None, heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
+    _require(cfg, "GPT-1", heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
              gated_mlp=False, n_kv_heads=cfg.n_heads, qkv_bias=True, out_bias=True, mlp_bias=True, tied_embeddings=True)
     afn = {Activation.GELU_TANH: "gelu", Activation.RELU: "relu", Activation.SILU: "silu"}
     if cfg.activation not in afn:
@@ -276,10 +291,11 @@ def mistral_config(hf: dict) -> DecoderConfig:
 
 # what each Llama-like format fixes beyond Llama's own layout
 _LLAMA_LIKE = {
-    "llama": ("LlamaForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, sliding_window=None)),
-    "qwen2": ("Qwen2ForCausalLM", lambda cfg: dict(qkv_bias=True, out_bias=False, sliding_window=None)),
-    "mistral": ("MistralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False)),
-    "qwen3": ("Qwen3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, sliding_window=None, qk_norm=True)),
+    "llama": ("LlamaForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias)),
+    "qwen2": ("Qwen2ForCausalLM", lambda cfg: dict(qkv_bias=True, out_bias=False)),
+    "mistral": ("MistralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False,
+                                                       sliding_window=cfg.sliding_window)),
+    "qwen3": ("Qwen3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, qk_norm=True)),
 }
 
 
@@ -298,9 +314,8 @@ def _llama_like_hf(cfg: DecoderConfig, model_type: str, architecture: str) -> di
 
 def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "llama") -> dict:
     architecture, fixed = _LLAMA_LIKE[model_type]
-    _require(cfg, model_type, **{**_PLAIN, **dict(norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True,
-                                                  positions=Positions.ROTARY, rotary_dim=cfg.d_head, gated_mlp=True),
-                                 **fixed(cfg)})
+    _require(cfg, model_type, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True,
+             positions=Positions.ROTARY, rotary_dim=cfg.d_head, gated_mlp=True, **fixed(cfg))
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
     if model_type in ("llama", "qwen3"):
@@ -344,15 +359,7 @@ def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
             out[f"{o}.mlp.{ours}.weight"] = source.take(f"{t}.mlp.{theirs}_proj.weight", s[theirs])
             if cfg.mlp_bias:
                 out[f"{o}.mlp.{ours}.bias"] = source.take(f"{t}.mlp.{theirs}_proj.bias", s[theirs][:1])
-    head = source.take_optional("lm_head.weight")
-    if cfg.tied_embeddings:
-        out["unembed.weight"] = out["embed.W_E"]
-    elif head is None:
-        raise CheckpointError(f"checkpoint in {source.directory} is missing the tensor 'lm_head.weight' (tie_word_embeddings is false)")
-    else:
-        if tuple(head.shape) != (cfg.d_vocab, d):
-            raise CheckpointError(f"tensor 'lm_head.weight' in {source.directory} has shape {tuple(head.shape)}, but config.json implies {(cfg.d_vocab, d)}")
-        out["unembed.weight"] = head
+    out["unembed.weight"] = _take_unembed(source, cfg, out["embed.W_E"])
     return out
 
 
@@ -418,10 +425,11 @@ def gemma_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     if cfg.activation is Activation.GELU:
         raise ValueError(f"a {model_type} checkpoint cannot hold activation=gelu (exact): transformers reads Gemma's "
                          "'gelu' as the tanh approximation")
-    _require(cfg, model_type, scale_embed=True, qk_norm=False, norm=Norm.RMS_FLOAT32, final_norm=True, positions=Positions.ROTARY,
+    gemma2_fields = ("attn_scale_dim", "attn_softcap", "logit_softcap", "sliding_window", "sliding_layers")
+    _require(cfg, model_type, scale_embed=True, norm=Norm.RMS_FLOAT32, final_norm=True, positions=Positions.ROTARY,
              rotary_dim=cfg.d_head, gated_mlp=True, mlp_bias=False, out_bias=cfg.qkv_bias,
              norm_placement=NormPlacement.SANDWICH if gemma2 else NormPlacement.PRE,
-             **({} if gemma2 else dict(attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None)))
+             **({f: getattr(cfg, f) for f in gemma2_fields} if gemma2 else {}))
     out = {**_llama_like_hf(cfg, model_type, "Gemma2ForCausalLM" if gemma2 else "GemmaForCausalLM"),
            "attention_bias": cfg.qkv_bias, "hidden_activation" if gemma2 else "hidden_act": _GPT_ACTIVATION_NAMES[cfg.activation]}
     if gemma2:
@@ -440,10 +448,7 @@ def _norm_weights_offset(params: dict[str, torch.Tensor], offset: float) -> dict
 
 
 def gemma_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    out = _norm_weights_offset(llama_to_probe(source, cfg), 1.0)
-    if cfg.tied_embeddings:
-        out["unembed.weight"] = out["embed.W_E"]
-    return out
+    return _norm_weights_offset(llama_to_probe(source, cfg), 1.0)
 
 
 def gemma_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
@@ -472,11 +477,9 @@ def neox_config(hf: dict) -> DecoderConfig:
 
 
 def neox_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    _require(cfg, "GPT-NeoX", **_PLAIN, sliding_window=None, norm=Norm.LAYER, final_norm=True, positions=Positions.ROTARY,
+    _require(cfg, "GPT-NeoX", norm_placement={NormPlacement.PRE, NormPlacement.PARALLEL}, norm=Norm.LAYER, final_norm=True, positions=Positions.ROTARY,
              gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, out_bias=cfg.qkv_bias,
              mlp_bias=True)
-    if cfg.norm_placement is NormPlacement.POST:
-        raise ValueError("a GPT-NeoX checkpoint cannot hold this model: norm_placement=post")
     if cfg.n_heads * cfg.d_head != cfg.d_model:
         raise ValueError("a GPT-NeoX checkpoint needs n_heads * d_head == d_model")
     special = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else 0
@@ -539,17 +542,7 @@ def neox_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]
     for ours, (theirs, shape) in _neox_names(cfg).items():
         out[ours] = _neox_qkv(source.take(theirs, shape), ours, cfg, to_probe=True)
     # GPTNeoXForCausalLM names its head embed_out (every Pythia file); some converted files say lm_head
-    head = source.take_optional("embed_out.weight")
-    head = source.take_optional("lm_head.weight") if head is None else head
-    if cfg.tied_embeddings:
-        out["unembed.weight"] = out["embed.W_E"]
-    elif head is None:
-        raise CheckpointError(f"checkpoint in {source.directory} is missing the tensor 'embed_out.weight' (tie_word_embeddings is false)")
-    elif tuple(head.shape) != (cfg.d_vocab, cfg.d_model):
-        raise CheckpointError(f"tensor 'embed_out.weight' in {source.directory} has shape {tuple(head.shape)}, "
-                              f"but config.json implies {(cfg.d_vocab, cfg.d_model)}")
-    else:
-        out["unembed.weight"] = head
+    out["unembed.weight"] = _take_unembed(source, cfg, out["embed.W_E"], ("embed_out.weight", "lm_head.weight"))
     return out
 
 

@@ -143,12 +143,17 @@ class DecoderConfig:
             if self.sliding_window is None or len(layers) != self.n_layers or not all(isinstance(x, bool) for x in layers):
                 raise ValueError(f"sliding_layers={self.sliding_layers!r} must give each of the n_layers={self.n_layers} "
                                  f"layers True (windowed) or False, with sliding_window set (got {self.sliding_window!r})")
-            # every layer windowed is what None says: one spelling, so configs compare equal after a round trip
-            object.__setattr__(self, "sliding_layers", None if all(layers) else layers)
+            # one spelling per model, so configs compare equal after a round trip: every layer windowed is what
+            # None says, and no layer windowed is no window
+            object.__setattr__(self, "sliding_layers", None if all(layers) or not any(layers) else layers)
+            if not any(layers):
+                object.__setattr__(self, "sliding_window", None)
         for field in ("attn_scale_dim", "attn_softcap", "logit_softcap"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
                 raise ValueError(f"{field} must be a positive number or None, got {value!r}")
+        if self.attn_scale_dim == self.d_head:  # the default, spelled one way
+            object.__setattr__(self, "attn_scale_dim", None)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "

@@ -10,11 +10,11 @@ from torch import nn
 
 from hooks import HookedRootModule, HookPoint
 from probe.attention import Attention
-from probe.config import DecoderConfig, Norm, NormPlacement
+from probe.config import DecoderConfig, NormPlacement
 from probe.embedding import Embed, Unembed, make_pos_embed
 from probe.kv_cache import KVCache
 from probe.mlp import make_mlp
-from probe.norm import make_norm
+from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.shapes import hook_shapes
 from probe.tokenizer import Tokenizer
 
@@ -220,15 +220,14 @@ class HookedDecoder(HookedRootModule):
         key_pos = pos + (kv_cache.length if kv_cache is not None else 0)
         shapes = hook_shapes(self.cfg, batch, pos, key_pos)
         item = torch.empty((), dtype=dtype or self.embed.W_E.dtype).element_size()
-        rms = self.cfg.norm in (Norm.RMS, Norm.RMS_FLOAT32)
-        norm_item = 4 if dtype is None and rms else item  # RMSNorm's hooks are float32, as Llama computes
+        norm_item = 4 if dtype is None and self.cfg.norm in FLOAT32_HOOK_NORMS else item
         total = 0
         for name in names:
             if name in shapes:
                 total += math.prod(shapes[name]) * (norm_item if name.endswith(NORM_HOOKS) else item)
                 continue
             # a lent point (a spliced SAE's) says its width; [batch pos width] whatever it reads
-            width = getattr(self.hook_point(name), "width", None)
+            width = self.hook_point(name).width
             if width is None:
                 return None  # not knowable here: no estimate rather than a low one
             total += batch * pos * width * item
@@ -312,7 +311,7 @@ class HookedDecoder(HookedRootModule):
     b_out = _stacked("mlp.b_out", "[layer d_model]")
 
     @property
-    def W_E(self) -> torch.Tensor:  # [vocab d_model]
+    def W_E(self) -> torch.Tensor:  # [vocab d_model]: the table; Gemma's residual receives it times embed.scale
         return self.embed.W_E
 
     @property

@@ -18,7 +18,11 @@ _NORM_KINDS = ("scale", "normalized")
 _TOP_KINDS = ("embed", "pos_embed")
 
 
-def act_name(kind: str, layer: Optional[int] = None, norm: Optional[Literal["ln1", "ln2", "ln1_post", "ln2_post"]] = None) -> str:
+BlockNorm = Literal["ln1", "ln2", "ln1_post", "ln2_post"]
+_BLOCK_NORMS = ("ln1", "ln2", "ln1_post", "ln2_post")
+
+
+def act_name(kind: str, layer: Optional[int] = None, norm: Optional[BlockNorm] = None) -> str:
     """The hook name of `kind` in block `layer`.
 
     kinds: resid_pre resid_mid resid_post attn_out mlp_out; q (query) k (key) v (value) rot_q rot_k
@@ -35,7 +39,7 @@ def act_name(kind: str, layer: Optional[int] = None, norm: Optional[Literal["ln1
     if kind in _NORM_KINDS:
         if layer is None and norm is None:
             return f"ln_final.hook_{kind}"
-        if layer is None or norm not in ("ln1", "ln2", "ln1_post", "ln2_post"):
+        if layer is None or norm not in _BLOCK_NORMS:
             raise ValueError(f"{kind!r} of a block's norm needs a layer and norm='ln1' or 'ln2' (or a sandwich block's "
                              "'ln1_post' / 'ln2_post') "
                              f"(got layer={layer!r}, norm={norm!r}); without either it is ln_final's")

@@ -64,6 +64,10 @@ class RMSNormFloat32(RMSNorm):
         return self
 
 
+# the norms whose hook_scale / hook_normalized hold float32 whatever the model's dtype (they compute in it)
+FLOAT32_HOOK_NORMS = frozenset({Norm.RMS, Norm.RMS_FLOAT32})
+
+
 def make_norm(cfg: DecoderConfig, dim: Optional[int] = None) -> nn.Module:
     """The config's norm over the last `dim` (default d_model) dimensions."""
     return {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32}[cfg.norm](dim or cfg.d_model, cfg.eps)

@@ -602,3 +602,24 @@ def test_a_gemma_model_with_exact_gelu_cannot_be_saved_as_gemma(tmp_path):
     with pytest.raises(ValueError, match="tanh approximation"):
         exact.save_pretrained(tmp_path / "exact")
     assert not (tmp_path / "exact").exists()
+
+
+def test_an_unembedding_is_checked_like_every_tensor(tmp_path):
+    """An untied head with a NaN is refused like any corrupt tensor; a head saved beside a tied embedding must
+    equal it (it used to be dropped without a word)."""
+    from safetensors.torch import load_file, save_file
+
+    from probe.loading import CheckpointError
+
+    build("llama", tmp_path / "untied")  # tie_word_embeddings=False
+    state = load_file(str(tmp_path / "untied" / "model.safetensors"))
+    state["lm_head.weight"][0, 0] = float("nan")
+    save_file(state, str(tmp_path / "untied" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="'lm_head.weight'.*NaN"):
+        HookedDecoder.from_pretrained(tmp_path / "untied")
+    build("llama", tmp_path / "tied", tie_word_embeddings=True)
+    state = load_file(str(tmp_path / "tied" / "model.safetensors"))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1
+    save_file(state, str(tmp_path / "tied" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="differs from the embedding, but the config ties them"):
+        HookedDecoder.from_pretrained(tmp_path / "tied")
