@@ -14,12 +14,11 @@ from typing import Callable, Literal, Optional, Sequence, Union
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-import torch.nn.functional as F
 from einops import einsum
 
 from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder, token_id
 from analyses.lens import (
-    _final_norm, _forward_mask, _resolve_positions, has_final_scale, lens_sites, position_labels,
+    _final_norm, _forward_mask, _resolve_positions, has_final_scale, has_resid_mid, lens_sites, position_labels,
     site_label, tokens_and_mask,
 )
 from probe import HookedDecoder
@@ -73,11 +72,6 @@ class Components:
         depth = [0 if layer is None else 2 * layer + (1 if kind in ("head", "attn_bias") else 2)
                  for layer, kind in zip(self.layers, self.kinds)]
         return torch.tensor(depth)
-
-
-def _has_mid(model: HookedDecoder) -> bool:
-    """Whether blocks have a residual between attention and MLP (parallel blocks have none)."""
-    return act_name("resid_mid", 0) in model.hook_names
 
 
 def _has_pos_embed(model: HookedDecoder) -> bool:
@@ -201,7 +195,7 @@ def residual_decomposition(
     return ResidualDecomposition(
         tokens=tokens, mask=mask, components=_stack_components(model, cache),
         index=Components.for_model(model), n_layers=model.cfg.n_layers,
-        position_labels=position_labels(model, tokens), token_strings=token_decoder(model), has_mid=_has_mid(model),
+        position_labels=position_labels(model, tokens), token_strings=token_decoder(model), has_mid=has_resid_mid(model),
     )
 
 
@@ -390,7 +384,7 @@ def direct_logit_attribution(
     explained = logits[rows, positions]  # [batch vocab]
     if capped:  # the components add up to the logits before the cap (a monotone squash), so those are explained
         final = cache[final_name][rows, positions][:, None]  # [batch 1 d_model]
-        explained = F.linear(model.ln_final(final), model.unembed.weight, model.unembed.bias)[:, 0]
+        explained = model.unembed.uncapped(model.ln_final(final))[:, 0]
     comps = _stack_components(model, cache, positions)  # [batch component d_model]
     scale = cache["ln_final.hook_scale"][rows, positions][:, None, :] if frozen else None  # [batch 1 1]
 
@@ -416,11 +410,11 @@ def direct_logit_attribution(
     ln_bias = einsum(at_zero, direction, "batch d_model, batch d_model -> batch")
 
     index = Components.for_model(model)
-    written = index.written(model.cfg.n_layers, include_mid=_has_mid(model), device=tokens.device)
+    written = index.written(model.cfg.n_layers, include_mid=has_resid_mid(model), device=tokens.device)
     accumulated = einsum(contributions, written, "batch component, layer component -> batch layer") + (ln_bias + unembed_bias)[:, None]
     return LogitAttribution(
         tokens=tokens, positions=positions, answer=answer_ids, counterfactual=cf_ids, contributions=contributions,
         ln_bias=ln_bias, unembed_bias=unembed_bias, actual=actual, accumulated=accumulated, index=index,
         n_layers=model.cfg.n_layers, n_heads=max(block.attn.n_heads for block in model.blocks),
-        position_labels=position_labels(model, tokens), token_strings=token_decoder(model), has_mid=_has_mid(model),
+        position_labels=position_labels(model, tokens), token_strings=token_decoder(model), has_mid=has_resid_mid(model),
     )

@@ -99,6 +99,33 @@ def check_id_tensor(ids: torch.Tensor, what: str) -> torch.Tensor:
     return ids.long()
 
 
+def unit_ids(values, count: int, unit: str, domain: str) -> torch.Tensor:
+    """[n] int64 on the CPU: ids of `unit`s (neurons, SAE features) given as an int, a list or a tensor, each an
+    integer in [0, count) (`domain` names that range in errors), none twice."""
+    if isinstance(values, torch.Tensor):
+        # .long() would truncate 3.7 to unit 3 without a word
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"{unit}s as a tensor must hold integer {unit} ids, got dtype {values.dtype}")
+        ids = values.detach().long().flatten().cpu()
+    else:
+        try:
+            items = [values] if is_int(values) else list(values)
+        except TypeError:
+            raise TypeError(f"{unit}s={values!r} must be a {unit} id or a list of them") from None
+        for value in items:
+            if not is_int(value):
+                raise TypeError(f"{unit} {value!r} is not a {unit} id: give ints")
+        ids = torch.tensor([int(v) for v in items], dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError(f"{unit}s is empty: pass {unit} indices, or None for all {unit}s")
+    outside = ids[(ids < 0) | (ids >= count)]
+    if outside.numel():
+        raise ValueError(f"{unit} {int(outside[0])} is outside {domain}")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"{unit}s lists a {unit} twice")
+    return ids
+
+
 def resolve_positions(mask: torch.Tensor, position: int) -> torch.Tensor:
     """[batch] index of `position` counted among each prompt's real tokens (-1 = each prompt's last),
     for right or left padding."""

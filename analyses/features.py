@@ -13,6 +13,7 @@ sparse sum of decoder rows, x_hat = sum_f a_f W_dec[f] + b_dec.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -22,16 +23,19 @@ import torch
 from einops import einsum, rearrange
 
 from analyses.ablation import loss_metric
-from analyses.common import AnalysisInput, PromotedTokens, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
+from analyses.common import AnalysisInput, PromotedTokens, escape_token, is_int, model_mask, token_decoder, tokens_and_mask, unit_ids
 from analyses.memories import _final_norm_directions, _top_tokens, _value_directions
 from hooks import HookPoint, UnknownNameError
 from probe import HookedDecoder, SparseAutoencoder, spliced
+from probe.shapes import hook_shapes
 
 FeatureSpec = Union[int, Sequence[int], torch.Tensor]
 
 
 # ---- checks --------------------------------------------------------------------------------------
-def _hook_name(model: HookedDecoder, sae: SparseAutoencoder) -> str:
+def check_sae(model: HookedDecoder, sae: SparseAutoencoder) -> str:
+    """The SAE's hook name, once checked to fit the model: a hook point it has, one activation vector per
+    position of the SAE's width there, and no SAE spliced in at it right now. Before any work."""
     if not isinstance(sae, SparseAutoencoder):
         raise TypeError(f"sae must be a probe.SparseAutoencoder (e.g. SparseAutoencoder.from_pretrained(directory)), "
                         f"got {type(sae).__name__}")
@@ -45,6 +49,14 @@ def _hook_name(model: HookedDecoder, sae: SparseAutoencoder) -> str:
         # the point then holds an SAE's output: features of a reconstruction, and a second splice would collide
         raise ValueError(f"an SAE is spliced into the model at {name!r} right now; call this outside the "
                          "`with spliced(...)` block (it runs the model with and without the SAE itself)")
+    shape = hook_shapes(model.cfg, 1, 1).get(name)  # for one position; an SAE on hook_z reads the heads flattened
+    heads_flattened = name.endswith("hook_z")
+    if shape is not None and (shape[:2] != (1, 1) or (len(shape) != 3 and not heads_flattened)):
+        raise ValueError(f"the SAE reads one activation vector per position, but {name!r} is not one (its shape is "
+                         f"[batch {' '.join(map(str, shape[1:]))}] for one position): an SAE for another hook point")
+    if shape is not None and math.prod(shape[2:]) != sae.cfg.d_in:  # one vector per position: its size
+        raise ValueError(f"the SAE reads {sae.cfg.d_in} dimensions, but the activation at {name!r} has "
+                         f"{math.prod(shape[2:])}: it was trained for another model or hook point")
     return name
 
 
@@ -54,31 +66,9 @@ def _check_k(k, limit: int, what: str) -> int:
     return int(k)
 
 
-def _feature_ids(sae: SparseAutoencoder, features: FeatureSpec) -> torch.Tensor:
+def feature_ids(sae: SparseAutoencoder, features: FeatureSpec) -> torch.Tensor:
     """[feature] int64 on the CPU, each checked to be one of the SAE's features, none twice."""
-    d_sae = sae.cfg.d_sae
-    if isinstance(features, torch.Tensor):
-        # .long() would truncate 3.7 to feature 3 without a word
-        if features.is_floating_point() or features.is_complex() or features.dtype == torch.bool:
-            raise TypeError(f"features as a tensor must hold integer feature ids, got dtype {features.dtype}")
-        ids = features.detach().long().flatten().cpu()
-    else:
-        try:
-            values = [features] if is_int(features) else list(features)
-        except TypeError:
-            raise TypeError(f"features={features!r} must be a feature id or a list of them") from None
-        for value in values:
-            if not is_int(value):
-                raise TypeError(f"feature {value!r} is not a feature id: give ints")
-        ids = torch.tensor([int(v) for v in values], dtype=torch.long)
-    if ids.numel() == 0:
-        raise ValueError("features is empty: pass one or more feature ids")
-    outside = ids[(ids < 0) | (ids >= d_sae)]
-    if outside.numel():
-        raise ValueError(f"feature {int(outside[0])} is outside the SAE's features [0, d_sae={d_sae})")
-    if ids.unique().numel() != ids.numel():
-        raise ValueError("features lists a feature twice")
-    return ids
+    return unit_ids(features, sae.cfg.d_sae, "feature", f"the SAE's features [0, d_sae={sae.cfg.d_sae})")
 
 
 # ---- sae_features --------------------------------------------------------------------------------
@@ -157,7 +147,7 @@ def sae_features(
 ) -> SAEFeatures:
     """The SAE's features at every real position of `input`: the k most active (fewer where fewer are
     active), L0, and the reconstruction's relative squared error. One forward, caching only the SAE's hook."""
-    name = _hook_name(model, sae)
+    name = check_sae(model, sae)
     k = _check_k(k, sae.cfg.d_sae, "d_sae")
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     _, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=name)
@@ -246,8 +236,8 @@ def feature_logits(model: HookedDecoder, sae: SparseAutoencoder, features: Featu
     """The top-k promoted and bottom-k suppressed tokens of each feature's decoder row W_dec[f], as it
     reaches the unembedding: through W_O (hook_z) or W_out (mlp.hook_post) into the residual stream,
     then centred (a LayerNorm final norm) and multiplied by the final norm's weight; in float32."""
-    name = _hook_name(model, sae)
-    ids = _feature_ids(sae, features)
+    name = check_sae(model, sae)
+    ids = feature_ids(sae, features)
     k = _check_k(k, model.cfg.d_vocab, "d_vocab")
     width, write = _residual_write(model, name)
     if width != sae.cfg.d_in:
@@ -298,7 +288,7 @@ def sae_loss_recovered(
 ) -> SAELossRecovered:
     """The loss of each prompt clean, with the SAE spliced in (`probe.spliced`, no error term), and with
     the SAE's hook point zero-ablated; `recovered` compares them. Three forwards."""
-    name = _hook_name(model, sae)
+    name = check_sae(model, sae)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     forward_mask = model_mask(mask)
 

@@ -44,9 +44,14 @@ def lens_sites(n_layers: int, include_mid: bool = False) -> list[str]:
     return sites
 
 
+def has_resid_mid(model: HookedDecoder) -> bool:
+    """Whether blocks have a residual between attention and MLP (parallel blocks have none)."""
+    return act_name("resid_mid", 0) in model.hook_names
+
+
 def model_lens_sites(model: HookedDecoder, include_mid: bool = False) -> list[str]:
     """`lens_sites` for this model; include_mid needs a residual between the sublayers, which parallel blocks lack."""
-    if include_mid and act_name("resid_mid", 0) not in model.hook_names:
+    if include_mid and not has_resid_mid(model):
         raise ValueError("include_mid reads the residual between each block's attention and MLP (hook_resid_mid); "
                          f"this model's blocks are {model.cfg.norm_placement.value} (attention and MLP both read "
                          "hook_resid_pre), so there is none: leave include_mid=False")

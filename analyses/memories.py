@@ -30,7 +30,7 @@ import torch
 from einops import einsum, rearrange
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, PromotedTokens, as_tokens, escape_token, token_strings
+from analyses.common import AnalysisInput, PromotedTokens, as_tokens, escape_token, token_strings, unit_ids
 from analyses.corpus import Corpus, _encode_document, _iter_document_pieces, iter_documents
 from probe import HookedDecoder, Norm, NormPlacement, SparseAutoencoder
 from probe.io import atomic_file
@@ -65,15 +65,7 @@ def _neuron_tensor(model: HookedDecoder, neurons: Optional[Sequence[int]]) -> to
     d_mlp = model.cfg.d_mlp
     if neurons is None:
         return torch.arange(d_mlp)
-    ids = torch.as_tensor(neurons if not isinstance(neurons, int) else [neurons]).long().flatten()
-    if ids.numel() == 0:
-        raise ValueError("neurons is empty: pass neuron indices, or None for all neurons")
-    if int(ids.min()) < 0 or int(ids.max()) >= d_mlp:
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        raise ValueError(f"neuron {bad} is outside the layer's neurons [0, d_mlp={d_mlp})")
-    if ids.unique().numel() != ids.numel():
-        raise ValueError("neurons lists a neuron twice")
-    return ids
+    return unit_ids(neurons, d_mlp, "neuron", f"the layer's neurons [0, d_mlp={d_mlp})")
 
 
 def _value_directions(model: HookedDecoder, layer: int, neurons: torch.Tensor, through_final_norm: bool) -> torch.Tensor:
@@ -560,7 +552,7 @@ class _Scanner:
         sae = self.sae
         # only the scanned features: a wide SAE's [batch pos d_sae] would be as large as the activations times d_sae
         ids = self.neurons.to(sae.W_enc.device)
-        features = sae.feature_activations(activation.to(sae.W_enc.device), ids)  # the SAE says it when the width is wrong
+        features = sae.feature_activations(activation.to(sae.W_enc.device), None if self.all_neurons else ids)
         if features.shape != (*self.batch_shape, len(ids)):
             raise ValueError(f"the SAE's features at {sae.cfg.hook_name!r} have shape {tuple(features.shape)}; "
                              f"top_triggers reads one activation vector per position, [batch pos d_sae]")
@@ -760,25 +752,29 @@ def top_triggers(
     activation at `sae.cfg.hook_name`, `neurons` then being feature ids (None = all d_sae) and
     `layers` left None. The forward stops after the hook point's block (before the first block for
     hook_embed and hook_pos_embed; a final-norm point runs it all); everything else is as for
-    neurons, and the result's `source` is the hook name. Each batch's features are held whole for a
-    moment, batch_size x window x d_sae floats: lower batch_size for a wide SAE.
+    neurons, and the result's `source` is the hook name (with the SAE's digest). Only the scanned
+    features are computed (a TopK SAE computes all, its k largest being the point), batch_size x
+    window x features floats at a time: lower batch_size for a wide SAE scanned whole.
     """
     if sae is not None:
-        from analyses.features import _feature_ids, _hook_name  # analyses.features imports this module
+        from analyses.features import check_sae, feature_ids  # analyses.features imports this module
 
-        hook_name = _hook_name(model, sae)  # an SAE, for a point this model has, and not spliced in
+        hook_name = check_sae(model, sae)  # an SAE, for a point this model has, and not spliced in
         if layers is not None:
             raise ValueError(f"layers={layers!r}: an SAE scan reads the features at the SAE's hook point "
                              f"{hook_name!r}; leave layers=None")
         layer_ids = [_sae_layer(model, hook_name)]
-        neuron_ids = torch.arange(sae.cfg.d_sae) if neurons is None else _feature_ids(sae, neurons)
-        source, digest = hook_name, sae.digest()
+        neuron_ids = torch.arange(sae.cfg.d_sae) if neurons is None else feature_ids(sae, neurons)
+        source = hook_name
     else:
         layer_ids = _layer_list(model, layers)
         neuron_ids = _neuron_tensor(model, neurons)
-        source, digest = MLP_SOURCE, ""
+        source = MLP_SOURCE
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k={k!r} must be a positive integer")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        # 0 or 2.5 never equals a batch's length: the whole corpus would go through as one forward
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
     window = model.cfg.n_ctx if window is None else window
     if not 1 + prepend_bos <= window <= model.cfg.n_ctx:
         raise ValueError(f"window={window} must be in [{1 + prepend_bos}, n_ctx={model.cfg.n_ctx}]")
@@ -796,6 +792,7 @@ def top_triggers(
     if not (isinstance(world, int) and isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"shard={shard!r} must be (index, count) with 0 <= index < count")
 
+    digest = "" if sae is None else sae.digest()  # after the cheap checks: it reads every weight
     scanner = _Scanner(model, layer_ids, neuron_ids, k, context, sae)
     skip, skip_start, n_tokens, doc_names = 0, 0, 0, {}
     if resume is not None:

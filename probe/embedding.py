@@ -130,7 +130,11 @@ class Unembed(nn.Module):
         self.cap = make_softcap(softcap)  # Gemma 2 caps its logits; everything that unembeds gets the same logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch pos d_model] -> [batch pos vocab]
-        return self.cap(F.linear(x, self.weight, self.bias))
+        return self.cap(self.uncapped(x))
+
+    def uncapped(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits before a soft cap: linear in x, what direct attributions add up to."""
+        return F.linear(x, self.weight, self.bias)
 
     @property
     def W_U(self) -> torch.Tensor:  # [d_model vocab]

@@ -96,17 +96,15 @@ class SparseAutoencoder(HookedRootModule):
         """Features [... d_sae] of activations [... d_in] (a hook_z SAE: [... head d_head])."""
         return self._encode(x, hooked=True)
 
-    def feature_activations(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """[... feature]: the activations of the `features` [feature] only, without hooks. A standard or JumpReLU
-        feature depends on its own encoder column alone, so a wide SAE's other columns are never computed; a
-        TopK feature depends on all of them (the k largest), so those are encoded whole."""
-        if self.cfg.architecture == "topk":
-            return self._encode(x, hooked=False)[..., features]
+    def feature_activations(self, x: torch.Tensor, features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[... feature]: the activations of the `features` [feature] only (None: all), without hooks. A standard
+        or JumpReLU feature depends on its own encoder column alone, so a wide SAE's other columns are never
+        computed; a TopK feature depends on all of them (the k largest), so those are encoded whole."""
+        if features is None or self.cfg.architecture == "topk":
+            encoded = self._encode(x, hooked=False)
+            return encoded if features is None else encoded[..., features]
         x = self._flat(x).to(self.W_enc.dtype)
-        pre = (x - self.b_dec * self.cfg.apply_b_dec_to_input) @ self.W_enc[:, features] + self.b_enc[features]
-        if self.cfg.architecture == "jumprelu":
-            return torch.relu(pre) * (pre > self.threshold[features])
-        return torch.relu(pre)
+        return self._activate(self._pre(x, features), features)
 
     def decode(self, features: torch.Tensor) -> torch.Tensor:
         """Reconstruction [... d_in] of features [... d_sae]."""
@@ -136,12 +134,17 @@ class SparseAutoencoder(HookedRootModule):
     def _encode(self, x: torch.Tensor, hooked: bool) -> torch.Tensor:
         observe = (lambda point, t: point(t)) if hooked else (lambda point, t: t)  # noqa: E731
         x = observe(self.hook_sae_input, self._flat(x).to(self.W_enc.dtype))
-        pre = observe(self.hook_sae_acts_pre, (x - self.b_dec * self.cfg.apply_b_dec_to_input) @ self.W_enc + self.b_enc)
+        pre = observe(self.hook_sae_acts_pre, self._pre(x))
         return observe(self.hook_sae_acts_post, self._activate(pre))
 
-    def _activate(self, pre: torch.Tensor) -> torch.Tensor:
+    def _pre(self, x: torch.Tensor, features=slice(None)) -> torch.Tensor:
+        """Pre-activations [... feature] of flattened inputs, for `features` (all by default)."""
+        return (x - self.b_dec * self.cfg.apply_b_dec_to_input) @ self.W_enc[:, features] + self.b_enc[features]
+
+    def _activate(self, pre: torch.Tensor, features=slice(None)) -> torch.Tensor:
+        """The activation function on pre-activations of `features` (their thresholds, for JumpReLU)."""
         if self.cfg.architecture == "jumprelu":
-            return torch.relu(pre) * (pre > self.threshold)
+            return torch.relu(pre) * (pre > self.threshold[features])
         if self.cfg.architecture == "topk":
             top = pre.topk(self.cfg.k, dim=-1)
             return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))

@@ -82,7 +82,7 @@ def load_model(args: argparse.Namespace):
 
 def load_sae(model, directory: str):
     """An SAE directory for `model`, checked to read a hook point the model has; a one-line error otherwise."""
-    from analyses.features import _hook_name
+    from analyses.features import check_sae
     from hooks import UnknownNameError
     from probe import SparseAutoencoder
 
@@ -91,8 +91,8 @@ def load_sae(model, directory: str):
     except (OSError, ValueError) as err:
         raise CommandError(f"cannot load --sae {directory}: {err}") from err
     try:
-        _hook_name(model, sae)
-    except UnknownNameError as err:
+        check_sae(model, sae)
+    except (UnknownNameError, ValueError) as err:
         raise CommandError(f"--sae {directory}: {err}") from err
     return sae
 

@@ -27,11 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from analyses import compare_lenses, logit_lens, train_tuned_lens
+    from analyses.lens import has_resid_mid
 
     out = Output(default_out(args, "lens"), args.force)
     model = load_model(args)
     check_prompt(model, args.prompt)
-    if args.mid and "blocks.0.hook_resid_mid" not in model.hook_names:
+    if args.mid and not has_resid_mid(model):
         raise CommandError(f"--mid reads the residual between each block's attention and MLP; --model {args.model} has "
                            "parallel blocks (both read the residual entering the block), so there is none: drop --mid")
     target = None if args.target is None else token_id(model, args.target, "--target")

@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
 
     for index, sae in enumerate(saes):
         with timed(f"sae {index}"):
-            found = A.sae_features(model, sae, tokens, k=8)
+            found = A.sae_features(model, sae, tokens, k=min(8, sae.cfg.d_sae))
             active = [f for f in found.top_ids[0, -1].tolist() if f >= 0]
             loss = A.sae_loss_recovered(model, sae, tokens)
             part = report.section(f"sae{index}", f"Sparse autoencoder at {sae.cfg.hook_name}")  # render escapes
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{float(loss.zero_ablated[0]):.3f}: {float(loss.recovered[0]):.2f} of the loss recovered."),
                      figure_html(found.figure(max_features=40))]
             if active:
-                logits = A.feature_logits(model, sae, active, k=8)
+                logits = A.feature_logits(model, sae, active, k=min(8, model.cfg.d_vocab))
                 part += [note("The tokens the last position's top features write (decoder rows through the final norm and W_U)."),
                          figure_html(logits.figure())]
                 out.write_csv(f"sae{index}_feature_logits.csv", logits.to_frame())

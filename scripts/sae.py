@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from analyses import feature_logits, sae_features, sae_loss_recovered
-    from analyses.features import _feature_ids
+    from analyses.features import feature_ids
 
     out = Output(default_out(args, "sae"), args.force)
     model = load_model(args)
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--k {args.k} must be in [1, {limit}] (d_sae={sae.cfg.d_sae}, d_vocab={model.cfg.d_vocab})")
     if args.features is not None:
         try:
-            _feature_ids(sae, args.features)  # the library's own check, before any work
+            feature_ids(sae, args.features)  # the library's own check, before any work
         except ValueError as err:
             raise CommandError(f"--features: {err}") from err
     scan = args.triggers or args.corpus is not None  # as in probe memories, naming a corpus asks for the scan

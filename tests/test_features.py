@@ -728,3 +728,18 @@ def test_probe_sae_triggers_checks_its_corpus_and_settings_before_writing_anythi
         code, _, err = run_cli(capsys, *base, *extra, "--out", str(out))
         assert code == 2 and message in err, err
         assert not out.exists() or not any(out.iterdir())  # nothing written before the refusal
+
+
+def test_an_sae_of_the_wrong_width_and_a_bad_batch_size_are_refused_before_any_work(tiny_model, tmp_path, capsys):
+    from test_cli import run_cli
+
+    from analyses import top_triggers
+
+    narrow = random_sae(d_in=32)
+    with pytest.raises(ValueError, match="reads 32 dimensions, but the activation at 'blocks.0.hook_resid_post' has 64"):
+        sae_features(tiny_model, narrow, "To be")
+    with pytest.raises(ValueError, match="one activation vector per position, but 'blocks.0.attn.hook_pattern' is not"):
+        sae_features(tiny_model, random_sae(hook="blocks.0.attn.hook_pattern", d_in=4), "To be")
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=f"batch_size={bad!r} must be a positive integer"):
+            top_triggers(tiny_model, ["To be, or not"], neurons=[1], k=2, batch_size=bad, progress=False, sae=random_sae())

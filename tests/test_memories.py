@@ -560,3 +560,10 @@ def test_gemma2_memories_write_through_the_write_norm(tmp_path):
     direction = model.ln_final.w * model.unembed.W_U[:, result.predicted_token] / cache["ln_final.hook_scale"][0, position]
     whole = cache[f"blocks.{layer}.hook_mlp_out"][0, position] @ direction
     torch.testing.assert_close(result.prediction_effect[0].sum(), whole.detach(), atol=1e-4, rtol=0)
+
+
+def test_neuron_ids_that_are_not_ints_are_refused_not_truncated(tiny_model):
+    """[3.7] used to become neuron 3 and True neuron 1, without a word."""
+    for bad in ([3.7], [True], torch.tensor([2.0])):
+        with pytest.raises(TypeError, match="neuron"):
+            value_tokens(tiny_model, 0, bad)
