@@ -113,6 +113,14 @@ def _iter_document_pieces(corpus: Corpus = None) -> Iterator[tuple[str, Iterable
         yield f"doc {i}", (item,)
 
 
+def check_corpus(corpus: Corpus = None) -> None:
+    """Read the corpus's first piece (at most 1 MiB of its first document), so a missing path, an empty or
+    binary first file, or a folder without .txt files is named before any work. Later documents are checked
+    when the scan reaches them."""
+    _, pieces = next(_iter_document_pieces(corpus))
+    next(iter(pieces), None)
+
+
 def iter_documents(corpus: Corpus = None) -> Iterator[tuple[str, str]]:
     """(name, text) for each document of a corpus, lazily.
 

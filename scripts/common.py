@@ -97,6 +97,33 @@ def load_sae(model, directory: str):
     return sae
 
 
+def check_corpus_arg(corpus) -> None:
+    """--corpus read as far as its first piece before any work (a one-line error), as the scan will read it."""
+    from analyses.corpus import check_corpus
+
+    try:
+        check_corpus(corpus)
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise CommandError(f"--corpus {corpus}: {err}" if corpus is not None else str(err)) from err
+
+
+def write_triggers(out: "Output", args: argparse.Namespace, model, triggers) -> bool:
+    """triggers.csv for a complete scan (and the partial file of an earlier run removed); for one stopped by
+    Ctrl-C, triggers.partial.csv and the report, saying what is stale and how to finish. Whether it was complete."""
+    if not triggers.complete:  # keep what was scanned, under a name that says it is partial
+        out.write_csv("triggers.partial.csv", triggers.to_frame(model))
+        out.report(args)
+        for stale in ("triggers.csv", "triggers.html"):
+            if out.path(stale).exists():
+                print(f"note: {out.path(stale)} is from an earlier, complete run, not this one", file=sys.stderr)
+        print(f"interrupted: the scan covered {triggers.n_tokens} tokens ({triggers.n_docs} documents complete); "
+              f"triggers.partial.csv holds their top-{triggers.k}; rerun to scan the whole corpus", file=sys.stderr)
+        return False
+    out.write_csv("triggers.csv", triggers.to_frame(model))
+    out.discard("triggers.partial.csv")
+    return True
+
+
 def model_label(args: argparse.Namespace) -> str:
     """--model as given, with @revision when one was asked for (two Pythia steps are two different models)."""
     return str(args.model) + (f"@{args.revision}" if getattr(args, "revision", None) else "")

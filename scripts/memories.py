@@ -13,7 +13,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/memories.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model  # noqa: E402
+from scripts.common import (CommandError, Output, check_corpus_arg, check_prompt, command, default_out, load_model,  # noqa: E402
+                            write_triggers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError(f"--neurons: {err}") from err
     if args.corpus is not None and not Path(args.corpus).exists():
         raise CommandError(f"--corpus {args.corpus} does not exist")
+    if args.triggers or args.corpus is not None:
+        check_corpus_arg(args.corpus)  # before the lookup writes its files
     if args.prompt is not None:
         check_prompt(model, args.prompt)
         lookup = memory_lookup(model, args.prompt, position=args.position, layer=layers, k=args.k)
@@ -57,16 +60,8 @@ def run(args: argparse.Namespace) -> int:
         print(lookup.to_frame().head(2 * args.k).to_string(index=False))
     if args.triggers or args.corpus is not None:
         triggers = top_triggers(model, args.corpus, layers=layers, neurons=args.neurons, k=args.k, progress=not args.quiet)
-        if not triggers.complete:  # Ctrl-C: keep what was scanned, under a name that says it is partial
-            out.write_csv("triggers.partial.csv", triggers.to_frame(model))
-            out.report(args)
-            if out.path("triggers.csv").exists():
-                print(f"note: {out.path('triggers.csv')} is from an earlier, complete run, not this one", file=sys.stderr)
-            print(f"interrupted: the scan covered {triggers.n_tokens} tokens ({triggers.n_docs} documents complete); "
-                  f"triggers.partial.csv holds their top-{args.k}; rerun to scan the whole corpus", file=sys.stderr)
+        if not write_triggers(out, args, model, triggers):
             return 130
-        out.write_csv("triggers.csv", triggers.to_frame(model))
-        out.discard("triggers.partial.csv")
         stats = agreement(model, triggers)
         out.write_csv("agreement.csv", stats.to_frame())
         out.write_figure("agreement.html", stats.figure())

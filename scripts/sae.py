@@ -17,7 +17,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/sae.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_position, check_prompt, command, default_out, load_model, load_sae  # noqa: E402
+from scripts.common import (CommandError, Output, check_corpus_arg, check_position, check_prompt, command, default_out,  # noqa: E402
+                            load_model, load_sae, write_triggers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,17 +107,11 @@ def run(args: argparse.Namespace) -> int:
 def _check_scan(args: argparse.Namespace, model) -> None:
     """The scan's settings, and the corpus's first piece, before any work: an empty file or a folder without
     .txt files is named now, not after the other outputs were written."""
-    from analyses.corpus import _iter_document_pieces
-
     if args.batch_size < 1:
         raise CommandError(f"--batch-size {args.batch_size} must be at least 1")
     if args.window is not None and not 2 <= args.window <= model.cfg.n_ctx:
         raise CommandError(f"--window {args.window} must be in [2, n_ctx={model.cfg.n_ctx}]")
-    try:
-        _, pieces = next(_iter_document_pieces(args.corpus))
-        next(iter(pieces), None)
-    except (OSError, ValueError, UnicodeDecodeError) as err:
-        raise CommandError(f"--corpus {args.corpus}: {err}") from err
+    check_corpus_arg(args.corpus)
 
 
 def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[int]):
@@ -128,17 +123,8 @@ def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[
 
     triggers = top_triggers(model, args.corpus, neurons=features, k=args.k, progress=not args.quiet, sae=sae,
                             batch_size=args.batch_size, window=args.window)
-    if not triggers.complete:
-        out.write_csv("triggers.partial.csv", triggers.to_frame(model))
-        out.report(args)
-        for stale in ("triggers.csv", "triggers.html"):
-            if out.path(stale).exists():
-                print(f"note: {out.path(stale)} is from an earlier, complete run, not this one", file=sys.stderr)
-        print(f"interrupted: the scan covered {triggers.n_tokens} tokens ({triggers.n_docs} documents complete); "
-              f"triggers.partial.csv holds their top-{args.k}; rerun to scan the whole corpus", file=sys.stderr)
+    if not write_triggers(out, args, model, triggers):
         return triggers
-    out.write_csv("triggers.csv", triggers.to_frame(model))
-    out.discard("triggers.partial.csv")
     # one page with a panel per feature: plotly.js is inlined once, not once per feature (~5 MB each)
     panels = [triggers.figure(model, triggers.layers[0], feature) for feature in features]
     page = make_subplots(rows=len(panels), cols=1, subplot_titles=[p.layout.title.text for p in panels],

@@ -456,3 +456,13 @@ def test_report_has_a_section_per_sae_with_true_numbers(tiny_dir, tiny_model, tm
                      "--out", str(tmp_path / "r2")])
     assert code == 2 and "cannot load --sae" in capsys.readouterr().err
     assert not (tmp_path / "r2").exists() or not any((tmp_path / "r2").iterdir())  # refused before any section
+
+
+def test_memories_names_a_bad_corpus_before_the_lookup_writes_anything(tiny_dir, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("", encoding="utf-8")
+    out = tmp_path / "out"
+    code = cli.main(["memories", "--model", str(tiny_dir), "--prompt", "To be, or not", "--corpus",
+                     str(tmp_path / "empty.txt"), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is empty" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir())  # the lookup's files used to be written first
