@@ -52,18 +52,18 @@ class HookedRootModule(nn.Module):
 
     @property
     def _all_points(self) -> dict[str, HookPoint]:
-        return {**self._hook_points, **self._lent_points}
+        return {**self._hook_points, **self._lent_points} if self._lent_points else self._hook_points
 
     @property
     def hook_names(self) -> list[str]:
         return list(self._all_points)
 
     def hook_point(self, name: str) -> HookPoint:
-        points = self._all_points
-        try:
-            return points[name]
-        except KeyError:
-            raise unknown_name_error(name, points) from None
+        # the two registries never share a name: look in each rather than merging them for every lookup
+        point = self._hook_points.get(name) or self._lent_points.get(name)
+        if point is None:
+            raise unknown_name_error(name, self._all_points) from None
+        return point
 
     def select_hook_names(self, names: Optional[NameFilter] = None) -> list[str]:
         """Resolve a name filter: None = every point except opt-in ones, a name, a list of names, or a predicate."""

@@ -95,7 +95,9 @@ class Rotary(nn.Module):
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         rotating, passing = x[..., : self.dim], x[..., self.dim :]
         first, second = rotating.chunk(2, dim=-1)
-        return torch.cat([rotating * cos + torch.cat([-second, first], dim=-1) * sin, passing], dim=-1)
+        rotated = rotating * cos + torch.cat([-second, first], dim=-1) * sin
+        # the whole head rotates in most models: no second copy to append an empty remainder
+        return rotated if passing.shape[-1] == 0 else torch.cat([rotated, passing], dim=-1)
 
 
 def _rescaled(inv_freq: torch.Tensor, scaling: Optional[RotaryScaling]) -> torch.Tensor:

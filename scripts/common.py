@@ -97,10 +97,20 @@ def load_sae(model, directory: str):
     return sae
 
 
+def checked(flag: str, check, *args):
+    """The library's own check of a flag's value, run before any work; its ValueError as a one-line error."""
+    try:
+        return check(*args)
+    except ValueError as err:
+        raise CommandError(f"{flag}: {err}") from err
+
+
 def check_corpus_arg(corpus) -> None:
     """--corpus read as far as its first piece before any work (a one-line error), as the scan will read it."""
     from analyses.corpus import check_corpus
 
+    if corpus is not None and not Path(corpus).exists():
+        raise CommandError(f"--corpus {corpus} does not exist")
     try:
         check_corpus(corpus)
     except (OSError, ValueError, UnicodeDecodeError) as err:

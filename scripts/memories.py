@@ -13,8 +13,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/memories.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import (CommandError, Output, check_corpus_arg, check_prompt, command, default_out, load_model,  # noqa: E402
-                            write_triggers)
+from scripts.common import (CommandError, Output, check_corpus_arg, check_prompt, checked, command, default_out,  # noqa: E402
+                            load_model, write_triggers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,12 +41,7 @@ def run(args: argparse.Namespace) -> int:
         if not 0 <= layer < model.cfg.n_layers:
             raise CommandError(f"--layers: {layer} is outside [0, {model.cfg.n_layers})")
     if args.neurons is not None:
-        try:
-            _neuron_tensor(model, args.neurons)  # the library's own check, before any work
-        except ValueError as err:
-            raise CommandError(f"--neurons: {err}") from err
-    if args.corpus is not None and not Path(args.corpus).exists():
-        raise CommandError(f"--corpus {args.corpus} does not exist")
+        checked("--neurons", _neuron_tensor, model, args.neurons)
     if args.triggers or args.corpus is not None:
         check_corpus_arg(args.corpus)  # before the lookup writes its files
     if args.prompt is not None:

@@ -17,8 +17,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/sae.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import (CommandError, Output, check_corpus_arg, check_position, check_prompt, command, default_out,  # noqa: E402
-                            load_model, load_sae, write_triggers)
+from scripts.common import (CommandError, Output, check_corpus_arg, check_position, check_prompt, checked, command,  # noqa: E402
+                            default_out, load_model, load_sae, write_triggers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,13 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.k <= limit:
         raise CommandError(f"--k {args.k} must be in [1, {limit}] (d_sae={sae.cfg.d_sae}, d_vocab={model.cfg.d_vocab})")
     if args.features is not None:
-        try:
-            feature_ids(sae, args.features)  # the library's own check, before any work
-        except ValueError as err:
-            raise CommandError(f"--features: {err}") from err
+        checked("--features", feature_ids, sae, args.features)
     scan = args.triggers or args.corpus is not None  # as in probe memories, naming a corpus asks for the scan
-    if args.corpus is not None and not Path(args.corpus).exists():
-        raise CommandError(f"--corpus {args.corpus} does not exist")
     if scan:
         _check_scan(args, model)
     check_prompt(model, args.prompt)

@@ -445,26 +445,15 @@ def test_sae_scan_stops_after_the_hook_block(tiny_model):
 def test_sae_scan_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path, stop):
     """Ctrl-C between documents, or inside a forward (at the SAE's own hook point): the partial result,
     saved and loaded, resumes to the one-scan result; an MLP scan is no resume= for an SAE scan."""
+    from test_memories import interrupting
+
     from analyses import top_triggers
     from analyses.memories import TopTriggers
 
     sae = random_sae("jumprelu", hook="blocks.1.hook_resid_post", seed=4)
     args = dict(neurons=[2, 11, 64], k=4, batch_size=2, progress=False, sae=sae)
     full = top_triggers(tiny_model, SAE_CORPUS, **args)
-    where, n = stop.split()
-
-    def corpus():
-        for i, text in enumerate(SAE_CORPUS):
-            if where == "doc" and i == int(n):
-                raise KeyboardInterrupt
-            yield text
-
-    calls = []
-
-    def interrupt(activation, hook):
-        calls.append(1)
-        if where == "forward" and len(calls) == int(n):
-            raise KeyboardInterrupt
+    corpus, interrupt = interrupting(SAE_CORPUS, stop)
 
     path = tmp_path / "partial.safetensors"
     with tiny_model.hooks([(sae.cfg.hook_name, interrupt)]):

@@ -252,16 +252,13 @@ def test_top_triggers_is_independent_of_batching(tiny_model):
     torch.testing.assert_close(base.activations, other.activations, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("stop", ["doc 1", "doc 3", "forward 2"])
-def test_top_triggers_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path, stop):
-    """Ctrl-C between documents, mid-document (doc 0 spans 3 windows, batches hold 2) or inside a
-    forward, after layer 0 folded the batch and before layer 1 did: resuming gives the one-scan result."""
-    args = dict(layers=None, neurons=[0, 9, 100], k=4, batch_size=2, progress=False)
-    full = top_triggers(tiny_model, CORPUS, **args)
+def interrupting(texts, stop: str):
+    """(corpus, hook) for a Ctrl-C: the corpus generator raises KeyboardInterrupt before document n ("doc n"),
+    the hook on its nth call ("forward n")."""
     where, n = stop.split()
 
     def corpus():
-        for i, text in enumerate(CORPUS):
+        for i, text in enumerate(texts):
             if where == "doc" and i == int(n):
                 raise KeyboardInterrupt
             yield text
@@ -272,6 +269,17 @@ def test_top_triggers_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path
         calls.append(1)
         if where == "forward" and len(calls) == int(n):
             raise KeyboardInterrupt
+
+    return corpus, interrupt
+
+
+@pytest.mark.parametrize("stop", ["doc 1", "doc 3", "forward 2"])
+def test_top_triggers_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path, stop):
+    """Ctrl-C between documents, mid-document (doc 0 spans 3 windows, batches hold 2) or inside a
+    forward, after layer 0 folded the batch and before layer 1 did: resuming gives the one-scan result."""
+    args = dict(layers=None, neurons=[0, 9, 100], k=4, batch_size=2, progress=False)
+    full = top_triggers(tiny_model, CORPUS, **args)
+    corpus, interrupt = interrupting(CORPUS, stop)
 
     path = tmp_path / "partial.safetensors"
     with tiny_model.hooks([("blocks.1.mlp.hook_post", interrupt)]):
