@@ -95,7 +95,7 @@ class CopyingScores:
         return fig
 
 
-def _processed(model: HookedDecoder) -> HookedDecoder:
+def processed_for_circuits(model: HookedDecoder) -> HookedDecoder:
     """A copy with every weight-processing step this architecture allows: folding needs pre-norm
     blocks, centring needs LayerNorm (a post-norm model is used as it is)."""
     if not can_fold_ln(model.cfg):
@@ -113,7 +113,7 @@ def copying_scores(model: HookedDecoder, layers: Optional[Sequence[int]] = None,
     if bad or not layers:
         raise ValueError(f"layers must be a non-empty list of layers in [0, {model.cfg.n_layers}); got {layers!r}")
     if process:  # after the check: processing copies the whole model
-        model = _processed(model)
+        model = processed_for_circuits(model)
     w_e, w_u = model.W_E.float(), model.W_U.float()  # [vocab d_model], [d_model vocab]
     unembed_embed = w_u @ w_e  # [d_model d_model]: the vocabulary-sized product, contracted once
     scores = torch.full((len(layers), model.cfg.n_heads), float("nan"))
@@ -179,7 +179,7 @@ def composition_scores(model: HookedDecoder, *, process: bool = True) -> Composi
     weights in like `copying_scores` (`process=False`: the weights as they are). Costs about
     (heads)^2 * d_head^2 * d_model multiply-adds: seconds for GPT-2 small on a CPU."""
     if process:
-        model = _processed(model)
+        model = processed_for_circuits(model)
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     heads = [(l, h) for l in range(n_layers) for h in range(model.blocks[l].attn.n_heads)]
     w_q, w_k, w_v, w_o = (torch.stack(ws) for ws in zip(*(_head_weights(model, l, h) for l, h in heads)))

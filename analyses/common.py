@@ -92,10 +92,10 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_id_tensor(ids: torch.Tensor, what: str) -> torch.Tensor:
-    """Token ids given as a tensor must be integers: `.long()` would truncate 3.7 to token 3 without a word."""
+def check_id_tensor(ids: torch.Tensor, what: str, noun: str = "token") -> torch.Tensor:
+    """Ids given as a tensor must be integers: `.long()` would truncate 3.7 to id 3 without a word."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"{what} as a tensor must hold integer token ids, got dtype {ids.dtype}")
+        raise TypeError(f"{what} as a tensor must hold integer {noun} ids, got dtype {ids.dtype}")
     return ids.long()
 
 
@@ -103,10 +103,7 @@ def unit_ids(values, count: int, unit: str, domain: str) -> torch.Tensor:
     """[n] int64 on the CPU: ids of `unit`s (neurons, SAE features) given as an int, a list or a tensor, each an
     integer in [0, count) (`domain` names that range in errors), none twice."""
     if isinstance(values, torch.Tensor):
-        # .long() would truncate 3.7 to unit 3 without a word
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise TypeError(f"{unit}s as a tensor must hold integer {unit} ids, got dtype {values.dtype}")
-        ids = values.detach().long().flatten().cpu()
+        ids = check_id_tensor(values, f"{unit}s", noun=unit).detach().flatten().cpu()
     else:
         try:
             items = [values] if is_int(values) else list(values)

@@ -178,9 +178,9 @@ def sae_features(
 
 
 # ---- feature_logits ------------------------------------------------------------------------------
-def _residual_write(model: HookedDecoder, name: str) -> tuple[int, Callable[[torch.Tensor], torch.Tensor]]:
-    """(width of the activation at `name`, the linear map from directions there [n width] to what they
-    add to the residual stream [n d_model]), float32. Found by the hook point's identity, not its name."""
+def _residual_write(model: HookedDecoder, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The linear map from directions at `name` [n width] to what they add to the residual stream [n d_model],
+    float32. Found by the hook point's identity, not its name."""
     point = model.hook_point(name)
     for layer, block in enumerate(model.blocks):
         if point is block.attn.hook_z:
@@ -193,14 +193,14 @@ def _residual_write(model: HookedDecoder, name: str) -> tuple[int, Callable[[tor
                 written = einsum(heads, W_O, "n head d_head, head d_head d_model -> n d_model")
                 return written if post is None else written * post
 
-            return W_O.shape[0] * W_O.shape[1], through_W_O
+            return through_W_O
         if point is block.mlp.hook_post:
             values = _value_directions(model, layer, torch.arange(block.mlp.W_out.shape[0]), through_final_norm=False)
-            return values.shape[0], lambda directions: directions @ values  # [d_mlp d_model]: each neuron's write
+            return lambda directions: directions @ values  # [d_mlp d_model]: each neuron's write
     residual = ("hook_embed", "hook_pos_embed", "hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out",
                 "hook_resid_post")
     if any(point is getattr(owner, attr, None) for owner in (model, *model.blocks) for attr in residual):
-        return model.cfg.d_model, lambda directions: directions
+        return lambda directions: directions
     raise ValueError(
         f"feature_logits reads decoder rows as writes to the residual stream, and {name!r} is not one: it takes SAEs "
         "on the residual stream (hook_resid_pre/mid/post, hook_embed), the sublayer outputs (hook_attn_out, "
@@ -239,10 +239,7 @@ def feature_logits(model: HookedDecoder, sae: SparseAutoencoder, features: Featu
     name = check_sae(model, sae)
     ids = feature_ids(sae, features)
     k = _check_k(k, model.cfg.d_vocab, "d_vocab")
-    width, write = _residual_write(model, name)
-    if width != sae.cfg.d_in:
-        raise ValueError(f"the SAE reads {sae.cfg.d_in} dimensions, but the activation at {name!r} has {width}: it "
-                         "was trained for another model or hook point")
+    write = _residual_write(model, name)  # check_sae made sure the SAE's width is the activation's
     W_dec = sae.W_dec.detach()
 
     def directions(rows: slice) -> torch.Tensor:

@@ -26,7 +26,7 @@ from analyses.common import model_mask as _forward_mask, tokens_and_mask
 from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder, token_id, token_labels
 from analyses.common import resolve_positions as _resolve_positions
 from probe.io import atomic_directory
-from probe import HELDOUT_TEXT, HookedDecoder
+from probe import HELDOUT_TEXT, HookedDecoder, NormPlacement
 from probe.names import act_name
 
 NormMode = Literal["recompute", "frozen"]
@@ -46,7 +46,7 @@ def lens_sites(n_layers: int, include_mid: bool = False) -> list[str]:
 
 def has_resid_mid(model: HookedDecoder) -> bool:
     """Whether blocks have a residual between attention and MLP (parallel blocks have none)."""
-    return act_name("resid_mid", 0) in model.hook_names
+    return model.cfg.norm_placement is not NormPlacement.PARALLEL
 
 
 def model_lens_sites(model: HookedDecoder, include_mid: bool = False) -> list[str]:

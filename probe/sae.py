@@ -116,7 +116,11 @@ class SparseAutoencoder(HookedRootModule):
         output = self.decode(self.encode(x)).reshape(x.shape)
         if use_error_term:
             with torch.no_grad():  # the error is a constant: an edit of the features acts on the reconstruction alone
-                clean = (self._encode(x, hooked=False) @ self.W_dec + self.b_dec).reshape(x.shape)
+                edited = any(p.active for p in (self.hook_sae_input, self.hook_sae_acts_pre, self.hook_sae_acts_post,
+                                                self.hook_sae_recons))
+                # without hooks the reconstruction is the clean one: the same operations, so no second encode
+                clean = (self._encode(x, hooked=False) @ self.W_dec + self.b_dec).reshape(x.shape) if edited \
+                    else output.detach()
                 # in the wider of the two dtypes: a bfloat16 SAE must not round a float32 model's activation
                 dtype = torch.promote_types(x.dtype, clean.dtype)
                 error = x.to(dtype) - clean.to(dtype)

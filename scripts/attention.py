@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from analyses import attention_patterns, composition_scores, copying_scores, head_scores
+    from analyses.circuits import processed_for_circuits
 
     out = Output(default_out(args, "attention"), args.force)
     model = load_model(args)
@@ -50,13 +51,14 @@ def run(args: argparse.Namespace) -> int:
         out.write_figure(f"scores_{kind}.html", scores.figure())
         top = scores.top(3)
         print(f"{kind}: " + ", ".join(f"{r.layer}.{r.head} {r.score:.2f}" for r in top.itertuples()))
-    copying = copying_scores(model)
+    processed = processed_for_circuits(model)  # one processed copy for both scores, not one each
+    copying = copying_scores(processed, process=False)
     out.write_csv("copying_scores.csv", copying.to_frame())
     out.write_figure("copying_scores.html", copying.figure())
     top = copying.to_frame().nlargest(3, "copying_score")
     print("OV copying: " + ", ".join(f"{r.layer}.{r.head} {r.copying_score:.2f}" for r in top.itertuples()))
     if model.cfg.n_layers > 1:
-        composition = composition_scores(model)
+        composition = composition_scores(processed, process=False)
         frame = composition.to_frame()
         out.write_csv("composition.csv", frame)
         for kind in "qkv":

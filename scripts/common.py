@@ -117,21 +117,23 @@ def check_corpus_arg(corpus) -> None:
         raise CommandError(f"--corpus {corpus}: {err}" if corpus is not None else str(err)) from err
 
 
-def write_triggers(out: "Output", args: argparse.Namespace, model, triggers) -> bool:
+def write_triggers(out: "Output", args: argparse.Namespace, model, triggers):
     """triggers.csv for a complete scan (and the partial file of an earlier run removed); for one stopped by
-    Ctrl-C, triggers.partial.csv and the report, saying what is stale and how to finish. Whether it was complete."""
+    Ctrl-C, triggers.partial.csv and the report, saying what is stale and how to finish. Returns the frame
+    written for a complete scan (decoding every context is not free), None for an interrupted one."""
+    frame = triggers.to_frame(model)
     if not triggers.complete:  # keep what was scanned, under a name that says it is partial
-        out.write_csv("triggers.partial.csv", triggers.to_frame(model))
+        out.write_csv("triggers.partial.csv", frame)
         out.report(args)
         for stale in ("triggers.csv", "triggers.html"):
             if out.path(stale).exists():
                 print(f"note: {out.path(stale)} is from an earlier, complete run, not this one", file=sys.stderr)
         print(f"interrupted: the scan covered {triggers.n_tokens} tokens ({triggers.n_docs} documents complete); "
               f"triggers.partial.csv holds their top-{triggers.k}; rerun to scan the whole corpus", file=sys.stderr)
-        return False
-    out.write_csv("triggers.csv", triggers.to_frame(model))
+        return None
+    out.write_csv("triggers.csv", frame)
     out.discard("triggers.partial.csv")
-    return True
+    return frame
 
 
 def model_label(args: argparse.Namespace) -> str:

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         print(lookup.to_frame().head(2 * args.k).to_string(index=False))
     if args.triggers or args.corpus is not None:
         triggers = top_triggers(model, args.corpus, layers=layers, neurons=args.neurons, k=args.k, progress=not args.quiet)
-        if not write_triggers(out, args, model, triggers):
+        if write_triggers(out, args, model, triggers) is None:
             return 130
         stats = agreement(model, triggers)
         out.write_csv("agreement.csv", stats.to_frame())

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         counterfactual = next(int(t) for t in top.indices if int(t) != answer)
     check_contrast(model, answer, counterfactual)
     saes = [load_sae(model, directory) for directory in args.sae]  # before any section: a bad directory costs nothing
-    report = Report(f"probe report: {Path(str(args.model)).name}" + (f"@{args.revision}" if args.revision else ""))
+    report = Report(f"probe report: {Path(model_label(args)).name}")
     timings = {}
 
     def timed(name):

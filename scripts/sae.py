@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
         out.write_figure("feature_logits.html", logits.figure())
     out.write_csv("loss.csv", loss.to_frame())
     scanned = args.features if args.features is not None else top
-    triggers = _triggers(args, out, model, sae, scanned) if scan and scanned else None
-    if triggers is not None and not triggers.complete:
+    triggers, frame = _triggers(args, out, model, sae, scanned) if scan and scanned else (None, None)
+    if triggers is not None and frame is None:  # interrupted
         return 130
     out.report(args)
 
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if triggers is not None:
         print(f"top triggers over {triggers.n_tokens} corpus tokens (triggers.csv):")
         # every feature has a value at every scanned token, so each one's first slot is filled
-        best = triggers.to_frame(model).query("rank == 0").set_index("feature")
+        best = frame.query("rank == 0").set_index("feature")
         for feature in scanned:
             row = best.loc[feature]
             print(f"  F{feature:<7} {row.activation:9.4f}   {row.prefix[-60:]!r} -> next {row.next_token!r}")
@@ -118,8 +118,9 @@ def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[
 
     triggers = top_triggers(model, args.corpus, neurons=features, k=args.k, progress=not args.quiet, sae=sae,
                             batch_size=args.batch_size, window=args.window)
-    if not write_triggers(out, args, model, triggers):
-        return triggers
+    frame = write_triggers(out, args, model, triggers)
+    if frame is None:
+        return triggers, None
     # one page with a panel per feature: plotly.js is inlined once, not once per feature (~5 MB each)
     panels = [triggers.figure(model, triggers.layers[0], feature) for feature in features]
     page = make_subplots(rows=len(panels), cols=1, subplot_titles=[p.layout.title.text for p in panels],
@@ -129,7 +130,7 @@ def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[
             page.add_trace(trace, row=row, col=1)
     page.update_layout(height=260 * len(panels), showlegend=False, title=f"Top triggers of {len(panels)} features")
     out.write_figure("triggers.html", page)
-    return triggers
+    return triggers, frame
 
 
 build_parser, main = command(__doc__, "probe sae", add_arguments, run)
