@@ -11,14 +11,29 @@ from torch import nn
 HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
 
 
+def _backward(dir: str) -> bool:
+    if dir not in ("fwd", "bwd"):
+        raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
+    return dir == "bwd"
+
+
 class HookHandle:
     """One attachment of a hook function to a HookPoint; `remove()` detaches exactly that one, and
     removing twice is harmless. The same function attached twice gets two handles, so an inner
-    `with` block that re-attaches a function leaves the outer block's hooks in their order."""
+    `with` block that re-attaches a function leaves the outer block's hooks in their order.
 
-    def __init__(self, registry: list["HookHandle"], fn: HookFn):
-        self.registry, self.fn = registry, fn
+    `persistent` handles (transformer-lens's `add_hook`) stay until removed or `reset_hooks()`;
+    `permanent` ones survive `reset_hooks()` too unless it is told `including_permanent=True`."""
+
+    def __init__(self, registry: list["HookHandle"], fn: HookFn, backward: bool = False, persistent: bool = False,
+                 permanent: bool = False):
+        self.registry, self.fn, self.backward = registry, fn, backward
+        self.persistent, self.permanent = persistent or permanent, permanent
         self.removed = False  # a backward pass after the block ended must not run it
+
+    @property
+    def direction(self) -> str:
+        return "bwd" if self.backward else "fwd"
 
     def remove(self) -> None:
         self.removed = True
@@ -45,6 +60,7 @@ class HookPoint(nn.Module):
     def __init__(self, opt_in: bool = False):
         super().__init__()
         self.name: str = "<unnamed>"  # set by HookedRootModule.setup_hooks
+        self.ctx: dict = {}  # scratch space for hook functions (transformer-lens's hook.ctx); cleared by reset_hooks
         self.opt_in = opt_in
         # the last dimension's size, where the owner knows it but the model's shape table cannot (a lent SAE
         # point): what a cache-size estimate needs
@@ -57,13 +73,48 @@ class HookPoint(nn.Module):
         """Something is attached: the model must materialise this activation (opt-in or explicit paths)."""
         return bool(self._fns or self._bwd_fns)
 
-    def add(self, fn: HookFn, backward: bool = False) -> HookHandle:
+    def add(self, fn: HookFn, backward: bool = False, *, persistent: bool = False, permanent: bool = False,
+            prepend: bool = False) -> HookHandle:
+        """Attach `fn` and return its handle; it runs until `handle.remove()` (what `hooks()` blocks do on exit)
+        or, for any hook but a permanent one, the owning model's `reset_hooks()`. Prefer `model.hooks(...)`,
+        which removes it for you; `persistent=True` marks a hook meant to stay (listed by `model.persistent_hooks()`)."""
         if not callable(fn):
             what = "grad" if backward else "activation"
             raise TypeError(f"hook for {self.name!r} must be callable as fn({what}, hook), got {type(fn).__name__}")
-        handle = HookHandle(self._bwd_fns if backward else self._fns, fn)
-        handle.registry.append(handle)
+        handle = HookHandle(self._bwd_fns if backward else self._fns, fn, backward, persistent, permanent)
+        handle.registry.insert(0 if prepend else len(handle.registry), handle)
         return handle
+
+    # ---- transformer-lens's hook-point surface ------------------------------------------------
+    def add_hook(self, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level=None,
+                 prepend: bool = False) -> HookHandle:
+        """transformer-lens's `HookPoint.add_hook`: attach `hook(tensor, hook)` until `remove_hooks()` or the model's
+        `reset_hooks()` (permanent hooks: until `including_permanent=True`). `level` (TL's context level) is ignored."""
+        return self.add(hook, backward=_backward(dir), persistent=True, permanent=is_permanent, prepend=prepend)
+
+    def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False, level=None) -> None:
+        """Remove this point's hooks in direction `dir` ("fwd", "bwd" or "both"), keeping permanent ones unless asked."""
+        registries = {"fwd": [self._fns], "bwd": [self._bwd_fns], "both": [self._fns, self._bwd_fns]}
+        if dir not in registries:
+            raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', got {dir!r}")
+        for registry in registries[dir]:
+            for handle in [h for h in registry if including_permanent or not h.permanent]:
+                handle.remove()
+
+    def clear_context(self) -> None:
+        self.ctx = {}
+
+    def layer(self) -> int:
+        """The block index in this point's name (`blocks.3.attn.hook_z` -> 3), as transformer-lens's `hook.layer()`."""
+        parts = self.name.split(".")
+        if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
+            raise ValueError(f"hook point {self.name!r} is not inside a block, so it has no layer")
+        return int(parts[1])
+
+    @property
+    def handles(self) -> list[HookHandle]:
+        """Every attached hook, forward then backward, in the order they run."""
+        return self._fns + self._bwd_fns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for fn in [handle.fn for handle in self._fns]:
@@ -114,7 +165,7 @@ class HookPoint(nn.Module):
         # hooks belong to the call or `with` block that attached them: a copy of the model
         # (copy.deepcopy inside a block, process_weights) must not keep them after the block ends
         state = self.__dict__.copy()
-        state["_fns"], state["_bwd_fns"] = [], []
+        state["_fns"], state["_bwd_fns"], state["ctx"] = [], [], {}
         return state
 
     def extra_repr(self) -> str:

@@ -1,6 +1,7 @@
 """HookedRootModule: gives any nn.Module built from HookPoints named hooks, scoped hooking and caching."""
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -14,6 +15,10 @@ from hooks.hook_point import HookFn, HookPoint
 from hooks.names import unknown_name_error
 
 NameFilter = Union[str, Sequence[str], Callable[[str], bool]]
+
+
+def _the_output(out: torch.Tensor) -> torch.Tensor:
+    return out
 
 
 class CacheTooLargeError(MemoryError):
@@ -100,34 +105,86 @@ class HookedRootModule(nn.Module):
 
     @contextmanager
     def hooks(
-        self, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = ()
+        self, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
+        reset_hooks_end: bool = True, clear_contexts: bool = False,
     ) -> Iterator["HookedRootModule"]:
         """Attach hooks for the duration of the block; they are removed on exit, whatever happens.
 
         Backward hooks `fn(grad, hook)` see the gradient at their point during a backward pass made
         inside the block, of a forward made inside it: call `.backward()` before the block ends.
+
+        `reset_hooks_end=False` (transformer-lens's keyword) keeps them after the block, as persistent hooks
+        that `reset_hooks()` removes and `persistent_hooks()` lists; `clear_contexts` empties every hook's
+        `ctx` on exit.
         """
         handles = []
         try:
             for hook_list, backward in ((fwd_hooks, False), (bwd_hooks, True)):
                 for names, fn in hook_list:
                     for name in self.select_hook_names(names):
-                        handles.append(self.hook_point(name).add(fn, backward=backward))
+                        handles.append(self.hook_point(name).add(fn, backward=backward, persistent=not reset_hooks_end))
             yield self
         finally:
-            for handle in reversed(handles):
-                handle.remove()
+            if reset_hooks_end or sys.exc_info()[0] is not None:  # a failed block leaves nothing behind
+                for handle in reversed(handles):
+                    handle.remove()
+            if clear_contexts:
+                self.clear_contexts()
+
+    # ---- persistent hooks, as transformer-lens has them ----------------------------------------
+    def add_hook(self, name: NameFilter, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level=None,
+                 prepend: bool = False) -> None:
+        """transformer-lens's `add_hook`: attach `hook` to a point (a name, a list of names or a predicate) until
+        `reset_hooks()`; `is_permanent=True` keeps it through `reset_hooks()` too. Unlike `hooks()` and
+        `run_with_hooks`, nothing removes it for you: `persistent_hooks()` lists what is attached."""
+        for point_name in self.select_hook_names(name):
+            self.hook_point(point_name).add_hook(hook, dir=dir, is_permanent=is_permanent, prepend=prepend)
+
+    def add_perma_hook(self, name: NameFilter, hook: HookFn, dir: str = "fwd") -> None:
+        self.add_hook(name, hook, dir=dir, is_permanent=True)
+
+    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
+                    level=None) -> None:
+        """Remove every hook (forward, backward or both) but permanent ones, including those of `with` blocks
+        still open (they would be removed at the block's end anyway), as transformer-lens's `reset_hooks`."""
+        for point in self._all_points.values():
+            point.remove_hooks(direction, including_permanent=including_permanent)
+        if clear_contexts:
+            self.clear_contexts()
+
+    def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False, level=None) -> None:
+        self.reset_hooks(clear_contexts=False, direction=direction, including_permanent=including_permanent)
+
+    def clear_contexts(self) -> None:
+        for point in self._all_points.values():
+            point.clear_context()
+
+    def persistent_hooks(self) -> list[tuple[str, str, HookFn, bool]]:
+        """(point name, "fwd" or "bwd", fn, permanent) for every hook attached with `add_hook` (or kept by
+        `reset_hooks_end=False`): what stays attached after the call that added it."""
+        return [(name, handle.direction, handle.fn, handle.permanent)
+                for name, point in self._all_points.items() for handle in point.handles if handle.persistent]
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]:
+        """Every hook point by name (transformer-lens's `hook_dict`)."""
+        return dict(self._all_points)
 
     def run_with_hooks(
         self, *args: Any, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
-        bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), **kwargs: Any,
+        bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), reset_hooks_end: bool = True,
+        clear_contexts: bool = False, **kwargs: Any,
     ) -> Any:
-        if list(bwd_hooks):
+        """Run the model with `fwd_hooks` attached for this call only. With `reset_hooks_end=False` (transformer-lens's
+        way to run a backward pass through `bwd_hooks`) the hooks stay attached until `reset_hooks()`."""
+        bwd_hooks = list(bwd_hooks)
+        if bwd_hooks and reset_hooks_end:
             # the hooks are gone when this returns, before anyone can call backward on the output
             raise ValueError("run_with_hooks removes its hooks before a backward pass can run, so bwd_hooks would never "
-                             "fire; use `with model.hooks(bwd_hooks=...):` and call .backward() inside the block, or "
+                             "fire; use `with model.hooks(bwd_hooks=...):` and call .backward() inside the block, pass "
+                             "reset_hooks_end=False and call model.reset_hooks() after the backward, or "
                              "run_with_cache(..., grads_of=...) to cache gradients")
-        with self.hooks(fwd_hooks):
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts):
             return self(*args, **kwargs)
 
     def run_with_cache(
@@ -139,6 +196,10 @@ class HookedRootModule(nn.Module):
         fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
         max_cache_bytes: Optional[float] = None,
         grads_of: Optional[Callable[[Any], torch.Tensor]] = None,
+        names_filter: Optional[NameFilter] = None,
+        remove_batch_dim: bool = False,
+        incl_bwd: bool = False,
+        return_cache_object: bool = True,
         **kwargs: Any,
     ) -> tuple[Any, ActivationCache]:
         """Run the model and return `(output, cache)`.
@@ -153,7 +214,26 @@ class HookedRootModule(nn.Module):
         stored activation, under `name + "_grad"` (transformer-lens's key). The gradients come from
         `torch.autograd.grad`, so the parameters' `.grad` are left alone and frozen weights work too;
         that uses up the graph, so the output comes back detached.
+
+        transformer-lens's keywords work too: `names_filter` (= `names`), `incl_bwd=True` (the gradient of the
+        output itself, which must then be a scalar such as `return_type="loss"`: `grads_of=lambda out: out`),
+        `remove_batch_dim=True` (a batch of one, stored without its batch dimension) and
+        `return_cache_object=False` (a plain dict).
         """
+        if names_filter is not None:
+            if names is not None:
+                raise ValueError("pass names= or names_filter= (transformer-lens's spelling), not both")
+            names = names_filter
+        if incl_bwd:
+            if grads_of is not None:
+                raise ValueError("incl_bwd=True differentiates the output itself; with grads_of=... pass only that")
+            grads_of = _the_output
+        for unsupported, fix in (("pos_slice", "slice the cached tensors afterwards"),
+                                 ("reset_hooks_end", "use add_hook/reset_hooks for hooks that outlive the call"),
+                                 ("clear_contexts", "call model.clear_contexts()")):
+            if unsupported in kwargs:
+                raise TypeError(f"run_with_cache does not take {unsupported}= (a transformer-lens keyword): {fix}; "
+                                f"see docs/from_transformer_lens.md")
         store: dict[str, torch.Tensor] = {}
         live: dict[str, torch.Tensor] = {}  # with grads_of: the activations themselves, in the graph
 
@@ -200,7 +280,17 @@ class HookedRootModule(nn.Module):
                 out = self(*args, **kwargs)
             if grads_of is not None:
                 out = self._cache_gradients(out, grads_of, live, store, device, dtype)
-        return out, ActivationCache(store)
+        if remove_batch_dim:
+            batches = {t.shape[0] for t in store.values()}
+            if batches - {1}:
+                raise ValueError(f"remove_batch_dim=True needs a batch of one prompt, got batch sizes {sorted(batches)}")
+            store = {name: t[0] for name, t in store.items()}
+        cache = self.make_cache(store, has_batch_dim=not remove_batch_dim)
+        return out, (cache if return_cache_object else dict(cache.items()))
+
+    def make_cache(self, activations: dict[str, torch.Tensor], has_batch_dim: bool = True) -> ActivationCache:
+        """The cache object run_with_cache returns (models override this to give theirs more methods)."""
+        return ActivationCache(activations)
 
     @staticmethod
     def _cache_gradients(out: Any, grads_of: Callable[[Any], torch.Tensor], live: dict[str, torch.Tensor],

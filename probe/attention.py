@@ -1,7 +1,7 @@
 """Causal self-attention (multi-head, grouped-query or multi-query) with every intermediate hooked."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,15 @@ from probe.embedding import Rotary
 from probe.kv_cache import LayerKV
 from probe.norm import make_norm
 from probe.softcap import make_softcap
+
+
+class PerHeadInputs(NamedTuple):
+    """Each head's own normed input (see Block.attention_input): q [batch pos head d_model], k and v
+    [batch pos kv_head d_model]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -54,10 +63,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [batch pos d_model]; positions [batch pos]; `allowed` [batch 1 query_pos key_pos] says which
         keys each query may see (None: plain causal); `past` holds earlier passes' keys and values."""
-        q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
-        q = self.hook_q(rearrange(q, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
-        k = self.hook_k(rearrange(k, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
-        v = self.hook_v(rearrange(v, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head))
+        q, k, v = self.project(x)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         if self.rotary is not None:
             q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))
@@ -80,6 +87,18 @@ class Attention(nn.Module):
             )
             return result.sum(dim=2) + (self.out.bias if self.out.bias is not None else 0.0)
         return self.out(rearrange(z, "batch pos head d_head -> batch pos (head d_head)"))
+
+    def project(self, x: Union[torch.Tensor, PerHeadInputs]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [batch pos head d_head], k and v [batch pos kv_head d_head] from x [batch pos d_model] in one matmul,
+        or from each head's own input."""
+        if isinstance(x, torch.Tensor):
+            q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
+            return tuple(rearrange(t, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
+                         for t in (q, k, v))
+        biases = (self.b_Q, self.b_K, self.b_V)
+        return tuple(
+            einsum(inp, w, "batch pos head d_model, head d_model d_head -> batch pos head d_head") + (0.0 if b is None else b)
+            for inp, w, b in zip(x, (self.W_Q, self.W_K, self.W_V), biases))
 
     def _attend_explicitly(self, q, k, v, allowed):
         scores = einsum(q, k, "batch query_pos head d_head, batch key_pos head d_head -> batch head query_pos key_pos")

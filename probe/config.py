@@ -114,6 +114,11 @@ class DecoderConfig:
     tied_embeddings: bool = True  # unembedding = embedding transposed, as in GPT-2
     unembed_bias: bool = False  # a bias on the logits (none of the supported checkpoints; a processed model's folded norm bias)
     init_std: float = 0.02  # weight init for models trained from scratch
+    # Which loaded model this describes, not its architecture: kept off comparisons and to_dict. The model sets
+    # them (transformer-lens code reads model.cfg.device and model.cfg.model_name).
+    model_name: Optional[str] = dataclasses.field(default=None, compare=False)
+    device: str = dataclasses.field(default="cpu", compare=False)
+    default_prepend_bos: bool = dataclasses.field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         def positive(field):
@@ -208,8 +213,47 @@ class DecoderConfig:
     def layer_kv_heads(self, layer: int) -> int:
         return self.n_kv_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
 
+    # ---- transformer-lens's names for the same facts (HookedTransformerConfig) -------------------------
+    @property
+    def act_fn(self) -> str:
+        return self.activation.value
+
+    @property
+    def normalization_type(self) -> str:
+        return "LN" if self.norm is Norm.LAYER else "RMS"
+
+    @property
+    def positional_embedding_type(self) -> str:
+        return {Positions.LEARNED: "standard", Positions.SINUSOIDAL: "sinusoidal", Positions.ROTARY: "rotary"}[self.positions]
+
+    @property
+    def n_key_value_heads(self) -> Optional[int]:
+        return None if self.n_kv_heads == self.n_heads else self.n_kv_heads  # TL: None for plain multi-head
+
+    @property
+    def d_vocab_out(self) -> int:
+        return self.d_vocab
+
+    @property
+    def parallel_attn_mlp(self) -> bool:
+        return self.norm_placement is NormPlacement.PARALLEL
+
+    @property
+    def attn_only(self) -> bool:
+        return False
+
+    @property
+    def n_params(self) -> int:
+        """Weights in the attention and MLP sublayers (transformer-lens's count: no embeddings, norms or biases)."""
+        per_layer = sum(
+            self.d_model * self.d_head * (2 * self.layer_heads(l) + 2 * self.layer_kv_heads(l))
+            + self.d_model * self.d_mlp * (3 if self.gated_mlp else 2)
+            for l in range(self.n_layers))
+        return per_layer
+
     def to_dict(self) -> dict[str, Any]:
-        out = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items()}
+        instance = {f.name for f in dataclasses.fields(self) if not f.compare}
+        out = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items() if k not in instance}
         for field in ("heads_per_layer", "sliding_layers"):
             if out[field] is not None:
                 out[field] = list(out[field])

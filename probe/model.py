@@ -1,6 +1,7 @@
 """HookedDecoder: a GPT-2-style decoder whose every intermediate is a named hook point."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -9,14 +10,20 @@ import torch
 from torch import nn
 
 from hooks import HookedRootModule, HookPoint
-from probe.attention import Attention
+from einops import repeat
+
+from probe.attention import Attention, PerHeadInputs
 from probe.config import DecoderConfig, NormPlacement
+from probe.decoder_cache import DecoderCache
 from probe.embedding import Embed, Unembed, make_pos_embed
 from probe.kv_cache import KVCache
 from probe.mlp import make_mlp
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
-from probe.shapes import hook_shapes
+from probe.shapes import PER_HEAD_INPUTS, hook_shapes
+from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported
 from probe.tokenizer import Tokenizer
+from probe.tokens import TokenMethods
+from probe.weight_views import WeightViews
 
 ModelInput = Union[str, Sequence[str], torch.Tensor]
 NORM_HOOKS = (".hook_scale", ".hook_normalized")
@@ -32,17 +39,41 @@ class PreNormBlock(nn.Module):
         self.ln2 = make_norm(cfg)
         self.mlp = make_mlp(cfg)
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        # per-head copies of what attention reads, before its norm (transformer-lens's use_attn_in and
+        # use_split_qkv_input): computed only while hooked or cached by name, see attention_input
+        self.hook_attn_in = HookPoint(opt_in=True)  # [batch pos head d_model]
+        self.hook_q_input = HookPoint(opt_in=True)  # [batch pos head d_model]
+        self.hook_k_input = HookPoint(opt_in=True)  # [batch pos kv_head d_model]
+        self.hook_v_input = HookPoint(opt_in=True)  # [batch pos kv_head d_model]
         self.hook_attn_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_mid = HookPoint()  # [batch pos d_model]
+        self.hook_mlp_in = HookPoint(opt_in=True)  # [batch pos d_model]: what the MLP reads, before its norm
         self.hook_mlp_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_post = HookPoint()  # [batch pos d_model]
 
     def forward(self, resid_pre, positions, allowed=None, past=None):
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), positions, allowed, past))
+        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past))
         resid_mid = self.hook_resid_mid(resid_pre + attn_out)
-        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_mid)))
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_mid))))
         return self.hook_resid_post(resid_mid + mlp_out)
+
+    def attention_input(self, resid: torch.Tensor, norm: nn.Module):
+        """norm(resid) [batch pos d_model], what attention reads. While a per-head input point is hooked, each head
+        reads its own copy instead, normed separately: PerHeadInputs of [batch pos head d_model] queries' and
+        [batch pos kv_head d_model] keys' and values' inputs, so an edit reaches one head's q, k or v alone."""
+        points = (self.hook_attn_in, self.hook_q_input, self.hook_k_input, self.hook_v_input)
+        if not any(point.active for point in points):
+            return norm(resid)
+        attn_in = self.hook_attn_in(repeat(resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_heads))
+        kv_in = attn_in
+        if self.attn.n_kv_heads != self.attn.n_heads:
+            if self.hook_attn_in.active:
+                raise ValueError("hook_attn_in has one copy per query head, but this model's keys and values have "
+                                 "fewer heads (grouped-query attention); hook hook_k_input / hook_v_input instead")
+            kv_in = repeat(resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_kv_heads)
+        return PerHeadInputs(norm(self.hook_q_input(attn_in)), norm(self.hook_k_input(kv_in)),
+                             norm(self.hook_v_input(kv_in)))
 
 
 class PostNormBlock(PreNormBlock):
@@ -52,9 +83,9 @@ class PostNormBlock(PreNormBlock):
 
     def forward(self, resid_pre, positions, allowed=None, past=None):
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(resid_pre, positions, allowed, past))
+        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, nn.Identity()), positions, allowed, past))
         resid_mid = self.hook_resid_mid(self.ln1(resid_pre + attn_out))
-        mlp_out = self.hook_mlp_out(self.mlp(resid_mid))
+        mlp_out = self.hook_mlp_out(self.mlp(self.hook_mlp_in(resid_mid)))
         return self.hook_resid_post(self.ln2(resid_mid + mlp_out))
 
 
@@ -69,8 +100,8 @@ class ParallelBlock(PreNormBlock):
 
     def forward(self, resid_pre, positions, allowed=None, past=None):
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), positions, allowed, past))
-        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_pre)))
+        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past))
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_pre))))
         return self.hook_resid_post(resid_pre + attn_out + mlp_out)
 
 
@@ -86,9 +117,9 @@ class SandwichBlock(PreNormBlock):
 
     def forward(self, resid_pre, positions, allowed=None, past=None):
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.ln1_post(self.attn(self.ln1(resid_pre), positions, allowed, past)))
+        attn_out = self.hook_attn_out(self.ln1_post(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past)))
         resid_mid = self.hook_resid_mid(resid_pre + attn_out)
-        mlp_out = self.hook_mlp_out(self.ln2_post(self.mlp(self.ln2(resid_mid))))
+        mlp_out = self.hook_mlp_out(self.ln2_post(self.mlp(self.ln2(self.hook_mlp_in(resid_mid)))))
         return self.hook_resid_post(resid_mid + mlp_out)
 
 
@@ -97,29 +128,13 @@ BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, No
 Block = PreNormBlock
 
 
-def _stacked(path: str, shape: str) -> property:
-    """Every block's `path` (e.g. "attn.W_Q") stacked over layers, [layer ...]: a copy, to read."""
-    sublayer, name = path.split(".")
-
-    def get(self: "HookedDecoder") -> Optional[torch.Tensor]:
-        values = [getattr(getattr(block, sublayer), name) for block in self.blocks]
-        if any(v is None for v in values):
-            return None  # the model has no such bias
-        if len({tuple(v.shape) for v in values}) > 1:
-            raise ValueError(f"{name} has a different shape in each layer (structurally pruned heads), so it does not "
-                             f"stack; read model.blocks[layer].{path}")
-        return torch.stack(values)
-
-    get.__doc__ = f"{shape}: every block's {path}, stacked (None if the model has no such bias)"
-    return property(get)
-
-
-class HookedDecoder(HookedRootModule):
+class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRootModule):
     """Token (+ position) embedding -> n_layers blocks -> final norm -> unembedding."""
 
     def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
         super().__init__()
-        self.cfg = cfg
+        prepend_bos = tokenizer is None or tokenizer.bos_id is not None
+        self.cfg = cfg if cfg.default_prepend_bos == prepend_bos else dataclasses.replace(cfg, default_prepend_bos=prepend_bos)
         self.tokenizer = tokenizer
         self.embed = Embed(cfg.d_vocab, cfg.d_model, math.sqrt(cfg.d_model) if cfg.scale_embed else None)
         self.hook_embed = HookPoint()  # [batch pos d_model]
@@ -140,25 +155,39 @@ class HookedDecoder(HookedRootModule):
         input: ModelInput,
         attention_mask: Optional[torch.Tensor] = None,
         *,
-        start_at_layer: int = 0,
+        return_type: Optional[str] = "logits",
+        loss_per_token: bool = False,
+        prepend_bos: Optional[bool] = None,
+        padding_side: Optional[str] = None,
+        start_at_layer: Optional[int] = 0,
         stop_at_layer: Optional[int] = None,
+        tokens: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
+        **unsupported,
     ) -> torch.Tensor:
         """Logits [batch pos vocab] for token ids [batch pos] (or [pos]), a string, or a list of strings.
 
-        A list of strings is right-padded; `attention_mask` [batch pos] (1 = real token) handles any
-        padding you did yourself, left or right: padded keys are hidden and positions count real tokens
-        only, so a prompt's activations do not depend on what it was batched with.
+        A list of strings is padded on `padding_side` ("right" by default; "left" puts every prompt's last token
+        at the last position). `attention_mask` [batch pos] (1 = real token) handles padding you did yourself,
+        left or right: padded keys are hidden and positions count real tokens only, so a prompt's activations do
+        not depend on what it was batched with. `prepend_bos=None` prepends BOS when the tokenizer has one.
+
+        `return_type` is transformer-lens's: "logits", "loss" (the mean next-token cross-entropy, or [batch pos-1]
+        with `loss_per_token=True`), "both" ((logits, loss)) or None. The loss counts every position of
+        right-padded text, as transformer-lens does; left padding or an `attention_mask` leaves padding out.
 
         `start_at_layer=l` takes the residual stream [batch pos d_model] entering block l instead of
-        tokens; `stop_at_layer=l` returns the residual stream entering block l instead of logits.
-        Together they rerun part of the model, e.g. from a cached residual.
+        tokens (give `tokens=` to score a loss); `stop_at_layer=l` returns the residual stream entering block l
+        instead of logits. Together they rerun part of the model, e.g. from a cached residual.
 
         `kv_cache` (see `generate`) keeps every layer's keys and values: the input is then only the
         new tokens, and their positions continue where the cache ends.
         """
+        refuse_unsupported(unsupported, "HookedDecoder.forward")
+        check_return_type(return_type)
+        start_at_layer = start_at_layer or 0  # transformer-lens passes None for "from the embeddings"
         if start_at_layer == 0:
-            tokens, attention_mask = self._tokens_and_mask(input, attention_mask)
+            tokens, attention_mask = self._tokens_and_mask(input, attention_mask, padding_side, prepend_bos)
             batch, n_new = tokens.shape
         else:
             resid = self._validate_residual(input, start_at_layer)
@@ -173,6 +202,7 @@ class HookedDecoder(HookedRootModule):
                     f"stop_at_layer={stop_at_layer} must be in [start_at_layer={start_at_layer}, n_layers={n_layers}] "
                     f"(or negative, counting from the end)"
                 )
+        logits_mask = attention_mask
         device = self.device
         if kv_cache is not None:
             if start_at_layer != 0 or stop_at_layer is not None:
@@ -199,7 +229,18 @@ class HookedDecoder(HookedRootModule):
             resid = block(resid, positions, allowed[self.cfg.layer_window(index)], past)
         if stop_at_layer is not None:
             return resid
-        return self.unembed(self.ln_final(resid))
+        logits = self.unembed(self.ln_final(resid))
+        return finish_output(return_type, logits, tokens, logits_mask, loss_per_token)
+
+    def make_cache(self, activations, has_batch_dim: bool = True) -> DecoderCache:
+        return DecoderCache(activations, self, has_batch_dim)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .half(): cfg.device follows the weights, as transformer-lens code expects of model.cfg.device
+        out = super()._apply(fn, *args, **kwargs)
+        if str(self.device) != self.cfg.device:
+            self.cfg = dataclasses.replace(self.cfg, device=str(self.device))
+        return out
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The residual stream entering block 0 for unpadded token ids [batch pos] -> [batch pos d_model]."""
@@ -218,7 +259,8 @@ class HookedDecoder(HookedRootModule):
         else:
             return None
         key_pos = pos + (kv_cache.length if kv_cache is not None else 0)
-        shapes = hook_shapes(self.cfg, batch, pos, key_pos)
+        split = {int(n.split(".")[1]) for n in names if n.startswith("blocks.") and n.endswith(PER_HEAD_INPUTS)}
+        shapes = hook_shapes(self.cfg, batch, pos, key_pos, per_head_input_layers=split)
         item = torch.empty((), dtype=dtype or self.embed.W_E.dtype).element_size()
         norm_item = 4 if dtype is None and self.cfg.norm in FLOAT32_HOOK_NORMS else item
         total = 0
@@ -288,7 +330,10 @@ class HookedDecoder(HookedRootModule):
         `revision`: a hub branch, tag or commit, e.g. one of Pythia's training checkpoints (`"step3000"`)."""
         from probe.loading import load_pretrained
 
-        return load_pretrained(name_or_path, device=device, dtype=dtype, revision=revision)
+        model = load_pretrained(name_or_path, device=device, dtype=dtype, revision=revision)
+        prepend_bos = model.tokenizer is None or model.tokenizer.bos_id is not None
+        model.cfg = dataclasses.replace(model.cfg, model_name=str(name_or_path), default_prepend_bos=prepend_bos)
+        return model
 
     def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
         """Write a Hugging Face directory in this model's family (`config.json`, `model.safetensors`, `tokenizer.json`)."""
@@ -296,117 +341,24 @@ class HookedDecoder(HookedRootModule):
 
         return save_pretrained(self, directory, overwrite=overwrite)
 
-    # ---- weights, in transformer-lens's names and shapes ------------------------------------------
-    W_Q = _stacked("attn.W_Q", "[layer head d_model d_head]")
-    W_K = _stacked("attn.W_K", "[layer kv_head d_model d_head]")
-    W_V = _stacked("attn.W_V", "[layer kv_head d_model d_head]")
-    W_O = _stacked("attn.W_O", "[layer head d_head d_model]")
-    b_Q = _stacked("attn.b_Q", "[layer head d_head]")
-    b_K = _stacked("attn.b_K", "[layer kv_head d_head]")
-    b_V = _stacked("attn.b_V", "[layer kv_head d_head]")
-    b_O = _stacked("attn.b_O", "[layer d_model]")
-    W_in = _stacked("mlp.W_in", "[layer d_model d_mlp]")
-    W_out = _stacked("mlp.W_out", "[layer d_mlp d_model]")
-    b_in = _stacked("mlp.b_in", "[layer d_mlp]")
-    b_out = _stacked("mlp.b_out", "[layer d_model]")
-
-    @property
-    def W_E(self) -> torch.Tensor:  # [vocab d_model]: the table; Gemma's residual receives it times embed.scale
-        return self.embed.W_E
-
-    @property
-    def W_pos(self) -> torch.Tensor:  # [n_ctx d_model]
-        if self.pos_embed is None:
-            raise ValueError("this model has rotary positions, which rotate q and k inside attention: no W_pos")
-        return self.pos_embed.W_pos
-
-    @property
-    def W_U(self) -> torch.Tensor:  # [d_model vocab]
-        return self.unembed.W_U
-
-    @property
-    def b_U(self) -> Optional[torch.Tensor]:  # [vocab], None without an unembedding bias
-        return self.unembed.bias
-
     # ---- tokens -------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return self.embed.W_E.device
 
-    def _require_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise ValueError(
-                "this model has no tokenizer: pass token ids, or load the model with from_pretrained from a "
-                "directory holding tokenizer.json (or vocab.json and merges.txt)"
-            )
-        return self.tokenizer
-
-    def to_tokens(
-        self,
-        text: Union[str, Sequence[str]],
-        prepend_bos: Optional[bool] = None,
-        return_attention_mask: bool = False,
-        padding_side: str = "right",
-    ):
-        """Token ids [batch pos] for a string or a list of strings, padded on `padding_side` ("right",
-        or "left" so that every prompt ends at the last position, as generation needs), on the model's device.
-        `prepend_bos=None` prepends BOS when the tokenizer has one (GPT-2 does, GPT-1 does not)."""
-        if padding_side not in ("right", "left"):
-            raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
-        tokenizer = self._require_tokenizer()
-        if prepend_bos is None:
-            prepend_bos = tokenizer.bos_id is not None
-        elif prepend_bos and tokenizer.bos_id is None:
-            raise ValueError("this model's tokenizer has no BOS token (as GPT-1's); pass prepend_bos=False")
-        texts = [text] if isinstance(text, str) else list(text)
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ValueError("to_tokens takes a string or a non-empty list of strings")
-        ids = [([tokenizer.bos_id] if prepend_bos else []) + tokenizer.encode(t) for t in texts]
-        for i, row in enumerate(ids):
-            if not row:
-                raise ValueError(f"prompt {i} is empty and no BOS is prepended, so it has no tokens")
-        length = max(len(row) for row in ids)
-        tokens = torch.full((len(ids), length), tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), length), dtype=torch.long)
-        for i, row in enumerate(ids):
-            span = slice(0, len(row)) if padding_side == "right" else slice(length - len(row), length)
-            tokens[i, span] = torch.tensor(row)
-            mask[i, span] = 1
-        tokens, mask = tokens.to(self.device), mask.to(self.device)
-        return (tokens, mask) if return_attention_mask else tokens
-
-    def to_str_tokens(self, input: Union[str, torch.Tensor], prepend_bos: Optional[bool] = None) -> list[str]:
-        """The string of every token of one prompt (a string or 1-D ids)."""
-        tokenizer = self._require_tokenizer()
-        if isinstance(input, str):
-            input = self.to_tokens(input, prepend_bos=prepend_bos)
-        ids = input.squeeze(0) if input.dim() == 2 and input.shape[0] == 1 else input
-        if ids.dim() != 1:
-            raise ValueError(f"to_str_tokens takes one prompt; got token ids of shape {tuple(input.shape)}")
-        return tokenizer.token_strings(ids.tolist())
-
-    def to_single_token(self, text: str) -> int:
-        """The id of `text` when it is exactly one token (e.g. " love"); otherwise an error listing its tokens."""
-        ids = self._require_tokenizer().encode(text)
-        if len(ids) != 1:
-            pieces = self.tokenizer.token_strings(ids)
-            raise ValueError(f"{text!r} is {len(ids)} tokens {pieces}, not one; choose a string that is a single token")
-        return ids[0]
-
-    def to_string(self, tokens: torch.Tensor) -> Union[str, list[str]]:
-        tokenizer = self._require_tokenizer()
-        if tokens.dim() == 1:
-            return tokenizer.decode(tokens.tolist())
-        return [tokenizer.decode(row.tolist()) for row in tokens]
-
-    def _tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor], padding_side: str = "right"):
+    def _tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor],
+                         padding_side: Optional[str] = None, prepend_bos: Optional[bool] = None):
         """Token ids on the model's device and their [batch pos] long mask (None: nothing padded)."""
         if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
             if attention_mask is not None:
                 raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
-            tokens, attention_mask = self.to_tokens(input, return_attention_mask=True, padding_side=padding_side)
-            if bool(attention_mask.all()):
-                attention_mask = None  # nothing padded: the causal-only path is exact and faster
+            padding_side = padding_side or "right"
+            tokens, attention_mask = self.to_tokens(input, prepend_bos=prepend_bos, return_attention_mask=True,
+                                                    padding_side=padding_side)
+            if padding_side == "right" or bool(attention_mask.all()):
+                # causal attention alone is exact for every real token when the padding comes after them, and it
+                # gives the padded positions transformer-lens's values (they attend like real tokens)
+                attention_mask = None
         elif isinstance(input, torch.Tensor):
             tokens = input
         elif isinstance(input, (list, tuple)) and not input:

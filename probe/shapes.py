@@ -1,13 +1,21 @@
 """The shape of every hook point for an input size, known before running (to size caches)."""
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Optional
 
 from probe.config import DecoderConfig, NormPlacement, Positions
 
 
-def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int] = None) -> dict[str, tuple[int, ...]]:
-    """name -> shape for a pass over `pos` new positions attending to `key_pos` keys (default pos)."""
+PER_HEAD_INPUTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
+
+
+def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int] = None,
+                per_head_input_layers: Collection[int] = ()) -> dict[str, tuple[int, ...]]:
+    """name -> shape for a pass over `pos` new positions attending to `key_pos` keys (default pos).
+
+    In `per_head_input_layers` (where a per-head input point is hooked) the input norm runs on each head's copy,
+    last on the values' inputs, so its hooks hold [batch pos kv_head ...]."""
     key_pos = pos if key_pos is None else key_pos
     resid = (batch, pos, cfg.d_model)
     shapes = {"hook_embed": resid}
@@ -21,7 +29,14 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
     for layer in range(cfg.n_layers):
         b, heads, kv = f"blocks.{layer}", cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
         shapes[f"{b}.hook_resid_pre"] = resid
+        shapes[f"{b}.hook_attn_in"] = (batch, pos, heads, cfg.d_model)
+        shapes[f"{b}.hook_q_input"] = (batch, pos, heads, cfg.d_model)
+        shapes[f"{b}.hook_k_input"] = (batch, pos, kv, cfg.d_model)
+        shapes[f"{b}.hook_v_input"] = (batch, pos, kv, cfg.d_model)
         norm(f"{b}.ln1")
+        if layer in per_head_input_layers and cfg.norm_placement is not NormPlacement.POST:
+            shapes[f"{b}.ln1.hook_scale"] = (batch, pos, kv, 1)
+            shapes[f"{b}.ln1.hook_normalized"] = (batch, pos, kv, cfg.d_model)
         shapes[f"{b}.attn.hook_q"] = (batch, pos, heads, cfg.d_head)
         shapes[f"{b}.attn.hook_k"] = (batch, pos, kv, cfg.d_head)
         shapes[f"{b}.attn.hook_v"] = (batch, pos, kv, cfg.d_head)
@@ -43,6 +58,7 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.hook_attn_out"] = resid
         if cfg.norm_placement is not NormPlacement.PARALLEL:  # both sublayers read resid_pre: nothing between them
             shapes[f"{b}.hook_resid_mid"] = resid
+        shapes[f"{b}.hook_mlp_in"] = resid
         norm(f"{b}.ln2")
         shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
         if cfg.gated_mlp:

@@ -13,8 +13,10 @@ def expected_shapes(cfg, batch, pos):
               "ln_final.hook_scale": (batch, pos, 1), "ln_final.hook_normalized": (batch, pos, cfg.d_model)}
     for l in range(cfg.n_layers):
         b = f"blocks.{l}"
-        for name in ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out"):
+        for name in ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out", "hook_mlp_in"):
             shapes[f"{b}.{name}"] = (batch, pos, cfg.d_model)
+        for name in ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"):
+            shapes[f"{b}.{name}"] = (batch, pos, cfg.n_heads, cfg.d_model)
         for ln in ("ln1", "ln2"):
             shapes[f"{b}.{ln}.hook_scale"] = (batch, pos, 1)
             shapes[f"{b}.{ln}.hook_normalized"] = (batch, pos, cfg.d_model)
@@ -33,6 +35,11 @@ def test_every_documented_hook_exists_with_its_shape(tiny_model, tokens):
     assert sorted(tiny_model.hook_names) == sorted(shapes)
     with torch.no_grad():
         _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
+    # caching every point includes each head's own input: its norm then runs per head, so the norm's hooks gain a
+    # head dimension (as in TL)
+    for l in range(tiny_model.cfg.n_layers):
+        shapes[f"blocks.{l}.ln1.hook_scale"] = (*tokens.shape, tiny_model.cfg.n_heads, 1)
+        shapes[f"blocks.{l}.ln1.hook_normalized"] = (*tokens.shape, tiny_model.cfg.n_heads, tiny_model.cfg.d_model)
     assert {name: tuple(t.shape) for name, t in cache.items()} == shapes
 
 
@@ -223,8 +230,10 @@ def test_hook_shapes_predict_the_cache(tiny_model, tokens):
 
     with torch.no_grad():
         _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
-    predicted = hook_shapes(tiny_model.cfg, *tokens.shape)
+    predicted = hook_shapes(tiny_model.cfg, *tokens.shape, per_head_input_layers=range(tiny_model.cfg.n_layers))
     assert {n: tuple(t.shape) for n, t in cache.items()} == predicted
+    plain = hook_shapes(tiny_model.cfg, *tokens.shape)
+    assert plain["blocks.0.ln1.hook_scale"] == (*tokens.shape, 1)
     estimate = tiny_model.estimate_cache_bytes(list(cache), None, tokens)
     assert estimate == sum(t.numel() * t.element_size() for t in cache.values())
 

@@ -1,0 +1,116 @@
+"""transformer-lens's model-level surface on HookedDecoder: return types and losses, the use_* switches, token
+positions, and clear refusals for the keywords probe does not take. A face over probe's one implementation."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+GUIDE = "docs/from_transformer_lens.md"
+RETURN_TYPES = ("logits", "loss", "both", None)
+
+# transformer-lens keywords probe does not take, with what to do instead
+UNSUPPORTED = {
+    "past_kv_cache": "pass kv_cache=probe.kv_cache.KVCache(...) (model.generate builds one for you)",
+    "shortformer_pos_embed": "shortformer positions are not supported",
+    "pos_slice": "slice the cached tensors afterwards",
+    "left_attention_mask": "pass attention_mask= (1 = real token)",
+    "one_zero_attention_mask": "pass attention_mask= (1 = real token)",
+}
+
+
+def refuse_unsupported(kwargs: dict, where: str) -> None:
+    """A TypeError that names the probe equivalent for a transformer-lens keyword, or the unknown keyword itself."""
+    for name in kwargs:
+        hint = UNSUPPORTED.get(name)
+        if hint is not None:
+            raise TypeError(f"{where} does not take {name}= (a transformer-lens keyword): {hint}; see {GUIDE}")
+        raise TypeError(f"{where} got an unexpected keyword argument {name!r}; see {GUIDE} for transformer-lens's")
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+            per_token: bool = False) -> torch.Tensor:
+    """Next-token cross-entropy as transformer-lens computes it: [batch pos-1] per token, else the mean over
+    predicted positions; with a mask, a position counts only when it and the next token are real."""
+    log_probs = F.log_softmax(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, dim=-1)
+    tokens = tokens.to(logits.device)
+    predicted = log_probs[..., :-1, :].gather(-1, tokens[..., 1:, None])[..., 0]
+    if attention_mask is None:
+        return -predicted if per_token else -predicted.mean()
+    attention_mask = attention_mask.to(logits.device).bool()
+    if attention_mask.shape != tokens.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, the tokens {tuple(tokens.shape)}")
+    counted = attention_mask[:, :-1] & attention_mask[:, 1:]
+    predicted = predicted.masked_fill(~counted, 0.0)
+    return -predicted if per_token else -predicted.sum() / counted.sum()
+
+
+def finish_output(return_type: Optional[str], logits: torch.Tensor, tokens: Optional[torch.Tensor],
+                  attention_mask: Optional[torch.Tensor], loss_per_token: bool):
+    """What forward returns for transformer-lens's `return_type`."""
+    if return_type == "logits":
+        return logits
+    if return_type is None:
+        return None
+    if tokens is None:
+        raise ValueError(f"return_type={return_type!r} needs the tokens to score: with start_at_layer, pass tokens=")
+    loss = lm_loss(logits, tokens, attention_mask, per_token=loss_per_token)
+    return loss if return_type == "loss" else (logits, loss)
+
+
+def check_return_type(return_type) -> None:
+    if return_type not in RETURN_TYPES:
+        raise ValueError(f"return_type={return_type!r} is not one of 'logits', 'loss', 'both' or None")
+
+
+class TransformerLensSurface:
+    """Mixed into HookedDecoder: transformer-lens methods that are not hooks, weights or tokens."""
+
+    def loss_fn(self, logits: torch.Tensor, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                per_token: bool = False) -> torch.Tensor:
+        """transformer-lens's `loss_fn`: next-token cross-entropy of `logits` [batch pos vocab] for `tokens`."""
+        return lm_loss(logits, tokens, attention_mask, per_token)
+
+    # ---- transformer-lens's use_* switches ----------------------------------------------------------------
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """Whether a cache of everything includes each head's write, `attn.hook_result` [batch pos head d_model].
+        probe computes it whenever it is hooked or cached by name either way; this only changes the default."""
+        for block in self.blocks:
+            block.attn.hook_result.opt_in = not use_attn_result
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Whether a cache of everything includes each head's own query, key and value input, `blocks.l.hook_q_input`
+        / `hook_k_input` / `hook_v_input` [batch pos head d_model] (the residual before the norm). They exist and
+        work whenever hooked or cached by name either way."""
+        self._include_by_default(("hook_q_input", "hook_k_input", "hook_v_input"), use_split_qkv_input)
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """The same for `blocks.l.hook_attn_in` [batch pos head d_model], one per-head input for all of q, k and v."""
+        self._include_by_default(("hook_attn_in",), use_attn_in)
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """The same for `blocks.l.hook_mlp_in` [batch pos d_model], the residual the MLP reads, before its norm."""
+        self._include_by_default(("hook_mlp_in",), use_hook_mlp_in)
+
+    def _include_by_default(self, names: tuple[str, ...], on: bool) -> None:
+        for block in self.blocks:
+            for name in names:
+                getattr(block, name).opt_in = not on
+
+    # ---- positions -----------------------------------------------------------------------------------
+    def get_token_position(self, single_token: Union[str, int], input: Union[str, torch.Tensor],
+                           mode: str = "first", prepend_bos: Optional[bool] = None, **_) -> int:
+        """Index of the first (or last) occurrence of `single_token` in one prompt, as transformer-lens's."""
+        if mode not in ("first", "last"):
+            raise ValueError(f"mode must be 'first' or 'last', got {mode!r}")
+        tokens = self.to_tokens(input, prepend_bos=prepend_bos) if isinstance(input, str) else input
+        if tokens.dim() == 2:
+            if tokens.shape[0] != 1:
+                raise ValueError(f"get_token_position takes one prompt, got a batch of {tokens.shape[0]}")
+            tokens = tokens[0]
+        token = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
+        where = (tokens == token).nonzero().flatten().tolist()
+        if not where:
+            raise ValueError(f"token {token} ({self.tokenizer.token_strings([token])[0]!r}) is not in the input")
+        return where[0] if mode == "first" else where[-1]
