@@ -55,10 +55,13 @@ class HookPoint(nn.Module):
 
     `opt_in` marks points whose activation costs extra work to compute (per-head results): the
     model computes them only while something is attached, and a cache of "everything" skips them.
+    `by_name` opt-in points also change how the model computes (per-head inputs give each head its own norm):
+    while opt-in, only their exact name selects them, never a predicate.
     """
 
-    def __init__(self, opt_in: bool = False):
+    def __init__(self, opt_in: bool = False, by_name: bool = False):
         super().__init__()
+        self.by_name = by_name
         self.name: str = "<unnamed>"  # set by HookedRootModule.setup_hooks
         self.ctx: dict = {}  # scratch space for hook functions (transformer-lens's hook.ctx); cleared by reset_hooks
         self.opt_in = opt_in

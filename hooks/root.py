@@ -71,14 +71,15 @@ class HookedRootModule(nn.Module):
         return point
 
     def select_hook_names(self, names: Optional[NameFilter] = None) -> list[str]:
-        """Resolve a name filter: None = every point except opt-in ones, a name, a list of names, or a predicate."""
+        """Resolve a name filter: None = every point except opt-in ones, a name, a list of names, or a predicate
+        (which skips opt-in points that only their name selects)."""
         if names is None:
             return [n for n, p in self._all_points.items() if not p.opt_in]
         if isinstance(names, str):
             self.hook_point(names)
             return [names]
         if callable(names):
-            return [n for n in self._all_points if names(n)]
+            return [n for n, p in self._all_points.items() if names(n) and not (p.opt_in and p.by_name)]
         names = list(names)
         for name in names:
             self.hook_point(name)

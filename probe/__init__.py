@@ -1,6 +1,7 @@
 """probe: a hookable decoder-only transformer for mechanistic interpretability."""
 from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
+from probe.factored import FactoredMatrix
 from probe.model import Block, HookedDecoder, ParallelBlock, PostNormBlock, PreNormBlock, SandwichBlock
 from probe.names import act_name
 from probe.processing import process_weights
@@ -8,7 +9,7 @@ from probe.sae import SAEConfig, SparseAutoencoder, spliced
 from probe.tokenizer import Tokenizer
 
 __all__ = [
-    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "HookedDecoder", "Norm", "NormPlacement",
-    "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig", "SandwichBlock",
-    "SparseAutoencoder", "Tokenizer", "act_name", "process_weights", "spliced",
+    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "Norm",
+    "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig",
+    "SandwichBlock", "SparseAutoencoder", "Tokenizer", "act_name", "process_weights", "spliced",
 ]

@@ -118,6 +118,7 @@ class DecoderConfig:
     # them (transformer-lens code reads model.cfg.device and model.cfg.model_name).
     model_name: Optional[str] = dataclasses.field(default=None, compare=False)
     device: str = dataclasses.field(default="cpu", compare=False)
+    dtype: Any = dataclasses.field(default=None, compare=False)  # the weights' torch.dtype
     default_prepend_bos: bool = dataclasses.field(default=True, compare=False)
 
     def __post_init__(self) -> None:

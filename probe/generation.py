@@ -1,56 +1,140 @@
-"""Text generation with a key/value cache: the prompt in one pass, then one pass per new token."""
+"""Text generation with a key/value cache: the prompt in one pass, then one pass per new token.
+
+`generate` takes probe's keywords and transformer-lens's (`do_sample`, `stop_at_eos`, `eos_token_id`,
+`freq_penalty`, `use_past_kv_cache`, `prepend_bos`, `padding_side`, `return_type`, `verbose`) with TL's meaning,
+with two deliberate differences, both to keep probe's callers' results: it is greedy unless asked to sample
+(`do_sample=True` or a temperature above 0; TL samples by default), and it shows no progress bar unless
+`verbose=True` (TL's default). Greedy continuations, EOS stopping and the returned text and tokens equal TL's
+(tests/test_tl_tokens.py), and so do sampled ones under one `torch.manual_seed`, as both draw from the global
+generator in the same order.
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional, Union
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 import torch
 
 from hooks import ActivationCache, HookFn, NameFilter
 from probe.kv_cache import KVCache
+from probe.tl_surface import GUIDE, refuse_unsupported
+from probe.tokenizer import check_padding_side
 
 if TYPE_CHECKING:
     from probe.model import HookedDecoder, ModelInput
+
+RETURN_TYPES = ("input", "str", "tokens")
+
+# transformer-lens generate keywords probe does not take, with what to do instead
+UNSUPPORTED = {
+    "repetition_penalty": "use freq_penalty= (subtracted from the tempered logits once per earlier occurrence)",
+    "output_logits": "run the model on the output, model(out), for every position's logits",
+    "return_cache": "pass cache_names= for one ActivationCache per pass, or call run_with_cache(out)",
+    "names_filter": "pass cache_names= (a name, a list or a predicate)",
+    "return_input_tokens": "call model.to_tokens(prompt) for the tokens generation starts from",
+    "stop_strings": "stop at token ids with eos_token_id= (an id or a list of ids)",
+    "stopping_criteria": "stop at token ids with eos_token_id= (an id or a list of ids)",
+    "device": "generation runs on the model's device (model.to(device)); move the output afterwards",
+    "pixel_values": "probe's models are text-only",
+    "forced_bos_token_id": "probe's models are decoder-only",
+}
 
 
 @torch.no_grad()
 def generate(
     model: "HookedDecoder",
-    input: "ModelInput",
-    max_new_tokens: int,
+    input: "ModelInput" = "",
+    max_new_tokens: int = 10,
     *,
-    temperature: float = 0.0,
+    temperature: Optional[float] = None,
+    do_sample: Optional[bool] = None,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
+    freq_penalty: float = 0.0,
     seed: Optional[int] = None,
-    use_cache: bool = True,
+    stop_at_eos: Optional[bool] = None,
+    eos_token_id: Optional[Union[int, Sequence[int]]] = None,
+    use_cache: Optional[bool] = None,
+    use_past_kv_cache: Optional[bool] = None,
+    prepend_bos: Optional[bool] = None,
+    padding_side: Optional[str] = None,
     attention_mask: Optional[torch.Tensor] = None,
+    return_type: str = "input",
+    verbose: bool = False,
     fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
     cache_names: Optional[NameFilter] = None,
+    steering=None,
+    **unsupported,
 ):
-    """Continue each prompt by `max_new_tokens` tokens.
+    """Continue each prompt by up to `max_new_tokens` tokens.
 
-    Greedy at temperature 0; otherwise samples from softmax(logits / temperature), optionally
-    restricted to the `top_k` most likely tokens and to the smallest set whose probability reaches
-    `top_p`, with a seeded generator. Prompts of different lengths are left-padded so they all end
-    at the same position; positions count real tokens, so a padded prompt continues exactly as it
-    would alone.
+    Choosing: greedy unless `do_sample=True` (then at `temperature`, 1.0 by default, as TL) or, with
+    `do_sample` left None, a `temperature` above 0 (probe's switch); `do_sample=False` is greedy whatever the
+    temperature, and temperature 0 is greedy either way. Sampling draws from softmax(logits / temperature -
+    freq_penalty x each token's count so far), restricted to the `top_k` most likely tokens and to the smallest
+    set whose probability reaches `top_p`, with a generator seeded by `seed` (else torch's global one).
 
-    Returns what it was given: a string for a string, a list of strings for a list, token ids
-    [batch prompt+new] for ids. Hooks in `fwd_hooks` fire on every pass (the prompt's, then each
-    new token's). With `cache_names`, also returns one ActivationCache per pass.
+    Stopping: with `stop_at_eos` (None: when the model knows an EOS id), a sequence that emits `eos_token_id`
+    (default the tokenizer's EOS; an id or a list) is padded with EOS from then on, and generation ends early
+    once every sequence has, as in TL. `stop_at_eos=False` always makes `max_new_tokens` tokens.
+
+    Prompts of different lengths are left-padded so they all end at the same position; positions count real
+    tokens, so a padded prompt continues exactly as it would alone (text is always left-padded, whatever
+    `padding_side` says, as in TL). Token ids padded by you need `attention_mask` (1 = real token), or
+    `padding_side="left"` to read the padding off the pad token, as TL does.
+
+    Returns, with `return_type="input"`, what it was given: a string for a string, a list of strings for a list
+    (text without special tokens, as TL decodes it), token ids [batch prompt+new] for ids; "str" or "tokens"
+    asks for one. Hooks in `fwd_hooks` fire on every pass (the prompt's, then each new token's). With
+    `cache_names`, also returns one ActivationCache per pass. With `steering` (an object whose
+    `applied(model)` is a context manager, e.g. analyses.steering's), the whole generation runs inside
+    `with steering.applied(model):`. `use_past_kv_cache` is TL's name for `use_cache`.
     """
+    for name in unsupported:
+        if name in UNSUPPORTED:
+            raise TypeError(f"generate does not take {name}= (a transformer-lens keyword): {UNSUPPORTED[name]}; "
+                            f"see {GUIDE}")
+    refuse_unsupported(unsupported, "HookedDecoder.generate")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    if temperature < 0:
+    if temperature is not None and temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    fwd_hooks = list(fwd_hooks)  # attached on every pass: a generator would be used up by the first
-    as_text = isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and isinstance(input[0], str))
+    if freq_penalty < 0:
+        raise ValueError(f"freq_penalty must be >= 0, got {freq_penalty}")
+    if return_type not in RETURN_TYPES:
+        raise ValueError(f"return_type={return_type!r} is not one of {RETURN_TYPES}")
+    if padding_side is not None:
+        check_padding_side(padding_side)
+    if steering is not None and not callable(getattr(steering, "applied", None)):
+        raise TypeError(f"steering= takes an object with a method applied(model) returning a context manager "
+                        f"(e.g. analyses.steering.steer(...)), got {type(steering).__name__}")
+    if use_cache is not None and use_past_kv_cache is not None and use_cache != use_past_kv_cache:
+        raise ValueError(f"use_cache={use_cache} and use_past_kv_cache={use_past_kv_cache} disagree; "
+                         "they are one switch (use_past_kv_cache is transformer-lens's name)")
+    use_cache = next((v for v in (use_cache, use_past_kv_cache) if v is not None), True)
+    temperature = _effective_temperature(do_sample, temperature)
+    stop_ids, fill_id = _stopping(model, stop_at_eos, eos_token_id)
+
+    with steering.applied(model) if steering is not None else nullcontext():
+        tokens, mask, caches = _generate_tokens(
+            model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids, fill_id,
+            use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names, verbose)
+    output = _output(model, input, tokens, mask, return_type)
+    return (output, caches) if cache_names is not None else output
+
+
+def _generate_tokens(model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids,
+                     fill_id, use_cache, prepend_bos, padding_side, attention_mask, fwd_hooks, cache_names, verbose):
+    """The loop: (tokens [batch prompt+new], their mask, the per-pass caches)."""
     # text is padded on the left: every prompt then ends at the last position, where generation continues
-    tokens, attention_mask = model._tokens_and_mask(input, attention_mask, padding_side="left")
+    # (transformer-lens forces the same whatever padding_side says)
+    tokens, attention_mask = model._tokens_and_mask(input, attention_mask, padding_side="left", prepend_bos=prepend_bos)
+    if attention_mask is None and padding_side is not None and isinstance(input, torch.Tensor):
+        attention_mask = _mask_from_padding(model, tokens, padding_side, prepend_bos)
     if tokens.shape[1] + max_new_tokens > model.cfg.n_ctx:
         raise ValueError(
             f"the prompt has {tokens.shape[1]} tokens; {max_new_tokens} more would exceed n_ctx={model.cfg.n_ctx}"
@@ -66,6 +150,8 @@ def generate(
     generator = None
     if seed is not None:
         generator = torch.Generator(device=tokens.device).manual_seed(seed)
+    if stop_ids is not None:
+        stop_ids = stop_ids.to(tokens.device)
 
     kv_cache = KVCache(model.cfg.n_layers) if use_cache else None
     caches: list[ActivationCache] = []
@@ -80,28 +166,102 @@ def generate(
         caches.append(cache)
         return logits
 
-    logits = forward(tokens, mask)
-    for step in range(max_new_tokens):
-        next_token = _choose(logits[:, -1].float(), temperature, top_k, top_p, generator)[:, None]
-        tokens = torch.cat([tokens, next_token], dim=1)
-        mask = torch.cat([mask, torch.ones_like(next_token)], dim=1)
-        if step == max_new_tokens - 1:
+    steps = range(max_new_tokens)
+    if verbose:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, total=max_new_tokens, desc="generate", unit="tok")
+    finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    logits = forward(tokens, mask) if max_new_tokens else None
+    for step in steps:
+        penalty = None
+        if freq_penalty and temperature:  # greedy ignores the penalty, as in transformer-lens
+            counts = torch.zeros(logits.shape[0], logits.shape[-1], device=tokens.device)
+            penalty = freq_penalty * counts.scatter_add_(1, tokens, mask.to(counts.dtype))  # real tokens only
+        next_token = _choose(logits[:, -1].float(), temperature, top_k, top_p, generator, penalty)
+        if stop_ids is not None:
+            next_token[finished] = fill_id
+            finished |= torch.isin(next_token, stop_ids)
+        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(next_token[:, None])], dim=1)
+        if step == max_new_tokens - 1 or (stop_ids is not None and bool(finished.all())):
             break
-        logits = forward(next_token, torch.ones_like(next_token)) if use_cache else forward(tokens, mask)
-
-    output: Union[str, list[str], torch.Tensor] = tokens
-    if as_text:
-        first = 0 if model.tokenizer.bos_id is None else 1  # to_tokens prepended BOS exactly when there is one
-        texts = [model.tokenizer.decode(row[m.bool()].tolist()[first:]) for row, m in zip(tokens, mask)]
-        output = texts[0] if isinstance(input, str) else texts
-    return (output, caches) if cache_names is not None else output
+        logits = forward(next_token[:, None], torch.ones_like(next_token[:, None])) if use_cache else forward(tokens, mask)
+    return tokens, mask, caches
 
 
-def _choose(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float], generator) -> torch.Tensor:
+def _effective_temperature(do_sample: Optional[bool], temperature: Optional[float]) -> float:
+    """0.0 for greedy, else the sampling temperature (see `generate`)."""
+    if do_sample is None:
+        return temperature or 0.0
+    if not do_sample:
+        return 0.0
+    return 1.0 if temperature is None else temperature
+
+
+def _stopping(model, stop_at_eos: Optional[bool], eos_token_id) -> tuple[Optional[torch.Tensor], int]:
+    """The ids that end a sequence (None: never stop) and the id a finished sequence is padded with."""
+    if stop_at_eos is False:
+        return None, 0
+    tokenizer_eos = None if model.tokenizer is None else model.tokenizer.eos_token_id
+    if eos_token_id is None:
+        eos_token_id = tokenizer_eos
+    if eos_token_id is None:
+        if stop_at_eos:
+            raise ValueError("stop_at_eos=True needs an EOS id and this model's tokenizer has none: pass "
+                             "eos_token_id= (an id or a list of ids), or stop_at_eos=False")
+        return None, 0  # stop_at_eos=None: nothing to stop at, so run max_new_tokens as probe always has
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else [int(i) for i in eos_token_id]
+    if not ids or not all(0 <= i < model.cfg.d_vocab for i in ids):
+        raise ValueError(f"eos_token_id={eos_token_id!r}: give token ids in [0, {model.cfg.d_vocab})")
+    # TL pads with the tokenizer's EOS when given several stop ids, with the one id otherwise
+    fill = ids[0] if len(ids) == 1 or tokenizer_eos is None else tokenizer_eos
+    return torch.tensor(ids, dtype=torch.long), fill
+
+
+def _mask_from_padding(model, tokens: torch.Tensor, padding_side: str, prepend_bos: Optional[bool]) -> Optional[torch.Tensor]:
+    """transformer-lens's reading of pre-padded ids: the leading (left) or trailing (right) run of pad ids is
+    padding; with left padding and a BOS that is also the pad id, the last pad of the run is the BOS."""
+    tokenizer = _tokenizer_of(model, "padding_side= reads the padding off the pad token, which")
+    real = tokens != tokenizer.pad_id
+    if padding_side == "right":
+        padding = real.flip(-1).cumsum(-1).flip(-1) == 0
+    else:
+        padding = real.cumsum(-1) == 0
+        prepend_bos = model.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        if prepend_bos and tokenizer.bos_id == tokenizer.pad_id:
+            rows = padding.any(-1).nonzero().flatten()
+            padding[rows, padding[rows].sum(-1) - 1] = False
+    mask = (~padding).long()
+    return None if bool(mask.all()) else mask
+
+
+def _output(model, input, tokens: torch.Tensor, mask: torch.Tensor, return_type: str):
+    as_text = isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and isinstance(input[0], str))
+    if return_type == "tokens" or (return_type == "input" and not as_text):
+        return tokens
+    # special tokens are dropped, as transformer-lens decodes: the BOS, and the EOS that ended a sequence
+    tokenizer = _tokenizer_of(model, f"return_type={return_type!r} decodes text, which")
+    texts = [tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(tokens, mask)]
+    one = isinstance(input, str) or (isinstance(input, torch.Tensor) and input.dim() == 1)
+    return texts[0] if one else texts
+
+
+def _tokenizer_of(model, what: str):
+    if model.tokenizer is None:
+        raise ValueError(f"{what} needs a tokenizer and this model has none: pass attention_mask= and "
+                         "return_type='tokens', or load a directory with tokenizer.json")
+    return model.tokenizer
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float], generator,
+            penalty: Optional[torch.Tensor] = None) -> torch.Tensor:
     """logits [batch vocab] -> token ids [batch]."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
+    if penalty is not None:
+        logits = logits - penalty
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

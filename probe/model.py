@@ -41,10 +41,10 @@ class PreNormBlock(nn.Module):
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
         # per-head copies of what attention reads, before its norm (transformer-lens's use_attn_in and
         # use_split_qkv_input): computed only while hooked or cached by name, see attention_input
-        self.hook_attn_in = HookPoint(opt_in=True)  # [batch pos head d_model]
-        self.hook_q_input = HookPoint(opt_in=True)  # [batch pos head d_model]
-        self.hook_k_input = HookPoint(opt_in=True)  # [batch pos kv_head d_model]
-        self.hook_v_input = HookPoint(opt_in=True)  # [batch pos kv_head d_model]
+        self.hook_attn_in = HookPoint(opt_in=True, by_name=True)  # [batch pos head d_model]
+        self.hook_q_input = HookPoint(opt_in=True, by_name=True)  # [batch pos head d_model]
+        self.hook_k_input = HookPoint(opt_in=True, by_name=True)  # [batch pos kv_head d_model]
+        self.hook_v_input = HookPoint(opt_in=True, by_name=True)  # [batch pos kv_head d_model]
         self.hook_attn_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_mid = HookPoint()  # [batch pos d_model]
         self.hook_mlp_in = HookPoint(opt_in=True)  # [batch pos d_model]: what the MLP reads, before its norm
@@ -65,15 +65,17 @@ class PreNormBlock(nn.Module):
         points = (self.hook_attn_in, self.hook_q_input, self.hook_k_input, self.hook_v_input)
         if not any(point.active for point in points):
             return norm(resid)
-        attn_in = self.hook_attn_in(repeat(resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_heads))
-        kv_in = attn_in
-        if self.attn.n_kv_heads != self.attn.n_heads:
-            if self.hook_attn_in.active:
-                raise ValueError("hook_attn_in has one copy per query head, but this model's keys and values have "
-                                 "fewer heads (grouped-query attention); hook hook_k_input / hook_v_input instead")
-            kv_in = repeat(resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_kv_heads)
-        return PerHeadInputs(norm(self.hook_q_input(attn_in)), norm(self.hook_k_input(kv_in)),
-                             norm(self.hook_v_input(kv_in)))
+        # repeat may return a broadcast view of resid: a real copy, so an in-place edit stays in its head
+        attn_in = self.hook_attn_in(repeat(resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_heads).clone())
+        if self.attn.n_kv_heads != self.attn.n_heads and self.hook_attn_in.active:
+            raise ValueError("hook_attn_in has one copy per query head, but this model's keys and values have fewer "
+                             "heads (grouped-query attention); hook hook_k_input / hook_v_input instead")
+        kv_in = attn_in if self.attn.n_kv_heads == self.attn.n_heads else repeat(
+            resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_kv_heads)
+        # copies made before any hook runs, so an in-place edit of a query input never reaches a key or value
+        k_in, v_in = kv_in.clone(), kv_in.clone()
+        q_in = self.hook_q_input(attn_in)
+        return PerHeadInputs(norm(q_in), norm(self.hook_k_input(k_in)), norm(self.hook_v_input(v_in)))
 
 
 class PostNormBlock(PreNormBlock):
@@ -149,6 +151,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
             self.unembed.weight = self.embed.W_E
         self.init_weights()
         self.setup_hooks()
+        self._follow_weights()
 
     def forward(
         self,
@@ -238,9 +241,13 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() / .half(): cfg.device follows the weights, as transformer-lens code expects of model.cfg.device
         out = super()._apply(fn, *args, **kwargs)
-        if str(self.device) != self.cfg.device:
-            self.cfg = dataclasses.replace(self.cfg, device=str(self.device))
+        self._follow_weights()
         return out
+
+    def _follow_weights(self) -> None:
+        device, dtype = str(self.device), self.embed.W_E.dtype
+        if (device, dtype) != (self.cfg.device, self.cfg.dtype):
+            self.cfg = dataclasses.replace(self.cfg, device=device, dtype=dtype)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The residual stream entering block 0 for unpadded token ids [batch pos] -> [batch pos d_model]."""
@@ -289,7 +296,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
         return resid.to(self.device, self.embed.W_E.dtype)
 
     @torch.no_grad()
-    def generate(self, input: ModelInput, max_new_tokens: int, **kwargs):
+    def generate(self, input: ModelInput = "", max_new_tokens: int = 10, **kwargs):
         """Continue prompts token by token with a key/value cache; see `probe.generation.generate`."""
         from probe.generation import generate
 
@@ -352,7 +359,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
         if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
             if attention_mask is not None:
                 raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
-            padding_side = padding_side or "right"
+            padding_side = padding_side or self._require_tokenizer().padding_side
             tokens, attention_mask = self.to_tokens(input, prepend_bos=prepend_bos, return_attention_mask=True,
                                                     padding_side=padding_side)
             if padding_side == "right" or bool(attention_mask.all()):

@@ -1,9 +1,13 @@
-"""The model's weights in transformer-lens's names and shapes, stacked over layers (read-only copies)."""
+"""The model's weights in transformer-lens's names and shapes, stacked over layers (read-only copies), and the
+circuits transformer-lens builds from them: `model.OV`, `model.QK`, composition scores, unembedding directions."""
 from __future__ import annotations
 
-from typing import Optional
+import numbers
+from typing import Literal, Optional, Union
 
 import torch
+
+from probe.factored import FactoredMatrix
 
 
 def _stacked(path: str, shape: str) -> property:
@@ -56,3 +60,92 @@ class WeightViews:
     @property
     def b_U(self) -> Optional[torch.Tensor]:  # [vocab], None without an unembedding bias
         return self.unembed.bias
+
+    # ---- circuits, as transformer-lens defines them -------------------------------------------------------
+    def _per_query_head(self, kv: torch.Tensor) -> torch.Tensor:
+        """[layer kv_head ...] -> [layer head ...]: query head h reads key/value head h // (n_heads // n_kv_heads)."""
+        n_heads = self.blocks[0].attn.n_heads
+        return kv if kv.shape[1] == n_heads else kv.repeat_interleave(n_heads // kv.shape[1], dim=1)
+
+    @property
+    def OV(self) -> FactoredMatrix:
+        """[layer head d_model d_model], mdim d_head: W_V @ W_O per head, transformer-lens's `model.OV`.
+
+        The weights as they are: no biases, and no norm weights, though Gemma 2's write norm (ln1_post) scales what
+        a head writes; `analyses.ov_circuit` includes it. A grouped-query key/value head is repeated for each query
+        head it serves. transformer-lens's `from_pretrained` folds the norms in first: `probe.process_weights`."""
+        return FactoredMatrix(self._per_query_head(self.W_V), self.W_O)
+
+    @property
+    def QK(self) -> FactoredMatrix:
+        """[layer head d_model d_model], mdim d_head: W_Q @ W_K^T per head, transformer-lens's `model.QK`: the
+        bilinear form before the 1/sqrt(d_head) scale, rotary positions and biases. Qwen3's per-head q/k norm
+        weights are left out, as transformer-lens's bridge leaves them (`analyses.qk_circuit` includes them)."""
+        return FactoredMatrix(self.W_Q, self._per_query_head(self.W_K).mT)
+
+    def all_composition_scores(self, mode: Literal["Q", "K", "V"]) -> torch.Tensor:
+        """[layer head layer head]: how much head (l2, h2) reads, through its queries ("Q"), keys ("K") or values
+        ("V"), what head (l1, h1) writes: ||OV1 @ R2||_F / (||OV1||_F ||R2||_F) with R2 = QK2, QK2^T or OV2
+        (Elhage et al. 2021), transformer-lens's definition on this model's weights as they are. 0 where l2 <= l1,
+        which cannot compose, as in transformer-lens. `analyses.composition_scores` gives NaN there, folds the norms
+        in first and includes the norm weights of `analyses.ov_circuit`. With gradients on, the graph keeps every
+        pair's [head head d_head d_head] product: call it under torch.no_grad() on a large model."""
+        if mode not in ("Q", "K", "V"):
+            raise ValueError(f"mode={mode!r} is not one of 'Q', 'K', 'V' (queries, keys or values of the later head)")
+        writer = self.OV
+        reader = writer if mode == "V" else (self.QK if mode == "Q" else self.QK.T)
+        # ||U1 S1 V1^T U2 S2 V2^T|| = ||(S1 V1^T)(U2 S2)||: the orthonormal outer factors drop out, leaving d_head-sized
+        left, right = writer.collapse_l(), reader.collapse_r()  # [layer head k d_model], [layer head d_model k]
+        left_norm, right_norm = left.norm(dim=(-2, -1)), right.norm(dim=(-2, -1))  # [layer head]
+        n_layers, n_heads = writer.shape[:2]
+        scores = torch.zeros(n_layers, n_heads, n_layers, n_heads, dtype=left.dtype, device=left.device)
+        for early in range(n_layers):
+            for late in range(early + 1, n_layers):  # a pair of layers at a time: [head head k k] in memory
+                product = torch.einsum("hkd,gdj->hgkj", left[early], right[late])
+                scores[early, :, late] = product.norm(dim=(-2, -1)) / (left_norm[early][:, None] * right_norm[late])
+        return scores
+
+    @property
+    def all_head_labels(self) -> "HeadLabels":
+        """["L0H0", "L0H1", ...]: every head, layer by layer (the order of a flattened [layer head] tensor)."""
+        return HeadLabels(f"L{layer}H{head}" for layer, block in enumerate(self.blocks)
+                          for head in range(block.attn.n_heads))
+
+    def tokens_to_residual_directions(self, tokens: Union[str, int, torch.Tensor]) -> torch.Tensor:
+        """The unembedding direction W_U[:, token] [d_model] of a token (an id, a 0-d or one-element tensor, or a
+        string that is one token), or [... d_model] for a tensor of ids [...], as transformer-lens has it.
+
+        The unembedding as it is: the final norm's weight scales the residual before W_U, so without
+        `probe.process_weights` (which folds it in) a direction is not quite what the logit reads."""
+        w_u = self.W_U
+        if isinstance(tokens, str):
+            return w_u[:, self.to_single_token(tokens)]
+        if isinstance(tokens, numbers.Integral) and not isinstance(tokens, bool):
+            return w_u[:, self._checked_ids(torch.tensor(int(tokens)))]
+        if not isinstance(tokens, torch.Tensor):
+            hint = "; for a list of ids pass torch.tensor(ids)" if isinstance(tokens, (list, tuple)) else ""
+            raise TypeError(f"tokens must be a token id, a string that is one token or a tensor of ids, got "
+                            f"{type(tokens).__name__}{hint}")
+        ids = self._checked_ids(tokens)
+        if ids.numel() == 1:  # [d_model] whatever the tensor's shape, as transformer-lens returns it
+            return w_u[:, ids.reshape(())]
+        return w_u[:, ids].movedim(0, -1)
+
+    def _checked_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"token ids must be an integer tensor, got {ids.dtype}; use model.to_tokens(text) or "
+                            ".long()")
+        if ids.numel() == 0:
+            raise ValueError("tokens is an empty tensor: give at least one token id")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.cfg.d_vocab:
+            raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary [0, {self.cfg.d_vocab})")
+        return ids.to(self.W_U.device)
+
+
+class HeadLabels(list):
+    """A list of head labels that may also be called: `model.all_head_labels` is a property in transformer-lens's
+    bridge and a method in its HookedTransformer, and code written for either should run."""
+
+    def __call__(self) -> "HeadLabels":
+        return self

@@ -35,12 +35,13 @@ def test_every_documented_hook_exists_with_its_shape(tiny_model, tokens):
     assert sorted(tiny_model.hook_names) == sorted(shapes)
     with torch.no_grad():
         _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
-    # caching every point includes each head's own input: its norm then runs per head, so the norm's hooks gain a
-    # head dimension (as in TL)
-    for l in range(tiny_model.cfg.n_layers):
-        shapes[f"blocks.{l}.ln1.hook_scale"] = (*tokens.shape, tiny_model.cfg.n_heads, 1)
-        shapes[f"blocks.{l}.ln1.hook_normalized"] = (*tokens.shape, tiny_model.cfg.n_heads, tiny_model.cfg.d_model)
+    # a predicate never selects the per-head inputs (they give each head its own norm): only their names do
+    per_head = {n: shapes.pop(n) for n in list(shapes) if n.endswith(("_input", "hook_attn_in"))}
     assert {name: tuple(t.shape) for name, t in cache.items()} == shapes
+    with torch.no_grad():
+        _, cache = tiny_model.run_with_cache(tokens, names=list(per_head) + ["blocks.0.ln1.hook_scale"])
+    assert {n: tuple(cache[n].shape) for n in per_head} == per_head
+    assert cache["blocks.0.ln1.hook_scale"].shape == (*tokens.shape, tiny_model.cfg.n_heads, 1)  # as in TL
 
 
 def test_residual_identities(tiny_model, tokens):
@@ -230,10 +231,12 @@ def test_hook_shapes_predict_the_cache(tiny_model, tokens):
 
     with torch.no_grad():
         _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
-    predicted = hook_shapes(tiny_model.cfg, *tokens.shape, per_head_input_layers=range(tiny_model.cfg.n_layers))
-    assert {n: tuple(t.shape) for n, t in cache.items()} == predicted
-    plain = hook_shapes(tiny_model.cfg, *tokens.shape)
-    assert plain["blocks.0.ln1.hook_scale"] == (*tokens.shape, 1)
+    predicted = hook_shapes(tiny_model.cfg, *tokens.shape)
+    assert {n: tuple(t.shape) for n, t in cache.items()} == {n: s for n, s in predicted.items() if n in cache}
+    assert set(predicted) - set(cache) == {n for n in predicted if n.endswith(("_input", "hook_attn_in"))}
+    per_head = hook_shapes(tiny_model.cfg, *tokens.shape, per_head_input_layers=[1])
+    assert per_head["blocks.1.ln1.hook_scale"] == (*tokens.shape, tiny_model.cfg.n_heads, 1)
+    assert per_head["blocks.0.ln1.hook_scale"] == (*tokens.shape, 1)
     estimate = tiny_model.estimate_cache_bytes(list(cache), None, tokens)
     assert estimate == sum(t.numel() * t.element_size() for t in cache.values())
 

@@ -27,7 +27,8 @@ def bridge(directory: str):
 def assert_same(ours, theirs, atol: float = 1e-4, what: str = "") -> None:
     """Equal tensors (or nested lists/tuples/dicts of them, or plain values) to atol."""
     if isinstance(theirs, torch.Tensor) or isinstance(ours, torch.Tensor):
-        ours, theirs = torch.as_tensor(ours), torch.as_tensor(theirs)
+        # the bridge returns some results as tensor subclasses that export through numpy: detach first
+        ours, theirs = (torch.as_tensor(x.detach() if hasattr(x, "detach") else x) for x in (ours, theirs))
         assert ours.shape == theirs.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(theirs.shape)}"
         torch.testing.assert_close(ours.detach().float().cpu(), theirs.detach().float().cpu(), atol=atol, rtol=0,
                                    msg=lambda m: f"{what}: {m}")

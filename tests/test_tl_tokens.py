@@ -1,0 +1,311 @@
+"""transformer-lens's token and generation surface on probe: each case is TL code, a function of `model` alone,
+run on the bundled model and on TL's TransformerBridge over the same directory; the results must be equal.
+The tokenizer's transformers-like surface is held to transformers' PreTrainedTokenizerFast on the same file.
+
+TL's bridge generates wrongly with its KV cache on this checkpoint (its cached greedy continuation differs from
+its own uncached one and from a hand-written argmax loop), so the generation cases pass use_past_kv_cache=False;
+probe's cached generation is held to its uncached one in tests/test_generation.py and below."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from probe import DEFAULT_MODEL, HookedDecoder
+from tl_oracle import assert_same, bridge
+
+PROMPTS = ["ROMEO. But soft, what light", "KING", "To be, or not to be: that is the question."]
+LONG = "To be, or not to be, that is the question. " * 40  # > n_ctx = 256 tokens
+
+
+@pytest.fixture(scope="module")
+def probe_model():
+    return HookedDecoder.from_pretrained(DEFAULT_MODEL).eval()
+
+
+@pytest.fixture(scope="module")
+def tl_model():
+    return bridge(DEFAULT_MODEL)
+
+
+_EOS = {}
+
+
+def greedy_eos(model):
+    """A token the greedy continuation of PROMPTS[0] emits at its 3rd step, so a case can stop there."""
+    if id(model) not in _EOS:
+        out = model.generate(PROMPTS[0], max_new_tokens=3, do_sample=False, verbose=False, use_past_kv_cache=False,
+                             return_type="tokens")
+        _EOS[id(model)] = int(out[0, -1])
+    return _EOS[id(model)]
+
+
+CASES = {
+    # ---- to_tokens ----
+    "to_tokens": lambda model: model.to_tokens(PROMPTS[0]),
+    "to_tokens list pads right": lambda model: model.to_tokens(PROMPTS),
+    "to_tokens padding_side left": lambda model: model.to_tokens(PROMPTS, padding_side="left"),
+    "to_tokens prepend_bos=False": lambda model: model.to_tokens(PROMPTS, prepend_bos=False),
+    "to_tokens truncates to n_ctx": lambda model: model.to_tokens([LONG, "KING"]),
+    "to_tokens truncate=False": lambda model: model.to_tokens(LONG, truncate=False).shape,
+    "to_tokens move_to_device=False": lambda model: model.to_tokens("KING", move_to_device=False).device.type,
+    "to_tokens empty string": lambda model: model.to_tokens(""),
+    # ---- to_str_tokens ----
+    "to_str_tokens": lambda model: model.to_str_tokens(PROMPTS[0]),
+    "to_str_tokens prepend_bos=False": lambda model: model.to_str_tokens(PROMPTS[2], prepend_bos=False),
+    "to_str_tokens list": lambda model: model.to_str_tokens(PROMPTS),
+    "to_str_tokens 1-D tensor": lambda model: model.to_str_tokens(model.to_tokens(PROMPTS[2])[0]),
+    "to_str_tokens [1 pos] tensor": lambda model: model.to_str_tokens(model.to_tokens(PROMPTS[2])),
+    "to_str_tokens 0-d tensor": lambda model: model.to_str_tokens(torch.tensor(590)),
+    "to_str_tokens numpy": lambda model: model.to_str_tokens(model.to_tokens(PROMPTS[0]).cpu().numpy()),
+    "to_str_tokens list of tensors": lambda model: model.to_str_tokens(list(model.to_tokens(PROMPTS))),
+    "to_str_tokens whitespace": lambda model: model.to_str_tokens(" two  spaces\n\ttab", prepend_bos=False),
+    # ---- to_string ----
+    "to_string int": lambda model: model.to_string(590),
+    "to_string list": lambda model: model.to_string([590, 45, 37]),
+    "to_string 0-d tensor": lambda model: model.to_string(torch.tensor(590)),
+    "to_string 1-D tensor": lambda model: model.to_string(model.to_tokens(PROMPTS[0])[0]),
+    "to_string 2-D tensor": lambda model: model.to_string(model.to_tokens(PROMPTS)),
+    "to_string round trip": lambda model: model.to_string(model.to_tokens(PROMPTS[2], prepend_bos=False)[0]),
+    # ---- single tokens ----
+    "to_single_token": lambda model: [model.to_single_token(s) for s in (" the", "\n", ",", " love")],
+    "to_single_str_token": lambda model: [model.to_single_str_token(i) for i in (0, 199, 590)],
+    "to_single_token round trip": lambda model: model.to_single_str_token(model.to_single_token(" love")),
+    # ---- the tokenizer, through the model ----
+    "tokenizer special ids": lambda model: [model.tokenizer.bos_token_id, model.tokenizer.eos_token_id,
+                                            model.tokenizer.pad_token_id, model.tokenizer.padding_side],
+    "tokenizer special tokens": lambda model: [model.tokenizer.bos_token, model.tokenizer.eos_token,
+                                               model.tokenizer.pad_token],
+    "tokenizer decode": lambda model: model.tokenizer.decode(model.to_tokens(PROMPTS[0])[0]),
+    "tokenizer decode skip_special_tokens": lambda model: model.tokenizer.decode(
+        model.to_tokens(PROMPTS[0])[0], skip_special_tokens=True),
+    "tokenizer batch_decode": lambda model: model.tokenizer.batch_decode(model.to_tokens(PROMPTS)),
+    "tokenizer len": lambda model: len(model.tokenizer),
+    "tokenizer padding_side left": lambda model: _with_padding_side(model, "left", lambda: model.to_tokens(PROMPTS)),
+    # ---- generate: greedy ----
+    "generate greedy text": lambda model: model.generate(
+        PROMPTS[0], max_new_tokens=8, do_sample=False, verbose=False, use_past_kv_cache=False),
+    "generate greedy list": lambda model: model.generate(
+        PROMPTS, max_new_tokens=8, do_sample=False, verbose=False, use_past_kv_cache=False),
+    "generate greedy tokens in": lambda model: model.generate(
+        model.to_tokens(PROMPTS[2]), max_new_tokens=8, do_sample=False, verbose=False, use_past_kv_cache=False),
+    "generate return_type tokens": lambda model: model.generate(
+        PROMPTS, max_new_tokens=8, do_sample=False, verbose=False, use_past_kv_cache=False, return_type="tokens"),
+    "generate return_type str from tokens": lambda model: model.generate(
+        model.to_tokens(PROMPTS[:2], padding_side="left"), max_new_tokens=6, do_sample=False, verbose=False,
+        use_past_kv_cache=False, padding_side="left", return_type="str"),
+    "generate prepend_bos=False": lambda model: model.generate(
+        PROMPTS[1], max_new_tokens=8, do_sample=False, verbose=False, use_past_kv_cache=False, prepend_bos=False,
+        return_type="tokens"),
+    "generate left-padded ids with padding_side": lambda model: model.generate(
+        model.to_tokens(PROMPTS, padding_side="left"), max_new_tokens=6, do_sample=False, verbose=False,
+        use_past_kv_cache=False, padding_side="left"),
+    # ---- generate: stopping ----
+    "generate stop_at_eos pads with eos": lambda model: model.generate(
+        PROMPTS, max_new_tokens=6, do_sample=False, verbose=False, use_past_kv_cache=False,
+        eos_token_id=greedy_eos(model), return_type="tokens"),
+    "generate stop_at_eos text": lambda model: model.generate(
+        PROMPTS, max_new_tokens=6, do_sample=False, verbose=False, use_past_kv_cache=False,
+        eos_token_id=greedy_eos(model)),
+    "generate stops early when all finish": lambda model: model.generate(
+        PROMPTS[0], max_new_tokens=8, do_sample=False, verbose=False, use_past_kv_cache=False,
+        eos_token_id=greedy_eos(model), return_type="tokens").shape,
+    "generate stop_at_eos=False": lambda model: model.generate(
+        PROMPTS[0], max_new_tokens=8, do_sample=False, verbose=False, use_past_kv_cache=False,
+        eos_token_id=greedy_eos(model), stop_at_eos=False, return_type="tokens"),
+    "generate several stop ids": lambda model: model.generate(
+        PROMPTS, max_new_tokens=5, do_sample=False, verbose=False, use_past_kv_cache=False,
+        eos_token_id=[greedy_eos(model), 14], return_type="tokens"),
+    # ---- generate: sampling under torch's global seed ----
+    # do_sample=True spelt out: TL samples by default, probe is greedy by default (see probe/generation.py)
+    "generate sampled": lambda model: _seeded(3, lambda: model.generate(
+        PROMPTS, max_new_tokens=8, do_sample=True, verbose=False, use_past_kv_cache=False, return_type="tokens")),
+    "generate sampled top_k temperature freq_penalty": lambda model: _seeded(4, lambda: model.generate(
+        PROMPTS[0], max_new_tokens=8, do_sample=True, top_k=20, temperature=0.7, freq_penalty=1.0, verbose=False,
+        use_past_kv_cache=False)),
+    "generate sampled top_p": lambda model: _seeded(5, lambda: model.generate(
+        PROMPTS[1], max_new_tokens=8, do_sample=True, top_p=0.9, verbose=False, use_past_kv_cache=False)),
+    "generate do_sample=True temperature 0 is greedy": lambda model: model.generate(
+        PROMPTS[0], max_new_tokens=8, do_sample=True, temperature=0.0, verbose=False, use_past_kv_cache=False),
+}
+
+def _with_padding_side(model, side, fn):
+    before = model.tokenizer.padding_side
+    model.tokenizer.padding_side = side
+    try:
+        return fn()
+    finally:
+        model.tokenizer.padding_side = before
+
+
+def _seeded(seed, fn):
+    torch.manual_seed(seed)
+    return fn()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_case_equals_transformer_lens(case, probe_model, tl_model):
+    assert_same(CASES[case](probe_model), CASES[case](tl_model), atol=0, what=case)
+
+
+# ---- probe only: what TL does not have, or where probe deliberately differs ---------------------------------
+def test_cached_generation_equals_uncached_and_greedy_is_the_default(probe_model):
+    kw = dict(max_new_tokens=8, verbose=False)
+    uncached = probe_model.generate(PROMPTS, do_sample=False, use_past_kv_cache=False, **kw)
+    assert probe_model.generate(PROMPTS, do_sample=False, **kw) == uncached
+    assert probe_model.generate(PROMPTS, **kw) == uncached  # probe's default: greedy (TL's: sampling)
+    assert probe_model.generate(PROMPTS, do_sample=False, temperature=1.5, **kw) == uncached  # do_sample wins
+    assert probe_model.generate(PROMPTS, do_sample=False, use_cache=False, **kw) == uncached
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(probe_model):
+    kw = dict(max_new_tokens=10, verbose=False, return_type="tokens")
+    greedy = probe_model.generate(PROMPTS, do_sample=False, **kw)
+    a = probe_model.generate(PROMPTS, do_sample=True, seed=7, **kw)
+    b = probe_model.generate(PROMPTS, do_sample=True, seed=7, **kw)
+    assert a.tolist() == b.tolist() and a.tolist() != greedy.tolist()
+    assert _seeded(2, lambda: probe_model.generate(PROMPTS, do_sample=True, **kw)).tolist() == \
+        _seeded(2, lambda: probe_model.generate(PROMPTS, do_sample=True, **kw)).tolist()
+    assert probe_model.generate(PROMPTS, do_sample=True, top_k=1, seed=3, **kw).tolist() == greedy.tolist()
+    assert probe_model.generate(PROMPTS, temperature=1.0, top_k=1, seed=3, **kw).tolist() == greedy.tolist()
+
+
+def test_stop_at_eos_pads_each_finished_sequence(probe_model):
+    eos = greedy_eos(probe_model)
+    out = probe_model.generate(PROMPTS, max_new_tokens=8, do_sample=False, verbose=False, eos_token_id=eos,
+                               return_type="tokens")
+    n_prompt = probe_model.to_tokens(PROMPTS).shape[1]
+    for row in out[:, n_prompt:].tolist():
+        if eos in row:
+            assert set(row[row.index(eos):]) == {eos}  # the stop token, then only padding with it
+    # a tokenizer EOS that never comes: every sequence runs max_new_tokens
+    assert probe_model.generate(PROMPTS[0], max_new_tokens=8, verbose=False, return_type="tokens").shape[1] == \
+        probe_model.to_tokens(PROMPTS[0]).shape[1] + 8
+
+
+def test_to_str_tokens_extensions(probe_model):
+    """Beyond TL (which raises on these): a list of ints is one prompt's ids, [batch pos] ids give a list per row."""
+    tokens = probe_model.to_tokens(PROMPTS)
+    assert probe_model.to_str_tokens(tokens[0].tolist()) == probe_model.to_str_tokens(tokens[0])
+    assert probe_model.to_str_tokens(tokens) == [probe_model.to_str_tokens(row) for row in tokens]
+    assert probe_model.to_str_tokens(np.array([590, 45])) == ["RO", "M"]
+
+
+def test_to_tokens_keeps_probe_keywords(probe_model):
+    tokens, mask = probe_model.to_tokens(PROMPTS, padding_side="left", return_attention_mask=True)
+    assert mask.shape == tokens.shape and bool((mask[:, -1] == 1).all()) and int(mask[1].sum()) < tokens.shape[1]
+
+
+def test_steering_wraps_the_whole_generation(probe_model):
+    events = []
+
+    class Recorder:
+        @contextmanager
+        def applied(self, model):
+            events.append("enter")
+            try:
+                yield model
+            finally:
+                events.append("exit")
+
+    def note(x, hook):
+        events.append("pass")
+
+    probe_model.generate(PROMPTS[0], max_new_tokens=3, verbose=False, steering=Recorder(),
+                         fwd_hooks=[("hook_embed", note)])
+    assert events == ["enter", "pass", "pass", "pass", "exit"]
+    with pytest.raises(TypeError, match=r"applied\(model\)"):
+        probe_model.generate(PROMPTS[0], max_new_tokens=2, steering=object())
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(repetition_penalty=1.2), TypeError, "freq_penalty="),
+    (dict(return_cache=True), TypeError, "cache_names="),
+    (dict(stop_strings=["."]), TypeError, "eos_token_id="),
+    (dict(not_a_keyword=1), TypeError, "not_a_keyword"),
+    (dict(return_type="logits"), ValueError, "'input', 'str', 'tokens'"),
+    (dict(freq_penalty=-1.0), ValueError, "freq_penalty"),
+    (dict(use_cache=True, use_past_kv_cache=False), ValueError, "disagree"),
+    (dict(eos_token_id=10**6), ValueError, "eos_token_id"),
+    (dict(padding_side="middle"), ValueError, "padding_side"),
+])
+def test_generate_refuses_bad_keywords_naming_the_fix(probe_model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        probe_model.generate(PROMPTS[0], max_new_tokens=2, **kwargs)
+
+
+def test_token_errors_name_the_fix(probe_model):
+    with pytest.raises(ValueError, match="not one"):
+        probe_model.to_single_token(" antidisestablishmentarianism")
+    with pytest.raises(TypeError, match="integer token ids"):
+        probe_model.to_string(torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match="token ids"):
+        probe_model.to_string(object())
+    with pytest.raises(ValueError, match=r"\[batch pos\]"):
+        probe_model.to_string(torch.zeros(1, 2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        probe_model.to_single_str_token(10**6)
+    with pytest.raises(ValueError, match="non-empty list of strings"):
+        probe_model.to_tokens(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="padding_side"):
+        probe_model.tokenizer.padding_side = "up"
+
+
+# ---- the tokenizer against transformers ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import PreTrainedTokenizerFast
+
+    special = "<|endoftext|>"
+    return PreTrainedTokenizerFast(tokenizer_file=f"{DEFAULT_MODEL}/tokenizer.json", bos_token=special,
+                                   eos_token=special, pad_token=special)
+
+
+TOKENIZER_CASES = {
+    "call": lambda tok: dict(tok(PROMPTS[0])),
+    "call list": lambda tok: dict(tok(PROMPTS)),
+    "call padded tensors": lambda tok: dict(tok(PROMPTS, return_tensors="pt", padding=True)),
+    "call left": lambda tok: dict(tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")),
+    "call one pt": lambda tok: dict(tok(PROMPTS[2], return_tensors="pt")),
+    "call truncation": lambda tok: dict(tok(PROMPTS, truncation=True, max_length=4)),
+    "call max_length padding": lambda tok: dict(tok(PROMPTS[1], padding="max_length", max_length=6)),
+    "call no special tokens": lambda tok: dict(tok(PROMPTS, add_special_tokens=False, padding=True)),
+    "call attribute": lambda tok: tok(PROMPTS[0]).input_ids,
+    "call special in text": lambda tok: tok("a<|endoftext|>b")["input_ids"],
+    "encode": lambda tok: tok.encode(PROMPTS[2]),
+    "decode list": lambda tok: tok.decode([0, 590, 45, 37]),
+    "decode tensor": lambda tok: tok.decode(torch.tensor([0, 590, 45, 37])),
+    "decode 0-d": lambda tok: tok.decode(torch.tensor(590)),
+    "decode int": lambda tok: tok.decode(590),
+    "decode skip_special_tokens": lambda tok: tok.decode([0, 590, 0, 45], skip_special_tokens=True),
+    "decode clean_up False": lambda tok: tok.decode(tok.encode("Hello , world ."), clean_up_tokenization_spaces=False),
+    "batch_decode tensor": lambda tok: tok.batch_decode(torch.tensor([[0, 590], [45, 37]])),
+    "batch_decode lists skip": lambda tok: tok.batch_decode([[0, 590], [45]], skip_special_tokens=True),
+    "convert_ids_to_tokens": lambda tok: [tok.convert_ids_to_tokens(199), tok.convert_ids_to_tokens([0, 268, 590])],
+    "convert_tokens_to_ids": lambda tok: [tok.convert_tokens_to_ids("Ġthe"), tok.convert_tokens_to_ids(["<|endoftext|>", "Ġthe"])],
+    "unknown token": lambda tok: tok.convert_tokens_to_ids("not-a-token-at-all"),
+    "specials": lambda tok: [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.bos_token, tok.eos_token,
+                             tok.pad_token, tok.padding_side],
+    "sizes": lambda tok: [len(tok), tok.vocab_size, len(tok.get_vocab())],
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZER_CASES))
+def test_tokenizer_equals_transformers(case, probe_model, hf_tokenizer):
+    assert_same(TOKENIZER_CASES[case](probe_model.tokenizer), TOKENIZER_CASES[case](hf_tokenizer), atol=0, what=case)
+
+
+def test_tokenizer_errors_name_the_fix(probe_model):
+    tok = probe_model.tokenizer
+    with pytest.raises(ValueError, match="padding=True"):
+        tok(PROMPTS, return_tensors="pt")
+    with pytest.raises(ValueError, match="batch_decode"):
+        tok.decode(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="return_tensors"):
+        tok(PROMPTS[0], return_tensors="tf")
+    with pytest.raises(TypeError, match="string or a non-empty list"):
+        tok(5)
+    with pytest.raises(AttributeError, match="input_ids"):
+        tok("x").token_type_ids
