@@ -350,3 +350,82 @@ def test_grads_of_mistakes_are_named():
     assert attached(toy) == 0
     out, cache = toy.run_with_cache(x, names=[], grads_of=toy_value)  # nothing cached: no gradients to take
     assert len(cache) == 0 and torch.equal(out, 2 * x + 1)
+
+
+# ---- transformer-lens's persistent hooks: they stay until reset_hooks, and say so ------------------------
+def test_add_hook_persists_until_reset_hooks_and_is_listed():
+    toy, x = Toy(), torch.ones(3)
+    double = lambda t, hook: t * 2  # noqa: E731
+    toy.add_hook("inner.hook_mid", double)
+    assert torch.equal(toy(x), torch.full((3,), 5.0)) and torch.equal(toy(x), torch.full((3,), 5.0))  # (2*1)*2 + 1
+    assert toy.persistent_hooks() == [("inner.hook_mid", "fwd", double, False)]
+    toy.reset_hooks()
+    assert toy.persistent_hooks() == [] and attached(toy) == 0
+    assert torch.equal(toy(x), torch.full((3,), 3.0))
+
+
+def test_permanent_hooks_survive_reset_hooks_unless_asked():
+    toy, x = Toy(), torch.ones(3)
+    toy.add_hook(lambda name: name == "hook_out", lambda t, hook: t * 10, is_permanent=True)
+    toy.add_hook("hook_in", lambda t, hook: t * 0)
+    toy.reset_hooks()
+    assert torch.equal(toy(x), torch.full((3,), 30.0))  # hook_in's removed, hook_out's kept
+    toy.reset_hooks(including_permanent=True)
+    assert attached(toy) == 0
+
+
+def test_scoped_hooks_still_never_leak_and_reset_hooks_end_false_keeps_them_visibly():
+    toy, x = Toy(), torch.ones(3)
+    with pytest.raises(RuntimeError):
+        with toy.hooks(fwd_hooks=[("hook_in", lambda t, hook: t + 1)], reset_hooks_end=False):
+            raise RuntimeError("a failed block leaves nothing behind, whatever it was told")
+    assert attached(toy) == 0
+    toy.run_with_hooks(x, fwd_hooks=[("hook_in", lambda t, hook: t + 1)])
+    assert attached(toy) == 0 and toy.persistent_hooks() == []
+    toy.run_with_hooks(x, fwd_hooks=[("hook_in", lambda t, hook: t + 1)], reset_hooks_end=False)
+    assert [entry[:2] for entry in toy.persistent_hooks()] == [("hook_in", "fwd")]
+    assert torch.equal(toy(x), torch.full((3,), 5.0))  # 2 * (1 + 1) + 1
+    toy.reset_hooks()
+    assert attached(toy) == 0
+
+
+def test_hook_point_add_hook_remove_hooks_layer_and_ctx():
+    toy = Toy()
+    point = toy.hook_point("hook_out")
+    point.add_hook(lambda t, hook: hook.ctx.update(seen=t.clone()))
+    point.add_hook(lambda g, hook: None, dir="bwd")
+    toy(torch.ones(2))
+    assert torch.equal(point.ctx["seen"], torch.full((2,), 3.0))
+    point.remove_hooks("fwd")
+    assert len(point._fns) == 0 and len(point._bwd_fns) == 1
+    point.remove_hooks("both")
+    assert point.handles == []
+    toy.reset_hooks()
+    assert point.ctx == {}
+    with pytest.raises(ValueError, match="not inside a block"):
+        point.layer()
+    with pytest.raises(ValueError, match="'fwd' or 'bwd'"):
+        point.add_hook(lambda t, hook: None, dir="forward")
+
+
+def test_hook_layer_reads_the_block_index(tiny_model):
+    layers = []
+    tiny_model.run_with_hooks(torch.tensor([[1, 2, 3]]), fwd_hooks=[
+        (lambda n: n.endswith("hook_z"), lambda z, hook: layers.append(hook.layer()))])
+    assert layers == list(range(tiny_model.cfg.n_layers))
+
+
+def test_transformer_lens_keywords_probe_lacks_name_the_equivalent(tiny_model):
+    tokens = torch.tensor([[1, 2, 3]])
+    with pytest.raises(TypeError, match="kv_cache=.*from_transformer_lens"):
+        tiny_model(tokens, past_kv_cache=object())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'frobnicate'.*from_transformer_lens"):
+        tiny_model(tokens, frobnicate=True)
+    with pytest.raises(TypeError, match="pos_slice"):
+        tiny_model.run_with_cache(tokens, pos_slice=-1)
+    with pytest.raises(ValueError, match="names= or names_filter="):
+        tiny_model.run_with_cache(tokens, names="hook_embed", names_filter="hook_embed")
+    with pytest.raises(ValueError, match="return_type='logit'"):
+        tiny_model(tokens, return_type="logit")
+    with pytest.raises(ValueError, match="batch of one prompt"):
+        tiny_model.run_with_cache(torch.tensor([[1, 2], [3, 4]]), remove_batch_dim=True)
