@@ -10,3 +10,5 @@ from analyses.lens import TunedLens, compare_lenses, logit_lens, train_tuned_len
 from analyses.attribution import direct_logit_attribution, residual_decomposition
 from analyses.pruning import HeadImportance, PruningCurve, evaluate_masks, head_importance, load_pruned, original_heads, prune_by_importance, prune_heads, pruning_schedule, save_pruned, token_batches
 from analyses.features import FeatureLogits, SAEFeatures, SAELossRecovered, feature_logits, sae_features, sae_loss_recovered
+from analyses.steering import Steering, SteeringVector, steer, steering_vector
+from analyses.steering_sweep import SteeringSweep, loglik_metric, steering_sweep, target_logprob_metric

@@ -17,6 +17,7 @@ COMMANDS = {
     "memories": "FFN key-value memories: value tokens, lookup, corpus triggers",
     "anatomy": "structure, parameter ledger, shapes through one block",
     "sae": "sparse autoencoder features of a prompt: top features, their tokens, loss recovered",
+    "steer": "contrastive steering vector: generations with and without it, coefficient sweep",
 }
 
 
