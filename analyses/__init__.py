@@ -12,3 +12,8 @@ from analyses.pruning import HeadImportance, PruningCurve, evaluate_masks, head_
 from analyses.features import FeatureLogits, SAEFeatures, SAELossRecovered, feature_logits, sae_features, sae_loss_recovered
 from analyses.steering import Steering, SteeringVector, steer, steering_vector
 from analyses.steering_sweep import SteeringSweep, loglik_metric, steering_sweep, target_logprob_metric
+from analyses.circuit_graph import CircuitGraph, circuit_graph
+from analyses.edge_attribution import EdgeScores, edge_attribution
+from analyses.circuit import Circuit
+from analyses.faithfulness import Faithfulness, FaithfulnessCurve, faithfulness, faithfulness_curve
+from analyses.path_patching import PathPatching, path_patch

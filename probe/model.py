@@ -360,8 +360,9 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
             if attention_mask is not None:
                 raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
             padding_side = padding_side or self._require_tokenizer().padding_side
+            # never truncated here: text longer than n_ctx is refused (validate_tokens) rather than cut silently
             tokens, attention_mask = self.to_tokens(input, prepend_bos=prepend_bos, return_attention_mask=True,
-                                                    padding_side=padding_side)
+                                                    padding_side=padding_side, truncate=False)
             if padding_side == "right" or bool(attention_mask.all()):
                 # causal attention alone is exact for every real token when the padding comes after them, and it
                 # gives the padded positions transformer-lens's values (they attend like real tokens)

@@ -18,6 +18,7 @@ COMMANDS = {
     "anatomy": "structure, parameter ledger, shapes through one block",
     "sae": "sparse autoencoder features of a prompt: top features, their tokens, loss recovered",
     "steer": "contrastive steering vector: generations with and without it, coefficient sweep",
+    "circuit": "edge attribution (EAP, EAP-IG), a circuit, its faithfulness curve and its graph",
 }
 
 

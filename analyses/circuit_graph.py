@@ -1,0 +1,254 @@
+"""The graph a circuit lives in: who writes to the residual stream, who reads it, and every edge between them.
+
+Writers (nodes with an output): `embed` (token + position embedding, as it enters block 0), every
+head `L{l}H{h}` (its write without the output bias b_O, which is the same in every run), every MLP
+`L{l} mlp`. Readers (a node's input): each head's query input `L{l}H{h}<q`, its key and value
+inputs `L{l}H{h}<k` / `<v`, each MLP's input `L{l} mlp` and the `logits` (the final norm's input).
+Grouped-query models read keys and values once per key/value head, so their key and value inputs
+are per key/value head, `L{l}KV{g}<k` / `<v`, each feeding the query heads that share it: that is
+what the model computes, so patching one of them is exact (a per-query-head key input would not be).
+
+There is an edge from a writer to every reader that reads the residual after the writer wrote to
+it: a head of layer l reaches the MLP of layer l and everything from layer l + 1 on. Parallel
+blocks (GPT-NeoX) read the residual entering the block with both sublayers, so the MLP of layer l
+does not read the attention of layer l. A reader's input is then the sum of its writers' outputs
+plus constants (biases), the same in every run: patching an edge adds (new - old) of one writer
+to one reader's input alone.
+
+Sandwich blocks (Gemma 2) normalise the attention's summed write: a head's output is its share of
+hook_attn_out, its result times ln1_post's weight over that run's ln1_post scale (the shares add
+up to hook_attn_out exactly). The shares depend on the other heads of the layer only through that
+one scale per position. A LayerNorm sandwich, or one with b_O, has no such exact split and is
+refused; post-norm blocks (GPT-1), whose residual is not a sum of writes, are refused too.
+
+Names are accepted on input in this notation or the issue's short one: `a2.0` = `2.0` = `L2H0`,
+`a2.0<q` = `L2H0<q`, `m1` = `L1 mlp`, `input` = `embed`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import pandas as pd
+import torch
+
+from probe import HookedDecoder
+from probe.config import Norm, NormPlacement
+
+LOGITS = "logits"
+
+
+def check_graph_model(model: HookedDecoder) -> None:
+    """Refuse the families whose residual stream is not an exact sum of writer outputs."""
+    cfg = model.cfg
+    if cfg.norm_placement is NormPlacement.POST:
+        raise ValueError("post-norm blocks (GPT-1) normalise the residual itself, so it is not a sum of the writers' "
+                         "outputs and an edge has no exact meaning; circuits need pre-norm, parallel or sandwich blocks")
+    if cfg.norm_placement is NormPlacement.SANDWICH:
+        if cfg.norm is Norm.LAYER:
+            raise ValueError("a LayerNorm sandwich block centres the attention's summed write, so heads' shares of "
+                             "it are not exact; circuits support RMSNorm sandwich blocks (Gemma 2)")
+        if any(block.attn.b_O is not None for block in model.blocks):
+            raise ValueError("a sandwich block with an attention output bias normalises b_O with the heads, so no head "
+                             "owns that share; circuits support sandwich blocks without b_O (Gemma 2)")
+
+
+@dataclass(frozen=True)
+class CircuitGraph:
+    """Writers, readers and edges of one model. Edges are the valid (writer, reader) pairs in writer-major
+    order: `edge_writer[e]`, `edge_reader[e]` index `writers` and `readers`. Nodes are the writers then
+    `logits`; `reader_nodes` [reader node] says which nodes each reader feeds (a shared key/value input
+    feeds every query head of its group)."""
+
+    writers: list[str]
+    writer_kind: list[str]  # embed, head, mlp
+    writer_layer: list[int]  # -1 for embed
+    writer_head: list[int]  # -1 unless a head
+    readers: list[str]
+    reader_kind: list[str]  # q, k, v, mlp, logits
+    reader_layer: list[int]  # n_layers for logits
+    reader_head: list[int]  # query head (q), key/value head (k, v), -1 otherwise
+    writer_stage: torch.Tensor = field(repr=False)  # [writer] where the write lands: 0 embed, 2l+1 attention l, 2l+2 MLP l
+    reader_stage: torch.Tensor = field(repr=False)  # [reader] the residual it reads: writers of a lower stage reach it
+    reader_nodes: torch.Tensor = field(repr=False)  # [reader node] bool
+    n_layers: int = 0
+    heads: tuple[int, ...] = ()  # query heads per layer
+    kv_heads: tuple[int, ...] = ()  # key/value heads per layer
+    parallel: bool = False
+    sandwich: bool = False
+
+    @property
+    def grouped(self) -> bool:
+        return any(kv != h for kv, h in zip(self.kv_heads, self.heads))
+
+    @property
+    def nodes(self) -> list[str]:
+        return self.writers + [LOGITS]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[writer reader] bool: which pairs are edges."""
+        return self.writer_stage[:, None] < self.reader_stage[None, :]
+
+    @property
+    def edge_writer(self) -> torch.Tensor:
+        return self.valid.nonzero()[:, 0]
+
+    @property
+    def edge_reader(self) -> torch.Tensor:
+        return self.valid.nonzero()[:, 1]
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.valid.sum())
+
+    def edge_names(self) -> list[str]:
+        return [f"{self.writers[w]} -> {self.readers[r]}" for w, r in self.valid.nonzero().tolist()]
+
+    def stages(self) -> list[int]:
+        """The distinct reader stages, in forward order."""
+        return sorted(set(self.reader_stage.tolist()))
+
+    def attn_readers(self, layer: int) -> range:
+        """Reader indices of layer `layer`'s attention: its q inputs, then k, then v."""
+        start = sum(h + 2 * kv + 1 for h, kv in zip(self.heads[:layer], self.kv_heads[:layer]))
+        return range(start, start + self.heads[layer] + 2 * self.kv_heads[layer])
+
+    def mlp_reader(self, layer: int) -> int:
+        return self.attn_readers(layer).stop
+
+    def head_writers(self, layer: int) -> range:
+        start = 1 + sum(h + 1 for h in self.heads[:layer])
+        return range(start, start + self.heads[layer])
+
+    def mlp_writer(self, layer: int) -> int:
+        return self.head_writers(layer).stop
+
+    def counts(self) -> dict[str, int]:
+        kinds = pd.Series(self.reader_kind).value_counts()
+        valid = self.valid
+        per_kind = {f"edges into {k}": int(valid[:, [i for i, r in enumerate(self.reader_kind) if r == k]].sum())
+                    for k in ("q", "k", "v", "mlp", "logits")}
+        return {"writers": len(self.writers), "readers": len(self.readers), "nodes": len(self.nodes),
+                "edges": self.n_edges, **{f"{k} inputs": int(kinds.get(k, 0)) for k in ("q", "k", "v", "mlp")}, **per_kind}
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per edge: source, target (the reader's name), input (q, k, v, mlp, logits), layers."""
+        w, r = self.edge_writer.tolist(), self.edge_reader.tolist()
+        return pd.DataFrame({
+            "source": [self.writers[i] for i in w], "target": [self.readers[i] for i in r],
+            "input": [self.reader_kind[i] for i in r],
+            "source_layer": [self.writer_layer[i] for i in w], "target_layer": [self.reader_layer[i] for i in r],
+        })
+
+    def __str__(self) -> str:
+        c = self.counts()
+        kv = " (key/value inputs per key/value head)" if self.grouped else ""
+        return (f"CircuitGraph: {c['writers']} writers, {c['readers']} readers{kv}, {c['edges']} edges "
+                f"({c['edges into q']} into q, {c['edges into k']} k, {c['edges into v']} v, {c['edges into mlp']} mlp, "
+                f"{c['edges into logits']} logits)")
+
+    # ---- names on input ---------------------------------------------------------------------------
+    def writer_index(self, name: Union[str, tuple]) -> int:
+        """A writer from `L2H0` / `a2.0` / `2.0` / (2, 0), `L1 mlp` / `m1`, `embed` / `input`."""
+        key = _canonical(name)
+        if key in self.writers:
+            return self.writers.index(key)
+        raise ValueError(_unknown(name, "writer", self.writers))
+
+    def reader_indices(self, name: Union[str, tuple]) -> list[int]:
+        """The readers a name means: one input (`L2H0<k`, `L2KV0<k`, `L1 mlp`, `logits`), or every input of a head
+        (`L2H0`: its q, k and v inputs; with grouped-query attention, its group's key/value inputs)."""
+        key = _canonical(name)
+        if key in self.readers:
+            return [self.readers.index(key)]
+        match = re.fullmatch(r"L(\d+)H(\d+)(?:<([kv]))?", key)
+        if match and int(match[1]) < self.n_layers and int(match[2]) < self.heads[int(match[1])]:
+            layer, head = int(match[1]), int(match[2])
+            group = head // (self.heads[layer] // self.kv_heads[layer])
+            parts = [match[3]] if match[3] else ["q", "k", "v"]
+            wanted = [f"L{layer}H{head}<q"] if "q" in parts else []
+            wanted += [f"L{layer}KV{group}<{p}" if self.grouped else f"L{layer}H{head}<{p}" for p in parts if p != "q"]
+            return [self.readers.index(n) for n in wanted]
+        raise ValueError(_unknown(name, "reader", self.readers))
+
+
+def _canonical(name) -> str:
+    if isinstance(name, tuple) and len(name) == 2:
+        return f"L{int(name[0])}H{int(name[1])}"
+    if not isinstance(name, str):
+        raise TypeError(f"a node is named by a string such as 'L2H0', 'L2H0<q', 'L1 mlp', 'embed' or 'logits' "
+                        f"(or a (layer, head) tuple), got {type(name).__name__}")
+    text = name.strip()
+    if text in ("input", "embed"):
+        return "embed"
+    match = re.fullmatch(r"(?:a|L)?(\d+)[.H](\d+)(<[qkv])?", text)
+    if match:
+        return f"L{match[1]}H{match[2]}{match[3] or ''}"
+    match = re.fullmatch(r"(?:m|L)(\d+)(?: ?mlp)?", text)
+    if match and text != f"L{match[1]}":
+        return f"L{match[1]} mlp"
+    return text
+
+
+def _unknown(name, what: str, valid: Sequence[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(name), valid, n=3)
+    hint = f"; closest: {', '.join(close)}" if close else ""
+    return (f"{name!r} is not a {what} of this model's graph{hint} ({what}s are named like "
+            f"{', '.join(valid[:2])}, ..., {valid[-1]})")
+
+
+def circuit_graph(model: HookedDecoder) -> CircuitGraph:
+    """The model's graph: writers, readers and edges (see the module docstring for the names)."""
+    check_graph_model(model)
+    cfg = model.cfg
+    L = cfg.n_layers
+    parallel = cfg.norm_placement is NormPlacement.PARALLEL
+    heads = tuple(cfg.layer_heads(l) for l in range(L))
+    kv_heads = tuple(cfg.layer_kv_heads(l) for l in range(L))
+    grouped = any(k != h for k, h in zip(kv_heads, heads))
+    writers, w_kind, w_layer, w_head, w_stage = ["embed"], ["embed"], [-1], [-1], [0]
+    readers, r_kind, r_layer, r_head, r_stage = [], [], [], [], []
+    for l in range(L):
+        writers += [f"L{l}H{h}" for h in range(heads[l])] + [f"L{l} mlp"]
+        w_kind += ["head"] * heads[l] + ["mlp"]
+        w_layer += [l] * (heads[l] + 1)
+        w_head += list(range(heads[l])) + [-1]
+        w_stage += [2 * l + 1] * heads[l] + [2 * l + 2]
+        kv_name = (lambda g, p: f"L{l}KV{g}<{p}") if grouped else (lambda g, p: f"L{l}H{g}<{p}")
+        readers += [f"L{l}H{h}<q" for h in range(heads[l])]
+        readers += [kv_name(g, "k") for g in range(kv_heads[l])] + [kv_name(g, "v") for g in range(kv_heads[l])]
+        readers.append(f"L{l} mlp")
+        r_kind += ["q"] * heads[l] + ["k"] * kv_heads[l] + ["v"] * kv_heads[l] + ["mlp"]
+        r_layer += [l] * (heads[l] + 2 * kv_heads[l] + 1)
+        r_head += list(range(heads[l])) + list(range(kv_heads[l])) * 2 + [-1]
+        r_stage += [2 * l + 1] * (heads[l] + 2 * kv_heads[l]) + [2 * l + 1 if parallel else 2 * l + 2]
+    readers.append(LOGITS)
+    r_kind.append("logits")
+    r_layer.append(L)
+    r_head.append(-1)
+    r_stage.append(2 * L + 1)
+
+    nodes = len(writers) + 1
+    reader_nodes = torch.zeros(len(readers), nodes, dtype=torch.bool)
+    for r, (kind, layer, head) in enumerate(zip(r_kind, r_layer, r_head)):
+        if kind == "logits":
+            reader_nodes[r, -1] = True
+        elif kind == "mlp":
+            reader_nodes[r, writers.index(f"L{layer} mlp")] = True
+        elif kind == "q":
+            reader_nodes[r, writers.index(f"L{layer}H{head}")] = True
+        else:  # a key/value head serves a group of adjacent query heads
+            group = heads[layer] // kv_heads[layer]
+            for h in range(head * group, (head + 1) * group):
+                reader_nodes[r, writers.index(f"L{layer}H{h}")] = True
+    return CircuitGraph(
+        writers=writers, writer_kind=w_kind, writer_layer=w_layer, writer_head=w_head,
+        readers=readers, reader_kind=r_kind, reader_layer=r_layer, reader_head=r_head,
+        writer_stage=torch.tensor(w_stage), reader_stage=torch.tensor(r_stage), reader_nodes=reader_nodes,
+        n_layers=L, heads=heads, kv_heads=kv_heads, parallel=parallel,
+        sandwich=cfg.norm_placement is NormPlacement.SANDWICH,
+    )

@@ -1,0 +1,321 @@
+"""Edge attribution patching: a score for every edge of the graph at once (Syed et al. 2023; EAP-IG, Hanna et al. 2024).
+
+An edge's score estimates how much the metric moves when that edge alone carries its writer's clean
+output into the corrupted run: (writer's clean output - its corrupted output) . d metric / d (the
+reader's input), summed over positions, one value per prompt, and averaged over the prompts.
+
+Methods (all but "exact" are one vectorised product per reader stage, no loop over edges):
+- "eap": the gradient of the corrupted run; 2 forwards and 1 backward.
+- "eap-ig-inputs": the gradient averaged over `ig_steps` runs whose input embedding moves from the
+  corrupted one toward the clean one, at alpha = 0, 1/m, ..., (m-1)/m (the left Riemann sum, so
+  ig_steps=1 is EAP exactly).
+- "eap-ig-activations": the same, but every residual the readers read is moved along the straight
+  line between its corrupted and clean values (so every writer's output is too), the gradient still
+  flowing through the model's own functions at those points.
+- "clean-corrupted": the average of the corrupted run's and the clean run's gradients (as Hanna et
+  al.'s library names it).
+- "exact": no estimate: one patched forward per edge (batched), the metric's actual change with that
+  edge alone patched; cost grows with the number of edges.
+
+A reader's input gradient is taken without per-head hook points: a head's q/k/v input gradient is the
+gradient at hook_q / hook_k / hook_v pulled back through its projection and the block's ln1 at the
+cached residual (a vector-Jacobian product of the norm, one per head); an MLP's is the gradient at the
+residual it reads less that of the residual after it (and, in parallel blocks, less the attention's
+inputs); the logits' is the gradient at the final residual.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from einops import einsum
+from tqdm.auto import tqdm
+
+from analyses.ablation import Metric, metric_name
+from analyses.circuit_graph import CircuitGraph, circuit_graph
+from analyses.common import AnalysisInput, evaluate_metric, model_mask, token_strings, tokens_and_mask
+from analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
+from analyses.paired_stats import bootstrap_ci, sign_flip_p
+from probe import HookedDecoder
+from probe.names import act_name
+
+EdgeMethod = Literal["eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "exact"]
+METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "exact")
+
+
+@dataclass
+class EdgeScores:
+    """`scores` [edge]: the estimated change of the (batch-mean) metric from patching each edge alone, edges in the
+    graph's order (`graph.edge_writer`, `graph.edge_reader`); `per_example` [batch edge]; `per_position`
+    [batch pos edge] when asked for. `clean` / `corrupted`: the metric on the unpatched runs (batch means)."""
+
+    graph: CircuitGraph
+    scores: torch.Tensor
+    per_example: torch.Tensor
+    clean: float
+    corrupted: float
+    method: str
+    metric_name: str
+    ig_steps: int = 1
+    per_position: Optional[torch.Tensor] = field(default=None, repr=False)
+    clean_values: Optional[torch.Tensor] = field(default=None, repr=False)  # [batch]
+    corrupted_values: Optional[torch.Tensor] = field(default=None, repr=False)  # [batch]
+    position_strings: Optional[list[str]] = field(default=None, repr=False)  # the first corrupted prompt's tokens, raw
+
+    def matrix(self) -> torch.Tensor:
+        """[writer reader]: the scores, NaN where there is no edge."""
+        out = torch.full(tuple(self.graph.valid.shape), float("nan"))
+        out[self.graph.edge_writer, self.graph.edge_reader] = self.scores.float().cpu()
+        return out
+
+    def to_frame(self, positions: bool = False) -> pd.DataFrame:
+        """One row per edge: source, target, input (q k v mlp logits), score; with several prompts a 95% bootstrap
+        interval of the mean (ci_low, ci_high) and a sign-flip permutation p-value. `positions=True`: one row per
+        (edge, position) with the score at that position (batch mean)."""
+        frame = self.graph.to_frame()
+        if positions:
+            if self.per_position is None:
+                raise ValueError("these scores were computed without positions; rerun edge_attribution(..., positions=True)")
+            per = self.per_position.float().mean(0).cpu()  # [pos edge]
+            n_pos = per.shape[0]
+            frame = frame.loc[frame.index.repeat(n_pos)].reset_index(drop=True)
+            frame.insert(2, "position", list(range(n_pos)) * self.graph.n_edges)
+            if self.position_strings is not None:
+                frame.insert(3, "token", self.position_strings * self.graph.n_edges)
+            frame["score"] = per.T.reshape(-1).numpy()
+            frame["method"] = self.method
+            return frame
+        frame["score"] = self.scores.float().cpu().numpy()
+        if self.per_example.shape[0] > 1:
+            low, high = bootstrap_ci(self.per_example)
+            frame["ci_low"], frame["ci_high"] = low.numpy(), high.numpy()
+            frame["p_value"] = sign_flip_p(self.per_example).numpy()
+        frame["method"] = self.method
+        return frame
+
+    def top(self, n: int = 20, absolute: bool = True) -> pd.DataFrame:
+        """The `n` edges with the largest scores (by |score| unless absolute=False), ranked from 1."""
+        if not (isinstance(n, int) and n > 0):
+            raise ValueError(f"n={n!r} must be a positive int")
+        frame = self.to_frame()
+        key = frame["score"].abs() if absolute else frame["score"]
+        frame = frame.loc[key.sort_values(ascending=False, kind="stable").index[:n]].reset_index(drop=True)
+        frame.insert(0, "rank", range(1, len(frame) + 1))
+        return frame
+
+    def circuit(self, n_edges: Optional[int] = None, threshold: Optional[float] = None,
+                method: Literal["topn", "greedy"] = "topn", absolute: bool = True):
+        """A `Circuit` of the best edges: the top `n_edges` (or every edge with |score| >= `threshold`), or,
+        with method='greedy', grown from the logits by adding the best edge into a node already in it; then
+        pruned of nodes that do not reach the logits or are not reached from the embedding."""
+        from analyses.circuit import circuit_from_scores
+
+        return circuit_from_scores(self, n_edges=n_edges, threshold=threshold, method=method, absolute=absolute)
+
+    def figure(self, top: int = 30) -> go.Figure:
+        """The `top` edges by |score| as horizontal bars (with the bootstrap interval when there are several prompts)."""
+        frame = self.top(top).iloc[::-1]
+        labels = [f"{s} → {t}" for s, t in zip(frame["source"], frame["target"])]
+        error = None
+        if "ci_low" in frame:
+            error = dict(type="data", symmetric=False, array=(frame["ci_high"] - frame["score"]).to_numpy(),
+                         arrayminus=(frame["score"] - frame["ci_low"]).to_numpy())
+        hover = [f"{l}<br>score {s:+.5g}" + (f"<br>p = {p:.3g}" if "p_value" in frame else "")
+                 for l, s, p in zip(labels, frame["score"], frame.get("p_value", frame["score"]))]
+        fig = go.Figure(go.Bar(x=frame["score"], y=labels, orientation="h", error_x=error, hovertext=hover, hoverinfo="text",
+                               marker_color=["#2166ac" if v >= 0 else "#b2182b" for v in frame["score"]]))
+        steps = f", {self.ig_steps} steps" if self.method.startswith("eap-ig") else ""
+        fig.update_layout(
+            title=f"Edge attribution ({self.method}{steps}): top {len(frame)} of {self.graph.n_edges} edges<br><sup>estimated "
+                  f"change of the {self.metric_name} from patching the edge alone (clean {self.clean:.4g}, corrupted "
+                  f"{self.corrupted:.4g})</sup>",
+            xaxis_title=f"change of the {self.metric_name}", yaxis_type="category", height=200 + 22 * len(frame), width=900)
+        return fig
+
+
+def paired_tokens(model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisInput, attention_mask=None):
+    """(clean tokens, corrupted tokens, mask): the two must line up position by position."""
+    clean_tokens, clean_mask = tokens_and_mask(model, clean, attention_mask)
+    tokens, mask = tokens_and_mask(model, corrupted, attention_mask)
+    if clean_tokens.shape != tokens.shape or not torch.equal(clean_mask, mask):
+        raise ValueError(f"clean {tuple(clean_tokens.shape)} and corrupted {tuple(tokens.shape)} prompts must have the "
+                         "same shape and padding: edges are patched position by position")
+    return clean_tokens, tokens, mask
+
+
+def gradient_hook_names(graph: CircuitGraph) -> list[str]:
+    names = []
+    for l in range(graph.n_layers):
+        names += [act_name("q", l), act_name("k", l), act_name("v", l), act_name("resid_pre", l), act_name("resid_post", l)]
+        if not graph.parallel:
+            names.append(act_name("resid_mid", l))
+    return names
+
+
+def reader_gradients(model: HookedDecoder, graph: CircuitGraph, cache) -> torch.Tensor:
+    """[batch pos reader d_model] float32: d metric / d each reader's input, from a cache with gradients
+    (names from gradient_hook_names)."""
+    parts = []
+    for l in range(graph.n_layers):
+        block, attn = model.blocks[l], model.blocks[l].attn
+        pulled = [einsum(cache[act_name(kind, l) + "_grad"], w, "batch pos head d_head, head d_model d_head -> batch pos head d_model")
+                  for kind, w in (("q", attn.W_Q), ("k", attn.W_K), ("v", attn.W_V))]
+        pulled = torch.cat(pulled, dim=2)  # [batch pos reader d_model]: what each head's projection sends back
+        resid = cache[act_name("resid_pre", l)]
+        with torch.enable_grad():
+            x = resid.detach()[:, :, None].expand(-1, -1, pulled.shape[2], -1).contiguous().requires_grad_(True)
+            normed = block.ln1(x)  # the block's own norm, once per reader: its Jacobian at this residual
+            attn_grads = torch.autograd.grad(normed, x, pulled.to(normed.dtype))[0].float()
+        post = cache[act_name("resid_post", l) + "_grad"].float()
+        if graph.parallel:  # resid_pre reaches resid_post directly, through the attention's inputs and through the MLP
+            mlp = cache[act_name("resid_pre", l) + "_grad"].float() - post - attn_grads.sum(dim=2)
+        else:
+            mlp = cache[act_name("resid_mid", l) + "_grad"].float() - post
+        parts += [attn_grads, mlp[:, :, None]]
+    parts.append(cache[act_name("resid_post", graph.n_layers - 1) + "_grad"].float()[:, :, None])
+    return torch.cat(parts, dim=2)
+
+
+def _gradient_run(model, graph, tokens, mask, metric, names, fwd_hooks=()):
+    def total(logits):
+        return evaluate_metric(metric, logits, tokens, mask).sum()  # a sum: each prompt's gradient is its own
+
+    logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=names, fwd_hooks=fwd_hooks,
+                                         grads_of=total)
+    return evaluate_metric(metric, logits, tokens, mask).detach(), cache
+
+
+def _scores(graph: CircuitGraph, delta: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor, positions: bool):
+    """per_example [batch edge] (and per_position [batch pos edge]): delta . gradient, one product per reader stage."""
+    grads = grads * mask[:, :, None, None].to(grads.dtype)  # padded positions carry no effect
+    batch, n_pos = delta.shape[:2]
+    W, R = graph.valid.shape
+    full = delta.new_zeros((batch, n_pos, W, R) if positions else (batch, W, R))
+    pattern = "batch pos writer d_model, batch pos reader d_model -> batch " + ("pos " if positions else "") + "writer reader"
+    for stage in graph.stages():
+        readers = (graph.reader_stage == stage).nonzero()[:, 0].to(delta.device)
+        n = int((graph.writer_stage < stage).sum())
+        full[..., :n, readers] = einsum(delta[:, :, :n], grads[:, :, readers], pattern)
+    w, r = graph.edge_writer.to(delta.device), graph.edge_reader.to(delta.device)
+    per_position = full[:, :, w, r] if positions else None
+    per_example = per_position.sum(1) if positions else full[:, w, r]
+    return per_example, per_position
+
+
+def edge_attribution(
+    model: HookedDecoder,
+    clean: AnalysisInput,
+    corrupted: AnalysisInput,
+    metric: Metric,
+    method: EdgeMethod = "eap",
+    ig_steps: int = 5,
+    positions: bool = False,
+    *,
+    attention_mask: Optional[torch.Tensor] = None,
+    max_rows: Optional[int] = None,
+) -> EdgeScores:
+    """Score every edge of `circuit_graph(model)` for restoring the clean behaviour in the corrupted run.
+
+    `metric(logits, tokens, attention_mask) -> [batch]` as in analyses.ablation (e.g. `logit_diff_metric`).
+    `positions=True` also keeps each position's share (memory batch x pos x edges). `max_rows` caps the
+    rows of one forward for method="exact"."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of: {', '.join(METHODS)}")
+    if not (isinstance(ig_steps, int) and not isinstance(ig_steps, bool) and ig_steps > 0):
+        raise ValueError(f"ig_steps={ig_steps!r} must be a positive int")
+    graph = circuit_graph(model)
+    clean_tokens, tokens, mask = paired_tokens(model, clean, corrupted, attention_mask)
+    writer_names = graph_hook_names(graph)
+    with torch.no_grad() if method != "clean-corrupted" else torch.enable_grad():
+        if method == "clean-corrupted":
+            clean_values, clean_cache = _gradient_run(model, graph, clean_tokens, mask, metric,
+                                                      sorted(set(writer_names + gradient_hook_names(graph))))
+        else:
+            logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=model_mask(mask), names=writer_names)
+            clean_values = evaluate_metric(metric, logits, clean_tokens, mask)
+            del logits
+    clean_out = writer_outputs(model, graph, clean_cache)
+
+    if method == "exact":
+        with torch.no_grad():
+            logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=writer_names)
+            corrupted_values = evaluate_metric(metric, logits, tokens, mask)
+            del logits
+        per_example = _exact(model, graph, tokens, mask, metric, clean_out, cache, corrupted_values, max_rows)
+        per_position = None
+        if positions:
+            raise ValueError("method='exact' patches whole edges (every position at once); per-position scores come from "
+                             "the gradient methods")
+    else:
+        names = sorted(set(writer_names + gradient_hook_names(graph)))
+        corrupted_values, cache = _gradient_run(model, graph, tokens, mask, metric, names)
+        corr_out = writer_outputs(model, graph, cache)
+        grads = reader_gradients(model, graph, cache)
+        if method == "clean-corrupted":
+            grads = (grads + reader_gradients(model, graph, clean_cache)) / 2
+        elif method.startswith("eap-ig") and ig_steps > 1:
+            clean_resid, corr_resid = stage_residuals(graph, clean_cache), stage_residuals(graph, cache)
+            for step in tqdm(range(1, ig_steps), desc=f"{method} steps", total=ig_steps - 1, leave=False):
+                alpha = step / ig_steps
+                hooks = _interpolation_hooks(graph, method, alpha, clean_resid, corr_resid)
+                _, step_cache = _gradient_run(model, graph, tokens, mask, metric, names, fwd_hooks=hooks)
+                grads = grads + reader_gradients(model, graph, step_cache)
+                del step_cache
+            grads = grads / ig_steps
+        per_example, per_position = _scores(graph, clean_out - corr_out, grads, mask, positions)
+    clean_mean, corrupted_mean = float(clean_values.mean()), float(corrupted_values.mean())
+    return EdgeScores(
+        graph=graph, scores=per_example.mean(0).cpu(), per_example=per_example.cpu(), clean=clean_mean,
+        corrupted=corrupted_mean, method=method, metric_name=metric_name(metric),
+        ig_steps=ig_steps if method.startswith("eap-ig") else 1,
+        per_position=None if per_position is None else per_position.cpu(), clean_values=clean_values.detach().cpu(),
+        corrupted_values=corrupted_values.cpu(), position_strings=token_strings(model, tokens[0].tolist()),
+    )
+
+
+def _interpolation_hooks(graph: CircuitGraph, method: str, alpha: float, clean_resid, corr_resid):
+    """Forward hooks putting the run at `alpha` of the way from corrupted to clean: the input embedding only
+    (eap-ig-inputs), or every residual a reader reads (eap-ig-activations)."""
+    def to(target):
+        def hook(act, hook):
+            # the value moves, the gradient still flows through act: an offset, not a replacement
+            return act + (target.to(act.dtype) - act).detach()
+        return hook
+
+    def at(stage):
+        return corr_resid[stage] + alpha * (clean_resid[stage] - corr_resid[stage])
+
+    if method == "eap-ig-inputs":
+        return [(act_name("resid_pre", 0), to(at(1)))]
+    hooks = []
+    for l in range(graph.n_layers):
+        hooks.append((act_name("resid_pre", l), to(at(2 * l + 1))))
+        if not graph.parallel:
+            hooks.append((act_name("resid_mid", l), to(at(2 * l + 2))))
+    return hooks + [(act_name("resid_post", graph.n_layers - 1), to(at(2 * graph.n_layers + 1)))]
+
+
+@torch.no_grad()
+def _exact(model, graph, tokens, mask, metric, clean_out, cache, corrupted_values, max_rows):
+    """[batch edge]: the metric's change with each edge alone carrying the clean output, the rest as they are."""
+    batch, n_pos = tokens.shape
+    corr_out = writer_outputs(model, graph, cache)
+    base = stage_residuals(graph, cache)
+    valid = graph.valid.to(tokens.device).float()
+    w, r = graph.edge_writer.tolist(), graph.edge_reader.tolist()
+    copies = copies_per_forward(model, batch, n_pos, max_rows)
+    out = torch.empty(batch, graph.n_edges)
+    for first in tqdm(range(0, graph.n_edges, copies), desc="exact edge patching", leave=False,
+                      total=-(-graph.n_edges // copies)):
+        chunk = range(first, min(first + copies, graph.n_edges))
+        patch = torch.zeros(len(chunk), *valid.shape, device=tokens.device)
+        for c, e in enumerate(chunk):
+            patch[c, w[e], r[e]] = 1.0
+        spec = EdgeInputs(base=base, ref=corr_out, carry=valid[None] - patch, source=clean_out, patch=patch)
+        logits = run_edges(model, graph, tokens, model_mask(mask), spec)
+        values = evaluate_metric(metric, logits, tokens.repeat(len(chunk), 1), mask.repeat(len(chunk), 1))
+        out[:, first:first + len(chunk)] = (values.view(len(chunk), batch) - corrupted_values[None]).T.cpu()
+    return out

@@ -1,0 +1,235 @@
+"""A forward pass in which every reader's input is rebuilt edge by edge: the one engine behind exact edge
+patching, circuit faithfulness and path patching.
+
+For copy c of the batch, reader r (at residual stage s) reads
+
+    input_r = base[s] + sum_w patch[c, w, r] (source_w - ref_w) + sum_w carry[c, w, r] (current_w - ref_w)
+
+where `ref` [batch pos writer d_model] is what `base` already holds for each writer (the corrupted run's
+outputs, or their mean, or zero), `source` is a fixed other value (the clean run's outputs) and
+`current` is what each writer outputs in this very forward (which depends on its own rebuilt inputs).
+With carry = every edge and no patch, every input is the run's own and the forward is the plain one.
+
+The model's forward is untouched: a head's q, k and v inputs are rebuilt at `hook_q` / `hook_k` /
+`hook_v` (the block's ln1 applied to each head's own input, then that head's projection), the MLP's at
+the residual it reads (hook_resid_mid, or hook_resid_pre in parallel blocks) and the logits' at the
+last hook_resid_post. Every reader is rebuilt, so what the residual stream itself carries between
+them never reaches anything. `frozen_readers` read through their norm with the scale taken from
+`frozen` (a cache holding `...hook_scale` of the corrupted run) instead of their own: path patching's
+frozen norms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+from einops import einsum
+
+from analyses.ablation import LOGIT_BUDGET
+from analyses.circuit_graph import CircuitGraph
+from probe import HookedDecoder
+from probe.names import act_name
+
+
+def graph_hook_names(graph: CircuitGraph) -> list[str]:
+    """What a cache needs for `writer_outputs` and `stage_residuals`."""
+    names = [act_name("resid_pre", 0)]
+    for l in range(graph.n_layers):
+        names += [act_name("result", l), act_name("mlp_out", l)]
+        if l > 0:
+            names.append(act_name("resid_pre", l))
+        if not graph.parallel:
+            names.append(act_name("resid_mid", l))
+        if graph.sandwich:
+            names.append(act_name("scale", l, "ln1_post"))
+    return names + [act_name("resid_post", graph.n_layers - 1)]
+
+
+def head_outputs(model: HookedDecoder, layer: int, result: torch.Tensor, post_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """[batch pos head d_model] float32: each head's output; in a sandwich block its share of the normalised write
+    (result x ln1_post's weight / that run's ln1_post scale), which the heads' shares add up to."""
+    out = result.float()
+    if post_scale is None:
+        return out
+    return out * model.blocks[layer].ln1_post.w.float() / post_scale.float()[:, :, None]
+
+
+def writer_outputs(model: HookedDecoder, graph: CircuitGraph, cache: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[batch pos writer d_model] float32: every writer's output in a cached run (names from graph_hook_names)."""
+    parts = [cache[act_name("resid_pre", 0)].float()[:, :, None]]
+    for l in range(graph.n_layers):
+        scale = cache[act_name("scale", l, "ln1_post")] if graph.sandwich else None
+        parts += [head_outputs(model, l, cache[act_name("result", l)], scale), cache[act_name("mlp_out", l)].float()[:, :, None]]
+    return torch.cat(parts, dim=2)
+
+
+def stage_residuals(graph: CircuitGraph, cache: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """stage -> [batch pos d_model] float32: the residual each reader stage reads in a cached run."""
+    out = {}
+    for l in range(graph.n_layers):
+        out[2 * l + 1] = cache[act_name("resid_pre", l)].float()
+        if not graph.parallel:
+            out[2 * l + 2] = cache[act_name("resid_mid", l)].float()
+    out[2 * graph.n_layers + 1] = cache[act_name("resid_post", graph.n_layers - 1)].float()
+    return out
+
+
+def rebased(graph: CircuitGraph, residuals: dict[int, torch.Tensor], outputs: torch.Tensor, ref: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The stage residuals had every writer carried `ref` instead of `outputs` (the run they come from)."""
+    change = ref - outputs  # [batch pos writer d_model]
+    out = {}
+    for stage, resid in residuals.items():
+        before = graph.writer_stage < stage
+        out[stage] = resid + change[:, :, before].sum(dim=2)
+    return out
+
+
+@dataclass
+class EdgeInputs:
+    """How a patched forward rebuilds the readers' inputs (see the module docstring); masks are [copy writer reader]."""
+
+    base: dict[int, torch.Tensor]
+    ref: torch.Tensor
+    carry: torch.Tensor
+    source: Optional[torch.Tensor] = None
+    patch: Optional[torch.Tensor] = None
+    frozen: Optional[Mapping[str, torch.Tensor]] = None
+    frozen_readers: Optional[torch.Tensor] = None  # [reader] bool
+
+    @property
+    def copies(self) -> int:
+        return self.carry.shape[0]
+
+
+def copies_per_forward(model: HookedDecoder, batch: int, n_pos: int, max_rows: Optional[int] = None) -> int:
+    """How many copies of a batch one patched forward stacks: its logits stay near the ablation budget."""
+    rows = max_rows if max_rows is not None else max(1, LOGIT_BUDGET // max(1, n_pos * model.cfg.d_vocab))
+    return max(1, rows // batch)
+
+
+def _mixed(deltas: torch.Tensor, mask: torch.Tensor, pattern: str) -> Optional[torch.Tensor]:
+    """sum over writers of mask x delta, reading only the writers some copy and reader uses (a small circuit uses few)."""
+    used = mask.any(dim=2).any(dim=0).nonzero()[:, 0]
+    if used.numel() == 0:
+        return None
+    if used.numel() < mask.shape[1]:
+        deltas, mask = deltas.index_select(-2, used), mask.index_select(1, used)
+    return einsum(deltas, mask.to(deltas.dtype), pattern)
+
+
+def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor],
+              spec: EdgeInputs) -> torch.Tensor:
+    """Logits [copy*batch pos vocab] (copy-major) of `tokens` with every reader's input rebuilt per `spec`."""
+    k, (batch, n_pos) = spec.copies, tokens.shape
+    W, d_model = len(graph.writers), model.cfg.d_model
+    # (current - ref) of each writer, filled in as the forward reaches it: one buffer, never re-concatenated
+    delta = torch.zeros(k, batch, n_pos, W, d_model, device=tokens.device)
+    written = [0]  # how many writers have reported
+    stash: dict[str, torch.Tensor] = {}
+    source_delta = None if spec.source is None else spec.source - spec.ref
+    frozen_readers = spec.frozen_readers if spec.frozen_readers is not None else torch.zeros(len(graph.readers), dtype=torch.bool)
+
+    def inputs(stage: int, readers) -> torch.Tensor:
+        """[copy batch pos reader d_model] float32."""
+        n = int((graph.writer_stage < stage).sum())  # writers are in stage order: the first n write before `stage`
+        x = spec.base[stage][None, :, :, None, :]
+        added = _mixed(delta[:, :, :, :n], spec.carry[:, :n, readers],
+                       "copy batch pos writer d_model, copy writer reader -> copy batch pos reader d_model")
+        x = x if added is None else x + added
+        if spec.patch is not None:
+            added = _mixed(source_delta[:, :, :n], spec.patch[:, :n, readers],
+                           "batch pos writer d_model, copy writer reader -> copy batch pos reader d_model")
+            x = x if added is None else x + added
+        return x.expand(k, batch, n_pos, len(readers), d_model)
+
+    def frozen_scale(name: str) -> torch.Tensor:
+        return spec.frozen[name].repeat(k, *([1] * (spec.frozen[name].dim() - 1)))
+
+    def through(norm_name: str, norm, x: torch.Tensor) -> torch.Tensor:
+        scale = frozen_scale(norm_name)
+        while scale.dim() < x.dim():
+            scale = scale.unsqueeze(-2)
+
+        def freeze(s, hook):
+            return scale.to(s.dtype).expand_as(s)
+
+        with model.hooks([(norm_name, freeze)]):
+            return norm(x)
+
+    def as_rows(x: torch.Tensor) -> torch.Tensor:  # [copy batch ...] -> [copy*batch ...]
+        return x.reshape(k * batch, *x.shape[2:])
+
+    def report(outputs: torch.Tensor) -> None:  # [copy*batch pos n d_model], the next n writers
+        n = outputs.shape[2]
+        first = written[0]
+        delta[:, :, :, first:first + n] = outputs.float().view(k, batch, n_pos, n, d_model) - spec.ref[None, :, :, first:first + n]
+        written[0] += n
+
+    def embed_hook(act, hook):
+        report(act[:, :, None])
+        return mlp_hook(act, hook) if graph.parallel else None
+
+    def q_hook(act, hook, layer):
+        block, readers = model.blocks[layer], graph.attn_readers(layer)
+        x = as_rows(inputs(2 * layer + 1, readers)).to(act.dtype)  # [copy*batch pos reader d_model]
+        normed = block.ln1(x)
+        frozen = frozen_readers[list(readers)]
+        if bool(frozen.any()):
+            held = through(act_name("scale", layer, "ln1"), block.ln1, x)
+            normed = torch.where(frozen.to(x.device)[:, None], held, normed)
+        attn = block.attn
+        h, kv = attn.n_heads, attn.n_kv_heads
+        parts = {}
+        for name, w, b, sl in (("q", attn.W_Q, attn.b_Q, slice(0, h)), ("k", attn.W_K, attn.b_K, slice(h, h + kv)),
+                               ("v", attn.W_V, attn.b_V, slice(h + kv, h + 2 * kv))):
+            out = einsum(normed[:, :, sl], w, "batch pos head d_model, head d_model d_head -> batch pos head d_head")
+            parts[name] = out if b is None else out + b
+        stash[f"k{layer}"], stash[f"v{layer}"] = parts["k"].to(act.dtype), parts["v"].to(act.dtype)
+        return parts["q"].to(act.dtype)
+
+    def result_hook(act, hook, layer):
+        if graph.sandwich:
+            stash[f"result{layer}"] = act
+        else:
+            report(act)
+
+    def post_scale_hook(act, hook, layer):
+        report(head_outputs(model, layer, stash.pop(f"result{layer}"), act))
+
+    def mlp_hook(act, hook):
+        layer = int(hook.name.split(".")[1])
+        reader = graph.mlp_reader(layer)
+        x = as_rows(inputs(int(graph.reader_stage[reader]), [reader]))[:, :, 0].to(act.dtype)
+        return x
+
+    def mlp_out_hook(act, hook):
+        report(act[:, :, None])
+
+    def logits_hook(act, hook):
+        return as_rows(inputs(2 * graph.n_layers + 1, [len(graph.readers) - 1]))[:, :, 0].to(act.dtype)
+
+    def frozen_hook(act, hook):
+        return frozen_scale(hook.name).to(act.dtype).expand_as(act)
+
+    hooks = [(act_name("resid_pre", 0), embed_hook)]
+    for l in range(graph.n_layers):
+        hooks += [(act_name("q", l), lambda a, h, l=l: q_hook(a, h, l)),
+                  (act_name("k", l), lambda a, h, l=l: stash.pop(f"k{l}")),
+                  (act_name("v", l), lambda a, h, l=l: stash.pop(f"v{l}")),
+                  (act_name("result", l), lambda a, h, l=l: result_hook(a, h, l))]
+        if graph.sandwich:
+            hooks.append((act_name("scale", l, "ln1_post"), lambda a, h, l=l: post_scale_hook(a, h, l)))
+        if graph.parallel:
+            if l > 0:
+                hooks.append((act_name("resid_pre", l), mlp_hook))
+        else:
+            hooks.append((act_name("resid_mid", l), mlp_hook))
+        if bool(frozen_readers[graph.mlp_reader(l)]):
+            hooks.append((act_name("scale", l, "ln2"), frozen_hook))
+        hooks.append((act_name("mlp_out", l), mlp_out_hook))
+    hooks.append((act_name("resid_post", graph.n_layers - 1), logits_hook))
+    if bool(frozen_readers[-1]) and "ln_final.hook_scale" in model.hook_names:
+        hooks.append(("ln_final.hook_scale", frozen_hook))
+    mask = None if attention_mask is None else attention_mask.repeat(k, 1)
+    return model.run_with_hooks(tokens.repeat(k, 1), attention_mask=mask, fwd_hooks=hooks)

@@ -1,0 +1,273 @@
+"""How much of the clean behaviour a circuit keeps when every edge outside it is ablated.
+
+One forward of the corrupted prompt in which each reader's input is rebuilt from the writers it keeps
+(their outputs in this very run, which depend on what reaches them) and the ablated value of those it
+drops: "patch" the corrupted run's output, "mean" its mean over the corrupted prompts (per position),
+"zero" nothing. The embedding's kept edges carry the clean embedding. Every edge kept is the clean run;
+none kept is the corrupted run (for "patch"). Faithfulness is (circuit - ablated) / (clean - ablated) of
+the batch-mean metric, where "ablated" is the empty circuit (the corrupted run for "patch").
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from tqdm.auto import tqdm
+
+from analyses.ablation import Metric, metric_name
+from analyses.circuit import Circuit
+from analyses.circuit_graph import CircuitGraph, circuit_graph
+from analyses.common import AnalysisInput, evaluate_metric, model_mask
+from analyses.edge_attribution import EdgeScores, paired_tokens
+from analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, rebased, run_edges, stage_residuals, writer_outputs
+from analyses.paired_stats import bootstrap_ratio_ci, sign_flip_p
+from probe import HookedDecoder
+
+Ablation = Literal["patch", "mean", "zero"]
+ABLATIONS = ("patch", "mean", "zero")
+
+
+@dataclass
+class CircuitRunner:
+    """The clean and corrupted runs a circuit's forward is rebuilt from; `evaluate(masks)` runs circuits."""
+
+    model: HookedDecoder
+    graph: CircuitGraph
+    metric: Metric
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    clean_out: torch.Tensor
+    ref: torch.Tensor
+    base: dict
+    clean_values: torch.Tensor  # [batch]
+    corrupted_values: torch.Tensor  # [batch]
+    ablation: str
+    max_rows: Optional[int] = None
+
+    @classmethod
+    @torch.no_grad()
+    def prepare(cls, model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
+                ablation: Ablation = "patch", attention_mask=None, max_rows: Optional[int] = None) -> "CircuitRunner":
+        if ablation not in ABLATIONS:
+            raise ValueError(f"ablation={ablation!r} is not one of: {', '.join(ABLATIONS)}")
+        graph = circuit_graph(model)
+        clean_tokens, tokens, mask = paired_tokens(model, clean, corrupted, attention_mask)
+        names = graph_hook_names(graph)
+        logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=model_mask(mask), names=names)
+        clean_values = evaluate_metric(metric, logits, clean_tokens, mask)
+        logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=names)
+        corrupted_values = evaluate_metric(metric, logits, tokens, mask)
+        del logits
+        corr_out = writer_outputs(model, graph, cache)
+        if ablation == "patch":
+            ref = corr_out
+        elif ablation == "zero":
+            ref = torch.zeros_like(corr_out)
+        else:
+            if tokens.shape[0] < 2:
+                raise ValueError("ablation='mean' averages the writers' outputs over the corrupted prompts, so it needs "
+                                 "more than one; pass several, or use ablation='patch' or 'zero'")
+            weights = mask.float()[:, :, None, None]
+            ref = ((corr_out * weights).sum(0, keepdim=True) / weights.sum(0, keepdim=True).clamp(min=1)).expand_as(corr_out)
+        base = rebased(graph, stage_residuals(graph, cache), corr_out, ref)
+        return cls(model=model, graph=graph, metric=metric, tokens=tokens, mask=mask, clean_out=writer_outputs(model, graph, clean_cache),
+                   ref=ref, base=base, clean_values=clean_values, corrupted_values=corrupted_values, ablation=ablation,
+                   max_rows=max_rows)
+
+    @torch.no_grad()
+    def evaluate(self, circuits: torch.Tensor, progress: bool = False) -> torch.Tensor:
+        """[circuit batch]: the metric of each circuit, given as [circuit edge] bool."""
+        graph, (batch, n_pos) = self.graph, self.tokens.shape
+        device = self.tokens.device
+        w, r = graph.edge_writer.to(device), graph.edge_reader.to(device)
+        copies = copies_per_forward(self.model, batch, n_pos, self.max_rows)
+        out = torch.empty(circuits.shape[0], batch)
+        starts = range(0, circuits.shape[0], copies)
+        for first in tqdm(starts, desc="circuits", total=len(starts), leave=False, disable=not progress):
+            chunk = circuits[first:first + copies].to(device)
+            keep = torch.zeros(chunk.shape[0], *graph.valid.shape, device=device)
+            keep[:, w, r] = chunk.float()
+            source = torch.zeros_like(keep)
+            source[:, 0] = keep[:, 0]  # the embedding has no input to rebuild: its kept edges carry the clean one
+            keep[:, 0] = 0.0
+            spec = EdgeInputs(base=self.base, ref=self.ref, carry=keep, source=self.clean_out, patch=source)
+            logits = run_edges(self.model, graph, self.tokens, model_mask(self.mask), spec)
+            k = chunk.shape[0]
+            values = evaluate_metric(self.metric, logits, self.tokens.repeat(k, 1), self.mask.repeat(k, 1))
+            out[first:first + k] = values.view(k, batch).cpu()
+        return out
+
+    def baseline(self) -> torch.Tensor:
+        """[batch]: the metric with every edge ablated (the corrupted run itself for 'patch')."""
+        if self.ablation == "patch":
+            return self.corrupted_values.cpu()
+        return self.evaluate(torch.zeros(1, self.graph.n_edges, dtype=torch.bool))[0]
+
+
+@dataclass
+class Faithfulness:
+    """`value`: (circuit - ablated) / (clean - ablated) of the batch means; per-prompt metrics in `circuit_values`,
+    `clean_values`, `ablated_values` [batch]; a 95% bootstrap interval of the ratio and a sign-flip p-value that the
+    circuit moves the metric away from the ablated run at all."""
+
+    value: float
+    n_edges: int
+    ablation: str
+    metric_name: str
+    circuit_values: torch.Tensor
+    clean_values: torch.Tensor
+    ablated_values: torch.Tensor
+
+    @property
+    def circuit(self) -> float:
+        return float(self.circuit_values.mean())
+
+    @property
+    def clean(self) -> float:
+        return float(self.clean_values.mean())
+
+    @property
+    def ablated(self) -> float:
+        return float(self.ablated_values.mean())
+
+    def interval(self) -> tuple[float, float]:
+        low, high = bootstrap_ratio_ci(self.circuit_values - self.ablated_values, self.clean_values - self.ablated_values)
+        return float(low), float(high)
+
+    def p_value(self) -> float:
+        return float(sign_flip_p(self.circuit_values - self.ablated_values))
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per prompt, and a last row `prompt = "mean"` with the interval and p-value."""
+        gap = self.clean_values - self.ablated_values
+        rows = pd.DataFrame({"prompt": [str(i) for i in range(len(gap))], "circuit": self.circuit_values.numpy(),
+                             "clean": self.clean_values.numpy(), "ablated": self.ablated_values.numpy(),
+                             "faithfulness": ((self.circuit_values - self.ablated_values) / gap).numpy()})
+        low, high = self.interval()
+        mean = pd.DataFrame({"prompt": ["mean"], "circuit": [self.circuit], "clean": [self.clean], "ablated": [self.ablated],
+                             "faithfulness": [self.value], "ci_low": [low], "ci_high": [high], "p_value": [self.p_value()]})
+        frame = pd.concat([rows, mean], ignore_index=True)
+        frame["edges"], frame["ablation"] = self.n_edges, self.ablation
+        return frame
+
+
+def _check_circuit(graph: CircuitGraph, circuit: Circuit) -> None:
+    if not isinstance(circuit, Circuit):
+        raise TypeError(f"circuit must be a Circuit (from EdgeScores.circuit or Circuit.from_edges), got {type(circuit).__name__}")
+    if circuit.graph.writers != graph.writers or circuit.graph.readers != graph.readers:
+        raise ValueError("the circuit was built on another model's graph; build it from this model's edge scores")
+
+
+def faithfulness(model: HookedDecoder, circuit: Circuit, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
+                 ablation: Ablation = "patch", *, attention_mask: Optional[torch.Tensor] = None) -> Faithfulness:
+    """The metric with only the circuit's edges carrying what they carry in the clean run, normalised (see above)."""
+    runner = CircuitRunner.prepare(model, clean, corrupted, metric, ablation, attention_mask)
+    _check_circuit(runner.graph, circuit)
+    values = runner.evaluate(circuit.edge_mask()[None])[0]
+    return _result(runner, values, runner.baseline(), circuit.n_edges)
+
+
+def _result(runner: CircuitRunner, values: torch.Tensor, ablated: torch.Tensor, n_edges: int) -> Faithfulness:
+    clean = runner.clean_values.cpu()
+    gap = float(clean.mean() - ablated.mean())
+    if abs(gap) <= 1e-6 * max(abs(float(clean.mean())), abs(float(ablated.mean())), 1e-30):
+        raise ValueError(f"the metric is {float(clean.mean()):.6g} both clean and with every edge ablated, so there is "
+                         "nothing for a circuit to recover; choose prompts (or a metric) that tell them apart")
+    return Faithfulness(value=float(values.mean() - ablated.mean()) / gap, n_edges=n_edges, ablation=runner.ablation,
+                        metric_name=metric_name(runner.metric), circuit_values=values, clean_values=clean, ablated_values=ablated)
+
+
+@dataclass
+class FaithfulnessCurve:
+    """Faithfulness of the best circuits of each size and of random circuits of the same sizes."""
+
+    sizes: list[int]  # edges chosen
+    kept: list[int]  # edges left after pruning
+    results: list[Faithfulness]  # the scored circuits, one per size
+    random: list[list[Faithfulness]]  # [size][draw]
+    method: str
+    scores_method: str
+
+    def to_frame(self) -> pd.DataFrame:
+        rows = []
+        for size, kept, best, draws in zip(self.sizes, self.kept, self.results, self.random):
+            low, high = best.interval()
+            rows.append({"circuit": self.method, "edges": size, "edges_after_pruning": kept, "draw": pd.NA,
+                         "faithfulness": best.value, "ci_low": low, "ci_high": high, "p_value": best.p_value(),
+                         "metric": best.circuit})
+            for i, draw in enumerate(draws):
+                rows.append({"circuit": "random", "edges": size, "edges_after_pruning": size, "draw": i,
+                             "faithfulness": draw.value, "ci_low": float("nan"), "ci_high": float("nan"),
+                             "p_value": float("nan"), "metric": draw.circuit})
+        return pd.DataFrame(rows)
+
+    def figure(self) -> go.Figure:
+        frame = self.to_frame()
+        best = frame[frame["circuit"] != "random"]
+        fig = go.Figure()
+        fig.add_trace(go.Scatter(
+            x=best["edges"], y=best["faithfulness"], mode="lines+markers", name=f"{self.scores_method} circuit ({self.method})",
+            error_y=dict(type="data", symmetric=False, array=(best["ci_high"] - best["faithfulness"]).to_numpy(),
+                         arrayminus=(best["faithfulness"] - best["ci_low"]).to_numpy()),
+            customdata=best[["edges_after_pruning", "p_value"]].to_numpy(),
+            hovertemplate="%{x} edges chosen (%{customdata[0]} after pruning)<br>faithfulness %{y:.3f}<br>p = %{customdata[1]:.3g}<extra></extra>"))
+        rand = frame[frame["circuit"] == "random"]
+        if len(rand):
+            stats = rand.groupby("edges")["faithfulness"].agg(["mean", "min", "max"]).reset_index()
+            fig.add_trace(go.Scatter(x=stats["edges"], y=stats["mean"], mode="lines+markers", name="random circuits (mean, range)",
+                                     line=dict(color="grey", dash="dash"),
+                                     error_y=dict(type="data", symmetric=False, array=(stats["max"] - stats["mean"]).to_numpy(),
+                                                  arrayminus=(stats["mean"] - stats["min"]).to_numpy()),
+                                     hovertemplate="%{x} random edges<br>faithfulness %{y:.3f}<extra></extra>"))
+        fig.add_hline(y=1.0, line=dict(color="#888", width=1), annotation_text="clean")
+        fig.add_hline(y=0.0, line=dict(color="#888", width=1), annotation_text="ablated")
+        name = self.results[0].metric_name if self.results else "metric"
+        fig.update_layout(title=f"Faithfulness by circuit size<br><sup>share of the {name} kept, (circuit - ablated) / (clean - "
+                                f"ablated), ablation '{self.results[0].ablation if self.results else ''}'</sup>",
+                          xaxis_title="edges in the circuit", yaxis_title="faithfulness", xaxis_type="log", width=900, height=520)
+        return fig
+
+
+def default_sizes(n_edges: int, points: int = 12) -> list[int]:
+    """Roughly geometric sizes from 1 to every edge."""
+    sizes = {max(1, round(math.exp(math.log(n_edges) * i / (points - 1)))) for i in range(points)}
+    return sorted(sizes)
+
+
+def faithfulness_curve(model: HookedDecoder, scores: EdgeScores, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
+                       sizes: Optional[Sequence[int]] = None, ablation: Ablation = "patch",
+                       method: Literal["topn", "greedy"] = "topn", n_random: int = 3, seed: int = 0, *,
+                       attention_mask: Optional[torch.Tensor] = None) -> FaithfulnessCurve:
+    """Faithfulness of `scores.circuit(n_edges=size, method=method)` for each size, against `n_random` circuits of
+    `size` edges drawn uniformly from the graph (not pruned: pruning would not change their value)."""
+    if not isinstance(scores, EdgeScores):
+        raise TypeError(f"scores must be EdgeScores from edge_attribution, got {type(scores).__name__}")
+    runner = CircuitRunner.prepare(model, clean, corrupted, metric, ablation, attention_mask)
+    if scores.graph.writers != runner.graph.writers or scores.graph.readers != runner.graph.readers:
+        raise ValueError("the scores were computed on another model's graph")
+    n = runner.graph.n_edges
+    sizes = default_sizes(n) if sizes is None else sorted({int(s) for s in sizes})
+    bad = [s for s in sizes if not 0 <= s <= n]
+    if bad:
+        raise ValueError(f"sizes {bad} are outside [0, {n}], the graph's edge count")
+    if not (isinstance(n_random, int) and n_random >= 0):
+        raise ValueError(f"n_random={n_random!r} must be a non-negative int")
+    circuits = [scores.circuit(n_edges=s, method=method) for s in sizes]
+    gen = torch.Generator().manual_seed(seed)
+    masks = [c.edge_mask() for c in circuits]
+    for s in sizes:
+        for _ in range(n_random):
+            drawn = torch.zeros(n, dtype=torch.bool)
+            drawn[torch.randperm(n, generator=gen)[:s]] = True
+            masks.append(drawn)
+    values = runner.evaluate(torch.stack(masks), progress=True)
+    ablated = runner.baseline()
+    results = [_result(runner, values[i], ablated, c.n_edges) for i, c in enumerate(circuits)]
+    random = [[_result(runner, values[len(sizes) + i * n_random + j], ablated, s) for j in range(n_random)]
+              for i, s in enumerate(sizes)]
+    return FaithfulnessCurve(sizes=list(sizes), kept=[c.n_edges for c in circuits], results=results, random=random,
+                             method=method, scores_method=scores.method)

@@ -1,0 +1,267 @@
+"""The graph, circuits (extraction, pruning) and faithfulness, against runs patched by hand with plain hooks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from analyses import logit_diff_metric
+from analyses.circuit import Circuit, prune
+from analyses.circuit_graph import circuit_graph
+from analyses.edge_attribution import edge_attribution
+from analyses.faithfulness import faithfulness, faithfulness_curve
+from probe import HookedDecoder
+from probe.names import act_name
+
+from test_variants import build
+
+ANSWERS, COUNTERFACTUALS = [5, 9], [7, 2]
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tiny_model):
+    """The tiny model with its queries and keys scaled up: random-init attention is nearly uniform, so a changed
+    query or key would barely move anything and a test of q/k paths could pass with both sides ignoring them."""
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for block in model.blocks:
+            q_and_k = block.attn.qkv_sizes[0] + block.attn.qkv_sizes[1]
+            block.attn.qkv.weight[:q_and_k] *= 15.0
+    return model
+
+
+def prompts(vocab: int, n_pos: int = 9, seed: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    clean = torch.randint(0, vocab, (2, n_pos), generator=gen)
+    corrupted = clean.clone()
+    corrupted[:, 1:-1] = torch.randint(0, vocab, (2, n_pos - 2), generator=gen)
+    return clean, corrupted
+
+
+def test_graph_of_gpt2_counts_names_and_edges(tiny_model):
+    graph = circuit_graph(tiny_model)
+    L, H = 2, 4
+    assert graph.writers[:6] == ["embed", "L0H0", "L0H1", "L0H2", "L0H3", "L0 mlp"] and len(graph.writers) == 1 + L * (H + 1)
+    assert graph.readers[:5] == ["L0H0<q", "L0H1<q", "L0H2<q", "L0H3<q", "L0H0<k"] and graph.readers[-1] == "logits"
+    # by hand: layer l's attention inputs read embed + (H + 1) l writers, its MLP those and the layer's H heads
+    by_hand = sum(3 * H * (1 + (H + 1) * l) + (1 + (H + 1) * l + H) for l in range(L)) + 1 + L * (H + 1)
+    assert graph.n_edges == by_hand
+    assert "L0H1 -> L0 mlp" in graph.edge_names() and "L1H0 -> L1H1<q" not in graph.edge_names()
+    assert graph.writer_index("a1.2") == graph.writer_index("1.2") == graph.writer_index((1, 2)) == graph.writers.index("L1H2")
+    assert graph.writer_index("m0") == graph.writers.index("L0 mlp") and graph.writer_index("input") == 0
+    assert graph.reader_indices("a1.2<k") == [graph.readers.index("L1H2<k")]
+    assert [graph.readers[i] for i in graph.reader_indices("L1H2")] == ["L1H2<q", "L1H2<k", "L1H2<v"]
+    with pytest.raises(ValueError, match="'L7H0' is not a writer"):
+        graph.writer_index("L7H0")
+    with pytest.raises(ValueError, match="not a reader"):
+        graph.reader_indices("L0H9<q")
+    assert "110 edges" in str(graph)
+
+
+def test_graph_of_grouped_query_and_parallel_models(tmp_path):
+    build("llama", tmp_path / "llama")
+    graph = circuit_graph(HookedDecoder.from_pretrained(tmp_path / "llama"))
+    assert graph.grouped and "L0KV1<k" in graph.readers and "L0H1<k" not in graph.readers
+    kv = graph.readers.index("L0KV1<v")
+    assert [graph.nodes[n] for n in graph.reader_nodes[kv].nonzero()[:, 0].tolist()] == ["L0H4", "L0H5", "L0H6", "L0H7"]
+    assert [graph.readers[i] for i in graph.reader_indices("L1H5")] == ["L1H5<q", "L1KV1<k", "L1KV1<v"]
+    build("neox", tmp_path / "neox")
+    graph = circuit_graph(HookedDecoder.from_pretrained(tmp_path / "neox"))
+    assert graph.parallel and "L0H1 -> L0 mlp" not in graph.edge_names() and "L0H1 -> L1 mlp" in graph.edge_names()
+
+
+def test_post_norm_models_are_refused(tmp_path):
+    build("gpt1", tmp_path)
+    with pytest.raises(ValueError, match="post-norm blocks"):
+        circuit_graph(HookedDecoder.from_pretrained(tmp_path))
+
+
+FAMILIES = {"gpt2": None, "llama-gqa": "llama", "neox-parallel": "neox", "gemma2-sandwich": "gemma2"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_full_circuit_is_clean_and_empty_circuit_is_corrupted(family, tiny_model, tmp_path):
+    if FAMILIES[family] is None:
+        model = tiny_model
+    else:
+        build(FAMILIES[family], tmp_path)
+        model = HookedDecoder.from_pretrained(tmp_path).eval()
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    graph = circuit_graph(model)
+    with torch.no_grad():
+        mask = torch.ones_like(clean, dtype=torch.bool)
+        clean_values, corrupted_values = metric(model(clean), clean, mask), metric(model(corrupted), corrupted, mask)
+    full = Circuit(graph=graph, edges=torch.arange(graph.n_edges))
+    empty = Circuit(graph=graph, edges=torch.zeros(0, dtype=torch.long))
+    for ablation in ("patch", "mean", "zero"):
+        kept = faithfulness(model, full, clean, corrupted, metric, ablation=ablation)
+        torch.testing.assert_close(kept.circuit_values, clean_values, atol=2e-5, rtol=0)
+        assert kept.value == pytest.approx(1.0, abs=1e-3)
+    none = faithfulness(model, empty, clean, corrupted, metric)
+    torch.testing.assert_close(none.circuit_values, corrupted_values, atol=2e-5, rtol=0)
+    assert none.value == pytest.approx(0.0, abs=1e-3)
+    torch.testing.assert_close(none.ablated_values, corrupted_values)
+
+
+def test_a_two_step_path_matches_a_run_built_by_hand(sharp_model):
+    """embed -> L0H1<v, L0H1 -> L1H2<k, L1H2 -> logits: each head's output in the circuit run is what it outputs
+    when only its kept input changes, and only the kept edge carries it on."""
+    model = sharp_model
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    names = lambda n: True  # noqa: E731  (hook_result is opt-in: name it)
+    with torch.no_grad():
+        _, clean_cache = model.run_with_cache(clean, names=names)
+        _, corr = model.run_with_cache(corrupted, names=names)
+        seen = {}
+
+        def keep(x, hook):
+            seen[hook.name] = x
+
+        def clean_v(x, hook):
+            x = x.clone()
+            x[:, :, 1] = clean_cache[act_name("v", 0)][:, :, 1]
+            return x
+
+        model.run_with_hooks(corrupted, fwd_hooks=[(act_name("v", 0), clean_v), (act_name("result", 0), keep)])
+        head_1 = seen[act_name("result", 0)][:, :, 1]
+        block = model.blocks[1]
+
+        def new_k(x, hook):
+            x = x.clone()
+            resid = corr[act_name("resid_pre", 1)] + head_1 - corr[act_name("result", 0)][:, :, 1]
+            x[:, :, 2] = block.ln1(resid) @ block.attn.W_K[2] + block.attn.b_K[2]
+            return x
+
+        model.run_with_hooks(corrupted, fwd_hooks=[(act_name("k", 1), new_k), (act_name("result", 1), keep)])
+        head_2 = seen[act_name("result", 1)][:, :, 2]
+        final = corr[act_name("resid_post", 1)] + head_2 - corr[act_name("result", 1)][:, :, 2]
+        expected = metric(model.unembed(model.ln_final(final)), corrupted, torch.ones_like(corrupted, dtype=torch.bool))
+    graph = circuit_graph(model)
+    circuit = Circuit.from_edges(graph, [("embed", "L0H1<v"), ("L0H1", "L1H2<k"), ("L1H2", "logits")])
+    result = faithfulness(model, circuit, clean, corrupted, metric)
+    torch.testing.assert_close(result.circuit_values, expected, atol=1e-6, rtol=1e-5)
+    assert result.circuit_values.sub(result.ablated_values).abs().max() > 1e-5  # the path does carry something (float noise here is ~1e-7)
+
+
+def test_pruning_drops_what_cannot_matter(tiny_model):
+    graph = circuit_graph(tiny_model)
+    circuit = Circuit.from_edges(graph, [("embed", "L0H1<v"), ("L0H1", "logits"),  # a path
+                                         ("L0H2", "L1H0<q"),  # its writer is never reached from the embedding
+                                         ("embed", "L1H3<k")],  # its reader's head reaches nothing
+                                 prune_edges=True)
+    assert circuit.edge_names() == ["embed -> L0H1<v", "L0H1 -> logits"]
+    assert circuit.nodes == ["embed", "L0H1", "logits"] and circuit.requested == 4
+    everything = prune(graph, torch.ones(graph.n_edges, dtype=torch.bool))
+    assert bool(everything.all())
+    with pytest.raises(ValueError, match="is not an edge"):
+        Circuit.from_edges(graph, [("L1H0", "L0H1<q")])
+
+
+def test_circuits_from_scores_and_the_curve(tiny_model):
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    scores = edge_attribution(tiny_model, clean, corrupted, metric)
+    graph = scores.graph
+    top = scores.circuit(n_edges=12)
+    assert top.requested == 12 and top.n_edges <= 12
+    best = set(scores.top(12)["source"] + " -> " + scores.top(12)["target"])
+    assert set(top.edge_names()) <= best
+    greedy = scores.circuit(n_edges=12, method="greedy")
+    # grown from the logits, every edge reaches them; those whose writer the embedding does not reach are pruned
+    assert greedy.requested == 12 and 0 < greedy.n_edges <= 12
+    assert torch.equal(prune(graph, greedy.edge_mask()), greedy.edge_mask())
+    assert scores.circuit(threshold=float(scores.scores.abs().max()) + 1).n_edges == 0
+    with pytest.raises(ValueError, match="exactly one of n_edges"):
+        scores.circuit()
+    curve = faithfulness_curve(tiny_model, scores, clean, corrupted, metric, sizes=[0, 5, graph.n_edges], n_random=2)
+    frame = curve.to_frame()
+    assert list(frame["circuit"]) == ["topn", "random", "random"] * 3
+    best_rows = frame[frame["circuit"] == "topn"]
+    assert best_rows["faithfulness"].iloc[0] == pytest.approx(0.0, abs=1e-3)
+    assert best_rows["faithfulness"].iloc[-1] == pytest.approx(1.0, abs=1e-3)
+    curve.figure()
+    result = faithfulness(tiny_model, top, clean, corrupted, metric)
+    rows = result.to_frame()
+    assert list(rows["prompt"]) == ["0", "1", "mean"] and rows["faithfulness"].iloc[-1] == pytest.approx(result.value)
+
+
+def test_faithfulness_refuses_bad_input(tiny_model, tmp_path):
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    graph = circuit_graph(tiny_model)
+    circuit = Circuit(graph=graph, edges=torch.arange(3))
+    with pytest.raises(ValueError, match="ablation='median' is not one of"):
+        faithfulness(tiny_model, circuit, clean, corrupted, metric, ablation="median")
+    with pytest.raises(TypeError, match="must be a Circuit"):
+        faithfulness(tiny_model, ["L0H1"], clean, corrupted, metric)
+    with pytest.raises(ValueError, match="needs more than one"):
+        faithfulness(tiny_model, circuit, clean[:1], corrupted[:1], logit_diff_metric(tiny_model, 5, 7), ablation="mean")
+
+
+def test_probe_circuit_writes_its_files_and_escapes_tokens(tiny_dir, tmp_path, capsys):
+    from scripts import cli
+
+    out = tmp_path / "circuit"
+    argv = ["circuit", "--model", str(tiny_dir), "--clean", "<script>the dog & the", "--corrupted", "<script>the the & the",
+            "--answer", " dog", "--counterfactual", " the", "--method", "eap", "--edges", "10", "--random", "1",
+            "--out", str(out)]
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    for name in ("edges.csv", "edges.html", "circuit.csv", "circuit.html", "faithfulness.csv", "faithfulness.html"):
+        assert (out / name).is_file() and f"wrote {out / name}" in captured.err
+    page = (out / "circuit.html").read_text()
+    assert "<script>the" not in page and "&lt;script&gt;the" in page.replace("\\u0026", "&").replace("\\u003c", "<")
+    assert "faithfulness" in captured.out
+    code = cli.main(argv[:4] + ["<script>the dog dog & the"] + argv[5:] + ["--force"])
+    assert code == 2 and "need equal lengths" in capsys.readouterr().err
+
+
+def test_circuit_figure_draws_every_edge_kind(tiny_model):
+    graph = circuit_graph(tiny_model)
+    circuit = Circuit.from_edges(graph, [("embed", "L0H1<q"), ("embed", "L0H1<k"), ("embed", "L0H1<v"), ("L0H1", "L0 mlp"),
+                                         ("L0 mlp", "logits"), ("L0H1", "logits")])
+    circuit.scores = torch.tensor([0.5, -0.2, 0.1, 0.3, 1.0, -0.7])
+    fig = circuit.figure()
+    names = {trace.name for trace in fig.data if trace.name}
+    assert {"into a query (enters left)", "into a key (centre)", "into a value (right)", "into an MLP", "into the logits"} == names
+    hover = [t for t in fig.data if t.hovertext is not None and t.mode == "markers"][0].hovertext
+    assert len(hover) == 6 and "L0H1 → L0 mlp<br>score +0.3" in hover
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_scores_and_circuits_are_the_same_on_the_gpu(tiny_model):
+    import copy
+
+    gpu = copy.deepcopy(tiny_model).to("cuda")
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    for method in ("eap", "eap-ig-inputs"):
+        cpu_scores = edge_attribution(tiny_model, clean, corrupted, logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS), method=method)
+        gpu_scores = edge_attribution(gpu, clean.cuda(), corrupted.cuda(), logit_diff_metric(gpu, ANSWERS, COUNTERFACTUALS), method=method)
+        scale = float(cpu_scores.scores.abs().max())
+        torch.testing.assert_close(gpu_scores.scores, cpu_scores.scores, atol=1e-4 * scale, rtol=0)
+        assert cpu_scores.circuit(n_edges=20).edge_names() == gpu_scores.circuit(n_edges=20).edge_names()
+    circuit = cpu_scores.circuit(n_edges=20)
+    on_gpu = Circuit(graph=circuit_graph(gpu), edges=circuit.edges)
+    a = faithfulness(tiny_model, circuit, clean, corrupted, logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS))
+    b = faithfulness(gpu, on_gpu, clean.cuda(), corrupted.cuda(), logit_diff_metric(gpu, ANSWERS, COUNTERFACTUALS))
+    assert b.value == pytest.approx(a.value, abs=1e-4)
+
+
+def test_bundled_model_induction_circuit(bundled_model):
+    """Repeated random tokens against a copy whose first half is other random tokens: the circuit of ~3% of the edges
+    holds the previous-token head (L0H1), the induction head (L2H0) and the K-composition edge between them."""
+    model = bundled_model
+    gen = torch.Generator().manual_seed(0)
+    first, other = torch.randint(100, 4000, (8, 20), generator=gen), torch.randint(100, 4000, (8, 20), generator=gen)
+    bos = torch.full((8, 1), model.tokenizer.bos_id)
+    clean, corrupted = torch.cat([bos, first, first[:, :12]], 1), torch.cat([bos, other, first[:, :12]], 1)
+    metric = logit_diff_metric(model, first[:, 12].tolist(), [4050] * 8)  # the next token against one in neither prompt
+    scores = edge_attribution(model, clean, corrupted, metric, method="eap-ig-inputs")
+    circuit = scores.circuit(n_edges=30)
+    assert {"L0H1", "L2H0"} <= set(circuit.nodes) and circuit.contains("L0H1", "L2H0<k")
+    kept = faithfulness(model, circuit, clean, corrupted, metric)
+    assert kept.value > 0.3 and kept.interval()[0] > 0.1 and kept.p_value() < 0.01

@@ -1,0 +1,317 @@
+"""Edge attribution patching against transformers' own autograd, brute-force edge patching and node-level attribution.
+
+The oracle for every edge is (writer's clean output - corrupted output) . d metric / d (reader's input), with the
+writers' outputs read from transformers' modules and each reader's input gradient taken by transformers'
+autograd: every head's q, k and v slice and every MLP and final norm is recomputed inside the forward from the
+residual it reads plus a zero leaf of its own, so one backward gives each reader's gradient separately.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from analyses import attribution_patch, logit_diff_metric
+from analyses.edge_attribution import edge_attribution
+from probe import HookedDecoder
+from probe.names import act_name
+
+from test_variants import build
+
+ANSWERS, COUNTERFACTUALS = [5, 9], [7, 2]
+
+
+def prompts(vocab: int, n_pos: int = 9, seed: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    clean = torch.randint(0, vocab, (2, n_pos), generator=gen)
+    corrupted = clean.clone()
+    corrupted[:, 2:5] = torch.randint(0, vocab, (2, 3), generator=gen)
+    return clean, corrupted
+
+
+class HFEdges:
+    """Writers' outputs and readers' input gradients of a transformers GPT-2, Llama or GPT-NeoX model."""
+
+    def __init__(self, hf, kind: str):
+        self.hf, self.kind = hf, kind
+        cfg = hf.config
+        if kind == "gpt2":
+            self.layers, self.final = hf.transformer.h, hf.transformer.ln_f
+            self.H = self.KV = cfg.n_head
+            self.d = cfg.n_embd
+        else:
+            body = hf.model if kind == "llama" else hf.gpt_neox
+            self.layers, self.final = body.layers, (body.norm if kind == "llama" else body.final_layer_norm)
+            self.H, self.d = cfg.num_attention_heads, cfg.hidden_size
+            self.KV = getattr(cfg, "num_key_value_heads", None) or self.H
+        self.dh = self.d // self.H
+
+    def _parts(self, layer):
+        """(attention norm, [(projection module, [(reader slot, column slice)])], out projection, mlp norm, mlp)."""
+        H, KV, dh, d = self.H, self.KV, self.dh, self.d
+        q_slots = list(range(H))
+        k_slots, v_slots = [H + g for g in range(KV)], [H + KV + g for g in range(KV)]
+        if self.kind == "gpt2":
+            cols = [slice(h * dh, (h + 1) * dh) for h in range(H)]
+            projections = [(layer.attn.c_attn, list(zip(q_slots, cols)) + list(zip(k_slots, [slice(d + c.start, d + c.stop) for c in cols]))
+                            + list(zip(v_slots, [slice(2 * d + c.start, 2 * d + c.stop) for c in cols])))]
+            return layer.ln_1, projections, layer.attn.c_proj, layer.ln_2, layer.mlp
+        if self.kind == "llama":
+            a = layer.self_attn
+            projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
+                           (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
+                           (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
+            return layer.input_layernorm, projections, a.o_proj, layer.post_attention_layernorm, layer.mlp
+        a = layer.attention  # GPT-NeoX: the fused projection is [head, (q k v), d_head]
+        slots = [(s, slice(h * 3 * dh + part * dh, h * 3 * dh + (part + 1) * dh))
+                 for part, group in enumerate((q_slots, k_slots, v_slots)) for h, s in enumerate(group)]
+        return layer.input_layernorm, [(a.query_key_value, slots)], a.dense, layer.post_attention_layernorm, layer.mlp
+
+    def run(self, tokens, answers, counterfactuals, inputs_embeds=None):
+        """(writers [batch pos writer d_model], reader gradients [batch pos reader d_model]) of one forward."""
+        hf, handles, leaves, writes = self.hf, [], {}, {}
+        busy = set()
+
+        def own_leaf(key, x):
+            # x plus a zero of its own: the value and the rest of the graph are unchanged, and the gradient at the
+            # zero is the gradient through this one reader
+            leaves[key] = torch.zeros_like(x, requires_grad=True)
+            return x + leaves[key]
+
+        def norm_output(key):
+            def hook(mod, args, out):
+                if mod in busy:
+                    return None
+                busy.add(mod)
+                try:
+                    return mod(own_leaf(key, args[0]))
+                finally:
+                    busy.discard(mod)
+            return hook
+
+        for l, layer in enumerate(self.layers):
+            ln1, projections, out_proj, ln2, mlp = self._parts(layer)
+            resid = {}
+            # the residual the block reads, not the copies the recomputations below pass through ln1
+            handles.append(ln1.register_forward_pre_hook(
+                lambda mod, args, resid=resid: None if busy else resid.__setitem__("x", args[0])))
+
+            def project(mod, args, out, l=l, slots=None, ln1=ln1, resid=resid):
+                if mod in busy:  # the recomputation below calls the module again
+                    return None
+                busy.add(mod)
+                try:
+                    out, x = out.clone(), resid["x"]
+                    for slot, cols in slots:
+                        out[..., cols] = mod(ln1(own_leaf((l, slot), x)))[..., cols]
+                    return out
+                finally:
+                    busy.discard(mod)
+
+            for module, slots in projections:
+                handles.append(module.register_forward_hook(lambda mod, a, o, f=project, s=slots: f(mod, a, o, slots=s)))
+            handles.append(out_proj.register_forward_pre_hook(lambda mod, args, l=l: writes.__setitem__(("z", l), args[0])))
+            handles.append(ln2.register_forward_hook(norm_output((l, "mlp"))))
+            handles.append(mlp.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("mlp", l), out)))
+        handles.append(self.final.register_forward_hook(norm_output("logits")))
+        try:
+            if inputs_embeds is None:
+                out = hf(tokens, output_hidden_states=True)
+            else:
+                out = hf(inputs_embeds=inputs_embeds, output_hidden_states=True)
+            rows = torch.arange(tokens.shape[0])
+            value = (out.logits[rows, -1, answers] - out.logits[rows, -1, counterfactuals]).sum()
+            keys = list(leaves)
+            grads = dict(zip(keys, torch.autograd.grad(value, [leaves[k] for k in keys])))
+        finally:
+            for h in handles:
+                h.remove()
+        parts = [out.hidden_states[0].detach()[:, :, None]]
+        readers = []
+        for l, layer in enumerate(self.layers):
+            z = writes[("z", l)].detach().unflatten(-1, (self.H, self.dh))
+            out_proj = self._parts(layer)[2]
+            weight = out_proj.weight.unflatten(0, (self.H, self.dh)) if self.kind == "gpt2" else \
+                out_proj.weight.T.unflatten(0, (self.H, self.dh))  # [head d_head d_model]
+            parts += [torch.einsum("bphd,hdm->bphm", z, weight.detach()), writes[("mlp", l)].detach()[:, :, None]]
+            readers += [grads[(l, s)] for s in range(self.H + 2 * self.KV)] + [grads[(l, "mlp")]]
+        readers.append(grads["logits"])
+        return torch.cat(parts, dim=2), torch.stack(readers, dim=2)
+
+
+def oracle_scores(graph, delta, grads):
+    """[batch edge]: delta . gradient summed over positions, for every edge of the graph."""
+    full = torch.einsum("bpwd,bprd->bwr", delta, grads)
+    return full[:, graph.edge_writer, graph.edge_reader]
+
+
+FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", {})}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory, tiny_dir, tiny_hf):
+    if request.param == "gpt2":
+        return "gpt2", tiny_hf, HookedDecoder.from_pretrained(tiny_dir).eval()
+    kind, overrides = FAMILIES[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = build(kind, directory, **overrides)
+    return kind, hf, HookedDecoder.from_pretrained(directory).eval()
+
+
+def assert_scores_close(ours, expected):
+    scale = float(expected.abs().max())
+    assert scale > 0
+    torch.testing.assert_close(ours, expected, atol=1e-4 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["eap", "clean-corrupted"])
+def test_eap_matches_transformers_autograd_on_every_edge(family, method):
+    kind, hf, model = family
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    ours = edge_attribution(model, clean, corrupted, metric, method=method)
+    oracle = HFEdges(hf, kind)
+    clean_writers, clean_grads = oracle.run(clean, ANSWERS, COUNTERFACTUALS)
+    corr_writers, corr_grads = oracle.run(corrupted, ANSWERS, COUNTERFACTUALS)
+    grads = corr_grads if method == "eap" else (corr_grads + clean_grads) / 2
+    graph = ours.graph
+    assert corr_grads.shape[2] == len(graph.readers) and corr_writers.shape[2] == len(graph.writers)
+    expected = oracle_scores(graph, clean_writers - corr_writers, grads)
+    assert_scores_close(ours.per_example, expected)
+    # the oracle's edges into each kind of input are not all zero, so each kind was compared
+    for kind_ in ("q", "k", "v", "mlp", "logits"):
+        into = torch.tensor([graph.reader_kind[r] == kind_ for r in graph.edge_reader.tolist()])
+        assert float(expected[:, into].abs().max()) > 1e-3 * float(expected.abs().max()), kind_
+
+
+def test_eap_ig_inputs_matches_transformers_integrated_gradients(family):
+    kind, hf, model = family
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    steps = 3
+    ours = edge_attribution(model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=steps)
+    oracle = HFEdges(hf, kind)
+    embed = hf.get_input_embeddings()
+    with torch.no_grad():
+        e_clean, e_corr = embed(clean), embed(corrupted)
+    clean_writers, _ = oracle.run(clean, ANSWERS, COUNTERFACTUALS)
+    corr_writers, _ = oracle.run(corrupted, ANSWERS, COUNTERFACTUALS)
+    grads = sum(oracle.run(corrupted, ANSWERS, COUNTERFACTUALS, inputs_embeds=e_corr + k / steps * (e_clean - e_corr))[1]
+                for k in range(steps)) / steps
+    assert_scores_close(ours.per_example, oracle_scores(ours.graph, clean_writers - corr_writers, grads))
+
+
+def test_ig_with_one_step_is_eap(tiny_model):
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    eap = edge_attribution(tiny_model, clean, corrupted, metric, method="eap")
+    for method in ("eap-ig-inputs", "eap-ig-activations"):
+        one = edge_attribution(tiny_model, clean, corrupted, metric, method=method, ig_steps=1)
+        torch.testing.assert_close(one.scores, eap.scores, atol=0, rtol=0)
+    # more steps move the activations variant away from EAP (it integrates along the path)
+    many = edge_attribution(tiny_model, clean, corrupted, metric, method="eap-ig-activations", ig_steps=4)
+    assert not torch.allclose(many.scores, eap.scores, atol=1e-7)
+
+
+def brute_force_edge(model, graph, clean, corrupted, metric, writer, reader):
+    """The metric's change (per prompt) with one edge patched, by plain hooks: the reader's input gets the
+    writer's (clean - corrupted) output added, everything else runs as it runs."""
+    _, clean_cache = model.run_with_cache(clean)
+    base_logits, corr_cache = model.run_with_cache(corrupted)
+
+    def output(cache):
+        kind, layer, head = graph.writer_kind[writer], graph.writer_layer[writer], graph.writer_head[writer]
+        if kind == "embed":
+            return cache[act_name("resid_pre", 0)]
+        if kind == "mlp":
+            return cache[act_name("mlp_out", layer)]
+        z = cache[act_name("z", layer)][:, :, head]
+        return z @ model.blocks[layer].attn.W_O[head]
+
+    delta = output(clean_cache) - output(corr_cache)
+    kind, layer, head = graph.reader_kind[reader], graph.reader_layer[reader], graph.reader_head[reader]
+    seen = {}
+    hooks = [(act_name("resid_pre", l), lambda x, hook: seen.__setitem__(hook.name, x)) for l in range(model.cfg.n_layers)]
+    if kind in ("q", "k", "v"):
+        attn = model.blocks[layer].attn
+        w = {"q": attn.W_Q, "k": attn.W_K, "v": attn.W_V}[kind][head]
+        b = {"q": attn.b_Q, "k": attn.b_K, "v": attn.b_V}[kind]
+
+        def swap(x, hook):
+            x = x.clone()
+            x[:, :, head] = model.blocks[layer].ln1(seen[act_name("resid_pre", layer)] + delta) @ w + (0 if b is None else b[head])
+            return x
+        hooks.append((act_name(kind, layer), swap))
+    elif kind == "mlp":
+        block = model.blocks[layer]
+        read = act_name("resid_pre" if model.cfg.norm_placement.value == "parallel" else "resid_mid", layer)
+        hooks.append((read, lambda x, hook: seen.__setitem__("mlp_in", x)))
+        hooks.append((act_name("mlp_out", layer), lambda x, hook: block.mlp(block.ln2(seen["mlp_in"] + delta))))
+    else:
+        hooks.append((act_name("resid_post", model.cfg.n_layers - 1), lambda x, hook: x + delta))
+    logits = model.run_with_hooks(corrupted, fwd_hooks=hooks)
+    mask = torch.ones_like(corrupted, dtype=torch.bool)
+    return metric(logits, corrupted, mask) - metric(base_logits, corrupted, mask)
+
+
+@pytest.mark.parametrize("which", ["tiny", "neox"])
+def test_exact_method_matches_brute_force_patching(which, tiny_model, tmp_path):
+    if which == "neox":
+        build("neox", tmp_path)
+    model = tiny_model if which == "tiny" else HookedDecoder.from_pretrained(tmp_path).eval()
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    exact = edge_attribution(model, clean, corrupted, metric, method="exact")
+    graph = exact.graph
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.randperm(graph.n_edges, generator=gen)[:10].tolist()
+    for kind in ("q", "k", "v", "mlp", "logits"):  # at least one edge into each kind of input
+        picks.append(next(e for e in range(graph.n_edges) if graph.reader_kind[int(graph.edge_reader[e])] == kind
+                          and graph.writer_kind[int(graph.edge_writer[e])] != "embed"))
+    with torch.no_grad():
+        for e in picks:
+            expected = brute_force_edge(model, graph, clean, corrupted, metric, int(graph.edge_writer[e]), int(graph.edge_reader[e]))
+            torch.testing.assert_close(exact.per_example[:, e], expected, atol=2e-6, rtol=1e-4)
+    # and the linear estimate is close to it on this tiny random model (a first-order expansion, not exact)
+    eap = edge_attribution(model, clean, corrupted, metric, method="eap")
+    assert torch.corrcoef(torch.stack([eap.scores, exact.scores]))[0, 1] > 0.8
+
+
+def test_edge_scores_summed_over_readers_are_node_attribution(tiny_model):
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    scores = edge_attribution(tiny_model, clean, corrupted, metric)
+    node = attribution_patch(tiny_model, clean, corrupted, metric, sites="heads")
+    graph = scores.graph
+    for site, estimate in zip(node.sites, node.patched.tolist()):
+        writer = graph.writer_index((site.layer, site.head))
+        edges = graph.edge_writer == writer
+        # attribution_patch gives the batch-summed change on top of the corrupted metric; ours are batch means
+        total = float(scores.scores[edges].sum())
+        assert total == pytest.approx(estimate - node.corrupted, abs=1e-6)
+
+
+def test_per_position_scores_add_up_and_frame(tiny_model):
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    scores = edge_attribution(tiny_model, clean, corrupted, metric, positions=True)
+    torch.testing.assert_close(scores.per_position.sum(1), scores.per_example, atol=1e-7, rtol=1e-5)
+    frame = scores.to_frame()
+    assert list(frame.columns[:3]) == ["source", "target", "input"]
+    assert {"score", "ci_low", "ci_high", "p_value"} <= set(frame.columns) and len(frame) == scores.graph.n_edges
+    assert len(scores.to_frame(positions=True)) == scores.graph.n_edges * clean.shape[1]
+    top = scores.top(5)
+    assert list(top["rank"]) == [1, 2, 3, 4, 5] and top["score"].abs().is_monotonic_decreasing
+    scores.figure()
+
+
+def test_bad_inputs(tiny_model):
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    with pytest.raises(ValueError, match="method='bogus' is not one of"):
+        edge_attribution(tiny_model, clean, corrupted, metric, method="bogus")
+    with pytest.raises(ValueError, match="ig_steps=0 must be a positive int"):
+        edge_attribution(tiny_model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=0)
+    with pytest.raises(ValueError, match="same shape and padding"):
+        edge_attribution(tiny_model, clean, corrupted[:, :-1], metric)
+    with pytest.raises(ValueError, match="per-position scores come from"):
+        edge_attribution(tiny_model, clean, corrupted, metric, method="exact", positions=True)
