@@ -17,3 +17,4 @@ from analyses.edge_attribution import EdgeScores, edge_attribution
 from analyses.circuit import Circuit
 from analyses.faithfulness import Faithfulness, FaithfulnessCurve, faithfulness, faithfulness_curve
 from analyses.path_patching import PathPatching, path_patch
+from analyses.sae_eval import SAEEval, sae_eval

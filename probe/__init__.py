@@ -6,6 +6,7 @@ from probe.model import Block, HookedDecoder, ParallelBlock, PostNormBlock, PreN
 from probe.names import act_name
 from probe.processing import process_weights
 from probe.sae import SAEConfig, SparseAutoencoder, spliced
+from probe.sae_training import TrainingConfig, train_sae  # noqa: F401  (probe.sae_training: the rest)
 from probe.tokenizer import Tokenizer
 
 __all__ = [

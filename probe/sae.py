@@ -10,6 +10,12 @@ An SAE reads an activation x [... d_in] and writes it back as a sparse sum of le
 with act ReLU ("standard"), ReLU where pre > threshold ("jumprelu", Gemma Scope), or ReLU of the k
 largest ("topk"). An SAE on `hook_z` reads the heads flattened, [... (head d_head)].
 
+A transcoder (`hook_name_out` and `d_out` set) reads one hook point and predicts another, typically an
+MLP's input `blocks.L.ln2.hook_normalized` and its output `blocks.L.hook_mlp_out`: the same encoder, a
+decoder W_dec [d_sae d_out] + b_dec [d_out] into the output's space, b_dec never subtracted from the input
+(SAELens refuses apply_b_dec_to_input for transcoders), and for a skip-transcoder a linear path
+x W_skip^T (W_skip [d_out d_in]) added to the reconstruction.
+
 `spliced(model, sae)` replaces the model's activation at `sae.cfg.hook_name` by the SAE's output for
 the duration of a `with` block, and lends the SAE's hook points to the model under
 `<hook_name>.hook_sae_acts_post` and so on (SAELens's names), so `run_with_cache` and hooks reach the
@@ -39,6 +45,13 @@ from probe.io import atomic_directory
 Architecture = Literal["standard", "jumprelu", "topk"]
 ARCHITECTURES = ("standard", "jumprelu", "topk")
 CONFIG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"  # SAELens's names
+# dictionaries trained on the bundled model (probe.DEFAULT_MODEL), one folder each; see docs/sae_training.md
+BUNDLED_SAES = Path(__file__).resolve().parent / "data" / "saes"
+# SAELens's architecture names for transcoders: (activation, skip) -> name. SAELens 6 has no TopK transcoder;
+# probe writes one as "topk_transcoder", a name only probe reads.
+TRANSCODER_NAMES = {("standard", False): "transcoder", ("standard", True): "skip_transcoder",
+                    ("jumprelu", False): "jumprelu_transcoder", ("jumprelu", True): "jumprelu_skip_transcoder",
+                    ("topk", False): "topk_transcoder", ("topk", True): "topk_skip_transcoder"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +63,18 @@ class SAEConfig:
     k: Optional[int] = None  # topk: how many features stay on
     apply_b_dec_to_input: bool = True
     model_name: Optional[str] = None  # what it was trained on, as its file says (not checked)
+    hook_name_out: Optional[str] = None  # a transcoder: the hook point it predicts, e.g. "blocks.2.hook_mlp_out"
+    d_out: Optional[int] = None  # a transcoder: the width of hook_name_out
+    skip: bool = False  # a skip-transcoder: adds x W_skip^T
+
+    @property
+    def is_transcoder(self) -> bool:
+        return self.hook_name_out is not None
+
+    @property
+    def d_write(self) -> int:
+        """The width of what it writes: d_out for a transcoder, d_in for an SAE."""
+        return self.d_out if self.is_transcoder else self.d_in
 
     def __post_init__(self) -> None:
         for field in ("d_in", "d_sae"):
@@ -65,20 +90,34 @@ class SAEConfig:
             raise ValueError(f"k={self.k!r} applies only to architecture='topk'")
         if not isinstance(self.hook_name, str) or not self.hook_name:
             raise ValueError(f"hook_name must name the model's hook point it reads, got {self.hook_name!r}")
+        if (self.hook_name_out is None) != (self.d_out is None):
+            raise ValueError(f"a transcoder needs both hook_name_out and d_out (got hook_name_out={self.hook_name_out!r}, "
+                             f"d_out={self.d_out!r}); an SAE has neither")
+        if self.is_transcoder:
+            if not isinstance(self.d_out, int) or isinstance(self.d_out, bool) or self.d_out <= 0:
+                raise ValueError(f"d_out must be a positive int, got {self.d_out!r}")
+            if self.apply_b_dec_to_input:
+                raise ValueError("a transcoder's b_dec lives in the output's space: pass apply_b_dec_to_input=False")
+            if self.hook_name.endswith("hook_z") or self.hook_name_out.endswith("hook_z"):
+                raise ValueError("transcoders read and write one vector per position; hook_z (per head) is not supported")
+        elif self.skip:
+            raise ValueError("skip=True is a skip-transcoder's linear path; an SAE (no hook_name_out) has none")
 
 
 class SparseAutoencoder(HookedRootModule):
     """See the module docstring. Parameters in SAELens's names and shapes: W_enc [d_in d_sae], b_enc [d_sae],
-    W_dec [d_sae d_in], b_dec [d_in], and threshold [d_sae] for jumprelu."""
+    W_dec [d_sae d_in], b_dec [d_in], and threshold [d_sae] for jumprelu; a transcoder's W_dec and b_dec have
+    d_out columns, and a skip-transcoder adds W_skip [d_out d_in]."""
 
     def __init__(self, cfg: SAEConfig):
         super().__init__()
         self.cfg = cfg
         self.W_enc = nn.Parameter(torch.zeros(cfg.d_in, cfg.d_sae))
         self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae))
-        self.W_dec = nn.Parameter(torch.zeros(cfg.d_sae, cfg.d_in))
-        self.b_dec = nn.Parameter(torch.zeros(cfg.d_in))
+        self.W_dec = nn.Parameter(torch.zeros(cfg.d_sae, cfg.d_write))
+        self.b_dec = nn.Parameter(torch.zeros(cfg.d_write))
         self.threshold = nn.Parameter(torch.zeros(cfg.d_sae)) if cfg.architecture == "jumprelu" else None
+        self.W_skip = nn.Parameter(torch.zeros(cfg.d_write, cfg.d_in)) if cfg.skip else None
         self.hook_sae_input = HookPoint()  # [... d_in]
         self.hook_sae_acts_pre = HookPoint()  # [... d_sae]
         self.hook_sae_acts_post = HookPoint()  # [... d_sae]: the features
@@ -89,7 +128,8 @@ class SparseAutoencoder(HookedRootModule):
         # each point's last dimension, for a model's cache-size estimate (a hook_z SAE's error and output keep
         # the heads, [... head d_head], the same number of elements as d_in)
         for name, point in self._hook_points.items():
-            point.width = cfg.d_sae if name.startswith("hook_sae_acts") else cfg.d_in
+            point.width = cfg.d_sae if name.startswith("hook_sae_acts") else cfg.d_in if name == "hook_sae_input" \
+                else cfg.d_write
 
     # ---- the SAE itself --------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,25 +147,38 @@ class SparseAutoencoder(HookedRootModule):
         return self._activate(self._pre(x, features), features)
 
     def decode(self, features: torch.Tensor) -> torch.Tensor:
-        """Reconstruction [... d_in] of features [... d_sae]."""
+        """Reconstruction [... d_in] of features [... d_sae] (a transcoder's prediction [... d_out], without
+        a skip-transcoder's linear path, which reads the input: see `forward`)."""
         return self.hook_sae_recons(features @ self.W_dec + self.b_dec)
 
-    def forward(self, x: torch.Tensor, use_error_term: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use_error_term: bool = False, target: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The SAE's output for activations x, in x's shape (a hook_z SAE's error and output keep the heads,
-        [... head d_head], as SAELens's do), dtype and device."""
-        output = self.decode(self.encode(x)).reshape(x.shape)
+        [... head d_head], as SAELens's do), dtype and device. A transcoder's output is its prediction
+        [... d_out]; its error term needs `target`, the true activation at hook_name_out."""
+        if self.cfg.is_transcoder:
+            shape = (*x.shape[:-1], self.cfg.d_out)
+            if use_error_term and target is None:
+                raise ValueError("a transcoder's error term is target - prediction: pass target, the activation at "
+                                 f"{self.cfg.hook_name_out!r}")
+        else:
+            shape, target = x.shape, x
+        output = (self.decode(self.encode(x)) + self._skip(x)).reshape(shape)
         if use_error_term:
             with torch.no_grad():  # the error is a constant: an edit of the features acts on the reconstruction alone
                 edited = any(p.active for p in (self.hook_sae_input, self.hook_sae_acts_pre, self.hook_sae_acts_post,
                                                 self.hook_sae_recons))
                 # without hooks the reconstruction is the clean one: the same operations, so no second encode
-                clean = (self._encode(x, hooked=False) @ self.W_dec + self.b_dec).reshape(x.shape) if edited \
-                    else output.detach()
+                clean = (self._encode(x, hooked=False) @ self.W_dec + self.b_dec + self._skip(x)).reshape(shape) \
+                    if edited else output.detach()
                 # in the wider of the two dtypes: a bfloat16 SAE must not round a float32 model's activation
-                dtype = torch.promote_types(x.dtype, clean.dtype)
-                error = x.to(dtype) - clean.to(dtype)
+                dtype = torch.promote_types(target.dtype, clean.dtype)
+                error = target.to(dtype) - clean.to(dtype)
             output = output.to(dtype) + self.hook_sae_error(error)
         return self.hook_sae_output(output).to(x.dtype)
+
+    def _skip(self, x: torch.Tensor):
+        """A skip-transcoder's linear path x W_skip^T [... d_out]; 0 otherwise."""
+        return 0 if self.W_skip is None else self._flat(x).to(self.W_skip.dtype) @ self.W_skip.T
 
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.hook_name.endswith("hook_z"):  # [... head d_head] -> [... (head d_head)]
@@ -143,7 +196,8 @@ class SparseAutoencoder(HookedRootModule):
 
     def _pre(self, x: torch.Tensor, features=slice(None)) -> torch.Tensor:
         """Pre-activations [... feature] of flattened inputs, for `features` (all by default)."""
-        return (x - self.b_dec * self.cfg.apply_b_dec_to_input) @ self.W_enc[:, features] + self.b_enc[features]
+        x = x - self.b_dec if self.cfg.apply_b_dec_to_input else x  # a transcoder's b_dec is in the output space
+        return x @ self.W_enc[:, features] + self.b_enc[features]
 
     def _activate(self, pre: torch.Tensor, features=slice(None)) -> torch.Tensor:
         """The activation function on pre-activations of `features` (their thresholds, for JumpReLU)."""
@@ -196,7 +250,9 @@ class SparseAutoencoder(HookedRootModule):
         wrong = [f"{n} {tuple(state[n].shape)} (expected {expected[n]})" for n in expected
                  if n in state and tuple(state[n].shape) != expected[n]]
         if missing or unexpected or wrong:
-            raise ValueError(f"{weights_path} does not fit a {cfg.architecture} SAE with d_in={cfg.d_in}, d_sae={cfg.d_sae}: "
+            kind = f"{cfg.architecture} {'skip-transcoder' if cfg.skip else 'transcoder'} with d_out={cfg.d_out}, " \
+                if cfg.is_transcoder else f"{cfg.architecture} SAE with "
+            raise ValueError(f"{weights_path} does not fit a {kind}d_in={cfg.d_in}, d_sae={cfg.d_sae}: "
                              + "; ".join(filter(None, [missing and f"missing {', '.join(missing)}",
                                                        unexpected and f"unexpected {', '.join(unexpected)}",
                                                        wrong and f"misshapen {', '.join(wrong)}"])))
@@ -205,11 +261,16 @@ class SparseAutoencoder(HookedRootModule):
 
     def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
         """Write cfg.json and sae_weights.safetensors (loadable here and by SAELens); written whole or not at all."""
-        config = {"architecture": self.cfg.architecture, "d_in": self.cfg.d_in, "d_sae": self.cfg.d_sae,
-                  "dtype": str(self.W_enc.dtype).removeprefix("torch."), "apply_b_dec_to_input": self.cfg.apply_b_dec_to_input,
-                  "normalize_activations": "none", "hook_name": self.cfg.hook_name,
-                  "metadata": {"hook_name": self.cfg.hook_name, "model_name": self.cfg.model_name},
-                  **({"k": self.cfg.k} if self.cfg.k is not None else {})}
+        cfg = self.cfg
+        architecture = TRANSCODER_NAMES[cfg.architecture, cfg.skip] if cfg.is_transcoder else cfg.architecture
+        metadata = {"hook_name": cfg.hook_name, "model_name": cfg.model_name}
+        config = {"architecture": architecture, "d_in": cfg.d_in, "d_sae": cfg.d_sae,
+                  "dtype": str(self.W_enc.dtype).removeprefix("torch."), "apply_b_dec_to_input": cfg.apply_b_dec_to_input,
+                  "normalize_activations": "none", "hook_name": cfg.hook_name, "metadata": metadata,
+                  **({"k": cfg.k} if cfg.k is not None else {})}
+        if cfg.is_transcoder:  # SAELens reads d_out at the top level and keeps hook_name_out in its metadata
+            config.update(d_out=cfg.d_out, hook_name_out=cfg.hook_name_out)
+            metadata["hook_name_out"] = cfg.hook_name_out
         state = {name: p.detach().cpu().contiguous() for name, p in self.named_parameters()}
         with atomic_directory(directory, overwrite=overwrite) as tmp:
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -225,15 +286,23 @@ def _config_from_saelens(raw: dict, path: Path) -> SAEConfig:
         raise ValueError(f"{path} names no hook_name: which activation the SAE reads is unknown")
     if any(source.get(key) is not None for source in (raw, meta) for key in ("hook_head_index", "hook_point_head_index")):
         raise ValueError(f"{path}: SAEs on one head (hook_head_index) are not supported")
-    if raw.get("hook_name_out") is not None or raw.get("d_out") is not None:
-        raise ValueError(f"{path} is a transcoder (it writes to another hook point); only SAEs are supported")
+    architecture = raw.get("architecture", "standard")
+    transcoder = {name: key for key, name in TRANSCODER_NAMES.items()}.get(architecture)
+    hook_name_out = raw.get("hook_name_out") or meta.get("hook_name_out")
+    if transcoder is None and (hook_name_out is not None or raw.get("d_out") is not None):
+        raise ValueError(f"{path} names hook_name_out/d_out but architecture {architecture!r}: a transcoder's file says "
+                         f"one of {', '.join(TRANSCODER_NAMES.values())}")
+    if transcoder is not None:
+        if hook_name_out is None:
+            raise ValueError(f"{path} is a transcoder ({architecture}) but names no hook_name_out: which activation it "
+                             "predicts is unknown; add \"hook_name_out\" to its cfg.json")
+        architecture = transcoder[0]
     normalize = raw.get("normalize_activations") or "none"
     if normalize != "none":
         raise ValueError(f"{path}: normalize_activations={normalize!r} is not supported (only 'none'); SAELens folds "
                          "'expected_average_only_in' into the weights when it downloads such an SAE: save it from there")
     if raw.get("rescale_acts_by_decoder_norm"):
         raise ValueError(f"{path}: rescale_acts_by_decoder_norm=true is not supported")
-    architecture = raw.get("architecture", "standard")
     kwargs = raw.get("activation_fn_kwargs") or {}
     activation = raw.get("activation_fn_str") or raw.get("activation_fn") or "relu"
     if activation == "topk":  # SAELens 3-5 spelled topk so
@@ -243,8 +312,10 @@ def _config_from_saelens(raw: dict, path: Path) -> SAEConfig:
     try:
         return SAEConfig(d_in=raw["d_in"], d_sae=raw["d_sae"], hook_name=hook_name, architecture=architecture,
                          k=raw.get("k", kwargs.get("k")) if architecture == "topk" else None,
-                         apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", True)),
-                         model_name=raw.get("model_name") or meta.get("model_name"))
+                         apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", transcoder is None)),
+                         model_name=raw.get("model_name") or meta.get("model_name"),
+                         hook_name_out=hook_name_out if transcoder else None,
+                         d_out=raw["d_out"] if transcoder else None, skip=bool(transcoder and transcoder[1]))
     except KeyError as err:
         raise ValueError(f"{path} lacks the field {err.args[0]!r}") from None
     except ValueError as err:
@@ -254,26 +325,47 @@ def _config_from_saelens(raw: dict, path: Path) -> SAEConfig:
 @contextmanager
 def spliced(model: HookedRootModule, saes: Union[SparseAutoencoder, Sequence[SparseAutoencoder]],
             use_error_term: bool = False) -> Iterator[HookedRootModule]:
-    """Inside the block, each SAE's output replaces the model's activation at its hook point, and the SAE's hook
-    points are the model's, named `<hook_name>.hook_sae_acts_post` etc. Hooks on the hook point itself attached
-    inside the block see the SAE's output. Everything is undone on exit, whatever happens."""
+    """Inside the block, each SAE's output replaces the model's activation at its hook point (a transcoder's
+    prediction replaces the activation at its hook_name_out), and the SAE's hook points are the model's, named
+    `<hook_name>.hook_sae_acts_post` etc. Hooks on the hook point itself attached inside the block see the
+    SAE's output. Everything is undone on exit, whatever happens."""
     saes = [saes] if isinstance(saes, SparseAutoencoder) else list(saes)
-    names = [sae.cfg.hook_name for sae in saes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two SAEs read the same hook point ({', '.join(sorted(n for n in set(names) if names.count(n) > 1))});"
-                         " splice one per point")
+    for names in ([sae.cfg.hook_name for sae in saes],
+                  [sae.cfg.hook_name_out if sae.cfg.is_transcoder else sae.cfg.hook_name for sae in saes]):
+        if len(set(names)) != len(names):
+            raise ValueError(f"two SAEs read or write the same hook point "
+                             f"({', '.join(sorted(n for n in set(names) if names.count(n) > 1))}); splice one per point")
     with ExitStack() as stack:
         for sae in saes:
             model.hook_point(sae.cfg.hook_name)  # a misspelt or foreign hook point fails here, named
+            if sae.cfg.is_transcoder:
+                model.hook_point(sae.cfg.hook_name_out)
             lent = {f"{sae.cfg.hook_name}.{name}": point for name, point in sae._hook_points.items()}
             stack.enter_context(model.lent_hook_points(lent))
-            stack.enter_context(model.hooks([(sae.cfg.hook_name, _replace_with(sae, use_error_term))]))
+            stack.enter_context(model.hooks(_splice_hooks(sae, use_error_term)))
         yield model
 
 
-def _replace_with(sae: SparseAutoencoder, use_error_term: bool):
-    def replace(activation: torch.Tensor, hook: HookPoint) -> torch.Tensor:
-        return sae(activation.to(sae.W_enc.device), use_error_term=use_error_term).to(activation.device)
+def _splice_hooks(sae: SparseAutoencoder, use_error_term: bool) -> list:
+    if not sae.cfg.is_transcoder:
+        def replace(activation: torch.Tensor, hook: HookPoint) -> torch.Tensor:
+            return sae(activation.to(sae.W_enc.device), use_error_term=use_error_term).to(activation.device)
 
-    replace.__name__ = f"sae on {sae.cfg.hook_name}"
-    return replace
+        replace.__name__ = f"sae on {sae.cfg.hook_name}"
+        return [(sae.cfg.hook_name, replace)]
+    read = {}  # the input seen in this forward, until the output point uses it
+
+    def keep(activation: torch.Tensor, hook: HookPoint) -> None:
+        read["x"] = activation
+
+    def predict(activation: torch.Tensor, hook: HookPoint) -> torch.Tensor:
+        if "x" not in read:
+            raise RuntimeError(f"the transcoder's output point {sae.cfg.hook_name_out!r} ran before its input point "
+                               f"{sae.cfg.hook_name!r}: the input must come first in the forward pass")
+        x = read.pop("x").to(sae.W_enc.device)
+        target = activation.to(sae.W_enc.device) if use_error_term else None
+        return sae(x, use_error_term=use_error_term, target=target).to(activation.device, activation.dtype)
+
+    keep.__name__ = f"transcoder input at {sae.cfg.hook_name}"
+    predict.__name__ = f"transcoder {sae.cfg.hook_name} -> {sae.cfg.hook_name_out}"
+    return [(sae.cfg.hook_name, keep), (sae.cfg.hook_name_out, predict)]

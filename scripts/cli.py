@@ -17,6 +17,7 @@ COMMANDS = {
     "memories": "FFN key-value memories: value tokens, lookup, corpus triggers",
     "anatomy": "structure, parameter ledger, shapes through one block",
     "sae": "sparse autoencoder features of a prompt: top features, their tokens, loss recovered",
+    "train_sae": "train a sparse autoencoder or transcoder on a corpus (SAELens format)",
     "steer": "contrastive steering vector: generations with and without it, coefficient sweep",
     "circuit": "edge attribution (EAP, EAP-IG), a circuit, its faithfulness curve and its graph",
 }

@@ -144,8 +144,12 @@ def test_report_on_a_checkpoint_writes_every_section_and_true_numbers(tiny_dir, 
     code, _, err = run_cli(capsys, "report", "--model", str(tiny_dir), "--prompt", prompt, "--corrupted", corrupted, "--out", str(out))
     assert code == 0, err
     page = (out / "report.html").read_text()
-    for anchor in ("model", "prompt", "lens", "attribution", "attention", "detectors", "ablation", "patching", "memories", "importance"):
+    for anchor in ("model", "prompt", "lens", "attribution", "attention", "detectors", "ablation", "patching", "circuit",
+                   "memories", "importance"):
         assert f'id="{anchor}"' in page, anchor
+    from analyses import circuit_graph
+
+    assert len(pd.read_csv(out / "edges.csv")) == circuit_graph(tiny_model).n_edges
     assert "<script>x</script>" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
     with torch.no_grad():
         probs = tiny_model(prompt)[0, -1].softmax(-1)

@@ -264,3 +264,53 @@ def test_a_config_that_is_not_json_and_a_second_splice_at_one_point_are_named(ti
                 pass
         assert f"{HOOK}.hook_sae_input" in tiny_model.hook_names  # the outer splice is intact
     assert f"{HOOK}.hook_sae_input" not in tiny_model.hook_names
+
+
+# ---- transcoders ---------------------------------------------------------------------------------
+def random_transcoder(layer=1, skip=False, architecture="standard", seed=0):
+    cfg = SAEConfig(d_in=64, d_sae=D_SAE, hook_name=f"blocks.{layer}.ln2.hook_normalized", architecture=architecture,
+                    k=12 if architecture == "topk" else None, apply_b_dec_to_input=False,
+                    hook_name_out=f"blocks.{layer}.hook_mlp_out", d_out=64, skip=skip)
+    sae = SparseAutoencoder(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sae.named_parameters():
+            param.copy_(0.2 * torch.randn(param.shape, generator=gen) + (0.15 if name == "threshold" else 0.0))
+    return sae
+
+
+@pytest.mark.parametrize("skip, architecture", [(False, "standard"), (True, "jumprelu"), (True, "topk")])
+def test_a_spliced_transcoder_replaces_the_mlp_output_by_its_prediction(tiny_model, tokens, tmp_path, skip, architecture):
+    sae = random_transcoder(skip=skip, architecture=architecture)
+    read, written = sae.cfg.hook_name, sae.cfg.hook_name_out
+    with torch.no_grad():
+        original, cache = tiny_model.run_with_cache(tokens, names=[read, written])
+        x = cache[read].double()
+        features, _ = by_hand(sae, x)  # apply_b_dec_to_input=False: the formula reads x as it is
+        prediction = features @ sae.W_dec.double() + sae.b_dec.double()
+        if skip:
+            prediction = prediction + x @ sae.W_skip.double().T
+        expected = tiny_model.run_with_hooks(tokens, fwd_hooks=[(written, lambda a, hook: prediction.float())])
+        with spliced(tiny_model, sae):
+            logits, got = tiny_model.run_with_cache(tokens, names=[f"{read}.hook_sae_acts_post"])
+        with spliced(tiny_model, sae, use_error_term=True):
+            unchanged = tiny_model(tokens)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[f"{read}.hook_sae_acts_post"].double(), features, atol=1e-5, rtol=0)
+    torch.testing.assert_close(unchanged, original, atol=1e-5, rtol=0)
+    sae.save_pretrained(tmp_path / "tc")
+    loaded = SparseAutoencoder.from_pretrained(tmp_path / "tc")
+    assert loaded.cfg == sae.cfg and all(torch.equal(a, b) for a, b in zip(loaded.parameters(), sae.parameters()))
+    assert json.loads((tmp_path / "tc" / "cfg.json").read_text())["architecture"] == \
+        {"standard": "transcoder", "jumprelu": "jumprelu_skip_transcoder", "topk": "topk_skip_transcoder"}[architecture]
+
+
+def test_transcoder_configs_that_cannot_work_are_named():
+    with pytest.raises(ValueError, match="both hook_name_out and d_out"):
+        SAEConfig(d_in=4, d_sae=8, hook_name="blocks.0.ln2.hook_normalized", hook_name_out="blocks.0.hook_mlp_out")
+    with pytest.raises(ValueError, match="apply_b_dec_to_input=False"):
+        SAEConfig(d_in=4, d_sae=8, hook_name="blocks.0.ln2.hook_normalized", hook_name_out="blocks.0.hook_mlp_out", d_out=4)
+    with pytest.raises(ValueError, match="skip=True"):
+        SAEConfig(d_in=4, d_sae=8, hook_name=HOOK, skip=True)
+    with pytest.raises(ValueError, match="pass target"):
+        random_transcoder()(torch.zeros(2, 64), use_error_term=True)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates the virtualenv that holds SAELens, the reference the SAE tests compare probe against.
+# SAELens 6 requires transformer-lens < 4 while the main environment needs transformer-lens 4, so it lives
+# in its own environment without the system's site packages; the tests call it through subprocess
+# (tests/saelens_oracle.py) and skip, saying why, where it is absent. About 3 minutes and 1.9 GB here:
+# torch 2.13.0 comes from the machine's CPU wheel, the rest from PyPI.
+#   usage: bash scripts/saelens_oracle.sh [VENV]   (default: $PROBE_SAELENS_VENV or /tmp/saelens-venv)
+set -euo pipefail
+venv="${1:-${PROBE_SAELENS_VENV:-/tmp/saelens-venv}}"
+if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import sae_lens" 2>/dev/null; then
+    echo "SAELens oracle already at $venv"
+    exit 0
+fi
+python -m venv "$venv"
+"$venv/bin/pip" install -q torch==2.13.0
+"$venv/bin/pip" install -q "sae-lens==6.54.12"
+"$venv/bin/python" -c "import sae_lens; print('SAELens', sae_lens.__version__, 'at $venv')"

@@ -1,0 +1,378 @@
+"""Training dictionaries: every loss term and gradient against the formulas written out in float64, SAELens itself
+(in its own virtualenv, scripts/saelens_oracle.sh) on the same weights and batch, recovery of known sparse
+features, a trained SAE against the mean baseline on held-out activations, and resuming bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from probe import SAEConfig, SparseAutoencoder, spliced
+from probe.activation_store import ActivationStore
+from probe.sae_training import TrainingConfig, TrainingSAE, train_on_store, train_sae
+
+SAELENS_PYTHON = Path(os.environ.get("PROBE_SAELENS_VENV", "/tmp/saelens-venv")) / "bin" / "python"
+ORACLE = Path(__file__).with_name("saelens_oracle.py")
+needs_saelens = pytest.mark.skipif(not SAELENS_PYTHON.exists(), reason=f"no SAELens virtualenv at {SAELENS_PYTHON.parent.parent}: "
+                                   "create it with `bash scripts/saelens_oracle.sh` (or set PROBE_SAELENS_VENV)")
+TEXTS = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 6,
+         "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 8,
+         "When in the course of human events it becomes necessary for one people to dissolve the bands. " * 5]
+
+
+def training_sae(architecture, d_in=16, d_out=None, d_sae=40, seed=0, **extra):
+    k = {"topk": 5, "batchtopk": 5}.get(architecture)
+    cfg = TrainingConfig(hook_name="blocks.0.hook_resid_post", d_sae=d_sae, training_tokens=64, batch_tokens=32,
+                         architecture=architecture, k=k, **extra)
+    sae = TrainingSAE(cfg, d_in, d_out or d_in, torch.Generator().manual_seed(seed)).double()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # away from the initialisation, so every term is seen
+        for name, p in sae.named_parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        if sae.threshold is not None:
+            sae.threshold.copy_(0.2 + 0.1 * torch.rand(d_sae, generator=gen, dtype=torch.float64))
+    return sae
+
+
+def by_hand(sae, x, y, coefficient):
+    """Every loss term written out from the parameters (float64)."""
+    cfg = sae.cfg
+    W_enc, b_enc, W_dec, b_dec = sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec
+    norms = W_dec.norm(dim=1)
+    pre = (x - (0 if cfg.hook_name_out else b_dec)) @ W_enc + b_enc
+    terms = {}
+    if cfg.architecture in ("topk", "batchtopk"):
+        pre = pre * norms
+        if cfg.architecture == "topk":
+            kth = pre.sort(-1, descending=True).values[:, cfg.k - 1:cfg.k]
+            f = torch.where(pre >= kth, pre, 0).clamp(min=0)
+        else:
+            flat = pre.clamp(min=0).flatten()
+            kth = flat.sort(descending=True).values[cfg.k * x.shape[0] - 1]
+            f = torch.where(pre.clamp(min=0) >= kth, pre.clamp(min=0), 0)
+        y_hat = (f / norms) @ W_dec + b_dec
+        dead = sae.dead_mask()
+        if dead.any():
+            k_aux = x.shape[1] // 2
+            scale = min(int(dead.sum()) / k_aux, 1.0)
+            masked = torch.where(dead, pre, -torch.inf)
+            kth_dead = masked.sort(-1, descending=True).values[:, min(k_aux, int(dead.sum())) - 1:][:, :1]
+            aux_acts = torch.where(masked >= kth_dead, pre, 0)
+            e_hat = (aux_acts / norms) @ W_dec
+            terms["auxk"] = cfg.aux_coefficient * scale * (e_hat - (y - y_hat)).pow(2).sum(-1).mean()
+        else:
+            terms["auxk"] = torch.tensor(0.0, dtype=x.dtype)
+    elif cfg.architecture == "jumprelu":
+        f = torch.where(pre > sae.threshold, pre, 0)
+        y_hat = f @ W_dec + b_dec
+        terms["l0"] = coefficient * (pre > sae.threshold).double().sum(-1).mean()
+    else:
+        f = pre.clamp(min=0)
+        y_hat = f @ W_dec + b_dec
+        terms["l1"] = coefficient * (f * norms).sum(-1).mean()
+    if sae.W_skip is not None:
+        y_hat = y_hat + x @ sae.W_skip.T
+    terms["mse"] = (y_hat - y).pow(2).sum(-1).mean()
+    return terms, f
+
+
+@pytest.mark.parametrize("architecture, transcoder, skip", [
+    ("standard", False, False), ("topk", False, False), ("batchtopk", False, False), ("jumprelu", False, False),
+    ("topk", True, False), ("standard", True, True), ("jumprelu", True, True),
+])
+@pytest.mark.parametrize("n_dead", [0, 7])
+def test_every_loss_term_follows_the_formulas(architecture, transcoder, skip, n_dead):
+    out = dict(hook_name_out="blocks.0.hook_mlp_out", skip=skip) if transcoder else {}
+    sae = training_sae(architecture, d_out=12 if transcoder else None, **out)
+    sae.steps_since_fired[:n_dead] = sae.cfg.dead_feature_window + 1
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 16, generator=gen, dtype=torch.float64)
+    y = torch.randn(32, 12, generator=gen, dtype=torch.float64) if transcoder else x
+    got = sae.losses(x, y, coefficient=0.7)
+    expected, features = by_hand(sae, x, y, 0.7)
+    torch.testing.assert_close(got["features"], features, atol=1e-10, rtol=0)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-9, rtol=1e-9, msg=name)
+    torch.testing.assert_close(got["loss"], sum(expected.values()), atol=1e-9, rtol=1e-9)
+    if architecture in ("topk", "batchtopk") and n_dead:
+        assert float(expected["auxk"].detach()) > 0
+    if architecture == "topk":
+        assert bool(((features > 0).sum(-1) == 5).all())  # exactly k: random pre-activations' top 5 are positive
+
+
+@pytest.mark.parametrize("architecture", ["standard", "topk"])
+def test_the_gradient_of_the_loss_is_its_finite_difference(architecture):
+    """Autograd of the whole loss against central differences of the loss itself, entry by entry (float64); the
+    losses are smooth away from ReLU kinks and top-k ties, which a step of 1e-6 does not cross. (AuxK's residual
+    is detached, as SAELens's, so its gradient is no finite difference: the SAELens test checks it.)"""
+    sae = training_sae(architecture)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    sae.losses(x, x, 0.7)["loss"].backward()
+    gen = torch.Generator().manual_seed(3)
+    for name, param in sae.named_parameters():
+        for index in torch.randint(0, param.numel(), (4,), generator=gen).tolist():
+            flat = param.data.view(-1)
+            original = float(flat[index])
+            with torch.no_grad():
+                flat[index] = original + 1e-6
+                up = float(sae.losses(x, x, 0.7)["loss"])
+                flat[index] = original - 1e-6
+                down = float(sae.losses(x, x, 0.7)["loss"])
+                flat[index] = original
+            assert float(param.grad.view(-1)[index]) == pytest.approx((up - down) / 2e-6, abs=1e-5, rel=1e-4), (name, index)
+
+
+def test_jumprelu_straight_through_gradients_are_the_rectangle_kernel():
+    """d L0 / d t_f = -c/bw * mean_b rect((pre - t_f)/bw); through the reconstruction, d f/d t_f = -t_f/bw rect(...),
+    and d f/d pre = 1[pre > t] (the exact derivative, checked against a finite difference)."""
+    sae = training_sae("jumprelu", jumprelu_bandwidth=0.5)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    bw, c = 0.5, 0.7
+    terms = sae.losses(x, x, c)
+    (grad_l0,) = torch.autograd.grad(terms["l0"], sae.threshold, retain_graph=True)
+    pre = ((x - sae.b_dec) @ sae.W_enc + sae.b_enc).detach()
+    t = sae.threshold.detach()
+    rect = (((pre - t) / bw).abs() < 0.5).double()
+    torch.testing.assert_close(grad_l0, -c / bw * rect.sum(0) / x.shape[0], atol=1e-12, rtol=0)
+    assert float(rect.sum()) > 0
+
+    (grad_mse,) = torch.autograd.grad(terms["mse"], sae.threshold, retain_graph=True)
+    features = terms["features"]
+    (d_features,) = torch.autograd.grad(terms["mse"], features, retain_graph=True)
+    torch.testing.assert_close(grad_mse, (-(t / bw) * rect * d_features).sum(0), atol=1e-10, rtol=0)
+
+    def mse_of_pre(pre_):  # the mse as a function of pre-activations, through the forward's exact gate
+        f = pre_ * (pre_ > t)
+        return (f @ sae.W_dec.detach() + sae.b_dec.detach() - x).pow(2).sum(-1).mean()
+
+    p = pre.clone().requires_grad_()
+    from probe.sae_training import JumpReLU
+    f = JumpReLU.apply(p, t, bw)
+    (auto,) = torch.autograd.grad((f @ sae.W_dec.detach() + sae.b_dec.detach() - x).pow(2).sum(-1).mean(), p)
+    i, j = (((pre - t).abs() > 1e-3) & (pre > t)).nonzero()[0].tolist()
+    bump = torch.zeros_like(pre)
+    bump[i, j] = 1e-6
+    numeric = (mse_of_pre(pre + bump) - mse_of_pre(pre - bump)) / 2e-6
+    torch.testing.assert_close(auto[i, j], numeric, atol=1e-6, rtol=1e-5)
+
+
+# ---- training on synthetic data ------------------------------------------------------------------
+class SyntheticStore:
+    """Activations that are sparse sums of known unit directions: 3 of 48 features on per token."""
+
+    def __init__(self, directions, batch_tokens, seed=0):
+        self.directions, self.batch_tokens = directions, batch_tokens
+        self.generator = torch.Generator().manual_seed(seed)
+        self.store_device = torch.device("cpu")
+
+    def next_batch(self):
+        n = self.directions.shape[0]
+        on = torch.rand(self.batch_tokens, n, generator=self.generator).argsort(-1)[:, :3]
+        coefficients = torch.zeros(self.batch_tokens, n).scatter(-1, on, 1 + torch.rand(self.batch_tokens, 3, generator=self.generator))
+        return (coefficients @ self.directions,)
+
+    def state_dict(self):
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["generator"])
+
+
+def ground_truth(n=48, d=24, seed=0):
+    d_ = torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+    return d_ / d_.norm(dim=1, keepdim=True)
+
+
+def test_training_recovers_known_sparse_features():
+    truth = ground_truth()
+    cfg = TrainingConfig(hook_name="blocks.0.hook_resid_post", d_sae=96, training_tokens=512 * 400, batch_tokens=512,
+                         architecture="topk", k=3, lr=3e-3, lr_decay_steps=80, seed=1)
+    result = train_on_store(SyntheticStore(truth, 512), cfg, 24, 24, progress=False)
+    decoder = result.sae.W_dec.detach()
+    best = (truth @ (decoder / decoder.norm(dim=1, keepdim=True)).T).max(dim=1).values  # each truth's closest feature
+    assert float((best > 0.9).float().mean()) >= 0.9, best
+    x = SyntheticStore(truth, 2048, seed=99).next_batch()[0]  # held out
+    with torch.no_grad():
+        reconstruction = result.sae(x)
+    explained = 1 - (reconstruction - x).pow(2).sum() / (x - x.mean(0)).pow(2).sum()
+    assert float(explained) > 0.9
+
+
+def test_batchtopk_is_saved_as_jumprelu_with_its_running_threshold():
+    truth = ground_truth()
+    cfg = TrainingConfig(hook_name="blocks.0.hook_resid_post", d_sae=96, training_tokens=512 * 60, batch_tokens=512,
+                         architecture="batchtopk", k=3, lr=3e-3, seed=2,
+                         topk_threshold_lr=0.1)  # the moving average settles within these 60 steps
+    store = SyntheticStore(truth, 512)
+    result = train_on_store(store, cfg, 24, 24, progress=False)
+    assert result.sae.cfg.architecture == "jumprelu"
+    threshold = result.sae.threshold.detach()
+    assert float(threshold.min()) == float(threshold.max()) > 0  # one threshold for every feature
+    with torch.no_grad():
+        l0 = (result.sae.encode(store.next_batch()[0]) > 0).sum(-1).float().mean()
+    # the threshold is the smallest activation a batch kept, so at least about k stay on; not all 96
+    assert 2 < float(l0) < 12
+
+
+# ---- on a model --------------------------------------------------------------------------------
+def test_the_store_serves_the_models_activations_shuffled_and_reproducibly(tiny_model):
+    hook = "blocks.0.hook_resid_post"
+    store = ActivationStore(tiny_model, TEXTS, hook, batch_tokens=32, buffer_tokens=96, context_size=16, batch_prompts=4)
+    assert store.stop_at_layer == 1
+    batches = [store.next_batch()[0] for _ in range(4)]
+    # every row is the model's activation at some position of the windows the store cut
+    bos = tiny_model.tokenizer.bos_id
+    stream = []
+    for text in TEXTS:
+        stream += [bos] + tiny_model.tokenizer.encode(text)
+    windows = torch.tensor([[bos] + stream[i * 15:(i + 1) * 15] for i in range(store.windows_read)])
+    _, cache = tiny_model.run_with_cache(windows, names=hook)
+    every = cache[hook].reshape(-1, 64)
+    for batch in batches:
+        distance = (batch[:, None] - every[None]).abs().amax(-1).min(dim=1).values  # to the nearest activation
+        assert float(distance.max()) < 1e-5
+    assert not torch.equal(batches[0], every[:32])  # shuffled
+    again = ActivationStore(tiny_model, TEXTS, hook, batch_tokens=32, buffer_tokens=96, context_size=16, batch_prompts=4)
+    assert all(torch.equal(a, again.next_batch()[0]) for a in batches)
+    with pytest.raises(TypeError, match="iterator"):
+        ActivationStore(tiny_model, iter(TEXTS), hook)
+    with pytest.raises(ValueError, match="at least two batches"):
+        ActivationStore(tiny_model, TEXTS, hook, batch_tokens=64, buffer_tokens=96)
+
+
+def small_cfg(**extra):
+    settings = dict(hook_name="blocks.0.hook_resid_post", d_sae=128, architecture="topk", k=8, training_tokens=256 * 6,
+                    batch_tokens=256, buffer_tokens=1024, context_size=32, batch_prompts=4, lr=3e-3, lr_decay_steps=2,
+                    checkpoint_every_tokens=256 * 3)
+    settings.update(extra)
+    return TrainingConfig(**settings)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(hook_name="blocks.1.ln2.hook_normalized", hook_name_out="blocks.1.hook_mlp_out",
+                                            architecture="jumprelu", k=None, skip=True, l0_coefficient=0.01)])
+def test_resuming_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run(tiny_model, tmp_path, extra):
+    cfg = small_cfg(**extra)
+    whole = train_sae(tiny_model, TEXTS, cfg, out=tmp_path / "whole", progress=False)
+    interrupted = train_sae(tiny_model, TEXTS, cfg, out=tmp_path / "run", progress=False, stop_after_steps=4)
+    assert interrupted.steps == 4 and not (tmp_path / "run" / "cfg.json").exists()
+    checkpoint = tmp_path / "run" / "checkpoints" / str(4 * 256)
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["cfg.json", "sae_weights.safetensors", "trainer.json",
+                                                           "trainer_state.safetensors"]
+    resumed = train_sae(tiny_model, TEXTS, cfg, out=tmp_path / "run", progress=False, resume=checkpoint)
+    for (name, a), (_, b) in zip(whole.sae.named_parameters(), resumed.sae.named_parameters()):
+        assert torch.equal(a, b), name
+    loaded = SparseAutoencoder.from_pretrained(tmp_path / "run")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), whole.sae.parameters()))
+    assert (tmp_path / "whole" / "checkpoints" / str(3 * 256) / "trainer.json").is_file()
+    with pytest.raises(ValueError, match="other settings.*lr"):
+        train_sae(tiny_model, TEXTS, small_cfg(**{**extra, "lr": 1e-3}), out=tmp_path / "run2", progress=False,
+                  resume=checkpoint)
+
+
+def test_a_trained_sae_beats_the_mean_on_held_out_activations(tiny_model):
+    hook = "blocks.1.hook_resid_post"
+    cfg = small_cfg(hook_name=hook, training_tokens=256 * 60, lr_decay_steps=20, checkpoint_every_tokens=None, k=16)
+    result = train_sae(tiny_model, TEXTS[:2], cfg, progress=False)
+    held_out = "Numbers 0123456789 and punctuation appear too, and the question is whether the dog sleeps."
+    _, cache = tiny_model.run_with_cache(held_out, names=hook)
+    x = cache[hook][0].double()
+    with torch.no_grad():
+        reconstruction = result.sae(x.float()).double()
+        l0 = (result.sae.encode(x.float()) > 0).sum(-1)
+    total = (x - x.mean(0)).pow(2).sum()  # the mean's error: explained variance 0
+    explained = 1 - (reconstruction - x).pow(2).sum() / total
+    assert float(explained) > 0.5, float(explained)
+    assert bool((l0 == 16).all())  # TopK: exactly k
+
+
+# ---- SAELens itself ----------------------------------------------------------------------------
+def random_inference(architecture, transcoder=False, skip=False, seed=0):
+    cfg = SAEConfig(d_in=24, d_sae=40, hook_name="blocks.0.ln2.hook_normalized" if transcoder else "blocks.0.hook_resid_post",
+                    architecture=architecture, k=6 if architecture == "topk" else None,
+                    apply_b_dec_to_input=not transcoder, hook_name_out="blocks.0.hook_mlp_out" if transcoder else None,
+                    d_out=20 if transcoder else None, skip=skip)
+    sae = SparseAutoencoder(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sae.named_parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (0.3 if name == "threshold" else 0))
+    return sae
+
+
+def oracle(*args):
+    done = subprocess.run([str(SAELENS_PYTHON), str(ORACLE), *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+@needs_saelens
+def test_saelens_loads_what_probe_saves_and_computes_the_same(tmp_path):
+    cases = [("standard", False, False, "StandardSAE"), ("topk", False, False, "TopKSAE"),
+             ("jumprelu", False, False, "JumpReLUSAE"), ("standard", True, False, "Transcoder"),
+             ("standard", True, True, "SkipTranscoder"), ("jumprelu", True, False, "JumpReLUTranscoder"),
+             ("jumprelu", True, True, "JumpReLUSkipTranscoder")]
+    x = torch.randn(50, 24, generator=torch.Generator().manual_seed(1))
+    save_file({"x": x}, str(tmp_path / "x.safetensors"))
+    for i, (architecture, transcoder, skip, saelens_class) in enumerate(cases):
+        sae = random_inference(architecture, transcoder, skip, seed=i)
+        sae.save_pretrained(tmp_path / f"sae{i}")
+        assert oracle("encode", tmp_path / f"sae{i}", tmp_path / "x.safetensors", tmp_path / f"out{i}.safetensors") \
+            .splitlines()[-1] == saelens_class
+        theirs = load_file(str(tmp_path / f"out{i}.safetensors"))
+        with torch.no_grad():
+            torch.testing.assert_close(sae.encode(x), theirs["features"], atol=1e-5, rtol=0)
+            torch.testing.assert_close(sae(x), theirs["output"], atol=1e-5, rtol=0)
+        assert float((theirs["features"] > 0).float().mean()) > 0.05
+
+
+@needs_saelens
+@pytest.mark.parametrize("architecture", ["standard", "topk", "batchtopk", "jumprelu"])
+def test_the_training_loss_and_its_gradient_are_saelens(architecture, tmp_path):
+    sae = training_sae(architecture, d_in=16)
+    dead = torch.zeros(40, dtype=torch.bool)
+    dead[:9] = True
+    sae.steps_since_fired[dead] = sae.cfg.dead_feature_window + 1
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ours = sae.losses(x, x, coefficient=0.7)
+    ours["loss"].backward()
+    settings = {"d_in": 16, "d_sae": 40}
+    settings.update({"standard": {"l1_coefficient": 0.7, "coefficients": {"l1": 0.7}},
+                     "topk": {"k": 5, "aux_loss_coefficient": 1.0}, "batchtopk": {"k": 5, "aux_loss_coefficient": 1.0},
+                     "jumprelu": {"l0_coefficient": 0.7, "jumprelu_bandwidth": 0.05, "coefficients": {"l0": 0.7}}}[architecture])
+    state = {n: p.detach().contiguous() for n, p in sae.named_parameters()}
+    save_file(state, str(tmp_path / "state.safetensors"))
+    save_file({"x": x, "dead_mask": dead.to(torch.uint8)}, str(tmp_path / "in.safetensors"))
+    oracle("loss", architecture, json.dumps(settings), tmp_path / "state.safetensors", tmp_path / "in.safetensors",
+           tmp_path / "out.safetensors")
+    theirs = load_file(str(tmp_path / "out.safetensors"))
+    names = {"mse": "mse_loss", "l1": "l1_loss", "l0": "l0_loss", "auxk": "auxiliary_reconstruction_loss"}
+    for ours_name, their_name in names.items():
+        if ours_name in ours:
+            torch.testing.assert_close(ours[ours_name].detach(), theirs[their_name], atol=1e-9, rtol=1e-9, msg=ours_name)
+    torch.testing.assert_close(ours["loss"].detach(), theirs["loss"], atol=1e-9, rtol=1e-9)
+    for name, p in sae.named_parameters():
+        # SAELens keeps a JumpReLU threshold in float32 whatever the SAE's dtype: its gradient is float32's
+        tolerance = dict(atol=1e-5, rtol=1e-5) if name == "threshold" else dict(atol=1e-9, rtol=1e-7)
+        torch.testing.assert_close(p.grad, theirs[f"grad.{name}"].to(p.grad.dtype), **tolerance, msg=name)
+
+
+def test_probe_train_sae_writes_a_dictionary_probe_sae_can_load(tiny_dir, tmp_path, capsys):
+    from scripts.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(TEXTS))
+    out = tmp_path / "sae"
+    argv = ["train_sae", "--model", str(tiny_dir), "--hook", "blocks.0.hook_resid_post", "--arch", "topk", "--k", "4",
+            "--d-sae", "32", "--tokens", "1k", "--batch-tokens", "256", "--buffer-tokens", "1024", "--context-size", "32",
+            "--corpus", str(corpus), "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    assert "trained topk d_sae=32 on blocks.0.hook_resid_post: 768 tokens" in capsys.readouterr().out
+    sae = SparseAutoencoder.from_pretrained(out)
+    assert sae.cfg.k == 4 and json.loads((out / "training.json").read_text())["config"]["training_tokens"] == 1000
+    assert main(argv) == 2 and "already holds a dictionary" in capsys.readouterr().err
