@@ -11,29 +11,7 @@ from probe.names import act_name
 
 from test_variants import build
 
-ANSWERS, COUNTERFACTUALS = [5, 9], [7, 2]
-
-
-@pytest.fixture(scope="module")
-def sharp_model(tiny_model):
-    """The tiny model with its queries and keys scaled up: random-init attention is nearly uniform, so a changed
-    query or key would barely move anything and a test of q/k paths could pass with both sides ignoring them."""
-    import copy
-
-    model = copy.deepcopy(tiny_model)
-    with torch.no_grad():
-        for block in model.blocks:
-            q_and_k = block.attn.qkv_sizes[0] + block.attn.qkv_sizes[1]
-            block.attn.qkv.weight[:q_and_k] *= 15.0
-    return model
-
-
-def prompts(vocab: int, n_pos: int = 9, seed: int = 3):
-    gen = torch.Generator().manual_seed(seed)
-    clean = torch.randint(0, vocab, (2, n_pos), generator=gen)
-    corrupted = clean.clone()
-    corrupted[:, 1:-1] = torch.randint(0, vocab, (2, n_pos - 2), generator=gen)
-    return clean, corrupted
+from test_circuit import ANSWERS, COUNTERFACTUALS, prompts, sharp_model  # noqa: F401 (sharp_model: a fixture)
 
 
 @torch.no_grad()
