@@ -11,7 +11,12 @@ if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import sae_lens" 2>/dev/n
     echo "SAELens oracle already at $venv"
     exit 0
 fi
-python -m venv "$venv"
-"$venv/bin/pip" install -q torch==2.13.0
-"$venv/bin/pip" install -q "sae-lens==6.54.12"
+# built beside its final name and moved there only once SAELens imports: the tests look for the final name,
+# and a half-built environment there would make them fail rather than skip
+building="$venv.building"
+rm -rf "$building" "$venv"
+python -m venv "$building"
+"$building/bin/pip" install -q torch==2.13.0
+"$building/bin/pip" install -q "sae-lens==6.54.12"
+"$building/bin/python" -c "import sae_lens" && mv "$building" "$venv"
 "$venv/bin/python" -c "import sae_lens; print('SAELens', sae_lens.__version__, 'at $venv')"
