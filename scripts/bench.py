@@ -555,6 +555,42 @@ def tl_surface(ctx: Context) -> list[Case]:
     return [case for case in cases if case.run is not None]
 
 
+def _circuit_cases(ctx: Context) -> list[Case]:
+    from analyses import edge_attribution, faithfulness, logit_diff_metric
+
+    probe = ctx.probe_model()
+    clean, corrupted = ctx.tokens(seed=0), ctx.tokens(seed=1)
+    metric = logit_diff_metric(probe, 0, 1)
+    circuit = edge_attribution(probe, clean, corrupted, metric).circuit(n_edges=50)
+    return [
+        Case("probe forward", PROBE, _no_grad(lambda: probe(clean))),
+        Case("probe EAP, every edge", PROBE, lambda: edge_attribution(probe, clean, corrupted, metric),
+             note="clean and corrupted forwards, one backward"),
+        Case("probe EAP-IG inputs, 5 steps", PROBE,
+             lambda: edge_attribution(probe, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=5)),
+        Case("probe faithfulness, one circuit", PROBE, _no_grad(lambda: faithfulness(probe, circuit, clean, corrupted, metric)),
+             note=f"{circuit.n_edges} edges kept, every other edge patched to its corrupted value"),
+    ]
+
+
+_CIRCUIT_GOALS = _all_of(_at_most("probe EAP, every edge", "probe forward", 3.5),
+                         _at_most("probe EAP-IG inputs, 5 steps", "probe forward", 7.5),
+                         _at_most("probe faithfulness, one circuit", "probe forward", 1.5))
+
+
+@workload("circuits", 13, "Edge attribution (EAP, EAP-IG) over every edge, and one circuit's faithfulness",
+          "EAP <= 3.5x one forward; EAP-IG with 5 steps <= 7.5x; faithfulness <= 1.5x", floor="probe forward",
+          check=_CIRCUIT_GOALS)
+def circuits(ctx: Context) -> list[Case]:
+    return _circuit_cases(ctx)
+
+
+@workload("circuits_small", 14, "The same on the small model", "as workload 13", floor="probe forward",
+          check=_CIRCUIT_GOALS, model="small", shape="small")
+def circuits_small(ctx: Context) -> list[Case]:
+    return _circuit_cases(ctx)
+
+
 @workload("load", 11, "Loading a checkpoint directory", "probe <= 1.2x transformers' from_pretrained",
           floor="transformers from_pretrained",
           check=_all_of(_at_most("probe from_pretrained", "transformers from_pretrained", 1.2),
