@@ -80,12 +80,26 @@ def load_model(args: argparse.Namespace):
     return model.eval()
 
 
+def sae_directory(name: str) -> str:
+    """A --sae value as a directory: a path, or the name of a dictionary shipped for the bundled model
+    (`bundled` is its residual SAE, `resid-post-1`; `transcoder-0` ...), when no such path exists."""
+    from pathlib import Path
+
+    from probe.sae import BUNDLED_SAES
+
+    shipped = BUNDLED_SAES / ("resid-post-1" if name == "bundled" else name)
+    if not Path(name).exists() and "/" not in name and shipped.is_dir():
+        return str(shipped)
+    return name
+
+
 def load_sae(model, directory: str):
     """An SAE directory for `model`, checked to read a hook point the model has; a one-line error otherwise."""
     from analyses.features import check_sae
     from hooks import UnknownNameError
     from probe import SparseAutoencoder
 
+    directory = sae_directory(directory)
     try:
         sae = SparseAutoencoder.from_pretrained(directory, device=model.device)
     except (OSError, ValueError) as err:

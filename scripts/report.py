@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corrupted", default=None, help="a corrupted prompt of the same length, for activation patching")
     parser.add_argument("--skip", nargs="*", default=[], choices=SKIPPABLE, help="slow sections to leave out: " + ", ".join(SKIPPABLE))
     parser.add_argument("--sae", nargs="+", default=[], metavar="DIR",
-                        help="sparse autoencoders (SAELens directories) for this model: a section each")
+                        help="sparse autoencoders (SAELens directories, or `bundled` for the bundled model's shipped "
+                             "residual SAE) for this model: a section each")
 
 
 class Report:

@@ -22,7 +22,7 @@ from scripts.common import (CommandError, Output, check_corpus_arg, check_positi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sae", required=True, help="SAE directory (SAELens format: cfg.json, sae_weights.safetensors)")
+    parser.add_argument("--sae", required=True, help="SAE directory (SAELens format: cfg.json, sae_weights.safetensors), or `bundled` for the residual SAE shipped for the bundled model")
     parser.add_argument("--prompt", required=True, help="the prompt to read the features of")
     parser.add_argument("--k", type=int, default=10, help="top features per position, tokens per feature, and (--triggers) contexts per feature")
     parser.add_argument("--position", type=int, default=-1, help="position whose top features are printed (default: the last)")

@@ -732,3 +732,19 @@ def test_an_sae_of_the_wrong_width_and_a_bad_batch_size_are_refused_before_any_w
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match=f"batch_size={bad!r} must be a positive integer"):
             top_triggers(tiny_model, ["To be, or not"], neurons=[1], k=2, batch_size=bad, progress=False, sae=random_sae())
+
+
+def test_probe_sae_bundled_is_the_shipped_residual_sae_of_the_bundled_model(tmp_path, capsys):
+    from probe import DEFAULT_MODEL, HookedDecoder, SparseAutoencoder
+    from probe.sae import BUNDLED_SAES
+
+    model = HookedDecoder.from_pretrained(DEFAULT_MODEL)
+    sae = SparseAutoencoder.from_pretrained(BUNDLED_SAES / "resid-post-1")
+    prompt, out = "ROMEO. But soft, what light", tmp_path / "out"
+    code, _, err = run_cli(capsys, "sae", "--sae", "bundled", "--prompt", prompt, "--k", "3", "--out", str(out))
+    assert code == 0, err
+    written = pd.read_csv(out / "features.csv", keep_default_na=False)
+    expected = sae_features(model, sae, prompt, k=3).to_frame()
+    assert written.feature.tolist() == expected.feature.tolist()
+    code, _, err = run_cli(capsys, "sae", "--sae", "no-such-dictionary", "--prompt", prompt, "--out", str(tmp_path / "o"))
+    assert code == 2 and "cannot load --sae no-such-dictionary" in err
