@@ -8,6 +8,7 @@ import random
 import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -228,12 +229,48 @@ def default_out(args: argparse.Namespace, command: str) -> Path:
     return Path(args.out) if args.out else Path("probe-out") / command
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, timeout, schedulers, container stops), raised where Ctrl-C would be: the same clean-up runs."""
+
+
+@contextmanager
+def terminate_as_interrupt():
+    """For the block, SIGTERM raises Terminated in the main thread, as SIGINT raises KeyboardInterrupt. Yields a
+    list that holds True once a SIGTERM came (a library that stops cleanly on an interrupt swallows it)."""
+    import signal
+    import threading
+
+    received: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def raise_terminated(signum, frame):
+        received.append(True)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_command(run: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> int:
-    """Parse, run, and turn failures into one line and a non-zero exit (a traceback only with --debug)."""
+    """Parse, run, and turn failures into one line and a non-zero exit (a traceback only with --debug).
+    SIGTERM is handled as Ctrl-C: partial results are named as such, temporary files removed; exit 143."""
     args = parser.parse_args(argv)
     try:
-        seed_everything(args.seed)
-        return run(args)
+        with terminate_as_interrupt() as terminated:
+            seed_everything(args.seed)
+            code = run(args)
+        if terminated:
+            print("terminated (SIGTERM)", file=sys.stderr)
+            return 143
+        return code
+    except Terminated:
+        print("terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

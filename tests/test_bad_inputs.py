@@ -101,3 +101,34 @@ def test_command_line_ctrl_c_during_a_corpus_scan(tiny_dir, tmp_path, capsys, mo
     names = sorted(p.name for p in out.iterdir())
     assert "triggers.csv" in names and "triggers.partial.csv" not in names
     assert len(pd.read_csv(out / "triggers.csv")) >= len(partial)
+
+
+def test_sigterm_during_a_corpus_scan_is_handled_like_ctrl_c(tiny_dir, tmp_path, capsys, monkeypatch):
+    """kill / timeout / a scheduler send SIGTERM: the same clean-up as Ctrl-C (the partial scan kept under its
+    partial name, no final files, no traceback), exit 143, and the previous SIGTERM handler back afterwards."""
+    import os
+    import signal
+
+    from analyses import memories
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(f"Document {i}: to be, or not to be, that is the question.\n" * 40)
+    real_encode, seen = memories._encode_document, []
+
+    def encode_then_terminate(tokenizer, pieces):
+        seen.append(1)
+        if len(seen) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        yield from real_encode(tokenizer, pieces)
+
+    monkeypatch.setattr(memories, "_encode_document", encode_then_terminate)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "out"
+    code = cli.main(["memories", "--model", str(tiny_dir), "--triggers", "--corpus", str(corpus), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 143 and "terminated" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["triggers.partial.csv"]
+    assert len(pd.read_csv(out / "triggers.partial.csv")) > 0
+    assert signal.getsignal(signal.SIGTERM) is before
