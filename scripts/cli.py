@@ -25,10 +25,19 @@ COMMANDS = {
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"probe {version('probe')}")
+        except PackageNotFoundError:  # a checkout that was never installed
+            print("probe (not installed: run pip install -e . in the checkout)")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         width = max(map(len, COMMANDS))
         lines = [f"  {name:<{width}}  {help}" for name, help in COMMANDS.items()]
-        print("usage: probe <command> [options]   (probe <command> --help for each)\n\ncommands:\n" + "\n".join(lines))
+        print("usage: probe <command> [options]   (probe <command> --help for each; probe --version)\n\ncommands:\n"
+              + "\n".join(lines))
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

@@ -332,12 +332,24 @@ def parse_heads(text: str, model) -> list[tuple[int, int]]:
     return heads
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module's docstring as written, and each flag's default after its help where it has a meaningful one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        meaningful = not (default is None or default is False or default is argparse.SUPPRESS or default in ([], ""))
+        if action.option_strings and meaningful and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def command(module_doc: str, prog: str, add_arguments: Callable[[argparse.ArgumentParser], None],
             run: Callable[[argparse.Namespace], int]):
     """(build_parser, main) for a subcommand: its own flags, then the common ones."""
 
     def build_parser() -> argparse.ArgumentParser:
-        parser = argparse.ArgumentParser(prog=prog, description=module_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = argparse.ArgumentParser(prog=prog, description=module_doc, formatter_class=HelpFormatter)
         add_arguments(parser)
         add_common_arguments(parser)
         return parser

@@ -470,3 +470,14 @@ def test_memories_names_a_bad_corpus_before_the_lookup_writes_anything(tiny_dir,
     err = capsys.readouterr().err
     assert code == 2 and "is empty" in err and len(err.strip().splitlines()) == 1
     assert not out.exists() or not any(out.iterdir())  # the lookup's files used to be written first
+
+
+def test_version_and_defaults_in_help(capsys):
+    from importlib.metadata import version
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"probe {version('probe')}"
+    with pytest.raises(SystemExit):
+        cli.main(["lens", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: float32)" in shown and "(default: 0)" in shown and "(default: None)" not in shown
