@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 try:
-    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, run_command
+    from scripts.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, run_command
 except ImportError:  # run as `python scripts/anatomy.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, run_command
+    from scripts.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="probe anatomy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="probe anatomy", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--n-ctx", type=int, default=None, help="context length for FLOPs and KV-cache sizes (default: the model's)")
     add_common_arguments(parser)
     return parser

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 try:
-    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, log, read_prompts_file, run_command
+    from scripts.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, log, read_prompts_file, run_command
 except ImportError:  # run as `python scripts/cache.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from scripts.common import CommandError, Output, add_common_arguments, default_out, load_model, log, read_prompts_file, run_command
+    from scripts.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, log, read_prompts_file, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="probe cache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="probe cache", description=__doc__, formatter_class=HelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the prompt to run")
     source.add_argument("--prompts-file", help="a UTF-8 text file, one prompt per line")
