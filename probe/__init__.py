@@ -6,11 +6,12 @@ from probe.model import Block, HookedDecoder, ParallelBlock, PostNormBlock, PreN
 from probe.names import act_name
 from probe.processing import process_weights
 from probe.sae import SAEConfig, SparseAutoencoder, spliced
-from probe.sae_training import TrainingConfig, train_sae  # noqa: F401  (probe.sae_training: the rest)
+from probe.sae_training import TrainingConfig, train_sae
 from probe.tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "Norm",
     "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig",
-    "SandwichBlock", "SparseAutoencoder", "Tokenizer", "act_name", "process_weights", "spliced",
+    "SandwichBlock", "SparseAutoencoder", "Tokenizer", "TrainingConfig", "act_name", "process_weights", "spliced",
+    "train_sae",
 ]

@@ -28,8 +28,6 @@ from hooks.names import UnknownNameError
 from probe.config import Norm, NormPlacement
 from probe.names import act_name
 
-GUIDE = "docs/from_transformer_lens.md"
-
 
 class ModelGoneError(ReferenceError):
     """A cache method needs the model's weights, and the model the cache came from no longer exists."""

@@ -16,8 +16,9 @@ import torch
 import probe.residual_stack as rs
 from hooks import ActivationCache
 from hooks.names import UnknownNameError, unknown_name_error
-from probe.cache_stacks import GUIDE, ModelGoneError, StackMethods
+from probe.cache_stacks import ModelGoneError, StackMethods
 from probe.names import act_name
+from probe.tl_surface import GUIDE
 
 _SUBLAYERS = {"a": "attn", "attn": "attn", "attention": "attn", "m": "mlp", "mlp": "mlp", "b": "", "block": "",
               "blocks": "", "": ""}

@@ -17,8 +17,9 @@ import torch
 
 from hooks import ActivationCache, HookFn, NameFilter
 from probe.kv_cache import KVCache
-from probe.tl_surface import GUIDE, refuse_unsupported
+from probe.tl_surface import refuse_unsupported
 from probe.tokenizer import check_padding_side
+from probe.tokens import is_text
 
 if TYPE_CHECKING:
     from probe.model import HookedDecoder, ModelInput
@@ -90,11 +91,7 @@ def generate(
     `applied(model)` is a context manager, e.g. analyses.steering's), the whole generation runs inside
     `with steering.applied(model):`. `use_past_kv_cache` is TL's name for `use_cache`.
     """
-    for name in unsupported:
-        if name in UNSUPPORTED:
-            raise TypeError(f"generate does not take {name}= (a transformer-lens keyword): {UNSUPPORTED[name]}; "
-                            f"see {GUIDE}")
-    refuse_unsupported(unsupported, "HookedDecoder.generate")
+    refuse_unsupported(unsupported, "HookedDecoder.generate", UNSUPPORTED)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     if temperature is not None and temperature < 0:
@@ -237,7 +234,7 @@ def _mask_from_padding(model, tokens: torch.Tensor, padding_side: str, prepend_b
 
 
 def _output(model, input, tokens: torch.Tensor, mask: torch.Tensor, return_type: str):
-    as_text = isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and isinstance(input[0], str))
+    as_text = is_text(input)
     if return_type == "tokens" or (return_type == "input" and not as_text):
         return tokens
     # special tokens are dropped, as transformer-lens decodes: the BOS, and the EOS that ended a sequence

@@ -22,7 +22,7 @@ from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.shapes import PER_HEAD_INPUTS, hook_shapes
 from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported
 from probe.tokenizer import Tokenizer
-from probe.tokens import TokenMethods
+from probe.tokens import TokenMethods, is_text
 from probe.weight_views import WeightViews
 
 ModelInput = Union[str, Sequence[str], torch.Tensor]
@@ -258,7 +258,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
         """Bytes a cache of `names` takes for this input, from the hook shapes (see probe.shapes)."""
         if isinstance(input, torch.Tensor):
             batch, pos = (1, input.shape[0]) if input.dim() == 1 else tuple(input.shape[:2])
-        elif isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
+        elif is_text(input):
             if self.tokenizer is None:
                 return None  # the forward pass will say what is missing
             texts = [input] if isinstance(input, str) else list(input)
@@ -356,7 +356,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
     def _tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor],
                          padding_side: Optional[str] = None, prepend_bos: Optional[bool] = None):
         """Token ids on the model's device and their [batch pos] long mask (None: nothing padded)."""
-        if isinstance(input, str) or (isinstance(input, (list, tuple)) and input and isinstance(input[0], str)):
+        if is_text(input):
             if attention_mask is not None:
                 raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
             padding_side = padding_side or self._require_tokenizer().padding_side

@@ -20,10 +20,12 @@ UNSUPPORTED = {
 }
 
 
-def refuse_unsupported(kwargs: dict, where: str) -> None:
-    """A TypeError that names the probe equivalent for a transformer-lens keyword, or the unknown keyword itself."""
+def refuse_unsupported(kwargs: dict, where: str, hints: Optional[dict] = None) -> None:
+    """A TypeError that names the probe equivalent for a transformer-lens keyword (`hints`: the caller's own, beside
+    the forward's), or the unknown keyword itself."""
+    hints = UNSUPPORTED if hints is None else {**UNSUPPORTED, **hints}
     for name in kwargs:
-        hint = UNSUPPORTED.get(name)
+        hint = hints.get(name)
         if hint is not None:
             raise TypeError(f"{where} does not take {name}= (a transformer-lens keyword): {hint}; see {GUIDE}")
         raise TypeError(f"{where} got an unexpected keyword argument {name!r}; see {GUIDE} for transformer-lens's")

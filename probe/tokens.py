@@ -11,6 +11,11 @@ from probe.tokenizer import Tokenizer, pad_rows
 StrTokens = Union[list[str], list[list[str]]]
 
 
+def is_text(input) -> bool:
+    """A string or a non-empty list of strings: what the model tokenises itself."""
+    return isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and isinstance(input[0], str))
+
+
 class TokenMethods:
     """Mixed into HookedDecoder: the tokenizer's methods on the model's device."""
 

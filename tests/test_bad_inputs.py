@@ -63,23 +63,39 @@ def test_command_line_corpus_file_bad_deep_inside(tiny_dir, tmp_path, capsys, mo
         assert not (out / "triggers.csv").exists()
 
 
+def three_documents(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(f"Document {i}: to be, or not to be, that is the question.\n" * 40)
+    return corpus
+
+
+def interrupted_on_second_document(encode, interrupt):
+    """The corpus reader `encode`, calling `interrupt()` as the second document starts (the user's Ctrl-C, a kill)."""
+    seen = []
+
+    def encode_then_interrupt(tokenizer, pieces):
+        seen.append(1)
+        if len(seen) == 2:
+            interrupt()
+        yield from encode(tokenizer, pieces)
+
+    return encode_then_interrupt
+
+
 def test_command_line_ctrl_c_during_a_corpus_scan(tiny_dir, tmp_path, capsys, monkeypatch):
     """Ctrl-C in the middle of `probe memories --triggers`: exit 130 without a traceback, the part
     scanned so far kept under a name that says it is partial, no final result files, and a result
     written earlier in another directory untouched."""
     from analyses import memories
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(3):
-        (corpus / f"{i}.txt").write_text(f"Document {i}: to be, or not to be, that is the question.\n" * 40)
-    real_encode, seen = memories._encode_document, []
+    def press_ctrl_c():
+        raise KeyboardInterrupt
 
-    def encode_then_interrupt(tokenizer, pieces):
-        seen.append(1)
-        if len(seen) == 2:  # the user presses Ctrl-C while the second document is being read
-            raise KeyboardInterrupt
-        yield from real_encode(tokenizer, pieces)
+    corpus = three_documents(tmp_path)
+    real_encode = memories._encode_document
+    encode_then_interrupt = interrupted_on_second_document(real_encode, press_ctrl_c)
 
     earlier = tmp_path / "earlier"
     earlier.mkdir()
@@ -111,18 +127,9 @@ def test_sigterm_during_a_corpus_scan_is_handled_like_ctrl_c(tiny_dir, tmp_path,
 
     from analyses import memories
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(3):
-        (corpus / f"{i}.txt").write_text(f"Document {i}: to be, or not to be, that is the question.\n" * 40)
-    real_encode, seen = memories._encode_document, []
-
-    def encode_then_terminate(tokenizer, pieces):
-        seen.append(1)
-        if len(seen) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        yield from real_encode(tokenizer, pieces)
-
+    corpus = three_documents(tmp_path)
+    encode_then_terminate = interrupted_on_second_document(memories._encode_document,
+                                                           lambda: os.kill(os.getpid(), signal.SIGTERM))
     monkeypatch.setattr(memories, "_encode_document", encode_then_terminate)
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "out"

@@ -16,12 +16,17 @@ HOOK = "blocks.0.hook_resid_post"
 def random_sae(architecture="standard", hook=HOOK, d_in=64, seed=0, **extra):
     cfg = SAEConfig(d_in=d_in, d_sae=D_SAE, hook_name=hook, architecture=architecture,
                     k=12 if architecture == "topk" else None, **extra)
-    sae = SparseAutoencoder(cfg)
+    scales = {"W_enc": 0.3, "W_dec": 0.3, "b_enc": 0.2, "b_dec": 0.2, "threshold": 0.1}
+    return randomised(SparseAutoencoder(cfg), seed, lambda name: scales[name], threshold=0.15)
+
+
+def randomised(sae, seed, scale, threshold):
+    """Every parameter drawn from scale(name) x N(0, 1) in name order (one seeded generator), thresholds offset by
+    `threshold` so JumpReLU lets some features through."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sae.named_parameters():
-            scale = {"W_enc": 0.3, "W_dec": 0.3, "b_enc": 0.2, "b_dec": 0.2, "threshold": 0.1}[name]
-            param.copy_(scale * torch.randn(param.shape, generator=gen) + (0.15 if name == "threshold" else 0.0))
+            param.copy_(scale(name) * torch.randn(param.shape, generator=gen) + (threshold if name == "threshold" else 0.0))
     return sae
 
 
@@ -271,12 +276,7 @@ def random_transcoder(layer=1, skip=False, architecture="standard", seed=0):
     cfg = SAEConfig(d_in=64, d_sae=D_SAE, hook_name=f"blocks.{layer}.ln2.hook_normalized", architecture=architecture,
                     k=12 if architecture == "topk" else None, apply_b_dec_to_input=False,
                     hook_name_out=f"blocks.{layer}.hook_mlp_out", d_out=64, skip=skip)
-    sae = SparseAutoencoder(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sae.named_parameters():
-            param.copy_(0.2 * torch.randn(param.shape, generator=gen) + (0.15 if name == "threshold" else 0.0))
-    return sae
+    return randomised(SparseAutoencoder(cfg), seed, lambda name: 0.2, threshold=0.15)
 
 
 @pytest.mark.parametrize("skip, architecture", [(False, "standard"), (True, "jumprelu"), (True, "topk")])

@@ -6,16 +6,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from probe import SAEConfig, SparseAutoencoder, spliced
+from probe import SAEConfig, SparseAutoencoder
 from probe.activation_store import ActivationStore
 from probe.sae_training import TrainingConfig, TrainingSAE, train_on_store, train_sae
+
+from test_sae import randomised
 
 SAELENS_PYTHON = Path(os.environ.get("PROBE_SAELENS_VENV", "/tmp/saelens-venv")) / "bin" / "python"
 ORACLE = Path(__file__).with_name("saelens_oracle.py")
@@ -297,12 +298,7 @@ def random_inference(architecture, transcoder=False, skip=False, seed=0):
                     architecture=architecture, k=6 if architecture == "topk" else None,
                     apply_b_dec_to_input=not transcoder, hook_name_out="blocks.0.hook_mlp_out" if transcoder else None,
                     d_out=20 if transcoder else None, skip=skip)
-    sae = SparseAutoencoder(cfg)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sae.named_parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (0.3 if name == "threshold" else 0))
-    return sae
+    return randomised(SparseAutoencoder(cfg), seed, lambda name: 0.3, threshold=0.3)
 
 
 def oracle(*args):
