@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,16 @@ def _load_script():
     return module
 
 
-BENCH = _load_script()  # imports only the standard library at module level
+def _surface(script) -> SimpleNamespace:
+    """The benchmark's public names: the runner's and those of the modules it is built from."""
+    from scripts import bench_forward, bench_harness, bench_measure, bench_results
+
+    modules = (bench_harness, bench_measure, bench_results, bench_forward, script)
+    return SimpleNamespace(**{name: value for module in modules for name, value in vars(module).items()
+                              if not name.startswith("_")})
+
+
+BENCH = _surface(_load_script())  # the modules import only the standard library at module level
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +124,9 @@ def test_results_are_never_overwritten_silently(bench, tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         bench.check_out_dir(tmp_path, overwrite=False)
     with pytest.raises(FileExistsError):
-        bench._write_atomic(target, "new", overwrite=False)
+        bench.write_atomic(target, "new", overwrite=False)
     assert target.read_text() == "earlier results"
-    bench._write_atomic(target, "new", overwrite=True)
+    bench.write_atomic(target, "new", overwrite=True)
     assert target.read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["bench.json"]  # no temporary file left behind
 
@@ -163,12 +173,12 @@ def test_cache_memory_goal_is_on_the_bytes_each_cache_holds(bench):
         "transformer-lens forward": dict(peak_extra_bytes=200 * mib),
         "transformer-lens run_with_cache": dict(peak_extra_bytes=1000 * mib, cache_bytes=800),
     }
-    [verdict] = bench._extra_memory_check(rows)
+    [verdict] = bench.extra_memory_check(rows)
     assert verdict["ratio"] == 300 / 800 and verdict["met"] is True
     assert "peak rise above the forward 800.0 MiB vs 800.0 MiB" in verdict["detail"]
     rows["probe run_with_cache"]["cache_bytes"] = 500
     rows["probe run_with_cache, bfloat16 storage"] = dict(peak_extra_bytes=400, cache_bytes=250)
-    assert [(v["ratio"], v["met"]) for v in bench._extra_memory_check(rows)] == [(500 / 800, False), (250 / 800, True)]
+    assert [(v["ratio"], v["met"]) for v in bench.extra_memory_check(rows)] == [(500 / 800, False), (250 / 800, True)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

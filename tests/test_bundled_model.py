@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -217,18 +216,9 @@ def test_greedy_continuation_looks_like_a_play(model):
 
 
 # ---- the training script --------------------------------------------------------------------------
-def _train_tiny_module():
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
-    sys.path.insert(0, str(scripts))
-    try:
-        import train_tiny
-    finally:
-        sys.path.remove(str(scripts))
-    return train_tiny
-
-
 def test_strip_gutenberg_removes_the_frame():
-    strip = _train_tiny_module().strip_gutenberg
+    from scripts.tiny_corpus import strip_gutenberg as strip
+
     framed = ("The Project Gutenberg EBook of Hamlet\r\nLicence blah\r\n"
               "*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\r\n\r\nHAMLET\r\n\r\nHam.\r\nWords.\r\n"
               "*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\r\nMore licence\r\n")
@@ -239,12 +229,14 @@ def test_strip_gutenberg_removes_the_frame():
 @pytest.mark.slow
 def test_training_script_runs_end_to_end(tmp_path, monkeypatch):
     """A few steps of scripts/train_tiny.py on a made-up corpus: it writes a loadable checkpoint."""
-    train_tiny = _train_tiny_module()
+    from scripts import train_tiny
+    from scripts.tiny_corpus import HELDOUT_PLAYS
+
     corpus = tmp_path / "texts"
     corpus.mkdir()
     words = "love death king crown night sword heaven blood grace honour father daughter".split()
     gen = torch.Generator().manual_seed(0)
-    for name in ("hamlet", "lear", "othello") + train_tiny.HELDOUT_PLAYS:
+    for name in ("hamlet", "lear", "othello") + HELDOUT_PLAYS:
         lines = []
         for _ in range(300):
             picks = torch.randint(0, len(words), (7,), generator=gen).tolist()
@@ -259,13 +251,14 @@ def test_training_script_runs_end_to_end(tmp_path, monkeypatch):
     assert loaded.cfg.n_layers == 2 and loaded.cfg.d_vocab == 300
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps_done"] == 4 and metrics["val_loss"] > 0
-    assert held.read_text().startswith(train_tiny.HELDOUT_PLAYS[0].upper())
+    assert held.read_text().startswith(HELDOUT_PLAYS[0].upper())
 
 
 def test_training_script_never_overwrites_without_being_asked(tmp_path):
     """Its defaults are the shipped model and held-out text: an existing --out or --heldout-out is
     refused before any training, and kept as it was."""
-    train_tiny = _train_tiny_module()
+    from scripts import train_tiny
+
     out, held = tmp_path / "model", tmp_path / "heldout.txt"
     out.mkdir()
     (out / "config.json").write_text("{}")
@@ -283,12 +276,13 @@ def test_training_batches_hold_the_promised_rows():
     """sample_batch's three kinds of rows: plain text windows, text with a span copied later, and a
     random span repeated to fill the row (checked from the rows themselves, not from the code's
     bookkeeping): every row starts with BOS and no other position holds it."""
-    train_tiny = _train_tiny_module()
+    from scripts.tiny_corpus import sample_batch
+
     bos, vocab, n_ctx = 0, 500, 64
     stream = torch.arange(1, 5001) % (vocab - 1) + 1  # strictly periodic text: a copy is visible as a jump
     gen = torch.Generator().manual_seed(0)
-    rows = train_tiny.sample_batch(stream, 8, n_ctx, bos, gen, repeat_frac=0.25, min_span=5, max_span=10,
-                                   random_span_frac=0.0, vocab=vocab, pure_repeat_frac=0.5)
+    rows = sample_batch(stream, 8, n_ctx, bos, gen, repeat_frac=0.25, min_span=5, max_span=10,
+                       random_span_frac=0.0, vocab=vocab, pure_repeat_frac=0.5)
     assert rows.shape == (8, n_ctx) and (rows[:, 0] == bos).all() and (rows[:, 1:] != bos).all()
 
     def period(row):  # the smallest p with row[i] == row[i + p] everywhere after BOS

@@ -1,0 +1,164 @@
+"""Benchmark workloads of the plain forward and caching: probe vs transformers and transformer-lens
+(workloads 1-4), a structurally pruned forward (10) and loading (11)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+from scripts.bench_harness import HF, PROBE, TL, Case, Context, all_of, at_most, is_resid, mib, no_grad, workload
+
+
+@workload("forward", 1, "Forward, no hooks", "probe <= 1.05x transformers", floor="transformers forward",
+          check=at_most("probe forward", "transformers forward", 1.05))
+def forward(ctx: Context) -> list[Case]:
+    probe, hf, tl = ctx.probe_model(), ctx.hf_model(), ctx.tl_model()
+    tokens = ctx.tokens()
+    pattern_hook = [(lambda name: name.endswith("hook_pattern"), lambda pattern, hook: None)]
+    return [
+        Case("transformers forward", HF, no_grad(lambda: hf(tokens, use_cache=False).logits),
+             note="GPT2LMHeadModel, sdpa attention, use_cache=False"),
+        Case("probe forward", PROBE, no_grad(lambda: probe(tokens))),
+        Case("transformer-lens forward", TL, no_grad(lambda: tl(tokens)), note="TransformerBridge.boot_transformers"),
+        Case("probe forward, pattern hooked", PROBE, no_grad(lambda: probe.run_with_hooks(tokens, fwd_hooks=pattern_hook)),
+             note="a no-op hook on every hook_pattern: the explicit-attention path instead of the fused kernel"),
+    ]
+
+
+@workload("cache_all", 2, "run_with_cache of every hook",
+          "time <= transformer-lens; memory the cache holds <= 0.5x transformer-lens's",
+          floor="transformer-lens run_with_cache",
+          check=all_of(
+              at_most("probe run_with_cache", "transformer-lens run_with_cache", 1.0),
+              lambda rows: extra_memory_check(rows)))
+def cache_all(ctx: Context) -> list[Case]:
+    import torch
+
+    probe, tl = ctx.probe_model(), ctx.tl_model()
+    tokens = ctx.tokens()
+    cases = [
+        Case("probe forward", PROBE, no_grad(lambda: probe(tokens)), timed=False,
+             note="memory baseline for the cache's extra memory"),
+        Case("probe run_with_cache", PROBE, no_grad(lambda: probe.run_with_cache(tokens, max_cache_bytes=math.inf)),
+             note="names=None: every hook except the opt-in per-head hook_result; no size limit (a 16 x 1024 "
+                  "GPT-2-small cache is ~29 GiB, over the default 8 GiB refusal)"),
+        Case("transformer-lens forward", TL, no_grad(lambda: tl(tokens)), timed=False,
+             note="memory baseline for the cache's extra memory"),
+        Case("transformer-lens run_with_cache", TL, no_grad(lambda: tl.run_with_cache(tokens))),
+    ]
+    if ctx.dtype == "float32":
+        cases.insert(2, Case("probe run_with_cache, bfloat16 storage", PROBE,
+                             no_grad(lambda: probe.run_with_cache(tokens, dtype=torch.bfloat16, max_cache_bytes=math.inf)),
+                             note="the model runs in float32; the cache is stored in bfloat16"))
+    return cases
+
+
+def extra_memory_check(rows: dict[str, dict]) -> list[dict]:
+    """The cache's memory: the bytes of the distinct storages it holds beyond the returned logits
+    (exact, and what stays allocated while it is kept; see `cache_stats`). The rise of the peak above
+    the same library's forward is reported beside it, but depends on what the allocator reuses
+    (transformer-lens's forward peak is higher, so less of its cache shows as a rise), so the verdict
+    is on the bytes held."""
+
+    def peak_rise(library: str, label: str) -> Optional[float]:
+        cache, plain = rows.get(label, {}), rows.get(f"{library} forward", {})
+        if cache.get("peak_extra_bytes") is None or plain.get("peak_extra_bytes") is None:
+            return None
+        return cache["peak_extra_bytes"] - plain["peak_extra_bytes"]
+
+    tl_label = f"{TL} run_with_cache"
+    theirs = rows.get(tl_label, {}).get("cache_bytes")
+    verdicts = []
+    for label in (f"{PROBE} run_with_cache", f"{PROBE} run_with_cache, bfloat16 storage"):
+        if label not in rows:
+            continue
+        ours = rows[label].get("cache_bytes")
+        ratio = ours / theirs if ours is not None and theirs else None
+        verdicts.append(dict(measure=f"cache memory held: {label} / {tl_label}", ratio=ratio, limit=0.5,
+                             met=None if ratio is None else ratio <= 0.5,
+                             detail=f"{mib(ours)} vs {mib(theirs)}; peak rise above the forward "
+                                    f"{mib(peak_rise(PROBE, label))} vs {mib(peak_rise(TL, tl_label))}"))
+    return verdicts
+
+
+@workload("cache_resid", 3, "run_with_cache of the residual stream only", "probe <= 1.05x probe's plain forward",
+          floor="probe forward", check=at_most("probe run_with_cache, residual stream", "probe forward", 1.05))
+def cache_resid(ctx: Context) -> list[Case]:
+    probe, hf = ctx.probe_model(), ctx.hf_model()
+    tokens = ctx.tokens()
+    return [
+        Case("probe forward", PROBE, no_grad(lambda: probe(tokens))),
+        Case("probe run_with_cache, residual stream", PROBE, no_grad(lambda: probe.run_with_cache(tokens, names=is_resid)),
+             note="hook_resid_pre, hook_resid_mid, hook_resid_post of every block"),
+        Case("transformers forward", HF, no_grad(lambda: hf(tokens, use_cache=False).logits)),
+        Case("transformers output_hidden_states", HF,
+             no_grad(lambda: hf(tokens, use_cache=False, output_hidden_states=True)),
+             ratio_to="transformers forward", note="the residual entering each block, and the final norm's output"),
+    ]
+
+
+@workload("small_cache", 4, "Small model, run_with_cache of everything vs a plain forward",
+          "probe <= 1.5x its plain forward (transformer-lens pays about 2.3x on a 2-layer model)",
+          floor="probe forward", check=at_most("probe run_with_cache", "probe forward", 1.5), model="small", shape="small")
+def small_cache(ctx: Context) -> list[Case]:
+    probe, tl, hf = ctx.probe_model(), ctx.tl_model(), ctx.hf_model()
+    tokens = ctx.tokens()
+    return [
+        Case("probe forward", PROBE, no_grad(lambda: probe(tokens))),
+        Case("probe run_with_cache", PROBE, no_grad(lambda: probe.run_with_cache(tokens))),
+        Case("transformer-lens forward", TL, no_grad(lambda: tl(tokens))),
+        Case("transformer-lens run_with_cache", TL, no_grad(lambda: tl.run_with_cache(tokens)),
+             ratio_to="transformer-lens forward"),
+        Case("transformers forward", HF, no_grad(lambda: hf(tokens, use_cache=False).logits)),
+    ]
+
+
+@workload("pruned_forward", 10, "Forward of a structurally pruned model: 25/50/75% of every layer's heads removed",
+          "report: what pruning buys (half the heads pruned should not be slower)", floor="probe forward, unpruned",
+          check=at_most("probe forward, 50% of heads pruned", "probe forward, unpruned", 1.0))
+def pruned_forward(ctx: Context) -> list[Case]:
+    from analyses import prune_heads
+
+    probe, tokens = ctx.probe_model(), ctx.tokens()
+    cfg = probe.cfg
+    cases = [Case("probe forward, unpruned", PROBE, no_grad(lambda: probe(tokens)))]
+    for fraction in (0.25, 0.5, 0.75):
+        k = round(fraction * cfg.n_heads)  # speed depends only on how many heads remain, not which
+        pruned = prune_heads(probe, [(l, h) for l in range(cfg.n_layers) for h in range(k)]).eval()
+        # labelled with the fraction actually removed: with 6 heads a layer, "25%" is 2 of 6
+        cases.append(Case(f"probe forward, {k / cfg.n_heads:.0%} of heads pruned", PROBE, no_grad(lambda m=pruned: m(tokens))))
+    return cases
+
+
+def first_forward(model_fn: Callable[[], Any], ctx: Context, hf: bool) -> Callable[[], Any]:
+    """Load, then run one token: a lazily (memory-mapped) loaded model pays for reading its weights here."""
+    import torch
+
+    token = ctx.tokens(batch=1, seq=1)
+
+    def run():
+        model = model_fn()
+        with torch.no_grad():
+            model(token, use_cache=False) if hf else model(token)
+        return model
+
+    return run
+
+
+
+@workload("load", 11, "Loading a checkpoint directory", "probe <= 1.2x transformers' from_pretrained",
+          floor="transformers from_pretrained",
+          check=all_of(at_most("probe from_pretrained", "transformers from_pretrained", 1.2),
+                        at_most("probe from_pretrained + one-token forward",
+                                 "transformers from_pretrained + one-token forward", 1.2)))
+def load(ctx: Context) -> list[Case]:
+    both = "transformers from_pretrained + one-token forward"
+    ctx.tl_bridge()  # loading happens only when timed: find out now whether transformer-lens imports
+    return [
+        Case("transformers from_pretrained", HF, ctx.hf_model),
+        Case("probe from_pretrained", PROBE, ctx.probe_model),
+        Case("transformer-lens boot_transformers", TL, ctx.tl_model),  # dropped if tl_bridge() found none
+        Case(both, HF, first_forward(ctx.hf_model, ctx, hf=True), ratio_to=both,
+             note="includes touching every weight once"),
+        Case("probe from_pretrained + one-token forward", PROBE, first_forward(ctx.probe_model, ctx, hf=False), ratio_to=both),
+    ]
+
