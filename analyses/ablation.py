@@ -8,7 +8,6 @@ tiled the same way (see `logit_diff_metric`).
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
@@ -19,6 +18,7 @@ from einops import einsum
 
 from analyses.common import AnalysisInput, check_id_tensor, evaluate_metric, is_int, resolve_positions, token_id, tokens_and_mask
 from analyses.common import model_mask as _model_mask
+from analyses.labels import head_grid, head_label, plotly_text
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -78,9 +78,9 @@ def logit_diff_metric(model: HookedDecoder, answer, counterfactual, position: in
 
 
 def metric_name(metric: Metric) -> str:
-    """A metric's name for titles, HTML-escaped (a lambda is called `<lambda>`, which plotly would parse as a tag)."""
+    """A metric's name for figures, escaped for plotly (a lambda is called `<lambda>`, which plotly would parse as a tag)."""
     name = getattr(metric, "label", None) or getattr(metric, "__name__", "metric")
-    return html.escape("metric" if name == "<lambda>" else str(name))
+    return plotly_text("metric" if name == "<lambda>" else str(name))
 
 
 def _check_heads(model: HookedDecoder, heads) -> list[tuple[int, int]]:
@@ -200,34 +200,26 @@ class HeadAblationEffects:
         n_layer, n_head = self.effects.shape
         layer, head = torch.meshgrid(torch.arange(n_layer), torch.arange(n_head), indexing="ij")
         keep = ~self.effects.isnan().flatten()  # pruned heads
+        layer, head = layer.flatten()[keep], head.flatten()[keep]
         return pd.DataFrame({
-            "layer": layer.flatten()[keep].numpy(), "head": head.flatten()[keep].numpy(),
+            "layer": layer.numpy(), "head": head.numpy(),
+            "label": [head_label(l, h) for l, h in zip(layer.tolist(), head.tolist())],
             "baseline": float(self.baseline.mean()), "ablated": self.ablated.flatten()[keep].numpy(),
             "effect": self.effects.flatten()[keep].numpy(),
         })
 
     def figure(self) -> go.Figure:
         effects = self.effects
-        n_layer, n_head = effects.shape
         bound = float(effects.nan_to_num().abs().max()) or 1.0
-        fig = go.Figure(go.Heatmap(
-            z=effects.numpy(), x=list(range(n_head)), y=list(range(n_layer)),
-            colorscale="RdBu_r", zmid=0, zmin=-bound, zmax=bound, colorbar=dict(title=f"Δ {self.metric_name}"),
-            customdata=self.ablated.numpy(),
-            hovertemplate=f"layer %{{y}} head %{{x}}<br>Δ {self.metric_name} %{{z:.5f}}"
-                          f"<br>{self.metric_name} ablated %{{customdata:.5f}}<extra></extra>",
-        ))
-        fig.update_layout(
-            title=f"Change in {self.metric_name} when one head is {self.method}-ablated"
-                  f"<br><sup>baseline {self.metric_name} {float(self.baseline.mean()):.4f}</sup>",
-            width=max(520, 160 + 45 * n_head), height=180 + 45 * n_layer,
+        return head_grid(
+            effects, f"Change in {self.metric_name} when one head is {self.method}-ablated"
+                     f"<br><sup>baseline {self.metric_name} {float(self.baseline.mean()):.4f}</sup>",
+            f"Δ {self.metric_name}", colorscale="RdBu_r", zmid=0, zmin=-bound, zmax=bound,
+            extra=(self.ablated, f"{self.metric_name} ablated %{{customdata[1]:.5f}}"),
         )
-        fig.update_xaxes(title="head", dtick=1)
-        fig.update_yaxes(title="layer", dtick=1, autorange="reversed")
-        return fig
 
 
-def _rows_per_forward(model: HookedDecoder, n_pos: int, max_rows: Optional[int]) -> int:
+def rows_per_forward(model: HookedDecoder, n_pos: int, max_rows: Optional[int]) -> int:
     if max_rows is not None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -264,7 +256,7 @@ def head_ablation_effects(
     baseline = evaluate_metric(metric, logits, tokens, mask).cpu()
     del logits
 
-    copies = max(1, _rows_per_forward(model, n, max_rows) // batch)  # ablations per forward
+    copies = max(1, rows_per_forward(model, n, max_rows) // batch)  # ablations per forward
     per_prompt = torch.full((n_layer, n_head, batch), float("nan"))  # NaN stays where pruning removed a head
     for layer in range(n_layer):
         start = tokens if layer == 0 else cache[act_name("resid_pre", layer)]

@@ -1,7 +1,6 @@
 """Attention patterns of one prompt, with figures: one head, one layer's heads, every head at a glance."""
 from __future__ import annotations
 
-import html
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -12,13 +11,14 @@ import torch
 import torch.nn.functional as F
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, as_tokens, labels_of, token_strings
+from analyses.common import AnalysisInput, as_tokens, is_int, token_strings
+from analyses.labels import grid_layout, head_label, position_labels, titled
 from probe import HookedDecoder
 from probe.names import act_name
 
-# Beyond this many tokens the tick labels of a single-head heatmap would overprint even in a
-# figure that grows with the prompt; the hover still names both tokens.
-MAX_LABELLED_TOKENS = 160
+# Beyond this many tokens a single-head heatmap drops its tick labels (the figure would be over
+# 3,500 px a side); the hover still names both tokens. The bundled model's n_ctx (256) stays labelled.
+MAX_LABELLED_TOKENS = 256
 CELL_PX = 14  # pixels per token while labels are shown: the figure (and its HTML page) grows and scrolls
 # Grids of many heads are drawn at most this many cells a side per head (max-pooled blocks), so
 # a 1024-token prompt does not put millions of cells per head into the HTML.
@@ -83,47 +83,46 @@ class AttentionPatterns:
     def _head(self, li: int, hi: int) -> go.Figure:
         n = self.pattern.shape[-1]
         z = _masked(self.pattern[li, hi]).float().numpy()
+        name = head_label(self.layers[li], self.heads[hi])
         fig = go.Figure(go.Heatmap(
             z=z, x=self.labels, y=self.labels, coloraxis="coloraxis",
-            hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>",
+            hovertemplate=f"{name}<br>query %{{y}}<br>key %{{x}}<br>weight %{{z:.4f}}<extra></extra>",
         ))
         labelled = n <= MAX_LABELLED_TOKENS
-        side = 250 + CELL_PX * n if labelled else 900
-        longest = max(len(html.unescape(label)) for label in self.labels)
-        top = 70 + (min(6 * longest, 200) if labelled else 0)  # room for the key labels above the plot
-        fig.update_layout(
-            title=dict(text=f"Attention pattern, layer {self.layers[li]} head {self.heads[hi]}", y=0.995, yanchor="top"),
-            width=side + 80, height=side + top - 70, autosize=False, margin=dict(t=top), plot_bgcolor="white",
-            coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")),
-        )
-        fig.update_xaxes(title="key token", showticklabels=labelled, tickangle=-90, type="category",
-                         tickfont=dict(size=10), side="top", showgrid=False, zeroline=False)
-        fig.update_yaxes(title="query token", showticklabels=labelled, autorange="reversed", type="category",
-                         tickfont=dict(size=10), showgrid=False, zeroline=False)
+        cell = CELL_PX if labelled else 900 / n  # unlabelled: a fixed 900 px square
+        shown = self.labels if labelled else ["x"]
+        fig.update_layout(plot_bgcolor="white", coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")))
+        grid_layout(fig, f"Attention pattern of {name}", x_labels=shown, y_labels=shown, cell_w=cell, cell_h=cell,
+                    x_title="key token", y_title="query token", x_top=True, min_width=0)
+        fig.update_xaxes(showticklabels=labelled, type="category", showgrid=False, zeroline=False)
+        fig.update_yaxes(showticklabels=labelled, autorange="reversed", type="category", showgrid=False, zeroline=False)
         return fig
 
     def _layer_grid(self, li: int) -> go.Figure:
         n_head = len(self.heads)
         cols = min(n_head, 4)
         rows = math.ceil(n_head / cols)
-        fig = make_subplots(rows=rows, cols=cols, subplot_titles=[f"head {h}" for h in self.heads],
+        fig = make_subplots(rows=rows, cols=cols, subplot_titles=[head_label(self.layers[li], h) for h in self.heads],
                             horizontal_spacing=0.03, vertical_spacing=0.06)
         for i in range(n_head):
             self._add_pooled(fig, self.pattern[li, i], rows=i // cols + 1, cols=i % cols + 1,
-                             name=f"layer {self.layers[li]} head {self.heads[i]}")
+                             name=head_label(self.layers[li], self.heads[i]))
         return _style_grid(fig, f"Attention patterns of layer {self.layers[li]} (query down, key across)",
                            width=260 * cols + 120, height=260 * rows + 100)
 
     def _overview(self) -> go.Figure:
         n_layer, n_head = len(self.layers), len(self.heads)
-        fig = make_subplots(rows=n_layer, cols=n_head, horizontal_spacing=0.01, vertical_spacing=0.01,
-                            row_titles=[f"L{l}" for l in self.layers], column_titles=[f"H{h}" for h in self.heads])
+        # layer 0 in the bottom row, as on every figure with a layer axis (analyses.labels)
+        order = [(li, hi) for li in reversed(range(n_layer)) for hi in range(n_head)]
+        fig = make_subplots(rows=n_layer, cols=n_head, horizontal_spacing=0.012, vertical_spacing=0.03,
+                            subplot_titles=[head_label(self.layers[li], self.heads[hi]) for li, hi in order])
+        fig.update_annotations(font_size=11)
         for li in range(n_layer):
             for hi in range(n_head):  # one trace per head: plotly has no batched subplot API
-                self._add_pooled(fig, self.pattern[li, hi], rows=li + 1, cols=hi + 1,
-                                 name=f"layer {self.layers[li]} head {self.heads[hi]}", cells=min(GRID_CELLS, 32))
-        return _style_grid(fig, "Attention patterns of every head (rows: layers, columns: heads)",
-                           width=90 * n_head + 160, height=90 * n_layer + 140)
+                self._add_pooled(fig, self.pattern[li, hi], rows=n_layer - li, cols=hi + 1,
+                                 name=head_label(self.layers[li], self.heads[hi]), cells=min(GRID_CELLS, 32))
+        return _style_grid(fig, "Attention patterns of every head (layer 0 at the bottom; query down, key across)",
+                           width=96 * n_head + 160, height=104 * n_layer + 140)
 
     def _add_pooled(self, fig, pattern: torch.Tensor, rows: int, cols: int, name: str, cells: Optional[int] = None):
         z, spans = _pool(pattern, GRID_CELLS if cells is None else cells)
@@ -163,8 +162,8 @@ def _pool(pattern: torch.Tensor, cells: int) -> tuple[torch.Tensor, list[tuple[i
 def _check_indices(values: Optional[Sequence[int]], count: int, what: str) -> list[int]:
     if values is None:
         return list(range(count))
-    values = [values] if isinstance(values, int) else list(values)
-    bad = [v for v in values if not isinstance(v, int) or not 0 <= v < count]
+    values = [values] if is_int(values) else list(values)
+    bad = [v for v in values if not is_int(v) or not 0 <= v < count]
     if bad or not values:
         raise ValueError(f"{what}={values!r}: each must be an int in [0, {count}) and at least one is needed")
     return values
@@ -172,8 +171,9 @@ def _check_indices(values: Optional[Sequence[int]], count: int, what: str) -> li
 
 def _style_grid(fig: go.Figure, title: str, width: int, height: int) -> go.Figure:
     """Small multiples of patterns: one shared colour scale, no tick labels, query rows downwards."""
-    fig.update_layout(title=title, width=width, height=height, plot_bgcolor="white",  # the mask's triangle shows blank
+    fig.update_layout(width=width, height=height, plot_bgcolor="white",  # the mask's triangle shows blank
                       coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")))
+    titled(fig, title, width)
     fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False)
     fig.update_yaxes(showticklabels=False, showgrid=False, zeroline=False, autorange="reversed")
     return fig
@@ -207,4 +207,4 @@ def attention_patterns(
         pattern[i, present] = cache[name][0, [heads[j] for j in present]]
     strings = token_strings(model, tokens[0].tolist())
     return AttentionPatterns(pattern=pattern, layers=layers, heads=heads, tokens=tokens[0].cpu(),
-                             labels=labels_of(strings), strings=strings)
+                             labels=position_labels(strings), strings=strings)

@@ -16,110 +16,14 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, check_id_tensor, escape_token, is_int, token_decoder, token_id
-from analyses.lens import (
-    _final_norm, _forward_mask, _resolve_positions, has_final_scale, has_resid_mid, lens_sites, position_labels,
-    site_label, tokens_and_mask,
-)
+from analyses.common import AnalysisInput, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
+from analyses.labels import count, figure_token, head_grid, titled
+from analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, position_labels, site_label
+from analyses.residual_components import Components, check_pre_norm, component_hooks, stack_components
 from probe import HookedDecoder
-from probe.config import Norm, NormPlacement
 from probe.names import act_name
 
 TokenSpec = Union[int, str, Sequence[Union[int, str]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Components:
-    """Names and coordinates of the component axis; `layer`/`head` are None where they do not apply."""
-
-    names: list[str]
-    kinds: list[str]  # embed, pos_embed, head, attn_bias, mlp
-    layers: list[Optional[int]]
-    heads: list[Optional[int]]
-
-    @classmethod
-    def for_model(cls, model: HookedDecoder) -> "Components":
-        names, kinds = ["embed"], ["embed"]
-        if _has_pos_embed(model):
-            names, kinds = names + ["pos_embed"], kinds + ["pos_embed"]
-        layers, heads = [None] * len(names), [None] * len(names)
-        for layer, block in enumerate(model.blocks):
-            n_heads = block.attn.n_heads  # per layer: pruned models keep different numbers
-            bias = [f"L{layer} attn bias"] if block.attn.b_O is not None else []
-            names += [f"L{layer}H{h}" for h in range(n_heads)] + bias + [f"L{layer} mlp"]
-            kinds += ["head"] * n_heads + ["attn_bias"] * len(bias) + ["mlp"]
-            layers += [layer] * (n_heads + len(bias) + 1)
-            heads += list(range(n_heads)) + [None] * len(bias) + [None]
-        return cls(names, kinds, layers, heads)
-
-    def frame(self) -> pd.DataFrame:
-        return pd.DataFrame({
-            "component": self.names, "kind": self.kinds,
-            "layer": pd.array(self.layers, dtype="Int64"), "head": pd.array(self.heads, dtype="Int64"),
-        })
-
-    def written(self, n_layers: int, include_mid: bool, device=None) -> torch.Tensor:
-        """[layer component]: 1 where the component is already in the residual read at lens site `layer`
-        (embed, L0, L1, ... or, with include_mid, embed, L0 attn, L0, L1 attn, ...)."""
-        depth = self.depth().to(device)
-        if not include_mid:  # sites embed, L0, L1, ...: a component of layer l is in from site l + 1 on
-            depth = torch.where(depth == 0, 0, (depth + 1) // 2)
-        sites = torch.arange(len(lens_sites(n_layers, include_mid)), device=device)
-        return (depth[None, :] <= sites[:, None]).float()
-
-    def depth(self) -> torch.Tensor:
-        """[component]: index of the first lens site (embed, L0 attn, L0, L1 attn, ...) that includes the component."""
-        depth = [0 if layer is None else 2 * layer + (1 if kind in ("head", "attn_bias") else 2)
-                 for layer, kind in zip(self.layers, self.kinds)]
-        return torch.tensor(depth)
-
-
-def _has_pos_embed(model: HookedDecoder) -> bool:
-    return "hook_pos_embed" in model.hook_names  # models with rotary positions write no position embedding
-
-
-def _check_pre_norm(model: HookedDecoder) -> None:
-    placement = model.cfg.norm_placement
-    if placement is NormPlacement.POST:
-        raise ValueError("this model normalises after each sublayer (post-norm), so its residual stream is not a sum of "
-                         "component writes; residual decomposition and direct logit attribution need a pre-norm model")
-    if placement is NormPlacement.SANDWICH and model.cfg.norm is Norm.LAYER:
-        raise ValueError("sandwich blocks are decomposed with RMSNorm write norms (Gemma 2); with LayerNorm ones the "
-                         "split into heads is not implemented")
-
-
-def _stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[batch pos component d_model] in `Components.for_model` order, from a cache of `_component_hooks`;
-    with `positions` [batch], only each prompt's one position: [batch component d_model]."""
-    def pick(t: torch.Tensor) -> torch.Tensor:  # [batch pos ...] -> [batch ...] before stacking, to keep memory small
-        return t if positions is None else t[torch.arange(t.shape[0], device=t.device), positions]
-
-    embed = pick(cache["hook_embed"])
-    parts = [embed.unsqueeze(-2)]
-    if _has_pos_embed(model):
-        parts.append(pick(cache["hook_pos_embed"]).unsqueeze(-2))
-    for layer, block in enumerate(model.blocks):
-        heads = pick(cache[act_name("result", layer)])  # [batch (pos) head d_model]
-        bias = None if block.attn.b_O is None else block.attn.b_O.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2)
-        if hasattr(block, "ln1_post"):
-            # a sandwich block normalises the attention's write; with that norm's scale frozen at its value in
-            # this forward (as the final norm's is), x -> x * w / scale is linear, so each head's share of
-            # hook_attn_out is its result through the same map, and the shares add up to it exactly
-            through = (block.ln1_post.w.detach() / pick(cache[act_name("scale", layer, "ln1_post")])).unsqueeze(-2)
-            heads = (heads * through).to(embed.dtype)
-            bias = None if bias is None else (bias * through).to(embed.dtype)
-        parts += [heads] + ([] if bias is None else [bias])
-        parts.append(pick(cache[act_name("mlp_out", layer)]).unsqueeze(-2))  # a sandwich block's is already normalised
-    return torch.cat(parts, dim=-2)
-
-
-def _component_hooks(model: HookedDecoder) -> list[str]:
-    names = ["hook_embed"] + (["hook_pos_embed"] if _has_pos_embed(model) else [])
-    for layer in range(model.cfg.n_layers):
-        names += [act_name("result", layer), act_name("mlp_out", layer)]
-        if model.cfg.norm_placement is NormPlacement.SANDWICH:
-            names.append(act_name("scale", layer, "ln1_post"))
-    return names
 
 
 # ---- residual decomposition -------------------------------------------------------------------------
@@ -173,14 +77,15 @@ class ResidualDecomposition:
         """Bar chart of each component's norm at one position."""
         if not 0 <= prompt < self.components.shape[0]:
             raise ValueError(f"prompt={prompt} is outside the batch of {self.components.shape[0]}")
-        pos = int(_resolve_positions(self.mask[prompt:prompt + 1], position)[0])
+        pos = int(resolve_positions(self.mask[prompt:prompt + 1], position)[0])
         norm = self.components[prompt, pos].float().norm(dim=-1).cpu()
         names = self.index.names
         fig = go.Figure(go.Bar(x=names, y=norm.numpy(), hovertext=[f"{n}: |write| = {v:.5g}" for n, v in zip(names, norm.tolist())],
                                hoverinfo="text"))
-        fig.update_layout(title=f"Residual stream at {self.position_labels[prompt][pos]}: norm of each component's write",
-                          xaxis_title="component", yaxis_title="L2 norm", xaxis_type="category")
-        return fig
+        fig.update_layout(xaxis_title="component", yaxis_title="L2 norm", xaxis_type="category",
+                          width=max(720, 140 + 18 * len(names)), height=480)
+        return titled(fig, f"Residual stream at {self.position_labels[prompt][pos]}: norm of each component's write",
+                      max(720, 140 + 18 * len(names)))
 
 
 @torch.no_grad()
@@ -189,11 +94,11 @@ def residual_decomposition(
 ) -> ResidualDecomposition:
     """Split the final residual stream at every position into embedding, position embedding, every
     head's write, each layer's attention bias and each MLP's output."""
-    _check_pre_norm(model)
+    check_pre_norm(model)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
-    _, cache = model.run_with_cache(tokens, attention_mask=_forward_mask(mask), names=_component_hooks(model))
+    _, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=component_hooks(model))
     return ResidualDecomposition(
-        tokens=tokens, mask=mask, components=_stack_components(model, cache),
+        tokens=tokens, mask=mask, components=stack_components(model, cache),
         index=Components.for_model(model), n_layers=model.cfg.n_layers,
         position_labels=position_labels(model, tokens), token_strings=token_decoder(model), has_mid=has_resid_mid(model),
     )
@@ -249,12 +154,12 @@ class LogitAttribution:
     def _quantity(self) -> str:
         answer = self.token_strings(self.answer.tolist())
         same = len(set(self.answer.tolist())) == 1
-        a = f"logit({escape_token(answer[0])})" if same else "logit(answer)"
+        a = f"logit({figure_token(answer[0])})" if same else "logit(answer)"
         if self.counterfactual is None:
             return a
         cf = self.token_strings(self.counterfactual.tolist())
         same = len(set(self.counterfactual.tolist())) == 1
-        return f"{a} − " + (f"logit({escape_token(cf[0])})" if same else "logit(counterfactual)")
+        return f"{a} − " + (f"logit({figure_token(cf[0])})" if same else "logit(counterfactual)")
 
     def to_frame(self, mean: bool = False) -> pd.DataFrame:
         """One row per (prompt, component), bias terms included; `mean=True`: one row per component,
@@ -286,7 +191,7 @@ class LogitAttribution:
         if prompt is not None and not 0 <= prompt < self.contributions.shape[0]:
             raise ValueError(f"prompt={prompt} is outside the batch of {self.contributions.shape[0]}")
         pick = (lambda t: t.float().mean(0)) if prompt is None else (lambda t: t[prompt].float())
-        where = f"mean over {self.contributions.shape[0]} prompts" if prompt is None else \
+        where = f"mean over {count(self.contributions.shape[0], 'prompt')}" if prompt is None else \
             f"prompt {prompt} at {self.position_labels[prompt][int(self.positions[prompt])]}"
         title = f"Direct logit attribution to {self._quantity()}, {where}"
         if kind == "bar":
@@ -307,28 +212,20 @@ class LogitAttribution:
             marker_color=["#2166ac" if v >= 0 else "#b2182b" for v in values[order].tolist()],
             hovertext=[f"{n}: {v:+.6f}" for n, v in zip(shown, values[order].tolist())], hoverinfo="text",
         ))
-        fig.update_layout(title=f"{title}<br>top {len(shown)} of {len(names)} rows; all rows sum to {float(pick(self.actual)):.4f}",
-                          xaxis_title="contribution (logits)", yaxis_title="component", yaxis_type="category")
-        return fig
+        fig.update_layout(xaxis_title="contribution (logits)", yaxis_title="component", yaxis_type="category",
+                          width=760, height=200 + 24 * len(shown))
+        return titled(fig, f"{title}<br>top {len(shown)} of {len(names)} rows; all rows sum to {float(pick(self.actual)):.4f}", 760)
 
     def _heads(self, heads: torch.Tensor, title: str) -> go.Figure:
-        layers = [f"L{l}" for l in range(self.n_layers)]
-        names = [f"H{h}" for h in range(self.n_heads)]
-        hover = [[f"L{l}H{h}: {heads[l, h]:+.6f}" for h in range(self.n_heads)] for l in range(self.n_layers)]
-        fig = go.Figure(go.Heatmap(z=heads.numpy(), x=names, y=layers, colorscale="RdBu", zmid=0.0,
-                                   hovertext=hover, hoverinfo="text", colorbar=dict(title="logits")))
-        fig.update_layout(title=f"{title}: per head", xaxis_title="head", yaxis_title="layer",
-                          xaxis_type="category", yaxis_type="category")
-        return fig
+        return head_grid(heads, f"{title}: per head", "logits", hover_format="+.6f", colorscale="RdBu", zmid=0.0)
 
     def _accumulated(self, pick, title: str) -> go.Figure:
         labels = [site_label(s) for s in self.sites]
         values = pick(self.accumulated).cpu()
         fig = go.Figure(go.Scatter(x=labels, y=values.numpy(), mode="lines+markers",
                                    hovertext=[f"after {l}: {v:+.6f}" for l, v in zip(labels, values.tolist())], hoverinfo="text"))
-        fig.update_layout(title=f"{title}: accumulated over layers (final scale frozen)",
-                          xaxis_title="residual stream after", yaxis_title="logit (difference)")
-        return fig
+        fig.update_layout(xaxis_title="residual stream after", yaxis_title="logit (difference)", width=760, height=460)
+        return titled(fig, f"{title}: accumulated over layers (final scale frozen)", 760)
 
 
 def _token_ids(model: HookedDecoder, spec: TokenSpec, batch: int, what: str) -> torch.Tensor:
@@ -369,23 +266,23 @@ def direct_logit_attribution(
     its last token, whatever the padding). With a logit soft cap (Gemma 2), `actual` is the logit
     (difference) before the cap, which is what the components add up to; the cap only squashes it.
     """
-    _check_pre_norm(model)
+    check_pre_norm(model)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     batch = tokens.shape[0]
     answer_ids = _token_ids(model, answer, batch, "answer")
     cf_ids = None if counterfactual is None else _token_ids(model, counterfactual, batch, "counterfactual")
-    positions = _resolve_positions(mask, position)
+    positions = resolve_positions(mask, position)
     frozen = has_final_scale(model)
     capped = model.cfg.logit_softcap is not None
     final_name = act_name("resid_post", model.cfg.n_layers - 1)
-    names = _component_hooks(model) + (["ln_final.hook_scale"] if frozen else []) + ([final_name] if capped else [])
-    logits, cache = model.run_with_cache(tokens, attention_mask=_forward_mask(mask), names=names)
+    names = component_hooks(model) + (["ln_final.hook_scale"] if frozen else []) + ([final_name] if capped else [])
+    logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=names)
     rows = torch.arange(batch, device=tokens.device)
     explained = logits[rows, positions]  # [batch vocab]
     if capped:  # the components add up to the logits before the cap (a monotone squash), so those are explained
         final = cache[final_name][rows, positions][:, None]  # [batch 1 d_model]
         explained = model.unembed.uncapped(model.ln_final(final))[:, 0]
-    comps = _stack_components(model, cache, positions)  # [batch component d_model]
+    comps = stack_components(model, cache, positions)  # [batch component d_model]
     scale = cache["ln_final.hook_scale"][rows, positions][:, None, :] if frozen else None  # [batch 1 1]
 
     # With its scale frozen at the forward pass's value the final norm is affine, N(x) = L(x) + N(0):
@@ -393,7 +290,7 @@ def direct_logit_attribution(
     # whatever the model's dtype: N(c) - N(0) rounded to bfloat16 would lose a small component's
     # digits to the bias it cancels (a 1% error), where float32 keeps the forward's own activations exact.
     zero = torch.zeros_like(comps[:, :1])
-    normed = _final_norm(model, torch.cat([comps, zero], dim=1).float(), frozen_scale=scale).float()
+    normed = final_norm(model, torch.cat([comps, zero], dim=1).float(), frozen_scale=scale).float()
     linear, at_zero = normed[:, :-1] - normed[:, -1:], normed[:, -1]
 
     W_U = model.unembed.W_U.float()

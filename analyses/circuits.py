@@ -30,16 +30,17 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
+from analyses.common import is_int
 from probe import HookedDecoder, process_weights
 from probe.processing import can_center_writing_weights, can_fold_ln
 
 
 def _head_weights(model: HookedDecoder, layer: int, head: int) -> tuple[torch.Tensor, ...]:
     """W_Q [d_model d_head], W_K, W_V (of the head's key/value head), W_O [d_head d_model], in float32."""
-    if not (isinstance(layer, int) and 0 <= layer < model.cfg.n_layers):
+    if not (is_int(layer) and 0 <= layer < model.cfg.n_layers):
         raise ValueError(f"layer={layer!r} is outside [0, {model.cfg.n_layers})")
     attn = model.blocks[layer].attn
-    if not (isinstance(head, int) and 0 <= head < attn.n_heads):
+    if not (is_int(head) and 0 <= head < attn.n_heads):
         raise ValueError(f"head={head!r} is outside layer {layer}'s heads [0, {attn.n_heads})")
     kv = head // (attn.n_heads // attn.n_kv_heads)  # grouped-query: adjacent query heads share a key/value head
     w_q, w_k, w_o = attn.W_Q[head].float(), attn.W_K[kv].float(), attn.W_O[head].float()
@@ -109,7 +110,7 @@ def copying_scores(model: HookedDecoder, layers: Optional[Sequence[int]] = None,
     """Every head's copying score (Elhage et al. 2021), from the eigenvalues of its full OV circuit,
     after folding the norms' weights in (`process=False`: the weights as they are)."""
     layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
-    bad = [l for l in layers if not (isinstance(l, int) and 0 <= l < model.cfg.n_layers)]
+    bad = [l for l in layers if not (is_int(l) and 0 <= l < model.cfg.n_layers)]
     if bad or not layers:
         raise ValueError(f"layers must be a non-empty list of layers in [0, {model.cfg.n_layers}); got {layers!r}")
     if process:  # after the check: processing copies the whole model

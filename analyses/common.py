@@ -1,7 +1,6 @@
 """What every analysis shares: turning inputs into tokens, and token strings safe to show."""
 from __future__ import annotations
 
-import html
 import numbers
 from typing import Callable, Optional, Sequence, Union
 
@@ -10,6 +9,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
+from analyses.labels import CHAR_PX, figure_token, fitted, grid_layout, plain_length, position_labels, token_texts
 from probe import HookedDecoder
 
 AnalysisInput = Union[str, Sequence[str], torch.Tensor]
@@ -26,39 +26,26 @@ def as_tokens(model: HookedDecoder, input: AnalysisInput, prepend_bos: Optional[
 def token_decoder(model: HookedDecoder) -> Callable[[Sequence[int]], list[str]]:
     """`token_strings` for this model's tokenizer, holding the tokenizer but not the model (results keep it)."""
     tokenizer = model.tokenizer
-    if tokenizer is None:
-        return lambda ids: [str(int(i)) for i in ids]
-    return lambda ids: tokenizer.token_strings([int(i) for i in ids])
+    return lambda ids: token_texts(tokenizer, ids)
 
 
 def token_strings(model: HookedDecoder, ids: Sequence[int]) -> list[str]:
-    """Each id's raw string (decoded on its own, so they concatenate back to the text); the id itself
-    as a string for a model without a tokenizer. Raw: escape with `escape_token` before HTML."""
+    """Each id's string, decoded on its own (so they concatenate back to the text), a partial UTF-8
+    character as `<0xE2>` (`analyses.labels.token_texts`); the id itself as a string for a model without
+    a tokenizer. Raw text: `figure_token` / `html_token` before a figure or a page."""
     return token_decoder(model)(ids)
 
 
 def token_labels(model: HookedDecoder, tokens: torch.Tensor) -> list[str]:
-    """One label per position of a single prompt: the token's string, HTML-escaped, made unique.
-
-    Plotly treats axis labels as HTML and merges equal categories, so each label is escaped and
-    suffixed with its position (a prompt like `the cat the` keeps three columns).
-    """
+    """One plotly axis label per position of a single prompt: the token shown (whitespace visible,
+    escaped for plotly) and suffixed with its position, as plotly merges equal categories (a prompt
+    like `the cat the` keeps three columns)."""
     ids = tokens[0] if tokens.dim() == 2 else tokens
-    return labels_of(token_strings(model, ids.tolist()))
+    return position_labels(token_strings(model, ids.tolist()))
 
 
-def labels_of(strings: Sequence[str]) -> list[str]:
-    """`token_labels` from token strings already decoded (escaped, position-suffixed)."""
-    return [f"{escape_token(s)} ({pos})" for pos, s in enumerate(strings)]
-
-
-def escape_token(token: str) -> str:
-    """A token string made safe and visible in HTML: escaped, newlines and tabs shown as \\n and \\t,
-    other control characters as \\xNN (byte-level BPE has tokens for them, and plotly.js fails to
-    draw a figure whose text contains some of them)."""
-    shown = token.replace("\n", "\\n").replace("\t", "\\t")
-    shown = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in shown)
-    return html.escape(shown, quote=True)
+labels_of = position_labels  # `token_labels` from strings already decoded
+escape_token = figure_token  # a token for a plotly figure (analyses.labels)
 
 
 def tokens_and_mask(
@@ -69,11 +56,7 @@ def tokens_and_mask(
         tokens = model.validate_tokens(input)
         if attention_mask is None:
             return tokens, torch.ones_like(tokens, dtype=torch.bool)
-        mask = attention_mask.to(tokens.device)
-        mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
-        if mask.shape != tokens.shape:
-            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but the tokens have shape {tuple(tokens.shape)}")
-        return tokens, mask.bool()
+        return tokens, model.validate_attention_mask(attention_mask, tokens).bool()  # 1s and 0s only, or an error
     if attention_mask is not None:
         raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
     tokens, mask = model.to_tokens(input, return_attention_mask=True)
@@ -90,6 +73,13 @@ def is_int(value) -> bool:
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(value, what: str) -> int:
+    """`value` as an int when `is_int` holds; a float (2.5), a bool or a float tensor is refused, never truncated."""
+    if not is_int(value):
+        raise TypeError(f"{what}={value!r} must be an int; floats and bools are refused rather than truncated")
+    return int(value)
 
 
 def check_id_tensor(ids: torch.Tensor, what: str, noun: str = "token") -> torch.Tensor:
@@ -126,6 +116,7 @@ def unit_ids(values, count: int, unit: str, domain: str) -> torch.Tensor:
 def resolve_positions(mask: torch.Tensor, position: int) -> torch.Tensor:
     """[batch] index of `position` counted among each prompt's real tokens (-1 = each prompt's last),
     for right or left padding."""
+    position = check_int(position, "position")
     lengths = mask.long().sum(-1)
     if position >= 0:
         if bool((position >= lengths).any()):
@@ -194,7 +185,7 @@ class PromotedTokens:
         return self.top_ids.shape[1]
 
     def _promoted_frame(self, lead: dict[str, list]) -> pd.DataFrame:
-        """One row per (row, direction, rank); `lead` gives each row's leading columns (name -> a value per row)."""
+        """One row per (row, direction, rank from 1); `lead` gives each row's leading columns (name -> a value per row)."""
         n, k = self.top_ids.shape
         rows = []
         for direction, ids, logits, offset in (("promoted", self.top_ids, self.top_logits, 0),
@@ -202,21 +193,28 @@ class PromotedTokens:
             for i in range(n):
                 for r in range(k):
                     rows.append([values[i] for values in lead.values()]
-                                + [direction, r, int(ids[i, r]), self.token_strings[i][offset + r], float(logits[i, r])])
+                                + [direction, r + 1, int(ids[i, r]), self.token_strings[i][offset + r], float(logits[i, r])])
         return pd.DataFrame(rows, columns=[*lead, "direction", "rank", "token_id", "token", "logit"])
 
     def _promoted_figure(self, labels: list[str], title: str) -> go.Figure:
         """Heatmaps of the promoted (left) and suppressed (right) tokens' logits for the rows `labels` names,
-        tokens written (escaped) in the cells."""
+        tokens written in the cells where they fit (all of them in the hover)."""
         n, k = len(labels), self.k
-        fig = make_subplots(rows=1, cols=2, subplot_titles=("promoted", "suppressed"), horizontal_spacing=0.08)
+        shown = [[figure_token(s) for s in strings] for strings in self.token_strings[:n]]
+        longest = max((plain_length(s) for row in shown for s in row), default=1)
+        cell_w = min(max(40.0, 12 + CHAR_PX * longest), 110.0)
+        spacing = 0.06
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("promoted", "suppressed"), horizontal_spacing=spacing)
         for col, logits, offset in ((1, self.top_logits, 0), (2, self.bottom_logits, k)):
-            text = [[escape_token(self.token_strings[i][offset + r]) for r in range(k)] for i in range(n)]
+            full = [row[offset:offset + k] for row in shown]
             fig.add_trace(go.Heatmap(
-                z=logits[:n].tolist(), x=[f"#{r + 1}" for r in range(k)], y=labels, text=text,
-                texttemplate="%{text}", colorscale="RdBu", zmid=0, showscale=(col == 1),
-                hovertemplate="%{y}, rank %{x}<br>token %{text}<br>logit %{z:.4f}<extra></extra>",
+                z=logits[:n].tolist(), x=[f"#{r + 1}" for r in range(k)], y=labels,
+                text=[[fitted(t, cell_w) for t in row] for row in full], texttemplate="%{text}", customdata=full,
+                textfont=dict(size=11), colorscale="RdBu", zmid=0, showscale=(col == 1),
+                hovertemplate="%{y}, rank %{x}<br>token %{customdata}<br>logit %{z:.4f}<extra></extra>",
             ), row=1, col=col)
         fig.update_yaxes(autorange="reversed", type="category")
-        fig.update_layout(title=title, height=200 + 28 * n)
+        fig.update_yaxes(showticklabels=False, row=1, col=2)  # the same rows as on the left
+        grid_layout(fig, title, x_labels=[f"#{r + 1}" for r in range(2 * k)], y_labels=labels, cell_w=cell_w,
+                    cell_h=26, x_title="", y_title="", x_rotated=False, extra_top=24)
         return fig

@@ -2,7 +2,7 @@
 
 A corpus file is read CORPUS_CHUNK_BYTES at a time (`_read_text_pieces`) and each document is
 tokenised CORPUS_SPAN_CHARS characters at a time, cut where the tokenizer splits anyway
-(`_encode_document`), so a file larger than memory gives the token ids of reading it whole (see
+(`encode_document`), so a file larger than memory gives the token ids of reading it whole (see
 `_cut` for the one exception). FFN memory scans (`analyses.memories`) and head pruning
 (`analyses.pruning`) both read files through here.
 """
@@ -74,7 +74,7 @@ def _read_text_pieces(path: Path) -> Iterator[str]:
                 return
 
 
-def _iter_document_pieces(corpus: Corpus = None) -> Iterator[tuple[str, Iterable[str]]]:
+def iter_document_pieces(corpus: Corpus = None) -> Iterator[tuple[str, Iterable[str]]]:
     """(name, text pieces) for each document: a file's pieces are read only when iterated."""
     if corpus is None:
         corpus = HELDOUT_TEXT
@@ -117,7 +117,7 @@ def check_corpus(corpus: Corpus = None) -> None:
     """Read the corpus's first piece (at most 1 MiB of its first document), so a missing path, an empty or
     binary first file, or a folder without .txt files is named before any work. Later documents are checked
     when the scan reaches them."""
-    _, pieces = next(_iter_document_pieces(corpus))
+    _, pieces = next(iter_document_pieces(corpus))
     next(iter(pieces), None)
 
 
@@ -129,7 +129,7 @@ def iter_documents(corpus: Corpus = None) -> Iterator[tuple[str, str]]:
     dataset / iterable of dicts with a "text" field. None is the bundled held-out Shakespeare.
     Each text is whole here; `top_triggers` reads files piece by piece instead, in bounded memory.
     """
-    for name, pieces in _iter_document_pieces(corpus):
+    for name, pieces in iter_document_pieces(corpus):
         yield name, "".join(pieces)
 
 
@@ -158,7 +158,7 @@ def _cut(tokenizer, text: str, start: int, end: int) -> int:
     return end
 
 
-def _encode_document(tokenizer, pieces: Iterable[str]) -> Iterator[list[int]]:
+def encode_document(tokenizer, pieces: Iterable[str]) -> Iterator[list[int]]:
     """The token ids of a document given as consecutive text pieces, a span of at most
     CORPUS_SPAN_CHARS characters at a time, cut where tokenizing the spans apart gives the ids of
     the whole document (see `_cut`)."""

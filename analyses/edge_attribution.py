@@ -17,11 +17,8 @@ Methods (all but "exact" are one vectorised product per reader stage, no loop ov
 - "exact": no estimate: one patched forward per edge (batched), the metric's actual change with that
   edge alone patched; cost grows with the number of edges.
 
-A reader's input gradient is taken without per-head hook points: a head's q/k/v input gradient is the
-gradient at hook_q / hook_k / hook_v pulled back through its projection and the block's ln1 at the
-cached residual (a vector-Jacobian product of the norm, one per head); an MLP's is the gradient at the
-residual it reads less that of the residual after it (and, in parallel blocks, less the attention's
-inputs); the logits' is the gradient at the final residual.
+The gradient methods run in analyses.edge_gradients: the runs stacked in one forward and one backward,
+reduced per reader stage (no per-edge tensor, and none per position unless `positions=True`).
 """
 from __future__ import annotations
 
@@ -31,16 +28,15 @@ from typing import Literal, Optional
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-from einops import einsum
 from tqdm.auto import tqdm
 
 from analyses.ablation import Metric, metric_name
 from analyses.circuit_graph import CircuitGraph, circuit_graph
 from analyses.common import AnalysisInput, evaluate_metric, model_mask, token_strings, tokens_and_mask
+from analyses.edge_gradients import gradient_scores
 from analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
 from analyses.paired_stats import bootstrap_ci, sign_flip_p
 from probe import HookedDecoder
-from probe.names import act_name
 
 EdgeMethod = Literal["eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "exact"]
 METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "exact")
@@ -146,65 +142,6 @@ def paired_tokens(model: HookedDecoder, clean: AnalysisInput, corrupted: Analysi
     return clean_tokens, tokens, mask
 
 
-def gradient_hook_names(graph: CircuitGraph) -> list[str]:
-    names = []
-    for l in range(graph.n_layers):
-        names += [act_name("q", l), act_name("k", l), act_name("v", l), act_name("resid_pre", l), act_name("resid_post", l)]
-        if not graph.parallel:
-            names.append(act_name("resid_mid", l))
-    return names
-
-
-def reader_gradients(model: HookedDecoder, graph: CircuitGraph, cache) -> torch.Tensor:
-    """[batch pos reader d_model] float32: d metric / d each reader's input, from a cache with gradients
-    (names from gradient_hook_names)."""
-    parts = []
-    for l in range(graph.n_layers):
-        block, attn = model.blocks[l], model.blocks[l].attn
-        pulled = [einsum(cache[act_name(kind, l) + "_grad"], w, "batch pos head d_head, head d_model d_head -> batch pos head d_model")
-                  for kind, w in (("q", attn.W_Q), ("k", attn.W_K), ("v", attn.W_V))]
-        pulled = torch.cat(pulled, dim=2)  # [batch pos reader d_model]: what each head's projection sends back
-        resid = cache[act_name("resid_pre", l)]
-        with torch.enable_grad():
-            x = resid.detach()[:, :, None].expand(-1, -1, pulled.shape[2], -1).contiguous().requires_grad_(True)
-            normed = block.ln1(x)  # the block's own norm, once per reader: its Jacobian at this residual
-            attn_grads = torch.autograd.grad(normed, x, pulled.to(normed.dtype))[0].float()
-        post = cache[act_name("resid_post", l) + "_grad"].float()
-        if graph.parallel:  # resid_pre reaches resid_post directly, through the attention's inputs and through the MLP
-            mlp = cache[act_name("resid_pre", l) + "_grad"].float() - post - attn_grads.sum(dim=2)
-        else:
-            mlp = cache[act_name("resid_mid", l) + "_grad"].float() - post
-        parts += [attn_grads, mlp[:, :, None]]
-    parts.append(cache[act_name("resid_post", graph.n_layers - 1) + "_grad"].float()[:, :, None])
-    return torch.cat(parts, dim=2)
-
-
-def _gradient_run(model, graph, tokens, mask, metric, names, fwd_hooks=()):
-    def total(logits):
-        return evaluate_metric(metric, logits, tokens, mask).sum()  # a sum: each prompt's gradient is its own
-
-    logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=names, fwd_hooks=fwd_hooks,
-                                         grads_of=total)
-    return evaluate_metric(metric, logits, tokens, mask).detach(), cache
-
-
-def _scores(graph: CircuitGraph, delta: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor, positions: bool):
-    """per_example [batch edge] (and per_position [batch pos edge]): delta . gradient, one product per reader stage."""
-    grads = grads * mask[:, :, None, None].to(grads.dtype)  # padded positions carry no effect
-    batch, n_pos = delta.shape[:2]
-    W, R = graph.valid.shape
-    full = delta.new_zeros((batch, n_pos, W, R) if positions else (batch, W, R))
-    pattern = "batch pos writer d_model, batch pos reader d_model -> batch " + ("pos " if positions else "") + "writer reader"
-    for stage in graph.stages():
-        readers = (graph.reader_stage == stage).nonzero()[:, 0].to(delta.device)
-        n = int((graph.writer_stage < stage).sum())
-        full[..., :n, readers] = einsum(delta[:, :, :n], grads[:, :, readers], pattern)
-    w, r = graph.edge_writer.to(delta.device), graph.edge_reader.to(delta.device)
-    per_position = full[:, :, w, r] if positions else None
-    per_example = per_position.sum(1) if positions else full[:, w, r]
-    return per_example, per_position
-
-
 def edge_attribution(
     model: HookedDecoder,
     clean: AnalysisInput,
@@ -221,51 +158,30 @@ def edge_attribution(
 
     `metric(logits, tokens, attention_mask) -> [batch]` as in analyses.ablation (e.g. `logit_diff_metric`).
     `positions=True` also keeps each position's share (memory batch x pos x edges). `max_rows` caps the
-    rows of one forward for method="exact"."""
+    rows of one forward (the stacked runs of the gradient methods, the patched copies of method="exact")."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of: {', '.join(METHODS)}")
     if not (isinstance(ig_steps, int) and not isinstance(ig_steps, bool) and ig_steps > 0):
         raise ValueError(f"ig_steps={ig_steps!r} must be a positive int")
     graph = circuit_graph(model)
     clean_tokens, tokens, mask = paired_tokens(model, clean, corrupted, attention_mask)
-    writer_names = graph_hook_names(graph)
-    with torch.no_grad() if method != "clean-corrupted" else torch.enable_grad():
-        if method == "clean-corrupted":
-            clean_values, clean_cache = _gradient_run(model, graph, clean_tokens, mask, metric,
-                                                      sorted(set(writer_names + gradient_hook_names(graph))))
-        else:
-            logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=model_mask(mask), names=writer_names)
-            clean_values = evaluate_metric(metric, logits, clean_tokens, mask)
-            del logits
-    clean_out = writer_outputs(model, graph, clean_cache)
-
     if method == "exact":
-        with torch.no_grad():
-            logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=writer_names)
-            corrupted_values = evaluate_metric(metric, logits, tokens, mask)
-            del logits
-        per_example = _exact(model, graph, tokens, mask, metric, clean_out, cache, corrupted_values, max_rows)
-        per_position = None
         if positions:
             raise ValueError("method='exact' patches whole edges (every position at once); per-position scores come from "
                              "the gradient methods")
+        writer_names = graph_hook_names(graph)
+        with torch.no_grad():
+            logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=model_mask(mask), names=writer_names)
+            clean_values = evaluate_metric(metric, logits, clean_tokens, mask)
+            logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=writer_names)
+            corrupted_values = evaluate_metric(metric, logits, tokens, mask)
+            del logits
+        per_example = _exact(model, graph, tokens, mask, metric, writer_outputs(model, graph, clean_cache), cache,
+                             corrupted_values, max_rows)
+        per_position = None
     else:
-        names = sorted(set(writer_names + gradient_hook_names(graph)))
-        corrupted_values, cache = _gradient_run(model, graph, tokens, mask, metric, names)
-        corr_out = writer_outputs(model, graph, cache)
-        grads = reader_gradients(model, graph, cache)
-        if method == "clean-corrupted":
-            grads = (grads + reader_gradients(model, graph, clean_cache)) / 2
-        elif method.startswith("eap-ig") and ig_steps > 1:
-            clean_resid, corr_resid = stage_residuals(graph, clean_cache), stage_residuals(graph, cache)
-            for step in tqdm(range(1, ig_steps), desc=f"{method} steps", total=ig_steps - 1, leave=False):
-                alpha = step / ig_steps
-                hooks = _interpolation_hooks(graph, method, alpha, clean_resid, corr_resid)
-                _, step_cache = _gradient_run(model, graph, tokens, mask, metric, names, fwd_hooks=hooks)
-                grads = grads + reader_gradients(model, graph, step_cache)
-                del step_cache
-            grads = grads / ig_steps
-        per_example, per_position = _scores(graph, clean_out - corr_out, grads, mask, positions)
+        per_example, per_position, clean_values, corrupted_values = gradient_scores(
+            model, graph, clean_tokens, tokens, mask, metric, method, ig_steps, positions, max_rows)
     clean_mean, corrupted_mean = float(clean_values.mean()), float(corrupted_values.mean())
     return EdgeScores(
         graph=graph, scores=per_example.mean(0).cpu(), per_example=per_example.cpu(), clean=clean_mean,
@@ -274,28 +190,6 @@ def edge_attribution(
         per_position=None if per_position is None else per_position.cpu(), clean_values=clean_values.detach().cpu(),
         corrupted_values=corrupted_values.cpu(), position_strings=token_strings(model, tokens[0].tolist()),
     )
-
-
-def _interpolation_hooks(graph: CircuitGraph, method: str, alpha: float, clean_resid, corr_resid):
-    """Forward hooks putting the run at `alpha` of the way from corrupted to clean: the input embedding only
-    (eap-ig-inputs), or every residual a reader reads (eap-ig-activations)."""
-    def to(target):
-        def hook(act, hook):
-            # the value moves, the gradient still flows through act: an offset, not a replacement
-            return act + (target.to(act.dtype) - act).detach()
-        return hook
-
-    def at(stage):
-        return corr_resid[stage] + alpha * (clean_resid[stage] - corr_resid[stage])
-
-    if method == "eap-ig-inputs":
-        return [(act_name("resid_pre", 0), to(at(1)))]
-    hooks = []
-    for l in range(graph.n_layers):
-        hooks.append((act_name("resid_pre", l), to(at(2 * l + 1))))
-        if not graph.parallel:
-            hooks.append((act_name("resid_mid", l), to(at(2 * l + 2))))
-    return hooks + [(act_name("resid_post", graph.n_layers - 1), to(at(2 * graph.n_layers + 1)))]
 
 
 @torch.no_grad()

@@ -108,39 +108,47 @@ def copies_per_forward(model: HookedDecoder, batch: int, n_pos: int, max_rows: O
     return max(1, rows // batch)
 
 
-def _mixed(deltas: torch.Tensor, mask: torch.Tensor, pattern: str) -> Optional[torch.Tensor]:
-    """sum over writers of mask x delta, reading only the writers some copy and reader uses (a small circuit uses few)."""
-    used = mask.any(dim=2).any(dim=0).nonzero()[:, 0]
-    if used.numel() == 0:
-        return None
-    if used.numel() < mask.shape[1]:
-        deltas, mask = deltas.index_select(-2, used), mask.index_select(1, used)
-    return einsum(deltas, mask.to(deltas.dtype), pattern)
-
-
 def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor],
               spec: EdgeInputs) -> torch.Tensor:
-    """Logits [copy*batch pos vocab] (copy-major) of `tokens` with every reader's input rebuilt per `spec`."""
+    """Logits [copy*batch pos vocab] (copy-major) of `tokens` with every reader's input rebuilt per `spec`.
+
+    Only what a circuit touches costs extra: a reader no copy rebuilds (no kept edge, no patch, no frozen
+    norm) reads `base` itself, which the residual stream is set to before each block, so the block's own
+    ln1 and fused projection compute it; only the heads of the readers a copy rebuilds are recomputed, and
+    only the writers some copy keeps report their outputs (a head's from hook_z and its rows of W_O)."""
     k, (batch, n_pos) = spec.copies, tokens.shape
-    W, d_model = len(graph.writers), model.cfg.d_model
-    # (current - ref) of each writer, filled in as the forward reaches it: one buffer, never re-concatenated
-    delta = torch.zeros(k, batch, n_pos, W, d_model, device=tokens.device)
-    written = [0]  # how many writers have reported
+    d_model, device = model.cfg.d_model, tokens.device
+    carry = spec.carry.to(device)
+    used = carry.any(dim=2).any(dim=0).nonzero()[:, 0]  # the writers some copy carries, in stage order
+    slot = torch.full((len(graph.writers),), -1, dtype=torch.long, device=device)
+    slot[used] = torch.arange(used.numel(), device=device)
+    carry_used = carry.index_select(1, used)  # [copy used reader]
+    used_stage = graph.writer_stage.to(device)[used]
+    # (current - ref) of each carried writer, filled in as the forward reaches it
+    delta = torch.zeros(k, batch, n_pos, used.numel(), d_model, device=device)
     stash: dict[str, torch.Tensor] = {}
+    patch = None if spec.patch is None else spec.patch.to(device)
     source_delta = None if spec.source is None else spec.source - spec.ref
     frozen_readers = spec.frozen_readers if spec.frozen_readers is not None else torch.zeros(len(graph.readers), dtype=torch.bool)
+    frozen_readers = frozen_readers.cpu()
+    active = carry.any(dim=0).any(dim=0).cpu() | frozen_readers  # [reader]: rebuilt by some copy
+    if patch is not None:
+        active |= patch.any(dim=0).any(dim=0).cpu()
 
-    def inputs(stage: int, readers) -> torch.Tensor:
+    def inputs(stage: int, readers: list[int]) -> torch.Tensor:
         """[copy batch pos reader d_model] float32."""
-        n = int((graph.writer_stage < stage).sum())  # writers are in stage order: the first n write before `stage`
         x = spec.base[stage][None, :, :, None, :]
-        added = _mixed(delta[:, :, :, :n], spec.carry[:, :n, readers],
-                       "copy batch pos writer d_model, copy writer reader -> copy batch pos reader d_model")
-        x = x if added is None else x + added
-        if spec.patch is not None:
-            added = _mixed(source_delta[:, :, :n], spec.patch[:, :n, readers],
-                           "batch pos writer d_model, copy writer reader -> copy batch pos reader d_model")
-            x = x if added is None else x + added
+        n = int((used_stage < stage).sum())  # carried writers that write before `stage`
+        if n:
+            x = x + einsum(delta[:, :, :, :n], carry_used[:, :n, readers].to(delta.dtype),
+                           "copy batch pos writer d_model, copy writer reader -> copy batch pos reader d_model")
+        if patch is not None:
+            before = int((graph.writer_stage < stage).sum())
+            mask = patch[:, :before, readers]
+            sources = mask.any(dim=2).any(dim=0).nonzero()[:, 0]
+            if sources.numel():
+                x = x + einsum(source_delta[:, :, sources], mask.index_select(1, sources).to(source_delta.dtype),
+                               "batch pos writer d_model, copy writer reader -> copy batch pos reader d_model")
         return x.expand(k, batch, n_pos, len(readers), d_model)
 
     def frozen_scale(name: str) -> torch.Tensor:
@@ -160,51 +168,97 @@ def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, a
     def as_rows(x: torch.Tensor) -> torch.Tensor:  # [copy batch ...] -> [copy*batch ...]
         return x.reshape(k * batch, *x.shape[2:])
 
-    def report(outputs: torch.Tensor) -> None:  # [copy*batch pos n d_model], the next n writers
-        n = outputs.shape[2]
-        first = written[0]
-        delta[:, :, :, first:first + n] = outputs.float().view(k, batch, n_pos, n, d_model) - spec.ref[None, :, :, first:first + n]
-        written[0] += n
+    def base_rows(stage: int, dtype) -> torch.Tensor:
+        return spec.base[stage].to(dtype).repeat(k, 1, 1)
+
+    def carried(writers: range) -> torch.Tensor:
+        """Offsets within `writers` of the ones some copy carries."""
+        return (slot[writers.start:writers.stop] >= 0).nonzero()[:, 0]
+
+    def report(writers: range, offsets: torch.Tensor, outputs: torch.Tensor) -> None:
+        """outputs [copy*batch pos n d_model] of the writers at `offsets` within `writers`."""
+        if offsets.numel():
+            into = slot[writers.start + offsets]
+            got = outputs.float().view(k, batch, n_pos, -1, d_model)
+            delta[:, :, :, into] = got - spec.ref[None, :, :, used[into]]
+
+    def reader_input(layer: int, act):
+        """What the block reads: the MLP's rebuilt input in parallel blocks (which ln1 reads too), else base."""
+        if graph.parallel:
+            return mlp_input(layer, act)
+        return base_rows(2 * layer + 1, act.dtype)
 
     def embed_hook(act, hook):
-        report(act[:, :, None])
-        return mlp_hook(act, hook) if graph.parallel else None
+        report(range(0, 1), carried(range(0, 1)), act[:, :, None])
+        return reader_input(0, act)
 
     def q_hook(act, hook, layer):
-        block, readers = model.blocks[layer], graph.attn_readers(layer)
-        x = as_rows(inputs(2 * layer + 1, readers)).to(act.dtype)  # [copy*batch pos reader d_model]
+        readers = list(graph.attn_readers(layer))
+        mlp_rebuilt = graph.parallel and bool(active[graph.mlp_reader(layer)])  # then ln1 did not read base
+        rebuilt = [i for i, r in enumerate(readers) if mlp_rebuilt or bool(active[r])]
+        if not rebuilt:
+            return None
+        block, attn = model.blocks[layer], model.blocks[layer].attn
+        x = as_rows(inputs(2 * layer + 1, [readers[i] for i in rebuilt])).to(act.dtype)  # [copy*batch pos reader d_model]
         normed = block.ln1(x)
-        frozen = frozen_readers[list(readers)]
+        frozen = frozen_readers[[readers[i] for i in rebuilt]]
         if bool(frozen.any()):
             held = through(act_name("scale", layer, "ln1"), block.ln1, x)
             normed = torch.where(frozen.to(x.device)[:, None], held, normed)
-        attn = block.attn
         h, kv = attn.n_heads, attn.n_kv_heads
-        parts = {}
-        for name, w, b, sl in (("q", attn.W_Q, attn.b_Q, slice(0, h)), ("k", attn.W_K, attn.b_K, slice(h, h + kv)),
-                               ("v", attn.W_V, attn.b_V, slice(h + kv, h + 2 * kv))):
-            out = einsum(normed[:, :, sl], w, "batch pos head d_model, head d_model d_head -> batch pos head d_head")
-            parts[name] = out if b is None else out + b
-        stash[f"k{layer}"], stash[f"v{layer}"] = parts["k"].to(act.dtype), parts["v"].to(act.dtype)
-        return parts["q"].to(act.dtype)
+        for name, w, b, lo, hi in (("q", attn.W_Q, attn.b_Q, 0, h), ("k", attn.W_K, attn.b_K, h, h + kv),
+                                   ("v", attn.W_V, attn.b_V, h + kv, h + 2 * kv)):
+            picked = [(i, j - lo) for i, j in enumerate(rebuilt) if lo <= j < hi]
+            if not picked:
+                continue
+            cols, heads = [i for i, _ in picked], [hd for _, hd in picked]
+            out = einsum(normed[:, :, cols], w[heads], "batch pos head d_model, head d_model d_head -> batch pos head d_head")
+            stash[f"{name}{layer}"] = (heads, out if b is None else out + b[heads])
+        return replaced(act, stash.pop(f"q{layer}", None))
 
-    def result_hook(act, hook, layer):
-        if graph.sandwich:
-            stash[f"result{layer}"] = act
-        else:
-            report(act)
+    def replaced(act, got):
+        if got is None:
+            return None
+        heads, values = got
+        act = act.clone()
+        act[:, :, heads] = values.to(act.dtype)
+        return act
+
+    def z_hook(act, hook, layer):
+        heads = graph.head_writers(layer)
+        keep = carried(heads)
+        if keep.numel():
+            report(heads, keep, einsum(act[:, :, keep], model.blocks[layer].attn.W_O[keep],
+                                       "batch pos head d_head, head d_head d_model -> batch pos head d_model"))
+
+    def result_hook(act, hook, layer):  # sandwich blocks: a head's output needs its layer's ln1_post scale
+        stash[f"result{layer}"] = act
 
     def post_scale_hook(act, hook, layer):
-        report(head_outputs(model, layer, stash.pop(f"result{layer}"), act))
+        heads = graph.head_writers(layer)
+        keep = carried(heads)
+        report(heads, keep, head_outputs(model, layer, stash.pop(f"result{layer}")[:, :, keep], act))
+
+    def mlp_input(layer: int, act):
+        reader = graph.mlp_reader(layer)
+        stage = int(graph.reader_stage[reader])
+        if not bool(active[reader]):
+            return base_rows(stage, act.dtype)
+        return as_rows(inputs(stage, [reader]))[:, :, 0].to(act.dtype)
 
     def mlp_hook(act, hook):
         layer = int(hook.name.split(".")[1])
-        reader = graph.mlp_reader(layer)
-        x = as_rows(inputs(int(graph.reader_stage[reader]), [reader]))[:, :, 0].to(act.dtype)
-        return x
+        if graph.parallel:
+            return reader_input(layer, act)
+        return mlp_input(layer, act)
+
+    def pre_hook(act, hook):
+        return reader_input(int(hook.name.split(".")[1]), act)
 
     def mlp_out_hook(act, hook):
-        report(act[:, :, None])
+        layer = int(hook.name.split(".")[1])
+        writer = range(graph.mlp_writer(layer), graph.mlp_writer(layer) + 1)
+        report(writer, carried(writer), act[:, :, None])
 
     def logits_hook(act, hook):
         return as_rows(inputs(2 * graph.n_layers + 1, [len(graph.readers) - 1]))[:, :, 0].to(act.dtype)
@@ -214,16 +268,17 @@ def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, a
 
     hooks = [(act_name("resid_pre", 0), embed_hook)]
     for l in range(graph.n_layers):
+        if l > 0:
+            hooks.append((act_name("resid_pre", l), mlp_hook if graph.parallel else pre_hook))
         hooks += [(act_name("q", l), lambda a, h, l=l: q_hook(a, h, l)),
-                  (act_name("k", l), lambda a, h, l=l: stash.pop(f"k{l}")),
-                  (act_name("v", l), lambda a, h, l=l: stash.pop(f"v{l}")),
-                  (act_name("result", l), lambda a, h, l=l: result_hook(a, h, l))]
+                  (act_name("k", l), lambda a, h, l=l: replaced(a, stash.pop(f"k{l}", None))),
+                  (act_name("v", l), lambda a, h, l=l: replaced(a, stash.pop(f"v{l}", None)))]
         if graph.sandwich:
-            hooks.append((act_name("scale", l, "ln1_post"), lambda a, h, l=l: post_scale_hook(a, h, l)))
-        if graph.parallel:
-            if l > 0:
-                hooks.append((act_name("resid_pre", l), mlp_hook))
+            hooks += [(act_name("result", l), lambda a, h, l=l: result_hook(a, h, l)),
+                      (act_name("scale", l, "ln1_post"), lambda a, h, l=l: post_scale_hook(a, h, l))]
         else:
+            hooks.append((act_name("z", l), lambda a, h, l=l: z_hook(a, h, l)))
+        if not graph.parallel:
             hooks.append((act_name("resid_mid", l), mlp_hook))
         if bool(frozen_readers[graph.mlp_reader(l)]):
             hooks.append((act_name("scale", l, "ln2"), frozen_hook))

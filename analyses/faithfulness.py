@@ -33,7 +33,9 @@ ABLATIONS = ("patch", "mean", "zero")
 
 @dataclass
 class CircuitRunner:
-    """The clean and corrupted runs a circuit's forward is rebuilt from; `evaluate(masks)` runs circuits."""
+    """The clean and corrupted runs a circuit's forward is rebuilt from (two forwards, once); `evaluate(masks)` runs
+    circuits stacked along the batch, `faithfulness(circuit)` one circuit in one patched forward. Prepare one to
+    measure many circuits on the same prompts: `CircuitRunner.prepare(model, clean, corrupted, metric)`."""
 
     model: HookedDecoder
     graph: CircuitGraph
@@ -101,6 +103,12 @@ class CircuitRunner:
             out[first:first + k] = values.view(k, batch).cpu()
         return out
 
+    def faithfulness(self, circuit: Circuit) -> Faithfulness:
+        """One circuit's faithfulness from these runs: one patched forward (what a curve pays per circuit)."""
+        _check_circuit(self.graph, circuit)
+        values = self.evaluate(circuit.edge_mask()[None])[0]
+        return _result(self, values, self.baseline(), circuit.n_edges)
+
     def baseline(self) -> torch.Tensor:
         """[batch]: the metric with every edge ablated (the corrupted run itself for 'patch')."""
         if self.ablation == "patch":
@@ -165,10 +173,8 @@ def _check_circuit(graph: CircuitGraph, circuit: Circuit) -> None:
 def faithfulness(model: HookedDecoder, circuit: Circuit, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
                  ablation: Ablation = "patch", *, attention_mask: Optional[torch.Tensor] = None) -> Faithfulness:
     """The metric with only the circuit's edges carrying what they carry in the clean run, normalised (see above)."""
-    runner = CircuitRunner.prepare(model, clean, corrupted, metric, ablation, attention_mask)
-    _check_circuit(runner.graph, circuit)
-    values = runner.evaluate(circuit.edge_mask()[None])[0]
-    return _result(runner, values, runner.baseline(), circuit.n_edges)
+    _check_circuit(circuit_graph(model), circuit)
+    return CircuitRunner.prepare(model, clean, corrupted, metric, ablation, attention_mask).faithfulness(circuit)
 
 
 def _result(runner: CircuitRunner, values: torch.Tensor, ablated: torch.Tensor, n_edges: int) -> Faithfulness:

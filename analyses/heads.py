@@ -10,6 +10,7 @@ import torch
 from einops import einsum
 
 from analyses.common import AnalysisInput
+from analyses.labels import head_grid, head_label
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -36,24 +37,17 @@ class HeadScores:
         n_layer, n_head = self.scores.shape
         layer, head = torch.meshgrid(torch.arange(n_layer), torch.arange(n_head), indexing="ij")
         keep = ~self.scores.isnan().flatten()  # pruned heads have no score
-        return pd.DataFrame({"layer": layer.flatten()[keep].numpy(), "head": head.flatten()[keep].numpy(),
+        layer, head = layer.flatten()[keep], head.flatten()[keep]
+        return pd.DataFrame({"layer": layer.numpy(), "head": head.numpy(),
+                             "label": [head_label(l, h) for l, h in zip(layer.tolist(), head.tolist())],
                              "score": self.scores.flatten()[keep].numpy()})
 
     def top(self, k: int = 5) -> pd.DataFrame:
         return self.to_frame().nlargest(k, "score").reset_index(drop=True)
 
     def figure(self) -> go.Figure:
-        n_layer, n_head = self.scores.shape
-        fig = go.Figure(go.Heatmap(
-            z=self.scores.numpy(), x=list(range(n_head)), y=list(range(n_layer)),
-            colorscale="Viridis", zmin=0, zmax=1, colorbar=dict(title="score"),
-            hovertemplate="layer %{y} head %{x}<br>score %{z:.4f}<extra></extra>",
-        ))
-        fig.update_layout(title=f"{self.kind.replace('_', '-')} score<br><sup>{DESCRIPTIONS[self.kind]}</sup>",
-                          width=max(480, 140 + 45 * n_head), height=180 + 45 * n_layer)
-        fig.update_xaxes(title="head", dtick=1)
-        fig.update_yaxes(title="layer", dtick=1, autorange="reversed")
-        return fig
+        return head_grid(self.scores, f"{self.kind.replace('_', '-')} score<br><sup>{DESCRIPTIONS[self.kind]}</sup>",
+                         "score", colorscale="Viridis", zmin=0, zmax=1)
 
 
 def target_keys(kind: str, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """A self-contained HTML page with one card per FFN neuron: its top trigger prefixes (trigger token
 highlighted) next to the tokens its value promotes and suppresses.
 
-Every string from the corpus or the vocabulary is HTML-escaped before it reaches the page; the page
+Every string from the corpus or the vocabulary is HTML-escaped before it reaches the page (tokens with
+their whitespace visible, partial UTF-8 characters as `<0xE2>`: analyses.labels); the page
 has no scripts and loads nothing, so it can be opened from disk or attached to an issue.
 """
 from __future__ import annotations
@@ -11,8 +12,11 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from analyses.common import escape_token, token_strings
-from analyses.memories import _PAD, TopTriggers, _require_mlp, _top_value_tokens
+from analyses.common import token_strings
+from analyses.labels import html_text, html_token, text_of
+from analyses.memory_agreement import require_mlp
+from analyses.trigger_results import PAD, TopTriggers
+from analyses.vocab_projection import top_value_tokens
 from probe import HookedDecoder
 from probe.io import atomic_file
 
@@ -39,7 +43,7 @@ mark { background: #ffd54f; font-weight: bold; }
 
 def _tokens_html(model: HookedDecoder, ids, logits, css: str) -> str:
     strings = token_strings(model, ids.tolist())
-    return "".join(f'<span class="tok {css}" title="logit {v:.4g}">{escape_token(s)}</span>'
+    return "".join(f'<span class="tok {css}" title="logit {v:.4g}">{html_token(s)}</span>'
                    for s, v in zip(strings, logits.tolist()))
 
 
@@ -52,17 +56,17 @@ def _card(model: HookedDecoder, triggers: TopTriggers, li: int, ni: int, value_t
         doc = int(triggers.docs[li, ni, r])
         if doc < 0:
             break
-        ctx = [t for t in triggers.contexts[li, ni, r].tolist() if t != _PAD]
+        ctx = [t for t in triggers.contexts[li, ni, r].tolist() if t != PAD]
         strings = token_strings(model, ctx)
         position = int(triggers.positions[li, ni, r])
         cut = "…" if position + 1 > len(ctx) else ""  # the document goes on before the stored context
-        prefix = cut + html.escape("".join(strings[:-1]))
-        trigger = escape_token(strings[-1])
+        prefix = cut + html_text(text_of(model.tokenizer, ctx[:-1]))
+        trigger = html_token(strings[-1])
         nxt = int(triggers.next_tokens[li, ni, r])
         hit = nxt >= 0 and nxt == int(top_ids[0])
         after = ""
         if nxt >= 0:
-            shown = escape_token(token_strings(model, [nxt])[0])
+            shown = html_token(token_strings(model, [nxt])[0])
             after = f'<span class="next{" hit" if hit else ""}" title="next token">{shown}</span>'
         where = html.escape(triggers.doc_names.get(doc, f"doc {doc}"))
         rows.append(
@@ -91,15 +95,17 @@ def memory_report(
     max_cards: int = 500,
     overwrite: bool = False,
     title: str = "FFN memories: top triggers and value tokens",
+    show_more: str = "raise max_cards= or pass neurons=",
 ) -> str:
     """The HTML page (a string) with a card per (layer, neuron) of `triggers` (or the `neurons` pairs
-    given, at most `max_cards`); with `path`, also written there atomically, refusing to replace a file unless `overwrite`.
+    given, at most `max_cards`; `show_more` says how to see the rest, in the caller's terms: a command
+    passes its flags); with `path`, also written there atomically, refusing to replace a file unless `overwrite`.
 
     A card lists the value's `n_tokens` most promoted and suppressed tokens (v W_U) and the top
     `n_examples` trigger prefixes, activation first, the trigger token highlighted and the actual
     next token after it in blue (outlined in green when it is the value's top token).
     """
-    _require_mlp(triggers, "memory_report")  # cards read FFN value vectors; an SAE scan has none
+    require_mlp(triggers, "memory_report")  # cards read FFN value vectors; an SAE scan has none
     if path is not None and Path(path).exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it or choose another path")
     pairs = [(l, int(n)) for l in triggers.layers for n in triggers.neurons] if neurons is None else list(neurons)
@@ -108,17 +114,17 @@ def memory_report(
     cards = []
     for li in sorted({li for li, _ in index}):
         layer = triggers.layers[li]
-        tokens = _top_value_tokens(model, layer, triggers.neurons, n_tokens, through_final_norm)
+        tokens = top_value_tokens(model, layer, triggers.neurons, n_tokens, through_final_norm)
         for li2, ni in index:
             if li2 == li:
                 cards.append(_card(model, triggers, li, ni, [t[ni] for t in tokens], n_examples))
     status = "" if triggers.complete else " (interrupted scan: partial results)"
     if len(pairs) > len(shown):
-        status += f"; showing the first {len(shown)} of {len(pairs)} neurons (raise max_cards or pass neurons=)"
+        status += f"; showing the first {len(shown)} of {len(pairs)} neurons ({show_more})"
     page = (
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-        f'<p class="meta">{triggers.n_tokens} tokens scanned{status}; top {triggers.k} triggers kept per neuron.</p>'
+        f'<p class="meta">{triggers.n_tokens} tokens scanned{html_text(status)}; top {triggers.k} triggers kept per neuron.</p>'
         f'<div class="cards">{"".join(cards)}</div></body></html>'
     )
     if path is not None:

@@ -7,7 +7,6 @@ backward, as (clean - corrupted) . d metric / d activation. Metrics follow analy
 """
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Literal, Optional, Sequence, Union
@@ -16,9 +15,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.ablation import Metric, _model_mask, _rows_per_forward, metric_name, tokens_and_mask
+from analyses.ablation import Metric, metric_name, rows_per_forward, tokens_and_mask
 from analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
-from analyses.common import AnalysisInput, evaluate_metric, labels_of, token_labels, token_strings
+from analyses.common import AnalysisInput, evaluate_metric, is_int, model_mask, token_labels, token_strings
+from analyses.labels import LAYER_AXIS, grid_layout, head_grid, head_label, position_labels, titled
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -44,21 +44,22 @@ class Site:
 
     @property
     def label(self) -> str:
-        head = "" if self.head is None else f" head {self.head}"
+        """`z L1H2 pos 3`, `mlp_out L1`: heads in the one notation (analyses.labels)."""
+        where = f"L{self.layer}" if self.head is None else head_label(self.layer, self.head)
         pos = "" if self.pos is None else f" pos {self.pos}"
-        return f"{self.act} layer {self.layer}{head}{pos}"
+        return f"{self.act} {where}{pos}"
 
     def check(self, model: HookedDecoder, n_pos: int) -> None:
         cfg = model.cfg
         problems = []
         if self.act not in ACTIVATIONS:
             problems.append(f"act={self.act!r} is not one of {', '.join(ACTIVATIONS)}")
-        if not (isinstance(self.layer, int) and 0 <= self.layer < cfg.n_layers):
+        if not (is_int(self.layer) and 0 <= self.layer < cfg.n_layers):
             problems.append(f"layer={self.layer!r} is outside [0, {cfg.n_layers})")
         heads = cfg.layer_heads(self.layer) if not problems else cfg.n_heads
-        if self.head is not None and (self.act != "z" or not (isinstance(self.head, int) and 0 <= self.head < heads)):
+        if self.head is not None and (self.act != "z" or not (is_int(self.head) and 0 <= self.head < heads)):
             problems.append(f"head={self.head!r} needs act='z' and a head in [0, {heads})")
-        if self.pos is not None and not (isinstance(self.pos, int) and 0 <= self.pos < n_pos):
+        if self.pos is not None and not (is_int(self.pos) and 0 <= self.pos < n_pos):
             problems.append(f"pos={self.pos!r} is outside the prompt's [0, {n_pos})")
         if problems:
             raise ValueError(f"bad patching site {self!r}: " + "; ".join(problems))
@@ -102,6 +103,7 @@ class PatchingResult:
             "layer": [s.layer for s in self.sites],
             "head": pd.array([s.head for s in self.sites], dtype="Int64"),
             "pos": pd.array(pos, dtype="Int64"),
+            "label": [s.label for s in self.sites],
             "token": [None if p is None else self.strings[p] for p in pos],
             "metric": self.patched.numpy(),
             "recovered": self.recovered.numpy(),
@@ -116,34 +118,30 @@ class PatchingResult:
         if self.sweep is None:
             fig = go.Figure(go.Bar(x=[s.label for s in self.sites], y=recovered.numpy(),
                                    hovertemplate="%{x}<br>recovered %{y:.4f}<extra></extra>"))
-            fig.update_layout(title=title, yaxis_title="recovered (0 corrupted, 1 clean)")
-            return fig
+            fig.update_layout(yaxis_title="recovered (0 corrupted, 1 clean)", width=max(640, 160 + 28 * len(self.sites)), height=480)
+            return titled(fig, title, max(640, 160 + 28 * len(self.sites)))
         n_layer = max(s.layer for s in self.sites) + 1
         column = [s.head if self.sweep == "heads" else s.pos for s in self.sites]
         # filled by coordinates, NaN where a pruned layer has fewer heads
         grid = torch.full((n_layer, max(column) + 1), float("nan"))
         grid[[s.layer for s in self.sites], column] = recovered
         bound = max(1.0, float(grid.nan_to_num().abs().max()))
+        colors = dict(colorscale="RdBu", zmid=0, zmin=-bound, zmax=bound)
         if self.sweep == "heads":
-            x, x_title, labelled = list(range(grid.shape[1])), "head", True
-            hover = "layer %{y} head %{x}"
-            width = max(520, 160 + 45 * grid.shape[1])
-        else:
-            x, x_title = self.labels, f"position (token of the corrupted prompt; {self.sweep} patched)"
-            labelled = len(x) <= MAX_LABELLED_TOKENS
-            hover = "layer %{y}<br>corrupted %{x}<br>clean %{customdata}"
-            width = max(520, 220 + CELL_PX * len(x)) if labelled else 1200
+            return head_grid(grid, title, "recovered", **colors)
+        x = self.labels[:grid.shape[1]]
+        labelled = len(x) <= MAX_LABELLED_TOKENS
         fig = go.Figure(go.Heatmap(
-            z=grid.numpy(), x=x, y=list(range(n_layer)), colorscale="RdBu", zmid=0, zmin=-bound, zmax=bound,
-            customdata=None if self.sweep == "heads" else [self.clean_labels] * n_layer,
-            colorbar=dict(title="recovered"), hovertemplate=hover + "<br>recovered %{z:.4f}<extra></extra>",
+            z=grid.numpy(), x=x, y=list(range(n_layer)), customdata=[self.clean_labels[:len(x)]] * n_layer,
+            colorbar=dict(title="recovered"), **colors,
+            hovertemplate="layer %{y}<br>corrupted %{x}<br>clean %{customdata}<br>recovered %{z:.4f}<extra></extra>",
         ))
-        longest = max(len(html.unescape(label)) for label in self.labels)
-        label_room = min(6 * longest, 200) if self.sweep != "heads" and labelled else 0  # rotated token labels
-        fig.update_layout(title=title, width=width, height=220 + 40 * n_layer + label_room, autosize=False)
-        fig.update_xaxes(title=x_title, showticklabels=labelled, tickangle=-90 if self.sweep != "heads" else 0,
-                         type="category" if self.sweep != "heads" else "linear", dtick=1 if self.sweep == "heads" else None)
-        fig.update_yaxes(title="layer", dtick=1, autorange="reversed")
+        # a column per position at least CELL_PX wide: a long prompt widens the figure, which scrolls sideways
+        grid_layout(fig, title, x_labels=x if labelled else ["x"], y_labels=[str(l) for l in range(n_layer)],
+                    cell_w=max(CELL_PX, 18), cell_h=40, x_title=f"position (token of the corrupted prompt; {self.sweep} patched)",
+                    y_title="layer", min_width=520)
+        fig.update_xaxes(showticklabels=labelled, type="category")
+        fig.update_yaxes(dtick=1, **LAYER_AXIS)
         return fig
 
 
@@ -221,7 +219,7 @@ def patch(
 
     hook_names = sorted({s.hook_name for s in sites})
     with torch.no_grad():
-        clean_logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=_model_mask(mask), names=hook_names)
+        clean_logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=model_mask(mask), names=hook_names)
         clean_value = float(evaluate_metric(metric, clean_logits, clean_tokens, mask).mean())
     del clean_logits
     if method == "exact":
@@ -238,7 +236,7 @@ def patch(
     return PatchingResult(
         sites=sites, patched=patched, clean=clean_value, corrupted=corrupted_value, method=method,
         metric_name=metric_name(metric),
-        labels=labels_of(strings), clean_labels=token_labels(model, clean_tokens[0]), sweep=sweep, strings=strings,
+        labels=position_labels(strings), clean_labels=token_labels(model, clean_tokens[0]), sweep=sweep, strings=strings,
     )
 
 
@@ -260,11 +258,11 @@ def _groups(sites: Sequence[Site]):
 def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
     batch, n = tokens.shape
     layers = sorted({s.layer for s in sites if s.layer > 0})
-    logits, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask),
+    logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask),
                                          names=[act_name("resid_pre", l) for l in layers])
     corrupted_value = float(evaluate_metric(metric, logits, tokens, mask).mean())
     del logits
-    copies = max(1, _rows_per_forward(model, n, max_rows) // batch)
+    copies = max(1, rows_per_forward(model, n, max_rows) // batch)
     patched = torch.empty(len(sites))
     for members, layer, act in _groups(sites):
         start = tokens if layer == 0 else cache[act_name("resid_pre", layer)]
@@ -280,7 +278,7 @@ def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
 
             stacked_mask = mask.repeat(k, 1)
             logits = model.run_with_hooks(
-                start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
+                start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=model_mask(stacked_mask),
                 start_at_layer=layer, fwd_hooks=[(act_name(act, layer), swap)],
             )
             values = evaluate_metric(metric, logits, tokens.repeat(k, 1), stacked_mask).view(k, batch).mean(dim=1)
@@ -299,7 +297,7 @@ def _attribution(model, tokens, mask, metric, sites, clean_cache):
         return activation
 
     with torch.enable_grad():
-        logits = model.run_with_hooks(tokens, attention_mask=_model_mask(mask), fwd_hooks=[(names, keep)])
+        logits = model.run_with_hooks(tokens, attention_mask=model_mask(mask), fwd_hooks=[(names, keep)])
         value = evaluate_metric(metric, logits, tokens, mask).mean()
         grads = dict(zip(names, torch.autograd.grad(value, [acts[name] for name in names])))
     corrupted_value = float(value.detach())

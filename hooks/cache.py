@@ -40,10 +40,11 @@ class ActivationCache(Mapping[str, torch.Tensor]):
 
     def to(self, device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> "ActivationCache":
         """A new cache with every tensor moved (floating tensors also cast when dtype is given)."""
-        return ActivationCache({name: _store(t, device, dtype) for name, t in self._acts.items()})
+        return ActivationCache({name: stored_tensor(t, device, dtype) for name, t in self._acts.items()})
 
 
-def _store(t: torch.Tensor, device, dtype) -> torch.Tensor:
+def stored_tensor(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    """`t` detached, moved to `device` (None: where it is) and, if floating, cast to `dtype` (None: as it is)."""
     t = t.detach()
     if dtype is not None and t.is_floating_point():
         return t.to(device=device, dtype=dtype)

@@ -2,6 +2,7 @@
 and the gradient flowing back through it."""
 from __future__ import annotations
 
+import contextvars
 from functools import partial
 from typing import Callable, Optional
 
@@ -9,6 +10,21 @@ import torch
 from torch import nn
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
+
+
+# Who attached a scoped hook: one object per thread (and per asyncio task, which copies its creator's context).
+# A `with model.hooks(...)` block, run_with_hooks and run_with_cache attach hooks that only their own context
+# sees, so a model shared by threads runs one thread's hooks in that thread's forward passes alone; hooks
+# attached to stay (add_hook, reset_hooks_end=False) belong to the model and every thread sees them.
+_OWNER: contextvars.ContextVar[Optional[object]] = contextvars.ContextVar("probe_hook_owner", default=None)
+
+
+def current_owner() -> object:
+    owner = _OWNER.get()
+    if owner is None:
+        owner = object()
+        _OWNER.set(owner)
+    return owner
 
 
 def _backward(dir: str) -> bool:
@@ -29,6 +45,8 @@ class HookHandle:
                  permanent: bool = False):
         self.registry, self.fn, self.backward = registry, fn, backward
         self.persistent, self.permanent = persistent or permanent, permanent
+        # a scoped hook runs only in the context (thread) that attached it; a persistent one everywhere
+        self.owner = None if self.persistent else current_owner()
         self.removed = False  # a backward pass after the block ended must not run it
 
     @property
@@ -41,6 +59,12 @@ class HookHandle:
             if registered is self:
                 del self.registry[i]
                 return
+
+
+def _visible(handles: list[HookHandle]) -> list[HookHandle]:
+    """The handles the current context runs: its own scoped hooks and every persistent one."""
+    owner = _OWNER.get()
+    return [h for h in handles if h.owner is None or h.owner is owner]
 
 
 class HookPoint(nn.Module):
@@ -73,8 +97,11 @@ class HookPoint(nn.Module):
 
     @property
     def active(self) -> bool:
-        """Something is attached: the model must materialise this activation (opt-in or explicit paths)."""
-        return bool(self._fns or self._bwd_fns)
+        """Something this context sees is attached: the model must materialise this activation (opt-in or
+        explicit paths). Another thread's scoped hooks do not count."""
+        if not (self._fns or self._bwd_fns):  # the hook-free forward stops here
+            return False
+        return bool(_visible(self._fns) or _visible(self._bwd_fns))
 
     def add(self, fn: HookFn, backward: bool = False, *, persistent: bool = False, permanent: bool = False,
             prepend: bool = False) -> HookHandle:
@@ -120,15 +147,16 @@ class HookPoint(nn.Module):
         return self._fns + self._bwd_fns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for fn in [handle.fn for handle in self._fns]:
-            x = self._apply_hook(fn, x, "activation")
-        if self._bwd_fns and x.requires_grad and torch.is_grad_enabled():
+        if self._fns:
+            for fn in [handle.fn for handle in _visible(self._fns)]:
+                x = self._apply_hook(fn, x, "activation")
+        if self._bwd_fns and x.requires_grad and torch.is_grad_enabled() and _visible(self._bwd_fns):
             # Hook a fresh autograd node, not x itself: the same tensor often passes two points
             # (resid_post of block l is resid_pre of block l+1), and hooks on one tensor run in the
             # order they were registered, so the earlier point would see the gradient before the
             # later point's hook could replace it. It also keeps hooks off the caller's leaf tensors.
             x = x.view_as(x)
-            x.register_hook(partial(self._backward, list(self._bwd_fns)))
+            x.register_hook(partial(self._backward, _visible(self._bwd_fns)))
         return x
 
     def _backward(self, handles: list[HookHandle], grad: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from hooks.cache import ActivationCache, _store
+from hooks.cache import ActivationCache, stored_tensor
 from hooks.hook_point import HookFn, HookPoint
 from hooks.names import unknown_name_error
 
@@ -221,6 +221,10 @@ class HookedRootModule(nn.Module):
         `remove_batch_dim=True` (a batch of one, stored without its batch dimension) and
         `return_cache_object=False` (a plain dict).
         """
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            # an integer or bool cache would hold truncated activations without a word
+            raise TypeError(f"run_with_cache(dtype={dtype!r}): activations are stored in a floating-point dtype "
+                            "(torch.float32, torch.bfloat16, torch.float16, ...), or dtype=None to keep the model's")
         if names_filter is not None:
             if names is not None:
                 raise ValueError("pass names= or names_filter= (transformer-lens's spelling), not both")
@@ -247,7 +251,7 @@ class HookedRootModule(nn.Module):
             if seen is not None and seen[0]() is activation:
                 store[hook.name] = seen[1]
             else:
-                store[hook.name] = _store(activation, device, dtype)
+                store[hook.name] = stored_tensor(activation, device, dtype)
                 if device is not None or dtype is not None:
                     converted[id(activation)] = (weakref.ref(activation), store[hook.name])
             if grads_of is None:
@@ -312,6 +316,6 @@ class HookedRootModule(nn.Module):
         stored: dict[int, torch.Tensor] = {}  # one tensor at two points has one gradient: stored once
         for name, grad in zip(names, grads):
             if id(grad) not in stored:
-                stored[id(grad)] = _store(grad, device, dtype)
+                stored[id(grad)] = stored_tensor(grad, device, dtype)
             store[f"{name}_grad"] = stored[id(grad)]
         return out.detach() if isinstance(out, torch.Tensor) else out

@@ -39,11 +39,13 @@ class ActivationStore:
         batch_prompts: int = 16,
         store_device: Optional[Union[str, torch.device]] = None,
         seed: int = 0,
+        shard: tuple[int, int] = (0, 1),
     ):
         """`hook_names`: one name (an SAE) or several read together (a transcoder's input and output); each
         batch is a tuple of [batch_tokens width] float32 tensors, one per name, rows aligned.
         `store_device`: where the buffer lives (default: the model's device; "cpu" keeps a large buffer off
-        the accelerator)."""
+        the accelerator). `shard`: (r, n), read only every n-th window, from the r-th: the disjoint share of
+        process r of n under torchrun."""
         self.model = model
         self.hook_names = [hook_names] if isinstance(hook_names, str) else list(hook_names)
         if not self.hook_names:
@@ -66,6 +68,10 @@ class ActivationStore:
         if isinstance(corpus, Iterator):
             raise TypeError("the corpus is an iterator, which can be read once; pass a list of texts, or an object whose "
                             "__iter__ starts over, so the store can read it again (epochs, resuming)")
+        rank, size = shard
+        if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
+            raise ValueError(f"shard={shard!r} must be (rank, processes) with 0 <= rank < processes")
+        self.shard = (rank, size)
         self.corpus, self.batch_tokens, self.batch_prompts = corpus, batch_tokens, batch_prompts
         # whole batches only: the served half is a whole number of them
         self.half = (buffer_tokens // 2 // batch_tokens) * batch_tokens
@@ -132,10 +138,11 @@ class ActivationStore:
 
     def _window_stream(self) -> Iterator[list[int]]:
         """Windows of context_size tokens, each BOS + the next context_size - 1 tokens of the corpus stream,
-        cycling over the corpus (each pass an epoch)."""
+        cycling over the corpus (each pass an epoch); of a shard (r, n), windows r, r + n, r + 2n, ..."""
         tokenizer = self.model.tokenizer
         body = self.context_size - 1
-        yielded = 0
+        rank, size = self.shard
+        yielded = cut = 0  # windows this shard yielded; windows cut from the stream, every shard's
         while True:
             pending: list[int] = []
             documents = 0
@@ -146,13 +153,16 @@ class ActivationStore:
                 documents += 1
                 pending += [tokenizer.bos_id] + tokenizer.encode(text)
                 while len(pending) >= body:
-                    yield [tokenizer.bos_id] + pending[:body]
+                    if cut % size == rank:
+                        yield [tokenizer.bos_id] + pending[:body]
+                        yielded += 1
                     pending = pending[body:]
-                    yielded += 1
+                    cut += 1
             if documents == 0:
                 raise ValueError("the corpus has no documents")
             if yielded == 0:
-                raise ValueError(f"the corpus is shorter than one window of {self.context_size} tokens")
+                raise ValueError(f"the corpus is shorter than one window of {self.context_size} tokens"
+                                 + (f" per process ({size} processes)" if size > 1 else ""))
             self.epochs += 1
 
     # ---- resuming ----------------------------------------------------------------------------------

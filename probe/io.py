@@ -30,6 +30,9 @@ def atomic_directory(directory: Union[str, Path], overwrite: bool = False) -> It
             # it appeared while we were writing (another run, same name): that one is kept
             raise FileExistsError(f"{directory} was created by something else while this was written; nothing replaced")
         _replace(tmp, directory)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _naming(err, directory, tmp) from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -54,9 +57,20 @@ def atomic_file(path: Union[str, Path], overwrite: bool = False) -> Iterator[Pat
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} was created by something else while this was written; nothing replaced")
         os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise _naming(err, path, tmp) from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _naming(err: OSError, final: Path, tmp: Path) -> OSError:
+    """`err` saying which result it was writing: ENOSPC and EIO name no file, and a temporary's name means
+    nothing to the user. Errors that already name another file (or are our own refusals) pass unchanged."""
+    if isinstance(err, FileExistsError) or (err.filename is not None and not str(err.filename).startswith(str(tmp))):
+        return err
+    return OSError(err.errno, f"{err.strerror or err} (writing {final})")
 
 
 def umask() -> int:

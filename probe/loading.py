@@ -4,17 +4,20 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from probe.checkpoints import FAMILIES, CheckpointError, Family, Source, family_for_config
 from probe.config import DecoderConfig
+from probe.config_file import ConfigFields, read_json_object
+from probe.safetensors_file import SafetensorsError, StoredTensor, read_header
 from probe.io import atomic_directory
-from probe.model import HookedDecoder
 from probe.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the model class is passed in (HookedDecoder.from_pretrained gives its own): no import circle
+    from probe.model import HookedDecoder
 
 # short names, as transformer-lens spells them -> hub repositories
 SHORT_NAMES = {
@@ -38,14 +41,23 @@ def load_pretrained(
     device: Optional[Union[str, torch.device]] = None,
     dtype: Optional[torch.dtype] = None,
     revision: Optional[str] = None,
+    *,
+    model_class: type,  # HookedDecoder, or a subclass: what from_pretrained was called on
 ) -> HookedDecoder:
     directory = resolve_checkpoint(name_or_path, revision)
     hf_config = _read_json(directory / "config.json")
+    _family(hf_config, directory)
+    weights = _read_weights(directory)
+    _check_layer_count(hf_config, weights, directory)  # before any table or tensor is sized by the config
     cfg = config_from_hf(hf_config, directory)
-    state = state_dict_from_hf(_read_weights(directory), hf_config, cfg, directory)
+    # each tensor is read, converted and moved to `device` in turn: the host never holds more than the tensors one
+    # conversion needs at a time (plus the model itself, when it stays on the CPU)
+    state = state_dict_from_hf(weights, hf_config, cfg, directory, device=device)
+    del weights
     with torch.device("meta"):  # no time spent initialising weights that are overwritten at once
-        model = HookedDecoder(cfg, tokenizer=_read_tokenizer(directory))
+        model = model_class(cfg, tokenizer=_read_tokenizer(directory))
     model.load_state_dict(state, strict=True, assign=True)
+    del state  # a dtype change below then frees each parameter's old copy as it goes
     if cfg.tied_embeddings:
         model.unembed.weight = model.embed.W_E
     _rebuild_buffers(model)
@@ -100,37 +112,82 @@ def _from_hub(repo_id: str, also: str = "", revision: Optional[str] = None) -> P
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: a checkpoint directory needs config.json")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    return read_json_object(path)
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
-    try:
-        if single.is_file():
-            return load_file(str(single))
-        if index.is_file():
-            shards = sorted(set(_read_json(index)["weight_map"].values()))
-            state: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                state.update(load_file(str(directory / shard)))
-            return state
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"could not read the safetensors weights in {directory}: {err}") from err
+    if single.is_file():
+        return _read_safetensors(single)
+    if index.is_file():
+        state: dict[str, torch.Tensor] = {}
+        for shard in _shards(index, directory):
+            tensors = _read_safetensors(directory / shard)
+            twice = sorted(state.keys() & tensors.keys())
+            if twice:  # which copy is meant is unknowable; taking the last would be a silent choice
+                raise CheckpointError(f"the tensor {twice[0]!r} is in two shards of {directory} ({shard} and an "
+                                      f"earlier one{f'; {len(twice)} tensors in all' if len(twice) > 1 else ''}): "
+                                      "the checkpoint is inconsistent")
+            state.update(tensors)
+        return state
     bin_path = directory / "pytorch_model.bin"
     if bin_path.is_file():
         try:  # weights_only: a pickle that would construct arbitrary objects or run code is refused
-            return torch.load(str(bin_path), map_location="cpu", weights_only=True)
+            state = torch.load(str(bin_path), map_location="cpu", weights_only=True)
         except Exception as err:
             raise CheckpointError(
                 f"refused to load {bin_path}: it is not a plain tensor checkpoint ({type(err).__name__}: {err}). "
                 "Only safetensors or weights-only pickles are read; convert it to model.safetensors"
             ) from err
+        if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())):
+            raise CheckpointError(f"{bin_path} holds a {type(state).__name__}, not a mapping of tensor names to tensors "
+                                  "(a state dict): it is not a model checkpoint")
+        return state
     raise CheckpointError(f"no weights in {directory}: expected model.safetensors (or pytorch_model.bin)")
+
+
+def _read_safetensors(path: Path) -> dict[str, StoredTensor]:
+    """The file's tensors, each read only when the family's conversion takes it (see probe.safetensors_file)."""
+    try:
+        return read_header(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing (the shard index names it)") from None
+    except (SafetensorsError, OSError) as err:
+        raise CheckpointError(f"could not read the safetensors weights in {path}: {err}") from None
+
+
+def _shards(index: Path, directory: Path) -> list[str]:
+    """The shard files model.safetensors.index.json names: relative paths inside the checkpoint directory."""
+    weight_map = read_json_object(index, "").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: weight_map must be a non-empty object of tensor names to shard files, got "
+                              f"{type(weight_map).__name__ if weight_map is not None else 'nothing'}")
+    bad = [(k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise CheckpointError(f"{index}: weight_map[{bad[0][0]!r}] must be a shard file name, got {bad[0][1]!r}")
+    for shard in set(weight_map.values()):
+        # by name, not by resolving: the hub's cache links every file to a blob elsewhere, legitimately
+        if Path(shard).is_absolute() or ".." in Path(shard).parts or "\\" in shard:
+            raise CheckpointError(f"{index}: the shard {shard!r} is outside the checkpoint directory; shards are "
+                                  "files beside the index")
+    return sorted(set(weight_map.values()))
+
+
+LAYER_FIELDS = ("n_layer", "num_hidden_layers")
+_LAYER_NAME = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
+
+
+def _check_layer_count(hf: dict, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """A layer count the weight files cannot back (a typo, or a hostile n_layer of millions) is refused before
+    anything is built for every layer."""
+    fields = ConfigFields(hf, directory / "config.json")
+    for field in LAYER_FIELDS:
+        n = fields.get(field)
+        if isinstance(n, int):
+            held = {int(m.group(1)) for name in state for m in [_LAYER_NAME.search(name)] if m}
+            if n > len(held):
+                raise CheckpointError(f"{directory / 'config.json'}: {field}={n}, but the weights hold "
+                                      f"{len(held)} layers; fix {field}")
 
 
 def _read_tokenizer(directory: Path) -> Optional[Tokenizer]:
@@ -138,22 +195,28 @@ def _read_tokenizer(directory: Path) -> Optional[Tokenizer]:
         return Tokenizer.from_directory(directory)
     except FileNotFoundError:
         return None  # a weights-only directory still works with token ids; to_tokens says what is missing
+    except ValueError as err:  # the tokenizer's own message names the file and the field
+        raise CheckpointError(str(err)) from None
 
 
 # ---- config and tensors ---------------------------------------------------------------------------
 def config_from_hf(hf: dict, directory: Path = Path(".")) -> DecoderConfig:
     family = _family(hf, directory)
     try:
-        return family.config_from_hf(hf)
+        return family.config_from_hf(ConfigFields(hf, directory / "config.json"))
+    except CheckpointError:
+        raise
     except KeyError as err:
         raise CheckpointError(f"{directory / 'config.json'} lacks the field {err.args[0]!r}") from err
     except ValueError as err:
         raise CheckpointError(f"{directory / 'config.json'}: {err}") from err
+    except (TypeError, AttributeError) as err:  # a field of a type FIELD_TYPES does not list yet
+        raise CheckpointError(f"{directory / 'config.json'}: a field has the wrong type ({err})") from None
 
 
 def _family(hf: dict, directory: Path) -> Family:
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise CheckpointError(
             f"{directory / 'config.json'}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}"
         )
@@ -161,10 +224,10 @@ def _family(hf: dict, directory: Path) -> Family:
 
 
 def state_dict_from_hf(
-    state: dict[str, torch.Tensor], hf: dict, cfg: DecoderConfig, directory: Path = Path(".")
+    state: dict[str, torch.Tensor], hf: dict, cfg: DecoderConfig, directory: Path = Path("."), device=None
 ) -> dict[str, torch.Tensor]:
     family = _family(hf, directory)
-    source = Source(state, directory, family.prefixes)
+    source = Source(state, directory, family.prefixes, device=device)
     out = family.to_probe(source, cfg)
     source.finish()
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from probe.attention import Attention, PerHeadInputs
 from probe.config import DecoderConfig, NormPlacement
 from probe.decoder_cache import DecoderCache
 from probe.embedding import Embed, Unembed, make_pos_embed
+from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
 from probe.kv_cache import KVCache
 from probe.mlp import make_mlp
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
@@ -25,7 +26,6 @@ from probe.tokenizer import Tokenizer
 from probe.tokens import TokenMethods, is_text
 from probe.weight_views import WeightViews
 
-ModelInput = Union[str, Sequence[str], torch.Tensor]
 NORM_HOOKS = (".hook_scale", ".hook_normalized")
 
 
@@ -130,7 +130,7 @@ BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, No
 Block = PreNormBlock
 
 
-class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRootModule):
+class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, InputChecks, HookedRootModule):
     """Token (+ position) embedding -> n_layers blocks -> final norm -> unembedding."""
 
     def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
@@ -195,7 +195,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
         else:
             resid = self._validate_residual(input, start_at_layer)
             batch, n_new = resid.shape[:2]
-            attention_mask = _check_mask(attention_mask, (batch, n_new), "the residual stream's [batch pos]", self.device)
+            attention_mask = check_mask(attention_mask, (batch, n_new), "the residual stream's [batch pos]", self.device)
         if stop_at_layer is not None:
             n_layers = self.cfg.n_layers
             stop = stop_at_layer + n_layers if stop_at_layer < 0 else stop_at_layer
@@ -220,13 +220,13 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
                 )
             new_mask = attention_mask if attention_mask is not None else torch.ones(batch, n_new, dtype=torch.long, device=device)
             attention_mask = kv_cache.extend_mask(new_mask)
-        positions = _positions(attention_mask, batch, n_new, device)
+        positions = token_positions(attention_mask, batch, n_new, device)
         if start_at_layer == 0:
             resid = self.hook_embed(self.embed(tokens))
             if self.pos_embed is not None:
                 resid = resid + self.hook_pos_embed(self.pos_embed(positions))
         # one mask per distinct window (Gemma 2 alternates a window with full attention)
-        allowed = {window: _allowed_keys(attention_mask, positions, window) for window in self.windows}
+        allowed = {window: allowed_keys(attention_mask, positions, window) for window in self.windows}
         for index, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=start_at_layer):
             past = None if kv_cache is None else kv_cache.layers[index]
             resid = block(resid, positions, allowed[self.cfg.layer_window(index)], past)
@@ -282,19 +282,6 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
             total += batch * pos * width * item
         return total
 
-    def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:
-        if not 0 < start_at_layer <= self.cfg.n_layers:
-            raise ValueError(f"start_at_layer={start_at_layer} is outside [0, n_layers={self.cfg.n_layers}]")
-        if not (isinstance(resid, torch.Tensor) and resid.is_floating_point() and resid.dim() == 3
-                and resid.shape[-1] == self.cfg.d_model):
-            shape = tuple(resid.shape) if isinstance(resid, torch.Tensor) else type(resid).__name__
-            raise ValueError(
-                f"with start_at_layer={start_at_layer} the input is the residual stream [batch pos d_model="
-                f"{self.cfg.d_model}] (floating point), got {shape}"
-            )
-        # like token ids, a residual from a cache stored elsewhere (device='cpu', dtype=bfloat16) is moved in
-        return resid.to(self.device, self.embed.W_E.dtype)
-
     @torch.no_grad()
     def generate(self, input: ModelInput = "", max_new_tokens: int = 10, **kwargs):
         """Continue prompts token by token with a key/value cache; see `probe.generation.generate`."""
@@ -314,6 +301,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
         """GPT-2's initialisation, for training from scratch (loading overwrites all of it)."""
         std = self.cfg.init_std
         for name, param in self.named_parameters():
+            if param.is_meta:  # shapes only (a model built to plan its placement): nothing to fill
+                continue
             if name.endswith((".w",)):
                 param.fill_(1.0)
             elif name.endswith((".b", ".bias")):
@@ -330,17 +319,35 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[torch.dtype] = None,
         revision: Optional[str] = None,
+        device_map=None,
+        max_memory=None,
     ) -> "HookedDecoder":
         """Load a Hugging Face checkpoint (GPT-2, GPT-1, Llama, Qwen2, GPT-NeoX/Pythia): a local directory, a
         short name (`gpt2`, `gpt2-medium`, `pythia-160m`, ...) or a hub repository (`owner/name`).
 
-        `revision`: a hub branch, tag or commit, e.g. one of Pythia's training checkpoints (`"step3000"`)."""
+        `revision`: a hub branch, tag or commit, e.g. one of Pythia's training checkpoints (`"step3000"`).
+        `device_map`: "auto", {layer: device} or a plan from `HookedDecoder.plan_device_map`, to spread the
+        blocks over several devices (`max_memory` caps each device for "auto"); see probe/placement.py."""
         from probe.loading import load_pretrained
 
-        model = load_pretrained(name_or_path, device=device, dtype=dtype, revision=revision)
+        if device_map is not None and device is not None:
+            raise ValueError("pass device= (one device) or device_map= (several), not both")
+        model = load_pretrained(name_or_path, device=device, dtype=dtype, revision=revision, model_class=cls)
         prepend_bos = model.tokenizer is None or model.tokenizer.bos_id is not None
         model.cfg = dataclasses.replace(model.cfg, model_name=str(name_or_path), default_prepend_bos=prepend_bos)
+        if device_map is not None:
+            from probe.placement import dispatch
+
+            dispatch(model, device_map, max_memory)
         return model
+
+    @classmethod
+    def plan_device_map(cls, cfg: DecoderConfig, max_memory=None, dtype: torch.dtype = torch.float32) -> dict[str, str]:
+        """{part: device} for a model of `cfg` over the devices of `max_memory` ({"cuda:0": "40GiB", ...}; default:
+        what is free), in layer order; sized on the meta device. See probe.placement.plan_device_map."""
+        from probe.placement import plan_device_map
+
+        return plan_device_map(cls, cfg, max_memory, dtype)
 
     def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
         """Write a Hugging Face directory in this model's family (`config.json`, `model.safetensors`, `tokenizer.json`)."""
@@ -348,95 +355,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, HookedRoo
 
         return save_pretrained(self, directory, overwrite=overwrite)
 
-    # ---- tokens -------------------------------------------------------------------------------
+    # ---- tokens (checking them: probe.inputs) ------------------------------------------------
     @property
     def device(self) -> torch.device:
         return self.embed.W_E.device
-
-    def _tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor],
-                         padding_side: Optional[str] = None, prepend_bos: Optional[bool] = None):
-        """Token ids on the model's device and their [batch pos] long mask (None: nothing padded)."""
-        if is_text(input):
-            if attention_mask is not None:
-                raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
-            padding_side = padding_side or self._require_tokenizer().padding_side
-            # never truncated here: text longer than n_ctx is refused (validate_tokens) rather than cut silently
-            tokens, attention_mask = self.to_tokens(input, prepend_bos=prepend_bos, return_attention_mask=True,
-                                                    padding_side=padding_side, truncate=False)
-            if padding_side == "right" or bool(attention_mask.all()):
-                # causal attention alone is exact for every real token when the padding comes after them, and it
-                # gives the padded positions transformer-lens's values (they attend like real tokens)
-                attention_mask = None
-        elif isinstance(input, torch.Tensor):
-            tokens = input
-        elif isinstance(input, (list, tuple)) and not input:
-            raise ValueError("the input is an empty list: give a string, a non-empty list of strings or token ids")
-        else:
-            raise TypeError(f"input must be a string, a list of strings or a tensor of token ids, got {type(input).__name__}")
-        tokens = self.validate_tokens(tokens)
-        return tokens, _check_mask(attention_mask, tuple(tokens.shape), "the tokens'", tokens.device)
-
-    def validate_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Check token ids before they reach an embedding lookup, where mistakes become cryptic."""
-        if tokens.dtype in (torch.bool,) or tokens.is_floating_point() or tokens.is_complex():
-            raise TypeError(
-                f"token ids must be an integer tensor, got dtype {tokens.dtype}; use model.to_tokens(text) "
-                "or tokens.long()"
-            )
-        if tokens.dim() == 1:
-            tokens = tokens.unsqueeze(0)
-        if tokens.dim() != 2:
-            raise ValueError(f"token ids must have shape [batch pos] or [pos], got shape {tuple(tokens.shape)}")
-        n = tokens.shape[1]
-        if n == 0 or tokens.shape[0] == 0:
-            raise ValueError(f"empty input: token ids of shape {tuple(tokens.shape)}")
-        if n > self.cfg.n_ctx:
-            raise ValueError(f"input has {n} tokens but the model's context is n_ctx={self.cfg.n_ctx}; truncate it")
-        low, high = int(tokens.min()), int(tokens.max())
-        if low < 0 or high >= self.cfg.d_vocab:
-            bad = low if low < 0 else high
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.d_vocab})")
-        return tokens.to(self.device, torch.long)
-
-
-def _check_mask(attention_mask: Optional[torch.Tensor], shape: tuple[int, int], what: str, device) -> Optional[torch.Tensor]:
-    """A [pos] or [batch pos] mask as [batch pos] long on `device`, or an error naming both shapes."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a tensor [batch pos] (1 = real token), got {type(attention_mask).__name__}")
-    if attention_mask.dim() == 1:
-        attention_mask = attention_mask.unsqueeze(0)
-    if tuple(attention_mask.shape) != tuple(shape):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but {what} shape is {tuple(shape)}")
-    return attention_mask.to(device, torch.long)
-
-
-def _positions(attention_mask: Optional[torch.Tensor], batch: int, n_new: int, device) -> torch.Tensor:
-    """[batch n_new]: the position of each new token, counting only real tokens before it, so left
-    padding and a KV cache both continue the count rather than restart it."""
-    if attention_mask is None:
-        return torch.arange(n_new, device=device).expand(batch, n_new)
-    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)[:, -n_new:]
-
-
-def _allowed_keys(attention_mask: Optional[torch.Tensor], positions: torch.Tensor,
-                  sliding_window: Optional[int] = None) -> Optional[torch.Tensor]:
-    """[batch 1 query_pos key_pos], which keys each new query (at `positions` [batch n_new], the last n_new of
-    the mask's) may see: earlier or itself, not padding, and with a sliding window fewer than `sliding_window`
-    real tokens back. Each query always sees itself, so a padded query's row stays finite (its values are
-    meaningless but never NaN). None when plain causal attention says it all (no padding, no window reached)."""
-    n_new = positions.shape[1]
-    if attention_mask is None:
-        if sliding_window is None or n_new <= sliding_window:
-            return None
-        attention_mask = torch.ones(positions.shape, dtype=torch.long, device=positions.device)
-    n_all = attention_mask.shape[1]
-    device = attention_mask.device
-    query_at = torch.arange(n_all - n_new, n_all, device=device)[:, None]
-    key_at = torch.arange(n_all, device=device)[None, :]
-    allowed = (key_at <= query_at) & attention_mask.bool()[:, None, None, :]
-    if sliding_window is not None:  # distances in real tokens, so padding never changes what a prompt sees
-        key_positions = attention_mask.cumsum(dim=1) - 1  # [batch key_pos]
-        allowed &= (positions[:, None, :, None] - key_positions[:, None, None, :]) < sliding_window
-    return allowed | (key_at == query_at)

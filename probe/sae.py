@@ -22,6 +22,8 @@ the duration of a `with` block, and lends the SAE's hook points to the model und
 features. With `use_error_term=True` the output adds back what the SAE misses, x - reconstruction
 (computed without hooks, `hook_sae_error`): the model then computes exactly what it did without the
 SAE, and an edit of the features changes it by exactly the edit's decoded difference.
+
+The configuration (`SAEConfig`) and the reading of SAELens's cfg.json live in `probe.sae_config`.
 """
 from __future__ import annotations
 
@@ -29,9 +31,8 @@ import dataclasses
 import hashlib
 import json
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 from einops import rearrange
@@ -41,67 +42,14 @@ from torch import nn
 
 from hooks import HookedRootModule, HookPoint
 from probe.io import atomic_directory
+from probe.sae_config import ARCHITECTURES, TRANSCODER_NAMES, Architecture, SAEConfig, check_weights, config_from_saelens
 
-Architecture = Literal["standard", "jumprelu", "topk"]
-ARCHITECTURES = ("standard", "jumprelu", "topk")
+__all__ = ["ARCHITECTURES", "Architecture", "BUNDLED_SAES", "CONFIG_FILE", "SAEConfig", "SparseAutoencoder", "TRANSCODER_NAMES",
+           "WEIGHTS_FILE", "spliced"]
+
 CONFIG_FILE, WEIGHTS_FILE = "cfg.json", "sae_weights.safetensors"  # SAELens's names
 # dictionaries trained on the bundled model (probe.DEFAULT_MODEL), one folder each; see docs/sae_training.md
 BUNDLED_SAES = Path(__file__).resolve().parent / "data" / "saes"
-# SAELens's architecture names for transcoders: (activation, skip) -> name. SAELens 6 has no TopK transcoder;
-# probe writes one as "topk_transcoder", a name only probe reads.
-TRANSCODER_NAMES = {("standard", False): "transcoder", ("standard", True): "skip_transcoder",
-                    ("jumprelu", False): "jumprelu_transcoder", ("jumprelu", True): "jumprelu_skip_transcoder",
-                    ("topk", False): "topk_transcoder", ("topk", True): "topk_skip_transcoder"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class SAEConfig:
-    d_in: int
-    d_sae: int
-    hook_name: str  # where it reads and writes, e.g. "blocks.8.hook_resid_pre"
-    architecture: Architecture = "standard"
-    k: Optional[int] = None  # topk: how many features stay on
-    apply_b_dec_to_input: bool = True
-    model_name: Optional[str] = None  # what it was trained on, as its file says (not checked)
-    hook_name_out: Optional[str] = None  # a transcoder: the hook point it predicts, e.g. "blocks.2.hook_mlp_out"
-    d_out: Optional[int] = None  # a transcoder: the width of hook_name_out
-    skip: bool = False  # a skip-transcoder: adds x W_skip^T
-
-    @property
-    def is_transcoder(self) -> bool:
-        return self.hook_name_out is not None
-
-    @property
-    def d_write(self) -> int:
-        """The width of what it writes: d_out for a transcoder, d_in for an SAE."""
-        return self.d_out if self.is_transcoder else self.d_in
-
-    def __post_init__(self) -> None:
-        for field in ("d_in", "d_sae"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"SAE architecture {self.architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-        if self.architecture == "topk":
-            if not (isinstance(self.k, int) and 0 < self.k <= self.d_sae):
-                raise ValueError(f"a topk SAE needs k, an int in [1, d_sae={self.d_sae}], got {self.k!r}")
-        elif self.k is not None:
-            raise ValueError(f"k={self.k!r} applies only to architecture='topk'")
-        if not isinstance(self.hook_name, str) or not self.hook_name:
-            raise ValueError(f"hook_name must name the model's hook point it reads, got {self.hook_name!r}")
-        if (self.hook_name_out is None) != (self.d_out is None):
-            raise ValueError(f"a transcoder needs both hook_name_out and d_out (got hook_name_out={self.hook_name_out!r}, "
-                             f"d_out={self.d_out!r}); an SAE has neither")
-        if self.is_transcoder:
-            if not isinstance(self.d_out, int) or isinstance(self.d_out, bool) or self.d_out <= 0:
-                raise ValueError(f"d_out must be a positive int, got {self.d_out!r}")
-            if self.apply_b_dec_to_input:
-                raise ValueError("a transcoder's b_dec lives in the output's space: pass apply_b_dec_to_input=False")
-            if self.hook_name.endswith("hook_z") or self.hook_name_out.endswith("hook_z"):
-                raise ValueError("transcoders read and write one vector per position; hook_z (per head) is not supported")
-        elif self.skip:
-            raise ValueError("skip=True is a skip-transcoder's linear path; an SAE (no hook_name_out) has none")
 
 
 class SparseAutoencoder(HookedRootModule):
@@ -232,11 +180,14 @@ class SparseAutoencoder(HookedRootModule):
             raw = json.loads(config_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{config_path} is not valid JSON: {err}") from err
-        cfg = _config_from_saelens(raw, config_path)
+        except RecursionError:
+            raise ValueError(f"{config_path} is nested too deeply to be an SAE configuration") from None
+        cfg = config_from_saelens(raw, config_path)
         try:
             state = load_file(str(weights_path))
         except (SafetensorError, OSError) as err:
             raise ValueError(f"could not read the SAE weights in {weights_path}: {err}") from err
+        check_weights(state, weights_path)
         if "log_threshold" in state and cfg.architecture == "jumprelu":  # a training checkpoint's parametrisation
             state["threshold"] = state.pop("log_threshold").exp()
         scaling = state.pop("scaling_factor", None)  # some SAELens versions saved a (fine-tuning) scale
@@ -277,49 +228,6 @@ class SparseAutoencoder(HookedRootModule):
             save_file(state, str(tmp / WEIGHTS_FILE))
         return Path(directory).expanduser()
 
-
-def _config_from_saelens(raw: dict, path: Path) -> SAEConfig:
-    meta = {**(raw.get("metadata") or {}), **(raw.get("meta") or {})}  # SAELens 6 nests these; older files do not
-    # SAELens before 3 said hook_point
-    hook_name = raw.get("hook_name") or meta.get("hook_name") or raw.get("hook_point")
-    if hook_name is None:
-        raise ValueError(f"{path} names no hook_name: which activation the SAE reads is unknown")
-    if any(source.get(key) is not None for source in (raw, meta) for key in ("hook_head_index", "hook_point_head_index")):
-        raise ValueError(f"{path}: SAEs on one head (hook_head_index) are not supported")
-    architecture = raw.get("architecture", "standard")
-    transcoder = {name: key for key, name in TRANSCODER_NAMES.items()}.get(architecture)
-    hook_name_out = raw.get("hook_name_out") or meta.get("hook_name_out")
-    if transcoder is None and (hook_name_out is not None or raw.get("d_out") is not None):
-        raise ValueError(f"{path} names hook_name_out/d_out but architecture {architecture!r}: a transcoder's file says "
-                         f"one of {', '.join(TRANSCODER_NAMES.values())}")
-    if transcoder is not None:
-        if hook_name_out is None:
-            raise ValueError(f"{path} is a transcoder ({architecture}) but names no hook_name_out: which activation it "
-                             "predicts is unknown; add \"hook_name_out\" to its cfg.json")
-        architecture = transcoder[0]
-    normalize = raw.get("normalize_activations") or "none"
-    if normalize != "none":
-        raise ValueError(f"{path}: normalize_activations={normalize!r} is not supported (only 'none'); SAELens folds "
-                         "'expected_average_only_in' into the weights when it downloads such an SAE: save it from there")
-    if raw.get("rescale_acts_by_decoder_norm"):
-        raise ValueError(f"{path}: rescale_acts_by_decoder_norm=true is not supported")
-    kwargs = raw.get("activation_fn_kwargs") or {}
-    activation = raw.get("activation_fn_str") or raw.get("activation_fn") or "relu"
-    if activation == "topk":  # SAELens 3-5 spelled topk so
-        architecture = "topk"
-    elif activation != "relu":
-        raise ValueError(f"{path}: activation {activation!r} is not supported; supported: relu (standard, jumprelu), topk")
-    try:
-        return SAEConfig(d_in=raw["d_in"], d_sae=raw["d_sae"], hook_name=hook_name, architecture=architecture,
-                         k=raw.get("k", kwargs.get("k")) if architecture == "topk" else None,
-                         apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", transcoder is None)),
-                         model_name=raw.get("model_name") or meta.get("model_name"),
-                         hook_name_out=hook_name_out if transcoder else None,
-                         d_out=raw["d_out"] if transcoder else None, skip=bool(transcoder and transcoder[1]))
-    except KeyError as err:
-        raise ValueError(f"{path} lacks the field {err.args[0]!r}") from None
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
 
 
 @contextmanager

@@ -67,17 +67,21 @@ class Tokenizer:
         named = bos_token or _token_from_config(directory, "bos_token")
         eos = _token_from_config(directory, "eos_token")
         if (directory / "tokenizer.json").is_file():
-            backend = _HFTokenizer.from_file(str(directory / "tokenizer.json"))
-            return cls(backend, named or _default_bos(backend), _known(backend, eos))
-        vocab, merges = directory / "vocab.json", directory / "merges.txt"
-        if vocab.is_file() and merges.is_file():
-            backend = _HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
+            path = directory / "tokenizer.json"
+            backend = _backend(path, lambda: _HFTokenizer.from_file(str(path)))
+        elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+            vocab, merges = directory / "vocab.json", directory / "merges.txt"
+            backend = _backend(merges, lambda: _HFTokenizer(models.BPE.from_file(str(vocab), str(merges))), vocab)
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
             backend.decoder = decoders.ByteLevel()
+        else:
+            raise FileNotFoundError(
+                f"no tokenizer in {directory}: expected tokenizer.json, or vocab.json and merges.txt"
+            )
+        try:
             return cls(backend, named or _default_bos(backend), _known(backend, eos))
-        raise FileNotFoundError(
-            f"no tokenizer in {directory}: expected tokenizer.json, or vocab.json and merges.txt"
-        )
+        except ValueError as err:
+            raise ValueError(f"the tokenizer in {directory}: {err} (or fix bos_token in tokenizer_config.json)") from None
 
     def save(self, directory: Path) -> None:
         self.backend.save(str(Path(directory) / "tokenizer.json"))
@@ -255,9 +259,33 @@ def _known(backend: _HFTokenizer, token: Optional[str]) -> Optional[str]:
     return token if token is not None and backend.token_to_id(token) is not None else None
 
 
+def _backend(path: Path, build, other: Optional[Path] = None) -> _HFTokenizer:
+    """`tokenizers`' reading of a file (it raises a bare Exception, some without the file), as a ValueError that
+    names it."""
+    try:
+        return build()
+    except Exception as err:
+        files = f"{other} and {path}" if other is not None else str(path)
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise ValueError(f"{files}: not a tokenizer the tokenizers library can read ({reason}); "
+                         "re-save it with tokenizer.save_pretrained") from None
+
+
 def _token_from_config(directory: Path, key: str) -> Optional[str]:
+    """tokenizer_config.json's `key` (bos_token, eos_token): a string, or transformers' {"content": ...} form."""
     path = directory / "tokenizer_config.json"
     if not path.is_file():
         return None
-    token = json.loads(path.read_text()).get(key)
-    return token.get("content") if isinstance(token, dict) else token
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object of settings, got a {type(config).__name__}")
+    token = config.get(key)
+    token = token.get("content") if isinstance(token, dict) else token
+    if token is not None and not isinstance(token, str):
+        raise ValueError(f"{path}: {key} must be a token string (or {{\"content\": ...}}), got {token!r:.60}")
+    return token

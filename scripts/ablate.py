@@ -1,9 +1,9 @@
 """probe ablate: ablate heads and show the effect on the next-token distribution and the loss.
 
 examples:
-  probe ablate --prompt "ROMEO. But soft, what light" --heads 1.3,2.0
-  probe ablate --prompt "..." --heads 1.3 --method mean --reference-file more_prompts.txt
-  probe ablate --prompt "..." --sweep
+  probe ablate --prompt "ROMEO. But soft, what light" --heads L1H3,L2H0
+  probe ablate --prompt "ROMEO. But soft, what light" --heads L1H3 --method mean --reference-file more_prompts.txt
+  probe ablate --prompt "ROMEO. But soft, what light" --sweep
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from scripts.common import CommandError, Output, check_prompt, command, default_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="the prompt")
-    parser.add_argument("--heads", default=None, help="heads to ablate together: LAYER.HEAD,... e.g. 1.3,2.0")
+    parser.add_argument("--heads", default=None, help="heads to ablate together, e.g. L1H3,L2H0 (1.3,2.0 also reads)")
     parser.add_argument("--method", default="zero", choices=["zero", "mean", "resample"], help="what replaces the head's output")
     parser.add_argument("--reference-file", default=None,
                         help="prompts (one per line, each at least as long as --prompt) to take the mean or the samples from; "
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from analyses.ablation import loss_metric
 
     if args.heads is None and not args.sweep:
-        raise CommandError("give --heads LAYER.HEAD,... and/or --sweep")
+        raise CommandError("give --heads L1H3,... and/or --sweep")
     if args.method != "zero" and args.reference_file is None:  # one prompt has no mean, and nothing to resample from
         raise CommandError(f"--method {args.method} needs --reference-file FILE: prompts, one per line, to take the "
                            f"{'mean' if args.method == 'mean' else 'samples'} from")
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         out.write_csv("sweep.csv", effects.to_frame())
         out.write_figure("sweep.html", effects.figure())
         top = effects.to_frame().nlargest(5, "effect")
-        print("largest loss increases: " + ", ".join(f"{r.layer}.{r.head} {r.effect:+.3f}" for r in top.itertuples()))
+        print("largest loss increases: " + ", ".join(f"{r.label} {r.effect:+.3f}" for r in top.itertuples()))
     out.report(args)
     return 0
 

@@ -2,7 +2,7 @@
 
 examples:
   probe anatomy
-  probe anatomy --model gpt2 --n-ctx 1024 --out runs/anatomy
+  probe anatomy --n-ctx 128 --out runs/anatomy          # FLOPs and KV-cache sizes at 128 tokens
 """
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
 """probe attention: attention-pattern plots for a prompt, and head-detector scores.
 
+attention_view.html is interactive: pick a layer and a head, hover a token to see where it attends
+(or what attends to it).
+
 examples:
   probe attention --prompt "ROMEO. But soft, what light"
-  probe attention --prompt "..." --layer 1 --head 3 --detectors induction previous_token
+  probe attention --prompt "ROMEO. But soft, what light" --layer 1 --head 3 --detectors induction previous_token
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/attention.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model  # noqa: E402
+from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, positive_int  # noqa: E402
 
 KINDS = ("previous_token", "first_token", "duplicate_token", "induction")
 
@@ -23,12 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer", type=int, default=None, help="plot this layer's heads (with --head: one head)")
     parser.add_argument("--head", type=int, default=None, help="plot one head (needs --layer)")
     parser.add_argument("--detectors", nargs="*", default=list(KINDS), choices=KINDS, help="head detectors to score")
-    parser.add_argument("--samples", type=int, default=32, help="random sequences per detector")
+    parser.add_argument("--samples", type=positive_int, default=32, help="random sequences per detector")
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import attention_patterns, composition_scores, copying_scores, head_scores
+    from analyses import AttentionView, attention_patterns, composition_scores, copying_scores, head_scores
     from analyses.circuits import processed_for_circuits
+    from analyses.labels import head_label
 
     out = Output(default_out(args, "attention"), args.force)
     model = load_model(args)
@@ -41,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--head {args.head} is outside [0, {model.cfg.layer_heads(args.layer)}) in layer {args.layer}")
     patterns = attention_patterns(model, args.prompt)
     out.write_csv("patterns.csv", patterns.to_frame())
+    # hover a token to see where it attends; pick the layer and head (no plotly, no network)
+    out.write_text("attention_view.html", AttentionView.from_patterns(patterns).to_html(full_html=True))
     out.write_figure("patterns_overview.html", patterns.figure())
     if args.layer is not None:
         name = f"pattern_L{args.layer}" + ("" if args.head is None else f"H{args.head}")
@@ -50,13 +56,13 @@ def run(args: argparse.Namespace) -> int:
         out.write_csv(f"scores_{kind}.csv", scores.to_frame())
         out.write_figure(f"scores_{kind}.html", scores.figure())
         top = scores.top(3)
-        print(f"{kind}: " + ", ".join(f"{r.layer}.{r.head} {r.score:.2f}" for r in top.itertuples()))
+        print(f"{kind}: " + ", ".join(f"{r.label} {r.score:.2f}" for r in top.itertuples()))
     processed = processed_for_circuits(model)  # one processed copy for both scores, not one each
     copying = copying_scores(processed, process=False)
     out.write_csv("copying_scores.csv", copying.to_frame())
     out.write_figure("copying_scores.html", copying.figure())
     top = copying.to_frame().nlargest(3, "copying_score")
-    print("OV copying: " + ", ".join(f"{r.layer}.{r.head} {r.copying_score:.2f}" for r in top.itertuples()))
+    print("OV copying: " + ", ".join(f"{head_label(r.layer, r.head)} {r.copying_score:.2f}" for r in top.itertuples()))
     if model.cfg.n_layers > 1:
         composition = composition_scores(processed, process=False)
         frame = composition.to_frame()
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         for kind in "qkv":
             out.write_figure(f"composition_{kind}.html", composition.figure(kind))
         strongest = frame.nlargest(3, "k")
-        print("K-composition: " + ", ".join(f"{r.layer}.{r.head} -> {r.later_layer}.{r.later_head} {r.k:.2f}"
+        print("K-composition: " + ", ".join(f"{head_label(r.layer, r.head)} -> {head_label(r.later_layer, r.later_head)} {r.k:.2f}"
                                             for r in strongest.itertuples()))
     out.report(args)
     return 0

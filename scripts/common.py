@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import io
-import json
 import random
 import sys
-import tempfile
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from scripts.output import OPEN, PLOTLY_MODES, SETTINGS, OutputError, fresh_directory
+from scripts.output import Output as _Output
 
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -31,7 +31,12 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, output: bool = True
     common.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model precision")
     if output:
         common.add_argument("--out", default=None, help="output directory (default: probe-out/<command>)")
-        common.add_argument("--force", action="store_true", help="write into a non-empty output directory, replacing files of the same name")
+        common.add_argument("--force", action="store_true",
+                            help="write into a non-empty output directory: its files of the same name are replaced, an "
+                                 "earlier run's files this one does not write are removed, others are kept and named")
+        common.add_argument("--plotly", default="directory", choices=PLOTLY_MODES,
+                            help="how each figure page gets plotly.js: one shared plotly.min.js beside the pages, "
+                                 "inline in every page (self-contained), or from the CDN (needs network)")
     common.add_argument("--seed", type=int, default=0, help="seed for anything random")
     common.add_argument("--quiet", action="store_true", help="print only results and errors")
     common.add_argument("--debug", action="store_true", help="show the full traceback on errors")
@@ -139,10 +144,11 @@ def write_triggers(out: "Output", args: argparse.Namespace, model, triggers):
     frame = triggers.to_frame(model)
     if not triggers.complete:  # keep what was scanned, under a name that says it is partial
         out.write_csv("triggers.partial.csv", frame)
+        out.keep("triggers.csv", "triggers.html")  # an earlier complete result stays (named below) until one replaces it
         out.report(args)
         for stale in ("triggers.csv", "triggers.html"):
-            if out.path(stale).exists():
-                print(f"note: {out.path(stale)} is from an earlier, complete run, not this one", file=sys.stderr)
+            if out.final(stale).exists():
+                print(f"note: {out.final(stale)} is from an earlier, complete run, not this one", file=sys.stderr)
         print(f"interrupted: the scan covered {triggers.n_tokens} tokens ({triggers.n_docs} documents complete); "
               f"triggers.partial.csv holds their top-{triggers.k}; rerun to scan the whole corpus", file=sys.stderr)
         return None
@@ -161,72 +167,57 @@ def log(args: argparse.Namespace, message: str) -> None:
         print(message, file=sys.stderr)
 
 
-class Output:
-    """An output directory that is never clobbered by accident and never holds half-written files."""
+class Output(_Output):
+    """An output directory owned by this run, published whole at the end (see scripts.output)."""
 
     def __init__(self, directory: Path, force: bool):
-        self.directory = Path(directory)
-        self.written: list[Path] = []
-        self.removed: list[Path] = []
-        if self.directory.exists():
-            if not self.directory.is_dir():
-                raise CommandError(f"--out {self.directory} is a file; give a directory")
-            if any(self.directory.iterdir()) and not force:
-                raise CommandError(f"--out {self.directory} is not empty; choose another directory or pass --force")
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            probe_file = tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-test-", delete=True)
-            probe_file.close()
-        except OSError as err:
-            raise CommandError(f"--out {self.directory} cannot be written: {err.strerror or err}") from err
+            super().__init__(directory, force, created=Path(directory) in _FRESH)
+        except OutputError as err:
+            raise CommandError(str(err)) from None
 
-    def path(self, name: str) -> Path:
-        return self.directory / name
 
-    def write_bytes(self, name: str, data: bytes) -> Path:
-        from probe.io import atomic_file  # not at import time: `probe --help` should not load torch
-
-        final = self.directory / name
-        with atomic_file(final, overwrite=True) as tmp:  # whether to replace was settled by --force, up front
-            tmp.write_bytes(data)
-        self.written.append(final)
-        return final
-
-    def write_text(self, name: str, text: str) -> Path:
-        return self.write_bytes(name, text.encode("utf-8"))
-
-    def write_csv(self, name: str, frame) -> Path:
-        buffer = io.StringIO()
-        frame.to_csv(buffer, index=False)
-        return self.write_text(name, buffer.getvalue())
-
-    def write_json(self, name: str, value) -> Path:
-        return self.write_text(name, json.dumps(value, indent=2, default=str) + "\n")
-
-    def write_figure(self, name: str, figure) -> Path:
-        """A self-contained HTML page (plotly.js inline, so it opens offline)."""
-        html = figure.to_html(full_html=True, include_plotlyjs=True)
-        return self.write_text(name, html)
-
-    def discard(self, name: str) -> Optional[Path]:
-        """Remove a file this command writes under another name in other runs (a partial result that a
-        complete one supersedes), so the two never sit side by side; returns it if it was there."""
-        path = self.directory / name
-        if path in self.written or not path.is_file():
-            return None
-        path.unlink()
-        self.removed.append(path)
-        return path
-
-    def report(self, args: argparse.Namespace) -> None:
-        for path in self.written:
-            log(args, f"wrote {path}")
-        for path in self.removed:
-            log(args, f"removed {path}, left by an earlier run and superseded by this one")
+_FRESH: set[Path] = set()  # directories default_out made for this run (removed again if it fails before writing)
 
 
 def default_out(args: argparse.Namespace, command: str) -> Path:
-    return Path(args.out) if args.out else Path("probe-out") / command
+    """--out, else probe-out/<command>; `probe report` gets a fresh timestamped directory each run instead."""
+    if args.out:
+        return Path(args.out)
+    if command == "report":
+        try:
+            directory = fresh_directory(Path("probe-out") / command)
+        except (OutputError, OSError) as err:
+            raise CommandError(f"cannot make an output directory: {err}; pass --out") from None
+        _FRESH.add(directory)
+        return directory
+    return Path("probe-out") / command
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a usage error otherwise, before anything runs or is written)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def fraction(text: str, below_one: bool = False) -> float:
+    """An argparse type: a number in (0, 1] (`below_one`: (0, 1), for a share that must leave something)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (0 < value < 1 if below_one else 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1{')' if below_one else ']'}: a fraction")
+    return value
+
+
+def fraction_below_one(text: str) -> float:
+    return fraction(text, below_one=True)
 
 
 class Terminated(KeyboardInterrupt):
@@ -260,10 +251,20 @@ def run_command(run: Callable[[argparse.Namespace], int], parser: argparse.Argum
     """Parse, run, and turn failures into one line and a non-zero exit (a traceback only with --debug).
     SIGTERM is handled as Ctrl-C: partial results are named as such, temporary files removed; exit 143."""
     args = parser.parse_args(argv)
+    SETTINGS.quiet, SETTINGS.plotly = bool(getattr(args, "quiet", False)), getattr(args, "plotly", None) or "directory"
     try:
-        with terminate_as_interrupt() as terminated:
-            seed_everything(args.seed)
-            code = run(args)
+        try:
+            with terminate_as_interrupt() as terminated:
+                seed_everything(args.seed)
+                code = run(args)
+        except BaseException as err:  # the run's output directories are left as they were before it
+            why = "terminated" if isinstance(err, Terminated) else "interrupted" if isinstance(err, KeyboardInterrupt) \
+                else "failed"
+            for out in list(OPEN):
+                out.abort(why)
+            raise
+        for out in list(OPEN):  # a command that returned without publishing (an early exit) still publishes
+            out.report(args)
         if terminated:
             print("terminated (SIGTERM)", file=sys.stderr)
             return 143
@@ -317,13 +318,15 @@ def token_id(model, value: str, flag: str) -> int:
 
 
 def parse_heads(text: str, model) -> list[tuple[int, int]]:
-    """'3.1,4.0' -> [(3, 1), (4, 0)], each checked against the model."""
+    """'L3H1,L4H0' (or '3.1,4.0', 'a3.1') -> [(3, 1), (4, 0)], each checked against the model."""
+    from analyses.labels import parse_head
+
     heads = []
     for item in text.split(","):
-        layer, sep, head = item.strip().partition(".")
-        if not sep or not layer.lstrip("-").isdigit() or not head.lstrip("-").isdigit():
-            raise CommandError(f"--heads {text!r}: write heads as LAYER.HEAD, comma-separated, e.g. 3.1,4.0")
-        layer, head = int(layer), int(head)
+        try:
+            layer, head = parse_head(item)
+        except ValueError:
+            raise CommandError(f"--heads {text!r}: write heads as L3H1 (or 3.1), comma-separated, e.g. L3H1,L4H0") from None
         if not 0 <= layer < model.cfg.n_layers:
             raise CommandError(f"--heads: layer {layer} is outside [0, {model.cfg.n_layers})")
         if not 0 <= head < model.cfg.layer_heads(layer):

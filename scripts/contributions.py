@@ -2,7 +2,7 @@
 
 examples:
   probe contributions --prompt "ROMEO. But soft, what light" --answer " through" --counterfactual " in"
-  probe contributions --prompt "..." --answer 318 --position -1 --out runs/dla
+  probe contributions --prompt "ROMEO. But soft, what light" --answer 318 --position -1 --out runs/dla
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 examples:
   probe lens --prompt "ROMEO. But soft, what light through yonder window"
-  probe lens --prompt "..." --target " breaks" --mid --tuned --out runs/lens
+  probe lens --prompt "ROMEO. But soft, what light through yonder window" --target " light" --mid --tuned --out runs/lens
 """
 from __future__ import annotations
 
@@ -23,12 +23,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mid", action="store_true", help="also decode after every attention sublayer (hook_resid_mid)")
     parser.add_argument("--frozen-scale", action="store_true", help="use the final norm's actual scale instead of recomputing it per layer")
     parser.add_argument("--tuned", action="store_true", help="also train a tuned lens on the held-out text and compare (about a minute)")
+    parser.add_argument("--tuned-steps", type=int, default=150, help="with --tuned: training steps")
+    parser.add_argument("--tuned-tokens", type=int, default=16384, help="with --tuned: held-out tokens to train on (and half as many to compare on)")
 
 
 def run(args: argparse.Namespace) -> int:
     from analyses import compare_lenses, logit_lens, train_tuned_lens
     from analyses.lens import has_resid_mid
 
+    for flag, value, least in (("--tuned-steps", args.tuned_steps, 1), ("--tuned-tokens", args.tuned_tokens, 4)):
+        if value < least:  # the comparison reads half the tokens, and a lens needs two
+            raise CommandError(f"{flag} {value} must be at least {least}")
     out = Output(default_out(args, "lens"), args.force)
     model = load_model(args)
     check_prompt(model, args.prompt)
@@ -43,11 +48,12 @@ def run(args: argparse.Namespace) -> int:
     out.write_figure("logit_lens.html", result.figure())
     out.write_figure("logit_lens_target.html", result.figure(kind="target"))
     if args.tuned:
-        lens = train_tuned_lens(model, include_mid=args.mid, seed=args.seed)
+        lens = train_tuned_lens(model, include_mid=args.mid, seed=args.seed, steps=args.tuned_steps,
+                                max_tokens=args.tuned_tokens, progress=not args.quiet)
         tuned = logit_lens(model, args.prompt, target=target, k=args.k, include_mid=args.mid, lens=lens)
         out.write_csv("tuned_lens.csv", tuned.to_frame())
         out.write_figure("tuned_lens.html", tuned.figure())
-        comparison = compare_lenses(model, lens)
+        comparison = compare_lenses(model, lens, max_tokens=args.tuned_tokens // 2, progress=not args.quiet)
         out.write_csv("lens_comparison.csv", comparison.to_frame())
         out.write_figure("lens_comparison.html", comparison.figure())
     print(result.to_frame().query("position == position.max()").to_string(index=False))

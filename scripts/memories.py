@@ -2,7 +2,7 @@
 
 examples:
   probe memories --prompt "ROMEO. But soft, what light"           # lookup at the last position + value tokens
-  probe memories --corpus shakespeare/ --layers 2 3 --k 25          # top trigger examples, card report
+  probe memories --corpus plays/ --layers 2 3 --k 25               # top trigger examples, card report
 """
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--neurons", type=int, nargs="+", default=None,
                         help="neurons (of every chosen layer) to report value tokens and triggers for (default: the lookup's top ones; all for triggers)")
     parser.add_argument("--k", type=int, default=10, help="memories per layer / trigger examples per neuron")
+    parser.add_argument("--max-cards", type=int, default=500, help="neurons shown in memory_cards.html (one card each)")
 
 
 def run(args: argparse.Namespace) -> int:
     from analyses import agreement, memory_lookup, memory_report, top_triggers, value_tokens
-    from analyses.memories import _neuron_tensor
+    from analyses.memory_units import neuron_tensor
 
     if args.prompt is None and not args.triggers and args.corpus is None:
         raise CommandError("give --prompt TEXT for a lookup and/or --triggers [--corpus PATH] for a corpus scan")
@@ -41,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
         if not 0 <= layer < model.cfg.n_layers:
             raise CommandError(f"--layers: {layer} is outside [0, {model.cfg.n_layers})")
     if args.neurons is not None:
-        checked("--neurons", _neuron_tensor, model, args.neurons)
+        checked("--neurons", neuron_tensor, model, args.neurons)
+    if args.max_cards < 1:
+        raise CommandError(f"--max-cards {args.max_cards}: give at least 1")
     if args.triggers or args.corpus is not None:
         check_corpus_arg(args.corpus)  # before the lookup writes its files
     if args.prompt is not None:
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         stats = agreement(model, triggers)
         out.write_csv("agreement.csv", stats.to_frame())
         out.write_figure("agreement.html", stats.figure())
-        out.write_text("memory_cards.html", memory_report(model, triggers))
+        out.write_text("memory_cards.html", memory_report(model, triggers, max_cards=args.max_cards,
+                                                          show_more="raise --max-cards or pick them with --neurons"))
     out.report(args)
     return 0
 

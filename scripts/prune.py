@@ -14,18 +14,19 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as `python scripts/prune.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, command, default_out, load_model, log, parse_heads  # noqa: E402
+from scripts.common import (CommandError, Output, command, default_out, fraction, fraction_below_one, load_model, log,  # noqa: E402
+                            parse_heads, positive_int)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-file", default=None, help="UTF-8 text to estimate importance and evaluate on (default: the bundled held-out text)")
-    parser.add_argument("--step", type=float, default=0.1, help="fraction of the remaining heads pruned per step")
-    parser.add_argument("--max-fraction", type=float, default=1.0, help="stop after pruning this fraction of heads")
-    parser.add_argument("--max-windows", type=int, default=16, help="text windows used (more: slower, steadier)")
+    parser.add_argument("--step", type=fraction, default=0.1, help="fraction of the remaining heads pruned per step")
+    parser.add_argument("--max-fraction", type=fraction, default=1.0, help="stop after pruning this fraction of heads")
+    parser.add_argument("--max-windows", type=positive_int, default=16, help="text windows used (more: slower, steadier)")
     parser.add_argument("--no-curve", action="store_true", help="importance only")
     parser.add_argument("--heads", default=None, help="with --save: remove these heads (LAYER.HEAD,..., numbered as in importance.csv) instead of the least important")
     parser.add_argument("--save", default=None, help="write a structurally pruned model (and its head_map.json) to this directory")
-    parser.add_argument("--save-fraction", type=float, default=0.25, help="with --save and no --heads: prune this fraction of the heads, least important first")
+    parser.add_argument("--save-fraction", type=fraction_below_one, default=0.25, help="with --save and no --heads: prune this fraction of the heads, least important first")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 drop = (logits[0, -1].log_softmax(-1)[target] - ablated[0, -1].log_softmax(-1)[target]).item()
                 effects.append((drop, layer, head))
     drop, layer, head = max(effects)
-    print(f"\nzeroing head {layer}.{head} lowers log p({model.tokenizer.decode([target])!r}) the most: by {drop:.3f} nats")
+    print(f"\nzeroing head L{layer}H{head} lowers log p({model.tokenizer.decode([target])!r}) the most: by {drop:.3f} nats")
 
     print("\ngreedy continuation:")
     print(model.generate(args.prompt, max_new_tokens=30))

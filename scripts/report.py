@@ -8,7 +8,7 @@ opens offline.
 examples:
   probe report                                        # the bundled model on a default prompt
   probe report --prompt "JULIET. O Romeo, Romeo, wherefore art thou" --out runs/report
-  probe report --prompt "..." --corrupted "..." --answer " Romeo" --counterfactual " Juliet"
+  probe report --prompt "Romeo, Romeo, Romeo," --corrupted "Juliet, Juliet, Juliet," --answer " Romeo" --counterfactual " Juliet"
 """
 from __future__ import annotations
 
@@ -87,11 +87,23 @@ def note(text: str) -> str:
     return f'<p class="note">{html.escape(text)}</p>'
 
 
+def shown_path(given: str) -> str:
+    """A model or SAE as the report names it: never an absolute local path (a report is shared; the reader's
+    disk is not the writer's). The bundled model by name, another absolute path by its last part."""
+    from probe.bundled import DEFAULT_MODEL
+
+    if given == DEFAULT_MODEL:
+        return f"the bundled model ({Path(given).name})"
+    return f"…/{Path(given).name}" if Path(given).is_absolute() else given
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     import analyses as A
     from analyses.ablation import loss_metric
+    from analyses.common import token_strings
+    from analyses.labels import shown_token
 
     started = time.perf_counter()
     out = Output(default_out(args, "report"), args.force)
@@ -112,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
         logits = model(tokens)
     probs = logits[0, -1].float().softmax(-1)
     top = probs.topk(10)
-    strings = model.tokenizer.token_strings
+    def strings(ids):  # partial UTF-8 characters as <0xE2>, not U+FFFD
+        return token_strings(model, ids)
+
     answer = token_id(model, args.answer, "--answer") if args.answer else int(top.indices[0])
     if args.counterfactual:
         counterfactual = token_id(model, args.counterfactual, "--counterfactual")
@@ -141,14 +155,15 @@ def run(args: argparse.Namespace) -> int:
 
         config, ledger, summary, _ = anatomy_tables(model, None)
         part = report.section("model", "The model")
-        part += [f"<pre>{html.escape(model_label(args))}</pre>", table_html(summary, 20), table_html(config, 40)]
+        shown = shown_path(str(args.model)) + (f"@{args.revision}" if getattr(args, "revision", None) else "")
+        part += [f"<pre>{html.escape(shown)}</pre>", table_html(summary, 20), table_html(config, 40)]
         out.write_csv("ledger.csv", ledger)
         prompt_part = report.section("prompt", "Prompt and prediction")
         prediction = pd.DataFrame({"token": strings(top.indices.tolist()), "id": top.indices.tolist(), "probability": top.values.tolist()})
         prompt_part += [f"<pre>{html.escape(args.prompt)}</pre>",
                         note(f"{tokens.shape[1]} tokens; loss {float(loss_metric(logits, tokens, mask)[0]):.3f} nats/token. "
                              f"Attributions below use answer {strings([answer])[0]!r} vs {strings([counterfactual])[0]!r}."),
-                        table_html(prediction)]
+                        table_html(prediction.assign(token=[shown_token(t) for t in prediction["token"]]))]  # ␣ for spaces
         out.write_csv("prediction.csv", prediction)
 
     with timed("logit lens"):
@@ -170,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         part = report.section("attention", "Attention patterns")
         part += [figure_html(patterns.figure())]
         out.write_csv("patterns.csv", patterns.to_frame())
+        part = report.section("attention-view", "Attention, token by token")  # interactive: no plotly, no network
+        part += [A.AttentionView.from_patterns(patterns).to_html(title="Pick a layer and a head; hover a token")]
 
     with timed("head detectors"):
         part = report.section("detectors", "Head detectors")
@@ -178,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
             part += [figure_html(scores.figure())]
             out.write_csv(f"heads_{kind}.csv", scores.to_frame())
             best = scores.top(1).iloc[0]
-            part += [note(f"strongest {kind.replace('_', '-')} head: {int(best['layer'])}.{int(best['head'])} ({best['score']:.2f})")]
+            part += [note(f"strongest {kind.replace('_', '-')} head: {best['label']} ({best['score']:.2f})")]
 
     with timed("ablation"):
         effects = A.head_ablation_effects(model, tokens)
@@ -207,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
             out.write_csv("edges.csv", scores.to_frame())
             out.write_csv("faithfulness.csv", curve.to_frame())
     else:
-        part += [note("Give --corrupted (a prompt of the same length) to patch clean activations into it.")]
+        part += [note("Not run: activation patching needs a corrupted prompt. Rerun with --corrupted \"...\" (a prompt of "
+                      f"the same length, {tokens.shape[1]} tokens with BOS) to patch this prompt's activations into it, "
+                      "e.g. the prompt with one name changed.")]
 
     if "memories" not in args.skip:
         with timed("memories"):
@@ -230,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
             active = [f for f in found.top_ids[0, -1].tolist() if f >= 0]
             loss = A.sae_loss_recovered(model, sae, tokens)
             part = report.section(f"sae{index}", f"Sparse autoencoder at {sae.cfg.hook_name}")  # render escapes
-            part += [note(f"{args.sae[index]}: d_sae {sae.cfg.d_sae}, {sae.cfg.architecture}. At the last "
+            part += [note(f"{shown_path(args.sae[index])}: d_sae {sae.cfg.d_sae}, {sae.cfg.architecture}. At the last "
                           f"position L0 {int(found.l0[0, -1])}, reconstruction error {float(found.fvu[0, -1]):.3g} (FVU); "
                           f"loss clean {float(loss.clean[0]):.3f}, with the SAE {float(loss.spliced[0]):.3f}, hook zeroed "
                           f"{float(loss.zero_ablated[0]):.3f}: {float(loss.recovered[0]):.2f} of the loss recovered."),

@@ -1,18 +1,27 @@
-"""probe sae: a sparse autoencoder's features on a prompt, the tokens they write, the loss it recovers,
-and (--triggers) the corpus contexts where they fire hardest.
+"""probe sae: a sparse autoencoder's (or transcoder's) features on a prompt, the tokens they write, the loss it
+recovers, and (--triggers) the corpus contexts where they fire hardest.
 
 examples:
-  probe sae --sae path/to/sae --prompt "ROMEO. But soft, what light"            # top features at the last token
-  probe sae --sae path/to/sae --prompt "..." --position 3 --features 17 801      # these features' tokens
-  probe sae --sae path/to/sae --prompt "..." --triggers --corpus plays/          # their top contexts in a corpus
+  probe sae --sae bundled --prompt "ROMEO. But soft, what light"                # top features at the last token
+  probe sae --sae bundled --prompt "ROMEO. But soft, what light" --position 3 --features 17 601      # these features' tokens
+  probe sae --sae bundled --prompt "ROMEO. But soft, what light" --triggers --corpus plays/          # their top contexts in a corpus
 
---sae is a directory in SAELens's format (cfg.json and sae_weights.safetensors), for the --model given.
+--sae is a directory in SAELens's format (cfg.json and sae_weights.safetensors), for the --model given, or a
+dictionary shipped for the bundled model (bundled = resid-post-1; transcoder-0 ... transcoder-3). A transcoder's
+features are read at its input point and its decoder rows judged where it writes (hook_name_out).
+
+subcommands (each has its own --help):
+  probe sae dashboard --sae DIR [--features 0,5,17 | --top N] [--corpus FILE] [--tokens N] --out DIR
+                                   one HTML page of feature dashboards, and CSV files
+  probe sae train --hook ... --d-sae ... --tokens ... --out DIR
+                                   train a dictionary: the same command and flags as probe train_sae
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
 
 if __package__ in (None, ""):  # run as `python scripts/sae.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -77,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     out.report(args)
 
     token = found.token_strings[0][position]
-    print(f"SAE at {sae.cfg.hook_name} (d_sae={sae.cfg.d_sae}), position {position} {token!r}: "
+    where = f"transcoder at {sae.cfg.hook_name} -> {sae.cfg.hook_name_out}" if sae.cfg.is_transcoder else \
+        f"SAE at {sae.cfg.hook_name}"
+    print(f"{where} (d_sae={sae.cfg.d_sae}), position {position} {token!r}: "
           f"L0 {int(found.l0[0, position])}, reconstruction error {float(found.fvu[0, position]):.4g} (fvu)")
     if not top:
         print("no feature is active at this position" + ("" if logits is not None else
@@ -92,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if triggers is not None:
         print(f"top triggers over {triggers.n_tokens} corpus tokens (triggers.csv):")
         # every feature has a value at every scanned token, so each one's first slot is filled
-        best = frame.query("rank == 0").set_index("feature")
+        best = frame.sort_values("rank").groupby("feature").first()  # each feature's rank 1
         for feature in scanned:
             row = best.loc[feature]
             print(f"  F{feature:<7} {row.activation:9.4f}   {row.prefix[-60:]!r} -> next {row.next_token!r}")
@@ -133,7 +144,23 @@ def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[
     return triggers, frame
 
 
-build_parser, main = command(__doc__, "probe sae", add_arguments, run)
+build_parser, _main = command(__doc__, "probe sae", add_arguments, run)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`probe sae ...` as ever, or `probe sae dashboard ...` / `probe sae train ...` (see the docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["dashboard"]:
+        from scripts import sae_dashboard
+
+        return sae_dashboard.main(argv[1:])
+    if argv[:1] == ["train"]:
+        from scripts import train_sae
+
+        doc = train_sae.__doc__.replace("probe train_sae", "probe sae train")
+        return command(doc, "probe sae train", train_sae.add_arguments, train_sae.run)[1](argv[1:])
+    return _main(argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,9 @@
 """probe steer: build a contrastive steering vector, generate with and without it, and sweep its coefficient.
 
 examples:
-  probe steer --positive romeo.txt --negative juliet.txt --layer 2 --coefficient 4 --prompt "ROMEO. But soft"
-  probe steer --vector probe-out/steer/vector.safetensors --coefficient 2 --prompt "..." --prompt "..."
-  probe steer --positive a.txt --negative b.txt --layer 1 --prompt "..." --target " love" --coefficients 0 1 2 4 8
+  probe steer --positive romeo.txt --negative juliet.txt --layer 2 --coefficient 4 --prompt "ROMEO. But soft" --out runs/steer
+  probe steer --vector runs/steer/vector.safetensors --coefficient 2 --prompt "ROMEO. But soft" --prompt "JULIET. O" --target " Romeo"
+  probe steer --positive romeo.txt --negative juliet.txt --layer 1 --prompt "JULIET. I" --target " love" --coefficients 0 1 2 4 8
 
 --positive and --negative hold one prompt per line, paired line by line; the vector is the mean over pairs of the
 activation difference at --site of block --layer. The sweep shows a metric beside the next-token loss on held-out

@@ -5,16 +5,22 @@ examples:
   probe train_sae --hook blocks.1.hook_resid_post --arch topk --k 32 --d-sae 768 --tokens 2M --corpus plays/ --out sae
   probe train_sae --hook blocks.0.ln2.hook_normalized --hook-out blocks.0.hook_mlp_out --arch topk --k 32 \\
       --d-sae 768 --tokens 1M --corpus plays/ --out transcoder-0          # an MLP transcoder (--skip: skip-transcoder)
-  probe train_sae ... --checkpoint-every 500k --out run; then, after an interruption:
-  probe train_sae ... --out run --resume run/checkpoints/1024000          # continues bit for bit
+  probe train_sae --hook blocks.1.hook_resid_post --k 32 --d-sae 768 --tokens 2M --checkpoint-every 500k --out run
+
+After an interruption, the same command with --resume run/checkpoints/<tokens> (the newest checkpoint there)
+continues bit for bit.
 
 The corpus is a text file or a folder of .txt files (default: the bundled held-out text), read again
-from its start when --tokens asks for more than it holds. See docs/sae_training.md for the recipe of the
-dictionaries shipped with probe.
+from its start when --tokens asks for more than it holds. Data parallel, `torchrun --nproc-per-node N -m
+scripts.cli train_sae ...`: every process reads its own shard of the corpus and --batch-tokens / N rows of
+each batch (gloo on the CPU; nccl with --device cuda, process r on cuda:LOCAL_RANK), the gradients are
+averaged, and rank 0 writes the checkpoints and the dictionary; resume with the same N. See
+docs/sae_training.md for the recipe of the dictionaries shipped with probe.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coefficient-warm-up-steps", type=int, default=0)
     parser.add_argument("--aux", type=float, default=1.0, help="topk/batchtopk: AuxK coefficient")
     parser.add_argument("--dead-window", type=int, default=1000, help="steps without firing that make a feature dead")
+    parser.add_argument("--resample-every", type=int, default=None,
+                        help="standard: resample dead features every N steps (Anthropic's recipe)")
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--buffer-tokens", type=token_count, default=65536)
     parser.add_argument("--context-size", type=int, default=None, help="tokens per window (default: the model's n_ctx)")
@@ -93,11 +101,14 @@ def run(args: argparse.Namespace) -> int:
                              lr_warm_up_steps=args.lr_warm_up_steps, lr_decay_steps=args.lr_decay_steps,
                              l1_coefficient=args.l1, l0_coefficient=args.l0,
                              coefficient_warm_up_steps=args.coefficient_warm_up_steps, aux_coefficient=args.aux,
-                             dead_feature_window=args.dead_window, batch_tokens=args.batch_tokens,
+                             dead_feature_window=args.dead_window, resample_every_steps=args.resample_every,
+                             batch_tokens=args.batch_tokens,
                              buffer_tokens=args.buffer_tokens, context_size=args.context_size,
                              store_device=args.store_device, checkpoint_every_tokens=args.checkpoint_every, seed=args.seed)
     except ValueError as err:
         raise CommandError(str(err)) from err
+    if os.environ.get("LOCAL_RANK") is not None and args.device in ("cuda", "auto") and _cuda():
+        args.device = f"cuda:{os.environ['LOCAL_RANK']}"  # torchrun: one GPU per process
     model = load_model(args)
     out = Path(args.out)
     if (out / "cfg.json").exists() and not args.force and args.resume is None:
@@ -106,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     result = train_sae(model, Corpus(args.corpus), cfg, out=out, resume=args.resume, progress=not args.quiet,
                        overwrite=args.force)
     seconds = time.perf_counter() - start
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # rank 0 wrote the files and reports them
     last = result.history[-1] if result.history else {}
     log(args, f"wrote {out} ({out / 'cfg.json'}, {out / 'sae_weights.safetensors'}, {out / 'training.json'})")
     print(f"trained {cfg.architecture} d_sae={cfg.d_sae} on {cfg.hook_name}"
@@ -114,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
             f"L0 {last.get('l0', float('nan')):.1f}, dead {last.get('dead', float('nan')):.1%}, "
             f"explained variance {last.get('explained_variance', float('nan')):.3f}")
     return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 build_parser, main = command(__doc__, "probe train_sae", add_arguments, run)

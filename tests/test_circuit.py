@@ -252,16 +252,19 @@ def test_scores_and_circuits_are_the_same_on_the_gpu(tiny_model):
 
 
 def test_bundled_model_induction_circuit(bundled_model):
-    """Repeated random tokens against a copy whose first half is other random tokens: the circuit of ~3% of the edges
-    holds the previous-token head (L0H1), the induction head (L2H0) and the K-composition edge between them."""
+    """Repeated random tokens against a copy whose first half is other random tokens: the 46 best edges by signed
+    EAP-IG-activations score (41 after pruning, 4.4% of 927) hold the previous-token head (L0H1), the induction head
+    (L2H0) and the K-composition edge between them, and keep most of the logit difference (measured 0.73, 95%
+    interval 0.46-0.90 over these 8 prompts; docs/circuits.md)."""
     model = bundled_model
     gen = torch.Generator().manual_seed(0)
     first, other = torch.randint(100, 4000, (8, 20), generator=gen), torch.randint(100, 4000, (8, 20), generator=gen)
     bos = torch.full((8, 1), model.tokenizer.bos_id)
     clean, corrupted = torch.cat([bos, first, first[:, :12]], 1), torch.cat([bos, other, first[:, :12]], 1)
     metric = logit_diff_metric(model, first[:, 12].tolist(), [4050] * 8)  # the next token against one in neither prompt
-    scores = edge_attribution(model, clean, corrupted, metric, method="eap-ig-inputs")
-    circuit = scores.circuit(n_edges=30)
+    scores = edge_attribution(model, clean, corrupted, metric, method="eap-ig-activations")
+    circuit = scores.circuit(n_edges=46, absolute=False)
+    assert circuit.n_edges <= 0.05 * scores.graph.n_edges
     assert {"L0H1", "L2H0"} <= set(circuit.nodes) and circuit.contains("L0H1", "L2H0<k")
     kept = faithfulness(model, circuit, clean, corrupted, metric)
-    assert kept.value > 0.3 and kept.interval()[0] > 0.1 and kept.p_value() < 0.01
+    assert kept.value > 0.6 and kept.interval()[0] > 0.4 and kept.p_value() < 0.02

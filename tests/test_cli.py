@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -117,7 +118,8 @@ def test_script_runs_standalone(tiny_dir, tmp_path):
     result = subprocess.run([sys.executable, "scripts/anatomy.py", "--model", str(tiny_dir), "--out", str(tmp_path / "s"), "--quiet"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "s" / "ledger.csv").is_file() and result.stderr == ""
+    # --quiet prints only where the results went (issue 22)
+    assert (tmp_path / "s" / "ledger.csv").is_file() and result.stderr == f"results in {tmp_path / 's'}\n"
 
 
 @pytest.mark.parametrize("command", sorted(cli.COMMANDS))
@@ -151,6 +153,12 @@ def test_report_on_a_checkpoint_writes_every_section_and_true_numbers(tiny_dir, 
 
     assert len(pd.read_csv(out / "edges.csv")) == circuit_graph(tiny_model).n_edges
     assert "<script>x</script>" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
+    # the interactive attention view: the prompt's tokens as written, the model's own attention weights
+    view = json.loads(re.search(r'<section id="attention-view">.*?class="pa-data">(.*?)</script>', page, re.S).group(1))
+    assert "".join(view["tokens"][1:]) == prompt.replace(" ", "␣")
+    _, cache = tiny_model.run_with_cache(prompt, names=["blocks.1.attn.hook_pattern"])
+    last = cache["blocks.1.attn.hook_pattern"][0, 2, -1]
+    assert view["rows"][1][2][-1] == pytest.approx(last.tolist(), abs=1e-4)
     with torch.no_grad():
         probs = tiny_model(prompt)[0, -1].softmax(-1)
     prediction = pd.read_csv(out / "prediction.csv")
@@ -301,7 +309,7 @@ def test_quickstart_handles_a_pruned_model(tiny_model, tmp_path, capsys):
     prompt = "To be, or not"
     assert quickstart.main(["--model", str(tmp_path / "pruned"), "--prompt", prompt]) == 0
     printed = capsys.readouterr().out
-    match = re.search(r"zeroing head (\d+)\.(\d+) lowers log p\(.*\) the most: by (-?[\d.]+) nats", printed)
+    match = re.search(r"zeroing head L(\d+)H(\d+) lowers log p\(.*\) the most: by (-?[\d.]+) nats", printed)
     assert match, printed
     tokens = pruned.to_tokens(prompt)
     with torch.no_grad():
@@ -378,7 +386,13 @@ def test_attention_writes_patterns_detectors_and_copying_scores(tiny_dir, tiny_m
     expected = copying_scores(tiny_model).to_frame()
     assert list(written.layer) == list(expected.layer) and list(written["head"]) == list(expected["head"])
     assert written.copying_score.tolist() == pytest.approx(expected.copying_score.tolist(), abs=1e-6)
-    assert {"patterns.csv", "scores_induction.csv", "copying_scores.html", "composition_k.html"} <= {p.name for p in out.iterdir()}
+    assert {"patterns.csv", "scores_induction.csv", "copying_scores.html", "composition_k.html",
+            "attention_view.html"} <= {p.name for p in out.iterdir()}
+    from analyses import attention_view  # the interactive view holds the prompt's own attention weights
+
+    page = (out / "attention_view.html").read_text(encoding="utf-8")
+    assert attention_view(tiny_model, "To be, or not to be").data()["rows"] == \
+        json.loads(re.search(r'class="pa-data">(.*?)</script>', page, re.S).group(1))["rows"]
     from analyses import composition_scores
 
     composition = pd.read_csv(out / "composition.csv")
@@ -481,3 +495,154 @@ def test_version_and_defaults_in_help(capsys):
         cli.main(["lens", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     assert "(default: float32)" in shown and "(default: 0)" in shown and "(default: None)" not in shown
+
+
+def _finished(err: str, desc: str) -> bool:
+    """A tqdm bar named `desc` reached its total (its last refresh reads 100%)."""
+    return any(part.startswith(desc) and "100%" in part for part in err.replace("\r", "\n").splitlines())
+
+
+def test_long_steps_show_progress_with_totals_and_quiet_silences_them(tiny_dir, tiny_model, tmp_path, capsys):
+    lens = ["lens", "--model", str(tiny_dir), "--prompt", "To be, or not", "--tuned", "--tuned-steps", "3",
+            "--tuned-tokens", "300"]
+    code, _, err = run_cli(capsys, *lens, "--out", str(tmp_path / "lens"))
+    assert code == 0, err
+    for desc in ("tuned lens: residuals", "tuned lens: training", "lens comparison: residuals",
+                 "lens comparison: logit lens KL", "lens comparison: tuned lens KL"):
+        assert _finished(err, desc), (desc, err)
+    assert "3/3" in err  # the training bar counts the steps asked for
+
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. Whether 'tis nobler in the mind to suffer\n" * 6)
+    code, _, err = run_cli(capsys, "prune", "--model", str(tiny_dir), "--text-file", str(text), "--max-windows", "2",
+                           "--step", "0.5", "--out", str(tmp_path / "prune"))
+    assert code == 0, err
+    for desc in ("pruning", "baseline: single-head ablations", "baselines: their pruning curves"):
+        assert _finished(err, desc), (desc, err)
+
+    # the trigger scan's bar has a total: every token of the corpus, counted by the tokenizer itself
+    n = len(tiny_model.tokenizer.encode(text.read_text()))
+    code, _, err = run_cli(capsys, "memories", "--model", str(tiny_dir), "--triggers", "--corpus", str(text),
+                           "--layers", "0", "--neurons", "1", "2", "--k", "3", "--out", str(tmp_path / "memories"))
+    assert code == 0, err
+    assert _finished(err, "top_triggers") and f"{n}/{n}" in err, err
+    code, _, err = run_cli(capsys, "memories", "--model", str(tiny_dir), "--triggers", "--corpus", str(text),
+                           "--layers", "0", "--neurons", "1", "--k", "3", "--out", str(tmp_path / "memories-q"), "--quiet")
+    assert code == 0 and "top_triggers" not in err and "%|" not in err, err  # --quiet: no bars
+
+
+def _bytes_of_shown(shown: list[str]) -> bytes:
+    """The text a row of `probe tokens` stands for, read back: ␣ and ⏎ as themselves, <0xE2> as its byte."""
+    out = b""
+    for token in shown:
+        for piece in re.split(r"(<0x[0-9A-F]{2}>)", token):
+            out += bytes([int(piece[3:5], 16)]) if re.fullmatch(r"<0x[0-9A-F]{2}>", piece) else \
+                piece.replace("␣", " ").replace("⏎", "\n").encode("utf-8")
+    return out
+
+
+def test_tokens_shows_each_positions_id_and_string_with_whitespace_and_bytes_visible(tiny_dir, tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    prompt = "To be, or not\nto  be é"  # a newline, a double space, and é (two bytes the tiny vocabulary splits)
+    code, printed, err = run_cli(capsys, "tokens", "--model", str(tiny_dir), "--prompt", prompt, "--prompt", "To be",
+                                 "--out", str(tmp_path / "tokens"))
+    assert code == 0, err
+    frame = pd.read_csv(tmp_path / "tokens" / "tokens.csv", keep_default_na=False)
+    first = frame[frame.prompt == 0]
+    reference = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))  # the tokenizers library itself
+    bos = reference.token_to_id("<|endoftext|>")
+    assert first.id.tolist() == [bos] + reference.encode(prompt).ids
+    assert first.position.tolist() == list(range(len(first)))
+    assert first.shown.iloc[0] == "<|endoftext|>" and _bytes_of_shown(first.shown.iloc[1:]) == prompt.encode("utf-8")
+    assert any(re.fullmatch(r"<0x[0-9A-F]{2}>", s) for s in first.shown)  # é's bytes show as bytes, not U+FFFD
+    assert "⏎" in "".join(first.shown) and "\ufffd" not in printed
+    for row in first.itertuples():  # the terminal table: position, id, string
+        assert re.search(rf"^\s*{row.position}\s+{row.id}\s+{re.escape(row.shown)}$", printed, re.M), row
+    assert "different lengths" in printed
+
+
+def test_patch_says_how_each_prompt_and_answer_tokenises(tiny_dir, tiny_model, tmp_path, capsys):
+    from analyses.labels import shown_token
+
+    clean, corrupted = "To be, or not to be", "To be"
+    code, _, err = run_cli(capsys, "patch", "--model", str(tiny_dir), "--clean", clean, "--corrupted", corrupted,
+                           "--answer", " be", "--counterfactual", " not", "--out", str(tmp_path / "patch"))
+    assert code == 2 and err.count("\n") == 1, err
+    for flag, prompt in (("--clean", clean), ("--corrupted", corrupted)):
+        ids = tiny_model.to_tokens(prompt)[0].tolist()
+        shown = " | ".join(shown_token(s) for s in tiny_model.tokenizer.token_strings(ids))
+        assert f"{flag} is {len(ids)} tokens: {shown}" in err, err
+    assert "probe tokens --prompt" in err and not any((tmp_path / "patch").glob("*"))
+
+    answer = " question"
+    pieces = tiny_model.tokenizer.encode(answer)
+    assert len(pieces) > 1  # the tiny vocabulary splits it
+    code, _, err = run_cli(capsys, "patch", "--model", str(tiny_dir), "--clean", "To be, or not", "--corrupted",
+                           "To be, or not", "--answer", answer, "--counterfactual", " not", "--out", str(tmp_path / "patch"),
+                           "--force")
+    shown = " | ".join(shown_token(s) for s in tiny_model.tokenizer.token_strings(pieces))
+    assert code == 2 and f"--answer ' question' is {len(pieces)} tokens: {shown}" in err, err
+
+
+RUNTIME_CHECK = r"""
+import importlib.abc, json, os, sys
+
+blocked = set(json.loads(os.environ["PROBE_BLOCKED_MODULES"]))
+
+
+class Hidden(importlib.abc.MetaPathFinder):  # as if the test extras had never been installed: not found at all
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in blocked or not hasattr(self.finder, "find_spec"):
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def __getattr__(self, attr):
+        return getattr(self.finder, attr)
+
+
+sys.meta_path[:] = [Hidden(finder) for finder in sys.meta_path]
+from scripts import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _closure(names) -> set[str]:
+    """These distributions and every distribution their runtime requirements pull in (extras left out), normalised."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+    seen, todo = set(), list(names)
+    while todo:
+        name = norm(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        todo += [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in reqs if "extra ==" not in r]
+    return seen
+
+
+def test_probe_report_runs_with_only_the_runtime_dependencies(tiny_dir, tmp_path):
+    """`pip install -e . && probe report` (the README's first line) needs nothing from the test extras: the report
+    runs with every module that only they bring in (transformers, transformer-lens and theirs) made unimportable."""
+    import os
+    from importlib.metadata import packages_distributions, requires
+
+    extras = [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in requires("probe") if 'extra == "test"' in r]
+    test_only = _closure(extras) - _closure(["probe"])
+    assert {"transformers", "transformer-lens", "pytest"} <= test_only
+    blocked = sorted(module for module, dists in packages_distributions().items()
+                     if {re.sub(r"[-_.]+", "-", d).lower() for d in dists} <= test_only and not module.startswith("_"))
+    result = subprocess.run([sys.executable, "-c", RUNTIME_CHECK, "report", "--model", str(tiny_dir), "--skip",
+                             "memories", "importance", "--out", str(tmp_path / "r"), "--quiet"],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PROBE_BLOCKED_MODULES": json.dumps(blocked)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "r" / "report.html").is_file()

@@ -1,12 +1,14 @@
-"""Shared analysis helpers: token labels that are safe in HTML and drawable by plotly."""
+"""Shared analysis helpers: token labels that are safe in plotly and drawable by it."""
 from analyses.common import escape_token, token_labels
 
 
-def test_escape_token_escapes_markup_and_shows_control_characters():
+def test_escape_token_escapes_markup_for_plotly_and_shows_whitespace():
+    """escape_token is the figures' token (analyses.labels.figure_token): plotly's three entities, whitespace shown."""
     assert escape_token("<script>&") == "&lt;script&gt;&amp;"
-    assert escape_token("a\nb\tc") == "a\\nb\\tc"
-    assert escape_token("\x06\x7f") == "\\x06\\x7f"
-    assert escape_token(" é") == " é"
+    assert escape_token("a\nb\tc") == "a⏎b⇥c"
+    assert escape_token("\x06\x7f") == "&lt;0x06&gt;&lt;0x7F&gt;"  # shows as <0x06><0x7F>
+    assert escape_token(" é") == "␣é"
+    assert escape_token('say "hi"') == 'say␣"hi"'  # no &quot;: plotly would show it as written
 
 
 def test_token_labels_are_unique_per_position(tiny_model):

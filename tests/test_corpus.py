@@ -72,7 +72,7 @@ def test_a_file_read_in_pieces_tokenises_as_a_whole(tiny_model, tmp_path, monkey
         _tiny_chunks(monkeypatch)
         pieces = list(corpus._read_text_pieces(path))
         assert len(pieces) > 50 and "".join(pieces) == text
-        spans = list(corpus._encode_document(tokenizer, pieces))
+        spans = list(corpus.encode_document(tokenizer, pieces))
         assert len(spans) > 10
         ids = [i for span in spans for i in span]
         if exact:
@@ -129,7 +129,7 @@ def test_the_tokenising_stage_never_sees_more_than_a_span(tiny_model, tmp_path, 
     seen = []
     encode = tiny_model.tokenizer.encode
     monkeypatch.setattr(tiny_model.tokenizer, "encode", lambda t: seen.append(len(t)) or encode(t))
-    windows = list(memories._windows(tiny_model, path, tiny_model.cfg.n_ctx, True, (0, 0), 0, 1))
+    windows = list(memories.scan_windows(tiny_model, path, tiny_model.cfg.n_ctx, True, (0, 0), 0, 1))
     assert max(seen) <= 4096 and len(seen) > 50
     assert [i for w in windows for i in w[3]] == ids  # the memory scan's windows are the whole file's
     seen.clear()

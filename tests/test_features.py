@@ -8,10 +8,12 @@ import torch
 from safetensors.torch import load_file
 
 from analyses import feature_logits, sae_features, sae_loss_recovered
+from analyses.features import feature_inputs
+from analyses.labels import token_texts
 from analyses.common import escape_token
 from probe import DecoderConfig, HookedDecoder, Norm, NormPlacement, SAEConfig, SparseAutoencoder
 from test_cli import run_cli
-from test_sae import D_SAE, by_hand, random_sae
+from test_sae import D_SAE, by_hand, random_sae, random_transcoder
 
 HOOK = "blocks.0.hook_resid_post"
 PROMPTS = ["To be, or not to be, that is the question", "The <b>quick</b> & brown"]  # unequal: the second is padded
@@ -81,7 +83,7 @@ def test_sae_features_match_the_formulas_at_every_real_position(tiny_model, arch
     raw = [tiny_model.tokenizer.token_strings(row.tolist()) for row in tokens]
     assert frame.token.tolist() == [raw[b][p] for b, p in zip(frame.prompt, frame.position)]
     row = frame.iloc[-1]
-    assert row.feature == int(got.top_ids[row.prompt, row.position, row["rank"]])
+    assert row.feature == int(got.top_ids[row.prompt, row.position, row["rank"] - 1])  # ranks from 1
     assert row.l0 == int(l0[row.prompt, row.position])
 
 
@@ -165,7 +167,7 @@ def test_feature_logits_read_the_decoder_rows_through_the_final_norm(tiny_model,
     got = feature_logits(tiny_model, sae, features, k=6)
     assert got.features.tolist() == features
     assert_top_tokens(got, oracle, 6)
-    strings = tiny_model.tokenizer.token_strings
+    strings = lambda ids: token_texts(tiny_model.tokenizer, ids)  # noqa: E731 (a partial UTF-8 character as <0xE2>)
     assert got.token_strings == [strings(got.top_ids[i].tolist() + got.bottom_ids[i].tolist()) for i in range(3)]
     frame = got.to_frame()
     assert list(frame.columns) == ["feature", "direction", "rank", "token_id", "token", "logit"] and len(frame) == 36
@@ -201,6 +203,96 @@ def test_feature_logits_follow_the_final_norm_the_model_has(config):
         directions = directions * model.ln_final.w.detach().double()
     oracle = directions @ model.embed.W_E.detach().double().T  # tied embeddings
     assert_top_tokens(feature_logits(model, sae, [1, 2], k=4), oracle, 4)
+
+
+# ---- transcoders: features read at the input, rows judged where they are written ------------------
+def transcoder_by_hand(sae, x):
+    """Features and prediction [... d_out] in float64 from the parameters (the skip path x W_skip^T included)."""
+    features, prediction = by_hand(sae, x)  # apply_b_dec_to_input=False: x as it is
+    return features, prediction + (x.double() @ sae.W_skip.double().T if sae.cfg.skip else 0)
+
+
+@pytest.mark.parametrize("skip, architecture", [(False, "standard"), (True, "topk")])
+def test_a_transcoders_analyses_read_its_input_and_judge_what_it_writes(tiny_model, tiny_dir, tokens, skip, architecture):
+    sae = random_transcoder(layer=1, skip=skip, architecture=architecture, seed=5)
+    read, written = sae.cfg.hook_name, sae.cfg.hook_name_out
+    x, y = captured(tiny_model, tokens, read).double(), captured(tiny_model, tokens, written).double()
+    features, prediction = transcoder_by_hand(sae, x)
+
+    got = sae_features(tiny_model, sae, tokens, k=6)
+    assert got.hook_name == read and got.hook_name_out == written
+    assert torch.equal(got.l0, (features > 0).sum(-1))
+    fvu = (y - prediction).pow(2).sum(-1) / (y - y.mean(-1, keepdim=True)).pow(2).sum(-1)
+    torch.testing.assert_close(got.fvu.double(), fvu, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.top_activations.double(), features.sort(-1, descending=True).values[..., :6],
+                               atol=1e-5, rtol=0)
+    assert "transcoder features at blocks.1.ln2.hook_normalized (writing blocks.1.hook_mlp_out)" in got.figure().layout.title.text
+
+    ids = [4, 0, 77]  # the decoder rows write the MLP's output, a residual-stream write: the final norm, then W_U
+    logits = feature_logits(tiny_model, sae, ids, k=5)
+    assert_top_tokens(logits, sae.W_dec.detach().double()[ids] @ checkpoint_reading(tiny_dir, HOOK), 5)
+    assert logits.hook_name_out == written and "written at blocks.1.hook_mlp_out" in logits.figure().layout.title.text
+
+    # the input view: the token embeddings (GPT-2's wte) centred, as ln2 centres, against the encoder columns
+    wte = load_file(str(tiny_dir / "model.safetensors"))["transformer.wte.weight"].double()
+    scores = sae.W_enc.detach().double()[:, ids].T @ (wte - wte.mean(-1, keepdim=True)).T  # [feature vocab]
+    inputs = feature_inputs(tiny_model, sae, ids, k=5)
+    assert_top_tokens(inputs, scores, 5)
+    frame = inputs.to_frame()
+    assert list(frame.columns) == ["feature", "direction", "rank", "token_id", "token", "score"]
+    assert set(frame.direction) == {"excites", "inhibits"} and len(frame) == 30
+
+    mask = torch.ones_like(tokens)
+    with torch.no_grad():
+        clean = cross_entropy(tiny_model(tokens), tokens, mask)
+        spliced = cross_entropy(tiny_model.run_with_hooks(tokens, fwd_hooks=[(written, lambda a, hook: prediction.float())]),
+                                tokens, mask)
+        zero = cross_entropy(tiny_model.run_with_hooks(tokens, fwd_hooks=[(written, lambda a, hook: torch.zeros_like(a))]),
+                             tokens, mask)
+    loss = sae_loss_recovered(tiny_model, sae, tokens)  # zeroing the MLP's output, not its input
+    for value, expected in ((loss.clean, clean), (loss.spliced, spliced), (loss.zero_ablated, zero)):
+        torch.testing.assert_close(value.double(), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("config, hook", [({}, "blocks.0.hook_resid_post"),
+                                          (dict(norm=Norm.RMS, scale_embed=True), "blocks.0.ln2.hook_normalized")])
+def test_feature_inputs_read_the_embeddings_along_the_direct_path(config, hook):
+    """On the residual stream the embeddings as they are; at an RMSNorm's output not centred; times Gemma's scale."""
+    model = small_model(**config)
+    sae = random_sae(hook=hook, d_in=32, seed=3)
+    embedded = model.embed.W_E.detach().double() * (32 ** 0.5 if config.get("scale_embed") else 1.0)
+    scores = sae.W_enc.detach().double()[:, [2, 9]].T @ embedded.T
+    assert_top_tokens(feature_inputs(model, sae, [2, 9], k=4), scores, 4)
+
+
+def test_feature_inputs_refuse_a_point_the_embeddings_do_not_reach_directly(tiny_model):
+    for hook, d_in in (("blocks.0.attn.hook_z", 64), ("blocks.0.hook_mlp_out", 64), ("blocks.0.mlp.hook_post", 256)):
+        with pytest.raises(ValueError, match=f"{hook!r} is not on it"):
+            feature_inputs(tiny_model, random_sae(hook=hook, d_in=d_in), [1])
+
+
+def test_a_transcoder_whose_output_point_does_not_fit_is_refused(tiny_model):
+    base = dict(d_in=64, d_sae=8, hook_name="blocks.0.ln2.hook_normalized", apply_b_dec_to_input=False)
+    for out, d_out, error, match in (("blocks.7.hook_mlp_out", 64, KeyError, "the SAE writes 'blocks.7.hook_mlp_out', a "
+                                      "hook point this model lacks"),
+                                     ("blocks.0.hook_mlp_out", 32, ValueError, "the SAE writes 32 dimensions, but the "
+                                      "activation at 'blocks.0.hook_mlp_out' has 64")):
+        sae = SparseAutoencoder(SAEConfig(**base, hook_name_out=out, d_out=d_out))
+        with pytest.raises(error, match=match):
+            sae_features(tiny_model, sae, "To be")
+
+
+def test_probe_sae_on_a_transcoder_names_both_points(tiny_dir, tiny_model, tmp_path, capsys):
+    sae = random_transcoder(layer=0, skip=True, architecture="jumprelu", seed=8)
+    directory = sae.save_pretrained(tmp_path / "tc")
+    code, shown, err = run_cli(capsys, "sae", "--model", str(tiny_dir), "--sae", str(directory), "--prompt",
+                               "To be, or not", "--k", "3", "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    assert "transcoder at blocks.0.ln2.hook_normalized -> blocks.0.hook_mlp_out" in shown
+    written = pd.read_csv(tmp_path / "out" / "features.csv")
+    expected = sae_features(tiny_model, sae, "To be, or not", k=3).to_frame()
+    assert written.feature.tolist() == expected.feature.tolist()
+    assert written.fvu.to_numpy() == pytest.approx(expected.fvu.to_numpy(), rel=1e-5)
 
 
 # ---- sae_loss_recovered --------------------------------------------------------------------------

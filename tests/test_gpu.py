@@ -336,6 +336,25 @@ def test_greedy_generation_with_and_without_kv_cache(dtype, bundled_model, bundl
         assert float(trail.max()) < BF16_TRAIL, f"{name}: a choice trails float32's best by {float(trail.max()):.3f}"
 
 
+def test_a_model_split_between_the_cpu_and_the_device_computes_what_one_device_does(bundled_model, bundled_dir):
+    """device_map: the embedding, head and first half of the blocks on the device, the rest on the CPU (the
+    residual goes there and back); float32 logits, a cache and greedy KV-cache generation as on the CPU alone."""
+    n = bundled_model.cfg.n_layers
+    device_map = {"embed": DEVICE, "head": DEVICE, **{layer: DEVICE if layer < n // 2 else "cpu" for layer in range(n)}}
+    split = HookedDecoder.from_pretrained(bundled_dir, device_map=device_map).eval()
+    assert split.blocks[0].ln1.w.device.type == torch.device(DEVICE).type and split.blocks[n - 1].ln1.w.device.type == "cpu"
+    tokens, mask = bundled_model.to_tokens(PROMPTS, return_attention_mask=True, padding_side="left")
+    with torch.no_grad():
+        expected, expected_cache = bundled_model.run_with_cache(tokens, attention_mask=mask)
+        logits, cache = split.run_with_cache(tokens.to(DEVICE), attention_mask=mask.to(DEVICE))
+    torch.testing.assert_close(logits.cpu(), expected, rtol=1e-4, atol=1e-4)
+    assert cache[f"blocks.{n - 1}.hook_resid_post"].device.type == "cpu"
+    torch.testing.assert_close(cache["blocks.0.hook_resid_post"].cpu(), expected_cache["blocks.0.hook_resid_post"],
+                               rtol=1e-4, atol=1e-4)
+    generated = split.generate(tokens.to(DEVICE), 12, attention_mask=mask.to(DEVICE))
+    assert generated.cpu().tolist() == bundled_model.generate(tokens, 12, attention_mask=mask).tolist()
+
+
 # ---- (5) analyses ------------------------------------------------------------------------------------
 def run_logit_lens(model):
     result = logit_lens(model, PROMPTS)

@@ -39,9 +39,9 @@ def test_scores_on_repeated_random_tokens_match_transformers(tiny_model, tiny_hf
     expected = brute_force_scores(tiny_hf, result.tokens, kind)
     torch.testing.assert_close(result.scores, expected, atol=1e-5, rtol=1e-4)
     frame = result.to_frame()
-    assert list(frame.columns) == ["layer", "head", "score"]
+    assert list(frame.columns) == ["layer", "head", "label", "score"]
     row = frame[(frame["layer"] == 1) & (frame["head"] == 3)]
-    assert row.score.item() == pytest.approx(float(expected[1, 3]), abs=1e-5)
+    assert row.score.item() == pytest.approx(float(expected[1, 3]), abs=1e-5) and row.label.item() == "L1H3"
 
 
 @pytest.mark.parametrize("kind", ["duplicate_token", "induction"])

@@ -429,3 +429,84 @@ def test_transformer_lens_keywords_probe_lacks_name_the_equivalent(tiny_model):
         tiny_model(tokens, return_type="logit")
     with pytest.raises(ValueError, match="batch of one prompt"):
         tiny_model.run_with_cache(torch.tensor([[1, 2], [3, 4]]), remove_batch_dim=True)
+
+
+# ---- threads (issue 24, class 9): a scoped hook belongs to the thread that attached it -------------------------
+def _in_thread(fn):
+    import threading
+
+    result, error = [], []
+    thread = threading.Thread(target=lambda: _capture(fn, result, error))
+    thread.start()
+    return thread, result, error
+
+
+def _capture(fn, result, error):
+    try:
+        result.append(fn())
+    except BaseException as err:  # re-raised by the test in the main thread
+        error.append(err)
+
+
+def test_a_thread_running_the_model_does_not_see_another_threads_hooks():
+    import threading
+
+    model, x = Toy(), torch.tensor([1.0, 2.0])
+    inside, done = threading.Event(), threading.Event()
+
+    def slow_zero(act, hook):  # holds its forward open until the other thread's plain forward has run
+        inside.set()
+        assert done.wait(10), "the other thread never ran"
+        return torch.zeros_like(act)
+
+    def plain():
+        assert inside.wait(10)
+        try:
+            return model(x), [model.hook_point(n).active for n in model.hook_names]
+        finally:
+            done.set()
+
+    thread, result, error = _in_thread(plain)
+    hooked = model.run_with_hooks(x, fwd_hooks=[("inner.hook_mid", slow_zero)])
+    thread.join(10)
+    assert not error, error
+    seen, active = result[0]
+    assert torch.equal(seen, 2 * x + 1)  # by hand: no hook ran in the plain thread's forward
+    assert active == [False, False, False]  # nor did an opt-in point count as hooked there
+    assert torch.equal(hooked, torch.ones(2))  # the hooked thread's own forward: zeros + 1
+    assert attached(model) == 0
+
+
+def test_two_threads_caching_at_once_each_get_their_own_activations():
+    import threading
+
+    model = Toy()
+    both = threading.Barrier(2, timeout=10)
+
+    def wait_for_the_other(act, hook):
+        both.wait()  # both forwards are inside their hooked blocks at the same time
+        return None
+
+    def cache(value):
+        _, c = model.run_with_cache(torch.full((3,), value), names="inner.hook_mid",
+                                    fwd_hooks=[("hook_in", wait_for_the_other)])
+        return c["inner.hook_mid"]
+
+    thread, result, error = _in_thread(lambda: cache(5.0))
+    mine = cache(1.0)
+    thread.join(10)
+    assert not error, error
+    assert torch.equal(mine, torch.full((3,), 2.0)) and torch.equal(result[0], torch.full((3,), 10.0))
+    assert attached(model) == 0
+
+
+def test_a_persistent_hook_belongs_to_the_model_and_every_thread_sees_it():
+    model, x = Toy(), torch.tensor([1.0, 2.0])
+    model.add_hook("hook_out", lambda act, hook: act * 3)
+    try:
+        thread, result, error = _in_thread(lambda: model(x))
+        thread.join(10)
+        assert not error and torch.equal(result[0], 3 * (2 * x + 1))
+    finally:
+        model.reset_hooks()
+    assert model.persistent_hooks() == []

@@ -84,3 +84,19 @@ def test_library_writers_publish_ordinary_files(tiny_model, tmp_path, umask_022)
     assert mode(saved) == 0o644 and mode(tmp_path / "cards.html") == 0o644
     with pytest.raises(FileExistsError):
         memory_report(tiny_model, triggers, tmp_path / "cards.html", max_cards=2)
+
+
+@pytest.mark.parametrize("writer", [atomic_file, atomic_directory])
+def test_an_oserror_while_writing_names_the_final_file(tmp_path, writer):
+    """ENOSPC and EIO carry no file name; the temporary's would mean nothing: the final name is given."""
+    import errno
+
+    target = tmp_path / "result"
+    with pytest.raises(OSError, match=rf"No space left on device \(writing {target}\)") as caught:
+        with writer(target):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert caught.value.errno == errno.ENOSPC
+    assert siblings(tmp_path) == []
+    with pytest.raises(PermissionError, match="/elsewhere/x"):  # an error naming another file is left as it is
+        with writer(target):
+            raise PermissionError(errno.EACCES, "Permission denied", "/elsewhere/x")

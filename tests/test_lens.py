@@ -136,7 +136,7 @@ def test_figures_show_control_characters(tiny_model):
     fig = logit_lens(tiny_model, torch.tensor([odd[:20]]), target=odd[0]).figure()
     shown = list(fig.data[0].x) + [t for row in fig.data[0].text for t in row] + [h for row in fig.data[0].hovertext for h in row]
     assert all(s.isprintable() for s in shown)
-    assert any("\\x" in s for s in fig.data[0].x)
+    assert any("&lt;0x" in s for s in fig.data[0].x)  # shown as <0x07>
 
 
 def test_bad_arguments(tiny_model, tokens):
@@ -285,12 +285,12 @@ def test_training_arguments_are_checked(tiny_model):
 
 def test_tuned_lens_trains_on_text_without_a_bos(no_bos_model):
     """GPT-1's vocabulary has no BOS: every position of the text is a training token (none is skipped)."""
-    from analyses.lens import _collect_residuals
+    from analyses.tuned_lens_training import collect_residuals
 
     text = "To be, or not to be, that is the question. " * 4
     n_tokens = len(no_bos_model.tokenizer.encode(text))
     sites = lens_sites(no_bos_model.cfg.n_layers)
-    resid = _collect_residuals(no_bos_model, text, sites, max_tokens=10_000, n_ctx=16)
+    resid = collect_residuals(no_bos_model, text, sites, max_tokens=10_000, n_ctx=16)
     assert resid.shape == (n_tokens, len(sites), no_bos_model.cfg.d_model)
     _, cache = no_bos_model.run_with_cache(no_bos_model.to_tokens(text)[:, :16], names=sites)
     torch.testing.assert_close(resid[:16, 0], cache[sites[0]][0], atol=1e-6, rtol=0)  # the first window, from position 0

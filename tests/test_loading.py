@@ -304,3 +304,223 @@ def test_gpt1_checkpoint_with_its_bos_free_tokenizer_loads_and_runs_text(tmp_pat
         model.to_tokens(text, prepend_bos=True)
     out = model.generate(text, max_new_tokens=3)
     assert out == tok.decode(model.generate(torch.tensor([ids]), max_new_tokens=3)[0].tolist())
+
+
+# ---- hostile and careless files (issue 24, classes 5-7): one line naming the file and the field ----------------
+def shard(directory: Path, split=lambda names: (names[: len(names) // 2], names[len(names) // 2:]), index=None) -> None:
+    """Split model.safetensors into two shards and an index (or write `index` as the index's text)."""
+    state = load_file(str(directory / "model.safetensors"))
+    (directory / "model.safetensors").unlink()
+    weight_map = {}
+    for i, keys in enumerate(split(sorted(state)), start=1):
+        save_file({k: state[k].contiguous() for k in keys}, str(directory / f"model-{i}.safetensors"))
+        weight_map.update({k: f"model-{i}.safetensors" for k in keys})
+    (directory / "model.safetensors.index.json").write_text(index if index is not None else json.dumps({"weight_map": weight_map}))
+
+
+def rewrite_json(path: Path, edit) -> None:
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+@pytest.mark.parametrize(
+    "breakage,match",
+    [
+        (lambda d: (d / "config.json").write_text("[1, 2]"), r"config.json holds a JSON array, not an object"),
+        (lambda d: (d / "config.json").write_text('"gpt2"'), r"config.json holds a JSON string"),
+        (lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000), r"config.json is nested too deeply"),
+        (lambda d: (d / "config.json").write_bytes(b'{"model_type": "gpt2\xff"}'), r"config.json is not UTF-8"),
+        (lambda d: edit_config(d, model_type=["gpt2"]), r"model_type \['gpt2'\] is not supported"),
+        (lambda d: edit_config(d, n_layer="2"), r"config.json: n_layer must be a positive integer, got the string '2'"),
+        (lambda d: edit_config(d, n_layer=2.5), r"config.json: n_layer must be a positive integer, got 2.5"),
+        (lambda d: edit_config(d, n_embd=True), r"config.json: n_embd must be a positive integer, got true"),
+        (lambda d: edit_config(d, n_head=None), r"config.json: n_head must be a positive integer, got null"),
+        (lambda d: edit_config(d, layer_norm_epsilon="1e-5"), r"layer_norm_epsilon must be a finite number"),
+        (lambda d: edit_config(d, scale_attn_weights="false"), r"scale_attn_weights must be true or false"),
+        (lambda d: edit_config(d, activation_function=["gelu"]), r"activation_function must be a string"),
+        (lambda d: edit_config(d, heads_per_layer={"0": 4}), r"heads_per_layer must be a list"),
+        (lambda d: edit_config(d, n_layer=10**7), r"n_layer=10000000, but the weights hold 2 layers"),
+        (lambda d: edit_config(d, n_layer=10**400), r"n_layer=1000.*but the weights hold 2 layers"),
+        (lambda d: shard(d, index="[]"), r"index.json holds a JSON array"),
+        (lambda d: shard(d, index='{"weight_map": ["model-1.safetensors"]}'), r"index.json: weight_map must be a non-empty object"),
+        (lambda d: shard(d, index='{"metadata": {}}'), r"index.json: weight_map must be a non-empty object"),
+        (lambda d: shard(d, index='{"weight_map": {"wte.weight": 3}}'), r"index.json: weight_map\['wte.weight'\] must be a shard"),
+        (lambda d: shard(d, index='{"weight_map": {"wte.weight": "../outside.safetensors"}}'), r"outside the checkpoint"),
+        (lambda d: shard(d, index='{"weight_map": {"wte.weight": "/etc/passwd"}}'), r"outside the checkpoint"),
+        (lambda d: shard(d, index='{"weight_map": {"wte.weight": "model-9.safetensors"}}'), r"model-9.safetensors is missing"),
+        (lambda d: shard(d, lambda names: (names, names[:3])), r"is in two shards of .*model-2.safetensors"),
+        (lambda d: edit_weights(d, lambda s: s.update({"h.0.ln_1.weight": torch.ones(64, dtype=torch.int32)})),
+         r"'h.0.ln_1.weight' .* is stored as int32; weights must be float16"),
+        (lambda d: edit_weights(d, lambda s: s.update({"h.0.ln_1.bias": torch.zeros(64, dtype=torch.bool)})),
+         r"'h.0.ln_1.bias' .* is stored as bool"),
+        (lambda d: edit_weights(d, lambda s: s.update({"h.1.mlp.c_fc.weight": s["h.1.mlp.c_fc.weight"].to(torch.float8_e4m3fn)})),
+         r"'h.1.mlp.c_fc.weight' .* is stored as float8_e4m3fn"),
+        (lambda d: (d / "tokenizer.json").write_text("{not json"), r"tokenizer.json: not a tokenizer the tokenizers library can read"),
+        (lambda d: (d / "tokenizer.json").write_text('{"model": [1, 2]}'), r"tokenizer.json: not a tokenizer"),
+        (lambda d: (d / "tokenizer.json").write_text("[]"), r"tokenizer.json: not a tokenizer"),
+        (lambda d: (d / "tokenizer_config.json").write_text("{oops"), r"tokenizer_config.json is not valid JSON"),
+        (lambda d: (d / "tokenizer_config.json").write_text('["<|endoftext|>"]'), r"tokenizer_config.json must hold a JSON object"),
+        (lambda d: (d / "tokenizer_config.json").write_text('{"bos_token": 7}'), r"tokenizer_config.json: bos_token must be a token string"),
+        (lambda d: (d / "tokenizer_config.json").write_text('{"bos_token": "<nope>"}'), r"tokenizer in .*no '<nope>' token.*tokenizer_config.json"),
+    ],
+    ids=["config-array", "config-string", "config-nested", "config-not-utf8", "model-type-list", "n-layer-string",
+         "n-layer-float", "n-embd-bool", "n-head-null", "eps-string", "scale-false-string",
+         "activation-list", "heads-per-layer-object", "n-layer-millions", "n-layer-huge", "index-array",
+         "weight-map-list", "no-weight-map", "shard-not-a-name", "shard-outside", "shard-absolute", "shard-missing",
+         "tensor-in-two-shards", "int-tensor", "bool-tensor", "float8-tensor", "tokenizer-bad-json",
+         "tokenizer-wrong-shape", "tokenizer-array", "tokenizer-config-bad-json", "tokenizer-config-array",
+         "tokenizer-config-int-bos", "tokenizer-config-unknown-bos"],
+)
+def test_hostile_checkpoint_files_get_one_line_errors_naming_the_file(tiny_dir, tmp_path, breakage, match):
+    directory = copy_checkpoint(tiny_dir, tmp_path / "broken")
+    breakage(directory)
+    with pytest.raises(CheckpointError, match=match) as caught:
+        HookedDecoder.from_pretrained(directory)
+    assert "\n" not in str(caught.value) and str(directory) in str(caught.value)
+
+
+def test_an_absurd_layer_count_is_refused_before_anything_is_built(tiny_dir, tmp_path, monkeypatch):
+    import probe.loading
+
+    directory = copy_checkpoint(tiny_dir, tmp_path / "absurd")
+    edit_config(directory, n_layer=10**9)
+    built = []
+    monkeypatch.setattr(probe.loading, "config_from_hf", lambda *args: built.append(args))
+    with pytest.raises(CheckpointError, match="n_layer=1000000000, but the weights hold 2 layers; fix n_layer"):
+        HookedDecoder.from_pretrained(directory)
+    assert not built  # refused from the files alone, before the config (or any per-layer table) exists
+
+
+def test_merges_and_vocab_files_of_the_wrong_shape(tiny_dir, tmp_path):
+    directory = copy_checkpoint(tiny_dir, tmp_path / "bpe")
+    (directory / "tokenizer.json").unlink()
+    (directory / "vocab.json").write_text("[1, 2, 3]")
+    (directory / "merges.txt").write_text("#version: 0.2\na b\n")
+    with pytest.raises(CheckpointError, match=r"vocab.json and .*merges.txt: not a tokenizer"):
+        HookedDecoder.from_pretrained(directory)
+    (directory / "vocab.json").write_text(json.dumps({"a": 0, "b": 1}))
+    (directory / "merges.txt").write_text("#version: 0.2\na b c d\nzz\n")
+    with pytest.raises(CheckpointError, match=r"merges.txt: not a tokenizer"):
+        HookedDecoder.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("payload", [[torch.zeros(2)], {"wte.weight": [1.0, 2.0]}, {3: torch.zeros(2)}, torch.zeros(3)],
+                         ids=["list", "dict-of-lists", "int-keys", "bare-tensor"])
+def test_a_bin_that_is_not_a_state_dict_is_named(tiny_dir, tmp_path, payload):
+    directory = copy_checkpoint(tiny_dir, tmp_path / "bin")
+    (directory / "model.safetensors").unlink()
+    torch.save(payload, directory / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model.bin holds a .*, not a mapping of tensor names"):
+        HookedDecoder.from_pretrained(directory)
+
+
+def test_rotary_scaling_and_boolean_entries_of_the_wrong_type_are_named(tmp_path):
+    from probe.loading import config_from_hf
+
+    llama = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                 vocab_size=100, max_position_embeddings=64)
+    cases = [(dict(rope_scaling=["linear", 2.0]), r"rope_scaling must be an object"),
+             (dict(rope_scaling={"rope_type": "linear", "factor": "2"}), r"rope_scaling.factor must be a finite number, got the string '2'"),
+             (dict(rope_scaling={"rope_type": "linear", "factor": None}), r"rope_scaling.factor must be a finite number, got null"),
+             (dict(rope_parameters={"rope_type": 3}), r"rope_parameters.rope_type must be a string, got 3"),
+             (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": [1], "high_freq_factor": 4.0}),
+              r"rope_parameters.low_freq_factor must be a finite number"),
+             (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8.5}),
+              r"original_max_position_embeddings must be a positive integer, got 8.5"),
+             (dict(rope_theta="10000"), r"rope_theta must be a finite number"),
+             (dict(rope_parameters={"rope_type": "linear"}), r"lacks the field 'factor'"),
+             # "false" is a true string: refused rather than read as true (or guessed at)
+             (dict(tie_word_embeddings="false"), r"tie_word_embeddings must be true or false \(JSON's true/false, unquoted\), got the string 'false'"),
+             (dict(attention_bias="0"), r"attention_bias must be true or false"),
+             (dict(num_key_value_heads=0), r"num_key_value_heads must be a positive integer, got 0")]
+    for extra, match in cases:
+        with pytest.raises(CheckpointError, match=match) as caught:
+            config_from_hf({**llama, **extra}, tmp_path)
+        assert str(tmp_path / "config.json") in str(caught.value)
+    assert config_from_hf(llama, tmp_path).rotary_scaling is None  # the well-formed file still reads
+
+
+def test_a_mixed_dtype_checkpoint_is_cast_at_load_to_the_dtype_holding_all(tiny_dir, tmp_path, tokens):
+    mixed = copy_checkpoint(tiny_dir, tmp_path / "mixed")
+    edit_weights(mixed, lambda s: s.update({"h.1.mlp.c_fc.weight": s["h.1.mlp.c_fc.weight"].half(),
+                                           "h.0.ln_1.weight": s["h.0.ln_1.weight"].bfloat16()}))
+    # the oracle: every tensor float32 in the file, the two rounded as the mixed file rounds them
+    rounded = copy_checkpoint(tiny_dir, tmp_path / "rounded")
+    edit_weights(rounded, lambda s: s.update({"h.1.mlp.c_fc.weight": s["h.1.mlp.c_fc.weight"].half().float(),
+                                             "h.0.ln_1.weight": s["h.0.ln_1.weight"].bfloat16().float()}))
+    model = HookedDecoder.from_pretrained(mixed)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with torch.no_grad():
+        assert torch.equal(model(tokens), HookedDecoder.from_pretrained(rounded)(tokens))
+
+
+def test_enospc_while_saving_names_the_file(tiny_model, tmp_path, monkeypatch):
+    import errno
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("probe.loading.save_file", disk_full)
+    with pytest.raises(OSError, match=r"No space left on device.*saved") as caught:
+        tiny_model.save_pretrained(tmp_path / "saved")
+    assert caught.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []  # nothing under the final name, no temporary left
+
+
+def _sae_files(directory: Path, cfg, state=None) -> Path:
+    directory.mkdir()
+    (directory / "cfg.json").write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    gen = torch.Generator().manual_seed(0)
+    state = state or {"W_enc": torch.randn(8, 16, generator=gen), "b_enc": torch.zeros(16),
+                      "W_dec": torch.randn(16, 8, generator=gen), "b_dec": torch.randn(8, generator=gen)}
+    save_file(state, str(directory / "sae_weights.safetensors"))
+    return directory
+
+
+SAE_CFG = {"architecture": "standard", "d_in": 8, "d_sae": 16, "hook_name": "blocks.0.hook_resid_post"}
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ("[1, 2]", r"cfg.json must hold a JSON object of settings, got a list"),
+    ("[" * 100_000 + "]" * 100_000, r"cfg.json is nested too deeply"),
+    ({**SAE_CFG, "architecture": ["standard"]}, r"cfg.json: architecture must be a string, got \['standard'\]"),
+    ({**SAE_CFG, "metadata": ["x"]}, r"cfg.json: metadata must be an object"),
+    ({**SAE_CFG, "metadata": {"hook_name": 3}}, r"cfg.json: metadata.hook_name must be a string, got 3"),
+    ({**SAE_CFG, "activation_fn_kwargs": [4]}, r"activation_fn_kwargs must be an object"),
+    ({**SAE_CFG, "apply_b_dec_to_input": "false"}, r"apply_b_dec_to_input must be true or false \(JSON's, unquoted\), got 'false'"),
+    ({**SAE_CFG, "rescale_acts_by_decoder_norm": "no"}, r"rescale_acts_by_decoder_norm must be true or false"),
+    ({**SAE_CFG, "d_sae": "16"}, r"cfg.json: d_sae must be a positive int, got '16'"),
+], ids=["array", "nested", "architecture-list", "metadata-list", "hook-name-int", "kwargs-list", "b-dec-false-string",
+        "rescale-string", "d-sae-string"])
+def test_sae_configs_of_the_wrong_shape_are_named(tmp_path, cfg, match):
+    from probe import SparseAutoencoder
+
+    with pytest.raises(ValueError, match=match) as caught:
+        SparseAutoencoder.from_pretrained(_sae_files(tmp_path / "sae", cfg))
+    assert str(tmp_path / "sae" / "cfg.json") in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_sae_apply_b_dec_false_is_read_as_false(tmp_path):
+    from probe import SparseAutoencoder
+
+    sae = SparseAutoencoder.from_pretrained(_sae_files(tmp_path / "sae", {**SAE_CFG, "apply_b_dec_to_input": False}))
+    x = torch.randn(3, 8)
+    with torch.no_grad():  # by hand: no b_dec subtracted from the input
+        assert torch.allclose(sae.encode(x), torch.relu(x @ sae.W_enc + sae.b_enc))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda s: s["W_dec"].__setitem__((3, 2), float("nan")), r"'W_dec' contains NaN or inf"),
+    (lambda s: s["b_enc"].__setitem__(5, float("inf")), r"'b_enc' contains NaN or inf"),
+    (lambda s: s.update(b_dec=torch.zeros(8, dtype=torch.int64)), r"'b_dec' is stored as int64"),
+], ids=["nan", "inf", "int"])
+def test_broken_sae_weights_are_named_at_load_by_file_and_tensor(tmp_path, bad, match):
+    from probe import SparseAutoencoder
+
+    gen = torch.Generator().manual_seed(0)
+    state = {"W_enc": torch.randn(8, 16, generator=gen), "b_enc": torch.zeros(16),
+             "W_dec": torch.randn(16, 8, generator=gen), "b_dec": torch.randn(8, generator=gen)}
+    bad(state)
+    with pytest.raises(ValueError, match=match) as caught:
+        SparseAutoencoder.from_pretrained(_sae_files(tmp_path / "sae", SAE_CFG, state))
+    assert "sae_weights.safetensors" in str(caught.value)

@@ -87,7 +87,7 @@ def test_value_tokens_equal_topk_of_values_times_unembedding(tiny_model, tiny_hf
     torch.testing.assert_close(result.bottom_logits, bottom.values, rtol=1e-5, atol=1e-5)
     frame = result.to_frame()
     assert len(frame) == len(neurons) * k * 2
-    row = frame[(frame.neuron == 17) & (frame.direction == "promoted") & (frame["rank"] == 0)].iloc[0]
+    row = frame[(frame.neuron == 17) & (frame.direction == "promoted") & (frame["rank"] == 1)].iloc[0]  # ranks from 1
     assert row.token_id == int(top.indices[2, 0])
     assert row.token == tiny_model.tokenizer.token_strings([row.token_id])[0]
     fig = result.figure()
@@ -101,10 +101,10 @@ def test_value_tokens_of_a_half_precision_model_rank_its_weights_exactly(tiny_mo
                                                                         monkeypatch):
     """The oracle is float64 arithmetic on the half-precision model's own weights: the ranking is a
     property of those weights, and rounding v W_U to 8 bits (bfloat16) ties and reorders near-equal tokens."""
-    from analyses import memories
+    from analyses import vocab_projection
 
     # a small budget: several chunks of neurons, and the unembedding converted in slices of 100 columns
-    monkeypatch.setattr(memories, "_LOGIT_CHUNK", tiny_model.cfg.d_model * 100)
+    monkeypatch.setattr(vocab_projection, "LOGIT_CHUNK", tiny_model.cfg.d_model * 100)
     model = copy.deepcopy(tiny_model).to(dtype)
     layer, k = 1, 10
     values = model.blocks[layer].mlp.W_out.detach().double()  # [d_mlp d_model]

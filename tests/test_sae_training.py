@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from probe import SAEConfig, SparseAutoencoder
 from probe.activation_store import ActivationStore
-from probe.sae_training import TrainingConfig, TrainingSAE, train_on_store, train_sae
+from probe.sae_training import TrainingConfig, TrainingSAE, resample_dead, train_on_store, train_sae
 
+from ddp_worker import CONFIGS as DDP_CONFIGS, D as DDP_D, SplitStore, config as ddp_config
 from test_sae import randomised
 
 SAELENS_PYTHON = Path(os.environ.get("PROBE_SAELENS_VENV", "/tmp/saelens-venv")) / "bin" / "python"
@@ -221,6 +223,91 @@ def test_batchtopk_is_saved_as_jumprelu_with_its_running_threshold():
     assert 2 < float(l0) < 12
 
 
+# ---- resampling dead features (standard) ----------------------------------------------------------
+def test_resampling_sets_the_rows_anthropics_formula_gives():
+    sae = training_sae("standard", d_in=16, hook_name_out=None)
+    optimizer = torch.optim.Adam(sae.parameters(), lr=1e-3)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    sae.losses(x, x, 0.7)["loss"].backward()
+    optimizer.step()  # Adam has moments to reset
+    dead = torch.tensor([3, 11, 12, 30])
+    sae.steps_since_fired[dead] = sae.cfg.dead_feature_window + 1
+    before = {n: p.detach().clone() for n, p in sae.named_parameters()}
+    moments = {n: {k: v.clone() for k, v in optimizer.state[p].items()} for n, p in sae.named_parameters()}
+    revived, rows = resample_dead(sae, optimizer, x, x, torch.Generator().manual_seed(11))
+    assert revived.tolist() == dead.tolist()
+
+    # by hand: loss per row, probabilities proportional to its square, a draw per dead feature
+    f = ((x - before["b_dec"]) @ before["W_enc"] + before["b_enc"]).clamp(min=0)
+    loss = (f @ before["W_dec"] + before["b_dec"] - x).pow(2).sum(-1)
+    expected_rows = torch.multinomial(loss.pow(2), 4, replacement=True, generator=torch.Generator().manual_seed(11))
+    assert rows.tolist() == expected_rows.tolist()
+    alive = torch.ones(40, dtype=torch.bool)
+    alive[dead] = False
+    scale = 0.2 * before["W_enc"][:, alive].norm(dim=0).mean()
+    for feature, row in zip(dead.tolist(), expected_rows.tolist()):
+        centred = x[row] - before["b_dec"]
+        torch.testing.assert_close(sae.W_dec[feature], centred / centred.norm(), atol=1e-12, rtol=0)
+        torch.testing.assert_close(sae.W_enc[:, feature], centred / centred.norm() * scale, atol=1e-12, rtol=0)
+        assert float(sae.b_enc[feature].detach()) == 0.0
+    for name, p in sae.named_parameters():  # the alive features and everything else: untouched
+        keep = (alive,) if name in ("W_dec", "b_enc") else (slice(None), alive) if name == "W_enc" else (slice(None),)
+        assert torch.equal(p.detach()[keep], before[name][keep]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = optimizer.state[p][key]
+            assert torch.equal(state[keep], moments[name][key][keep]), (name, key)
+            if name != "b_dec":
+                gone = (dead,) if name != "W_enc" else (slice(None), dead)
+                assert float(state[gone].abs().max()) == 0.0 and float(moments[name][key][gone].abs().max()) > 0
+    assert int(sae.steps_since_fired[dead].max()) == 0
+
+
+def test_resampling_revives_dead_features():
+    """A strong L1 kills most features; resampling every 10 steps brings them back (features that fire on
+    held-out data), where the same run without it keeps them dead."""
+    truth = ground_truth()
+    held_out = SyntheticStore(truth, 2048, seed=99).next_batch()[0]
+    alive, dead = {}, {}
+    for every in (None, 10):
+        cfg = TrainingConfig(hook_name="blocks.0.hook_resid_post", d_sae=96, training_tokens=256 * 40, batch_tokens=256,
+                             architecture="standard", l1_coefficient=3.0, lr=3e-2, dead_feature_window=3,
+                             resample_every_steps=every, seed=1)
+        result = train_on_store(SyntheticStore(truth, 256), cfg, 24, 24, progress=False)
+        with torch.no_grad():
+            alive[every] = float((result.sae.encode(held_out) > 0).any(0).float().mean())
+        dead[every] = result.history[-1]["dead"]
+    assert dead[None] > 0.5 and alive[None] < 0.5  # the setting kills features
+    assert alive[10] > alive[None] + 0.15 and dead[10] < dead[None] - 0.3, (alive, dead)
+    with pytest.raises(ValueError, match="standard.*AuxK"):
+        TrainingConfig(hook_name="blocks.0.hook_resid_post", d_sae=8, training_tokens=64, batch_tokens=32,
+                       architecture="topk", k=2, resample_every_steps=10)
+
+
+# ---- torchrun: data parallel -------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_processes_under_torchrun_take_the_steps_of_one_reading_whole_batches(tmp_path, capsys):
+    """tests/ddp_worker.py under `torchrun --nproc-per-node 2` (gloo): each process reads half of every batch,
+    is interrupted, resumes from rank 0's checkpoint; one process reading whole batches is the oracle."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).with_name("ddp_worker.py")), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in DDP_CONFIGS:
+        cfg = ddp_config(name)
+        single = train_on_store(SplitStore(cfg.batch_tokens), cfg, DDP_D, DDP_D, progress=False)
+        parallel = SparseAutoencoder.from_pretrained(tmp_path / name)
+        for (key, a), (_, b) in zip(single.sae.named_parameters(), parallel.named_parameters()):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=f"{name} {key}")
+        assert max(row["dead"] for row in single.history) > 0.1  # AuxK and resampling had dead features to read
+        checkpoint = tmp_path / name / "checkpoints" / str(3 * cfg.batch_tokens)
+        assert json.loads((checkpoint / "trainer.json").read_text())["processes"] == 2
+        assert {"store.rank0.t", "store.rank1.t"} <= set(load_file(str(checkpoint / "trainer_state.safetensors")))
+    assert "resampled 3 dead features" in capsys.readouterr().out and "resampled 3 dead features" in done.stdout
+
+
 # ---- on a model --------------------------------------------------------------------------------
 def test_the_store_serves_the_models_activations_shuffled_and_reproducibly(tiny_model):
     hook = "blocks.0.hook_resid_post"
@@ -245,6 +332,29 @@ def test_the_store_serves_the_models_activations_shuffled_and_reproducibly(tiny_
         ActivationStore(tiny_model, iter(TEXTS), hook)
     with pytest.raises(ValueError, match="at least two batches"):
         ActivationStore(tiny_model, TEXTS, hook, batch_tokens=64, buffer_tokens=96)
+
+
+def test_a_shard_of_the_store_reads_every_nth_window(tiny_model):
+    """Under torchrun process r of n reads windows r, r + n, ...: shard (1, 2)'s rows are the model's activations
+    on the odd windows of the stream (by hand), and never the even windows' non-BOS positions."""
+    hook = "blocks.0.hook_resid_post"
+    store = ActivationStore(tiny_model, TEXTS, hook, batch_tokens=32, buffer_tokens=64, context_size=16, batch_prompts=2,
+                            shard=(1, 2))
+    rows = torch.cat([store.next_batch()[0] for _ in range(2)])
+    bos = tiny_model.tokenizer.bos_id
+    stream = []
+    for text in TEXTS:
+        stream += [bos] + tiny_model.tokenizer.encode(text)
+    windows = torch.tensor([[bos] + stream[i * 15:(i + 1) * 15] for i in range(2 * store.windows_read)])
+    _, cache = tiny_model.run_with_cache(windows, names=hook)
+    odd, even = cache[hook][1::2, 1:].reshape(-1, 64), cache[hook][0::2, 1:].reshape(-1, 64)
+    not_bos = (rows - cache[hook][0, 0]).abs().amax(-1) > 1e-5
+    assert int(not_bos.sum()) > 16
+    to_odd = (rows[not_bos, None] - odd[None]).abs().amax(-1).min(dim=1).values
+    to_even = (rows[not_bos, None] - even[None]).abs().amax(-1).min(dim=1).values
+    assert float(to_odd.max()) < 1e-5 and float(to_even.min()) > 1e-3
+    with pytest.raises(ValueError, match="shard"):
+        ActivationStore(tiny_model, TEXTS, hook, batch_tokens=32, buffer_tokens=64, shard=(2, 2))
 
 
 def small_cfg(**extra):

@@ -364,9 +364,9 @@ def test_cli_writes_vector_generations_and_sweep(tiny_dir, tiny_model, tmp_path,
                      str(tmp_path / "neg.txt"), "--layer", "1", "--coefficient", "4", "--prompt", "<script>alert('x')",
                      "--max-new-tokens", "5", "--heldout-windows", "1", "--out", str(out), "--quiet"])
     assert code == 0, capsys.readouterr().err
-    written = sorted(p.name for p in out.iterdir())
-    assert written == ["generations.csv", "generations.html", "sweep.csv", "sweep.html", "vector.json",
-                       "vector.safetensors", "vector_pairs.csv"]
+    written = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))  # not the run's own record
+    assert written == ["generations.csv", "generations.html", "index.html", "plotly.min.js", "sweep.csv", "sweep.html",
+                       "vector.json", "vector.safetensors", "vector_pairs.csv"]
     vector = SteeringVector.load(out / "vector.safetensors", tiny_model)
     torch.testing.assert_close(vector.direction, steering_vector(tiny_model, POSITIVE, NEGATIVE, layer=1).direction)
     page = (out / "generations.html").read_text()

@@ -1,0 +1,34 @@
+"""Which FFN layers and neurons an analysis of memories reads: the checked `layers` and `neurons` arguments."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from analyses.common import is_int, unit_ids
+from probe import HookedDecoder
+
+Layers = Union[int, Sequence[int], None]
+
+
+def layer_list(model: HookedDecoder, layers: Layers) -> list[int]:
+    n = model.cfg.n_layers
+    if layers is None:
+        return list(range(n))
+    chosen = [layers] if is_int(layers) else list(layers)
+    if not chosen:
+        raise ValueError("layers is empty: pass a layer index, a list of them, or None for all layers")
+    for layer in chosen:
+        if not is_int(layer) or not -n <= layer < n:
+            raise ValueError(f"layer {layer!r} is outside the model's layers [0, {n})")
+    resolved = [layer % n for layer in chosen]
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"layers {chosen} name a layer twice")
+    return resolved
+
+
+def neuron_tensor(model: HookedDecoder, neurons: Optional[Sequence[int]]) -> torch.Tensor:
+    d_mlp = model.cfg.d_mlp
+    if neurons is None:
+        return torch.arange(d_mlp)
+    return unit_ids(neurons, d_mlp, "neuron", f"the layer's neurons [0, d_mlp={d_mlp})")

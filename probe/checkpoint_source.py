@@ -1,0 +1,157 @@
+"""What every checkpoint family shares: the tensors of a file taken one by one (Source), the activation names,
+the check that a format can hold a configuration, and the rotary settings' spellings."""
+from __future__ import annotations
+
+import enum
+import functools
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from probe.config import Activation, DecoderConfig, RotaryScaling
+from probe.config_file import CheckpointError
+from probe.safetensors_file import SafetensorsError, StoredTensor
+
+
+class Source:
+    """A checkpoint's tensors, taken one by one with their expected shapes; leftovers are an error."""
+
+    # Buffers some checkpoints carry (causal masks, rotary tables) that we rebuild ourselves.
+    IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
+
+    # what a weight may be stored as; float8, integer and bool tensors are refused by name
+    WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+    def __init__(self, state: dict[str, torch.Tensor], directory: Path, prefixes: tuple[str, ...], device=None):
+        self.directory, self.device = directory, device
+        self.state = {}
+        for name, tensor in state.items():
+            for prefix in prefixes:
+                name = name.removeprefix(prefix)
+            self.state[name] = tensor
+        # a file that mixes float dtypes (a float32 norm among bfloat16 weights) is cast at load, explicitly, to
+        # the dtype that holds them all (float16 + bfloat16 -> float32), so the model has one dtype, as
+        # transformers gives it one; `dtype=` then converts as usual
+        weights = [t for n, t in self.state.items() if not n.endswith(self.IGNORED_SUFFIXES) and t.dtype in self.WEIGHT_DTYPES]
+        dtypes = {t.dtype for t in weights}
+        self.cast_to = functools.reduce(torch.promote_types, dtypes) if len(dtypes) > 1 else None
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.state:
+            raise CheckpointError(f"checkpoint in {self.directory} is missing the tensor {name!r}")
+        tensor = self.state.pop(name)
+        if tensor.dtype not in self.WEIGHT_DTYPES:
+            raise CheckpointError(
+                f"tensor {name!r} in {self.directory} is stored as {str(tensor.dtype).removeprefix('torch.')}; weights "
+                "must be float16, bfloat16, float32 or float64: convert the checkpoint (e.g. dequantise it)")
+        if tuple(tensor.shape) != tuple(shape):  # checked before a stored tensor is read
+            raise CheckpointError(
+                f"tensor {name!r} in {self.directory} has shape {tuple(tensor.shape)}, but config.json implies {tuple(shape)}"
+            )
+        tensor = self._read(tensor)
+        if tensor.is_floating_point() and tensor.numel() and not _finite(tensor):
+            raise CheckpointError(f"tensor {name!r} in {self.directory} contains NaN or inf values: the checkpoint is corrupt")
+        return tensor
+
+    def take_optional(self, name: str) -> Optional[torch.Tensor]:
+        tensor = self.state.pop(name, None)
+        return None if tensor is None else self._read(tensor)
+
+    def _read(self, tensor) -> torch.Tensor:
+        """A tensor still in its file read now, on the loader's device, in the checkpoint's one dtype."""
+        if isinstance(tensor, StoredTensor):
+            try:
+                tensor = tensor.load()
+            except (SafetensorsError, OSError) as err:
+                raise CheckpointError(f"could not read the safetensors weights in {tensor.path}: {err}") from None
+        if self.device is not None:
+            tensor = tensor.to(self.device)
+        return tensor if self.cast_to is None else tensor.to(self.cast_to)
+
+    def finish(self) -> None:
+        unexpected = sorted(k for k in self.state if not k.endswith(self.IGNORED_SUFFIXES))
+        if unexpected:
+            raise CheckpointError(
+                f"checkpoint in {self.directory} has tensors this model type does not use: {', '.join(unexpected[:10])}"
+            )
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # min and max propagate NaN and reach inf: two scalars instead of a bool tensor as large as the weight
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def take_unembed(source: Source, cfg: DecoderConfig, embed: torch.Tensor,
+                 names: tuple[str, ...] = ("lm_head.weight",)) -> torch.Tensor:
+    """The unembedding [vocab d_model], under the first of `names` the file has: the embedding itself when tied
+    (a head saved beside it must then equal it), else taken and checked like every other tensor."""
+    name = next((n for n in names if n in source.state), names[0])
+    if cfg.tied_embeddings:
+        head = source.take_optional(name)
+        if head is not None and not torch.equal(head, embed):
+            raise CheckpointError(f"{name} in {source.directory} differs from the embedding, but the config ties them "
+                                  "(tie_word_embeddings); fix the config or the file")
+        return embed
+    return source.take(name, (cfg.d_vocab, cfg.d_model))
+
+
+GPT_ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_fast": Activation.GELU_TANH,
+                   "gelu": Activation.GELU, "relu": Activation.RELU, "silu": Activation.SILU, "swish": Activation.SILU}
+
+
+def activation_of(name: str, table: dict[str, Activation]) -> Activation:
+    if name not in table:
+        raise CheckpointError(f"activation {name!r} is not supported; supported: {', '.join(table)}")
+    return table[name]
+
+
+GPT_ACTIVATION_NAMES = {Activation.GELU_TANH: "gelu_new", Activation.GELU: "gelu", Activation.RELU: "relu", Activation.SILU: "silu"}
+
+
+def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
+    """Refuse a config the format cannot hold: `wanted` gives each field's value (or a set of values) in the
+    format; fields only some formats hold (`PLAIN_FIELDS`) must be at their defaults unless `wanted` says otherwise."""
+    wanted = {**PLAIN_FIELDS, **wanted}
+    wrong = {k: getattr(cfg, k) for k, v in wanted.items()
+             if not (getattr(cfg, k) in v if isinstance(v, (set, frozenset)) else getattr(cfg, k) == v)}
+    wrong = {k: v.value if isinstance(v, enum.Enum) else v for k, v in wrong.items()}
+    if wrong:
+        raise ValueError(f"a {family} checkpoint cannot hold this model: {', '.join(f'{k}={v}' for k, v in wrong.items())}")
+
+
+# fields only some formats hold (Gemma's, Mistral's windows, Qwen3's q/k norms): every other needs their defaults
+PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None,
+              sliding_layers=None, qk_norm=False)
+
+# ---- rotary settings, shared by the rotary families ---------------------------------------------------
+def rope_from_hf(hf: dict) -> tuple[dict, Optional[RotaryScaling]]:
+    """config.json's rope dict (transformers 5: rope_parameters; older files: rope_scaling, with rope_theta beside
+    it) and the frequency rescaling it asks for."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return rope, None
+    if kind == "linear":
+        return rope, RotaryScaling("linear", float(rope["factor"]))
+    if kind == "llama3":
+        return rope, RotaryScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                                   float(rope["high_freq_factor"]),
+                                   int(rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]))
+    raise CheckpointError(f"rope scaling {kind!r} is not supported; supported: default (none), linear, llama3")
+
+
+def rope_to_hf(cfg: DecoderConfig, **extra) -> dict:
+    """rope_parameters (transformers 5) and, for older versions, rope_theta and rope_scaling beside it."""
+    params: dict = {"rope_type": "default", "rope_theta": cfg.rotary_base, **extra}
+    scaling = cfg.rotary_scaling
+    if scaling is not None:
+        params.update(rope_type=scaling.kind, factor=scaling.factor)
+        if scaling.kind == "llama3":
+            params.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                          original_max_position_embeddings=scaling.original_n_ctx)
+    out = {"rope_theta": cfg.rotary_base, "rope_parameters": params}
+    if scaling is not None:
+        out["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", *extra)}
+    return out

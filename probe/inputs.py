@@ -1,0 +1,129 @@
+"""What a HookedDecoder's forward pass is given, checked before any work: token ids, an attention mask, a residual
+stream; and what a mask implies, each new token's position and the keys each query may attend to."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from probe.tokens import is_text
+
+ModelInput = Union[str, Sequence[str], torch.Tensor]
+
+
+class InputChecks:
+    """The checks of a forward's inputs, a mixin of HookedDecoder (it reads self.cfg, self.device, the tokenizer)."""
+
+    def _tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor],
+                         padding_side: Optional[str] = None, prepend_bos: Optional[bool] = None):
+        """Token ids on the model's device and their [batch pos] long mask (None: nothing padded)."""
+        if is_text(input):
+            if attention_mask is not None:
+                raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
+            padding_side = padding_side or self._require_tokenizer().padding_side
+            # never truncated here: text longer than n_ctx is refused (validate_tokens) rather than cut silently
+            tokens, attention_mask = self.to_tokens(input, prepend_bos=prepend_bos, return_attention_mask=True,
+                                                    padding_side=padding_side, truncate=False)
+            if padding_side == "right" or bool(attention_mask.all()):
+                # causal attention alone is exact for every real token when the padding comes after them, and it
+                # gives the padded positions transformer-lens's values (they attend like real tokens)
+                attention_mask = None
+        elif isinstance(input, torch.Tensor):
+            tokens = input
+        elif isinstance(input, (list, tuple)) and not input:
+            raise ValueError("the input is an empty list: give a string, a non-empty list of strings or token ids")
+        else:
+            raise TypeError(f"input must be a string, a list of strings or a tensor of token ids, got {type(input).__name__}")
+        tokens = self.validate_tokens(tokens)
+        return tokens, check_mask(attention_mask, tuple(tokens.shape), "the tokens'", tokens.device)
+
+    def validate_attention_mask(self, attention_mask: Optional[torch.Tensor], tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """A [pos] or [batch pos] mask of 1s (real tokens) and 0s (padding) for `tokens`, as [batch pos] long on
+        their device; anything else (2s, 0.9s, an additive -1e4 mask, the wrong shape) is an error saying the fix."""
+        return check_mask(attention_mask, tuple(tokens.shape), "the tokens'", tokens.device)
+
+    def validate_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Check token ids before they reach an embedding lookup, where mistakes become cryptic."""
+        if tokens.dtype in (torch.bool,) or tokens.is_floating_point() or tokens.is_complex():
+            raise TypeError(
+                f"token ids must be an integer tensor, got dtype {tokens.dtype}; use model.to_tokens(text) "
+                "or tokens.long()"
+            )
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.dim() != 2:
+            raise ValueError(f"token ids must have shape [batch pos] or [pos], got shape {tuple(tokens.shape)}")
+        n = tokens.shape[1]
+        if n == 0 or tokens.shape[0] == 0:
+            raise ValueError(f"empty input: token ids of shape {tuple(tokens.shape)}")
+        if n > self.cfg.n_ctx:
+            raise ValueError(f"input has {n} tokens but the model's context is n_ctx={self.cfg.n_ctx}; truncate it")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.cfg.d_vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.d_vocab})")
+        return tokens.to(self.device, torch.long)
+
+
+    def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:
+        if not 0 < start_at_layer <= self.cfg.n_layers:
+            raise ValueError(f"start_at_layer={start_at_layer} is outside [0, n_layers={self.cfg.n_layers}]")
+        if not (isinstance(resid, torch.Tensor) and resid.is_floating_point() and resid.dim() == 3
+                and resid.shape[-1] == self.cfg.d_model):
+            shape = tuple(resid.shape) if isinstance(resid, torch.Tensor) else type(resid).__name__
+            raise ValueError(
+                f"with start_at_layer={start_at_layer} the input is the residual stream [batch pos d_model="
+                f"{self.cfg.d_model}] (floating point), got {shape}"
+            )
+        # like token ids, a residual from a cache stored elsewhere (device='cpu', dtype=bfloat16) is moved in
+        return resid.to(self.device, self.embed.W_E.dtype)
+
+
+
+def check_mask(attention_mask: Optional[torch.Tensor], shape: tuple[int, int], what: str, device) -> Optional[torch.Tensor]:
+    """A [pos] or [batch pos] mask as [batch pos] long on `device`, or an error naming both shapes."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor [batch pos] (1 = real token), got {type(attention_mask).__name__}")
+    if attention_mask.dim() == 1:
+        attention_mask = attention_mask.unsqueeze(0)
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but {what} shape is {tuple(shape)}")
+    if attention_mask.dtype != torch.bool and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        # .long() would read 0.9 as padding and 2 as a token that counts twice in the positions; an additive
+        # mask (0 and -1e4 or -inf, as transformers builds internally) would mark every token real
+        bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)].flatten()[0].item()
+        raise ValueError(f"attention_mask must hold 1 (real token) and 0 (padding) only, got {bad:.6g}; for an additive "
+                         "mask (0 = keep, negative = hide) pass (mask == 0).long(), for weights pass (mask > 0).long()")
+    return attention_mask.to(device, torch.long)
+
+
+def token_positions(attention_mask: Optional[torch.Tensor], batch: int, n_new: int, device) -> torch.Tensor:
+    """[batch n_new]: the position of each new token, counting only real tokens before it, so left
+    padding and a KV cache both continue the count rather than restart it."""
+    if attention_mask is None:
+        return torch.arange(n_new, device=device).expand(batch, n_new)
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)[:, -n_new:]
+
+
+def allowed_keys(attention_mask: Optional[torch.Tensor], positions: torch.Tensor,
+                  sliding_window: Optional[int] = None) -> Optional[torch.Tensor]:
+    """[batch 1 query_pos key_pos], which keys each new query (at `positions` [batch n_new], the last n_new of
+    the mask's) may see: earlier or itself, not padding, and with a sliding window fewer than `sliding_window`
+    real tokens back. Each query always sees itself, so a padded query's row stays finite (its values are
+    meaningless but never NaN). None when plain causal attention says it all (no padding, no window reached)."""
+    n_new = positions.shape[1]
+    if attention_mask is None:
+        if sliding_window is None or n_new <= sliding_window:
+            return None
+        attention_mask = torch.ones(positions.shape, dtype=torch.long, device=positions.device)
+    n_all = attention_mask.shape[1]
+    device = attention_mask.device
+    query_at = torch.arange(n_all - n_new, n_all, device=device)[:, None]
+    key_at = torch.arange(n_all, device=device)[None, :]
+    allowed = (key_at <= query_at) & attention_mask.bool()[:, None, None, :]
+    if sliding_window is not None:  # distances in real tokens, so padding never changes what a prompt sees
+        key_positions = attention_mask.cumsum(dim=1) - 1  # [batch key_pos]
+        allowed &= (positions[:, None, :, None] - key_positions[:, None, None, :]) < sliding_window
+    return allowed | (key_at == query_at)
