@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, check_id_tensor, evaluate_metric, is_int, resolve_positions, token_id, tokens_and_mask
+from analyses.common import AnalysisInput, TableDisplay, check_id_tensor, evaluate_metric, is_int, resolve_positions, token_id, tokens_and_mask
 from analyses.common import model_mask as _model_mask
 from analyses.labels import head_grid, head_label, plotly_text
 from probe import HookedDecoder
@@ -180,7 +180,7 @@ def ablate_heads(
 
 
 @dataclass
-class HeadAblationEffects:
+class HeadAblationEffects(TableDisplay):
     """per_prompt: [layer head batch] the metric with that head alone ablated; baseline: [batch] unablated."""
 
     per_prompt: torch.Tensor

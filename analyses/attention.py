@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, as_tokens, is_int, token_strings
+from analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
 from analyses.labels import grid_layout, head_label, position_labels, titled
 from probe import HookedDecoder
 from probe.names import act_name
@@ -26,7 +26,7 @@ GRID_CELLS = 64
 
 
 @dataclass
-class AttentionPatterns:
+class AttentionPatterns(TableDisplay):
     """Attention weights of one prompt.
 
     pattern: [layer head query_pos key_pos], for `layers` x `heads` (indices into the model).

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
+from analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
 from analyses.labels import count, figure_token, head_grid, titled
 from analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, position_labels, site_label
 from analyses.residual_components import Components, check_pre_norm, component_hooks, stack_components
@@ -28,7 +28,7 @@ TokenSpec = Union[int, str, Sequence[Union[int, str]], torch.Tensor]
 
 # ---- residual decomposition -------------------------------------------------------------------------
 @dataclass
-class ResidualDecomposition:
+class ResidualDecomposition(TableDisplay):
     """The final residual stream at every position as a sum over components: `components.sum(2)` is
     `blocks.{n_layers-1}.hook_resid_post`. Dimensions `batch pos component d_model`."""
 
@@ -106,7 +106,7 @@ def residual_decomposition(
 
 # ---- direct logit attribution -----------------------------------------------------------------------
 @dataclass
-class LogitAttribution:
+class LogitAttribution(TableDisplay):
     """Each component's direct contribution to logit(answer) [- logit(counterfactual)], per prompt.
 
     `contributions` [batch component] plus `ln_bias` [batch] (and `unembed_bias` [batch], zero for

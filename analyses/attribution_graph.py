@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from analyses.common import AnalysisInput, as_tokens, is_int, token_decoder
+from analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_decoder
 from analyses.labels import head_label, parse_head
 from analyses.graph_pruning import EDGE_THRESHOLD, NODE_THRESHOLD, influence, prune, row_normalised
 from analyses.replacement_model import (TranscoderSpec, demeaned_unembedding, linearised_run, load_transcoders,
@@ -35,7 +35,7 @@ MAX_LOGITS, LOGIT_PROBABILITY = 10, 0.95  # circuit-tracer's defaults for logit_
 
 
 @dataclass
-class AttributionGraph:
+class AttributionGraph(TableDisplay):
     """See the module docstring for the node order. Per node [node]: `kind` (an index into KINDS), `layer`
     (-1 for embeddings, n_layers for logits), `pos`, `feature` (-1 unless a feature), `token` (the prompt's token
     at an embedding, the logit's token), `activation` (a feature's; an error's or embedding's vector norm; a logit's

@@ -14,6 +14,7 @@ import pandas as pd
 import torch
 
 from analyses.circuit_graph import CircuitGraph
+from analyses.common import TableDisplay
 
 
 def prune(graph: CircuitGraph, chosen: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ def prune(graph: CircuitGraph, chosen: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class Circuit:
+class Circuit(TableDisplay):
     """`edges` [n] indices into the graph's edges (its order), best first when they came from scores; `scores` [n]
     their scores (None for a hand-made circuit); `requested`: how many were chosen before pruning."""
 

@@ -35,6 +35,7 @@ import torch
 
 from probe import HookedDecoder
 from probe.config import Norm, NormPlacement
+from analyses.common import TableDisplay
 
 LOGITS = "logits"
 
@@ -55,7 +56,7 @@ def check_graph_model(model: HookedDecoder) -> None:
 
 
 @dataclass(frozen=True)
-class CircuitGraph:
+class CircuitGraph(TableDisplay):
     """Writers, readers and edges of one model. Edges are the valid (writer, reader) pairs in writer-major
     order: `edge_writer[e]`, `edge_reader[e]` index `writers` and `readers`. Nodes are the writers then
     `logits`; `reader_nodes` [reader node] says which nodes each reader feeds (a shared key/value input

@@ -30,7 +30,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import is_int
+from analyses.common import TableDisplay, is_int
 from probe import HookedDecoder, process_weights
 from probe.processing import can_center_writing_weights, can_fold_ln
 
@@ -69,7 +69,7 @@ def qk_circuit(model: HookedDecoder, layer: int, head: int) -> torch.Tensor:
 
 
 @dataclass
-class CopyingScores:
+class CopyingScores(TableDisplay):
     """The copying score of every head, and the eigenvalues it came from."""
 
     layers: list[int]
@@ -138,7 +138,7 @@ CompositionKind = Literal["q", "k", "v"]
 
 
 @dataclass
-class CompositionScores:
+class CompositionScores(TableDisplay):
     """Q-, K- and V-composition of every head into every head of a later layer (Elhage et al. 2021).
 
     Each of `q`, `k`, `v` is [layer head layer head]: entry [l1, h1, l2, h2] is how much head (l2, h2)

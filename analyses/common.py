@@ -169,7 +169,15 @@ def token_id(model: HookedDecoder, value, what: str) -> int:
     return int(value)
 
 
-class PromotedTokens:
+class TableDisplay:
+    """Results that have a table show it in Jupyter: `_repr_html_` is their `to_frame()` as pandas shows it
+    (truncated to pandas' display limits). Call `.figure()` for the picture."""
+
+    def _repr_html_(self) -> str:
+        return self.to_frame()._repr_html_()
+
+
+class PromotedTokens(TableDisplay):
     """Shared by tables of the tokens directions promote and suppress (FFN values, SAE decoder rows): each row i
     has `top_ids` / `top_logits` and `bottom_ids` / `bottom_logits` [row k], and `token_strings[i]` holds its k
     promoted strings then its k suppressed ones (raw)."""

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from analyses.ablation import Metric, metric_name
 from analyses.circuit_graph import CircuitGraph, circuit_graph
-from analyses.common import AnalysisInput, evaluate_metric, model_mask, token_strings, tokens_and_mask
+from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask, token_strings, tokens_and_mask
 from analyses.edge_gradients import gradient_scores
 from analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
 from analyses.paired_stats import bootstrap_ci, sign_flip_p
@@ -43,7 +43,7 @@ METHODS = ("eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "exa
 
 
 @dataclass
-class EdgeScores:
+class EdgeScores(TableDisplay):
     """`scores` [edge]: the estimated change of the (batch-mean) metric from patching each edge alone, edges in the
     graph's order (`graph.edge_writer`, `graph.edge_reader`); `per_example` [batch edge]; `per_position`
     [batch pos edge] when asked for. `clean` / `corrupted`: the metric on the unpatched runs (batch means)."""

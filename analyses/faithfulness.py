@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from analyses.ablation import Metric, metric_name
 from analyses.circuit import Circuit
 from analyses.circuit_graph import CircuitGraph, circuit_graph
-from analyses.common import AnalysisInput, evaluate_metric, model_mask
+from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask
 from analyses.edge_attribution import EdgeScores, paired_tokens
 from analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, rebased, run_edges, stage_residuals, writer_outputs
 from analyses.paired_stats import bootstrap_ratio_ci, sign_flip_p
@@ -117,7 +117,7 @@ class CircuitRunner:
 
 
 @dataclass
-class Faithfulness:
+class Faithfulness(TableDisplay):
     """`value`: (circuit - ablated) / (clean - ablated) of the batch means; per-prompt metrics in `circuit_values`,
     `clean_values`, `ablated_values` [batch]; a 95% bootstrap interval of the ratio and a sign-flip p-value that the
     circuit moves the metric away from the ablated run at all."""
@@ -188,7 +188,7 @@ def _result(runner: CircuitRunner, values: torch.Tensor, ablated: torch.Tensor, 
 
 
 @dataclass
-class FaithfulnessCurve:
+class FaithfulnessCurve(TableDisplay):
     """Faithfulness of the best circuits of each size and of random circuits of the same sizes."""
 
     sizes: list[int]  # edges chosen

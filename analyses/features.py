@@ -27,7 +27,7 @@ import torch
 from einops import einsum, rearrange
 
 from analyses.ablation import loss_metric
-from analyses.common import AnalysisInput, PromotedTokens, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
+from analyses.common import AnalysisInput, PromotedTokens, TableDisplay, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
 from analyses.sae_checks import FeatureSpec, check_sae, feature_ids, output_hook
 from analyses.vocab_projection import final_norm_directions, top_tokens, value_directions
 from hooks import HookPoint
@@ -45,7 +45,7 @@ def _check_k(k, limit: int, what: str) -> int:
 
 # ---- sae_features --------------------------------------------------------------------------------
 @dataclass
-class SAEFeatures:
+class SAEFeatures(TableDisplay):
     """The SAE's features on a batch of prompts; dimensions `batch pos k`, padding marked by `mask`. For a
     transcoder the features are read at `hook_name` and `fvu` is of its prediction at `hook_name_out`."""
 
@@ -317,7 +317,7 @@ def feature_inputs(model: HookedDecoder, sae: SparseAutoencoder, features: Featu
 
 # ---- sae_loss_recovered --------------------------------------------------------------------------
 @dataclass
-class SAELossRecovered:
+class SAELossRecovered(TableDisplay):
     """Next-token cross-entropy per prompt (nats, mean over its predicted real tokens) three ways."""
 
     hook_name: str

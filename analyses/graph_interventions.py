@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import pandas as pd
 import torch
 
-from analyses.common import AnalysisInput, as_tokens, is_int, token_decoder
+from analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_decoder
 from analyses.replacement_model import TranscoderSpec, load_transcoders
 from probe import HookedDecoder
 from probe.sae import spliced
@@ -43,7 +43,7 @@ class FeatureEdit:
 
 
 @dataclass
-class Intervention:
+class Intervention(TableDisplay):
     clean: torch.Tensor  # [pos vocab]: the model's logits
     edited: torch.Tensor  # [pos vocab]: with the edits
     edits: tuple[FeatureEdit, ...]

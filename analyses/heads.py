@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput
+from analyses.common import AnalysisInput, TableDisplay
 from analyses.labels import head_grid, head_label
 from probe import HookedDecoder
 from probe.names import act_name
@@ -25,7 +25,7 @@ DESCRIPTIONS = {
 
 
 @dataclass
-class HeadScores:
+class HeadScores(TableDisplay):
     """scores: [layer head], each the mean over queries (of every prompt) that have a target key of
     the attention weight the head puts on its target keys."""
 

@@ -24,6 +24,7 @@ from analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens
 from analyses.tuned_lens import FORMAT_VERSION, LENS_CONFIG, LENS_WEIGHTS, TunedLens, TunedLensConfig
 from analyses.tuned_lens_training import collect_residuals, heldout_split, lens_kl, progress_bar, train_tuned_lens
 from probe import HookedDecoder
+from analyses.common import TableDisplay
 
 __all__ = ["CELL_MAX_PX", "CELL_MIN_PX", "FORMAT_VERSION", "LENS_CONFIG", "LENS_WEIGHTS", "LensComparison", "LogitLensResult",
            "NormMode", "TargetSpec", "TunedLens", "TunedLensConfig", "compare_lenses", "final_norm", "has_final_scale",
@@ -33,7 +34,7 @@ __all__ = ["CELL_MAX_PX", "CELL_MIN_PX", "FORMAT_VERSION", "LENS_CONFIG", "LENS_
 
 # ---- logit lens vs tuned lens -----------------------------------------------------------------------
 @dataclass
-class LensComparison:
+class LensComparison(TableDisplay):
     sites: list[str]
     logit_kl: torch.Tensor  # [layer] mean KL(final || logit lens), nats
     tuned_kl: torch.Tensor  # [layer] mean KL(final || tuned lens), nats

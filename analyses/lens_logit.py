@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
+from analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
 from analyses.labels import CHAR_PX, figure_token, fitted, grid_layout, plain_length, titled
 from analyses.lens_sites import final_norm, has_final_scale, model_lens_sites, position_labels, site_label
 from analyses.tuned_lens import TunedLens
@@ -23,7 +23,7 @@ TargetSpec = Union[None, int, str, torch.Tensor]
 
 # ---- the logit lens ---------------------------------------------------------------------------------
 @dataclass
-class LogitLensResult:
+class LogitLensResult(TableDisplay):
     """What each site's residual decodes to. Dimensions: `batch layer pos vocab`, where `layer` indexes `sites`.
 
     `target_rank` counts the tokens the lens ranks above the target (0 when it is the top token); frames,

@@ -10,6 +10,7 @@ import torch
 from analyses.trigger_results import MLP_SOURCE, TopTriggers
 from analyses.vocab_projection import top_value_tokens
 from probe import HookedDecoder
+from analyses.common import TableDisplay
 
 
 def require_mlp(triggers: TopTriggers, what: str) -> None:
@@ -22,7 +23,7 @@ def require_mlp(triggers: TopTriggers, what: str) -> None:
 
 
 @dataclass
-class Agreement:
+class Agreement(TableDisplay):
     """Per layer, how often a memory's top value token is the actual next token after its triggers."""
 
     layers: list[int]

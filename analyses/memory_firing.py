@@ -9,7 +9,7 @@ import torch
 from einops import einsum
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, as_tokens, is_int, token_strings
+from analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
 from analyses.labels import TICK_CHAR_PX, figure_token, plain_length, titled
 from analyses.memory_units import Layers, layer_list
 from analyses.vocab_projection import top_value_tokens, value_directions
@@ -18,7 +18,7 @@ from probe.names import act_name
 
 
 @dataclass
-class MemoryLookup:
+class MemoryLookup(TableDisplay):
     """The memories active at one position: every coefficient, and the top-k sub-updates per layer."""
 
     tokens: torch.Tensor  # [pos]

@@ -17,7 +17,7 @@ import torch
 
 from analyses.ablation import Metric, metric_name, rows_per_forward, tokens_and_mask
 from analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
-from analyses.common import AnalysisInput, evaluate_metric, is_int, model_mask, token_labels, token_strings
+from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, token_labels, token_strings
 from analyses.labels import LAYER_AXIS, grid_layout, head_grid, head_label, position_labels, titled
 from probe import HookedDecoder
 from probe.names import act_name
@@ -76,7 +76,7 @@ def sweep_sites(model: HookedDecoder, sweep: str, n_pos: int) -> list[Site]:
 
 
 @dataclass
-class PatchingResult:
+class PatchingResult(TableDisplay):
     """patched: [site] the metric (batch mean) with that site patched, or its linear estimate
     (method 'attribution'); clean/corrupted: the metric on the unpatched runs."""
 

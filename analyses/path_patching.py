@@ -19,7 +19,7 @@ import torch
 
 from analyses.ablation import Metric, metric_name
 from analyses.circuit_graph import CircuitGraph, circuit_graph
-from analyses.common import AnalysisInput, evaluate_metric, model_mask
+from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask
 from analyses.edge_attribution import paired_tokens
 from analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
 from analyses.paired_stats import bootstrap_ci, sign_flip_p
@@ -30,7 +30,7 @@ NodeNames = Union[str, tuple, Sequence[Union[str, tuple]]]
 
 
 @dataclass
-class PathPatching:
+class PathPatching(TableDisplay):
     """`patched` [sender_set batch]: the metric with each set of senders patched into the receivers; `clean` and
     `corrupted` [batch] the unpatched runs. `recovered` is (patched - corrupted) / (clean - corrupted) of batch means."""
 

@@ -14,13 +14,14 @@ from plotly.subplots import make_subplots
 from analyses.pruning_data import PruningData, token_batches
 from analyses.pruning_importance import Metric, ascending_heads, evaluate_masks, head_importance, present_heads
 from probe import HookedDecoder
+from analyses.common import TableDisplay
 
 # ---- iterative pruning ----------------------------------------------------------------------------
 METHOD_IMPORTANCE, METHOD_RANDOM, METHOD_ABLATION = "importance", "random", "single-head ablation"
 
 
 @dataclass
-class PruningCurve:
+class PruningCurve(TableDisplay):
     """The iterative pruning curve and its baselines, on one schedule of head counts.
 
     n_pruned: [step] heads masked after each step (0 first). loss / accuracy: [step] evaluation

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import torch
 from einops import rearrange
 
-from analyses.common import evaluate_metric
+from analyses.common import TableDisplay, evaluate_metric
 from analyses.labels import count, head_grid, head_label, plotly_text
 from analyses.pruning_data import PruningData, check_length, token_batches
 from probe import HookedDecoder
@@ -76,7 +76,7 @@ def ascending_heads(scores: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @dataclass
-class HeadImportance:
+class HeadImportance(TableDisplay):
     """scores: [layer head] the importance I_h (normalised within each layer when `normalized`);
     raw: [layer head] mean over examples of |dL/dxi_h| before normalising. NaN where a head is masked
     or (structurally pruned models) absent."""

@@ -28,12 +28,13 @@ from analyses.corpus import Corpus
 from analyses.feature_scan import FeatureScan, feature_scan
 from analyses.features import FeatureInputs, FeatureLogits, check_sae, feature_ids, feature_inputs, feature_logits, output_hook
 from probe import HookedDecoder, SparseAutoencoder
+from analyses.common import TableDisplay
 
 DEFAULT_TOP = 20
 
 
 @dataclass
-class FeatureDashboard:
+class FeatureDashboard(TableDisplay):
     """What a dashboard shows, feature by feature in `scan.features`' order."""
 
     scan: FeatureScan

@@ -24,10 +24,11 @@ from analyses.ablation import loss_metric
 from analyses.corpus import Corpus, iter_documents
 from analyses.features import check_sae, sae_loss_recovered
 from probe import HookedDecoder, SparseAutoencoder, spliced
+from analyses.common import TableDisplay
 
 
 @dataclass
-class SAEEval:
+class SAEEval(TableDisplay):
     hook_name: str
     hook_name_out: Optional[str]
     n_tokens: int

@@ -18,7 +18,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from analyses.ablation import Metric, loss_metric, metric_name
-from analyses.common import AnalysisInput, evaluate_metric, is_int, model_mask, resolve_positions, token_id, tokens_and_mask
+from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, resolve_positions, token_id, tokens_and_mask
 from analyses.pruning import PruningData, token_batches
 from analyses.steering import SteeringVector, steer
 from probe import HookedDecoder
@@ -52,7 +52,7 @@ def target_logprob_metric(model: HookedDecoder, targets, position: int = -1) -> 
 
 
 @dataclass
-class SteeringSweep:
+class SteeringSweep(TableDisplay):
     """Per coefficient: `per_prompt` [coefficient prompt] the metric on each prompt (and `per_versus` [coefficient
     versus] on the versus prompts, or None), `heldout_loss` [coefficient] the mean next-token loss on held-out
     windows. `baseline_*` are the unsteered values (coefficient 0)."""

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from analyses.common import AnalysisInput, is_int, model_mask, resolve_positions, tokens_and_mask
+from analyses.common import AnalysisInput, TableDisplay, is_int, model_mask, resolve_positions, tokens_and_mask
 from probe import HookedDecoder
 from probe.io import atomic_file
 from probe.names import act_name
@@ -45,7 +45,7 @@ def vector_paths(path: Union[str, Path]) -> tuple[Path, Path]:
 
 
 @dataclass(frozen=True, eq=False)
-class SteeringVector:
+class SteeringVector(TableDisplay):
     """A direction [d_model] to add at `site` of block `layer`. From `steering_vector`, `differences` [pair d_model]
     holds each pair's positive - negative activation, of which `direction` is the mean; None otherwise."""
 

@@ -12,7 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.common import token_strings
+from analyses.common import TableDisplay, token_strings
 from analyses.labels import figure_token, plotly_text, shown_text, text_of, titled
 from probe import HookedDecoder
 from probe.io import atomic_file
@@ -23,7 +23,7 @@ MLP_SOURCE = "mlp"  # TopTriggers.source of a scan of FFN neurons (mlp.hook_post
 
 
 @dataclass
-class TopTriggers:
+class TopTriggers(TableDisplay):
     """Each neuron's k highest coefficients (or SAE feature's k highest activations) over a corpus,
     with where they happened.
 

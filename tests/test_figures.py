@@ -332,3 +332,13 @@ def test_report_of_the_bundled_model_at_n_ctx_renders_in_chromium(bundled_model,
     ticks = {int(m.group(2)): m.group(1) for t in texts_of(figures[3]) if (m := re.fullmatch(r"(.*) \((\d+)\)", t))}
     # the hostile prompt's lens: its tick labels, in order, are the prompt as written (quotes, & and <b> included)
     assert "".join(ticks[p] for p in range(1, n)) == HOSTILE.replace(" ", "␣")
+
+
+def test_results_show_their_table_in_jupyter(tiny_model, tokens):
+    """A notebook cell ending in a result shows its tidy table: `_repr_html_` is the frame's own HTML."""
+    from analyses import attention_patterns, head_scores, logit_lens
+
+    for result in (logit_lens(tiny_model, tokens), head_scores(tiny_model, "previous_token", tokens),
+                   attention_patterns(tiny_model, tokens[0])):
+        assert result._repr_html_() == result.to_frame()._repr_html_()
+        assert "<table" in result._repr_html_()

@@ -110,10 +110,27 @@ def test_every_command_has_examples_that_name_it():
 RUN_EXAMPLES = os.environ.get("PROBE_TEST_HELP_EXAMPLES") == "1"
 
 
+# run in every suite: all but the commands whose examples train or scan (about 15 s in all); those run with
+# PROBE_TEST_HELP_EXAMPLES=1
+HEAVY = ("report", "lens", "prune", "memories", "train_sae")
+ALWAYS_RUN = tuple(command for command in cli.COMMANDS if command not in HEAVY)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, index, argv", [case for case in CASES if case[0] in ALWAYS_RUN],
+                         ids=[f"{c}-{i}" for c, i, _ in CASES if c in ALWAYS_RUN])
+def test_help_example_of_a_light_command_runs(command, index, argv, scratch, monkeypatch, capsys):
+    run_example(command, index, argv, scratch, monkeypatch, capsys)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not RUN_EXAMPLES, reason="set PROBE_TEST_HELP_EXAMPLES=1 to run every --help example (~190 s CPU)")
 @pytest.mark.parametrize("command, index, argv", CASES, ids=[f"{c}-{i}" for c, i, _ in CASES])
 def test_help_example_runs(command, index, argv, scratch, monkeypatch, capsys):
+    run_example(command, index, argv, scratch, monkeypatch, capsys)
+
+
+def run_example(command, index, argv, scratch, monkeypatch, capsys):
     monkeypatch.chdir(scratch)
     argv = list(argv)
     if "--out" not in argv and "--show" not in argv:
