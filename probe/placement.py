@@ -52,7 +52,7 @@ def part_sizes(model_class: type, cfg: DecoderConfig, dtype: torch.dtype = torch
     """Each part's bytes, from a `model_class(cfg)` built on the meta device (no memory, a second for 70B)."""
     with torch.device("meta"):
         model = model_class(cfg)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     seen: set[int] = set()
 
     def size(*modules: Optional[nn.Module]) -> int:

@@ -47,7 +47,7 @@ class StoredTensor:
     def load(self) -> torch.Tensor:
         """The tensor, as a copy-on-write view of its bytes in the file: nothing is copied until it is written,
         and the mapping (its own, of this tensor's pages only once touched) goes when the tensor does."""
-        numel, itemsize = math.prod(self.shape), torch.empty((), dtype=self.dtype).element_size()
+        numel, itemsize = math.prod(self.shape), self.dtype.itemsize
         if numel == 0:
             return torch.empty(self.shape, dtype=self.dtype)
         with open(self.path, "rb") as f:
@@ -107,7 +107,7 @@ def _entry(path: Path, name: str, entry, base: int, data_bytes: int) -> StoredTe
         raise bad(f"has data_offsets {offsets!r}; they are [begin, end] with 0 <= begin <= end")
     if offsets[1] > data_bytes:
         raise bad(f"points past the end of the file (byte {offsets[1]} of {data_bytes}): the file is truncated")
-    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    itemsize = DTYPES[dtype].itemsize
     if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
         raise bad(f"spans {offsets[1] - offsets[0]} bytes, but {dtype} of shape {shape} needs {math.prod(shape) * itemsize}")
     return StoredTensor(path, name, DTYPES[dtype], torch.Size(shape), base + offsets[0], base + offsets[1])
