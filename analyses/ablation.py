@@ -16,9 +16,10 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, TableDisplay, check_id_tensor, evaluate_metric, is_int, resolve_positions, token_id, tokens_and_mask
-from analyses.common import model_mask as _model_mask
-from analyses.labels import head_grid, head_label, plotly_text
+from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, resolve_positions, token_id, tokens_and_mask
+from probe.analyses.common import model_mask as _model_mask
+from probe.analyses.labels import head_grid, head_label, plotly_text
+from probe.analyses.metric_reads import LogitReads, evaluate_output, metric_stop
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -63,16 +64,27 @@ def logit_diff_metric(model: HookedDecoder, answer, counterfactual, position: in
     if len(answer_ids) != len(counter_ids):
         raise ValueError(f"{len(answer_ids)} answers but {len(counter_ids)} counterfactuals; give one of each per prompt")
 
-    def metric(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        rows = logits.shape[0]
+    def columns(rows: int, device) -> torch.Tensor:  # [rows 2]: (answer, counterfactual), the prompts tiled
         if rows % len(answer_ids):
             raise ValueError(f"{len(answer_ids)} answers do not match a batch of {rows} prompts")
         reps = rows // len(answer_ids)
-        ans, cf = answer_ids.to(logits.device).repeat(reps), counter_ids.to(logits.device).repeat(reps)
-        pos = resolve_positions(attention_mask.to(logits.device), int(position))
-        at = logits[torch.arange(rows, device=logits.device), pos].float()  # float first: a bf16 difference rounds
-        return (at.gather(-1, ans[:, None]) - at.gather(-1, cf[:, None]))[:, 0]
+        return torch.stack([answer_ids.to(device).repeat(reps), counter_ids.to(device).repeat(reps)], dim=1)
 
+    def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+        return resolve_positions(attention_mask, int(position))
+
+    def difference(values: torch.Tensor) -> torch.Tensor:  # [batch 2] float -> [batch]
+        return values[:, 0] - values[:, 1]
+
+    def metric(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        rows = logits.shape[0]
+        read = columns(rows, logits.device)
+        pos = positions(attention_mask.to(logits.device))
+        at = logits[torch.arange(rows, device=logits.device), pos].float()  # float first: a bf16 difference rounds
+        return difference(at.gather(-1, read))
+
+    # two columns at one position: analyses compute it from the final residual, without the full logits
+    metric.reads = LogitReads(positions=positions, columns=columns, combine=difference)
     metric.label = "logit difference"
     return metric
 
@@ -252,9 +264,10 @@ def head_ablation_effects(
     n_layer, n_head = model.cfg.n_layers, model.cfg.n_heads
     repl = _replacements(model, method, tokens, mask, range(n_layer), reference, seed)
     names = [act_name("resid_pre", l) for l in range(1, n_layer)]
-    logits, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask), names=names)
-    baseline = evaluate_metric(metric, logits, tokens, mask).cpu()
-    del logits
+    stop = metric_stop(model, metric)  # a metric reading a few logits runs to the final residual only
+    out, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask), names=names, stop_at_layer=stop)
+    baseline = evaluate_output(model, metric, out, tokens, mask).cpu()
+    del out
 
     copies = max(1, rows_per_forward(model, n, max_rows) // batch)  # ablations per forward
     per_prompt = torch.full((n_layer, n_head, batch), float("nan"))  # NaN stays where pruning removed a head
@@ -272,10 +285,10 @@ def head_ablation_effects(
                 return z.flatten(0, 1)
 
             stacked_mask = mask.repeat(k, 1)
-            logits = model.run_with_hooks(
+            out = model.run_with_hooks(
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
-                start_at_layer=layer, fwd_hooks=[(act_name("z", layer), ablate)],
+                start_at_layer=layer, stop_at_layer=stop, fwd_hooks=[(act_name("z", layer), ablate)],
             )
-            values = evaluate_metric(metric, logits, tokens.repeat(k, 1), stacked_mask)
+            values = evaluate_output(model, metric, out, tokens.repeat(k, 1), stacked_mask)
             per_prompt[layer, first: first + k] = values.view(k, batch).cpu()
     return HeadAblationEffects(per_prompt=per_prompt, baseline=baseline, method=method, metric_name=metric_name(metric))

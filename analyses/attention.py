@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
-from analyses.labels import grid_layout, head_label, position_labels, titled
+from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
+from probe.analyses.labels import grid_layout, head_label, position_labels, titled
 from probe import HookedDecoder
 from probe.names import act_name
 

@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from analyses.attention import AttentionPatterns, attention_patterns
-from analyses.common import AnalysisInput
-from analyses.labels import head_label, html_text, shown_token
+from probe.analyses.attention import AttentionPatterns, attention_patterns
+from probe.analyses.common import AnalysisInput
+from probe.analyses.labels import head_label, html_text, shown_token
 from probe import HookedDecoder
 
 DIGITS = 4  # decimals kept of each weight: 1e-4 is below what a shade or a hover shows

@@ -16,10 +16,10 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
-from analyses.labels import count, figure_token, head_grid, titled
-from analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, position_labels, site_label
-from analyses.residual_components import Components, check_pre_norm, component_hooks, stack_components
+from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
+from probe.analyses.labels import count, figure_token, head_grid, titled
+from probe.analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, position_labels, site_label
+from probe.analyses.residual_components import Components, check_pre_norm, component_hooks, stack_components
 from probe import HookedDecoder
 from probe.names import act_name
 

@@ -22,10 +22,10 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_decoder
-from analyses.labels import head_label, parse_head
-from analyses.graph_pruning import EDGE_THRESHOLD, NODE_THRESHOLD, influence, prune, row_normalised
-from analyses.replacement_model import (TranscoderSpec, demeaned_unembedding, linearised_run, load_transcoders,
+from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_decoder
+from probe.analyses.labels import head_label, parse_head
+from probe.analyses.graph_pruning import EDGE_THRESHOLD, NODE_THRESHOLD, influence, prune, row_normalised
+from probe.analyses.replacement_model import (TranscoderSpec, demeaned_unembedding, linearised_run, load_transcoders,
                                         promoted_tokens, replacement_state)
 from probe import HookedDecoder
 
@@ -123,13 +123,13 @@ class AttributionGraph(TableDisplay):
     def figure(self, prune: bool = True):
         """A plotly drawing on the layers x positions grid (pruned with the default thresholds first, unless
         already pruned or `prune=False`); see analyses.graph_figure."""
-        from analyses.graph_figure import graph_figure
+        from probe.analyses.graph_figure import graph_figure
 
         return graph_figure(self.prune() if prune and self.thresholds is None else self)
 
     def page(self, title: Optional[str] = None, feature_links: Optional[dict] = None) -> str:
         """The interactive page, one self-contained HTML file; see analyses.graph_figure.graph_page."""
-        from analyses.graph_figure import graph_page
+        from probe.analyses.graph_figure import graph_page
 
         return graph_page(self if self.thresholds is not None else self.prune(), title=title, feature_links=feature_links)
 

@@ -13,8 +13,8 @@ from typing import Literal, Optional, Sequence
 import pandas as pd
 import torch
 
-from analyses.circuit_graph import CircuitGraph
-from analyses.common import TableDisplay
+from probe.analyses.circuit_graph import CircuitGraph
+from probe.analyses.common import TableDisplay
 
 
 def prune(graph: CircuitGraph, chosen: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,7 @@ class Circuit(TableDisplay):
 
     def figure(self, title: Optional[str] = None):
         """An interactive drawing: layers top to bottom, edge width and colour by score, q/k/v inputs told apart."""
-        from analyses.circuit_figure import circuit_figure
+        from probe.analyses.circuit_figure import circuit_figure
 
         return circuit_figure(self, title=title)
 

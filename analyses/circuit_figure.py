@@ -8,7 +8,7 @@ from typing import Optional
 import plotly.graph_objects as go
 import torch
 
-from analyses.common import escape_token
+from probe.analyses.common import escape_token
 
 INPUT_STYLE = {"q": ("solid", -0.22), "k": ("dash", 0.0), "v": ("dot", 0.22), "mlp": ("solid", 0.0), "logits": ("solid", 0.0)}
 POSITIVE, NEGATIVE = "rgba(33, 102, 172, {a})", "rgba(178, 24, 43, {a})"

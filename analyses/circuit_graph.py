@@ -35,7 +35,7 @@ import torch
 
 from probe import HookedDecoder
 from probe.config import Norm, NormPlacement
-from analyses.common import TableDisplay
+from probe.analyses.common import TableDisplay
 
 LOGITS = "logits"
 

@@ -30,7 +30,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import TableDisplay, is_int
+from probe.analyses.common import TableDisplay, is_int
 from probe import HookedDecoder, process_weights
 from probe.processing import can_center_writing_weights, can_fold_ln
 

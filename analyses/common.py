@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from analyses.labels import CHAR_PX, figure_token, fitted, grid_layout, plain_length, position_labels, token_texts
+from probe.analyses.labels import CHAR_PX, figure_token, fitted, grid_layout, plain_length, position_labels, token_texts
 from probe import HookedDecoder
 
 AnalysisInput = Union[str, Sequence[str], torch.Tensor]

@@ -30,12 +30,12 @@ import plotly.graph_objects as go
 import torch
 from tqdm.auto import tqdm
 
-from analyses.ablation import Metric, metric_name
-from analyses.circuit_graph import CircuitGraph, circuit_graph
-from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask, token_strings, tokens_and_mask
-from analyses.edge_gradients import gradient_scores
-from analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
-from analyses.paired_stats import bootstrap_ci, sign_flip_p
+from probe.analyses.ablation import Metric, metric_name
+from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
+from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask, token_strings, tokens_and_mask
+from probe.analyses.edge_gradients import gradient_scores
+from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
+from probe.analyses.paired_stats import bootstrap_ci, sign_flip_p
 from probe import HookedDecoder
 
 EdgeMethod = Literal["eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "exact"]
@@ -107,7 +107,7 @@ class EdgeScores(TableDisplay):
         """A `Circuit` of the best edges: the top `n_edges` (or every edge with |score| >= `threshold`), or,
         with method='greedy', grown from the logits by adding the best edge into a node already in it; then
         pruned of nodes that do not reach the logits or are not reached from the embedding."""
-        from analyses.circuit import circuit_from_scores
+        from probe.analyses.circuit import circuit_from_scores
 
         return circuit_from_scores(self, n_edges=n_edges, threshold=threshold, method=method, absolute=absolute)
 

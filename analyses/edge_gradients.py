@@ -29,9 +29,10 @@ from typing import Optional
 import torch
 from einops import einsum
 
-from analyses.circuit_graph import CircuitGraph
-from analyses.common import evaluate_metric, model_mask
-from analyses.edge_patching import head_outputs
+from probe.analyses.circuit_graph import CircuitGraph
+from probe.analyses.common import evaluate_metric, model_mask
+from probe.analyses.edge_patching import head_outputs
+from probe.analyses.metric_reads import evaluate_output, logit_reads
 from probe import HookedDecoder
 from probe.names import act_name
 from probe.norm import LayerNorm, RMSNorm
@@ -233,9 +234,23 @@ def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: tor
     return per_example, per_position, values["clean"], values["corrupted"]
 
 
-def _metric_pass(model, metric, fwd: _Forward, final, stacked, rows_mask, mask, values) -> list:
+def _metric_pass(model, metric, fwd: _Forward, final, stacked, rows_mask, mask, values):
     """The metric of every run (its value kept for the clean and corrupted runs) and, for the runs with a weight,
-    (rows, positions, d metric / d logits) at the positions the metric reads."""
+    (rows, positions, d metric / d logits) at the positions the metric reads; for a metric that declares what it
+    reads (analyses.metric_reads), the sum of the weighted runs' values instead, computed with a graph from the
+    final residual at those positions and columns only: no [batch pos vocab] logits at all."""
+    if logit_reads(metric) is not None:
+        target = None
+        for i, run in enumerate(fwd.runs):
+            rows = fwd.rows(i)
+            with torch.enable_grad() if run.weight else torch.no_grad():
+                value = evaluate_output(model, metric, final[rows], stacked[rows], mask)
+            key = "clean" if run.clean else ("corrupted" if run.alpha == 0 else None)
+            if key is not None:
+                values[key] = value.detach()
+            if run.weight:  # the run's weight comes in the contraction
+                target = value.sum() if target is None else target + value.sum()
+        return target
     out = []
     for i, run in enumerate(fwd.runs):
         rows = fwd.rows(i)
@@ -260,7 +275,12 @@ def _metric_pass(model, metric, fwd: _Forward, final, stacked, rows_mask, mask, 
 
 
 def _backward(model, fwd: _Forward, final, logit_grads) -> dict[str, torch.Tensor]:
-    """Every kept activation's gradient, through the unembedding of the read positions only."""
+    """Every kept activation's gradient, through the unembedding of the read positions only (`logit_grads` from
+    _metric_pass: per-run logit gradients, or the metric's summed value when it declared its reads)."""
+    if isinstance(logit_grads, torch.Tensor):
+        names = list(fwd.live)
+        grads = torch.autograd.grad(logit_grads, [fwd.live[n] for n in names], allow_unused=True, materialize_grads=True)
+        return dict(zip(names, grads))
     rows = torch.cat([r for r, _, _ in logit_grads])
     pos = torch.cat([p for _, p, _ in logit_grads])
     names = list(fwd.live)

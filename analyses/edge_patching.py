@@ -26,8 +26,8 @@ from typing import Mapping, Optional
 import torch
 from einops import einsum
 
-from analyses.ablation import LOGIT_BUDGET
-from analyses.circuit_graph import CircuitGraph
+from probe.analyses.ablation import LOGIT_BUDGET
+from probe.analyses.circuit_graph import CircuitGraph
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -109,8 +109,9 @@ def copies_per_forward(model: HookedDecoder, batch: int, n_pos: int, max_rows: O
 
 
 def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor],
-              spec: EdgeInputs) -> torch.Tensor:
-    """Logits [copy*batch pos vocab] (copy-major) of `tokens` with every reader's input rebuilt per `spec`.
+              spec: EdgeInputs, stop_at_layer: Optional[int] = None) -> torch.Tensor:
+    """Logits [copy*batch pos vocab] (copy-major) of `tokens` with every reader's input rebuilt per `spec` (with
+    `stop_at_layer=n_layers`, the final residual [copy*batch pos d_model], the logits' rebuilt input, instead).
 
     Only what a circuit touches costs extra: a reader no copy rebuilds (no kept edge, no patch, no frozen
     norm) reads `base` itself, which the residual stream is set to before each block, so the block's own
@@ -287,4 +288,4 @@ def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, a
     if bool(frozen_readers[-1]) and "ln_final.hook_scale" in model.hook_names:
         hooks.append(("ln_final.hook_scale", frozen_hook))
     mask = None if attention_mask is None else attention_mask.repeat(k, 1)
-    return model.run_with_hooks(tokens.repeat(k, 1), attention_mask=mask, fwd_hooks=hooks)
+    return model.run_with_hooks(tokens.repeat(k, 1), attention_mask=mask, fwd_hooks=hooks, stop_at_layer=stop_at_layer)

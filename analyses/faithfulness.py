@@ -18,24 +18,33 @@ import plotly.graph_objects as go
 import torch
 from tqdm.auto import tqdm
 
-from analyses.ablation import Metric, metric_name
-from analyses.circuit import Circuit
-from analyses.circuit_graph import CircuitGraph, circuit_graph
-from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask
-from analyses.edge_attribution import EdgeScores, paired_tokens
-from analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, rebased, run_edges, stage_residuals, writer_outputs
-from analyses.paired_stats import bootstrap_ratio_ci, sign_flip_p
+from probe.analyses.ablation import Metric, metric_name
+from probe.analyses.circuit import Circuit
+from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
+from probe.analyses.common import AnalysisInput, TableDisplay, model_mask
+from probe.analyses.edge_attribution import EdgeScores, paired_tokens
+from probe.analyses.circuit_forward import BaseRun, qkv_hook_names, sparse_final, sparse_supported
+from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, rebased, run_edges, stage_residuals, writer_outputs
+from probe.analyses.metric_reads import evaluate_output, metric_stop
+from probe.analyses.paired_stats import bootstrap_ratio_ci, sign_flip_p
 from probe import HookedDecoder
 
 Ablation = Literal["patch", "mean", "zero"]
 ABLATIONS = ("patch", "mean", "zero")
+Engine = Literal["auto", "sparse", "hooked"]
+ENGINES = ("auto", "sparse", "hooked")
 
 
 @dataclass
 class CircuitRunner:
     """The clean and corrupted runs a circuit's forward is rebuilt from (two forwards, once); `evaluate(masks)` runs
     circuits stacked along the batch, `faithfulness(circuit)` one circuit in one patched forward. Prepare one to
-    measure many circuits on the same prompts: `CircuitRunner.prepare(model, clean, corrupted, metric)`."""
+    measure many circuits on the same prompts: `CircuitRunner.prepare(model, clean, corrupted, metric)`.
+
+    `engine`: "sparse" computes only the nodes a circuit touches, from the weights (analyses.circuit_forward);
+    "hooked" runs the model's forward with every reader's input rebuilt by hooks (analyses.edge_patching); "auto"
+    (the default) is "sparse" wherever it runs (not sandwich blocks): it computes a subset of what the hooked
+    forward computes, so it is never the more expensive one. The two agree to float error."""
 
     model: HookedDecoder
     graph: CircuitGraph
@@ -49,21 +58,31 @@ class CircuitRunner:
     corrupted_values: torch.Tensor  # [batch]
     ablation: str
     max_rows: Optional[int] = None
+    run: Optional[BaseRun] = None  # the base run, when the sparse engine is used
 
     @classmethod
     @torch.no_grad()
     def prepare(cls, model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
-                ablation: Ablation = "patch", attention_mask=None, max_rows: Optional[int] = None) -> "CircuitRunner":
+                ablation: Ablation = "patch", attention_mask=None, max_rows: Optional[int] = None,
+                engine: Engine = "auto") -> "CircuitRunner":
         if ablation not in ABLATIONS:
             raise ValueError(f"ablation={ablation!r} is not one of: {', '.join(ABLATIONS)}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine={engine!r} is not one of: {', '.join(ENGINES)}")
         graph = circuit_graph(model)
+        if engine == "sparse" and not sparse_supported(graph):
+            raise ValueError("engine='sparse' does not run sandwich blocks (Gemma 2), whose heads' outputs share one norm "
+                             "scale per layer; use engine='auto' or 'hooked'")
+        sparse = engine == "sparse" or (engine == "auto" and sparse_supported(graph))
         clean_tokens, tokens, mask = paired_tokens(model, clean, corrupted, attention_mask)
         names = graph_hook_names(graph)
-        logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=model_mask(mask), names=names)
-        clean_values = evaluate_metric(metric, logits, clean_tokens, mask)
-        logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=names)
-        corrupted_values = evaluate_metric(metric, logits, tokens, mask)
-        del logits
+        stop = metric_stop(model, metric)  # a metric that says what it reads: no full logits
+        out, clean_cache = model.run_with_cache(clean_tokens, attention_mask=model_mask(mask), names=names, stop_at_layer=stop)
+        clean_values = evaluate_output(model, metric, out, clean_tokens, mask)
+        extra = qkv_hook_names(graph) if sparse and ablation == "patch" else []
+        out, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=names + extra, stop_at_layer=stop)
+        corrupted_values = evaluate_output(model, metric, out, tokens, mask)
+        del out
         corr_out = writer_outputs(model, graph, cache)
         if ablation == "patch":
             ref = corr_out
@@ -76,9 +95,11 @@ class CircuitRunner:
             weights = mask.float()[:, :, None, None]
             ref = ((corr_out * weights).sum(0, keepdim=True) / weights.sum(0, keepdim=True).clamp(min=1)).expand_as(corr_out)
         base = rebased(graph, stage_residuals(graph, cache), corr_out, ref)
+        # under "patch" the base run is the corrupted run; otherwise one more forward, with every residual at base
+        run = BaseRun.prepare(model, graph, tokens, mask, base, ref, cache if ablation == "patch" else None) if sparse else None
         return cls(model=model, graph=graph, metric=metric, tokens=tokens, mask=mask, clean_out=writer_outputs(model, graph, clean_cache),
                    ref=ref, base=base, clean_values=clean_values, corrupted_values=corrupted_values, ablation=ablation,
-                   max_rows=max_rows)
+                   max_rows=max_rows, run=run)
 
     @torch.no_grad()
     def evaluate(self, circuits: torch.Tensor, progress: bool = False) -> torch.Tensor:
@@ -89,17 +110,23 @@ class CircuitRunner:
         copies = copies_per_forward(self.model, batch, n_pos, self.max_rows)
         out = torch.empty(circuits.shape[0], batch)
         starts = range(0, circuits.shape[0], copies)
-        for first in tqdm(starts, desc="circuits", total=len(starts), leave=False, disable=not progress):
+        for first in tqdm(starts, desc="circuits", total=len(starts), leave=False) if progress else starts:
             chunk = circuits[first:first + copies].to(device)
             keep = torch.zeros(chunk.shape[0], *graph.valid.shape, device=device)
             keep[:, w, r] = chunk.float()
-            source = torch.zeros_like(keep)
-            source[:, 0] = keep[:, 0]  # the embedding has no input to rebuild: its kept edges carry the clean one
-            keep[:, 0] = 0.0
-            spec = EdgeInputs(base=self.base, ref=self.ref, carry=keep, source=self.clean_out, patch=source)
-            logits = run_edges(self.model, graph, self.tokens, model_mask(self.mask), spec)
             k = chunk.shape[0]
-            values = evaluate_metric(self.metric, logits, self.tokens.repeat(k, 1), self.mask.repeat(k, 1))
+            stop = metric_stop(self.model, self.metric)  # a metric that says what it reads: no full logits
+            if self.run is not None:  # the embedding's row: its kept edges carry the clean embedding
+                final = sparse_final(self.model, graph, self.run, self.base, self.ref, self.clean_out, keep.bool())
+                output = final if stop is not None else self.model.unembed(self.model.ln_final(final))
+            else:
+                source = torch.zeros_like(keep)
+                source[:, 0] = keep[:, 0]  # the embedding has no input to rebuild: its kept edges carry the clean one
+                keep[:, 0] = 0.0
+                spec = EdgeInputs(base=self.base, ref=self.ref, carry=keep, source=self.clean_out, patch=source)
+                output = run_edges(self.model, graph, self.tokens, model_mask(self.mask), spec, stop_at_layer=stop)
+            tokens, mask = (self.tokens, self.mask) if k == 1 else (self.tokens.repeat(k, 1), self.mask.repeat(k, 1))
+            values = evaluate_output(self.model, self.metric, output, tokens, mask)
             out[first:first + k] = values.view(k, batch).cpu()
         return out
 
@@ -171,10 +198,12 @@ def _check_circuit(graph: CircuitGraph, circuit: Circuit) -> None:
 
 
 def faithfulness(model: HookedDecoder, circuit: Circuit, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
-                 ablation: Ablation = "patch", *, attention_mask: Optional[torch.Tensor] = None) -> Faithfulness:
-    """The metric with only the circuit's edges carrying what they carry in the clean run, normalised (see above)."""
+                 ablation: Ablation = "patch", *, attention_mask: Optional[torch.Tensor] = None,
+                 engine: Engine = "auto") -> Faithfulness:
+    """The metric with only the circuit's edges carrying what they carry in the clean run, normalised (see above);
+    `engine` as in CircuitRunner."""
     _check_circuit(circuit_graph(model), circuit)
-    return CircuitRunner.prepare(model, clean, corrupted, metric, ablation, attention_mask).faithfulness(circuit)
+    return CircuitRunner.prepare(model, clean, corrupted, metric, ablation, attention_mask, engine=engine).faithfulness(circuit)
 
 
 def _result(runner: CircuitRunner, values: torch.Tensor, ablated: torch.Tensor, n_edges: int) -> Faithfulness:
@@ -197,6 +226,7 @@ class FaithfulnessCurve(TableDisplay):
     random: list[list[Faithfulness]]  # [size][draw]
     method: str
     scores_method: str
+    signed: bool = False  # ranked by the score itself rather than |score|
 
     def to_frame(self) -> pd.DataFrame:
         rows = []
@@ -216,7 +246,7 @@ class FaithfulnessCurve(TableDisplay):
         best = frame[frame["circuit"] != "random"]
         fig = go.Figure()
         fig.add_trace(go.Scatter(
-            x=best["edges"], y=best["faithfulness"], mode="lines+markers", name=f"{self.scores_method} circuit ({self.method})",
+            x=best["edges"], y=best["faithfulness"], mode="lines+markers", name=f"{self.scores_method} circuit ({self.method}{', signed' if self.signed else ''})",
             error_y=dict(type="data", symmetric=False, array=(best["ci_high"] - best["faithfulness"]).to_numpy(),
                          arrayminus=(best["faithfulness"] - best["ci_low"]).to_numpy()),
             customdata=best[["edges_after_pruning", "p_value"]].to_numpy(),
@@ -247,9 +277,10 @@ def default_sizes(n_edges: int, points: int = 12) -> list[int]:
 def faithfulness_curve(model: HookedDecoder, scores: EdgeScores, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
                        sizes: Optional[Sequence[int]] = None, ablation: Ablation = "patch",
                        method: Literal["topn", "greedy"] = "topn", n_random: int = 3, seed: int = 0, *,
-                       attention_mask: Optional[torch.Tensor] = None) -> FaithfulnessCurve:
-    """Faithfulness of `scores.circuit(n_edges=size, method=method)` for each size, against `n_random` circuits of
-    `size` edges drawn uniformly from the graph (not pruned: pruning would not change their value)."""
+                       attention_mask: Optional[torch.Tensor] = None, absolute: bool = True) -> FaithfulnessCurve:
+    """Faithfulness of `scores.circuit(n_edges=size, method=method, absolute=absolute)` for each size, against
+    `n_random` circuits of `size` edges drawn uniformly from the graph (not pruned: pruning would not change their
+    value). The clean and corrupted runs are prepared once (CircuitRunner)."""
     if not isinstance(scores, EdgeScores):
         raise TypeError(f"scores must be EdgeScores from edge_attribution, got {type(scores).__name__}")
     runner = CircuitRunner.prepare(model, clean, corrupted, metric, ablation, attention_mask)
@@ -262,7 +293,7 @@ def faithfulness_curve(model: HookedDecoder, scores: EdgeScores, clean: Analysis
         raise ValueError(f"sizes {bad} are outside [0, {n}], the graph's edge count")
     if not (isinstance(n_random, int) and n_random >= 0):
         raise ValueError(f"n_random={n_random!r} must be a non-negative int")
-    circuits = [scores.circuit(n_edges=s, method=method) for s in sizes]
+    circuits = [scores.circuit(n_edges=s, method=method, absolute=absolute) for s in sizes]
     gen = torch.Generator().manual_seed(seed)
     masks = [c.edge_mask() for c in circuits]
     for s in sizes:
@@ -276,4 +307,4 @@ def faithfulness_curve(model: HookedDecoder, scores: EdgeScores, clean: Analysis
     random = [[_result(runner, values[len(sizes) + i * n_random + j], ablated, s) for j in range(n_random)]
               for i, s in enumerate(sizes)]
     return FaithfulnessCurve(sizes=list(sizes), kept=[c.n_edges for c in circuits], results=results, random=random,
-                             method=method, scores_method=scores.method)
+                             method=method, scores_method=scores.method, signed=not absolute)

@@ -15,6 +15,9 @@ counted). A document's first window counts all its tokens; each later one starts
 most half a window, `overlap_of`) and counts only the tokens after those, so every counted token has its
 `before` tokens of context inside its own window, as a reader needs them, rather than a window's first
 token firing on a context of BOS alone. Memory is O(features x (k x context + BINS)) however long the corpus.
+The corpus is read, tokenised and laid out ahead in a background thread (`analyses.prefetch`), and each batch
+is folded on the model's device with fixed shapes (`analyses.streaming_topk`): a GPU waits for the host once
+per batch, in the forward's check of the token ids.
 """
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.common import escape_token, token_decoder
-from analyses.corpus import Corpus, iter_documents
-from analyses.features import check_sae, feature_ids
+from probe.analyses.common import escape_token, token_decoder
+from probe.analyses.corpus import Corpus, iter_documents
+from probe.analyses.features import check_sae, feature_ids
+from probe.analyses.prefetch import prefetch
+from probe.analyses.streaming_topk import candidates, fold
 from probe import HookedDecoder, SparseAutoencoder
 
 BINS = 32  # a power of two: the bin width is then 2^e with BINS * 2^e > max read off frexp(max) exactly
@@ -172,6 +177,35 @@ def _windows(model: HookedDecoder, corpus: Corpus, window: int, overlap: int, ma
             yield doc, name, start - overlap, overlap, ids[start - overlap:start - overlap + per_window]
 
 
+def _batches(windows: Iterator, batch_size: int, bos: Optional[int], pad_id: int, window: int, pin: bool
+             ) -> Iterator[tuple[list, torch.Tensor, int]]:
+    """(windows, packed, tokens counted) for every `batch_size` windows of `_windows`: packed [5 window pos] int64
+    holds the tokens (right-padded, BOS first when the tokenizer has one), whether each is the document's
+    (real), whether it is scanned (counted), its document and its position there; pinned with `pin`."""
+    def layout(batch: list) -> tuple[list, torch.Tensor, int]:
+        offset = int(bos is not None)
+        packed = torch.zeros((5, len(batch), window), dtype=torch.long)
+        tokens, real, counted, docs, positions = packed.unbind(0)
+        tokens.fill_(pad_id)
+        for row, (doc, _, start, lead, chunk) in enumerate(batch):
+            if bos is not None:
+                tokens[row, 0] = bos
+            tokens[row, offset:offset + len(chunk)] = torch.tensor(chunk)
+            real[row, offset:offset + len(chunk)] = 1
+            counted[row, offset + lead:offset + len(chunk)] = 1
+            docs[row], positions[row] = doc, torch.arange(window) + start - offset
+        return batch, packed.pin_memory() if pin else packed, int(counted.sum())
+
+    batch = []
+    for item in windows:
+        batch.append(item)
+        if len(batch) == batch_size:
+            yield layout(batch)
+            batch = []
+    if batch:
+        yield layout(batch)
+
+
 def _stop_at_layer(model: HookedDecoder, name: str) -> Optional[int]:
     """Where the forward can stop once `name` has run: after its block, before the blocks for the embeddings,
     never (None) for the final norm's points. Found by the point's identity."""
@@ -184,7 +218,8 @@ def _stop_at_layer(model: HookedDecoder, name: str) -> Optional[int]:
 
 
 class _Folder:
-    """The running state of a scan, folded one batch at a time."""
+    """The running state of a scan, folded one batch at a time on the device, with fixed shapes only
+    (`analyses.streaming_topk`): no step waits for the host."""
 
     def __init__(self, n: int, k: int, context: int, device):
         self.k, self.context = k, context
@@ -193,81 +228,61 @@ class _Folder:
         self.exponent = torch.full((n,), -1074, dtype=torch.long, device=device)  # below any float's: nothing seen
         self.histogram = torch.zeros(n, BINS, dtype=torch.long, device=device)
         self.values = torch.zeros(n, k, device=device)
-        self.order = torch.full((n, k), -1, dtype=torch.long, device=device)  # global token index, -1: empty
-        self.docs = torch.full((n, k), -1, dtype=torch.long, device=device)
+        self.docs = torch.full((n, k), -1, dtype=torch.long, device=device)  # -1: an empty slot
         self.positions = torch.full((n, k), -1, dtype=torch.long, device=device)
         self.ids = torch.full((n, k, context), _PAD, dtype=torch.long, device=device)
         self.acts = torch.full((n, k, context), math.nan, device=device)
+        self.neg_inf = torch.full((), -math.inf, device=device)
 
     def fold(self, acts: torch.Tensor, tokens: torch.Tensor, real: torch.Tensor, counted: torch.Tensor,
-             order: torch.Tensor, docs: torch.Tensor, positions: torch.Tensor, before: int) -> None:
+             docs: torch.Tensor, positions: torch.Tensor, before: int) -> None:
         """acts [batch pos feature]; the others [batch pos]: `real` the document's tokens (contexts show them),
-        `counted` those scanned (BOS, padding and a window's leading context-only tokens are not)."""
+        `counted` those scanned (BOS, padding and a window's leading context-only tokens are not). The batch
+        comes after every token folded before it, and its rows [(batch pos)] are in corpus order."""
         n_pos = acts.shape[1]
         flat = acts.masked_fill(~counted[..., None], 0.0).flatten(0, 1)  # [(batch pos) feature]
         on = flat > 0
         self.active += on.sum(0)
-        self.active_sum += flat.double().sum(0)
-        self._histogram(flat, on)
-        # a candidate must beat the k-th kept value (an equal one loses to the earlier token already kept)
-        rows, cols = (flat > self.values[:, -1]).nonzero(as_tuple=True)
-        if not len(rows):
-            return
-        n, k = self.values.shape
-        kept = self.order >= 0
-        f_all = torch.cat([kept.nonzero()[:, 0], cols])
-        v_all = torch.cat([self.values[kept], flat[rows, cols]])
-        g_all = torch.cat([self.order[kept], order.flatten()[rows]])
-        sort = g_all.argsort(stable=True)
-        sort = sort[(-v_all[sort]).argsort(stable=True)]
-        sort = sort[f_all[sort].argsort(stable=True)]  # by feature, then activation descending, then corpus order
-        counts = torch.bincount(f_all, minlength=n)
-        rank = torch.arange(len(sort), device=acts.device) - (counts.cumsum(0) - counts)[f_all[sort]]
-        sort, rank = sort[rank < k], rank[rank < k]
-        f, n_old = f_all[sort], int(kept.sum())
-        old, new = sort < n_old, sort >= n_old
-        slots = kept.nonzero()  # [n_old 2]: (feature, slot) of each kept entry, in the order of f_all's head
-        state = dict(values=self.values.clone(), order=self.order.clone(), docs=self.docs.clone(),
-                     positions=self.positions.clone(), ids=self.ids.clone(), acts=self.acts.clone())
-        src = slots[sort[old]]
-        for name in state:  # kept entries move to their new rank
-            state[name][f[old], rank[old]] = getattr(self, name)[src[:, 0], src[:, 1]]
-        c = sort[new] - n_old
-        r, col, fr, rk = rows[c], cols[c], f[new], rank[new]
-        b, p = r // n_pos, r % n_pos
-        offsets = torch.arange(self.context, device=acts.device) - before
-        at = p[:, None] + offsets  # [candidate context]
+        flat64 = flat.double()
+        self.active_sum += flat64.sum(0)
+        self._histogram(flat64, on)
+        # only an active token can enter: [feature row], written feature-major for the top-k's reads
+        x = torch.empty(flat.shape[::-1], dtype=flat.dtype, device=flat.device)
+        torch.where(on.T, flat.T, self.neg_inf, out=x)
+        kept = torch.where(self.docs >= 0, self.values, -math.inf)
+        values, from_kept, index = fold(kept, *candidates(x, self.k), self.k)  # an equal value loses to the kept one
+        empty = ~torch.isfinite(values)
+        slot = index.clamp(max=self.k - 1)  # the kept slot, where from_kept
+        row = torch.where(from_kept | empty, 0, index)  # the batch row, where new
+        b, p = row // n_pos, row % n_pos
+        at = p[..., None] + torch.arange(self.context, device=acts.device) - before  # [feature k context]
         inside = (at >= 0) & (at < n_pos)
         at = at.clamp(0, n_pos - 1)
-        inside &= real[b[:, None], at]
-        state["values"][fr, rk] = flat[r, col]
-        state["order"][fr, rk] = order[b, p]
-        state["docs"][fr, rk] = docs[b, p]
-        state["positions"][fr, rk] = positions[b, p]
-        state["ids"][fr, rk] = torch.where(inside, tokens[b[:, None], at], _PAD)
-        state["acts"][fr, rk] = torch.where(inside, acts[b[:, None], at, col[:, None]], math.nan)
-        # a feature with fewer than k entries now: its later slots are empty
-        filled = torch.bincount(f, minlength=n)
-        empty = torch.arange(k, device=acts.device)[None] >= filled[:, None]
-        for name, blank in (("values", 0.0), ("order", -1), ("docs", -1), ("positions", -1), ("ids", _PAD),
-                            ("acts", math.nan)):
-            state[name][empty] = blank
-        for name, value in state.items():
-            setattr(self, name, value)
+        inside &= real[b[..., None], at]
+        feature = torch.arange(len(values), device=acts.device)[:, None, None]
+        new = dict(values=values, docs=docs[b, p], positions=positions[b, p],
+                   ids=torch.where(inside, tokens[b[..., None], at], _PAD),
+                   acts=torch.where(inside, acts[b[..., None], at, feature].float(), math.nan))
+        for name, blank in (("values", 0.0), ("docs", -1), ("positions", -1), ("ids", _PAD), ("acts", math.nan)):
+            old = getattr(self, name)
+            pick = from_kept if old.dim() == 2 else from_kept[..., None]
+            kept_value = old.gather(1, slot if old.dim() == 2 else slot[..., None].expand(-1, -1, self.context))
+            gone = empty if old.dim() == 2 else empty[..., None]
+            setattr(self, name, torch.where(pick, kept_value, new[name]).masked_fill(gone, blank))
 
     def _histogram(self, flat: torch.Tensor, on: torch.Tensor) -> None:
-        """Widen each feature's bins to 2^e with BINS * 2^e > the batch's maximum (pairs merge exactly), then count."""
-        top = flat.max(0).values.double()
+        """Widen each feature's bins to 2^e with BINS * 2^e > the batch's maximum (pairs merge exactly), then count.
+        `flat` [(batch pos) feature] float64."""
+        top = flat.max(0).values
         needed = torch.where(top > 0, torch.frexp(top).exponent.long() - int(math.log2(BINS)), self.exponent)
-        for f in (needed > self.exponent).nonzero().flatten().tolist():
-            shift = min(int(needed[f] - self.exponent[f]), 62)
-            merged = torch.zeros(BINS, dtype=torch.long, device=flat.device)
-            self.histogram[f] = merged.index_add_(0, torch.arange(BINS, device=flat.device) >> shift, self.histogram[f])
+        shift = (needed - self.exponent).clamp(0, 62)  # 0: this feature's bins stay
+        target = torch.arange(BINS, device=flat.device) >> shift[:, None]  # [feature bin]: old bin i lands in i >> shift
+        self.histogram = torch.zeros_like(self.histogram).scatter_add_(1, target, self.histogram)
         self.exponent = torch.maximum(self.exponent, needed)
-        rows, cols = on.nonzero(as_tuple=True)
         width = torch.ldexp(torch.ones_like(self.exponent, dtype=torch.float64), self.exponent)
-        bins = (flat[rows, cols].double() / width[cols]).floor().long()  # exact: a division by a power of two
-        self.histogram.view(-1).index_add_(0, cols * BINS + bins, torch.ones_like(bins))
+        # exact: a division by a power of two; a token not active adds 0 to its feature's first bin
+        bins = (flat / width).floor_().clamp_(0, BINS - 1).long()
+        self.histogram.scatter_add_(1, bins.T, on.T.long())
 
 
 @torch.no_grad()
@@ -311,43 +326,27 @@ def feature_scan(
 
     bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, desc="feature_scan", disable=not progress)
 
-    def run(batch: list) -> None:
+    def run(packed: torch.Tensor, done: int) -> None:
         nonlocal n_tokens
-        offset = int(bos is not None)
-        tokens = torch.full((len(batch), window), tokenizer.pad_id, dtype=torch.long)
-        real = torch.zeros(tokens.shape, dtype=torch.bool)
-        counted = torch.zeros(tokens.shape, dtype=torch.bool)
-        docs = torch.zeros(tokens.shape, dtype=torch.long)
-        positions = torch.zeros(tokens.shape, dtype=torch.long)
-        for row, (doc, _, start, lead, chunk) in enumerate(batch):
-            if bos is not None:
-                tokens[row, 0] = bos
-            tokens[row, offset:offset + len(chunk)] = torch.tensor(chunk)
-            real[row, offset:offset + len(chunk)] = True
-            counted[row, offset + lead:offset + len(chunk)] = True
-            docs[row], positions[row] = doc, torch.arange(window) + start - offset
-        order = (counted.flatten().cumsum(0) - 1 + n_tokens).reshape(counted.shape)  # corpus order of counted tokens
-        tokens, real, counted = tokens.to(device), real.to(device), counted.to(device)
+        tokens, real, counted, docs, positions = packed.to(device, non_blocking=True).unbind(0)
+        real, counted = real.bool(), counted.bool()
         # right padding: a causal model's real positions never see it; the forward stops after the hook's block
         _, cache = model.run_with_cache(tokens, names=name, stop_at_layer=stop)
         x = cache[name].to(sae.W_enc.device)
         acts = sae.feature_activations(x, None if every else ids.to(sae.W_enc.device)).float().to(device)
-        folder.fold(acts, tokens, real, counted, order.to(device), docs.to(device), positions.to(device), before)
-        done = int(counted.sum())
+        folder.fold(acts, tokens, real, counted, docs, positions, before)
         n_tokens += done
         bar.update(done)
 
-    pending = []
+    windows = _windows(model, corpus, window, overlap_of(window, before, bos is not None), max_tokens)
+    # the corpus is read, tokenised and laid out a few batches ahead, in a thread of its own
+    batches = prefetch(_batches(windows, batch_size, bos, tokenizer.pad_id, window, device.type == "cuda"))
     try:
-        for item in _windows(model, corpus, window, overlap_of(window, before, bos is not None), max_tokens):
-            doc_names[item[0]] = item[1]
-            pending.append(item)
-            if len(pending) == batch_size:
-                run(pending)
-                pending = []
-        if pending:
-            run(pending)
+        for batch, packed, done in batches:
+            doc_names.update((doc, doc_name) for doc, doc_name, *_ in batch)
+            run(packed, done)
     finally:
+        batches.close()
         bar.close()
     if n_tokens == 0:
         raise ValueError("the corpus holds no tokens to scan")

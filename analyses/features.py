@@ -26,11 +26,11 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum, rearrange
 
-from analyses.ablation import loss_metric
-from analyses.common import AnalysisInput, PromotedTokens, TableDisplay, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
-from analyses.sae_checks import FeatureSpec, check_sae, feature_ids, output_hook
-from analyses.vocab_projection import final_norm_directions, top_tokens, value_directions
-from hooks import HookPoint
+from probe.analyses.ablation import loss_metric
+from probe.analyses.common import AnalysisInput, PromotedTokens, TableDisplay, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
+from probe.analyses.sae_checks import FeatureSpec, check_sae, feature_ids, output_hook
+from probe.analyses.vocab_projection import final_norm_directions, top_tokens, value_directions
+from probe.hooks import HookPoint
 from probe import HookedDecoder, Norm, SparseAutoencoder, spliced
 
 __all__ = ["FeatureInputs", "FeatureLogits", "FeatureSpec", "SAEFeatures", "SAELossRecovered", "check_sae", "feature_ids",

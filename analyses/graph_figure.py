@@ -14,7 +14,7 @@ from typing import Optional
 
 import plotly.graph_objects as go
 
-from analyses.labels import figure_token, html_text, plotly_text, shown_token
+from probe.analyses.labels import figure_token, html_text, plotly_text, shown_token
 
 COLOURS = {"feature": "#e8a33d", "error": "#9b9b9b", "embedding": "#6a9f5b", "logit": "#7b68c8"}
 POSITIVE, NEGATIVE = "#2166ac", "#b2182b"

@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 import pandas as pd
 import torch
 
-from analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_decoder
-from analyses.replacement_model import TranscoderSpec, load_transcoders
+from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_decoder
+from probe.analyses.replacement_model import TranscoderSpec, load_transcoders
 from probe import HookedDecoder
 from probe.sae import spliced
 

@@ -9,8 +9,8 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from analyses.common import AnalysisInput, TableDisplay
-from analyses.labels import head_grid, head_label
+from probe.analyses.common import AnalysisInput, TableDisplay
+from probe.analyses.labels import head_grid, head_label
 from probe import HookedDecoder
 from probe.names import act_name
 

@@ -18,13 +18,13 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.labels import count, titled
-from analyses.lens_logit import CELL_MAX_PX, CELL_MIN_PX, LogitLensResult, NormMode, TargetSpec, logit_lens
-from analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, model_lens_sites, position_labels, site_label
-from analyses.tuned_lens import FORMAT_VERSION, LENS_CONFIG, LENS_WEIGHTS, TunedLens, TunedLensConfig
-from analyses.tuned_lens_training import collect_residuals, heldout_split, lens_kl, progress_bar, train_tuned_lens
+from probe.analyses.labels import count, titled
+from probe.analyses.lens_logit import CELL_MAX_PX, CELL_MIN_PX, LogitLensResult, NormMode, TargetSpec, logit_lens
+from probe.analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, model_lens_sites, position_labels, site_label
+from probe.analyses.tuned_lens import FORMAT_VERSION, LENS_CONFIG, LENS_WEIGHTS, TunedLens, TunedLensConfig
+from probe.analyses.tuned_lens_training import collect_residuals, heldout_split, lens_kl, progress_bar, train_tuned_lens
 from probe import HookedDecoder
-from analyses.common import TableDisplay
+from probe.analyses.common import TableDisplay
 
 __all__ = ["CELL_MAX_PX", "CELL_MIN_PX", "FORMAT_VERSION", "LENS_CONFIG", "LENS_WEIGHTS", "LensComparison", "LogitLensResult",
            "NormMode", "TargetSpec", "TunedLens", "TunedLensConfig", "compare_lenses", "final_norm", "has_final_scale",

@@ -10,10 +10,10 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
-from analyses.labels import CHAR_PX, figure_token, fitted, grid_layout, plain_length, titled
-from analyses.lens_sites import final_norm, has_final_scale, model_lens_sites, position_labels, site_label
-from analyses.tuned_lens import TunedLens
+from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
+from probe.analyses.labels import CHAR_PX, figure_token, fitted, grid_layout, plain_length, titled
+from probe.analyses.lens_sites import final_norm, has_final_scale, model_lens_sites, position_labels, site_label
+from probe.analyses.tuned_lens import TunedLens
 from probe import HookedDecoder
 
 NormMode = Literal["recompute", "frozen"]
@@ -236,10 +236,13 @@ def _final_scale(model: HookedDecoder, final_resid: torch.Tensor) -> torch.Tenso
 
 
 def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLensResult:
-    batch, n_sites, n_pos, _ = logits.shape
+    batch, n_sites, n_pos, n_vocab = logits.shape
     target_ids = _resolve_target(model, tokens, mask, target, logits[:, -1])
-    # One site at a time: the log-softmax of one [batch pos vocab] slice is the only vocabulary-sized
-    # temporary, instead of a second tensor as large as all the logits.
+    # One site at a time, through one reused float32 buffer: each site's log-softmax is written into
+    # it once (no float copy of bf16 logits first, no fresh vocabulary-sized allocation per site), read
+    # by top-k, the target's gather and the KL contraction, and last overwritten in place by the
+    # comparison with the target whose sum is the rank. A float sum of 0/1 is exact below 2^24 and
+    # several times faster than count_nonzero over a bool temporary, which was the lens's costliest pass.
     final = logits[:, -1].float().log_softmax(-1)
     p_final = final.exp()
     neg_entropy = torch.einsum("bpv,bpv->bp", p_final, final)
@@ -249,14 +252,16 @@ def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLe
     target_logprob = torch.empty(batch, n_sites, n_pos, dtype=torch.float32, device=device)
     rank = torch.empty(batch, n_sites, n_pos, dtype=torch.long, device=device)
     kl = torch.empty(batch, n_sites, n_pos, dtype=torch.float32, device=device)
+    buffer = torch.empty(batch, n_pos, n_vocab, dtype=torch.float32, device=device) if n_sites > 1 else None
     for site in range(n_sites):
-        logprobs = final if site == n_sites - 1 else logits[:, site].float().log_softmax(-1)
+        # the final site last: its log-probabilities are `final`, which the other sites' KL reads until then
+        logprobs = final if site == n_sites - 1 else torch.log_softmax(logits[:, site], -1, dtype=torch.float32, out=buffer)
         torch.topk(logprobs, k, dim=-1, out=(top_logprobs[:, site], top_tokens[:, site]))
         chosen = logprobs.gather(-1, target_ids[..., None])  # [batch pos 1]
         target_logprob[:, site] = chosen[..., 0]
-        rank[:, site] = torch.count_nonzero(logprobs > chosen, dim=-1)
         # KL(final || site) = sum p_f log p_f - sum p_f log p_site; the contraction makes no temporary
         kl[:, site] = neg_entropy - torch.einsum("bpv,bpv->bp", p_final, logprobs)
+        rank[:, site] = _count_above(logprobs, chosen)
     kl.clamp_(min=0)
     kl[:, -1] = 0.0  # the final row against itself: exactly zero, not a rounding residue
     return LogitLensResult(
@@ -264,6 +269,13 @@ def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLe
         target=target_ids, target_prob=target_logprob.exp(), target_rank=rank, kl=kl, lens_name=name,
         position_labels=position_labels(model, tokens), token_strings=token_decoder(model),
     )
+
+
+def _count_above(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[...]: how many entries of `logprobs` [... vocab] exceed `chosen` [... 1]; overwrites `logprobs`."""
+    if logprobs.shape[-1] >= 2**24:  # a float count would round; never reached by a real vocabulary
+        return torch.count_nonzero(logprobs > chosen, dim=-1)
+    return torch.gt(logprobs, chosen, out=logprobs).sum(-1)
 
 
 def _resolve_target(model, tokens, mask, target: TargetSpec, final_logits) -> torch.Tensor:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from analyses.common import token_labels
+from probe.analyses.common import token_labels
 from probe import HookedDecoder, NormPlacement
 from probe.names import act_name
 

@@ -14,7 +14,7 @@ Each lives in a module of its own (`analyses.memory_values`, `memory_firing`, `t
 `trigger_scanner` and `trigger_results`, `memory_agreement`; layer and neuron choices in
 `memory_units`); this module gathers their public names, the scan's benchmark and its command line.
 
-`python -m analyses.memories` (or `torchrun --nproc_per_node N -m analyses.memories`) scans a corpus
+`python -m probe.analyses.memories` (or `torchrun --nproc_per_node N -m probe.analyses.memories`) scans a corpus
 from the command line (`--sae DIR` for an SAE's features) and writes the result as safetensors.
 """
 from __future__ import annotations
@@ -26,14 +26,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from analyses.corpus import Corpus, iter_documents
-from analyses.memory_agreement import Agreement, agreement, require_mlp
-from analyses.memory_firing import MemoryLookup, memory_lookup, sub_updates
-from analyses.memory_units import Layers, layer_list, neuron_tensor
-from analyses.memory_values import ValueTokens, value_tokens
-from analyses.trigger_results import EMPTY_DOC, MLP_SOURCE, PAD, TopTriggers, merge
-from analyses.trigger_scan import SCAN_COUNT_LIMIT, distributed, scan_windows, top_triggers
-from analyses.trigger_scanner import Scanner
+from probe.analyses.corpus import Corpus, iter_documents
+from probe.analyses.memory_agreement import Agreement, agreement, require_mlp
+from probe.analyses.memory_firing import MemoryLookup, memory_lookup, sub_updates
+from probe.analyses.memory_units import Layers, layer_list, neuron_tensor
+from probe.analyses.memory_values import ValueTokens, value_tokens
+from probe.analyses.trigger_results import EMPTY_DOC, MLP_SOURCE, PAD, TopTriggers, merge
+from probe.analyses.trigger_scan import SCAN_COUNT_LIMIT, distributed, scan_windows, top_triggers
+from probe.analyses.trigger_scanner import Scanner
 from probe import HookedDecoder, SparseAutoencoder
 
 __all__ = ["Agreement", "Corpus", "EMPTY_DOC", "Layers", "MLP_SOURCE", "MemoryLookup", "PAD", "SCAN_COUNT_LIMIT", "TopTriggers",
@@ -79,7 +79,7 @@ def benchmark(model: HookedDecoder, texts: Corpus = None, layers: Layers = None,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analyses.memories",
+    parser = argparse.ArgumentParser(prog="python -m probe.analyses.memories",
                                      description="Scan a corpus for each FFN neuron's top-k triggers (torchrun-aware).")
     parser.add_argument("--model", default=None, help="checkpoint directory or hub name (default: the bundled model)")
     parser.add_argument("--revision", default=None, help="a hub branch, tag or commit of --model (e.g. a Pythia step)")

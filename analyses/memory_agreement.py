@@ -7,10 +7,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.trigger_results import MLP_SOURCE, TopTriggers
-from analyses.vocab_projection import top_value_tokens
+from probe.analyses.trigger_results import MLP_SOURCE, TopTriggers
+from probe.analyses.vocab_projection import top_value_tokens
 from probe import HookedDecoder
-from analyses.common import TableDisplay
+from probe.analyses.common import TableDisplay
 
 
 def require_mlp(triggers: TopTriggers, what: str) -> None:
@@ -19,7 +19,7 @@ def require_mlp(triggers: TopTriggers, what: str) -> None:
     if triggers.source != MLP_SOURCE:
         raise ValueError(f"{what} reads FFN value vectors (W_out rows) and needs a scan of MLP neurons; this one "
                          f"scanned the features of the SAE at {triggers.source!r} (for what a feature writes, see "
-                         "analyses.feature_logits)")
+                         "probe.analyses.feature_logits)")
 
 
 @dataclass

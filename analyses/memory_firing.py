@@ -9,10 +9,10 @@ import torch
 from einops import einsum
 from plotly.subplots import make_subplots
 
-from analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
-from analyses.labels import TICK_CHAR_PX, figure_token, plain_length, titled
-from analyses.memory_units import Layers, layer_list
-from analyses.vocab_projection import top_value_tokens, value_directions
+from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
+from probe.analyses.labels import TICK_CHAR_PX, figure_token, plain_length, titled
+from probe.analyses.memory_units import Layers, layer_list
+from probe.analyses.vocab_projection import top_value_tokens, value_directions
 from probe import HookedDecoder, NormPlacement
 from probe.names import act_name
 

@@ -12,11 +12,11 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from analyses.common import token_strings
-from analyses.labels import html_text, html_token, text_of
-from analyses.memory_agreement import require_mlp
-from analyses.trigger_results import PAD, TopTriggers
-from analyses.vocab_projection import top_value_tokens
+from probe.analyses.common import token_strings
+from probe.analyses.labels import html_text, html_token, text_of
+from probe.analyses.memory_agreement import require_mlp
+from probe.analyses.trigger_results import PAD, TopTriggers
+from probe.analyses.vocab_projection import top_value_tokens
 from probe import HookedDecoder
 from probe.io import atomic_file
 

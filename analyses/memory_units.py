@@ -5,7 +5,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from analyses.common import is_int, unit_ids
+from probe.analyses.common import is_int, unit_ids
 from probe import HookedDecoder
 
 Layers = Union[int, Sequence[int], None]

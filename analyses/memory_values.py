@@ -8,9 +8,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.common import PromotedTokens, token_strings
-from analyses.memory_units import layer_list, neuron_tensor
-from analyses.vocab_projection import top_value_tokens
+from probe.analyses.common import PromotedTokens, token_strings
+from probe.analyses.memory_units import layer_list, neuron_tensor
+from probe.analyses.vocab_projection import top_value_tokens
 from probe import HookedDecoder
 
 

@@ -15,10 +15,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.ablation import Metric, metric_name, rows_per_forward, tokens_and_mask
-from analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
-from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, token_labels, token_strings
-from analyses.labels import LAYER_AXIS, grid_layout, head_grid, head_label, position_labels, titled
+from probe.analyses.ablation import Metric, metric_name, rows_per_forward, tokens_and_mask
+from probe.analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
+from probe.analyses.common import AnalysisInput, TableDisplay, is_int, model_mask, token_labels, token_strings
+from probe.analyses.labels import LAYER_AXIS, grid_layout, head_grid, head_label, position_labels, titled
+from probe.analyses.metric_reads import evaluate_output, metric_stop
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -219,9 +220,10 @@ def patch(
 
     hook_names = sorted({s.hook_name for s in sites})
     with torch.no_grad():
-        clean_logits, clean_cache = model.run_with_cache(clean_tokens, attention_mask=model_mask(mask), names=hook_names)
-        clean_value = float(evaluate_metric(metric, clean_logits, clean_tokens, mask).mean())
-    del clean_logits
+        clean_out, clean_cache = model.run_with_cache(clean_tokens, attention_mask=model_mask(mask), names=hook_names,
+                                                      stop_at_layer=metric_stop(model, metric))
+        clean_value = float(evaluate_output(model, metric, clean_out, clean_tokens, mask).mean())
+    del clean_out
     if method == "exact":
         corrupted_value, patched = _exact(model, tokens, mask, metric, sites, clean_cache, max_rows)
     else:
@@ -258,10 +260,11 @@ def _groups(sites: Sequence[Site]):
 def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
     batch, n = tokens.shape
     layers = sorted({s.layer for s in sites if s.layer > 0})
-    logits, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask),
-                                         names=[act_name("resid_pre", l) for l in layers])
-    corrupted_value = float(evaluate_metric(metric, logits, tokens, mask).mean())
-    del logits
+    stop = metric_stop(model, metric)  # a metric reading a few logits runs to the final residual only
+    out, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask),
+                                      names=[act_name("resid_pre", l) for l in layers], stop_at_layer=stop)
+    corrupted_value = float(evaluate_output(model, metric, out, tokens, mask).mean())
+    del out
     copies = max(1, rows_per_forward(model, n, max_rows) // batch)
     patched = torch.empty(len(sites))
     for members, layer, act in _groups(sites):
@@ -277,11 +280,11 @@ def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
                 return torch.where(where, clean_act[None].to(activation.dtype), stacked).flatten(0, 1)
 
             stacked_mask = mask.repeat(k, 1)
-            logits = model.run_with_hooks(
+            out = model.run_with_hooks(
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=model_mask(stacked_mask),
-                start_at_layer=layer, fwd_hooks=[(act_name(act, layer), swap)],
+                start_at_layer=layer, stop_at_layer=stop, fwd_hooks=[(act_name(act, layer), swap)],
             )
-            values = evaluate_metric(metric, logits, tokens.repeat(k, 1), stacked_mask).view(k, batch).mean(dim=1)
+            values = evaluate_output(model, metric, out, tokens.repeat(k, 1), stacked_mask).view(k, batch).mean(dim=1)
             patched[chunk] = values.cpu()
     return corrupted_value, patched
 
@@ -296,9 +299,12 @@ def _attribution(model, tokens, mask, metric, sites, clean_cache):
         acts[hook.name] = activation
         return activation
 
+    # one forward with a graph and one backward to the activations only (no parameter gradients); a metric
+    # reading a few logits is computed from the final residual, so neither pass touches [batch pos vocab]
     with torch.enable_grad():
-        logits = model.run_with_hooks(tokens, attention_mask=model_mask(mask), fwd_hooks=[(names, keep)])
-        value = evaluate_metric(metric, logits, tokens, mask).mean()
+        out = model.run_with_hooks(tokens, attention_mask=model_mask(mask), fwd_hooks=[(names, keep)],
+                                   stop_at_layer=metric_stop(model, metric))
+        value = evaluate_output(model, metric, out, tokens, mask).mean()
         grads = dict(zip(names, torch.autograd.grad(value, [acts[name] for name in names])))
     corrupted_value = float(value.detach())
     estimate = torch.empty(len(sites))

@@ -17,12 +17,12 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.ablation import Metric, metric_name
-from analyses.circuit_graph import CircuitGraph, circuit_graph
-from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask
-from analyses.edge_attribution import paired_tokens
-from analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
-from analyses.paired_stats import bootstrap_ci, sign_flip_p
+from probe.analyses.ablation import Metric, metric_name
+from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
+from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask
+from probe.analyses.edge_attribution import paired_tokens
+from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
+from probe.analyses.paired_stats import bootstrap_ci, sign_flip_p
 from probe import HookedDecoder
 from probe.names import act_name
 

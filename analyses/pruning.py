@@ -24,10 +24,10 @@ structural pruning (`analyses.pruning_structural`); this module gathers their pu
 """
 from __future__ import annotations
 
-from analyses.pruning_curve import METHOD_ABLATION, METHOD_IMPORTANCE, METHOD_RANDOM, PruningCurve, prune_by_importance, pruning_schedule
-from analyses.pruning_data import PruningData, token_batches
-from analyses.pruning_importance import LOGIT_BUDGET, HeadImportance, Metric, evaluate_masks, head_importance, present_heads
-from analyses.pruning_structural import HEAD_MAP_FILE, HeadMap, attach_head_map, head_map_of, load_pruned, original_heads, prune_heads, save_pruned
+from probe.analyses.pruning_curve import METHOD_ABLATION, METHOD_IMPORTANCE, METHOD_RANDOM, PruningCurve, prune_by_importance, pruning_schedule
+from probe.analyses.pruning_data import PruningData, token_batches
+from probe.analyses.pruning_importance import LOGIT_BUDGET, HeadImportance, Metric, evaluate_masks, head_importance, present_heads
+from probe.analyses.pruning_structural import HEAD_MAP_FILE, HeadMap, attach_head_map, head_map_of, load_pruned, original_heads, prune_heads, save_pruned
 
 __all__ = ["HEAD_MAP_FILE", "HeadImportance", "HeadMap", "LOGIT_BUDGET", "METHOD_ABLATION", "METHOD_IMPORTANCE", "METHOD_RANDOM",
            "Metric", "PruningCurve", "PruningData", "attach_head_map", "evaluate_masks", "head_importance", "head_map_of",

@@ -11,10 +11,10 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from analyses.pruning_data import PruningData, token_batches
-from analyses.pruning_importance import Metric, ascending_heads, evaluate_masks, head_importance, present_heads
+from probe.analyses.pruning_data import PruningData, token_batches
+from probe.analyses.pruning_importance import Metric, ascending_heads, evaluate_masks, head_importance, present_heads
 from probe import HookedDecoder
-from analyses.common import TableDisplay
+from probe.analyses.common import TableDisplay
 
 # ---- iterative pruning ----------------------------------------------------------------------------
 METHOD_IMPORTANCE, METHOD_RANDOM, METHOD_ABLATION = "importance", "random", "single-head ablation"

@@ -7,7 +7,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from analyses.corpus import encode_document, iter_document_pieces
+from probe.analyses.corpus import encode_document, iter_document_pieces
 from probe import HELDOUT_TEXT, HookedDecoder
 
 PruningData = Union[None, str, os.PathLike, Sequence[str], torch.Tensor, Iterable[torch.Tensor]]

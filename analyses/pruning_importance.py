@@ -10,9 +10,9 @@ import plotly.graph_objects as go
 import torch
 from einops import rearrange
 
-from analyses.common import TableDisplay, evaluate_metric
-from analyses.labels import count, head_grid, head_label, plotly_text
-from analyses.pruning_data import PruningData, check_length, token_batches
+from probe.analyses.common import TableDisplay, evaluate_metric
+from probe.analyses.labels import count, head_grid, head_label, plotly_text
+from probe.analyses.pruning_data import PruningData, check_length, token_batches
 from probe import HookedDecoder
 from probe.names import act_name
 

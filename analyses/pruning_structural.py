@@ -10,7 +10,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from analyses.common import is_int
+from probe.analyses.common import is_int
 from probe import HookedDecoder
 from probe.io import atomic_directory
 

@@ -9,7 +9,7 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from analyses.lens_sites import lens_sites
+from probe.analyses.lens_sites import lens_sites
 from probe import HookedDecoder
 from probe.config import Norm, NormPlacement
 from probe.names import act_name

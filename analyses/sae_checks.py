@@ -7,8 +7,8 @@ from typing import Sequence, Union
 
 import torch
 
-from analyses.common import unit_ids
-from hooks import UnknownNameError
+from probe.analyses.common import unit_ids
+from probe.hooks import UnknownNameError
 from probe import HookedDecoder, SparseAutoencoder
 from probe.shapes import hook_shapes
 

@@ -24,11 +24,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.corpus import Corpus
-from analyses.feature_scan import FeatureScan, feature_scan
-from analyses.features import FeatureInputs, FeatureLogits, check_sae, feature_ids, feature_inputs, feature_logits, output_hook
+from probe.analyses.corpus import Corpus
+from probe.analyses.feature_scan import FeatureScan, feature_scan
+from probe.analyses.features import FeatureInputs, FeatureLogits, check_sae, feature_ids, feature_inputs, feature_logits, output_hook
 from probe import HookedDecoder, SparseAutoencoder
-from analyses.common import TableDisplay
+from probe.analyses.common import TableDisplay
 
 DEFAULT_TOP = 20
 
@@ -75,7 +75,7 @@ class FeatureDashboard(TableDisplay):
         return self.scan.figure()
 
     def to_html(self) -> str:
-        from analyses.sae_dashboard_html import render_dashboard  # the page's markup lives beside this module
+        from probe.analyses.sae_dashboard_html import render_dashboard  # the page's markup lives beside this module
 
         return render_dashboard(self)
 

@@ -11,11 +11,11 @@ import html
 import math
 from typing import TYPE_CHECKING, Optional
 
-from analyses.labels import html_text, html_token, shown_text
+from probe.analyses.labels import html_text, html_token, shown_text
 
 if TYPE_CHECKING:
-    from analyses.common import PromotedTokens
-    from analyses.sae_dashboard import FeatureDashboard
+    from probe.analyses.common import PromotedTokens
+    from probe.analyses.sae_dashboard import FeatureDashboard
 
 HIGHLIGHT = (255, 140, 0)  # a context token's background: this colour at alpha = activation / the feature's largest
 

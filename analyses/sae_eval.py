@@ -20,11 +20,11 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from analyses.ablation import loss_metric
-from analyses.corpus import Corpus, iter_documents
-from analyses.features import check_sae, sae_loss_recovered
+from probe.analyses.ablation import loss_metric
+from probe.analyses.corpus import Corpus, iter_documents
+from probe.analyses.features import check_sae, sae_loss_recovered
 from probe import HookedDecoder, SparseAutoencoder, spliced
-from analyses.common import TableDisplay
+from probe.analyses.common import TableDisplay
 
 
 @dataclass

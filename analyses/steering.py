@@ -26,9 +26,9 @@ from typing import Iterator, Literal, Optional, Sequence, Union
 
 import torch
 
-from analyses.common import is_int
-from analyses.sae_checks import check_sae
-from analyses.steering_vectors import SITES, Position, SteeringVector, site_name, steering_vector, vector_paths
+from probe.analyses.common import is_int
+from probe.analyses.sae_checks import check_sae
+from probe.analyses.steering_vectors import SITES, Position, SteeringVector, site_name, steering_vector, vector_paths
 from probe import HookedDecoder, SparseAutoencoder
 
 __all__ = ["POSITIONS", "Position", "Positions", "SITES", "Steering", "SteeringVector", "site_name", "steer", "steering_vector", "vector_paths"]

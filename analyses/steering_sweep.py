@@ -17,10 +17,10 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from analyses.ablation import Metric, loss_metric, metric_name
-from analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, resolve_positions, token_id, tokens_and_mask
-from analyses.pruning import PruningData, token_batches
-from analyses.steering import SteeringVector, steer
+from probe.analyses.ablation import Metric, loss_metric, metric_name
+from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, resolve_positions, token_id, tokens_and_mask
+from probe.analyses.pruning import PruningData, token_batches
+from probe.analyses.steering import SteeringVector, steer
 from probe import HookedDecoder
 
 

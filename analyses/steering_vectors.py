@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from analyses.common import AnalysisInput, TableDisplay, is_int, model_mask, resolve_positions, tokens_and_mask
+from probe.analyses.common import AnalysisInput, TableDisplay, is_int, model_mask, resolve_positions, tokens_and_mask
 from probe import HookedDecoder
 from probe.io import atomic_file
 from probe.names import act_name

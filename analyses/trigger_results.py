@@ -12,8 +12,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from analyses.common import TableDisplay, token_strings
-from analyses.labels import figure_token, plotly_text, shown_text, text_of, titled
+from probe.analyses.common import TableDisplay, token_strings
+from probe.analyses.labels import figure_token, plotly_text, shown_text, text_of, titled
 from probe import HookedDecoder
 from probe.io import atomic_file
 

@@ -1,8 +1,9 @@
 """`top_triggers`: every chosen FFN neuron's (or SAE feature's) top-k activating prefixes over a corpus, streamed.
 
-The corpus is cut into windows (`scan_windows`), folded batch by batch into a running top-k
-(`analyses.trigger_scanner`), interruptible and resumable, sharded or run under torch.distributed
-(the ranks' results gathered and merged, `analyses.trigger_results.merge`).
+The corpus is cut into windows (`scan_windows`) and batches (`scan_batches`) in a background thread,
+folded batch by batch into a running top-k on the device (`analyses.trigger_scanner`), interruptible and
+resumable, sharded or run under torch.distributed (the ranks' results gathered and merged,
+`analyses.trigger_results.merge`).
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from analyses.corpus import Corpus, encode_document, iter_document_pieces
-from analyses.sae_checks import check_sae, feature_ids
-from analyses.memory_units import Layers, layer_list, neuron_tensor
-from analyses.trigger_results import MLP_SOURCE, TopTriggers, kept_names, merge
-from analyses.trigger_scanner import Scanner, sae_layer
+from probe.analyses.corpus import Corpus, encode_document, iter_document_pieces
+from probe.analyses.sae_checks import check_sae, feature_ids
+from probe.analyses.memory_units import Layers, layer_list, neuron_tensor
+from probe.analyses.trigger_results import MLP_SOURCE, TopTriggers, kept_names, merge
+from probe.analyses.prefetch import prefetch
+from probe.analyses.trigger_scanner import Scanner, layout_windows, sae_layer
 from probe import HookedDecoder, SparseAutoencoder
 
 
@@ -53,6 +55,20 @@ def scan_windows(model: HookedDecoder, corpus: Corpus, window: int, prepend_bos:
             yield doc, name, start, ids, ids[1:] + [-1]
 
 
+def scan_batches(windows, batch_size: int, bos: Optional[int], pad_id: int, n_pos: int, pin: bool):
+    """(windows, packed host tensor) for every `batch_size` windows of `scan_windows` (the last batch may be
+    shorter), laid out by `layout_windows`. A partial batch at an exception is dropped with it, as when
+    the windows are batched in the loop that folds them."""
+    batch = []
+    for item in windows:
+        batch.append(item)
+        if len(batch) == batch_size:
+            yield batch, layout_windows([(d, s, ids, nxt) for d, _, s, ids, nxt in batch], bos, pad_id, n_pos, pin)
+            batch = []
+    if batch:
+        yield batch, layout_windows([(d, s, ids, nxt) for d, _, s, ids, nxt in batch], bos, pad_id, n_pos, pin)
+
+
 @torch.no_grad()
 def top_triggers(
     model: HookedDecoder,
@@ -77,10 +93,12 @@ def top_triggers(
     `texts` is anything `iter_documents` reads (None = the bundled held-out text). Each document is
     tokenised and cut into windows of at most `window` tokens (default n_ctx), each window starting
     with BOS when `prepend_bos`; BOS positions never count as triggers. The forward stops after the
-    last chosen layer, and each layer's activations are folded into a running top-k inside its hook,
-    so memory is O(layers x neurons x k) however long the corpus. A file is read and tokenised a
-    piece at a time (`analyses.corpus`), so one larger than memory scans too, to the same tokens as
-    reading it whole (see `analyses.corpus._cut` for the one exception).
+    last chosen layer, and each layer's activations are folded into a running top-k on the model's
+    device (`analyses.streaming_topk`), so memory is O(layers x neurons x k) however long the corpus,
+    and a GPU waits for the host once per batch (the forward's check of the token ids). The corpus is
+    read, tokenised and laid out a few batches ahead in a background thread (`analyses.prefetch`), a
+    file a piece at a time (`analyses.corpus`), so one larger than memory scans too, to the same tokens
+    as reading it whole (see `analyses.corpus._cut` for the one exception).
 
     Ctrl-C stops the scan and returns what was folded so far (`complete=False`, `n_docs` documents
     fully done); `resume=` continues such a result over the same corpus. `save_path` writes the
@@ -157,34 +175,35 @@ def top_triggers(
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc="top_triggers", disable=not shown)
     done_docs, done_start = skip, skip_start  # where the folded windows end: (document, token offset)
     complete = True
-    pending: list = []
     bos = tokenizer.bos_id if prepend_bos else None
 
-    def run(batch) -> None:
+    def run(batch, packed) -> None:
         nonlocal n_tokens, done_docs, done_start
-        scanner.run(scanner.set_batch([(d, s, ids, nxt) for d, _, s, ids, nxt in batch], bos, tokenizer.pad_id, window))
+        state = scanner.folded(scanner.send(packed, bos is not None))
+        for doc, name, *_ in batch:
+            if not name.startswith("doc "):  # file names are worth keeping; "doc i" is implied by i
+                doc_names[doc] = name
         n_batch = sum(len(w[3]) for w in batch)
-        n_tokens += n_batch
-        bar.update(n_batch)
         doc, _, start, ids, nxt = batch[-1]
         # a document ends in the window whose last next id is -1
-        done_docs, done_start = (doc + 1, 0) if nxt[-1] == -1 else (doc, start + len(ids))
+        done = (doc + 1, 0) if nxt[-1] == -1 else (doc, start + len(ids))
+        # one statement without a call: a Ctrl-C (or SIGTERM) lands before or after it, so the state and
+        # the count of what it holds never disagree, and a resumed scan never counts a window twice
+        scanner.state, n_tokens, (done_docs, done_start) = state, n_tokens + n_batch, done
+        bar.update(n_batch)
 
+    windows = scan_windows(model, texts, window, prepend_bos, (skip, skip_start), rank, world)
+    # the corpus is read, tokenised and laid out a few batches ahead, in a thread of its own
+    batches = prefetch(scan_batches(windows, batch_size, bos, tokenizer.pad_id, window, scanner.pin()))
     try:
-        for item in scan_windows(model, texts, window, prepend_bos, (skip, skip_start), rank, world):
-            pending.append(item)
-            if not item[1].startswith("doc "):  # file names are worth keeping; "doc i" is implied by i
-                doc_names[item[0]] = item[1]
-            if len(pending) == batch_size:
-                run(pending)
-                pending = []
-        if pending:
-            run(pending)
+        for batch, packed in batches:
+            run(batch, packed)
     except KeyboardInterrupt:
         complete = False
         bar.write(f"top_triggers interrupted after {n_tokens} tokens: returning the top-k folded so far "
                   f"({done_docs} documents complete; pass the result as resume= to continue)")
     finally:
+        batches.close()
         bar.close()
 
     state = {n: t.cpu() for n, t in scanner.state.items()}

@@ -1,4 +1,10 @@
-"""The streaming state of one top-trigger scan: forward hooks that fold each batch into a running top-k."""
+"""The streaming state of one top-trigger scan: forward hooks that fold each batch into a running top-k.
+
+Everything per batch stays on the model's device with fixed shapes (`analyses.streaming_topk`): the hook of
+each layer finds its candidates, and after the forward one merge folds every layer's into the kept top-k.
+The host sends each batch as one packed tensor (`layout_windows`: tokens, next tokens and each window's
+document, offset and length), pinned and copied without blocking when the device is a GPU.
+"""
 from __future__ import annotations
 
 import math
@@ -7,9 +13,30 @@ from typing import Optional
 import torch
 from einops import rearrange
 
-from analyses.trigger_results import EMPTY_DOC, PAD, empty_state, merge_states
+from probe.analyses.streaming_topk import candidates, fold
+from probe.analyses.trigger_results import EMPTY_DOC, PAD, empty_state
 from probe import HookedDecoder, SparseAutoencoder
 from probe.names import act_name
+
+_META = 3  # the packed batch's last columns: each window's document, offset of its first token, length
+
+
+def layout_windows(windows: list[tuple[int, int, list[int], list[int]]], bos: Optional[int], pad_id: int,
+                   n_pos: int, pin: bool = False) -> torch.Tensor:
+    """A batch of windows (doc, doc_start, window ids, next ids) as one host tensor [window 2*n_pos+3]:
+    the tokens right-padded to n_pos (BOS first when given; right padding needs no attention mask in a
+    causal model), the next ids (-1 past the window), then doc, doc_start and the window's length.
+    `pin`: in page-locked memory, so the copy to a GPU can overlap its work."""
+    offset = int(bos is not None)
+    packed = torch.full((len(windows), 2 * n_pos + _META), -1, dtype=torch.long)
+    packed[:, :n_pos] = pad_id
+    for row, (doc, start, ids, nxt) in enumerate(windows):
+        if bos is not None:
+            packed[row, 0] = bos
+        packed[row, offset:offset + len(ids)] = torch.tensor(ids)
+        packed[row, n_pos + offset:n_pos + offset + len(nxt)] = torch.tensor(nxt)
+        packed[row, 2 * n_pos:] = torch.tensor([doc, start, len(ids)])
+    return packed.pin_memory() if pin else packed
 
 
 class Scanner:
@@ -30,25 +57,52 @@ class Scanner:
             self.stop_at_layer = max(layers) + 1
         else:
             self.stop_at_layer = layers[0] + 1 if layers[0] >= 0 else stop_outside_blocks(model, sae.cfg.hook_name)
-        empty = empty_state(1, len(neurons), k, context, model.device)
-        self.layer_states = [empty] * len(layers)  # per layer [1 neuron k ...]; replaced, never edited in place
-        self.staged: list = []
-        self.batch: Optional[dict[str, torch.Tensor]] = None
-
-    @property
-    def state(self) -> dict[str, torch.Tensor]:
-        return {n: torch.cat([s[n] for s in self.layer_states]) for n in self.layer_states[0]}
+        self.state = empty_state(len(layers), len(neurons), k, context, model.device)  # [layer neuron k ...]
+        self.found: list = []  # each layer's candidates in the current forward
+        self.batch: dict[str, torch.Tensor] = {}
+        self.offset = 1  # tokens before a window's first id: BOS or nothing
+        self.neg_inf = torch.full((), -math.inf, device=model.device)  # made there: no copy per batch
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
-        self.layer_states = [{n: t[li:li + 1].to(self.model.device) for n, t in state.items()}
-                             for li in range(len(self.layers))]
+        self.state = {n: t.to(self.model.device) for n, t in state.items()}
+
+    def pin(self) -> bool:
+        """Whether host batches should be pinned: when the copy goes to a GPU."""
+        return self.model.device.type == "cuda"
+
+    def set_batch(self, windows: list[tuple[int, int, list[int], list[int]]], bos: Optional[int], pad_id: int,
+                  n_pos: int) -> torch.Tensor:
+        """Lay out a batch of windows (doc, doc_start, window ids, next ids) and send it to the device:
+        the tokens [window n_pos] to run."""
+        return self.send(layout_windows(windows, bos, pad_id, n_pos, self.pin()), bos is not None)
+
+    def send(self, packed: torch.Tensor, has_bos: bool) -> torch.Tensor:
+        """Copy a `layout_windows` batch to the device (not waiting for it where it is pinned) and derive,
+        there, what each row of the flattened batch [(window pos)] needs: the tokens [window pos] to run."""
+        packed = packed.to(self.model.device, non_blocking=True)
+        n_pos = (packed.shape[1] - _META) // 2
+        self.offset = offset = int(has_bos)
+        tokens, next_ids = packed[:, :n_pos], packed[:, n_pos:2 * n_pos]
+        doc, start, length = packed[:, 2 * n_pos:].unbind(1)
+        pos = torch.arange(n_pos, device=packed.device)
+        valid = (pos >= offset) & (pos < offset + length[:, None])
+        # each position's context is the last `context` tokens of its window up to it, BOS and padding hidden
+        shown = tokens.masked_fill(~valid, PAD).to(torch.int32)
+        padded = torch.cat([shown.new_full((len(shown), self.context), PAD), shown], dim=1)  # [window pos+context]
+        self.batch = dict(valid=valid.flatten(), next_tokens=next_ids.flatten(), doc=doc, start=start,
+                          padded=padded)
+        return tokens.contiguous()
 
     def run(self, tokens: torch.Tensor) -> None:
         """Fold one batch into every layer's top-k, all layers or none: a Ctrl-C during the forward
         leaves the state as it was before the batch, so a resumed scan never counts a window twice."""
-        self.staged = list(self.layer_states)
+        self.state = self.folded(tokens)
+
+    def folded(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state with one more batch folded in, the scanner's own left as it was (the caller commits it)."""
+        self.found = [None] * len(self.layers)
         self.model.run_with_hooks(tokens, fwd_hooks=self.hooks(), stop_at_layer=self.stop_at_layer)
-        self.layer_states = self.staged
+        return self._merged()
 
     def hooks(self):
         if self.sae is not None:
@@ -56,121 +110,57 @@ class Scanner:
         return [(act_name("post", l), self._hook(li)) for li, l in enumerate(self.layers)]
 
     def _hook(self, li: int):
-        def fold(post: torch.Tensor, hook) -> None:
+        def fold_layer(post: torch.Tensor, hook) -> None:
             self._fold(li, post)
-        return fold
+        return fold_layer
 
     def _sae_hook(self, activation: torch.Tensor, hook) -> None:
         sae = self.sae
         # only the scanned features: a wide SAE's [batch pos d_sae] would be as large as the activations times d_sae
         ids = self.neurons.to(sae.W_enc.device)
         features = sae.feature_activations(activation.to(sae.W_enc.device), None if self.all_neurons else ids)
-        if features.shape != (*self.batch_shape, len(ids)):
+        if features.shape != (*activation.shape[:2], len(ids)):
             raise ValueError(f"the SAE's features at {sae.cfg.hook_name!r} have shape {tuple(features.shape)}; "
                              f"top_triggers reads one activation vector per position, [batch pos d_sae]")
         self._fold(0, features.to(self.model.device), selected=True)
 
     def _fold(self, li: int, post: torch.Tensor, selected: bool = False) -> None:
         """`post` [batch pos unit]: every unit, or with `selected` only the scanned ones, in their order."""
-        b = self.batch
-        acts = post if self.all_neurons or selected else post[..., self.neurons]
-        acts = rearrange(acts, "batch pos unit -> (batch pos) unit").float()
-        # Only activations above a neuron's current k-th best can enter its top-k (an equal one
-        # loses the tie to the earlier document already there). Once the state has filled, few do,
-        # and gathering those few is much cheaper than a top-k over the whole batch.
-        state = self.layer_states[li]
-        above = (acts > state["activations"][0, :, -1]) & b["valid"][:, None]
-        counts = above.sum(0)  # [neuron]
-        n_above = int(counts.sum())
-        if n_above == 0:
-            self.staged[li] = state
-            return
-        if n_above * 16 <= acts.numel():
-            values, flat = self._top_sparse(acts, above)
-            touched = counts.nonzero().flatten()  # merge only the neurons that gained candidates
-            values, flat = values[touched], flat[touched]
-        else:
-            values, flat = self._top_dense(acts.masked_fill(~b["valid"][:, None], -math.inf))
-            touched = None
-        empty = ~torch.isfinite(values)
-        flat = flat.masked_fill(empty, 0)
-        new = dict(
-            activations=values[None],
-            docs=b["docs"][flat].masked_fill(empty, EMPTY_DOC)[None],
-            positions=b["positions"][flat].masked_fill(empty, EMPTY_DOC)[None],
-            contexts=b["contexts"][flat].masked_fill(empty[..., None], PAD)[None],
-            next_tokens=b["next_tokens"][flat].masked_fill(empty, -1)[None],
+        acts = rearrange(post, "batch pos unit -> (batch pos) unit")
+        if not (self.all_neurons or selected):
+            acts = acts.index_select(1, self.neurons)
+        # [unit (batch pos)], rows not in a window (BOS, padding) at -inf; written unit-major, so that
+        # each unit's top-k reads contiguous memory
+        masked = torch.empty(acts.shape[::-1], dtype=torch.float32, device=acts.device)
+        torch.where(self.batch["valid"], acts.T.float(), self.neg_inf.to(acts.device), out=masked)
+        self.found[li] = candidates(masked, self.k)
+
+    def _merged(self) -> dict[str, torch.Tensor]:
+        """Every layer's candidates of this batch folded into the kept top-k: a new state, the old one untouched."""
+        state, b = self.state, self.batch
+        values, rows = (torch.stack(parts) for parts in zip(*self.found))  # [layer unit candidate]
+        values, from_kept, index = fold(state["activations"], values, rows, self.k)
+        empty = ~from_kept & ~torch.isfinite(values)  # a batch entry at -inf: a slot the corpus has not filled
+        new = ~from_kept & ~empty  # empty slots read position -1 of window 0: PAD context, blanks elsewhere
+        slot = index.clamp(max=self.k - 1)  # the kept slot, where from_kept
+        n_pos = b["padded"].shape[1] - self.context
+        window, pos = torch.where(new, index // n_pos, 0), torch.where(new, index % n_pos, -1)
+
+        def pick(name: str, batch_value: torch.Tensor, blank: int) -> torch.Tensor:
+            kept = state[name].gather(2, slot)
+            return torch.where(from_kept, kept, batch_value).masked_fill(empty, blank)
+
+        # contexts by indexing (views and small index tensors), not by gathering with [layer unit k context] indices
+        layer, unit = (torch.arange(n, device=slot.device) for n in slot.shape[:2])
+        kept_contexts = state["contexts"][layer[:, None, None], unit[None, :, None], slot]
+        contexts = b["padded"].unfold(1, self.context, 1)[window, pos + 1]  # position -1: all PAD
+        return dict(
+            activations=values,
+            docs=pick("docs", b["doc"][window], EMPTY_DOC),
+            positions=pick("positions", b["start"][window] + pos - self.offset, EMPTY_DOC),
+            contexts=torch.where(from_kept[..., None], kept_contexts, contexts),
+            next_tokens=pick("next_tokens", b["next_tokens"][window * n_pos + pos.clamp(min=0)], -1),
         )
-        if touched is None:
-            self.staged[li] = merge_states([state, new], self.k, in_corpus_order=True)
-        else:
-            merged = merge_states([{n: t[:, touched] for n, t in state.items()}, new], self.k, in_corpus_order=True)
-            self.staged[li] = {n: t.index_copy(1, touched, merged[n]) for n, t in state.items()}
-
-    def _top_dense(self, acts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[neuron k] values and row indices of each column's top-k, earliest row first among ties."""
-        k = min(self.k, acts.shape[0])
-        values, flat = acts.topk(k, dim=0)  # [k neuron]
-        # topk breaks ties arbitrarily; where a tie straddles the k-th slot, take the earliest
-        # (document, position) ones instead, so every sharding of the corpus keeps the same set
-        kth = values[-1]
-        straddles = ((acts == kth).sum(0) > (values == kth).sum(0)) & torch.isfinite(kth)
-        if bool(straddles.any()):
-            cols = straddles.nonzero().flatten()
-            order = (-acts[:, cols]).argsort(dim=0, stable=True)[:k]
-            flat[:, cols] = order
-            values[:, cols] = acts[:, cols].gather(0, order)
-        # order equal values by row (= corpus order), as the merge expects
-        values, flat = values.T, flat.T
-        order = flat.argsort(dim=-1, stable=True)
-        order = order.gather(-1, (-values.gather(-1, order)).argsort(dim=-1, stable=True))
-        return values.gather(-1, order), flat.gather(-1, order)
-
-    def _top_sparse(self, acts: torch.Tensor, above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same as _top_dense from the few entries marked `above` (the others cannot enter)."""
-        rows, cols = above.nonzero(as_tuple=True)  # row-major: rows ascending within a column
-        vals = acts[rows, cols]
-        order = (-vals).argsort(stable=True)  # by value, earliest row first among ties
-        order = order[cols[order].argsort(stable=True)]  # grouped by neuron, keeping that order
-        rows, cols, vals = rows[order], cols[order], vals[order]
-        counts = torch.bincount(cols, minlength=acts.shape[1])
-        rank = torch.arange(len(cols), device=acts.device) - (counts.cumsum(0) - counts)[cols]
-        keep = rank < self.k
-        values = torch.full((acts.shape[1], self.k), -math.inf, device=acts.device)
-        flat = torch.zeros((acts.shape[1], self.k), dtype=torch.long, device=acts.device)
-        values[cols[keep], rank[keep]] = vals[keep]
-        flat[cols[keep], rank[keep]] = rows[keep]
-        return values, flat
-
-    def set_batch(self, windows: list[tuple[int, int, list[int], list[int]]], bos: Optional[int], pad_id: int,
-                  n_pos: int) -> torch.Tensor:
-        """Lay out a batch of windows (doc, doc_start, window ids, next ids), right-padded to n_pos
-        tokens; right padding needs no attention mask in a causal model."""
-        device = self.model.device
-        offset = 1 if bos is not None else 0
-        n = len(windows)
-        tokens = torch.full((n, n_pos), pad_id, dtype=torch.long)
-        valid = torch.zeros((n, n_pos), dtype=torch.bool)
-        next_ids = torch.full((n, n_pos), -1, dtype=torch.long)
-        docs = torch.empty((n, n_pos), dtype=torch.long)
-        positions = torch.empty((n, n_pos), dtype=torch.long)
-        for row, (doc, start, ids, nxt) in enumerate(windows):
-            if bos is not None:
-                tokens[row, 0] = bos
-            tokens[row, offset:offset + len(ids)] = torch.tensor(ids)
-            valid[row, offset:offset + len(ids)] = True
-            next_ids[row, offset:offset + len(ids)] = torch.tensor(nxt)
-            docs[row] = doc
-            positions[row] = torch.arange(n_pos) + start - offset
-        # the context of each position: the last `context` tokens of its window up to it, BOS hidden
-        shown = tokens.masked_fill(~valid, PAD).to(torch.int32)
-        padded = torch.cat([torch.full((n, self.context - 1), PAD, dtype=torch.int32), shown], dim=1)
-        contexts = padded.unfold(1, self.context, 1)  # [batch pos context]
-        flat = lambda t: rearrange(t, "batch pos ... -> (batch pos) ...").to(device)
-        self.batch = dict(valid=flat(valid), docs=flat(docs), positions=flat(positions),
-                          contexts=flat(contexts.contiguous()), next_tokens=flat(next_ids))
-        self.batch_shape = (n, n_pos)
-        return tokens.to(device)
 
 
 def sae_layer(model: HookedDecoder, hook_name: str) -> int:

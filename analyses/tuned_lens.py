@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from analyses.lens_sites import model_lens_sites
+from probe.analyses.lens_sites import model_lens_sites
 from probe import HookedDecoder
 from probe.io import atomic_directory
 

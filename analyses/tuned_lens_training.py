@@ -9,8 +9,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from analyses.lens_sites import model_lens_sites
-from analyses.tuned_lens import TunedLens
+from probe.analyses.lens_sites import model_lens_sites
+from probe.analyses.tuned_lens import TunedLens
 from probe import HELDOUT_TEXT, HookedDecoder
 
 

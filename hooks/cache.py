@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 import torch
 
-from hooks.names import unknown_name_error
+from probe.hooks.names import unknown_name_error
 
 
 class ActivationCache(Mapping[str, torch.Tensor]):

@@ -3,6 +3,8 @@ and the gradient flowing back through it."""
 from __future__ import annotations
 
 import contextvars
+import threading
+from contextlib import contextmanager
 from functools import partial
 from typing import Callable, Optional
 
@@ -25,6 +27,38 @@ def current_owner() -> object:
         owner = object()
         _OWNER.set(owner)
     return owner
+
+
+# Compiled code (torch.compile) cannot read a context variable: each would be a graph break. A compiled call names
+# its context's owner here instead, under a lock so that two threads' compiled calls take turns; the compiler guards
+# on the object, so a call from another context compiles its own version rather than running this one's hooks.
+_COMPILED_OWNER: Optional[object] = None
+_COMPILED_LOCK = threading.RLock()  # re-entrant: a compiled call may run inside another's (eager) hook
+
+
+@contextmanager
+def compiled_scope():
+    """Around a call of compiled code that runs hook points: the hooks it runs are those of this context."""
+    global _COMPILED_OWNER
+    with _COMPILED_LOCK:
+        previous, _COMPILED_OWNER = _COMPILED_OWNER, current_owner()
+        try:
+            yield
+        finally:
+            _COMPILED_OWNER = previous
+
+
+class Store:
+    """A hook that keeps each activation it sees under its point's name in `into` (detached from autograd) and
+    changes nothing: what a cache attaches. HookPoint runs it inline, without the checks a replacing hook needs."""
+
+    __slots__ = ("into",)
+
+    def __init__(self, into: dict):
+        self.into = into
+
+    def __call__(self, x: torch.Tensor, hook: "HookPoint") -> None:
+        self.into[hook.name] = x.detach() if x.requires_grad else x
 
 
 def _backward(dir: str) -> bool:
@@ -55,15 +89,23 @@ class HookHandle:
 
     def remove(self) -> None:
         self.removed = True
-        for i, registered in enumerate(self.registry):
-            if registered is self:
-                del self.registry[i]
-                return
+        try:
+            self.registry.remove(self)  # by identity: handles define no equality
+        except ValueError:  # removed already
+            pass
+
+
+def _owner() -> Optional[object]:
+    """Whose scoped hooks run here: this context's (None when it attached none), or inside compiled code the owner
+    its compiled_scope named (asked only while one is open: the check costs more than the rest of the lookup)."""
+    if _COMPILED_OWNER is not None and torch.compiler.is_compiling():
+        return _COMPILED_OWNER
+    return _OWNER.get()
 
 
 def _visible(handles: list[HookHandle]) -> list[HookHandle]:
     """The handles the current context runs: its own scoped hooks and every persistent one."""
-    owner = _OWNER.get()
+    owner = _owner()
     return [h for h in handles if h.owner is None or h.owner is owner]
 
 
@@ -146,10 +188,21 @@ class HookPoint(nn.Module):
         """Every attached hook, forward then backward, in the order they run."""
         return self._fns + self._bwd_fns
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # nn.Module.__call__'s dispatch costs several times what an unhooked point does: go straight to forward
+        # unless torch's own module hooks are attached to this point
+        if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks:
+            return super().__call__(x)
+        return self.forward(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fns:
-            for fn in [handle.fn for handle in _visible(self._fns)]:
-                x = self._apply_hook(fn, x, "activation")
+            owner = _owner()
+            for fn in [h.fn for h in self._fns if h.owner is None or h.owner is owner]:  # a snapshot: hooks may add hooks
+                if type(fn) is Store:  # a cache's store: nothing to check, nothing replaced
+                    fn.into[self.name] = x.detach() if x.requires_grad else x
+                else:
+                    x = self._apply_hook(fn, x, "activation")
         if self._bwd_fns and x.requires_grad and torch.is_grad_enabled() and _visible(self._bwd_fns):
             # Hook a fresh autograd node, not x itself: the same tensor often passes two points
             # (resid_post of block l is resid_pre of block l+1), and hooks on one tensor run in the

@@ -10,9 +10,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from hooks.cache import ActivationCache, stored_tensor
-from hooks.hook_point import HookFn, HookPoint
-from hooks.names import unknown_name_error
+from probe.hooks.cache import ActivationCache, stored_tensor
+from probe.hooks.hook_point import HookFn, HookPoint, Store
+from probe.hooks.names import unknown_name_error
 
 NameFilter = Union[str, Sequence[str], Callable[[str], bool]]
 
@@ -280,8 +280,10 @@ class HookedRootModule(nn.Module):
                 f"{limit / 2**30:.2f} GiB. Cache fewer (names=...), store them in lower precision (dtype=torch.bfloat16) "
                 f"or on the CPU (device='cpu'), use a shorter input, or raise the limit (max_cache_bytes=...)"
             )
+        # the common cache (no conversion, no gradients) stores tensors as they pass, without save's bookkeeping
+        keep = Store(store) if device is None and dtype is None and grads_of is None else save
         with torch.enable_grad() if grads_of is not None else nullcontext():
-            with self.hooks(list(fwd_hooks) + [(selected, save)]):
+            with self.hooks(list(fwd_hooks) + [(selected, keep)]):
                 out = self(*args, **kwargs)
             if grads_of is not None:
                 out = self._cache_gradients(out, grads_of, live, store, device, dtype)

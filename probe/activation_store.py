@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from hooks import HookPoint
+from probe.hooks import HookPoint
 from probe.model import HookedDecoder
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import nn
 
-from hooks import HookPoint
+from probe.hooks import HookPoint
 from probe.config import DecoderConfig, Positions
 from probe.embedding import Rotary
 from probe.kv_cache import LayerKV

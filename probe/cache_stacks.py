@@ -24,7 +24,7 @@ from typing import Literal, Optional
 import torch
 
 import probe.residual_stack as rs
-from hooks.names import UnknownNameError
+from probe.hooks.names import UnknownNameError
 from probe.config import Norm, NormPlacement
 from probe.names import act_name
 
@@ -87,7 +87,7 @@ class StackMethods:
                              f"ln1_post / ln2_post before the residual receives it, so per-head and per-neuron writes "
                              f"are not residual contributions and would not add up (transformer-lens's bridge returns "
                              f"them anyway); decompose_resid gives the normalised attn_out / mlp_out, "
-                             f"analyses.residual_decomposition splits the heads through ln1_post's cached scale, and "
+                             f"probe.analyses.residual_decomposition splits the heads through ln1_post's cached scale, and "
                              f"cache.stack_activation('result') stacks the pre-norm head writes")
 
     def _refuse_parallel(self, method: str, argument: str) -> None:

@@ -14,8 +14,8 @@ from typing import Optional, Union
 import torch
 
 import probe.residual_stack as rs
-from hooks import ActivationCache
-from hooks.names import UnknownNameError, unknown_name_error
+from probe.hooks import ActivationCache
+from probe.hooks.names import UnknownNameError, unknown_name_error
 from probe.cache_stacks import ModelGoneError, StackMethods
 from probe.names import act_name
 from probe.tl_surface import GUIDE

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 import torch
 
-from hooks import ActivationCache, HookFn, NameFilter
+from probe.hooks import ActivationCache, HookFn, NameFilter
 from probe.kv_cache import KVCache
 from probe.tl_surface import refuse_unsupported
 from probe.tokenizer import check_padding_side

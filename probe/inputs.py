@@ -58,7 +58,7 @@ class InputChecks:
             raise ValueError(f"empty input: token ids of shape {tuple(tokens.shape)}")
         if n > self.cfg.n_ctx:
             raise ValueError(f"input has {n} tokens but the model's context is n_ctx={self.cfg.n_ctx}; truncate it")
-        low, high = int(tokens.min()), int(tokens.max())
+        low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one read-back, not two: each waits for a GPU
         if low < 0 or high >= self.cfg.d_vocab:
             bad = low if low < 0 else high
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.d_vocab})")

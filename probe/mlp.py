@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hooks import HookPoint
+from probe.hooks import HookPoint
 from probe.config import Activation, DecoderConfig
 
 ACTIVATIONS = {

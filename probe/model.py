@@ -9,7 +9,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from hooks import HookedRootModule, HookPoint
+from probe.hooks import HookedRootModule, HookPoint
 from einops import repeat
 
 from probe.attention import Attention, PerHeadInputs

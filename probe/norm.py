@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hooks import HookPoint
+from probe.hooks import HookPoint
 from probe.config import DecoderConfig, Norm
 
 

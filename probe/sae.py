@@ -40,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hooks import HookedRootModule, HookPoint
+from probe.hooks import HookedRootModule, HookPoint
 from probe.io import atomic_directory
 from probe.sae_config import ARCHITECTURES, TRANSCODER_NAMES, Architecture, SAEConfig, check_weights, config_from_saelens
 

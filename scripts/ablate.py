@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/ablate.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, parse_heads, read_prompts_file  # noqa: E402
+from probe.cli.common import CommandError, Output, check_prompt, command, default_out, load_model, parse_heads, read_prompts_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
     import torch
 
-    from analyses import ablate_heads, head_ablation_effects
-    from analyses.ablation import loss_metric
+    from probe.analyses import ablate_heads, head_ablation_effects
+    from probe.analyses.ablation import loss_metric
 
     if args.heads is None and not args.sweep:
         raise CommandError("give --heads L1H3,... and/or --sweep")

@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
-try:
-    from scripts.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, run_command
-except ImportError:  # run as `python scripts/anatomy.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from scripts.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, run_command
+from probe.cli.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/attention.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, positive_int  # noqa: E402
+from probe.cli.common import CommandError, Output, check_prompt, command, default_out, load_model, positive_int
 
 KINDS = ("previous_token", "first_token", "duplicate_token", "induction")
 
@@ -30,9 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import AttentionView, attention_patterns, composition_scores, copying_scores, head_scores
-    from analyses.circuits import processed_for_circuits
-    from analyses.labels import head_label
+    from probe.analyses import AttentionView, attention_patterns, composition_scores, copying_scores, head_scores
+    from probe.analyses.circuits import processed_for_circuits
+    from probe.analyses.labels import head_label
 
     out = Output(default_out(args, "attention"), args.force)
     model = load_model(args)

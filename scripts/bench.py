@@ -36,26 +36,23 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from scripts.bench_harness import (  # noqa: E402  (after the path set-up, so `python scripts/bench.py` works)
-    DTYPES, SHAPES, SMALL_FALLBACK, TL, WORKLOADS, Context, SkipWorkload, Workload)
-from scripts.bench_measure import measure  # noqa: E402
-from scripts.bench_results import (  # noqa: E402
+from probe.cli.bench_harness import (
+    DTYPES, LAUNCH_SHAPE, SHAPES, SMALL_FALLBACK, TL, WORKLOADS, Context, SkipWorkload, Workload)
+from probe.cli.bench_measure import measure
+from probe.cli.bench_results import (
     PARTIAL_FILE, RESULT_FILES, check_out_dir, library_versions, machine_info, markdown, ratios, to_csv, write_atomic)
 
 # The workload families; each registers its workloads with @workload on import.
 WORKLOAD_MODULES = (
-    "scripts.bench_forward",
-    "scripts.bench_analyses",
-    "scripts.bench_generation",
-    "scripts.bench_tl",
-    "scripts.bench_circuits",
-    "scripts.bench_graph",
-    "scripts.bench_sae",
-    "scripts.bench_loading",
+    "probe.cli.bench_forward",
+    "probe.cli.bench_analyses",
+    "probe.cli.bench_generation",
+    "probe.cli.bench_tl",
+    "probe.cli.bench_circuits",
+    "probe.cli.bench_graph",
+    "probe.cli.bench_sae",
+    "probe.cli.bench_loading",
 )
 for _module in WORKLOAD_MODULES:
     importlib.import_module(_module)
@@ -112,7 +109,8 @@ def small_model_path(tmp: Path, quick: bool) -> tuple[Path, str]:
 
 def _workload_shape(spec: Workload, args: argparse.Namespace, path: Path) -> tuple[int, int]:
     """(batch, seq) a workload runs at; seq is clipped to its model's context."""
-    batch, seq = {"main": (args.batch, args.seq), "small": (args.small_batch, args.small_seq), "single": (1, args.seq)}[spec.shape]
+    batch, seq = {"main": (args.batch, args.seq), "small": (args.small_batch, args.small_seq), "single": (1, args.seq),
+                  "launch": LAUNCH_SHAPE}[spec.shape]
     return batch, min(seq, json.loads((path / "config.json").read_text())["n_positions"])
 
 

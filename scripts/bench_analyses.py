@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from scripts.bench_harness import PROBE, Case, Context, SkipWorkload, all_of, at_most, no_grad, workload
+from probe.cli.bench_harness import PROBE, Case, Context, SkipWorkload, all_of, at_most, no_grad, workload
 
 
 @workload("ablation", 5, "Single-head ablation of every head; attribution patching of every head",
@@ -15,12 +15,13 @@ from scripts.bench_harness import PROBE, Case, Context, SkipWorkload, all_of, at
                         at_most("probe attribution patching, all heads", "probe forward", 3.0)),
           model="small")
 def ablation(ctx: Context) -> list[Case]:
-    from analyses import head_ablation_effects, loss_metric, patch
+    from probe.analyses import head_ablation_effects, logit_diff_metric, loss_metric, patch
 
     probe = ctx.probe_model()
     tokens, corrupted = ctx.tokens(seed=0), ctx.tokens(seed=1)
     mask = tokens.new_ones(tokens.shape)
     heads = [(layer, head) for layer in range(probe.cfg.n_layers) for head in range(probe.cfg.n_heads)]
+    logit_diff = logit_diff_metric(probe, 5, 9)
 
     def zero_head(z, hook, head):
         z = z.clone()
@@ -40,6 +41,12 @@ def ablation(ctx: Context) -> list[Case]:
         Case("probe attribution patching, all heads", PROBE,
              lambda: patch(probe, tokens, corrupted, loss_metric, sites="heads", method="attribution"),
              ratio_to="probe forward", note="clean run_with_cache + corrupted forward and backward"),
+        Case("probe attribution patching, all heads, logit difference", PROBE,
+             lambda: patch(probe, tokens, corrupted, logit_diff, sites="heads", method="attribution"),
+             ratio_to="probe forward", note="a logit difference: two columns of W_U at the last position, from the final residual"),
+        Case("the same, logit difference through the full logits", PROBE,
+             lambda: patch(probe, tokens, corrupted, lambda *args: logit_diff(*args), sites="heads", method="attribution"),
+             ratio_to="probe forward", note="the metric wrapped so it declares no reads: the generic path, full logits"),
     ]
 
 
@@ -49,7 +56,7 @@ def ablation(ctx: Context) -> list[Case]:
 def logit_lens_workload(ctx: Context) -> list[Case]:
     import torch
 
-    from analyses import logit_lens
+    from probe.analyses import logit_lens
 
     probe = ctx.probe_model()
     tokens = ctx.tokens()
@@ -87,7 +94,7 @@ def corpus(n_chars: int) -> list[str]:
 def trigger_scan(ctx: Context) -> list[Case]:
     import torch
 
-    from analyses import top_triggers
+    from probe.analyses import top_triggers
 
     probe = ctx.probe_model()
     if probe.tokenizer is None:
@@ -121,7 +128,7 @@ def trigger_scan(ctx: Context) -> list[Case]:
           "time per token <= 1.2x one forward + backward", floor="probe forward + backward",
           check=at_most("probe head_importance", "probe forward + backward", 1.2), model="small")
 def importance(ctx: Context) -> list[Case]:
-    from analyses import head_importance
+    from probe.analyses import head_importance
 
     probe = ctx.probe_model()
     tokens = ctx.tokens()

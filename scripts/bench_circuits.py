@@ -2,12 +2,12 @@
 faithfulness, at GPT-2-small shape and on the small model."""
 from __future__ import annotations
 
-from scripts.bench_harness import PROBE, Case, Context, all_of, at_most, no_grad, workload
+from probe.cli.bench_harness import PROBE, Case, Context, all_of, at_most, no_grad, workload
 
 
 def circuit_cases(ctx: Context) -> list[Case]:
-    from analyses import edge_attribution, faithfulness, logit_diff_metric
-    from analyses.faithfulness import CircuitRunner
+    from probe.analyses import edge_attribution, faithfulness, logit_diff_metric
+    from probe.analyses.faithfulness import CircuitRunner
 
     probe = ctx.probe_model()
     clean, corrupted = ctx.tokens(seed=0), ctx.tokens(seed=1)
@@ -24,7 +24,8 @@ def circuit_cases(ctx: Context) -> list[Case]:
              lambda: edge_attribution(probe, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=5)),
         Case("probe faithfulness, one circuit", PROBE, no_grad(lambda: runner.faithfulness(circuit)),
              note=f"{circuit.n_edges} edges kept, every other edge patched to its corrupted value; the clean and "
-                  "corrupted runs prepared once (CircuitRunner.prepare), as a faithfulness curve reuses them"),
+                  "corrupted runs prepared once (CircuitRunner.prepare), as a faithfulness curve reuses them; the sparse "
+                  "engine computes only the nodes the circuit touches"),
         Case("probe faithfulness() call, preparation included", PROBE,
              no_grad(lambda: faithfulness(probe, circuit, clean, corrupted, metric)),
              note="two forwards to prepare + the patched one; no goal"),

@@ -1,11 +1,15 @@
 """Benchmark workloads of the plain forward and caching: probe vs transformers and transformer-lens
-(workloads 1-4), a structurally pruned forward (10) and loading (11)."""
+(workloads 1-4), a structurally pruned forward (10), loading (11), launch-bound 1 x 16 shapes (21, 22) and
+compiled forwards (23)."""
 from __future__ import annotations
 
 import math
+import os
+import time
 from typing import Any, Callable, Optional
 
-from scripts.bench_harness import HF, PROBE, TL, Case, Context, all_of, at_most, is_resid, mib, no_grad, workload
+from probe.cli.bench_harness import (HF, LAUNCH_SHAPE, PROBE, TL, Case, Context, all_of, at_most, is_resid, mib, no_grad,
+                                     workload)
 
 
 @workload("forward", 1, "Forward, no hooks", "probe <= 1.05x transformers", floor="transformers forward",
@@ -116,7 +120,7 @@ def small_cache(ctx: Context) -> list[Case]:
           "report: what pruning buys (half the heads pruned should not be slower)", floor="probe forward, unpruned",
           check=at_most("probe forward, 50% of heads pruned", "probe forward, unpruned", 1.0))
 def pruned_forward(ctx: Context) -> list[Case]:
-    from analyses import prune_heads
+    from probe.analyses import prune_heads
 
     probe, tokens = ctx.probe_model(), ctx.tokens()
     cfg = probe.cfg
@@ -162,3 +166,78 @@ def load(ctx: Context) -> list[Case]:
         Case("probe from_pretrained + one-token forward", PROBE, first_forward(ctx.probe_model, ctx, hf=False), ratio_to=both),
     ]
 
+
+
+# ---- launch-bound shapes: what Python and kernel launches cost around a forward -------------------------------
+LAUNCH_BATCH, LAUNCH_SEQ = LAUNCH_SHAPE
+ONE_HOOK = "blocks.0.hook_resid_post"
+
+
+def launch_cases(ctx: Context) -> list[Case]:
+    probe = ctx.probe_model()
+    tokens = ctx.tokens()
+    one_hook = [(ONE_HOOK, lambda resid, hook: None)]
+    return [
+        Case("probe forward", PROBE, no_grad(lambda: probe(tokens))),
+        Case("probe run_with_hooks, one hook", PROBE, no_grad(lambda: probe.run_with_hooks(tokens, fwd_hooks=one_hook)),
+             note=f"a no-op hook on {ONE_HOOK}: what a call scope and one hook cost"),
+        Case("probe run_with_cache, residual stream", PROBE, no_grad(lambda: probe.run_with_cache(tokens, names=is_resid))),
+        Case("probe run_with_cache", PROBE, no_grad(lambda: probe.run_with_cache(tokens)),
+             note="every hook but the opt-in ones: the norms' and attention's explicit paths run"),
+    ]
+
+
+LAUNCH_CHECK = all_of(at_most("probe run_with_hooks, one hook", "probe forward", 1.05),
+                      at_most("probe run_with_cache", "probe forward", 1.5))
+
+
+@workload("launch_small", 21, f"Launch-bound: the bundled model at {LAUNCH_BATCH} x {LAUNCH_SEQ} tokens, hooks and caches "
+          "vs the plain forward", "one hook <= 1.05x the forward; run_with_cache of everything <= 1.5x",
+          floor="probe forward", check=LAUNCH_CHECK, model="small", shape="launch")
+def launch_small(ctx: Context) -> list[Case]:
+    return launch_cases(ctx)
+
+
+@workload("launch_main", 22, f"Launch-bound: the main (GPT-2-small) shape at {LAUNCH_BATCH} x {LAUNCH_SEQ} tokens, hooks "
+          "and caches vs the plain forward", "one hook <= 1.05x the forward; run_with_cache of everything <= 1.5x",
+          floor="probe forward", check=LAUNCH_CHECK, shape="launch")
+def launch_main(ctx: Context) -> list[Case]:
+    return launch_cases(ctx)
+
+
+# set to 1 to run workload 23's "compiled" cases eagerly (the suite checks the workload's shape, not torch.compile)
+EAGER_ONLY = "PROBE_BENCH_EAGER_ONLY"
+
+
+@workload("compiled", 23, f"torch.compile of the bundled model's forward and run_with_cache at {LAUNCH_BATCH} x "
+          f"{LAUNCH_SEQ} tokens (CUDA graphs on CUDA)",
+          "report: compiled vs eager (compile time excluded, in the notes); compiled run_with_cache <= 1.5x the eager "
+          "forward", floor="probe forward", check=at_most("probe run_with_cache, compiled", "probe forward", 1.5),
+          model="small", shape="launch")
+def compiled(ctx: Context) -> list[Case]:
+    import torch
+
+    from probe.compiled import compile_forwards
+
+    probe = ctx.probe_model()
+    tokens = ctx.tokens()
+    mode = "reduce-overhead" if ctx.device.startswith("cuda") else None  # CUDA graphs where there are any
+    if os.environ.get(EAGER_ONLY) == "1":
+        fast, how = probe, f"run eagerly ({EAGER_ONLY}=1)"
+    else:
+        fast = compile_forwards(probe, mode=mode)
+        with torch.no_grad():
+            started = time.perf_counter()
+            fast(tokens)  # compiles; the second call below checks it needs no second compile
+            compile_s = time.perf_counter() - started
+            started = time.perf_counter()
+            fast.run_with_cache(tokens)
+            cache_compile_s = time.perf_counter() - started
+        how = (f"torch.compile(mode={mode!r}); compile + first call {compile_s:.1f} s (forward), "
+               f"{cache_compile_s:.1f} s (run_with_cache), excluded from the times")
+    return [
+        Case("probe forward", PROBE, no_grad(lambda: probe(tokens)), note="eager"),
+        Case("probe forward, compiled", PROBE, no_grad(lambda: fast(tokens)), note=how),
+        Case("probe run_with_cache", PROBE, no_grad(lambda: probe.run_with_cache(tokens)), note="eager"),
+        Case("probe run_with_cache, compiled", PROBE, no_grad(lambda: fast.run_with_cache(tokens)), note=how),
+    ]

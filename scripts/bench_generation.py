@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from scripts.bench_harness import HF, PROBE, Case, Context, all_of, at_most, no_grad, workload
+from probe.cli.bench_harness import HF, PROBE, Case, Context, all_of, at_most, no_grad, workload
 
 
 @workload("generation", 9, "Greedy generation of 256 tokens with the KV cache",
@@ -15,7 +15,7 @@ from scripts.bench_harness import HF, PROBE, Case, Context, all_of, at_most, no_
 def generation(ctx: Context) -> list[Case]:
     import torch
 
-    from analyses import steer
+    from probe.analyses import steer
 
     probe, hf = ctx.probe_model(), ctx.hf_model()
     direction = torch.randn(probe.cfg.d_model, generator=torch.Generator().manual_seed(3)).to(ctx.device, ctx.torch_dtype)

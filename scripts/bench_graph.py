@@ -2,7 +2,7 @@
 (issue 20): time and memory, against one forward pass."""
 from __future__ import annotations
 
-from scripts.bench_harness import PROBE, Case, Context, at_most, no_grad, workload
+from probe.cli.bench_harness import PROBE, Case, Context, at_most, no_grad, workload
 
 GRAPH_TOKENS = 64
 GRAPH_BUDGET = 5000  # loose: ~1,030 targets, 64 per backward pass, against one 64-token forward; 68x measured on 12-01
@@ -35,8 +35,8 @@ def transcoders_for(model):
           f"graph with 1024 feature nodes <= {GRAPH_BUDGET}x one forward", floor="probe forward",
           check=at_most("attribution graph, 1024 feature nodes", "probe forward", GRAPH_BUDGET), model="small", shape="single")
 def graph_small(ctx: Context) -> list[Case]:
-    from analyses.attribution_graph import attribution_graph
-    from analyses.replacement_model import load_transcoders
+    from probe.analyses.attribution_graph import attribution_graph
+    from probe.analyses.replacement_model import load_transcoders
 
     probe = ctx.probe_model()
     tokens = ctx.tokens(seed=0, batch=1, seq=min(GRAPH_TOKENS, ctx.seq, probe.cfg.n_ctx))[0]  # fewer with --quick

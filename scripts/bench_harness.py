@@ -19,6 +19,7 @@ SHAPES = {  # GPT2Config fields; vocabulary and context of the real GPT-2 unless
     "small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024),
     "medium": dict(n_layer=24, n_embd=1024, n_head=16, vocab_size=50257, n_positions=1024),
 }
+LAUNCH_SHAPE = (1, 16)  # (batch, seq) of the launch-bound workloads: Python and kernel launches, not arithmetic
 SMALL_FALLBACK = dict(n_layer=4, n_embd=192, n_head=6, vocab_size=4096, n_positions=256)  # the bundled model's shape
 
 # ---- what a workload is --------------------------------------------------------------------------
@@ -45,7 +46,8 @@ class Workload:
     floor: str  # label of the case ratios are taken to
     check: Optional[Callable[[dict[str, dict]], list[dict]]] = None  # rows by label -> goal verdicts
     model: str = "main"  # "main": the GPT-2-shape checkpoint; "small": the bundled model (or its stand-in)
-    shape: str = "main"  # "main": --batch x --seq; "small": --small-batch x --small-seq; "single": 1 x --seq
+    # "main": --batch x --seq; "small": --small-batch x --small-seq; "single": 1 x --seq; "launch": LAUNCH_SHAPE
+    shape: str = "main"
 
 
 WORKLOADS: dict[str, Workload] = {}

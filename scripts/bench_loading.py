@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from scripts.bench_harness import HF, PROBE, Case, Context, workload
+from probe.cli.bench_harness import HF, PROBE, Case, Context, workload
 
 MODEL_BYTES, SHARD, PROBE_LOAD = "model's own bytes, allocated", "largest shard, read whole", "probe from_pretrained, sharded"
 

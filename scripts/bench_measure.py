@@ -9,7 +9,7 @@ import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from scripts.bench_harness import Case, mib
+from probe.cli.bench_harness import Case, mib
 
 
 def _sync(device: str) -> None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from scripts.bench_harness import REPO, mib
+from probe.cli.bench_harness import REPO, mib
 
 RESULT_FILES = ("bench.json", "bench.csv", "bench.md")
 PARTIAL_FILE = "bench.partial.json"  # the workloads finished so far, while a run is in progress

@@ -24,7 +24,7 @@ import threading
 from functools import partial
 from pathlib import Path
 
-from scripts.bench_harness import PROBE, REPO, Case, Context, SkipWorkload, all_of, at_most, workload
+from probe.cli.bench_harness import PROBE, REPO, Case, Context, SkipWorkload, all_of, at_most, workload
 
 SAELENS = "sae_lens"
 SAELENS_PYTHON = Path(os.environ.get("PROBE_SAELENS_VENV", "/tmp/saelens-venv")) / "bin" / "python"

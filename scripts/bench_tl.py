@@ -1,7 +1,7 @@
 """Benchmark workload 12: TransformerLens-style calls on probe and on transformer-lens itself."""
 from __future__ import annotations
 
-from scripts.bench_harness import PROBE, TL, Case, Context, all_of, at_most, no_grad, workload
+from probe.cli.bench_harness import PROBE, TL, Case, Context, all_of, at_most, no_grad, workload
 
 
 @workload("tl_surface", 12, "TransformerLens-style code on probe: the same calls on both libraries",

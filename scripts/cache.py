@@ -13,11 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-try:
-    from scripts.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, log, read_prompts_file, run_command
-except ImportError:  # run as `python scripts/cache.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from scripts.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, log, read_prompts_file, run_command
+from probe.cli.common import CommandError, HelpFormatter, Output, add_common_arguments, default_out, load_model, log, read_prompts_file, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,20 +8,22 @@ other edge patched to its corrupted value, over a range of circuit sizes and aga
 writes: edges.csv, edges.html (the top edges), circuit.csv, circuit.html (the drawing),
 faithfulness.csv, faithfulness.html (the curve)
 
+Edges are ranked by |score| unless --signed ranks them by the score itself, those estimated to restore the
+clean behaviour first (a negative edge then never enters): with eap-ig-activations scores the signed circuits
+keep more of the logit difference at the same size (docs/circuits.md).
+
 examples:
   probe circuit --clean "Romeo, Romeo, Romeo," --corrupted "Juliet, Juliet, Juliet," --answer " Romeo" --counterfactual " Juliet"
   probe circuit --clean "Romeo, Romeo, Romeo," --corrupted "Juliet, Juliet, Juliet," --answer " Romeo" --counterfactual " Juliet" --method eap-ig-inputs --ig-steps 5 --edges 50
+  probe circuit --clean "Romeo, Romeo, Romeo," --corrupted "Juliet, Juliet, Juliet," --answer " Romeo" --counterfactual " Juliet" --method eap-ig-activations --signed --edges 40
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/circuit.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_contrast, check_prompt, command, default_out, load_model, log, positive_int, token_id  # noqa: E402
+from probe.cli.common import CommandError, Output, check_contrast, check_prompt, command, default_out, load_model, log, positive_int, token_id
 
 METHODS = ["eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted", "exact"]
 
@@ -35,13 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ig-steps", type=positive_int, default=5, help="integration steps of the eap-ig methods")
     parser.add_argument("--edges", type=positive_int, default=50, help="edges in the circuit before pruning")
     parser.add_argument("--greedy", action="store_true", help="grow the circuit from the logits instead of taking the top edges")
+    parser.add_argument("--signed", action="store_true",
+                        help="rank edges by their score, highest first, instead of by |score| (the circuit and the curve)")
     parser.add_argument("--ablation", default="patch", choices=["patch", "mean", "zero"],
                         help="what an edge outside the circuit carries (mean needs several prompts, so not here)")
     parser.add_argument("--random", type=int, default=3, help="random circuits per size on the faithfulness curve")
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import circuit_graph, edge_attribution, faithfulness, faithfulness_curve, logit_diff_metric
+    from probe.analyses import circuit_graph, edge_attribution, faithfulness, faithfulness_curve, logit_diff_metric
 
     if args.ablation == "mean":
         raise CommandError("--ablation mean averages over several corrupted prompts and this command takes one; use patch or zero")
@@ -69,12 +73,14 @@ def run(args: argparse.Namespace) -> int:
                            "recover; choose prompts (or tokens) that tell them apart")
     out.write_csv("edges.csv", scores.to_frame())
     out.write_figure("edges.html", scores.figure())
-    circuit = scores.circuit(n_edges=min(args.edges, graph.n_edges), method="greedy" if args.greedy else "topn")
+    circuit = scores.circuit(n_edges=min(args.edges, graph.n_edges), method="greedy" if args.greedy else "topn",
+                             absolute=not args.signed)
     out.write_csv("circuit.csv", circuit.to_frame())
     out.write_figure("circuit.html", circuit.figure())
     kept = faithfulness(model, circuit, args.clean, args.corrupted, metric, ablation=args.ablation)
     curve = faithfulness_curve(model, scores, args.clean, args.corrupted, metric, ablation=args.ablation,
-                               method="greedy" if args.greedy else "topn", n_random=args.random, seed=args.seed)
+                               method="greedy" if args.greedy else "topn", n_random=args.random, seed=args.seed,
+                               absolute=not args.signed)
     out.write_csv("faithfulness.csv", curve.to_frame())
     out.write_figure("faithfulness.html", curve.figure())
     print(scores.top(10)[["rank", "source", "target", "input", "score"]].to_string(index=False))

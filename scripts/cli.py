@@ -49,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         print(f"error: unknown command {command!r}{hint} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"scripts.{command}")
+    module = importlib.import_module(f"probe.cli.{command}")
     return module.main(rest)
 
 

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from scripts.output import OPEN, PLOTLY_MODES, SETTINGS, OutputError, fresh_directory
-from scripts.output import Output as _Output
+from probe.cli.output import OPEN, PLOTLY_MODES, SETTINGS, OutputError, fresh_directory
+from probe.cli.output import Output as _Output
 
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -101,8 +101,8 @@ def sae_directory(name: str) -> str:
 
 def load_sae(model, directory: str):
     """An SAE directory for `model`, checked to read a hook point the model has; a one-line error otherwise."""
-    from analyses.features import check_sae
-    from hooks import UnknownNameError
+    from probe.analyses.features import check_sae
+    from probe.hooks import UnknownNameError
     from probe import SparseAutoencoder
 
     directory = sae_directory(directory)
@@ -127,7 +127,7 @@ def checked(flag: str, check, *args):
 
 def check_corpus_arg(corpus) -> None:
     """--corpus read as far as its first piece before any work (a one-line error), as the scan will read it."""
-    from analyses.corpus import check_corpus
+    from probe.analyses.corpus import check_corpus
 
     if corpus is not None and not Path(corpus).exists():
         raise CommandError(f"--corpus {corpus} does not exist")
@@ -319,7 +319,7 @@ def token_id(model, value: str, flag: str) -> int:
 
 def parse_heads(text: str, model) -> list[tuple[int, int]]:
     """'L3H1,L4H0' (or '3.1,4.0', 'a3.1') -> [(3, 1), (4, 0)], each checked against the model."""
-    from analyses.labels import parse_head
+    from probe.analyses.labels import parse_head
 
     heads = []
     for item in text.split(","):

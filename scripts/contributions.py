@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/contributions.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import Output, check_position, check_prompt, check_contrast, command, default_out, load_model, token_id  # noqa: E402
+from probe.cli.common import Output, check_position, check_prompt, check_contrast, command, default_out, load_model, token_id
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from analyses import direct_logit_attribution, residual_decomposition
+    from probe.analyses import direct_logit_attribution, residual_decomposition
 
     out = Output(default_out(args, "contributions"), args.force)
     model = load_model(args)

@@ -14,7 +14,8 @@
 # benchmark stage: F32_WORKLOADS, BF16_WORKLOADS (default all), MEDIUM_WORKLOADS (default 1,2,3).
 # On an H200 a benchmark workload takes 15-30 s (most of it starting its process), so all four stages
 # take about twelve minutes: more than one 10-minute call. TOTAL_S (default 540) caps the whole run;
-# each stage also has its own cap (TESTS_S, F32_S, BF16_S, MEDIUM_S) and gets no more than is left.
+# each stage also has its own cap (TESTS_S, F32_S, BF16_S, MEDIUM_S) and gets no more than is left;
+# WORKLOAD_TIMEOUT_S (default 120) caps each benchmark workload (workload 23 compiles twice: give it more).
 # A stage cut short keeps what it finished (bench.partial.json); OUT_DIR/stages.txt says, per stage,
 # whether it finished, failed, was cut short or did not start. Exit 0 only when every stage finished
 # and passed.
@@ -41,7 +42,14 @@ if [ -n "${WHEELS:-}" ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/probe-gpu-site "$WHEELS"/*.whl || exit 2
     export PYTHONPATH=/tmp/probe-gpu-site:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$REPO:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# This checkout's code under the names the distribution installs it with (probe, probe.hooks, probe.analyses,
+# probe.cli; see pyproject.toml's package-dir), without installing anything: a tree of links in a temp directory.
+SOURCE=$(mktemp -d /tmp/probe-gpu-source.XXXXXX) || exit 2
+mkdir "$SOURCE/probe" || exit 2
+for entry in "$REPO"/probe/*; do ln -s "$entry" "$SOURCE/probe/$(basename "$entry")" || exit 2; done
+ln -s "$REPO/hooks" "$SOURCE/probe/hooks" && ln -s "$REPO/analyses" "$SOURCE/probe/analyses" \
+    && ln -s "$REPO/scripts" "$SOURCE/probe/cli" || exit 2
+export PYTHONPATH=$SOURCE:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ "$DEVICE" = cuda ] && ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: this torch sees no CUDA device; run it on a machine with a GPU (or GPU_CHECK_DEVICE=cpu)" >&2
     exit 2
@@ -82,7 +90,7 @@ run_stage() {  # stage, own cap in seconds, command...
 bench_stage() {  # stage, own cap, out subdirectory, dtype, workloads, more bench.py arguments...
     local stage=$1 cap=$2 dir=$3 dtype=$4 workloads=$5
     shift 5
-    run_stage "$stage" "$cap" python3 scripts/bench.py "${BENCH_SHAPES[@]}" --workload-timeout 120 \
+    run_stage "$stage" "$cap" python3 scripts/bench.py "${BENCH_SHAPES[@]}" --workload-timeout "${WORKLOAD_TIMEOUT_S:-120}" \
         --out "$OUT/$dir" --dtype "$dtype" --workloads "$workloads" "$@"
 }
 
@@ -90,7 +98,9 @@ for stage in $STAGES; do
     case $stage in
         tests)
             tests=(tests/test_gpu.py)
-            [ "$DEVICE" = cuda ] && tests+=("tests/test_attribution.py::test_gpu_matches_cpu")
+            [ "$DEVICE" = cuda ] && tests+=("tests/test_attribution.py::test_gpu_matches_cpu"
+                "tests/test_circuit.py::test_scores_and_circuits_are_the_same_on_the_gpu"
+                "tests/test_compiled.py::test_cuda_graph_forwards_equal_eager_and_outlive_the_next_replay")
             PROBE_TEST_DEVICE=$DEVICE run_stage tests "${TESTS_S:-240}" \
                 python3 -m pytest -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} "${tests[@]}" ;;
         float32) bench_stage float32 "${F32_S:-300}" float32 float32 "${F32_WORKLOADS:-all}" ;;

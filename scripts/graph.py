@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/graph.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, log, positive_int, token_id  # noqa: E402
+from probe.cli.common import CommandError, Output, check_prompt, command, default_out, load_model, log, positive_int, token_id
 
 
 def fraction(text: str) -> float:
@@ -51,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses.attribution_graph import attribution_graph
-    from analyses.replacement_model import BUNDLED, load_transcoders
+    from probe.analyses.attribution_graph import attribution_graph
+    from probe.analyses.replacement_model import BUNDLED, load_transcoders
 
     out = Output(default_out(args, "graph"), args.force)
     model = load_model(args)
@@ -85,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 def write_dashboards(out: Output, args, model, transcoders, graph) -> dict:
     """dashboard-L<layer>.html for the features of each layer in the graph; {(layer, feature): link}."""
-    from analyses.sae_dashboard import feature_dashboard
+    from probe.analyses.sae_dashboard import feature_dashboard
 
     links = {}
     for layer, sae in transcoders.items():

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/lens.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, token_id  # noqa: E402
+from probe.cli.common import CommandError, Output, check_prompt, command, default_out, load_model, token_id
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import compare_lenses, logit_lens, train_tuned_lens
-    from analyses.lens import has_resid_mid
+    from probe.analyses import compare_lenses, logit_lens, train_tuned_lens
+    from probe.analyses.lens import has_resid_mid
 
     for flag, value, least in (("--tuned-steps", args.tuned_steps, 1), ("--tuned-tokens", args.tuned_tokens, 4)):
         if value < least:  # the comparison reads half the tokens, and a lens needs two

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/memories.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import (CommandError, Output, check_corpus_arg, check_prompt, checked, command, default_out,  # noqa: E402
+from probe.cli.common import (CommandError, Output, check_corpus_arg, check_prompt, checked, command, default_out,
                             load_model, write_triggers)
 
 
@@ -30,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import agreement, memory_lookup, memory_report, top_triggers, value_tokens
-    from analyses.memory_units import neuron_tensor
+    from probe.analyses import agreement, memory_lookup, memory_report, top_triggers, value_tokens
+    from probe.analyses.memory_units import neuron_tensor
 
     if args.prompt is None and not args.triggers and args.corpus is None:
         raise CommandError("give --prompt TEXT for a lookup and/or --triggers [--corpus PATH] for a corpus scan")

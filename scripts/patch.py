@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/patch.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, token_id  # noqa: E402
+from probe.cli.common import CommandError, Output, check_prompt, command, default_out, load_model, token_id
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_pair(model, clean: str, corrupted: str) -> None:
     """Patching pairs position i of one run with position i of the other: the prompts' lengths must agree."""
-    from scripts.tokens import describe
+    from probe.cli.tokens import describe
 
     n_clean, n_corrupted = model.to_tokens(clean).shape[1], model.to_tokens(corrupted).shape[1]
     if n_clean != n_corrupted:
@@ -45,7 +42,7 @@ def check_pair(model, clean: str, corrupted: str) -> None:
 
 def one_token(model, value: str, flag: str) -> int:
     """An --answer given as text must be one token: say how it tokenises and what to give instead."""
-    from scripts.tokens import describe
+    from probe.cli.tokens import describe
 
     if model.tokenizer is not None and not (value.isascii() and value.lstrip("-").isdigit()):
         ids = model.tokenizer.encode(value)
@@ -57,7 +54,7 @@ def one_token(model, value: str, flag: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import compare_patching, logit_diff_metric, patch
+    from probe.analyses import compare_patching, logit_diff_metric, patch
 
     out = Output(default_out(args, "patch"), args.force)
     model = load_model(args)

@@ -11,10 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/prune.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import (CommandError, Output, command, default_out, fraction, fraction_below_one, load_model, log,  # noqa: E402
+from probe.cli.common import (CommandError, Output, command, default_out, fraction, fraction_below_one, load_model, log,
                             parse_heads, positive_int)
 
 
@@ -30,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses.pruning import (attach_head_map, head_importance, head_map_of, original_heads, prune_by_importance,
+    from probe.analyses.pruning import (attach_head_map, head_importance, head_map_of, original_heads, prune_by_importance,
                                   prune_heads, save_pruned)
 
     out = Output(default_out(args, "prune"), args.force)

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as `python scripts/quickstart.py` from a checkout, as the README says
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from probe import DEFAULT_MODEL, HookedDecoder  # noqa: E402
+from probe import DEFAULT_MODEL, HookedDecoder
 
 
 def top_tokens(model: HookedDecoder, logits: torch.Tensor, k: int = 5) -> str:

@@ -18,10 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/report.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, check_prompt, command, default_out, load_model, load_sae, log, model_label, token_id, check_contrast  # noqa: E402
+from probe.cli.common import CommandError, Output, check_prompt, command, default_out, load_model, load_sae, log, model_label, token_id, check_contrast
 
 DEFAULT_PROMPT = ("ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
                   "ROMEO.\nBut soft, what light through yonder")
@@ -100,10 +98,10 @@ def shown_path(given: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    import analyses as A
-    from analyses.ablation import loss_metric
-    from analyses.common import token_strings
-    from analyses.labels import shown_token
+    import probe.analyses as A
+    from probe.analyses.ablation import loss_metric
+    from probe.analyses.common import token_strings
+    from probe.analyses.labels import shown_token
 
     started = time.perf_counter()
     out = Output(default_out(args, "report"), args.force)
@@ -151,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     with timed("model"):
         import pandas as pd
 
-        from scripts.anatomy import anatomy_tables
+        from probe.cli.anatomy import anatomy_tables
 
         config, ledger, summary, _ = anatomy_tables(model, None)
         part = report.section("model", "The model")

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
-if __package__ in (None, ""):  # run as `python scripts/sae.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import (CommandError, Output, check_corpus_arg, check_position, check_prompt, checked, command,  # noqa: E402
+from probe.cli.common import (CommandError, Output, check_corpus_arg, check_position, check_prompt, checked, command,
                             default_out, load_model, load_sae, write_triggers)
 
 
@@ -46,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses import feature_logits, sae_features, sae_loss_recovered
-    from analyses.features import feature_ids
+    from probe.analyses import feature_logits, sae_features, sae_loss_recovered
+    from probe.analyses.features import feature_ids
 
     out = Output(default_out(args, "sae"), args.force)
     model = load_model(args)
@@ -125,7 +122,7 @@ def _triggers(args: argparse.Namespace, out: Output, model, sae, features: list[
     writes what it folded as triggers.partial.csv, under a name that says so, and says how to finish."""
     from plotly.subplots import make_subplots
 
-    from analyses import top_triggers
+    from probe.analyses import top_triggers
 
     triggers = top_triggers(model, args.corpus, neurons=features, k=args.k, progress=not args.quiet, sae=sae,
                             batch_size=args.batch_size, window=args.window)
@@ -151,11 +148,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """`probe sae ...` as ever, or `probe sae dashboard ...` / `probe sae train ...` (see the docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["dashboard"]:
-        from scripts import sae_dashboard
+        from probe.cli import sae_dashboard
 
         return sae_dashboard.main(argv[1:])
     if argv[:1] == ["train"]:
-        from scripts import train_sae
+        from probe.cli import train_sae
 
         doc = train_sae.__doc__.replace("probe train_sae", "probe sae train")
         return command(doc, "probe sae train", train_sae.add_arguments, train_sae.run)[1](argv[1:])

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/sae_dashboard.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import (CommandError, Output, check_corpus_arg, checked, command, default_out,  # noqa: E402
+from probe.cli.common import (CommandError, Output, check_corpus_arg, checked, command, default_out,
                             load_model, load_sae)
-from scripts.train_sae import token_count  # noqa: E402
+from probe.cli.train_sae import token_count
 
 DEFAULT_TOKENS = 1 << 17
 
@@ -52,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analyses.features import feature_ids
-    from analyses.sae_dashboard import DEFAULT_TOP, feature_dashboard
+    from probe.analyses.features import feature_ids
+    from probe.analyses.sae_dashboard import DEFAULT_TOP, feature_dashboard
 
     model = load_model(args)
     sae = load_sae(model, args.sae)

@@ -17,10 +17,8 @@ import html
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/steer.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import (CommandError, Output, check_prompt, checked, command, default_out, load_model,  # noqa: E402
+from probe.cli.common import (CommandError, Output, check_prompt, checked, command, default_out, load_model,
                             log, model_label, read_prompts_file)
 
 
@@ -47,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _vector(args, model):
-    from analyses import SteeringVector, steering_vector
+    from probe.analyses import SteeringVector, steering_vector
 
     if args.vector is not None:
         if args.positive or args.negative or args.layer is not None:
@@ -109,7 +107,7 @@ def generations_page(frame, title: str, setup: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from analyses import steer, steering_sweep, target_logprob_metric
+    from probe.analyses import steer, steering_sweep, target_logprob_metric
 
     if args.max_new_tokens < 1 or args.samples < 1 or args.heldout_windows < 1:
         raise CommandError("--max-new-tokens, --samples and --heldout-windows must each be at least 1")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from probe import HookedDecoder
-from scripts.tiny_corpus import random_tokens
+from probe.cli.tiny_corpus import random_tokens
 
 GREEDY_PROMPT = "KING.\nWhat news, my lord?\n\n"
 

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/tokens.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, Output, command, default_out, load_model  # noqa: E402
+from probe.cli.common import CommandError, Output, command, default_out, load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +27,7 @@ def token_table(model, prompts, *, bos: bool = True):
     or its bytes as `<0xE2>`), shown (whitespace made visible)."""
     import pandas as pd
 
-    from analyses.labels import shown_token, token_texts
+    from probe.analyses.labels import shown_token, token_texts
 
     tokenizer = model._require_tokenizer()
     rows = []

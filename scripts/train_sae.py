@@ -25,10 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as `python scripts/train_sae.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.common import CommandError, check_corpus_arg, command, load_model, log  # noqa: E402
+from probe.cli.common import CommandError, check_corpus_arg, command, load_model, log
 
 SUFFIXES = {"k": 10**3, "K": 10**3, "m": 10**6, "M": 10**6, "g": 10**9, "G": 10**9}
 
@@ -82,7 +80,7 @@ class Corpus:
         self.corpus = corpus
 
     def __iter__(self):
-        from analyses import iter_documents
+        from probe.analyses import iter_documents
 
         return (text for _, text in iter_documents(self.corpus))
 

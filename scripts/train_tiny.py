@@ -52,14 +52,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `python scripts/train_tiny.py` from a checkout
-    sys.path.insert(0, str(REPO))
-
-from probe import DecoderConfig, HookedDecoder, Tokenizer  # noqa: E402
-from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT  # noqa: E402
-from scripts.tiny_corpus import load_corpus, sample_batch, token_stream, train_tokenizer  # noqa: E402
-from scripts.tiny_eval import evaluate, induction_probe, repeated_random_tokens  # noqa: E402
+from probe import DecoderConfig, HookedDecoder, Tokenizer
+from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
+from probe.cli.tiny_corpus import load_corpus, sample_batch, token_stream, train_tokenizer
+from probe.cli.tiny_eval import evaluate, induction_probe, repeated_random_tokens
 
 
 # ---- training -------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from analyses import ablate_heads, head_ablation_effects, logit_diff_metric
+from probe.analyses import ablate_heads, head_ablation_effects, logit_diff_metric
 from hf_oracle import hf_head_inputs
 
 

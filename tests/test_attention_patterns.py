@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-import analyses.attention as attention_module
-from analyses import attention_patterns
-from analyses.common import token_labels
+import probe.analyses.attention as attention_module
+from probe.analyses import attention_patterns
+from probe.analyses.common import token_labels
 
 PROMPT = "To be, or not to be, that is the question: <script>alert('x')</script> & the dog"
 

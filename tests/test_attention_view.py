@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import torch
 
-from analyses import AttentionView, attention_view
-from analyses.attention_view import DIGITS
+from probe.analyses import AttentionView, attention_view
+from probe.analyses.attention_view import DIGITS
 
 HOSTILE = "To be </script><script>alert('x')</script> & \"q\" <b>x</b>"
 
@@ -52,7 +52,7 @@ def test_a_hostile_token_shows_as_written_and_cannot_end_the_script(tiny_model):
 
 
 def test_a_pruned_models_missing_heads_are_marked(tiny_model, tmp_path):
-    from analyses import prune_heads
+    from probe.analyses import prune_heads
 
     pruned = prune_heads(tiny_model, [(0, 1), (0, 3)])
     data = attention_view(pruned, "To be, or not").data()

@@ -6,7 +6,7 @@ import torch
 
 from hf_oracle import hf_forward_states, hf_head_writes
 
-from analyses.attribution import direct_logit_attribution, residual_decomposition
+from probe.analyses.attribution import direct_logit_attribution, residual_decomposition
 
 ATOL = 1e-4
 

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from analyses.attribution_graph import EMBEDDING, ERROR, FEATURE, LOGIT, attribution_graph
-from analyses.graph_interventions import FeatureEdit, intervene
-from analyses.graph_pruning import influence, prune, row_normalised
-from analyses.replacement_model import load_transcoders, replacement_logits
+from probe.analyses.attribution_graph import EMBEDDING, ERROR, FEATURE, LOGIT, attribution_graph
+from probe.analyses.graph_interventions import FeatureEdit, intervene
+from probe.analyses.graph_pruning import influence, prune, row_normalised
+from probe.analyses.replacement_model import load_transcoders, replacement_logits
 from probe import SAEConfig, SparseAutoencoder
 
 D_SAE, K, N_POS = 32, 4, 6
@@ -336,7 +336,7 @@ def test_bad_inputs_say_what_to_do(setup):
 def test_probe_graph_writes_the_page_and_tables_with_tokens_escaped(tiny_dir, tmp_path, capsys):
     import pandas as pd
 
-    from scripts import cli
+    from probe.cli import cli
 
     from probe import HookedDecoder
 

@@ -5,8 +5,8 @@ import pandas as pd
 import pytest
 import torch
 
-from analyses import Site, ablate_heads, direct_logit_attribution, patch, logit_diff_metric
-from scripts import cli
+from probe.analyses import Site, ablate_heads, direct_logit_attribution, patch, logit_diff_metric
+from probe.cli import cli
 
 
 @pytest.mark.parametrize("heads", [[(0, 99)], [(-20, 0)], [(99, 0)]])
@@ -47,7 +47,7 @@ def test_command_line_bad_heads_and_answers(tiny_dir, tmp_path, capsys, args, me
 def test_command_line_corpus_file_bad_deep_inside(tiny_dir, tmp_path, capsys, monkeypatch):
     """A corpus file is read a chunk at a time: a bad byte found after the scan has begun is still
     a one-line error naming the file and the byte, and no result is written."""
-    from analyses import corpus
+    from probe.analyses import corpus
 
     monkeypatch.setattr(corpus, "CORPUS_CHUNK_BYTES", 64)
     monkeypatch.setattr(corpus, "CORPUS_SPAN_CHARS", 64)
@@ -89,7 +89,7 @@ def test_command_line_ctrl_c_during_a_corpus_scan(tiny_dir, tmp_path, capsys, mo
     """Ctrl-C in the middle of `probe memories --triggers`: exit 130 without a traceback, the part
     scanned so far kept under a name that says it is partial, no final result files, and a result
     written earlier in another directory untouched."""
-    from analyses import trigger_scan
+    from probe.analyses import trigger_scan
 
     def press_ctrl_c():
         raise KeyboardInterrupt
@@ -126,12 +126,19 @@ def test_sigterm_during_a_corpus_scan_is_handled_like_ctrl_c(tiny_dir, tmp_path,
     import os
     import signal
 
-    from analyses import trigger_scan
+    from probe.analyses import trigger_scan
 
     corpus = three_documents(tmp_path)
-    encode_then_terminate = interrupted_on_second_document(trigger_scan.encode_document,
-                                                           lambda: os.kill(os.getpid(), signal.SIGTERM))
-    monkeypatch.setattr(trigger_scan, "encode_document", encode_then_terminate)
+    # the corpus is read ahead in a thread, so the kill comes from the main thread, as the second batch is folded
+    fold, calls = trigger_scan.Scanner.folded, []
+
+    def fold_then_terminate(scanner, tokens):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return fold(scanner, tokens)
+
+    monkeypatch.setattr(trigger_scan.Scanner, "folded", fold_then_terminate)
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "out"
     code = cli.main(["memories", "--model", str(tiny_dir), "--triggers", "--corpus", str(corpus), "--out", str(out), "--quiet"])
@@ -156,7 +163,7 @@ def assert_nothing_attached(model) -> None:
     (lambda t: torch.full(t.shape, -1), "got -1"),
 ], ids=["twos", "fractions", "additive-1e4", "additive-inf", "minus-one"])
 def test_an_attention_mask_other_than_ones_and_zeros_is_refused_with_the_fix(tiny_model, tokens, mask, shown):
-    from analyses import logit_lens, residual_decomposition
+    from probe.analyses import logit_lens, residual_decomposition
 
     bad = mask(tokens)
     for run in (lambda: tiny_model(tokens, attention_mask=bad),
@@ -187,8 +194,8 @@ def test_a_cache_dtype_that_is_not_floating_point_is_refused(tiny_model, tokens,
 
 @pytest.mark.parametrize("position", [2.5, 2.0, True, torch.tensor(1.0), "2"])
 def test_float_and_bool_positions_are_refused_not_truncated(tiny_model, tokens, position):
-    from analyses import logit_lens, memory_lookup
-    from analyses.steering_sweep import target_logprob_metric
+    from probe.analyses import logit_lens, memory_lookup
+    from probe.analyses.steering_sweep import target_logprob_metric
 
     lens = logit_lens(tiny_model, tokens[:1])
     for run in (lambda: lens.figure("target", position=position),
@@ -203,8 +210,8 @@ def test_float_and_bool_positions_are_refused_not_truncated(tiny_model, tokens, 
 
 @pytest.mark.parametrize("index", [1.0, True, 0.5])
 def test_float_and_bool_layers_and_heads_are_refused_not_truncated(tiny_model, tokens, index):
-    from analyses import ov_circuit, qk_circuit
-    from analyses.attention import attention_patterns
+    from probe.analyses import ov_circuit, qk_circuit
+    from probe.analyses.attention import attention_patterns
 
     metric = logit_diff_metric(tiny_model, 1, 2)
     for run in (lambda: ov_circuit(tiny_model, index, 0), lambda: qk_circuit(tiny_model, 0, index),
@@ -238,7 +245,7 @@ def _final_layernorm_by_hand(model, x):
 
 
 def test_the_logit_lens_adds_the_unembedding_bias(biased_model, tokens):
-    from analyses import logit_lens
+    from probe.analyses import logit_lens
 
     lens = logit_lens(biased_model, tokens[:2])
     _, cache = biased_model.run_with_cache(tokens[:2], names=["blocks.0.hook_resid_post"])
@@ -261,7 +268,7 @@ def test_direct_logit_attribution_counts_the_unembedding_bias(biased_model, toke
 
 
 def test_feature_logits_are_a_direction_effect_without_the_unembedding_bias(biased_model):
-    from analyses import feature_logits
+    from probe.analyses import feature_logits
     from probe import SAEConfig, SparseAutoencoder
 
     sae = SparseAutoencoder(SAEConfig(d_in=64, d_sae=8, hook_name="blocks.1.hook_resid_post"))

@@ -217,7 +217,7 @@ def test_greedy_continuation_looks_like_a_play(model):
 
 # ---- the training script --------------------------------------------------------------------------
 def test_strip_gutenberg_removes_the_frame():
-    from scripts.tiny_corpus import strip_gutenberg as strip
+    from probe.cli.tiny_corpus import strip_gutenberg as strip
 
     framed = ("The Project Gutenberg EBook of Hamlet\r\nLicence blah\r\n"
               "*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\r\n\r\nHAMLET\r\n\r\nHam.\r\nWords.\r\n"
@@ -229,8 +229,8 @@ def test_strip_gutenberg_removes_the_frame():
 @pytest.mark.slow
 def test_training_script_runs_end_to_end(tmp_path, monkeypatch):
     """A few steps of scripts/train_tiny.py on a made-up corpus: it writes a loadable checkpoint."""
-    from scripts import train_tiny
-    from scripts.tiny_corpus import HELDOUT_PLAYS
+    from probe.cli import train_tiny
+    from probe.cli.tiny_corpus import HELDOUT_PLAYS
 
     corpus = tmp_path / "texts"
     corpus.mkdir()
@@ -257,7 +257,7 @@ def test_training_script_runs_end_to_end(tmp_path, monkeypatch):
 def test_training_script_never_overwrites_without_being_asked(tmp_path):
     """Its defaults are the shipped model and held-out text: an existing --out or --heldout-out is
     refused before any training, and kept as it was."""
-    from scripts import train_tiny
+    from probe.cli import train_tiny
 
     out, held = tmp_path / "model", tmp_path / "heldout.txt"
     out.mkdir()
@@ -276,7 +276,7 @@ def test_training_batches_hold_the_promised_rows():
     """sample_batch's three kinds of rows: plain text windows, text with a span copied later, and a
     random span repeated to fill the row (checked from the rows themselves, not from the code's
     bookkeeping): every row starts with BOS and no other position holds it."""
-    from scripts.tiny_corpus import sample_batch
+    from probe.cli.tiny_corpus import sample_batch
 
     bos, vocab, n_ctx = 0, 500, 64
     stream = torch.arange(1, 5001) % (vocab - 1) + 1  # strictly periodic text: a copy is visible as a jump

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from analyses import sae_eval
+from probe.analyses import sae_eval
 from probe import HELDOUT_TEXT, SparseAutoencoder
 from probe.sae import BUNDLED_SAES
 

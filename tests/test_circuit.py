@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from analyses import logit_diff_metric
-from analyses.circuit import Circuit, prune
-from analyses.circuit_graph import circuit_graph
-from analyses.edge_attribution import edge_attribution
-from analyses.faithfulness import faithfulness, faithfulness_curve
+from probe.analyses import logit_diff_metric
+from probe.analyses.circuit import Circuit, prune
+from probe.analyses.circuit_graph import circuit_graph
+from probe.analyses.edge_attribution import edge_attribution
+from probe.analyses.faithfulness import CircuitRunner, faithfulness, faithfulness_curve
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -95,17 +95,22 @@ def test_full_circuit_is_clean_and_empty_circuit_is_corrupted(family, tiny_model
         clean_values, corrupted_values = metric(model(clean), clean, mask), metric(model(corrupted), corrupted, mask)
     full = Circuit(graph=graph, edges=torch.arange(graph.n_edges))
     empty = Circuit(graph=graph, edges=torch.zeros(0, dtype=torch.long))
-    for ablation in ("patch", "mean", "zero"):
-        kept = faithfulness(model, full, clean, corrupted, metric, ablation=ablation)
-        torch.testing.assert_close(kept.circuit_values, clean_values, atol=2e-5, rtol=0)
-        assert kept.value == pytest.approx(1.0, abs=1e-3)
-    none = faithfulness(model, empty, clean, corrupted, metric)
-    torch.testing.assert_close(none.circuit_values, corrupted_values, atol=2e-5, rtol=0)
-    assert none.value == pytest.approx(0.0, abs=1e-3)
-    torch.testing.assert_close(none.ablated_values, corrupted_values)
+    engines = ("hooked",) if family == "gemma2-sandwich" else ("sparse", "hooked")  # sandwich blocks: hooked only
+    for engine in engines:
+        runners = {ablation: CircuitRunner.prepare(model, clean, corrupted, metric, ablation, engine=engine)
+                   for ablation in ("patch", "mean", "zero")}
+        for runner in runners.values():
+            kept = runner.faithfulness(full)
+            torch.testing.assert_close(kept.circuit_values, clean_values, atol=2e-5, rtol=0)
+            assert kept.value == pytest.approx(1.0, abs=1e-3)
+        none = runners["patch"].faithfulness(empty)
+        torch.testing.assert_close(none.circuit_values, corrupted_values, atol=2e-5, rtol=0)
+        assert none.value == pytest.approx(0.0, abs=1e-3)
+        torch.testing.assert_close(none.ablated_values, corrupted_values)
 
 
-def test_a_two_step_path_matches_a_run_built_by_hand(sharp_model):
+@pytest.mark.parametrize("engine", ["sparse", "hooked"])
+def test_a_two_step_path_matches_a_run_built_by_hand(sharp_model, engine):
     """embed -> L0H1<v, L0H1 -> L1H2<k, L1H2 -> logits: each head's output in the circuit run is what it outputs
     when only its kept input changes, and only the kept edge carries it on."""
     model = sharp_model
@@ -141,7 +146,7 @@ def test_a_two_step_path_matches_a_run_built_by_hand(sharp_model):
         expected = metric(model.unembed(model.ln_final(final)), corrupted, torch.ones_like(corrupted, dtype=torch.bool))
     graph = circuit_graph(model)
     circuit = Circuit.from_edges(graph, [("embed", "L0H1<v"), ("L0H1", "L1H2<k"), ("L1H2", "logits")])
-    result = faithfulness(model, circuit, clean, corrupted, metric)
+    result = faithfulness(model, circuit, clean, corrupted, metric, engine=engine)
     torch.testing.assert_close(result.circuit_values, expected, atol=1e-6, rtol=1e-5)
     assert result.circuit_values.sub(result.ablated_values).abs().max() > 1e-5  # the path does carry something (float noise here is ~1e-7)
 
@@ -202,7 +207,7 @@ def test_faithfulness_refuses_bad_input(tiny_model, tmp_path):
 
 
 def test_probe_circuit_writes_its_files_and_escapes_tokens(tiny_dir, tmp_path, capsys):
-    from scripts import cli
+    from probe.cli import cli
 
     out = tmp_path / "circuit"
     argv = ["circuit", "--model", str(tiny_dir), "--clean", "<script>the dog & the", "--corrupted", "<script>the the & the",
@@ -268,3 +273,25 @@ def test_bundled_model_induction_circuit(bundled_model):
     assert {"L0H1", "L2H0"} <= set(circuit.nodes) and circuit.contains("L0H1", "L2H0<k")
     kept = faithfulness(model, circuit, clean, corrupted, metric)
     assert kept.value > 0.6 and kept.interval()[0] > 0.4 and kept.p_value() < 0.02
+
+
+def test_probe_circuit_signed_selects_the_highest_scores(tiny_dir, tmp_path, capsys):
+    """--signed: the circuit is the --edges edges of edges.csv with the highest scores (sorted here by hand), pruned,
+    which here differ from the edges with the largest |score| (the default)."""
+    import pandas as pd
+
+    from probe.cli import cli
+
+    graph = circuit_graph(HookedDecoder.from_pretrained(tiny_dir))
+    out = tmp_path / "signed"
+    argv = ["circuit", "--model", str(tiny_dir), "--clean", "the dog and the cat", "--corrupted", "the the and the cat",
+            "--answer", " dog", "--counterfactual", " the", "--method", "eap", "--edges", "15", "--random", "0",
+            "--signed", "--out", str(out)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    edges, circuit = pd.read_csv(out / "edges.csv"), pd.read_csv(out / "circuit.csv")
+    top = edges.loc[edges["score"].sort_values(ascending=False, kind="stable").index[:15]]
+    expected = Circuit.from_edges(graph, list(zip(top["source"], top["target"])), prune_edges=True)
+    assert set(zip(circuit["source"], circuit["target"])) == {tuple(e.split(" -> ")) for e in expected.edge_names()}
+    assert len(circuit) > 0 and (circuit["score"] >= top["score"].min()).all()
+    by_size = edges.loc[edges["score"].abs().sort_values(ascending=False, kind="stable").index[:15]]
+    assert set(zip(top["source"], top["target"])) != set(zip(by_size["source"], by_size["target"]))  # negative edges

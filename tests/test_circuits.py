@@ -1,11 +1,11 @@
-"""analyses.circuits: OV/QK matrices sliced by hand from transformers' parameters, copying scores
+"""probe.analyses.circuits: OV/QK matrices sliced by hand from transformers' parameters, copying scores
 against the eigenvalues of the full vocabulary-by-vocabulary OV circuit, and heads built to copy."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from analyses.circuits import copying_scores, ov_circuit, qk_circuit
+from probe.analyses.circuits import copying_scores, ov_circuit, qk_circuit
 from probe import DecoderConfig, HookedDecoder
 
 
@@ -78,12 +78,12 @@ def test_grouped_query_heads_use_their_key_value_head(tmp_path):
 
 
 def test_bad_heads_and_layers_are_named(tiny_model, monkeypatch):
-    import analyses.circuits
+    from probe.analyses import circuits
 
     def no_copy(*args, **kwargs):
         raise AssertionError("copied the model before checking the layers")
 
-    monkeypatch.setattr(analyses.circuits, "process_weights", no_copy)  # bad layers fail fast, before a model-sized copy
+    monkeypatch.setattr(circuits, "process_weights", no_copy)  # bad layers fail fast, before a model-sized copy
     with pytest.raises(ValueError, match="head=9"):
         ov_circuit(tiny_model, 0, 9)
     with pytest.raises(ValueError, match="layer=5"):
@@ -99,7 +99,7 @@ def dense_composition(writer_ov, reader, kind):
 
 def test_composition_scores_equal_the_dense_products(tiny_model, tiny_hf):
     """Oracle: d_model x d_model circuits multiplied out from transformers' own c_attn/c_proj weights (float64)."""
-    from analyses import composition_scores
+    from probe.analyses import composition_scores
 
     d, n_heads = tiny_model.cfg.d_model, tiny_model.cfg.n_heads
     dh = d // n_heads
@@ -132,7 +132,7 @@ def test_composition_of_a_head_built_to_feed_another(tiny_model):
     rank one and aligned); turning the reader's keys orthogonal to it drops the score to 0."""
     import copy
 
-    from analyses import composition_scores
+    from probe.analyses import composition_scores
 
     model = copy.deepcopy(tiny_model)
     d = model.cfg.d_model

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scripts import cli
+from probe.cli import cli
 
 
 def run_cli(capsys, *argv):
@@ -137,9 +137,9 @@ def test_report_on_a_checkpoint_writes_every_section_and_true_numbers(tiny_dir, 
     heldout.write_text("To be, or not to be, that is the question. " * 40)
     monkeypatch.setattr("probe.HELDOUT_TEXT", heldout)
     monkeypatch.setattr("probe.bundled.HELDOUT_TEXT", heldout)
-    import analyses.pruning
+    from probe.analyses import pruning
 
-    monkeypatch.setattr(analyses.pruning, "HELDOUT_TEXT", heldout, raising=False)
+    monkeypatch.setattr(pruning, "HELDOUT_TEXT", heldout, raising=False)
     prompt = "To be, or not to be <script>x</script>"
     corrupted = "To be, or not to be <script>y</script>"
     out = tmp_path / "report"
@@ -149,7 +149,7 @@ def test_report_on_a_checkpoint_writes_every_section_and_true_numbers(tiny_dir, 
     for anchor in ("model", "prompt", "lens", "attribution", "attention", "detectors", "ablation", "patching", "circuit",
                    "memories", "importance"):
         assert f'id="{anchor}"' in page, anchor
-    from analyses import circuit_graph
+    from probe.analyses import circuit_graph
 
     assert len(pd.read_csv(out / "edges.csv")) == circuit_graph(tiny_model).n_edges
     assert "<script>x</script>" not in page and "&lt;script&gt;x&lt;/script&gt;" in page
@@ -234,7 +234,7 @@ def test_run_command_errors_are_one_line(capsys):
     """A library message spanning lines (the hub's errors do) and a CUDA out-of-memory both come out as one line."""
     import argparse
 
-    from scripts.common import add_common_arguments, run_command
+    from probe.cli.common import add_common_arguments, run_command
 
     parser = argparse.ArgumentParser()
     add_common_arguments(parser, output=False)
@@ -301,8 +301,8 @@ def test_quickstart_handles_a_pruned_model(tiny_model, tmp_path, capsys):
     """Layers of a structurally pruned model have fewer heads than cfg.n_heads; the quickstart loops over each layer's own."""
     import re
 
-    from analyses import ablate_heads, prune_heads, save_pruned
-    from scripts import quickstart
+    from probe.analyses import ablate_heads, prune_heads, save_pruned
+    from probe.cli import quickstart
 
     pruned = prune_heads(tiny_model, [(0, 1), (0, 2), (1, 0)])
     save_pruned(pruned, tmp_path / "pruned")
@@ -376,7 +376,7 @@ def test_ablate_mean_matches_a_hand_written_hook(tiny_dir, tiny_model, tmp_path,
 
 
 def test_attention_writes_patterns_detectors_and_copying_scores(tiny_dir, tiny_model, tmp_path, capsys):
-    from analyses import copying_scores
+    from probe.analyses import copying_scores
 
     out = tmp_path / "attention"
     code = cli.main(["attention", "--model", str(tiny_dir), "--prompt", "To be, or not to be", "--detectors", "induction",
@@ -388,12 +388,12 @@ def test_attention_writes_patterns_detectors_and_copying_scores(tiny_dir, tiny_m
     assert written.copying_score.tolist() == pytest.approx(expected.copying_score.tolist(), abs=1e-6)
     assert {"patterns.csv", "scores_induction.csv", "copying_scores.html", "composition_k.html",
             "attention_view.html"} <= {p.name for p in out.iterdir()}
-    from analyses import attention_view  # the interactive view holds the prompt's own attention weights
+    from probe.analyses import attention_view  # the interactive view holds the prompt's own attention weights
 
     page = (out / "attention_view.html").read_text(encoding="utf-8")
     assert attention_view(tiny_model, "To be, or not to be").data()["rows"] == \
         json.loads(re.search(r'class="pa-data">(.*?)</script>', page, re.S).group(1))["rows"]
-    from analyses import composition_scores
+    from probe.analyses import composition_scores
 
     composition = pd.read_csv(out / "composition.csv")
     expected = composition_scores(tiny_model).to_frame()
@@ -454,7 +454,7 @@ def test_report_has_a_section_per_sae_with_true_numbers(tiny_dir, tiny_model, tm
     """`probe report --sae DIR`: the section's features and loss recovered are what the analyses give."""
     from test_sae import random_sae
 
-    from analyses import sae_features, sae_loss_recovered
+    from probe.analyses import sae_features, sae_loss_recovered
 
     sae = random_sae(hook="blocks.1.hook_resid_pre", seed=21)
     directory = sae.save_pretrained(tmp_path / "<sae>")
@@ -563,7 +563,7 @@ def test_tokens_shows_each_positions_id_and_string_with_whitespace_and_bytes_vis
 
 
 def test_patch_says_how_each_prompt_and_answer_tokenises(tiny_dir, tiny_model, tmp_path, capsys):
-    from analyses.labels import shown_token
+    from probe.analyses.labels import shown_token
 
     clean, corrupted = "To be, or not to be", "To be"
     code, _, err = run_cli(capsys, "patch", "--model", str(tiny_dir), "--clean", clean, "--corrupted", corrupted,
@@ -605,7 +605,7 @@ class Hidden(importlib.abc.MetaPathFinder):  # as if the test extras had never b
 
 
 sys.meta_path[:] = [Hidden(finder) for finder in sys.meta_path]
-from scripts import cli
+from probe.cli import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
 

@@ -1,5 +1,5 @@
 """Shared analysis helpers: token labels that are safe in plotly and drawable by it."""
-from analyses.common import escape_token, token_labels
+from probe.analyses.common import escape_token, token_labels
 
 
 def test_escape_token_escapes_markup_for_plotly_and_shows_whitespace():
@@ -21,7 +21,7 @@ def test_resolve_positions_counts_real_tokens_on_either_side():
     import pytest
     import torch
 
-    from analyses.common import resolve_positions
+    from probe.analyses.common import resolve_positions
 
     right = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
     left = right.flip(-1)  # [[0 1 1 1 1], [0 0 0 1 1]]
@@ -38,7 +38,7 @@ def test_resolve_positions_counts_real_tokens_on_either_side():
 
 def test_text_gets_a_bos_only_when_the_tokenizer_has_one(tiny_model, no_bos_model):
     """GPT-1's vocabulary has no BOS: analyses of its text must not ask for one."""
-    from analyses.common import as_tokens
+    from probe.analyses.common import as_tokens
 
     text = "To be, or not"
     ids = tiny_model.tokenizer.encode(text)

@@ -1,4 +1,4 @@
-"""analyses.corpus: a corpus file read a chunk at a time and tokenised a span at a time gives the
+"""probe.analyses.corpus: a corpus file read a chunk at a time and tokenised a span at a time gives the
 tokens of reading it whole, for both of its users (FFN memory scans and head pruning).
 
 The oracle throughout is the tokenizer run on the whole file's text at once (its bytes decoded,
@@ -11,7 +11,7 @@ import builtins
 import pytest
 import torch
 
-from analyses import corpus, head_importance, iter_documents, memories, token_batches
+from probe.analyses import corpus, head_importance, iter_documents, memories, token_batches
 
 LONG_WORD = "the" * 100  # one word longer than a span, so cut blind, inside a token ("th|e")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from analyses import attribution_patch, logit_diff_metric
-from analyses.edge_attribution import edge_attribution
+from probe.analyses import attribution_patch, logit_diff_metric
+from probe.analyses.edge_attribution import edge_attribution
 from probe import HookedDecoder
 from probe.names import act_name
 
@@ -315,3 +315,20 @@ def test_bad_inputs(tiny_model):
         edge_attribution(tiny_model, clean, corrupted[:, :-1], metric)
     with pytest.raises(ValueError, match="per-position scores come from"):
         edge_attribution(tiny_model, clean, corrupted, metric, method="exact", positions=True)
+
+
+def test_a_metric_declaring_its_reads_scores_like_the_full_logits_path(tiny_model, method="eap-ig-activations"):
+    """logit_diff_metric declares what it reads (analyses.metric_reads), so its gradient runs from the final residual at
+    the read position and columns only; the same function without the declaration goes through the full logits."""
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    declared = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    assert getattr(declared, "reads", None) is not None
+
+    def generic(logits, tokens, mask):  # the same arithmetic, no declaration
+        return declared(logits, tokens, mask)
+
+    fast = edge_attribution(tiny_model, clean, corrupted, declared, method=method, ig_steps=3)
+    full = edge_attribution(tiny_model, clean, corrupted, generic, method=method, ig_steps=3)
+    scale = float(full.scores.abs().max())
+    torch.testing.assert_close(fast.per_example, full.per_example, atol=1e-5 * scale, rtol=0)
+    assert fast.clean == pytest.approx(full.clean, abs=1e-5) and fast.corrupted == pytest.approx(full.corrupted, abs=1e-5)

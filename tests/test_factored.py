@@ -159,7 +159,7 @@ def test_circuits_are_factored_and_carry_gradients(bundled_model):
 def test_composition_scores_match_analyses_where_the_definitions_agree(bundled_model):
     """GPT-2 has no norm weights inside a head, so analyses.composition_scores (Gram matrices, NaN below the
     diagonal) and the model's (TL's SVD route, 0 there) measure the same thing."""
-    from analyses import composition_scores
+    from probe.analyses import composition_scores
 
     theirs = composition_scores(bundled_model, process=False)
     for mode in "QKV":

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from analyses import feature_logits, sae_features, sae_loss_recovered
-from analyses.features import feature_inputs
-from analyses.labels import token_texts
-from analyses.common import escape_token
+from probe.analyses import feature_logits, sae_features, sae_loss_recovered
+from probe.analyses.features import feature_inputs
+from probe.analyses.labels import token_texts
+from probe.analyses.common import escape_token
 from probe import DecoderConfig, HookedDecoder, Norm, NormPlacement, SAEConfig, SparseAutoencoder
 from test_cli import run_cli
 from test_sae import D_SAE, by_hand, random_sae, random_transcoder
@@ -428,7 +428,7 @@ def test_analyses_refuse_to_run_while_their_sae_is_spliced_in(tiny_model):
     """Inside the block the hook point holds the SAE's own output: features of a reconstruction."""
     from test_sae import random_sae
 
-    from analyses import feature_logits, sae_features, sae_loss_recovered
+    from probe.analyses import feature_logits, sae_features, sae_loss_recovered
     from probe import spliced
 
     sae = random_sae()
@@ -490,7 +490,7 @@ def assert_same_scan(got, expected):
     ("standard", "ln_final.hook_normalized", -1, [7, 30], None),  # after the blocks: the whole forward
 ])
 def test_sae_triggers_equal_brute_force(tiny_model, architecture, hook, layer, features, window):
-    from analyses import top_triggers
+    from probe.analyses import top_triggers
 
     sae = random_sae(architecture, hook=hook, seed=21)
     k, context = 7, 5
@@ -517,7 +517,7 @@ def test_sae_triggers_equal_brute_force(tiny_model, architecture, hook, layer, f
 
 def test_sae_scan_stops_after_the_hook_block(tiny_model):
     """The forward ends with the SAE's block: later blocks never run."""
-    from analyses import top_triggers
+    from probe.analyses import top_triggers
 
     ran = []
     with tiny_model.hooks([("blocks.1.hook_resid_pre", lambda x, hook: ran.append(1))]):
@@ -539,8 +539,8 @@ def test_sae_scan_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path, st
     saved and loaded, resumes to the one-scan result; an MLP scan is no resume= for an SAE scan."""
     from test_memories import interrupting
 
-    from analyses import top_triggers
-    from analyses.memories import TopTriggers
+    from probe.analyses import top_triggers
+    from probe.analyses.memories import TopTriggers
 
     sae = random_sae("jumprelu", hook="blocks.1.hook_resid_post", seed=4)
     args = dict(neurons=[2, 11, 64], k=4, batch_size=2, progress=False, sae=sae)
@@ -564,8 +564,8 @@ def test_sae_scan_interrupt_then_resume_equals_one_scan(tiny_model, tmp_path, st
 
 
 def test_sae_scan_shards_merge_to_one_scan_and_save_round_trips(tiny_model, tmp_path):
-    from analyses import merge, top_triggers
-    from analyses.memories import TopTriggers
+    from probe.analyses import merge, top_triggers
+    from probe.analyses.memories import TopTriggers
 
     sae = random_sae("topk", hook="blocks.0.hook_mlp_out", seed=5)
     args = dict(neurons=[4, 8, 15, 16, 23, 42], k=6, batch_size=2, progress=False, sae=sae)
@@ -594,8 +594,8 @@ def test_a_file_saved_without_a_source_loads_as_an_mlp_scan(tiny_model, tmp_path
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from analyses import top_triggers
-    from analyses.memories import TopTriggers
+    from probe.analyses import top_triggers
+    from probe.analyses.memories import TopTriggers
 
     scan = top_triggers(tiny_model, SAE_CORPUS[:2], layers=[1], neurons=[3, 9], k=3, progress=False)
     path = scan.save(tmp_path / "new.safetensors")
@@ -611,7 +611,7 @@ def test_a_file_saved_without_a_source_loads_as_an_mlp_scan(tiny_model, tmp_path
 
 
 def test_sae_scan_frame_and_figure_say_feature(tiny_model):
-    from analyses import top_triggers
+    from probe.analyses import top_triggers
 
     sae = random_sae(seed=9)
     result = top_triggers(tiny_model, SAE_CORPUS, neurons=[6, 70], k=40, context=12, progress=False, sae=sae)
@@ -629,7 +629,7 @@ def test_sae_scan_frame_and_figure_say_feature(tiny_model):
 
 
 def test_sae_scan_errors(tiny_model):
-    from analyses import agreement, top_triggers
+    from probe.analyses import agreement, top_triggers
     from probe import spliced
 
     sae = random_sae()
@@ -656,7 +656,7 @@ def test_sae_scan_errors(tiny_model):
 
 
 def test_probe_sae_triggers_writes_what_top_triggers_finds(tiny_dir, tiny_model, tmp_path, capsys, monkeypatch):
-    from analyses import corpus, top_triggers
+    from probe.analyses import corpus, top_triggers
 
     sae = random_sae(seed=14)
     directory = sae.save_pretrained(tmp_path / "sae")
@@ -696,14 +696,14 @@ def test_probe_sae_triggers_writes_what_top_triggers_finds(tiny_dir, tiny_model,
 
 @pytest.mark.slow
 def test_torchrun_sae_scan_equals_one_process(tiny_model, tiny_dir, tmp_path):
-    """Two gloo ranks of `python -m analyses.memories --sae` merge to the single-process scan, source kept."""
+    """Two gloo ranks of `python -m probe.analyses.memories --sae` merge to the single-process scan, source kept."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from analyses import top_triggers
-    from analyses.memories import TopTriggers
+    from probe.analyses import top_triggers
+    from probe.analyses.memories import TopTriggers
 
     repo = Path(__file__).resolve().parents[1]
     folder = tmp_path / "corpus"
@@ -715,7 +715,7 @@ def test_torchrun_sae_scan_equals_one_process(tiny_model, tiny_dir, tmp_path):
     out = tmp_path / "merged.safetensors"
     env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "analyses.memories", "--model", str(tiny_dir), "--corpus", str(folder), "--sae", str(directory),
+           "-m", "probe.analyses.memories", "--model", str(tiny_dir), "--corpus", str(folder), "--sae", str(directory),
            "--neurons", "0", "3", "40", "90", "-k", "6", "--batch-size", "2", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -727,8 +727,8 @@ def test_torchrun_sae_scan_equals_one_process(tiny_model, tiny_dir, tmp_path):
 
 def test_probe_sae_triggers_interrupted_keeps_a_partial_file(tiny_dir, tmp_path, capsys, monkeypatch):
     """Ctrl-C during the scan: what was folded goes to triggers.partial.csv, exit 130, no triggers.csv."""
-    import analyses
-    from analyses.memories import top_triggers
+    from probe import analyses
+    from probe.analyses.memories import top_triggers
 
     def interrupted(model, texts, **kwargs):
         def corpus():  # the first two documents, then Ctrl-C
@@ -750,7 +750,7 @@ def test_memory_report_refuses_an_sae_scan(tiny_model, tmp_path):
     """Its cards read FFN value vectors, which an SAE scan's features do not have."""
     from test_sae import random_sae
 
-    from analyses import memory_report, top_triggers
+    from probe.analyses import memory_report, top_triggers
 
     triggers = top_triggers(tiny_model, ["To be, or not to be, that is the question."], neurons=[1, 2], k=2,
                             progress=False, sae=random_sae())
@@ -763,7 +763,7 @@ def test_sae_scans_of_two_saes_at_one_hook_never_mix(tiny_model, tmp_path):
     """Gemma Scope ships several SAEs per hook point: resume= and merge refuse a scan of another SAE there."""
     from test_sae import random_sae
 
-    from analyses import merge, top_triggers
+    from probe.analyses import merge, top_triggers
 
     first, second = random_sae(seed=11), random_sae(seed=12)
     assert first.digest() != second.digest() and first.digest() == random_sae(seed=11).digest()
@@ -777,7 +777,7 @@ def test_sae_scans_of_two_saes_at_one_hook_never_mix(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="another SAE at the same hook point"):
         top_triggers(tiny_model, SAE_CORPUS, sae=second, resume=dataclasses.replace(half, complete=False), **args)
     half.save(tmp_path / "half.safetensors")
-    from analyses.memories import TopTriggers
+    from probe.analyses.memories import TopTriggers
 
     assert TopTriggers.load(tmp_path / "half.safetensors").sae_digest == first.digest()
 
@@ -814,7 +814,7 @@ def test_probe_sae_triggers_checks_its_corpus_and_settings_before_writing_anythi
 def test_an_sae_of_the_wrong_width_and_a_bad_batch_size_are_refused_before_any_work(tiny_model, tmp_path, capsys):
     from test_cli import run_cli
 
-    from analyses import top_triggers
+    from probe.analyses import top_triggers
 
     narrow = random_sae(d_in=32)
     with pytest.raises(ValueError, match="reads 32 dimensions, but the activation at 'blocks.0.hook_resid_post' has 64"):

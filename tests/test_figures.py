@@ -12,11 +12,11 @@ import zlib
 import pytest
 import torch
 
-import analyses as A
-from analyses.labels import (CHAR_PX, TITLE_CHAR_PX, bytes_text, count, figure_token, parse_head, plain_length,
+import probe.analyses as A
+from probe.analyses.labels import (CHAR_PX, TITLE_CHAR_PX, bytes_text, count, figure_token, parse_head, plain_length,
                              plotly_text, shown_token)
-from analyses.lens import CELL_MIN_PX
-from analyses.memories import MemoryLookup
+from probe.analyses.lens import CELL_MIN_PX
+from probe.analyses.memories import MemoryLookup
 
 HOSTILE = 'say "hi" & \'bye\' <b>bold</b>'  # every character plotly or HTML might take for markup
 
@@ -99,7 +99,7 @@ def test_memory_cards_show_bytes_and_name_the_commands_flags(tiny_model, tiny_di
     page = A.memory_report(tiny_model, triggers, max_cards=2, show_more="raise --max-cards")
     assert "\ufffd" not in page and "&lt;0xC3&gt;" in page
     assert "showing the first 2 of 4 neurons (raise --max-cards)" in page
-    from scripts.memories import main
+    from probe.cli.memories import main
 
     out = tmp_path / "out"
     assert main(["--model", str(tiny_dir), "--triggers", "--corpus", str(corpus), "--layers", "0", "--neurons", "0", "1",
@@ -113,7 +113,7 @@ def test_heads_are_written_L2H0_and_read_in_every_notation(tiny_model, tokens):
     assert [parse_head(t) for t in ("L2H0", "2.0", "a2.0", "l10h11")] == [(2, 0), (2, 0), (2, 0), (10, 11)]
     with pytest.raises(ValueError, match="L2H0"):
         parse_head("2:0")
-    from scripts.common import parse_heads
+    from probe.cli.common import parse_heads
 
     assert parse_heads("L1H3, 0.2,a1.0", tiny_model) == [(1, 3), (0, 2), (1, 0)]
     patterns = A.attention_patterns(tiny_model, tokens[:1])
@@ -266,14 +266,14 @@ def png_colours(path) -> int:
 
 def test_report_names_no_local_path_and_says_how_to_get_patching():
     from probe.bundled import DEFAULT_MODEL
-    from scripts.report import shown_path
+    from probe.cli.report import shown_path
 
     assert "/" not in shown_path(DEFAULT_MODEL).replace("…/", "") and "tiny-shakespeare" in shown_path(DEFAULT_MODEL)
     assert shown_path("/home/me/models/gpt2-ft") == "…/gpt2-ft" and shown_path("gpt2") == "gpt2"
 
 
 def test_report_page_names_no_local_path_writes_heads_once_and_explains_patching(tiny_dir, tmp_path, monkeypatch):
-    from scripts.report import main
+    from probe.cli.report import main
 
     out = tmp_path / "report"
     assert main(["--model", str(tiny_dir), "--prompt", "To be, or not to be", "--skip", "memories", "importance",
@@ -294,7 +294,7 @@ def test_report_of_the_bundled_model_at_n_ctx_renders_in_chromium(bundled_model,
     if chromium is None:
         pytest.skip("chromium is not installed (apt-get install chromium)")
     from probe import HELDOUT_TEXT
-    from scripts.report import Report, figure_html
+    from probe.cli.report import Report, figure_html
 
     ids = bundled_model.to_tokens(HELDOUT_TEXT.read_text(encoding="utf-8")[:4000])[:, :244]
     hostile = bundled_model.to_tokens(HOSTILE)
@@ -336,7 +336,7 @@ def test_report_of_the_bundled_model_at_n_ctx_renders_in_chromium(bundled_model,
 
 def test_results_show_their_table_in_jupyter(tiny_model, tokens):
     """A notebook cell ending in a result shows its tidy table: `_repr_html_` is the frame's own HTML."""
-    from analyses import attention_patterns, head_scores, logit_lens
+    from probe.analyses import attention_patterns, head_scores, logit_lens
 
     for result in (logit_lens(tiny_model, tokens), head_scores(tiny_model, "previous_token", tokens),
                    attention_patterns(tiny_model, tokens[0])):

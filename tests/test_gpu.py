@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from analyses import (ablate_heads, attention_patterns, attribution_patch, copying_scores, direct_logit_attribution,
+from probe.analyses import (ablate_heads, attention_patterns, attribution_patch, copying_scores, direct_logit_attribution,
                       head_ablation_effects, head_importance, head_scores, logit_diff_metric, logit_lens,
                       memory_lookup, patch, prune_heads, residual_decomposition, top_triggers, train_tuned_lens,
                       value_tokens)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from analyses import head_scores
-from analyses.heads import repeated_random_tokens
+from probe.analyses import head_scores
+from probe.analyses.heads import repeated_random_tokens
 
 KINDS = ["previous_token", "first_token", "duplicate_token", "induction"]
 

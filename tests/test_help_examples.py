@@ -16,7 +16,7 @@ import shlex
 
 import pytest
 
-from scripts import cli
+from probe.cli import cli
 
 # appended after the example's own flags (argparse keeps the last value): fewer steps, samples, windows
 TINY_SIZES = {
@@ -154,7 +154,7 @@ def test_help_example_parses(command, index, argv, monkeypatch, capsys):
         return 0
 
     for name, module in list(sys.modules.items()):
-        if (name == "scripts" or name.startswith("scripts.")) and hasattr(module, "run_command"):
+        if (name == "probe.cli" or name.startswith("probe.cli.")) and hasattr(module, "run_command"):
             monkeypatch.setattr(module, "run_command", parse_only)
     try:
         code = cli.main(list(argv))

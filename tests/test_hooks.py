@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hooks import ActivationCache, HookedRootModule, HookPoint, UnknownNameError
+from probe.hooks import ActivationCache, HookedRootModule, HookPoint, UnknownNameError
 
 
 class Toy(HookedRootModule):

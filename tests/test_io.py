@@ -76,7 +76,7 @@ def test_a_directory_gets_ordinary_permissions(tmp_path, umask_022):
 
 def test_library_writers_publish_ordinary_files(tiny_model, tmp_path, umask_022):
     """memory_report and TopTriggers.save wrote through mkstemp, whose files are private (0600)."""
-    from analyses import memory_report, top_triggers
+    from probe.analyses import memory_report, top_triggers
 
     triggers = top_triggers(tiny_model, ["To be, or not to be, that is the question."], k=2, progress=False)
     saved = triggers.save(tmp_path / "triggers.safetensors")

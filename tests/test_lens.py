@@ -10,7 +10,7 @@ import torch
 from hf_oracle import hf_forward_states
 import torch.nn.functional as F
 
-from analyses.lens import (
+from probe.analyses.lens import (
     TunedLens, compare_lenses, heldout_split, lens_sites, logit_lens, train_tuned_lens,
 )
 from probe import HELDOUT_TEXT
@@ -78,6 +78,24 @@ def test_top_k_target_rank_and_kl_brute_force(tiny_model, tokens):
     kl = F.kl_div(probs.log(), final, reduction="none").sum(-1)  # KL(final || layer)
     torch.testing.assert_close(result.kl.double(), kl, atol=1e-5, rtol=0)
     assert float(result.kl[:, -1].abs().max()) == 0.0
+
+
+def test_bfloat16_lens_ranks_count_the_logits_above_the_target(tiny_model, tokens):
+    """bfloat16 logits tie often; the rank counts the tokens strictly above the target, on the logits themselves."""
+    import copy
+
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    result = logit_lens(model, tokens, k=3, include_mid=True)
+    assert result.logits.dtype == torch.bfloat16
+    logits = result.logits.float()
+    target = result.target[:, None, :, None].expand(-1, logits.shape[1], -1, 1)
+    chosen = logits.gather(-1, target)
+    assert torch.equal(result.target_rank, (logits > chosen).sum(-1))
+    probs = logits.double().softmax(-1)
+    torch.testing.assert_close(result.top_probs.double(), probs.topk(3, dim=-1).values, atol=1e-6, rtol=0)
+    torch.testing.assert_close(result.target_prob.double(), probs.gather(-1, target)[..., 0], atol=1e-6, rtol=0)
+    picked = logits.gather(-1, result.top_tokens)  # ties may come in either order; their logits may not differ
+    assert torch.equal(picked, logits.topk(3, dim=-1).values)
 
 
 def test_fixed_target_and_frame(tiny_model, tokens):
@@ -285,7 +303,7 @@ def test_training_arguments_are_checked(tiny_model):
 
 def test_tuned_lens_trains_on_text_without_a_bos(no_bos_model):
     """GPT-1's vocabulary has no BOS: every position of the text is a training token (none is skipped)."""
-    from analyses.tuned_lens_training import collect_residuals
+    from probe.analyses.tuned_lens_training import collect_residuals
 
     text = "To be, or not to be, that is the question. " * 4
     n_tokens = len(no_bos_model.tokenizer.encode(text))

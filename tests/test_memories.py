@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from analyses import agreement, iter_documents, memory_lookup, memory_report, merge, sub_updates, top_triggers, value_tokens
-from analyses.common import escape_token
-from analyses import corpus
-from analyses.memories import TopTriggers
+from probe.analyses import agreement, iter_documents, memory_lookup, memory_report, merge, sub_updates, top_triggers, value_tokens
+from probe.analyses.common import escape_token
+from probe.analyses import corpus
+from probe.analyses.memories import TopTriggers
 from test_corpus import LONG_WORD, _long_text, _tiny_chunks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_value_tokens_of_a_half_precision_model_rank_its_weights_exactly(tiny_mo
                                                                         monkeypatch):
     """The oracle is float64 arithmetic on the half-precision model's own weights: the ranking is a
     property of those weights, and rounding v W_U to 8 bits (bfloat16) ties and reorders near-equal tokens."""
-    from analyses import vocab_projection
+    from probe.analyses import vocab_projection
 
     # a small budget: several chunks of neurons, and the unembedding converted in slices of 100 columns
     monkeypatch.setattr(vocab_projection, "LOGIT_CHUNK", tiny_model.cfg.d_model * 100)
@@ -464,7 +464,7 @@ def test_torchrun_two_ranks_equal_one_process(tiny_model, tiny_dir, tmp_path):
     out = tmp_path / "merged.safetensors"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "analyses.memories", "--model", str(tiny_dir), "--corpus", str(folder),
+           "-m", "probe.analyses.memories", "--model", str(tiny_dir), "--corpus", str(folder),
            "--neurons", "0", "3", "40", "200", "-k", "6", "--batch-size", "2", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from einops import einsum
 
-from hooks import UnknownNameError
+from probe.hooks import UnknownNameError
 
 
 def expected_shapes(cfg, batch, pos):
@@ -242,7 +242,7 @@ def test_hook_shapes_predict_the_cache(tiny_model, tokens):
 
 
 def test_oversized_cache_is_refused_before_running(tiny_model, tokens):
-    from hooks import CacheTooLargeError
+    from probe.hooks import CacheTooLargeError
 
     ran = []
     with pytest.raises(CacheTooLargeError, match="names=.*bfloat16.*max_cache_bytes"):

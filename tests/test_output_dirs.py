@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import cli
-from scripts.output import LOCK, MANIFEST, PLOTLY_FILE, STAGING
+from probe.cli import cli
+from probe.cli.output import LOCK, MANIFEST, PLOTLY_FILE, STAGING
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ def cache(tiny_dir, out, *extra):
 
 def hold_lock(directory: Path) -> subprocess.Popen:
     """Another process that opens an output directory as a run does and keeps it (it waits on stdin)."""
-    code = ("import sys; from pathlib import Path; from scripts.output import Output; "
+    code = ("import sys; from pathlib import Path; from probe.cli.output import Output; "
             f"o = Output(Path({str(directory)!r}), force=True); o.write_text('half.csv', 'x'); "
             "print('held', flush=True); sys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -70,7 +70,7 @@ def test_a_failing_force_run_leaves_the_directory_as_it_was(tiny_dir, tmp_path, 
     out = tmp_path / "out"
     assert run_cli(capsys, *cache(tiny_dir, out))[0] == 0
     before = {name: (out / name).read_bytes() for name in visible(out)}
-    from scripts.output import Output
+    from probe.cli.output import Output
 
     real = Output.write_csv
 
@@ -89,7 +89,7 @@ def test_a_failing_force_run_leaves_the_directory_as_it_was(tiny_dir, tmp_path, 
 
 
 def test_an_interrupted_run_publishes_nothing_and_removes_its_temporary_files(tiny_dir, tmp_path, capsys, monkeypatch):
-    from scripts.output import Output
+    from probe.cli.output import Output
 
     def sigterm(self, name, frame):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -130,7 +130,7 @@ def test_figures_share_one_plotly_and_an_index_links_every_page(tiny_dir, tmp_pa
 def test_plotly_inline_and_cdn_pages(tmp_path, monkeypatch):
     import plotly.graph_objects as go
 
-    from scripts.output import SETTINGS, Output
+    from probe.cli.output import SETTINGS, Output
 
     figure = go.Figure(go.Bar(x=["a", "b"], y=[1, 2]))
     for mode, check in (("inline", lambda text: len(text) > 1_000_000 and "src=\"plotly.min.js\"" not in text),
@@ -149,7 +149,7 @@ def test_quiet_still_says_where_the_results_are(tiny_dir, tmp_path, capsys):
 
 
 def test_report_without_out_gets_a_fresh_directory_each_run(tmp_path, monkeypatch):
-    from scripts.common import default_out
+    from probe.cli.common import default_out
 
     monkeypatch.chdir(tmp_path)
     args = argparse.Namespace(out=None)
@@ -180,7 +180,7 @@ def test_bad_flag_values_are_usage_errors_before_anything_is_written(tmp_path, c
 def test_the_index_page_and_a_page_sharing_plotly_render_in_chromium(tmp_path):
     import plotly.graph_objects as go
 
-    from scripts.output import Output
+    from probe.cli.output import Output
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from analyses import Site, attribution_patch, compare_patching, logit_diff_metric, patch
+from probe.analyses import Site, attribution_patch, compare_patching, logit_diff_metric, patch
 
 ANSWERS, COUNTERFACTUALS = [5, 9], [7, 2]
 CORRUPTED_POS = 6

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from analyses import logit_diff_metric
-from analyses.path_patching import path_patch
+from probe.analyses import logit_diff_metric
+from probe.analyses.path_patching import path_patch
 from probe import HookedDecoder
 from probe.names import act_name
 

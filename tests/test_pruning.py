@@ -1,4 +1,4 @@
-"""analyses.pruning: head importance against finite differences, structural pruning against zero
+"""probe.analyses.pruning: head importance against finite differences, structural pruning against zero
 ablation on the unpruned model, the pruning curve against losses of structurally pruned models."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from analyses.pruning import (
+from probe.analyses.pruning import (
     evaluate_masks, head_importance, load_pruned, original_heads, prune_by_importance, prune_heads, pruning_schedule,
     save_pruned, token_batches,
 )
@@ -357,7 +357,7 @@ def test_command_line_saves_a_pruned_model_that_prunes_again(tiny_dir, tiny_mode
     """`probe prune --save` keeps the head map, so its output can be pruned again by the command line:
     --heads and the --save-fraction choice are in the loaded model's numbering (as in importance.csv),
     and each saved model equals the original with the heads removed so far zero-ablated."""
-    from scripts import cli
+    from probe.cli import cli
 
     def prune(model_dir, out, *flags):
         code = cli.main(["prune", "--model", str(model_dir), "--no-curve", "--max-windows", "2", "--quiet",
@@ -387,7 +387,7 @@ def test_command_line_saves_a_pruned_model_that_prunes_again(tiny_dir, tiny_mode
 
 
 def test_command_line_text_file_is_read_as_a_path(tiny_dir, tiny_model, tmp_path):
-    from scripts import cli
+    from probe.cli import cli
 
     text = "To be, or not to be, that is the question.\r\n" * 30
     path = tmp_path / "play.txt"

@@ -238,7 +238,7 @@ def test_a_copy_made_inside_the_block_does_not_keep_the_sae_names(tiny_model, to
 
 
 def test_the_cache_estimate_counts_the_sae_points(tiny_model, tokens):
-    from hooks.root import CacheTooLargeError
+    from probe.hooks.root import CacheTooLargeError
 
     sae = random_sae()
     names = [f"{HOOK}.hook_sae_acts_pre", f"{HOOK}.hook_sae_acts_post", f"{HOOK}.hook_sae_input"]

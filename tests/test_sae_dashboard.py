@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 import torch
 
-from analyses.feature_scan import BINS, feature_scan
-from analyses.labels import token_texts
-from analyses.sae_dashboard import feature_dashboard
+from probe.analyses.feature_scan import BINS, feature_scan
+from probe.analyses.labels import token_texts
+from probe.analyses.sae_dashboard import feature_dashboard
 from test_cli import run_cli
 from test_sae import D_SAE, by_hand, random_sae, random_transcoder
 
@@ -105,6 +105,23 @@ def test_the_scan_equals_a_brute_force_pass(tiny_model, make, features, window, 
     assert (contexts.offset == 0).sum() == int((scan.top_docs >= 0).sum())  # one trigger row per filled context
     assert contexts.token.tolist() == token_texts(tiny_model.tokenizer, contexts.token_id.tolist())
     assert contexts["rank"].min() == 1
+
+
+def test_ties_between_documents_keep_corpus_order(tiny_model):
+    """Two copies of a document, each a window run alone (batch_size=1), tie at every token: the kept contexts are
+    ordered as brute force sorts them, (activation desc, document, position), the first copy's before the second's."""
+    sae, features, docs = random_sae(seed=21), [3, 17, 50, 88], [CORPUS[3], CORPUS[3], CORPUS[1]]
+    scan = feature_scan(tiny_model, sae, docs, features, k=6, batch_size=1, before=3, after=2, progress=False)
+    _, expected = brute_force(tiny_model, sae, docs, features, tiny_model.cfg.n_ctx, 3, 2)
+    tied = 0
+    for fi, f in enumerate(features):
+        rows = expected[f][:6]
+        got = [(d, p) for d, p in zip(scan.top_docs[fi].tolist(), scan.top_positions[fi].tolist()) if d >= 0]
+        assert got == [(e[1], e[2]) for e in rows], f
+        assert scan.context_ids[fi, :len(rows)].tolist() == [e[3] for e in rows]
+        values = scan.top_activations[fi, :len(rows)].tolist()
+        tied += sum(a == b and (d0, d1) == (0, 1) for a, b, (d0, _), (d1, _) in zip(values, values[1:], got, got[1:]))
+    assert tied >= 4  # exact ties, copy 0 then copy 1, in most features' top-k
 
 
 def test_a_dashboard_of_the_top_features_is_of_those_active_most_often(tiny_model):

@@ -469,7 +469,7 @@ def test_the_training_loss_and_its_gradient_are_saelens(architecture, tmp_path):
 
 
 def test_probe_train_sae_writes_a_dictionary_probe_sae_can_load(tiny_dir, tmp_path, capsys):
-    from scripts.cli import main
+    from probe.cli.cli import main
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(TEXTS))

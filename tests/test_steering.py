@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from analyses import SteeringVector, loglik_metric, steer, steering_sweep, steering_vector, target_logprob_metric
-from analyses.ablation import loss_metric
-from analyses.pruning import token_batches
+from probe.analyses import SteeringVector, loglik_metric, steer, steering_sweep, steering_vector, target_logprob_metric
+from probe.analyses.ablation import loss_metric
+from probe.analyses.pruning import token_batches
 from probe import HookedDecoder, SAEConfig, SparseAutoencoder, act_name
 
 from test_variants import build
@@ -355,7 +355,7 @@ def test_a_contrastive_steer_shifts_the_bundled_model(bundled_model):
 
 
 def test_cli_writes_vector_generations_and_sweep(tiny_dir, tiny_model, tmp_path, capsys):
-    from scripts import cli
+    from probe.cli import cli
 
     (tmp_path / "pos.txt").write_text("\n".join(POSITIVE) + "\n")
     (tmp_path / "neg.txt").write_text("\n".join(NEGATIVE) + "\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 import plotly
 import torch
 
-from analyses import (attention_patterns, compare_patching, head_ablation_effects, head_scores, logit_diff_metric,
+from probe.analyses import (attention_patterns, compare_patching, head_ablation_effects, head_scores, logit_diff_metric,
                       patch, token_batches)
 from probe import DEFAULT_MODEL, HookedDecoder
 

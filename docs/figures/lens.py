@@ -4,7 +4,7 @@ from pathlib import Path
 import plotly
 import torch
 from probe import DEFAULT_MODEL, HookedDecoder
-from analyses import compare_lenses, direct_logit_attribution, logit_lens, residual_decomposition, train_tuned_lens, TunedLens
+from probe.analyses import compare_lenses, direct_logit_attribution, logit_lens, residual_decomposition, train_tuned_lens, TunedLens
 
 model_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(DEFAULT_MODEL)
 out = Path(__file__).resolve().parent.parent / "images"; out.mkdir(parents=True, exist_ok=True)

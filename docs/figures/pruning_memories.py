@@ -3,7 +3,7 @@ import json, os
 from pathlib import Path
 import plotly, torch
 from probe import DEFAULT_MODEL, HookedDecoder
-from analyses import memory_lookup, prune_by_importance, token_batches
+from probe.analyses import memory_lookup, prune_by_importance, token_batches
 
 out = Path(__file__).resolve().parent.parent / "images"
 model = HookedDecoder.from_pretrained(DEFAULT_MODEL).eval()
