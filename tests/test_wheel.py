@@ -24,6 +24,7 @@ def wheel(tmp_path_factory) -> Path:
     for name in SOURCE:
         source = ROOT / name
         (shutil.copytree(source, tree / name, ignore=ignore) if source.is_dir() else shutil.copy(source, tree / name))
+    # without build isolation: offline, with the setuptools the test extra installs (pyproject.toml)
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(tree), "--no-deps", "--no-build-isolation",
                             "-w", str(out), "-q"], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]
