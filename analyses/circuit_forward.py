@@ -56,7 +56,6 @@ class BaseRun:
     out_delta: Optional[torch.Tensor]
     positions: torch.Tensor  # [batch pos]
     allowed: dict  # window -> [batch 1 query_pos key_pos] bool, or None (plain causal)
-    ref: torch.Tensor  # [writer batch pos d_model]: `ref` writer-major, what each computed output is compared with
 
     @classmethod
     @torch.no_grad()
@@ -90,7 +89,7 @@ class BaseRun:
         allowed = {window: allowed_keys(attention_mask, positions, window) for window in model.windows}
         qkv = [torch.cat([cache[act_name(kind, l)] for kind in ("q", "k", "v")], dim=2).permute(2, 0, 1, 3).contiguous()
                for l in range(graph.n_layers)]
-        return cls(qkv=qkv, out_delta=out_delta, positions=positions, allowed=allowed, ref=ref.permute(2, 0, 1, 3).contiguous())
+        return cls(qkv=qkv, out_delta=out_delta, positions=positions, allowed=allowed)
 
 
 @torch.inference_mode()  # less bookkeeping per operation than no_grad: these tensors never meet autograd
@@ -128,7 +127,7 @@ def sparse_final(model: HookedDecoder, graph: CircuitGraph, run: BaseRun, base: 
         return base[stage] + added.view(len(readers), k, batch, n_pos, d_model)
 
     def report(writers: torch.Tensor, outputs: torch.Tensor) -> None:  # outputs [writer copy batch pos d_model]
-        delta.index_copy_(0, slot[writers].to(device), outputs.float() - run.ref.index_select(0, writers.to(device))[:, None])
+        delta.index_copy_(0, slot[writers].to(device), outputs.float() - ref.index_select(2, writers.to(device)).permute(2, 0, 1, 3)[:, None])
 
     for l in range(graph.n_layers):
         block, attn = model.blocks[l], model.blocks[l].attn
