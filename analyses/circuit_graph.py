@@ -26,8 +26,10 @@ Names are accepted on input in this notation or the issue's short one: `a2.0` = 
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence, Union
 
 import pandas as pd
@@ -87,20 +89,20 @@ class CircuitGraph(TableDisplay):
     def nodes(self) -> list[str]:
         return self.writers + [LOGITS]
 
-    @property
+    @cached_property
     def valid(self) -> torch.Tensor:
         """[writer reader] bool: which pairs are edges."""
         return self.writer_stage[:, None] < self.reader_stage[None, :]
 
-    @property
+    @cached_property
     def edge_writer(self) -> torch.Tensor:
         return self.valid.nonzero()[:, 0]
 
-    @property
+    @cached_property
     def edge_reader(self) -> torch.Tensor:
         return self.valid.nonzero()[:, 1]
 
-    @property
+    @cached_property
     def n_edges(self) -> int:
         return int(self.valid.sum())
 
@@ -203,9 +205,14 @@ def _unknown(name, what: str, valid: Sequence[str]) -> str:
 
 
 def circuit_graph(model: HookedDecoder) -> CircuitGraph:
-    """The model's graph: writers, readers and edges (see the module docstring for the names)."""
+    """The model's graph: writers, readers and edges (see the module docstring for the names). It depends on the
+    config alone, so models of one config share one graph: treat it as read-only."""
     check_graph_model(model)
-    cfg = model.cfg
+    return _graph_of(model.cfg)
+
+
+@functools.lru_cache(maxsize=32)
+def _graph_of(cfg) -> CircuitGraph:
     L = cfg.n_layers
     parallel = cfg.norm_placement is NormPlacement.PARALLEL
     heads = tuple(cfg.layer_heads(l) for l in range(L))

@@ -27,15 +27,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from einops import einsum
 
 from probe.analyses.circuit_graph import CircuitGraph
 from probe.analyses.common import evaluate_metric, model_mask
-from probe.analyses.edge_patching import head_outputs
+from probe.analyses.edge_contraction import mlp_in_name, reader_scores, writer_deltas
 from probe.analyses.metric_reads import evaluate_output, logit_reads
+from probe.hooks.hook_point import Store
 from probe import HookedDecoder
 from probe.names import act_name
-from probe.norm import LayerNorm, RMSNorm
 
 GRADIENT_TOKENS = 2**12  # rows x positions of one gradient forward: the runs beyond it go to further forwards
 SMALL_FORWARD = 2**24  # tokens x d_model^2 under which a forward is overhead-bound and the clean rows join it
@@ -58,29 +57,6 @@ def plan(method: str, ig_steps: int) -> list[Run]:
     return [Run(clean=True)] + [Run(clean=False, alpha=k / steps, weight=1.0 / steps) for k in range(steps)]
 
 
-def norm_vjp(norm, x: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-    """[reader rows pos d_model]: grads [reader rows pos d_model] pulled back through `norm` at x [rows pos d_model],
-    one vector-Jacobian product per reader."""
-    x = x.float()
-    if type(norm) is LayerNorm or isinstance(norm, RMSNorm):
-        centred = x - x.mean(-1, keepdim=True) if type(norm) is LayerNorm else x
-        scale = (centred.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()  # [rows pos 1]
-        normalized = centred / scale
-        gw = grads * norm.w.float()
-        out = gw - normalized * (gw * normalized).mean(-1, keepdim=True)
-        if type(norm) is LayerNorm:
-            out = out - gw.mean(-1, keepdim=True)
-        return out / scale
-    with torch.enable_grad():  # any other norm: autograd through it, once per reader
-        leaf = x[None].expand_as(grads).contiguous().requires_grad_(True)
-        return torch.autograd.grad(norm(leaf.to(norm_dtype(norm, x))), leaf, grads.to(norm_dtype(norm, x)))[0].float()
-
-
-def norm_dtype(norm, x):
-    params = list(norm.parameters())
-    return params[0].dtype if params else x.dtype
-
-
 class _Forward:
     """The hooks of one stacked forward: they record writers and residuals, move the interpolated runs and keep
     the tensors whose gradients are wanted."""
@@ -92,16 +68,26 @@ class _Forward:
         self.grads = grads
         self.live: dict[str, torch.Tensor] = {}  # hook name -> activation in the graph
         self.read: dict[int, torch.Tensor] = {}  # layer -> the residual ln1 read, every row (detached)
+        self.stored: dict[str, torch.Tensor] = {}  # what the Store hooks keep (every row, detached): see collect
+        self.kept_rows = [("clean" if run.clean else "corrupted", self.rows(i)) for i, run in enumerate(runs)
+                          if run.clean or run.alpha == 0]
 
     def rows(self, i: int) -> slice:
         return slice(i * self.batch, (i + 1) * self.batch)
 
     def record(self, name: str, act: torch.Tensor) -> None:
         slot = self.saved.setdefault(name, {})
-        for i, run in enumerate(self.runs):
-            key = "clean" if run.clean else ("corrupted" if run.alpha == 0 else None)
-            if key is not None and key not in slot:
-                slot[key] = act[self.rows(i)].detach()
+        for key, rows in self.kept_rows:
+            if key not in slot:
+                slot[key] = act[rows].detach()
+
+    def collect(self) -> None:
+        """After the forward: the stored writers' clean and corrupted rows into `saved`, and the residuals ln1 read."""
+        for name, act in self.stored.items():
+            if name.endswith("hook_resid_pre"):
+                self.read[int(name.split(".")[1])] = act
+            else:
+                self.record(name, act)
 
     def moved(self, name: str, act: torch.Tensor) -> torch.Tensor:
         """act, with each interpolated run's rows put at corrupted + alpha (clean - corrupted); the gradient still
@@ -117,75 +103,53 @@ class _Forward:
                 offset[rows] = (corrupted + run.alpha * (clean - corrupted)).to(act.dtype) - act[rows].detach()
         return act + offset
 
-    def keep(self, name: str, act: torch.Tensor) -> torch.Tensor:
+    def keep(self, name: str, act: torch.Tensor, wanted: bool = True) -> torch.Tensor:
+        """act, in the graph; its gradient is wanted (self.live) unless it is only the graph's start."""
         if self.grads:
             if not act.requires_grad:  # frozen weights: the first activation becomes a leaf of the graph
                 act = act.detach().requires_grad_(True)
-            self.live[name] = act
+            if wanted:
+                self.live[name] = act
         return act
 
     def hooks(self) -> list:
-        graph, moves_all = self.graph, self.move == "activations"
-        L = graph.n_layers
+        """Writers recorded; residuals moved (EAP-IG) and the ones ln1 reads kept; gradients wanted at each
+        head's q/k/v, each MLP's own input and the final residual (the logits' reader)."""
+        graph, L = self.graph, self.graph.n_layers
+        moves_all = self.move == "activations"
 
-        def resid(layer: Optional[int], name: str, moves: bool, reads: bool):
+        def resid(name: str, moves: bool, reads: Optional[int] = None, kept: bool = False):
             def hook(act, hook):
                 out = self.moved(name, act) if moves else act
                 if name == act_name("resid_pre", 0):
                     self.record("embed", act)
-                if reads:
-                    self.read[layer] = out.detach()
-                wanted = not name.startswith("blocks") or "resid_pre" not in name or graph.parallel or layer == 0
-                return self.keep(name, out) if wanted else out
+                if reads is not None:
+                    self.read[reads] = out.detach()
+                return self.keep(name, out, wanted=name != act_name("resid_pre", 0)) if kept else out
             return hook
 
-        def writer(name):
-            def hook(act, hook):
-                self.record(name, act)
-            return hook
-
+        store = Store(self.stored)  # inline in the hook point: no function call, no checks
         def keep(act, hook):
             return self.keep(hook.name, act)
 
-        out = [(act_name("resid_pre", 0), resid(0, act_name("resid_pre", 0), self.move != "none", True))]
+        def keep_own(act, hook):  # a node of its own: its gradient is the MLP's share, not the residual's whole
+            return self.keep(hook.name, act.view_as(act)) if self.grads else act
+
+        # resid_pre 0 starts the graph (a leaf, if the weights are frozen); no reader's gradient is its own
+        out = [(act_name("resid_pre", 0), resid(act_name("resid_pre", 0), self.move != "none", reads=0, kept=True))]
         for l in range(L):
             if l > 0:
-                out.append((act_name("resid_pre", l), resid(l, act_name("resid_pre", l), moves_all, True)))
+                name = act_name("resid_pre", l)
+                out.append((name, resid(name, True, reads=l) if moves_all else store))
             out += [(act_name(kind, l), keep) for kind in ("q", "k", "v")]
-            out += [(act_name("z", l), writer(act_name("z", l))), (act_name("mlp_out", l), writer(act_name("mlp_out", l)))]
+            out += [(act_name("z", l), store), (act_name("mlp_out", l), store), (mlp_in_name(l), keep_own)]
             if graph.sandwich:
-                out.append((act_name("scale", l, "ln1_post"), writer(act_name("scale", l, "ln1_post"))))
-            if not graph.parallel:
-                out.append((act_name("resid_mid", l), resid(l, act_name("resid_mid", l), moves_all, False)))
-            last = act_name("resid_post", l)
-            out.append((last, resid(l, last, moves_all and l == L - 1, False)))
+                out.append((act_name("scale", l, "ln1_post"), store))
+            if not graph.parallel and moves_all:
+                out.append((act_name("resid_mid", l), resid(act_name("resid_mid", l), True)))
+        last = act_name("resid_post", L - 1)
+        out.append((last, resid(last, moves_all, kept=True)))
         return out
-
-
-def _head_deltas(model, graph, saved, layer) -> torch.Tensor:
-    """[batch pos head d_model] float32: each head's clean output less its corrupted one."""
-    z = saved[act_name("z", layer)]
-    w_o = model.blocks[layer].attn.W_O.float()
-    pattern = "batch pos head d_head, head d_head d_model -> batch pos head d_model"
-    if not graph.sandwich:  # linear in z: one product of the difference
-        return einsum(z["clean"].float() - z["corrupted"].float(), w_o, pattern)
-    scale = saved[act_name("scale", layer, "ln1_post")]
-    return (head_outputs(model, layer, einsum(z["clean"].float(), w_o, pattern), scale["clean"])
-            - head_outputs(model, layer, einsum(z["corrupted"].float(), w_o, pattern), scale["corrupted"]))
-
-
-def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict) -> torch.Tensor:
-    """[batch pos writer d_model] float32: every writer's clean output less its corrupted one."""
-    first = saved["embed"]
-    batch, n_pos, d_model = first["clean"].shape
-    out = torch.empty(batch, n_pos, len(graph.writers), d_model, device=first["clean"].device)
-    out[:, :, 0] = first["clean"].float() - first["corrupted"].float()
-    for l in range(graph.n_layers):
-        heads = graph.head_writers(l)
-        out[:, :, heads.start:heads.stop] = _head_deltas(model, graph, saved, l)
-        mlp = saved[act_name("mlp_out", l)]
-        out[:, :, graph.mlp_writer(l)] = mlp["clean"].float() - mlp["corrupted"].float()
-    return out
 
 
 def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: torch.Tensor, tokens: torch.Tensor,
@@ -198,6 +162,7 @@ def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: tor
     per_forward = max(1, (max_rows if max_rows is not None else GRADIENT_TOKENS // n_pos) // batch)
     small = batch * n_pos * model.cfg.d_model ** 2 <= SMALL_FORWARD or tokens.device.type != "cpu"
     stack_clean = runs[0].weight > 0 or (small and per_forward >= 2)
+    layers_at_once = graph.n_layers if small else 1  # see analyses.edge_contraction
     chunks = []
     rest = runs if stack_clean else runs[1:]
     while rest:
@@ -218,14 +183,16 @@ def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: tor
         with torch.enable_grad() if grads else torch.no_grad():
             with model.hooks(fwd.hooks()):
                 final = model(stacked, attention_mask=model_mask(rows_mask), stop_at_layer=graph.n_layers)
+            fwd.collect()
             logit_grads = _metric_pass(model, metric, fwd, final, stacked, rows_mask, mask, values)
             if not grads:
                 continue
             hook_grads = _backward(model, fwd, final, logit_grads)
         with torch.no_grad():  # weights (parameters) enter below: no graph
             if deltas is None:  # writer-major: each stage's product reads its first writers as one block
-                deltas = writer_deltas(model, graph, saved).permute(0, 2, 1, 3).contiguous()
-            part = _contract(model, graph, fwd, hook_grads, deltas, mask, positions)
+                deltas = writer_deltas(model, graph, saved, layers_at_once)
+            part = reader_scores(model, graph, [run.weight for run in chunk], hook_grads, fwd.live, fwd.read, deltas, mask,
+                                 positions, layers_at_once)
         full = part if full is None else full + part
         del fwd, final, hook_grads
     w, r = graph.edge_writer.to(tokens.device), graph.edge_reader.to(tokens.device)
@@ -239,18 +206,16 @@ def _metric_pass(model, metric, fwd: _Forward, final, stacked, rows_mask, mask, 
     (rows, positions, d metric / d logits) at the positions the metric reads; for a metric that declares what it
     reads (analyses.metric_reads), the sum of the weighted runs' values instead, computed with a graph from the
     final residual at those positions and columns only: no [batch pos vocab] logits at all."""
-    if logit_reads(metric) is not None:
-        target = None
+    if logit_reads(metric) is not None:  # every run's rows at once
+        weighted = [fwd.rows(i) for i, run in enumerate(fwd.runs) if run.weight]
+        with torch.enable_grad() if weighted else torch.no_grad():
+            value = evaluate_output(model, metric, final, stacked, rows_mask)
         for i, run in enumerate(fwd.runs):
-            rows = fwd.rows(i)
-            with torch.enable_grad() if run.weight else torch.no_grad():
-                value = evaluate_output(model, metric, final[rows], stacked[rows], mask)
             key = "clean" if run.clean else ("corrupted" if run.alpha == 0 else None)
             if key is not None:
-                values[key] = value.detach()
-            if run.weight:  # the run's weight comes in the contraction
-                target = value.sum() if target is None else target + value.sum()
-        return target
+                values[key] = value[fwd.rows(i)].detach()
+        # the run's weight comes in the contraction
+        return sum(value[rows].sum() for rows in weighted) if weighted else None
     out = []
     for i, run in enumerate(fwd.runs):
         rows = fwd.rows(i)
@@ -290,54 +255,3 @@ def _backward(model, fwd: _Forward, final, logit_grads) -> dict[str, torch.Tenso
     grad = torch.cat([g for _, _, g in logit_grads])[None].to(logits.dtype)
     grads = torch.autograd.grad(logits, [fwd.live[n] for n in names], grad, allow_unused=True, materialize_grads=True)
     return dict(zip(names, grads))
-
-
-def _contract(model, graph: CircuitGraph, fwd: _Forward, hook_grads, deltas, mask, positions: bool) -> torch.Tensor:
-    """[batch (pos) writer reader]: deltas [batch writer pos d_model] . (the runs' weighted reader gradients), one
-    product per reader stage. Reader gradients are laid out reader-first, so each product is one batched matmul."""
-    batch, W, n_pos, d_model = deltas.shape
-    weighted = [i for i, run in enumerate(fwd.runs) if run.weight]  # the others' gradients are zero: skipped
-    rows = torch.cat([torch.arange(i * batch, (i + 1) * batch) for i in weighted]).to(deltas.device)
-    weights = torch.tensor([fwd.runs[i].weight for i in weighted], device=deltas.device)
-    keep = mask[None, :, :, None].to(deltas.dtype)  # padded positions carry no effect
-
-    def summed(g: torch.Tensor) -> torch.Tensor:  # [reader weighted-rows pos d_model] -> [reader batch pos d_model]
-        if len(weighted) == 1 and fwd.runs[weighted[0]].weight == 1.0:
-            return g * keep
-        g = g.reshape(g.shape[0], len(weighted), batch, n_pos, d_model)
-        return einsum(g, weights, "reader run batch pos d_model, run -> reader batch pos d_model") * keep
-
-    R = graph.valid.shape[1]
-    full = deltas.new_zeros((batch, n_pos, W, R) if positions else (batch, W, R))
-
-    def add(stage: int, readers: range, grads: torch.Tensor) -> None:  # grads [reader batch pos d_model]
-        n = int((graph.writer_stage < stage).sum())
-        if positions:
-            full[:, :, :n, readers.start:readers.stop] += einsum(
-                deltas[:, :n], grads, "batch writer pos d_model, reader batch pos d_model -> batch pos writer reader")
-            return
-        flat = grads.permute(1, 0, 2, 3).reshape(batch, len(readers), n_pos * d_model)
-        full[:, :n, readers.start:readers.stop] += torch.matmul(deltas[:, :n].reshape(batch, n, n_pos * d_model),
-                                                                flat.transpose(1, 2))
-
-    def g(name):  # [weighted-rows pos ...]
-        return hook_grads[name].index_select(0, rows).float()
-
-    for l in range(graph.n_layers):
-        block, attn = model.blocks[l], model.blocks[l].attn
-        qkv = torch.cat([g(act_name(kind, l)) for kind in ("q", "k", "v")], dim=2)  # [row pos reader d_head]
-        n_read, n_rows = qkv.shape[2], qkv.shape[0]
-        w_qkv = attn.qkv.weight.float().view(n_read, attn.d_head, d_model)  # [(head kv_head kv_head) d_head d_model]
-        pulled = torch.bmm(qkv.permute(2, 0, 1, 3).reshape(n_read, n_rows * n_pos, attn.d_head), w_qkv)
-        attn_grads = norm_vjp(block.ln1, fwd.read[l].index_select(0, rows), pulled.view(n_read, n_rows, n_pos, d_model))
-        post = g(act_name("resid_post", l))
-        if graph.parallel:  # resid_pre reaches resid_post directly, through the attention's inputs and through the MLP
-            mlp = g(act_name("resid_pre", l)) - post - attn_grads.sum(dim=0)
-        else:
-            mlp = g(act_name("resid_mid", l)) - post
-        add(2 * l + 1, graph.attn_readers(l), summed(attn_grads))
-        mlp_reader = graph.mlp_reader(l)
-        add(int(graph.reader_stage[mlp_reader]), range(mlp_reader, mlp_reader + 1), summed(mlp[None]))
-    last = len(graph.readers) - 1
-    add(2 * graph.n_layers + 1, range(last, last + 1), summed(g(act_name("resid_post", graph.n_layers - 1))[None]))
-    return full

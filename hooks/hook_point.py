@@ -226,7 +226,7 @@ class HookPoint(nn.Module):
             if hasattr(err, "add_note"):  # Python 3.11+: say where the user's hook failed, keep its type
                 err.add_note(f"raised by the hook {getattr(fn, '__name__', fn)!r} on {self.name!r}")
             raise
-        if out is None:
+        if out is None or out is x:  # nothing replaced (an in-place edit is the hook's own, as with None)
             return x
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"hook on {self.name!r} returned {type(out).__name__}; return a Tensor or None")
@@ -240,7 +240,8 @@ class HookPoint(nn.Module):
                 f"hook on {self.name!r} returned a {out.dtype} tensor on {out.device}, but the {what} is "
                 f"{x.dtype} on {x.device}; convert it with .to({what})"
             )
-        if out.is_floating_point() and bool(torch.isnan(out).any()):
+        # a view of x's own memory holds x's values (an in-place edit is the hook's own, as with None): not checked
+        if out.is_floating_point() and out.data_ptr() != x.data_ptr() and bool(torch.isnan(out).any()):
             # -inf stays allowed: masking attention scores by hook is a legitimate edit
             raise ValueError(f"hook on {self.name!r} returned a tensor containing NaN")
         return out

@@ -200,6 +200,29 @@ def test_eap_ig_inputs_matches_transformers_integrated_gradients(family):
     assert_scores_close(ours.per_example, oracle_scores(ours.graph, clean_writers - corr_writers, grads))
 
 
+@pytest.mark.parametrize("method", ["eap", "eap-ig-inputs"])
+def test_the_large_model_path_matches_transformers_autograd(family, method, monkeypatch):
+    """What a large model on a CPU runs (its layers' readers one layer at a time, the clean prompts in a forward of
+    their own, the interpolation steps in several forwards) against the same oracle."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["probe.analyses.edge_gradients"], "SMALL_FORWARD", 0)
+    kind, hf, model = family
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    steps = 3 if method == "eap-ig-inputs" else 1
+    ours = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=steps, max_rows=2 * clean.shape[0])
+    oracle = HFEdges(hf, kind)
+    embed = hf.get_input_embeddings()
+    with torch.no_grad():
+        e_clean, e_corr = embed(clean), embed(corrupted)
+    clean_writers, _ = oracle.run(clean, ANSWERS, COUNTERFACTUALS)
+    corr_writers, _ = oracle.run(corrupted, ANSWERS, COUNTERFACTUALS)
+    grads = sum(oracle.run(corrupted, ANSWERS, COUNTERFACTUALS, inputs_embeds=e_corr + k / steps * (e_clean - e_corr))[1]
+                for k in range(steps)) / steps
+    assert_scores_close(ours.per_example, oracle_scores(ours.graph, clean_writers - corr_writers, grads))
+
+
 def test_ig_with_one_step_is_eap(tiny_model):
     clean, corrupted = prompts(tiny_model.cfg.d_vocab)
     metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
