@@ -39,11 +39,11 @@ class HFEdges:
             self.H = self.KV = cfg.n_head
             self.d = cfg.n_embd
         else:
-            body = hf.model if kind == "llama" else hf.gpt_neox
-            self.layers, self.final = body.layers, (body.norm if kind == "llama" else body.final_layer_norm)
+            body = hf.gpt_neox if kind == "neox" else hf.model
+            self.layers, self.final = body.layers, (body.final_layer_norm if kind == "neox" else body.norm)
             self.H, self.d = cfg.num_attention_heads, cfg.hidden_size
             self.KV = getattr(cfg, "num_key_value_heads", None) or self.H
-        self.dh = self.d // self.H
+        self.dh = getattr(cfg, "head_dim", None) or self.d // self.H
 
     def _parts(self, layer):
         """(attention norm, [(projection module, [(reader slot, column slice)])], out projection, mlp norm, mlp)."""
@@ -55,12 +55,14 @@ class HFEdges:
             projections = [(layer.attn.c_attn, list(zip(q_slots, cols)) + list(zip(k_slots, [slice(d + c.start, d + c.stop) for c in cols]))
                             + list(zip(v_slots, [slice(2 * d + c.start, 2 * d + c.stop) for c in cols])))]
             return layer.ln_1, projections, layer.attn.c_proj, layer.ln_2, layer.mlp
-        if self.kind == "llama":
+        if self.kind in ("llama", "gemma2"):
             a = layer.self_attn
             projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
-            return layer.input_layernorm, projections, a.o_proj, layer.post_attention_layernorm, layer.mlp
+            # Gemma 2's sandwich: the MLP reads pre_feedforward_layernorm; post_attention_layernorm normalises the write
+            ln2 = layer.pre_feedforward_layernorm if self.kind == "gemma2" else layer.post_attention_layernorm
+            return layer.input_layernorm, projections, a.o_proj, ln2, layer.mlp
         a = layer.attention  # GPT-NeoX: the fused projection is [head, (q k v), d_head]
         slots = [(s, slice(h * 3 * dh + part * dh, h * 3 * dh + (part + 1) * dh))
                  for part, group in enumerate((q_slots, k_slots, v_slots)) for h, s in enumerate(group)]
@@ -111,7 +113,11 @@ class HFEdges:
                 handles.append(module.register_forward_hook(lambda mod, a, o, f=project, s=slots: f(mod, a, o, slots=s)))
             handles.append(out_proj.register_forward_pre_hook(lambda mod, args, l=l: writes.__setitem__(("z", l), args[0])))
             handles.append(ln2.register_forward_hook(norm_output((l, "mlp"))))
-            handles.append(mlp.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("mlp", l), out)))
+            # an MLP's write is what reaches the residual: in a sandwich block, after its post-norm
+            written = layer.post_feedforward_layernorm if self.kind == "gemma2" else mlp
+            handles.append(written.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("mlp", l), out)))
+            if self.kind == "gemma2":  # the attention's whole write, before its post-norm: its scale is every head's
+                handles.append(out_proj.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("attn", l), out)))
         handles.append(self.final.register_forward_hook(norm_output("logits")))
         try:
             if inputs_embeds is None:
@@ -132,7 +138,12 @@ class HFEdges:
             out_proj = self._parts(layer)[2]
             weight = out_proj.weight.unflatten(0, (self.H, self.dh)) if self.kind == "gpt2" else \
                 out_proj.weight.T.unflatten(0, (self.H, self.dh))  # [head d_head d_model]
-            parts += [torch.einsum("bphd,hdm->bphm", z, weight.detach()), writes[("mlp", l)].detach()[:, :, None]]
+            heads = torch.einsum("bphd,hdm->bphm", z, weight.detach())
+            if self.kind == "gemma2":  # each head's share of the normalised write: (1 + w) / that run's RMS
+                post = layer.post_attention_layernorm
+                raw = writes[("attn", l)].detach().float()
+                heads = heads * (1 + post.weight.detach().float()) * torch.rsqrt(raw.pow(2).mean(-1) + post.eps)[:, :, None, None]
+            parts += [heads, writes[("mlp", l)].detach()[:, :, None]]
             readers += [grads[(l, s)] for s in range(self.H + 2 * self.KV)] + [grads[(l, "mlp")]]
         readers.append(grads["logits"])
         return torch.cat(parts, dim=2), torch.stack(readers, dim=2)
@@ -144,7 +155,7 @@ def oracle_scores(graph, delta, grads):
     return full[:, graph.edge_writer, graph.edge_reader]
 
 
-FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", {})}
+FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", {}), "gemma2-sandwich": ("gemma2", {})}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
