@@ -70,19 +70,21 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
         def stacked(name: str, run: str) -> torch.Tensor:
             return torch.stack([saved[act_name(name, l)][run] for l in group]).float()
 
-        pattern = "layer batch pos head d_head, layer head d_head d_model -> batch layer head pos d_model"
+        first_writer = graph.head_writers(group.start).start
+        block = out[:, first_writer:graph.mlp_writer(group.stop - 1) + 1].unflatten(1, (len(group), n_heads + 1))
         if graph.sandwich:  # each run's write is divided by its own ln1_post scale
             post_w = torch.stack([model.blocks[l].ln1_post.w for l in group]).float()[None, :, None, None]
+            pattern = "layer batch pos head d_head, layer head d_head d_model -> batch layer head pos d_model"
 
             def share(run: str) -> torch.Tensor:
                 scale = torch.stack([saved[act_name("scale", l, "ln1_post")][run] for l in group]).float()
                 return einsum(stacked("z", run), w_o, pattern) * post_w / scale.permute(1, 0, 3, 2)[:, :, :, :, None]
-            heads = share("clean") - share("corrupted")
-        else:  # linear in z: one product of the difference
-            heads = einsum(stacked("z", "clean") - stacked("z", "corrupted"), w_o, pattern)
-        first_writer = graph.head_writers(group.start).start
-        block = out[:, first_writer:graph.mlp_writer(group.stop - 1) + 1].unflatten(1, (len(group), n_heads + 1))
-        block[:, :, :n_heads] = heads
+            block[:, :, :n_heads] = share("clean") - share("corrupted")
+        else:  # linear in z: one product of the difference, per prompt and layer, written where it stays
+            z = stacked("z", "clean") - stacked("z", "corrupted")  # [layer batch pos head d_head]
+            for j in range(len(group)):
+                for b in range(batch):
+                    torch.bmm(z[j, b].transpose(0, 1), w_o[j], out=block[b, j, :n_heads])
         block[:, :, n_heads] = (stacked("mlp_out", "clean") - stacked("mlp_out", "corrupted")).transpose(0, 1)
     return out
 
@@ -154,46 +156,59 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
             return einsum(deltas[:, :n], grads, "batch writer pos d_model, reader batch pos d_model -> batch pos writer reader")
         return torch.matmul(flat[:, :n], grads.reshape(grads.shape[0], batch, n_pos * d_model).permute(1, 2, 0))
 
+    norms = [model.blocks[l].ln1 for l in range(graph.n_layers)]
+    if not all(isinstance(norm, (LayerNorm, RMSNorm)) for norm in norms):
+        raise TypeError("edge attribution pulls head gradients back through LayerNorm or RMSNorm; this model's ln1 is a "
+                        f"{type(norms[0]).__name__}")
+    centres = isinstance(norms[0], LayerNorm)
+    # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and its scale s
+    normed = torch.stack([pick(read[l]) for l in range(graph.n_layers)]).float().view(-1, k, batch, n_pos, d_model)
+    if centres:
+        normed = normed - normed.mean(-1, keepdim=True)
+    scales = (normed.pow(2).mean(-1, keepdim=True) + norms[0].eps).sqrt()  # [layer run batch pos 1]
+    normed /= scales
+    # delta . n of every writer for every layer and run [batch pos (layer run) writer]: one product per prompt, on
+    # the deltas as they lie (writer-major), and delta . 1 [batch writer pos]
+    dots = torch.stack([torch.bmm(normed[:, :, b].flatten(0, 1).transpose(0, 1), deltas[b].permute(1, 2, 0))
+                        for b in range(batch)])
+    sums = deltas.sum(-1) if centres else None
+    del normed
+
+    pulled_buffer = None
     for group in layer_groups(graph, most):
         G, last = len(group), group.stop - 1
-        norms = [model.blocks[l].ln1 for l in group]
-        if not all(isinstance(norm, (LayerNorm, RMSNorm)) for norm in norms):
-            raise TypeError("edge attribution pulls head gradients back through LayerNorm or RMSNorm; this model's ln1 is "
-                            f"a {type(norms[0]).__name__}")
-        centres = isinstance(norms[0], LayerNorm)
         first_reader = graph.attn_readers(group.start).start
         n_read = len(graph.attn_readers(group.start))
         # [.. n layer reader+1]: the group's attention readers, then its MLP reader, layer by layer
         target = full[..., first_reader:graph.mlp_reader(last) + 1].unflatten(-1, (G, n_read + 1))
-
-        x = torch.stack([pick(read[l]) for l in group]).float().view(G, k, batch, n_pos, d_model)
-        if centres:
-            x = x - x.mean(-1, keepdim=True)
-        scale = (x.pow(2).mean(-1, keepdim=True) + norms[0].eps).sqrt()  # [layer run batch pos 1]
-        normed = x / scale
         # [run batch pos layer reader d_head]: q, then k, then v readers, as the fused projection's rows are ordered
         dq = torch.cat([pick(hook_grads[act_name(kind, l)]) for l in group for kind in ("q", "k", "v")], dim=2).float()
         d_head = dq.shape[-1]
         dq = dq.view(k, batch, n_pos, G, n_read, d_head)
-        factor = keep / scale[..., 0].permute(1, 2, 3, 0) * run_weights.view(k, 1, 1, 1)  # [run batch pos layer]
-        h = dq * factor[..., None, None]
+        factor = keep / scales[group.start:group.stop, ..., 0].permute(1, 2, 3, 0) * run_weights.view(k, 1, 1, 1)
+        h = dq * factor[..., None, None]  # dq / s, weighted, padding zeroed
         w_eff, w_ones, offsets = read_weights(model, group, n_read)
         summed_h = h[0] if k == 1 else h.sum(0)  # [batch pos layer reader d_head]
         by_layer = summed_h.permute(2, 3, 0, 1, 4).reshape(G, n_read, batch * n_pos, d_head)
-        pulled = deltas.new_empty(G * n_read, batch * n_pos, d_model)
+        if pulled_buffer is None or pulled_buffer.shape[0] < G * n_read:  # one buffer for every group: no fresh pages
+            pulled_buffer = deltas.new_empty(G * n_read, batch * n_pos, d_model)
+        pulled = pulled_buffer[:G * n_read]
         for j in range(G):  # one product per layer, each with its weight as stored
             torch.bmm(by_layer[j], w_eff[j], out=pulled[j * n_read:(j + 1) * n_read])
-        # the rank-one terms, for every run: n_run (h_run . W'n_run) / D, and 1 (h . W'1) / D for LayerNorm; W'n is what
-        # the run's projection computed less its bias and the projected norm bias, i.e. q, k and v as hooked
+        n = _n_before(graph, 2 * last + 1)
+        scores = product(n, pulled.view(G * n_read, batch, n_pos, d_model)).unflatten(-1, (G, n_read))
+        # the rank-one terms, for every run: (delta . n_run)(h_run . W'n_run) / D, and (delta . 1)(h . W'1) / D for
+        # LayerNorm; W'n is what the run's projection computed less its bias and the projected norm bias, i.e. q, k
+        # and v as hooked
         qkv = torch.cat([pick(acts[act_name(kind, l)]) for l in group for kind in ("q", "k", "v")], dim=2).detach().float()
         c = (h * (qkv.view(k, batch, n_pos, G, n_read, d_head) - offsets)).sum(-1) / d_model  # [run batch pos layer reader]
-        grads = pulled.view(G, n_read, batch, n_pos, d_model)
-        grads -= einsum(c, normed, "run batch pos layer reader, layer run batch pos d_model -> layer reader batch pos d_model")
+        e = dots[:, :, group.start * k:group.stop * k, :n].unflatten(2, (G, k))  # [batch pos layer run writer]
+        out = "batch pos writer layer reader" if positions else "batch writer layer reader"
+        scores -= einsum(e, c, f"batch pos layer run writer, run batch pos layer reader -> {out}")
         if centres:
-            ones = einsum(summed_h, w_ones, "batch pos layer reader d_head, layer reader d_head -> layer reader batch pos")
-            grads -= ones[..., None] / d_model
-        n = _n_before(graph, 2 * last + 1)
-        target[..., :n, :, :n_read] += product(n, pulled.view(G * n_read, batch, n_pos, d_model)).unflatten(-1, (G, n_read))
+            ones = einsum(summed_h, w_ones, "batch pos layer reader d_head, layer reader d_head -> batch pos layer reader")
+            scores -= einsum(sums[:, :n], ones / d_model, f"batch writer pos, batch pos layer reader -> {out}")
+        target[..., :n, :, :n_read] += scores
         mlp_grads[list(group)] = summed([mlp_in_name(l) for l in group])
 
     # the MLPs' and the logits' inputs, whose gradients are their hook points': one product against every writer

@@ -222,7 +222,8 @@ def test_the_large_model_path_matches_transformers_autograd(family, method, monk
     clean, corrupted = prompts(model.cfg.d_vocab)
     metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
     steps = 3 if method == "eap-ig-inputs" else 1
-    ours = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=steps, max_rows=2 * clean.shape[0])
+    ours = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=steps, max_rows=2 * clean.shape[0],
+                            positions=True)
     oracle = HFEdges(hf, kind)
     embed = hf.get_input_embeddings()
     with torch.no_grad():
@@ -231,7 +232,10 @@ def test_the_large_model_path_matches_transformers_autograd(family, method, monk
     corr_writers, _ = oracle.run(corrupted, ANSWERS, COUNTERFACTUALS)
     grads = sum(oracle.run(corrupted, ANSWERS, COUNTERFACTUALS, inputs_embeds=e_corr + k / steps * (e_clean - e_corr))[1]
                 for k in range(steps)) / steps
-    assert_scores_close(ours.per_example, oracle_scores(ours.graph, clean_writers - corr_writers, grads))
+    expected = oracle_scores(ours.graph, clean_writers - corr_writers, grads)
+    assert_scores_close(ours.per_example, expected)
+    # each position's share, summed, is the edge's score
+    assert_scores_close(ours.per_position.sum(1), expected)
 
 
 def test_ig_with_one_step_is_eap(tiny_model):
