@@ -194,12 +194,9 @@ def test_eap_matches_transformers_autograd_on_every_edge(family, method):
         assert float(expected[:, into].abs().max()) > 1e-3 * float(expected.abs().max()), kind_
 
 
-def test_eap_ig_inputs_matches_transformers_integrated_gradients(family):
-    kind, hf, model = family
-    clean, corrupted = prompts(model.cfg.d_vocab)
-    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
-    steps = 3
-    ours = edge_attribution(model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=steps)
+def integrated_oracle(hf, kind, graph, clean, corrupted, steps: int) -> torch.Tensor:
+    """[batch edge]: Δwriter . the reader gradients averaged over transformers runs from interpolated `inputs_embeds`
+    (alpha = 0, 1/steps, ...: steps=1 is EAP's corrupted run)."""
     oracle = HFEdges(hf, kind)
     embed = hf.get_input_embeddings()
     with torch.no_grad():
@@ -208,7 +205,15 @@ def test_eap_ig_inputs_matches_transformers_integrated_gradients(family):
     corr_writers, _ = oracle.run(corrupted, ANSWERS, COUNTERFACTUALS)
     grads = sum(oracle.run(corrupted, ANSWERS, COUNTERFACTUALS, inputs_embeds=e_corr + k / steps * (e_clean - e_corr))[1]
                 for k in range(steps)) / steps
-    assert_scores_close(ours.per_example, oracle_scores(ours.graph, clean_writers - corr_writers, grads))
+    return oracle_scores(graph, clean_writers - corr_writers, grads)
+
+
+def test_eap_ig_inputs_matches_transformers_integrated_gradients(family):
+    kind, hf, model = family
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    ours = edge_attribution(model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=3)
+    assert_scores_close(ours.per_example, integrated_oracle(hf, kind, ours.graph, clean, corrupted, steps=3))
 
 
 @pytest.mark.parametrize("method", ["eap", "eap-ig-inputs"])
@@ -224,15 +229,7 @@ def test_the_large_model_path_matches_transformers_autograd(family, method, monk
     steps = 3 if method == "eap-ig-inputs" else 1
     ours = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=steps, max_rows=2 * clean.shape[0],
                             positions=True)
-    oracle = HFEdges(hf, kind)
-    embed = hf.get_input_embeddings()
-    with torch.no_grad():
-        e_clean, e_corr = embed(clean), embed(corrupted)
-    clean_writers, _ = oracle.run(clean, ANSWERS, COUNTERFACTUALS)
-    corr_writers, _ = oracle.run(corrupted, ANSWERS, COUNTERFACTUALS)
-    grads = sum(oracle.run(corrupted, ANSWERS, COUNTERFACTUALS, inputs_embeds=e_corr + k / steps * (e_clean - e_corr))[1]
-                for k in range(steps)) / steps
-    expected = oracle_scores(ours.graph, clean_writers - corr_writers, grads)
+    expected = integrated_oracle(hf, kind, ours.graph, clean, corrupted, steps)
     assert_scores_close(ours.per_example, expected)
     # each position's share, summed, is the edge's score
     assert_scores_close(ours.per_position.sum(1), expected)
