@@ -10,16 +10,16 @@ and one backward gives every hook point's gradient.
 
 What is kept, and why it is cheap:
 - writers: the embedding, each layer's hook_z (a head's output is z @ W_O, so no per-head result is
-  formed in the forward) and MLP output, of the clean and the corrupted rows; the deltas
-  [batch pos writer d_model] are formed once.
-- the logits: computed without a graph for the metric's value; the metric's gradient with respect
-  to them says which positions it reads, and only those rows are unembedded again with a graph, so
-  the backward never multiplies the whole [batch pos vocab] gradient through W_U.
-- readers: per layer, a head's q/k/v input gradient is its hook_q/k/v gradient pulled back through
-  its projection and through ln1 at the residual that run read (the norm's vector-Jacobian product,
-  in closed form for LayerNorm and RMSNorm); it is summed over the runs with their weights and at
-  once contracted with the deltas into [batch writer reader] (or [batch pos writer reader] when
-  per-position scores are asked for). No [batch pos reader d_model] tensor of the whole graph exists.
+  formed in the forward) and MLP output, of the clean and the corrupted rows, kept inline by Store
+  hooks; the deltas [batch writer pos d_model] are formed once.
+- the logits: for a metric that declares its reads (analyses.metric_reads), only its columns at its
+  positions, from the final residual; otherwise computed without a graph for the metric's value, and
+  only the rows its gradient says it reads are unembedded again with a graph, so the backward never
+  multiplies the whole [batch pos vocab] gradient through W_U.
+- readers: the gradients at each head's hook_q/k/v, at each MLP's own input (hook_mlp_in) and at the
+  final residual; analyses.edge_contraction pulls the heads' back through their projections and ln1
+  and contracts everything with the deltas into [batch writer reader] (or [batch pos writer reader]
+  when per-position scores are asked for). No [batch pos reader d_model] tensor of the whole graph exists.
 """
 from __future__ import annotations
 
@@ -129,6 +129,7 @@ class _Forward:
             return hook
 
         store = Store(self.stored)  # inline in the hook point: no function call, no checks
+
         def keep(act, hook):
             return self.keep(hook.name, act)
 
