@@ -164,11 +164,12 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
                         f"{type(norms[0]).__name__}")
     centres = isinstance(norms[0], LayerNorm)
     # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and its scale s
+    # (in place: on a CPU every fresh large temporary costs its page faults, often more than its arithmetic)
     normed = torch.stack([pick(read[l]) for l in range(graph.n_layers)]).float().view(-1, k, batch, n_pos, d_model)
     if centres:
-        normed = normed - normed.mean(-1, keepdim=True)
-    scales = (normed.pow(2).mean(-1, keepdim=True) + norms[0].eps).sqrt()  # [layer run batch pos 1]
-    normed /= scales
+        normed.sub_(normed.mean(-1, keepdim=True))
+    scales = (torch.linalg.vector_norm(normed, dim=-1, keepdim=True).square_().div_(d_model) + norms[0].eps).sqrt_()
+    normed /= scales  # scales [layer run batch pos 1]
     # delta . n of every writer for every layer and run [batch pos (layer run) writer]: one product per prompt, on
     # the deltas as they lie (writer-major), and delta . 1 [batch writer pos]
     dots = torch.stack([torch.bmm(normed[:, :, b].flatten(0, 1).transpose(0, 1), deltas[b].permute(1, 2, 0))
@@ -176,7 +177,20 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     sums = deltas.sum(-1) if centres else None
     del normed
 
-    pulled_buffer = None
+    scratch: dict[str, torch.Tensor] = {}  # buffers every group reuses
+
+    def reused(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        held = scratch.get(name)
+        if held is None or held.shape != shape or held.dtype != dtype:
+            held = scratch[name] = torch.empty(shape, dtype=dtype, device=deltas.device)
+        return held
+
+    def qkv_of(source: dict[str, torch.Tensor], group: range, name: str) -> torch.Tensor:
+        """[rows pos (layer reader) d_head]: the group's q, k and v (values or gradients), q then k then v per layer."""
+        parts = [pick(source[act_name(kind, l)]).detach() for l in group for kind in ("q", "k", "v")]
+        shape = (*parts[0].shape[:2], sum(p.shape[2] for p in parts), parts[0].shape[3])
+        return torch.cat(parts, dim=2, out=reused(name, shape, parts[0].dtype)).float()
+
     for group in layer_groups(graph, most):
         G, last = len(group), group.stop - 1
         first_reader = graph.attn_readers(group.start).start
@@ -184,17 +198,15 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         # [.. n layer reader+1]: the group's attention readers, then its MLP reader, layer by layer
         target = full[..., first_reader:graph.mlp_reader(last) + 1].unflatten(-1, (G, n_read + 1))
         # [run batch pos layer reader d_head]: q, then k, then v readers, as the fused projection's rows are ordered
-        dq = torch.cat([pick(hook_grads[act_name(kind, l)]) for l in group for kind in ("q", "k", "v")], dim=2).float()
+        dq = qkv_of(hook_grads, group, "dq")
         d_head = dq.shape[-1]
         dq = dq.view(k, batch, n_pos, G, n_read, d_head)
+        # h = dq / s, weighted, padding zeroed: never formed, its factor enters each product
         factor = keep / scales[group.start:group.stop, ..., 0].permute(1, 2, 3, 0) * run_weights.view(k, 1, 1, 1)
-        h = dq * factor[..., None, None]  # dq / s, weighted, padding zeroed
         w_eff, w_ones, offsets = read_weights(model, group, n_read)
-        summed_h = h[0] if k == 1 else h.sum(0)  # [batch pos layer reader d_head]
+        summed_h = einsum(dq, factor, "run batch pos layer reader d_head, run batch pos layer -> batch pos layer reader d_head")
         by_layer = summed_h.permute(2, 3, 0, 1, 4).reshape(G, n_read, batch * n_pos, d_head)
-        if pulled_buffer is None or pulled_buffer.shape[0] < G * n_read:  # one buffer for every group: no fresh pages
-            pulled_buffer = deltas.new_empty(G * n_read, batch * n_pos, d_model)
-        pulled = pulled_buffer[:G * n_read]
+        pulled = reused("pulled", (G * n_read, batch * n_pos, d_model), torch.float32)
         for j in range(G):  # one product per layer, each with its weight as stored
             torch.bmm(by_layer[j], w_eff[j], out=pulled[j * n_read:(j + 1) * n_read])
         n = _n_before(graph, 2 * last + 1)
@@ -202,8 +214,10 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         # the rank-one terms, for every run: (delta . n_run)(h_run . W'n_run) / D, and (delta . 1)(h . W'1) / D for
         # LayerNorm; W'n is what the run's projection computed less its bias and the projected norm bias, i.e. q, k
         # and v as hooked
-        qkv = torch.cat([pick(acts[act_name(kind, l)]) for l in group for kind in ("q", "k", "v")], dim=2).detach().float()
-        c = (h * (qkv.view(k, batch, n_pos, G, n_read, d_head) - offsets)).sum(-1) / d_model  # [run batch pos layer reader]
+        qkv = qkv_of(acts, group, "qkv").view(k, batch, n_pos, G, n_read, d_head)
+        c = (einsum(dq, qkv, "run batch pos layer reader d_head, run batch pos layer reader d_head -> run batch pos layer reader")
+             - einsum(dq, offsets, "run batch pos layer reader d_head, layer reader d_head -> run batch pos layer reader"))
+        c *= factor[..., None] / d_model  # [run batch pos layer reader]
         e = dots[:, :, group.start * k:group.stop * k, :n].unflatten(2, (G, k))  # [batch pos layer run writer]
         out = "batch pos writer layer reader" if positions else "batch writer layer reader"
         scores -= einsum(e, c, f"batch pos layer run writer, run batch pos layer reader -> {out}")
