@@ -91,27 +91,38 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
     return out
 
 
-def read_weights(model: HookedDecoder, group: range, n_read: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """For the group's layers, float32: each layer's W' [reader d_head d_model], each head's q/k/v projection times
-    ln1's weight (in the weight's own memory layout: a transposed Conv1D weight is not copied into another), and
-    [layer reader d_head] stacks of W'1 and of what q, k and v hold beyond W'n (the projection's bias and ln1's bias
-    projected)."""
-    w_eff, ones, offsets = [], [], []
-    for l in group:
-        qkv, norm = model.blocks[l].attn.qkv, model.blocks[l].ln1
-        weight, scale = qkv.weight.detach().float(), norm.w.detach().float()
-        w_eff.append((weight * scale).view(n_read, -1, weight.shape[1]))
-        ones.append(weight @ scale)
-        offset = qkv.bias.detach().float() if qkv.bias is not None else torch.zeros(weight.shape[0], device=weight.device)
-        if getattr(norm, "b", None) is not None:
-            offset = offset + weight @ norm.b.detach().float()
-        offsets.append(offset)
-    return w_eff, torch.stack(ones).view(len(group), n_read, -1), torch.stack(offsets).view(len(group), n_read, -1)
+def stack_as_stored(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack(tensors), copied in their own memory order when they share one (a transposed Conv1D weight is
+    then read row by row, not gathered element by element); the result has the same strides, plus a leading one."""
+    first = tensors[0]
+    order = sorted(range(first.dim()), key=lambda d: -first.stride(d))
+    if all(t.stride() == first.stride() for t in tensors) and first.permute(order).is_contiguous():
+        inverse = [order.index(d) + 1 for d in range(first.dim())]
+        return torch.stack([t.permute(order) for t in tensors]).permute(0, *inverse)
+    return torch.stack(tensors)
+
+
+def read_weights(model: HookedDecoder, group: range, n_read: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32, for the group's layers: W' [layer reader d_head d_model], each head's q/k/v projection times ln1's
+    weight; W'1 and what q, k and v hold beyond W'n (the projection's bias and ln1's bias projected), [layer reader
+    d_head] each."""
+    blocks = [model.blocks[l] for l in group]
+    weight = stack_as_stored([b.attn.qkv.weight.detach() for b in blocks]).float()  # [layer (reader d_head) d_model]
+    scale = torch.stack([b.ln1.w.detach() for b in blocks]).float()
+    w_eff = weight * scale[:, None]
+    ones = einsum(weight, scale, "layer x d_model, layer d_model -> layer x")
+    offsets = torch.zeros_like(ones)
+    if blocks[0].attn.qkv.bias is not None:
+        offsets += torch.stack([b.attn.qkv.bias.detach() for b in blocks]).float()
+    if getattr(blocks[0].ln1, "b", None) is not None:
+        offsets += einsum(weight, torch.stack([b.ln1.b.detach() for b in blocks]).float(), "layer x d_model, layer d_model -> layer x")
+    G = len(group)
+    return w_eff.view(G, n_read, -1, weight.shape[-1]), ones.view(G, n_read, -1), offsets.view(G, n_read, -1)
 
 
 def out_weights(model: HookedDecoder, group: range) -> torch.Tensor:
     """[layer head d_head d_model] float32: the group's W_O."""
-    return torch.stack([model.blocks[l].attn.W_O.detach() for l in group]).float()
+    return stack_as_stored([model.blocks[l].attn.W_O.detach() for l in group]).float()
 
 
 def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float], hook_grads: dict[str, torch.Tensor],
@@ -127,13 +138,13 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     weighted = [i for i, w in enumerate(weights) if w]
     k = len(weighted)
     if weighted == list(range(weighted[0], weighted[0] + k)):
-        def pick(t):
-            return t[weighted[0] * batch:(weighted[0] + k) * batch]
+        def pick(t: torch.Tensor, dim: int = 0) -> torch.Tensor:  # the weighted runs' rows
+            return t.narrow(dim, weighted[0] * batch, k * batch)
     else:
         index = torch.cat([torch.arange(i * batch, (i + 1) * batch) for i in weighted]).to(deltas.device)
 
-        def pick(t):
-            return t.index_select(0, index)
+        def pick(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+            return t.index_select(dim, index)
     run_weights = torch.tensor([weights[i] for i in weighted], dtype=torch.float32, device=deltas.device)
     keep = mask.to(device=deltas.device, dtype=torch.float32)[:, :, None]  # [batch pos 1]: padding carries no effect
 
@@ -165,7 +176,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     centres = isinstance(norms[0], LayerNorm)
     # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and its scale s
     # (in place: on a CPU every fresh large temporary costs its page faults, often more than its arithmetic)
-    normed = torch.stack([pick(read[l]) for l in range(graph.n_layers)]).float().view(-1, k, batch, n_pos, d_model)
+    normed = pick(torch.stack([read[l] for l in range(graph.n_layers)]), dim=1).float().view(-1, k, batch, n_pos, d_model)
     if centres:
         normed.sub_(normed.mean(-1, keepdim=True))
     scales = (torch.linalg.vector_norm(normed, dim=-1, keepdim=True).square_().div_(d_model) + norms[0].eps).sqrt_()
@@ -186,10 +197,11 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         return held
 
     def qkv_of(source: dict[str, torch.Tensor], group: range, name: str) -> torch.Tensor:
-        """[rows pos (layer reader) d_head]: the group's q, k and v (values or gradients), q then k then v per layer."""
-        parts = [pick(source[act_name(kind, l)]).detach() for l in group for kind in ("q", "k", "v")]
+        """[rows pos (layer reader) d_head]: the group's q, k and v (values or gradients), q then k then v per layer,
+        of the weighted runs (every row joined, then those picked: one operation, not one per tensor)."""
+        parts = [source[act_name(kind, l)] for l in group for kind in ("q", "k", "v")]
         shape = (*parts[0].shape[:2], sum(p.shape[2] for p in parts), parts[0].shape[3])
-        return torch.cat(parts, dim=2, out=reused(name, shape, parts[0].dtype)).float()
+        return pick(torch.cat(parts, dim=2, out=reused(name, shape, parts[0].dtype))).float()
 
     for group in layer_groups(graph, most):
         G, last = len(group), group.stop - 1
