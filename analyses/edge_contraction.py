@@ -57,6 +57,7 @@ def _n_before(graph: CircuitGraph, stage: int) -> int:
     return int((graph.writer_stage < stage).sum())
 
 
+@torch.no_grad()
 def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: int) -> torch.Tensor:
     """[batch writer pos d_model] float32, writer-major: every writer's clean output less its corrupted one.
     `saved`: name -> {"clean": ..., "corrupted": ...} of the embedding, hook_z, hook_mlp_out (and in sandwich
@@ -125,6 +126,7 @@ def out_weights(model: HookedDecoder, group: range) -> torch.Tensor:
     return stack_as_stored([model.blocks[l].attn.W_O.detach() for l in group]).float()
 
 
+@torch.no_grad()
 def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float], hook_grads: dict[str, torch.Tensor],
                   acts: dict[str, torch.Tensor], read: dict[int, torch.Tensor], deltas: torch.Tensor, mask: torch.Tensor, positions: bool,
                   most: int) -> torch.Tensor:
