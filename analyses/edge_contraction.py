@@ -92,38 +92,29 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
     return out
 
 
-def stack_as_stored(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """torch.stack(tensors), copied in their own memory order when they share one (a transposed Conv1D weight is
-    then read row by row, not gathered element by element); the result has the same strides, plus a leading one."""
-    first = tensors[0]
-    order = sorted(range(first.dim()), key=lambda d: -first.stride(d))
-    if all(t.stride() == first.stride() for t in tensors) and first.permute(order).is_contiguous():
-        inverse = [order.index(d) + 1 for d in range(first.dim())]
-        return torch.stack([t.permute(order) for t in tensors]).permute(0, *inverse)
-    return torch.stack(tensors)
-
-
-def read_weights(model: HookedDecoder, group: range, n_read: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32, for the group's layers: W' [layer reader d_head d_model], each head's q/k/v projection times ln1's
-    weight; W'1 and what q, k and v hold beyond W'n (the projection's bias and ln1's bias projected), [layer reader
-    d_head] each."""
-    blocks = [model.blocks[l] for l in group]
-    weight = stack_as_stored([b.attn.qkv.weight.detach() for b in blocks]).float()  # [layer (reader d_head) d_model]
-    scale = torch.stack([b.ln1.w.detach() for b in blocks]).float()
-    w_eff = weight * scale[:, None]
-    ones = einsum(weight, scale, "layer x d_model, layer d_model -> layer x")
-    offsets = torch.zeros_like(ones)
-    if blocks[0].attn.qkv.bias is not None:
-        offsets += torch.stack([b.attn.qkv.bias.detach() for b in blocks]).float()
-    if getattr(blocks[0].ln1, "b", None) is not None:
-        offsets += einsum(weight, torch.stack([b.ln1.b.detach() for b in blocks]).float(), "layer x d_model, layer d_model -> layer x")
-    G = len(group)
-    return w_eff.view(G, n_read, -1, weight.shape[-1]), ones.view(G, n_read, -1), offsets.view(G, n_read, -1)
+def read_weights(model: HookedDecoder, group: range, n_read: int, fold_scale: bool):
+    """float32, for the group's layers: each layer's q/k/v projection [reader d_head d_model] (in the weight's own
+    memory layout: a transposed Conv1D weight is not copied into another), times ln1's weight when `fold_scale`
+    (a copy), else the weight itself (the caller scales what it pulls back); ln1's weights [layer d_model]; and
+    [layer reader d_head] stacks of W'1 and of what q, k and v hold beyond W'n (the projection's bias and ln1's
+    bias projected)."""
+    projections, ones, offsets = [], [], []
+    for l in group:
+        qkv, norm = model.blocks[l].attn.qkv, model.blocks[l].ln1
+        weight, scale = qkv.weight.detach().float(), norm.w.detach().float()
+        projections.append((weight * scale if fold_scale else weight).view(n_read, -1, weight.shape[1]))
+        ones.append(weight @ scale)
+        offset = qkv.bias.detach().float() if qkv.bias is not None else torch.zeros(weight.shape[0], device=weight.device)
+        if getattr(norm, "b", None) is not None:
+            offset = offset + weight @ norm.b.detach().float()
+        offsets.append(offset)
+    scales = torch.stack([model.blocks[l].ln1.w.detach() for l in group]).float()
+    return projections, scales, torch.stack(ones).view(len(group), n_read, -1), torch.stack(offsets).view(len(group), n_read, -1)
 
 
 def out_weights(model: HookedDecoder, group: range) -> torch.Tensor:
     """[layer head d_head d_model] float32: the group's W_O."""
-    return stack_as_stored([model.blocks[l].attn.W_O.detach() for l in group]).float()
+    return torch.stack([model.blocks[l].attn.W_O.detach() for l in group]).float()
 
 
 @torch.no_grad()
@@ -140,13 +131,13 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     weighted = [i for i, w in enumerate(weights) if w]
     k = len(weighted)
     if weighted == list(range(weighted[0], weighted[0] + k)):
-        def pick(t: torch.Tensor, dim: int = 0) -> torch.Tensor:  # the weighted runs' rows
-            return t.narrow(dim, weighted[0] * batch, k * batch)
+        def pick(t):
+            return t[weighted[0] * batch:(weighted[0] + k) * batch]
     else:
         index = torch.cat([torch.arange(i * batch, (i + 1) * batch) for i in weighted]).to(deltas.device)
 
-        def pick(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-            return t.index_select(dim, index)
+        def pick(t):
+            return t.index_select(0, index)
     run_weights = torch.tensor([weights[i] for i in weighted], dtype=torch.float32, device=deltas.device)
     keep = mask.to(device=deltas.device, dtype=torch.float32)[:, :, None]  # [batch pos 1]: padding carries no effect
 
@@ -178,7 +169,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     centres = isinstance(norms[0], LayerNorm)
     # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and its scale s
     # (in place: on a CPU every fresh large temporary costs its page faults, often more than its arithmetic)
-    normed = pick(torch.stack([read[l] for l in range(graph.n_layers)]), dim=1).float().view(-1, k, batch, n_pos, d_model)
+    normed = torch.stack([pick(read[l]) for l in range(graph.n_layers)]).float().view(-1, k, batch, n_pos, d_model)
     if centres:
         normed.sub_(normed.mean(-1, keepdim=True))
     scales = (torch.linalg.vector_norm(normed, dim=-1, keepdim=True).square_().div_(d_model) + norms[0].eps).sqrt_()
@@ -199,11 +190,10 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         return held
 
     def qkv_of(source: dict[str, torch.Tensor], group: range, name: str) -> torch.Tensor:
-        """[rows pos (layer reader) d_head]: the group's q, k and v (values or gradients), q then k then v per layer,
-        of the weighted runs (every row joined, then those picked: one operation, not one per tensor)."""
-        parts = [source[act_name(kind, l)] for l in group for kind in ("q", "k", "v")]
+        """[rows pos (layer reader) d_head]: the group's q, k and v (values or gradients), q then k then v per layer."""
+        parts = [pick(source[act_name(kind, l)]).detach() for l in group for kind in ("q", "k", "v")]
         shape = (*parts[0].shape[:2], sum(p.shape[2] for p in parts), parts[0].shape[3])
-        return pick(torch.cat(parts, dim=2, out=reused(name, shape, parts[0].dtype))).float()
+        return torch.cat(parts, dim=2, out=reused(name, shape, parts[0].dtype)).float()
 
     for group in layer_groups(graph, most):
         G, last = len(group), group.stop - 1
@@ -217,21 +207,27 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         dq = dq.view(k, batch, n_pos, G, n_read, d_head)
         # h = dq / s, weighted, padding zeroed: never formed, its factor enters each product
         factor = keep / scales[group.start:group.stop, ..., 0].permute(1, 2, 3, 0) * run_weights.view(k, 1, 1, 1)
-        w_eff, w_ones, offsets = read_weights(model, group, n_read)
-        summed_h = einsum(dq, factor, "run batch pos layer reader d_head, run batch pos layer -> batch pos layer reader d_head")
+        # W' = W diag(w) copied, or w applied to what W pulls back: whichever tensor is the smaller
+        fold = batch * n_pos > d_head
+        projections, ln_w, w_ones, offsets = read_weights(model, group, n_read, fold)
+        if k == 1:
+            summed_h = dq[0] * factor[0, ..., None, None]  # [batch pos layer reader d_head]
+        else:
+            summed_h = torch.einsum("kbpgrd,kbpg->bpgrd", dq, factor)
         by_layer = summed_h.permute(2, 3, 0, 1, 4).reshape(G, n_read, batch * n_pos, d_head)
         pulled = reused("pulled", (G * n_read, batch * n_pos, d_model), torch.float32)
         for j in range(G):  # one product per layer, each with its weight as stored
-            torch.bmm(by_layer[j], w_eff[j], out=pulled[j * n_read:(j + 1) * n_read])
+            rows = pulled[j * n_read:(j + 1) * n_read]
+            torch.bmm(by_layer[j], projections[j], out=rows)
+            if not fold:
+                rows *= ln_w[j]
         n = _n_before(graph, 2 * last + 1)
         scores = product(n, pulled.view(G * n_read, batch, n_pos, d_model)).unflatten(-1, (G, n_read))
         # the rank-one terms, for every run: (delta . n_run)(h_run . W'n_run) / D, and (delta . 1)(h . W'1) / D for
         # LayerNorm; W'n is what the run's projection computed less its bias and the projected norm bias, i.e. q, k
         # and v as hooked
         qkv = qkv_of(acts, group, "qkv").view(k, batch, n_pos, G, n_read, d_head)
-        c = (einsum(dq, qkv, "run batch pos layer reader d_head, run batch pos layer reader d_head -> run batch pos layer reader")
-             - einsum(dq, offsets, "run batch pos layer reader d_head, layer reader d_head -> run batch pos layer reader"))
-        c *= factor[..., None] / d_model  # [run batch pos layer reader]
+        c = torch.linalg.vecdot(dq, qkv - offsets) * (factor[..., None] / d_model)  # [run batch pos layer reader]
         e = dots[:, :, group.start * k:group.stop * k, :n].unflatten(2, (G, k))  # [batch pos layer run writer]
         out = "batch pos writer layer reader" if positions else "batch writer layer reader"
         scores -= einsum(e, c, f"batch pos layer run writer, run batch pos layer reader -> {out}")
