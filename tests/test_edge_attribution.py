@@ -367,3 +367,22 @@ def test_a_metric_declaring_its_reads_scores_like_the_full_logits_path(tiny_mode
     scale = float(full.scores.abs().max())
     torch.testing.assert_close(fast.per_example, full.per_example, atol=1e-5 * scale, rtol=0)
     assert fast.clean == pytest.approx(full.clean, abs=1e-5) and fast.corrupted == pytest.approx(full.corrupted, abs=1e-5)
+
+
+@pytest.mark.parametrize("method", ["eap", "eap-ig-inputs"])
+def test_left_padding_changes_no_score(tiny_model, method, monkeypatch):
+    """A left-padded prompt scores every edge as it does alone and unpadded (padded positions carry nothing), on
+    both the small-model path and the large-model one."""
+    import sys
+
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab, n_pos=9)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    mask = torch.ones_like(clean, dtype=torch.bool)
+    mask[0, :3] = False  # the first prompt is its last six tokens, left-padded with three
+    for small in (True, False):
+        if not small:
+            monkeypatch.setattr(sys.modules["probe.analyses.edge_gradients"], "SMALL_FORWARD", 0)
+        padded = edge_attribution(tiny_model, clean, corrupted, metric, method=method, ig_steps=3, attention_mask=mask)
+        alone = edge_attribution(tiny_model, clean[:1, 3:], corrupted[:1, 3:],
+                                 logit_diff_metric(tiny_model, ANSWERS[:1], COUNTERFACTUALS[:1]), method=method, ig_steps=3)
+        assert_scores_close(padded.per_example[0], alone.per_example[0])
