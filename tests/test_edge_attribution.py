@@ -386,3 +386,20 @@ def test_left_padding_changes_no_score(tiny_model, method, monkeypatch):
         alone = edge_attribution(tiny_model, clean[:1, 3:], corrupted[:1, 3:],
                                  logit_diff_metric(tiny_model, ANSWERS[:1], COUNTERFACTUALS[:1]), method=method, ig_steps=3)
         assert_scores_close(padded.per_example[0], alone.per_example[0])
+
+
+@pytest.mark.parametrize("method", ["eap-ig-activations", "clean-corrupted"])
+def test_the_two_paths_agree_on_the_other_methods(family, method, monkeypatch):
+    """The methods the oracle does not cover score alike on the small-model path (one stacked forward, every
+    layer at once) and the large-model one (one layer at a time, separate and split forwards)."""
+    import sys
+
+    kind, hf, model = family
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    small = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=3, positions=True)
+    monkeypatch.setattr(sys.modules["probe.analyses.edge_gradients"], "SMALL_FORWARD", 0)
+    large = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=3, positions=True,
+                             max_rows=2 * clean.shape[0])
+    assert_scores_close(large.per_example, small.per_example)
+    assert_scores_close(large.per_position.flatten(1), small.per_position.flatten(1))
