@@ -15,7 +15,8 @@ padding zeroed) and W' = W diag(w), for D = d_model:
     delta . g = delta . (h W')  -  (delta . 1)(h . W'1) / D  -  (delta . n)(h . W'n) / D
 
 The first term is linear in h, so the runs' h are summed first: one product with W' and one matmul with the
-deltas, whatever the number of runs. The two others are rank one at each position and are subtracted from the
+deltas, whatever the number of runs (W' is the weight where it lies times w, or w multiplies the pulled-back
+rows instead when those are the smaller tensor). The two others are rank one at each position and are subtracted from the
 scores, not from the gradients: W'n is what the run's projection computed (hook_q/k/v less the biases), delta . n
 is one product per prompt for every layer and run on the deltas as they lie (writer-major), and the rest is a
 [writer (run pos)] x [(run pos) reader] product per group.
