@@ -33,6 +33,7 @@ import torch
 from einops import einsum
 
 from probe.analyses.circuit_graph import CircuitGraph
+from probe.analyses.edge_patching import head_outputs
 from probe import HookedDecoder
 from probe.names import act_name
 from probe.norm import LayerNorm, RMSNorm
@@ -76,14 +77,12 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
 
         first_writer = graph.head_writers(group.start).start
         block = out[:, first_writer:graph.mlp_writer(group.stop - 1) + 1].unflatten(1, (len(group), n_heads + 1))
-        if graph.sandwich:  # each run's write is divided by its own ln1_post scale
-            post_w = torch.stack([model.blocks[l].ln1_post.w for l in group]).float()[None, :, None, None]
-            pattern = "layer batch pos head d_head, layer head d_head d_model -> batch layer head pos d_model"
-
-            def share(run: str) -> torch.Tensor:
-                scale = torch.stack([saved[act_name("scale", l, "ln1_post")][run] for l in group]).float()
-                return einsum(stacked("z", run), w_o, pattern) * post_w / scale.permute(1, 0, 3, 2)[:, :, :, :, None]
-            block[:, :, :n_heads] = share("clean") - share("corrupted")
+        if graph.sandwich:  # each run's write is divided by its own ln1_post scale: head_outputs, layer by layer
+            for j, l in enumerate(group):
+                shares = [head_outputs(model, l, einsum(saved[act_name("z", l)][run].float(), w_o[j],
+                                                        "batch pos head d_head, head d_head d_model -> batch pos head d_model"),
+                                       saved[act_name("scale", l, "ln1_post")][run]) for run in ("clean", "corrupted")]
+                block[:, j, :n_heads] = (shares[0] - shares[1]).transpose(1, 2)
         else:  # linear in z: one product of the difference, per prompt and layer, written where it stays
             z = stacked("z", "clean") - stacked("z", "corrupted")  # [layer batch pos head d_head]
             for j in range(len(group)):
@@ -99,18 +98,18 @@ def read_weights(model: HookedDecoder, group: range, n_read: int, fold_scale: bo
     (a copy), else the weight itself (the caller scales what it pulls back); ln1's weights [layer d_model]; and
     [layer reader d_head] stacks of W'1 and of what q, k and v hold beyond W'n (the projection's bias and ln1's
     bias projected)."""
-    projections, ones, offsets = [], [], []
+    projections, scales, ones, offsets = [], [], [], []
     for l in group:
         qkv, norm = model.blocks[l].attn.qkv, model.blocks[l].ln1
         weight, scale = qkv.weight.detach().float(), norm.w.detach().float()
+        scales.append(scale)
         projections.append((weight * scale if fold_scale else weight).view(n_read, -1, weight.shape[1]))
         ones.append(weight @ scale)
         offset = qkv.bias.detach().float() if qkv.bias is not None else torch.zeros(weight.shape[0], device=weight.device)
         if getattr(norm, "b", None) is not None:
             offset = offset + weight @ norm.b.detach().float()
         offsets.append(offset)
-    scales = torch.stack([model.blocks[l].ln1.w.detach() for l in group]).float()
-    return projections, scales, torch.stack(ones).view(len(group), n_read, -1), torch.stack(offsets).view(len(group), n_read, -1)
+    return projections, torch.stack(scales), torch.stack(ones).view(len(group), n_read, -1), torch.stack(offsets).view(len(group), n_read, -1)
 
 
 def out_weights(model: HookedDecoder, group: range) -> torch.Tensor:

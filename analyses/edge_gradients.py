@@ -68,7 +68,8 @@ class _Forward:
         self.grads = grads
         self.live: dict[str, torch.Tensor] = {}  # hook name -> activation in the graph
         self.read: dict[int, torch.Tensor] = {}  # layer -> the residual ln1 read, every row (detached)
-        self.stored: dict[str, torch.Tensor] = {}  # what the Store hooks keep (every row, detached): see collect
+        self.stored: dict[str, torch.Tensor] = {}  # writers the Store hooks keep (every row, detached): see collect
+        self.residuals: dict[str, torch.Tensor] = {}  # resid_pre the Store hooks keep, when no hook moves it
         self.kept_rows = [("clean" if run.clean else "corrupted", self.rows(i)) for i, run in enumerate(runs)
                           if run.clean or run.alpha == 0]
 
@@ -84,10 +85,10 @@ class _Forward:
     def collect(self) -> None:
         """After the forward: the stored writers' clean and corrupted rows into `saved`, and the residuals ln1 read."""
         for name, act in self.stored.items():
-            if name.endswith("hook_resid_pre"):
-                self.read[int(name.split(".")[1])] = act
-            else:
-                self.record(name, act)
+            self.record(name, act)
+        for l in range(1, self.graph.n_layers):
+            if act_name("resid_pre", l) in self.residuals:
+                self.read[l] = self.residuals[act_name("resid_pre", l)]
 
     def moved(self, name: str, act: torch.Tensor) -> torch.Tensor:
         """act, with each interpolated run's rows put at corrupted + alpha (clean - corrupted); the gradient still
@@ -128,7 +129,7 @@ class _Forward:
                 return self.keep(name, out, wanted=name != act_name("resid_pre", 0)) if kept else out
             return hook
 
-        store = Store(self.stored)  # inline in the hook point: no function call, no checks
+        store, store_residual = Store(self.stored), Store(self.residuals)  # inline in the hook point: no call, no checks
 
         def keep(act, hook):
             return self.keep(hook.name, act)
@@ -141,7 +142,7 @@ class _Forward:
         for l in range(L):
             if l > 0:
                 name = act_name("resid_pre", l)
-                out.append((name, resid(name, True, reads=l) if moves_all else store))
+                out.append((name, resid(name, True, reads=l) if moves_all else store_residual))
             out += [(act_name(kind, l), keep) for kind in ("q", "k", "v")]
             out += [(act_name("z", l), store), (act_name("mlp_out", l), store), (mlp_in_name(l), keep_own)]
             if graph.sandwich:

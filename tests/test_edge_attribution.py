@@ -7,6 +7,8 @@ residual it reads plus a zero leaf of its own, so one backward gives each reader
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -194,6 +196,12 @@ def test_eap_matches_transformers_autograd_on_every_edge(family, method):
         assert float(expected[:, into].abs().max()) > 1e-3 * float(expected.abs().max()), kind_
 
 
+def large_model_path(monkeypatch) -> None:
+    """What a large model on a CPU runs, forced on a tiny one: its layers one at a time, the clean prompts in a
+    forward of their own."""
+    monkeypatch.setattr(sys.modules["probe.analyses.edge_gradients"], "SMALL_FORWARD", 0)
+
+
 def integrated_oracle(hf, kind, graph, clean, corrupted, steps: int) -> torch.Tensor:
     """[batch edge]: Δwriter . the reader gradients averaged over transformers runs from interpolated `inputs_embeds`
     (alpha = 0, 1/steps, ...: steps=1 is EAP's corrupted run)."""
@@ -220,9 +228,7 @@ def test_eap_ig_inputs_matches_transformers_integrated_gradients(family):
 def test_the_large_model_path_matches_transformers_autograd(family, method, monkeypatch):
     """What a large model on a CPU runs (its layers' readers one layer at a time, the clean prompts in a forward of
     their own, the interpolation steps in several forwards) against the same oracle."""
-    import sys
-
-    monkeypatch.setattr(sys.modules["probe.analyses.edge_gradients"], "SMALL_FORWARD", 0)
+    large_model_path(monkeypatch)
     kind, hf, model = family
     clean, corrupted = prompts(model.cfg.d_vocab)
     metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
@@ -373,15 +379,13 @@ def test_a_metric_declaring_its_reads_scores_like_the_full_logits_path(tiny_mode
 def test_left_padding_changes_no_score(tiny_model, method, monkeypatch):
     """A left-padded prompt scores every edge as it does alone and unpadded (padded positions carry nothing), on
     both the small-model path and the large-model one."""
-    import sys
-
     clean, corrupted = prompts(tiny_model.cfg.d_vocab, n_pos=9)
     metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
     mask = torch.ones_like(clean, dtype=torch.bool)
     mask[0, :3] = False  # the first prompt is its last six tokens, left-padded with three
     for small in (True, False):
         if not small:
-            monkeypatch.setattr(sys.modules["probe.analyses.edge_gradients"], "SMALL_FORWARD", 0)
+            large_model_path(monkeypatch)
         padded = edge_attribution(tiny_model, clean, corrupted, metric, method=method, ig_steps=3, attention_mask=mask)
         alone = edge_attribution(tiny_model, clean[:1, 3:], corrupted[:1, 3:],
                                  logit_diff_metric(tiny_model, ANSWERS[:1], COUNTERFACTUALS[:1]), method=method, ig_steps=3)
@@ -392,13 +396,11 @@ def test_left_padding_changes_no_score(tiny_model, method, monkeypatch):
 def test_the_two_paths_agree_on_the_other_methods(family, method, monkeypatch):
     """The methods the oracle does not cover score alike on the small-model path (one stacked forward, every
     layer at once) and the large-model one (one layer at a time, separate and split forwards)."""
-    import sys
-
     kind, hf, model = family
     clean, corrupted = prompts(model.cfg.d_vocab)
     metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
     small = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=3, positions=True)
-    monkeypatch.setattr(sys.modules["probe.analyses.edge_gradients"], "SMALL_FORWARD", 0)
+    large_model_path(monkeypatch)
     large = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=3, positions=True,
                              max_rows=2 * clean.shape[0])
     assert_scores_close(large.per_example, small.per_example)
