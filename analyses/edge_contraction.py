@@ -9,14 +9,16 @@ scale s:
 
     g = (1/s) (w*(dq W) - mean(w*(dq W)) - n mean(n*w*(dq W)))      (RMSNorm has no middle term)
 
-g is never formed per run, and there is no pass over [run batch pos reader d_model]. With h = dq/s (weighted,
-padding zeroed) and W' = W diag(w), for D = d_model:
+g is never formed per run, and there is no pass over [run batch pos reader d_model]. In a model of LayerNorms
+every reader's gradient has zero mean over d_model (each is a LayerNorm's input gradient: ln1's, ln2's or the
+final norm's), so a delta's mean never contributes and the deltas are centred once (writer_deltas); the middle
+term of g then vanishes. With h = dq/s (weighted, padding zeroed) and W' = W diag(w), for D = d_model:
 
-    delta . g = delta . (h W')  -  (delta . 1)(h . W'1) / D  -  (delta . n)(h . W'n) / D
+    delta . g = delta . (h W')  -  (delta . n)(h . W'n) / D
 
 The first term is linear in h, so the runs' h are summed first: one product with W' and one matmul with the
 deltas, whatever the number of runs (W' is the weight where it lies times w, or w multiplies the pulled-back
-rows instead when those are the smaller tensor). The two others are rank one at each position and are subtracted from the
+rows instead when those are the smaller tensor). The other is rank one at each position and is subtracted from the
 scores, not from the gradients: W'n is what the run's projection computed (hook_q/k/v less the biases), delta . n
 is one product per prompt for every layer and run on the deltas as they lie (writer-major), and the rest is a
 [writer (run pos)] x [(run pos) reader] product per group.
@@ -43,6 +45,17 @@ def mlp_in_name(layer: int) -> str:
     return f"blocks.{layer}.hook_mlp_in"
 
 
+def centres(model: HookedDecoder) -> bool:
+    """True when every norm a reader's gradient passes (ln1, ln2, the final norm) is a LayerNorm, False when every
+    one is an RMSNorm; the pull-back of a head's gradient knows only these two."""
+    norms = [n for block in model.blocks for n in (block.ln1, block.ln2)] + [model.ln_final]
+    for kind in (LayerNorm, RMSNorm):
+        if all(isinstance(n, kind) for n in norms):
+            return kind is LayerNorm
+    raise TypeError("edge attribution pulls head gradients back through LayerNorm or RMSNorm, one kind in the whole "
+                    f"model; this model's norms are {sorted({type(n).__name__ for n in norms})}")
+
+
 def layer_groups(graph: CircuitGraph, most: int) -> list[range]:
     """Consecutive layers with the same query and key/value head counts, at most `most` to a group."""
     groups, start = [], 0
@@ -61,9 +74,10 @@ def _n_before(graph: CircuitGraph, stage: int) -> int:
 
 @torch.no_grad()
 def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: int) -> torch.Tensor:
-    """[batch writer pos d_model] float32, writer-major: every writer's clean output less its corrupted one.
-    `saved`: name -> {"clean": ..., "corrupted": ...} of the embedding, hook_z, hook_mlp_out (and in sandwich
-    blocks ln1_post's scale). A head's output is z @ W_O (in a sandwich block, its share of the normalised write)."""
+    """[batch writer pos d_model] float32, writer-major: every writer's clean output less its corrupted one, centred
+    over d_model in a model of LayerNorms (see the module's docstring). `saved`: name -> {"clean": ..., "corrupted":
+    ...} of the embedding, hook_z, hook_mlp_out (and in sandwich blocks ln1_post's scale). A head's output is
+    z @ W_O (in a sandwich block, its share of the normalised write)."""
     first = saved["embed"]
     batch, n_pos, d_model = first["clean"].shape
     out = torch.empty(batch, len(graph.writers), n_pos, d_model, device=first["clean"].device)
@@ -89,27 +103,29 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
                 for b in range(batch):
                     torch.bmm(z[j, b].transpose(0, 1), w_o[j], out=block[b, j, :n_heads])
         block[:, :, n_heads] = (stacked("mlp_out", "clean") - stacked("mlp_out", "corrupted")).transpose(0, 1)
+    if centres(model):
+        out -= out.mean(-1, keepdim=True)
     return out
 
 
-def read_weights(model: HookedDecoder, group: range, n_read: int, fold_scale: bool):
-    """float32, for the group's layers: each layer's q/k/v projection [reader d_head d_model] (in the weight's own
+def read_weights(blocks: list, n_read: int, fold_scale: bool):
+    """float32, for the `blocks` (a group's): each layer's q/k/v projection [reader d_head d_model] (in the weight's own
     memory layout: a transposed Conv1D weight is not copied into another), times ln1's weight when `fold_scale`
     (a copy), else the weight itself (the caller scales what it pulls back); ln1's weights [layer d_model]; and
-    [layer reader d_head] stacks of W'1 and of what q, k and v hold beyond W'n (the projection's bias and ln1's
-    bias projected)."""
-    projections, scales, ones, offsets = [], [], [], []
-    for l in group:
-        qkv, norm = model.blocks[l].attn.qkv, model.blocks[l].ln1
+    [layer reader d_head] what q, k and v hold beyond W'n (the projection's bias and ln1's bias projected)."""
+    projections, scales, offsets = [], [], []
+    for block in blocks:
+        qkv, norm = block.attn.qkv, block.ln1
         weight, scale = qkv.weight.detach().float(), norm.w.detach().float()
         scales.append(scale)
         projections.append((weight * scale if fold_scale else weight).view(n_read, -1, weight.shape[1]))
-        ones.append(weight @ scale)
-        offset = qkv.bias.detach().float() if qkv.bias is not None else torch.zeros(weight.shape[0], device=weight.device)
-        if getattr(norm, "b", None) is not None:
-            offset = offset + weight @ norm.b.detach().float()
-        offsets.append(offset)
-    return projections, torch.stack(scales), torch.stack(ones).view(len(group), n_read, -1), torch.stack(offsets).view(len(group), n_read, -1)
+        bias, shift = qkv.bias, getattr(norm, "b", None)
+        if shift is not None:
+            offsets.append(torch.mv(weight, shift.detach().float()) if bias is None else
+                           torch.addmv(bias.detach().float(), weight, shift.detach().float()))
+        else:
+            offsets.append(bias.detach().float() if bias is not None else weight.new_zeros(weight.shape[0]))
+    return projections, torch.stack(scales), torch.stack(offsets).view(len(blocks), n_read, -1)
 
 
 def out_weights(model: HookedDecoder, group: range) -> torch.Tensor:
@@ -141,15 +157,11 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     run_weights = torch.tensor([weights[i] for i in weighted], dtype=torch.float32, device=deltas.device)
     keep = mask.to(device=deltas.device, dtype=torch.float32)[:, :, None]  # [batch pos 1]: padding carries no effect
 
-    def per_run(names: list[str]) -> torch.Tensor:  # [layer run batch pos ...] float32
-        t = torch.stack([pick(hook_grads[name]) for name in names]).float()
-        return t.view(len(names), k, batch, *t.shape[2:])
-
-    def summed(names: list[str]) -> torch.Tensor:  # [layer batch pos d_model]: the weighted sum over runs
-        runs = per_run(names)
-        if k == 1 and weights[weighted[0]] == 1.0:
-            return runs[:, 0] * keep
-        return einsum(runs, run_weights, "layer run batch pos d_model, run -> layer batch pos d_model") * keep
+    def summed(names: list[str], out: torch.Tensor) -> None:
+        """out [layer batch pos d_model] = the names' gradients summed over the runs with their weights, padding zeroed."""
+        for name, rows in zip(names, out):
+            torch.mv(pick(hook_grads[name]).float().reshape(k, -1).t(), run_weights, out=rows.view(-1))
+        out *= keep
 
     n_readers = graph.valid.shape[1]
     full = deltas.new_zeros((batch, n_pos, n_writers, n_readers) if positions else (batch, n_writers, n_readers))
@@ -162,23 +174,20 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
             return einsum(deltas[:, :n], grads, "batch writer pos d_model, reader batch pos d_model -> batch pos writer reader")
         return torch.matmul(flat[:, :n], grads.reshape(grads.shape[0], batch, n_pos * d_model).permute(1, 2, 0))
 
-    norms = [model.blocks[l].ln1 for l in range(graph.n_layers)]
-    if not all(isinstance(norm, (LayerNorm, RMSNorm)) for norm in norms):
-        raise TypeError("edge attribution pulls head gradients back through LayerNorm or RMSNorm; this model's ln1 is a "
-                        f"{type(norms[0]).__name__}")
-    centres = isinstance(norms[0], LayerNorm)
-    # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and its scale s
+    blocks = list(model.blocks)  # indexed once: a ModuleList's lookups cost more than this call's small products
+    centred, eps = centres(model), blocks[0].ln1.eps
+    # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and 1/s, its scale's inverse
     # (in place: on a CPU every fresh large temporary costs its page faults, often more than its arithmetic)
     normed = torch.stack([pick(read[l]) for l in range(graph.n_layers)]).float().view(-1, k, batch, n_pos, d_model)
-    if centres:
-        normed.sub_(normed.mean(-1, keepdim=True))
-    scales = (torch.linalg.vector_norm(normed, dim=-1, keepdim=True).square_().div_(d_model) + norms[0].eps).sqrt_()
-    normed /= scales  # scales [layer run batch pos 1]
+    if centred:
+        normed -= normed.mean(-1, keepdim=True)
+    # (torch.var_mean is several times slower than this on a CPU)
+    inv_scales = torch.linalg.vector_norm(normed, dim=-1, keepdim=True).square_().div_(d_model).add_(eps).rsqrt_()
+    normed *= inv_scales
     # delta . n of every writer for every layer and run [batch pos (layer run) writer]: one product per prompt, on
-    # the deltas as they lie (writer-major), and delta . 1 [batch writer pos]
+    # the deltas as they lie (writer-major)
     dots = torch.stack([torch.bmm(normed[:, :, b].flatten(0, 1).transpose(0, 1), deltas[b].permute(1, 2, 0))
                         for b in range(batch)])
-    sums = deltas.sum(-1) if centres else None
     del normed
 
     scratch: dict[str, torch.Tensor] = {}  # buffers every group reuses
@@ -205,15 +214,12 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         dq = qkv_of(hook_grads, group, "dq")
         d_head = dq.shape[-1]
         dq = dq.view(k, batch, n_pos, G, n_read, d_head)
-        # h = dq / s, weighted, padding zeroed: never formed, its factor enters each product
-        factor = keep / scales[group.start:group.stop, ..., 0].permute(1, 2, 3, 0) * run_weights.view(k, 1, 1, 1)
+        # h = dq / s, weighted, padding zeroed, each run's in place of its dq (a copy)
+        dq *= (keep * inv_scales[group.start:group.stop, ..., 0].permute(1, 2, 3, 0) * run_weights.view(k, 1, 1, 1))[..., None, None]
         # W' = W diag(w) copied, or w applied to what W pulls back: whichever tensor is the smaller
         fold = batch * n_pos > d_head
-        projections, ln_w, w_ones, offsets = read_weights(model, group, n_read, fold)
-        if k == 1:
-            summed_h = dq[0] * factor[0, ..., None, None]  # [batch pos layer reader d_head]
-        else:
-            summed_h = torch.einsum("kbpgrd,kbpg->bpgrd", dq, factor)
+        projections, ln_w, offsets = read_weights(blocks[group.start:group.stop], n_read, fold)
+        summed_h = dq[0] if k == 1 else torch.sum(dq, 0, out=reused("h", dq.shape[1:], dq.dtype))  # [batch pos layer reader d_head]
         by_layer = summed_h.permute(2, 3, 0, 1, 4).reshape(G, n_read, batch * n_pos, d_head)
         pulled = reused("pulled", (G * n_read, batch * n_pos, d_model), torch.float32)
         for j in range(G):  # one product per layer, each with its weight as stored
@@ -223,22 +229,19 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
                 rows *= ln_w[j]
         n = _n_before(graph, 2 * last + 1)
         scores = product(n, pulled.view(G * n_read, batch, n_pos, d_model)).unflatten(-1, (G, n_read))
-        # the rank-one terms, for every run: (delta . n_run)(h_run . W'n_run) / D, and (delta . 1)(h . W'1) / D for
-        # LayerNorm; W'n is what the run's projection computed less its bias and the projected norm bias, i.e. q, k
-        # and v as hooked
+        # the rank-one term, for every run: (delta . n_run)(h_run . W'n_run) / D; W'n is what the run's projection
+        # computed less its bias and the projected norm bias, i.e. q, k and v as hooked
         qkv = qkv_of(acts, group, "qkv").view(k, batch, n_pos, G, n_read, d_head)
-        c = torch.linalg.vecdot(dq, qkv - offsets) * (factor[..., None] / d_model)  # [run batch pos layer reader]
+        qkv -= offsets  # W'n, in place of q, k and v (a copy), then times h
+        c = qkv.mul_(dq).sum(-1).div_(d_model)  # [run batch pos layer reader]
         e = dots[:, :, group.start * k:group.stop * k, :n].unflatten(2, (G, k))  # [batch pos layer run writer]
         out = "batch pos writer layer reader" if positions else "batch writer layer reader"
         scores -= einsum(e, c, f"batch pos layer run writer, run batch pos layer reader -> {out}")
-        if centres:
-            ones = einsum(summed_h, w_ones, "batch pos layer reader d_head, layer reader d_head -> batch pos layer reader")
-            scores -= einsum(sums[:, :n], ones / d_model, f"batch writer pos, batch pos layer reader -> {out}")
         target[..., :n, :, :n_read] += scores
-        mlp_grads[list(group)] = summed([mlp_in_name(l) for l in group])
+        summed([mlp_in_name(l) for l in group], mlp_grads[group.start:group.stop])
 
     # the MLPs' and the logits' inputs, whose gradients are their hook points': one product against every writer
-    mlp_grads[graph.n_layers] = summed([act_name("resid_post", graph.n_layers - 1)])[0]
+    summed([act_name("resid_post", graph.n_layers - 1)], mlp_grads[graph.n_layers:])
     columns = [graph.mlp_reader(l) for l in range(graph.n_layers)] + [len(graph.readers) - 1]
     full[..., columns] += product(n_writers, mlp_grads)
     return full

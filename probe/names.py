@@ -2,6 +2,7 @@
 `act_name("pattern", 3)` is "blocks.3.attn.hook_pattern"."""
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Literal, Optional
 
@@ -31,6 +32,18 @@ def act_name(kind: str, layer: Optional[int] = None, norm: Optional[BlockNorm] =
     layer); embed pos_embed (no layer).
     The name is only built here: the model's `hook_point(name)` says whether this model has it.
     """
+    # analyses build the same names thousands of times a call: plain ints and strings are remembered
+    if type(kind) is str and (layer is None or type(layer) is int) and (norm is None or type(norm) is str):
+        return _remembered_name(kind, layer, norm)
+    return _build_name(kind, layer, norm)
+
+
+@functools.lru_cache(maxsize=4096)
+def _remembered_name(kind: str, layer: Optional[int], norm: Optional[str]) -> str:
+    return _build_name(kind, layer, norm)
+
+
+def _build_name(kind, layer, norm) -> str:
     kind = _ALIASES.get(kind, kind)
     if kind in _TOP_KINDS:
         if layer is not None or norm is not None:
