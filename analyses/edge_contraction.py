@@ -84,25 +84,20 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
     out[:, 0] = first["clean"].float() - first["corrupted"].float()
     for group in layer_groups(graph, most):
         n_heads = graph.heads[group.start]
-        w_o = out_weights(model, group)
-
-        def stacked(name: str, run: str) -> torch.Tensor:
-            return torch.stack([saved[act_name(name, l)][run] for l in group]).float()
-
         first_writer = graph.head_writers(group.start).start
         block = out[:, first_writer:graph.mlp_writer(group.stop - 1) + 1].unflatten(1, (len(group), n_heads + 1))
-        if graph.sandwich:  # each run's write is divided by its own ln1_post scale: head_outputs, layer by layer
-            for j, l in enumerate(group):
-                shares = [head_outputs(model, l, einsum(saved[act_name("z", l)][run].float(), w_o[j],
-                                                        "batch pos head d_head, head d_head d_model -> batch pos head d_model"),
+        for j, l in enumerate(group):
+            z, mlp_out, w_o = saved[act_name("z", l)], saved[act_name("mlp_out", l)], out_weights(model, l)
+            if graph.sandwich:  # each run's write is divided by its own ln1_post scale: head_outputs
+                shares = [head_outputs(model, l, einsum(z[run].float(), w_o, "batch pos head d_head, head d_head d_model "
+                                                        "-> batch pos head d_model"),
                                        saved[act_name("scale", l, "ln1_post")][run]) for run in ("clean", "corrupted")]
                 block[:, j, :n_heads] = (shares[0] - shares[1]).transpose(1, 2)
-        else:  # linear in z: one product of the difference, per prompt and layer, written where it stays
-            z = stacked("z", "clean") - stacked("z", "corrupted")  # [layer batch pos head d_head]
-            for j in range(len(group)):
+            else:  # linear in z: one product of the difference per prompt, written where it stays
+                dz = z["clean"].float() - z["corrupted"].float()  # [batch pos head d_head]
                 for b in range(batch):
-                    torch.bmm(z[j, b].transpose(0, 1), w_o[j], out=block[b, j, :n_heads])
-        block[:, :, n_heads] = (stacked("mlp_out", "clean") - stacked("mlp_out", "corrupted")).transpose(0, 1)
+                    torch.bmm(dz[b].transpose(0, 1), w_o, out=block[b, j, :n_heads])
+            torch.sub(mlp_out["clean"].float(), mlp_out["corrupted"].float(), out=block[:, j, n_heads])
     if centres(model):
         out -= out.mean(-1, keepdim=True)
     return out
@@ -128,9 +123,9 @@ def read_weights(blocks: list, n_read: int, fold_scale: bool):
     return projections, torch.stack(scales), torch.stack(offsets).view(len(blocks), n_read, -1)
 
 
-def out_weights(model: HookedDecoder, group: range) -> torch.Tensor:
-    """[layer head d_head d_model] float32: the group's W_O."""
-    return torch.stack([model.blocks[l].attn.W_O.detach() for l in group]).float()
+def out_weights(model: HookedDecoder, layer: int) -> torch.Tensor:
+    """[head d_head d_model] float32: the layer's W_O."""
+    return model.blocks[layer].attn.W_O.detach().float()
 
 
 @torch.no_grad()

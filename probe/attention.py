@@ -127,7 +127,7 @@ class Attention(nn.Module):
 
     @property
     def W_O(self) -> torch.Tensor:  # [head d_head d_model]
-        return rearrange(self.out.weight, "d_model (head d_head) -> head d_head d_model", d_head=self.d_head)
+        return self.out.weight.t().unflatten(0, (-1, self.d_head))  # a view, as rearrange's, without its parsing
 
     @property
     def b_O(self) -> Optional[torch.Tensor]:  # [d_model], None without an output bias
