@@ -106,21 +106,18 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
 def read_weights(blocks: list, n_read: int, fold_scale: bool):
     """float32, for the `blocks` (a group's): each layer's q/k/v projection [reader d_head d_model] (in the weight's own
     memory layout: a transposed Conv1D weight is not copied into another), times ln1's weight when `fold_scale`
-    (a copy), else the weight itself (the caller scales what it pulls back); ln1's weights [layer d_model]; and
-    [layer reader d_head] what q, k and v hold beyond W'n (the projection's bias and ln1's bias projected)."""
+    (a copy), else the weight itself (the caller scales what it pulls back); ln1's weights, one [d_model] per layer;
+    and [layer reader d_head] what q, k and v hold beyond W'n (the projection's bias and ln1's bias projected)."""
     projections, scales, offsets = [], [], []
     for block in blocks:
         qkv, norm = block.attn.qkv, block.ln1
         weight, scale = qkv.weight.detach().float(), norm.w.detach().float()
         scales.append(scale)
         projections.append((weight * scale if fold_scale else weight).view(n_read, -1, weight.shape[1]))
-        bias, shift = qkv.bias, getattr(norm, "b", None)
-        if shift is not None:
-            offsets.append(torch.mv(weight, shift.detach().float()) if bias is None else
-                           torch.addmv(bias.detach().float(), weight, shift.detach().float()))
-        else:
-            offsets.append(bias.detach().float() if bias is not None else weight.new_zeros(weight.shape[0]))
-    return projections, torch.stack(scales), torch.stack(offsets).view(len(blocks), n_read, -1)
+        offset = qkv.bias.detach().float() if qkv.bias is not None else weight.new_zeros(weight.shape[0])
+        shift = getattr(norm, "b", None)
+        offsets.append(offset if shift is None else torch.addmv(offset, weight, shift.detach().float()))
+    return projections, scales, torch.stack(offsets).view(len(blocks), n_read, -1)
 
 
 def out_weights(model: HookedDecoder, layer: int) -> torch.Tensor:
