@@ -117,15 +117,17 @@ def resolve_positions(mask: torch.Tensor, position: int) -> torch.Tensor:
     """[batch] index of `position` counted among each prompt's real tokens (-1 = each prompt's last),
     for right or left padding."""
     position = check_int(position, "position")
-    lengths = mask.long().sum(-1)
-    if position >= 0:
-        if bool((position >= lengths).any()):
-            raise ValueError(f"position={position} is past the end of a prompt with {int(lengths.min())} tokens")
-        index = torch.full_like(lengths, position)
-    else:
-        if bool((-position > lengths).any()):
-            raise ValueError(f"position={position} is before the start of a prompt with {int(lengths.min())} tokens")
-        index = lengths + position
+    padded = not bool(mask.all())
+    # nothing padded (the usual case): every prompt has the full length, one check covers them all
+    lengths = mask.long().sum(-1) if padded else None
+    shortest = int(lengths.min()) if padded else mask.shape[-1]
+    if position >= 0 and position >= shortest:
+        raise ValueError(f"position={position} is past the end of a prompt with {shortest} tokens")
+    if position < 0 and -position > shortest:
+        raise ValueError(f"position={position} is before the start of a prompt with {shortest} tokens")
+    if not padded:
+        return torch.full((mask.shape[0],), position % shortest, dtype=torch.long, device=mask.device)
+    index = torch.full_like(lengths, position) if position >= 0 else lengths + position
     if not bool(mask[:, :1].all()):  # left padding: real tokens start later
         index = index + (~mask.bool()).long().cumprod(-1).sum(-1)
     return index

@@ -9,25 +9,27 @@ scale s:
 
     g = (1/s) (w*(dq W) - mean(w*(dq W)) - n mean(n*w*(dq W)))      (RMSNorm has no middle term)
 
-g is never formed per run, and there is no pass over [run batch pos reader d_model]. In a model of LayerNorms
-every reader's gradient has zero mean over d_model (each is a LayerNorm's input gradient: ln1's, ln2's or the
-final norm's), so a delta's mean never contributes and the deltas are centred once (writer_deltas); the middle
-term of g then vanishes. With h = dq/s (weighted, padding zeroed) and W' = W diag(w), for D = d_model:
+In a model of LayerNorms every reader's gradient has zero mean over d_model (each is a LayerNorm's input
+gradient: ln1's, ln2's or the final norm's), so a delta's mean never contributes and the deltas are centred
+once (writer_deltas); the middle term of g then vanishes. With h = dq/s (weighted, padding zeroed) and
+W' = W diag(w), for D = d_model:
 
-    delta . g = delta . (h W')  -  (delta . n)(h . W'n) / D
+    g = h W'  -  n (h . W'n) / D
 
-The first term is linear in h, so the runs' h are summed first: one product with W' and one matmul with the
-deltas, whatever the number of runs (W' is the weight where it lies times w, or w multiplies the pulled-back
-rows instead when those are the smaller tensor). The other is rank one at each position and is subtracted from the
-scores, not from the gradients: W'n is what the run's projection computed (hook_q/k/v less the biases), delta . n
-is one product per prompt for every layer and run on the deltas as they lie (writer-major), and the rest is a
-[writer (run pos)] x [(run pos) reader] product per group.
+The first term is linear in h, so the runs' h are summed first and pulled back by one product with W'
+(W' is the weight where it lies times w, or w multiplies the pulled-back rows instead when those are the
+smaller tensor). The second is subtracted from those rows in place: with one run, h . W'n is (h W') . n,
+the rows just pulled back against the residual; with several, the rows hold the runs' sum, so each run's
+h . W'n comes from what its projection computed (hook_q/k/v less the biases) and the runs' terms are summed
+by one product over the runs. g is never formed per run, and there is no pass over [run batch pos reader
+d_model]. One matmul with the deltas then scores every reader of a group.
 
 Layers are taken in groups of consecutive layers with the same head counts, stacked along a leading layer
 dimension: on a model whose forward costs its per-operation overhead, one group holds every layer, so the
 number of operations does not grow with depth; each product of a group then runs over the writers before its
 last reader, and the pairs that are not edges are computed and never read. A large model on a CPU takes one
-layer per group, so no product runs over writers that cannot reach it.
+layer per group, so no product runs over writers that cannot reach it. The MLPs' and the logits' readers join
+the last group's product.
 """
 from __future__ import annotations
 
@@ -73,11 +75,11 @@ def _n_before(graph: CircuitGraph, stage: int) -> int:
 
 
 @torch.no_grad()
-def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: int) -> torch.Tensor:
+def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: int, centred: bool) -> torch.Tensor:
     """[batch writer pos d_model] float32, writer-major: every writer's clean output less its corrupted one, centred
-    over d_model in a model of LayerNorms (see the module's docstring). `saved`: name -> {"clean": ..., "corrupted":
-    ...} of the embedding, hook_z, hook_mlp_out (and in sandwich blocks ln1_post's scale). A head's output is
-    z @ W_O (in a sandwich block, its share of the normalised write)."""
+    over d_model when `centred` (a model of LayerNorms: `centres(model)`; see the module's docstring).
+    `saved`: name -> {"clean": ..., "corrupted": ...} of the embedding, hook_z, hook_mlp_out (and in sandwich blocks
+    ln1_post's scale). A head's output is z @ W_O (in a sandwich block, its share of the normalised write)."""
     first = saved["embed"]
     batch, n_pos, d_model = first["clean"].shape
     out = torch.empty(batch, len(graph.writers), n_pos, d_model, device=first["clean"].device)
@@ -98,7 +100,7 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
                 for b in range(batch):
                     torch.bmm(dz[b].transpose(0, 1), w_o, out=block[b, j, :n_heads])
             torch.sub(mlp_out["clean"].float(), mlp_out["corrupted"].float(), out=block[:, j, n_heads])
-    if centres(model):
+    if centred:
         out -= out.mean(-1, keepdim=True)
     return out
 
@@ -106,18 +108,27 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
 def read_weights(blocks: list, n_read: int, fold_scale: bool):
     """float32, for the `blocks` (a group's): each layer's q/k/v projection [reader d_head d_model] (in the weight's own
     memory layout: a transposed Conv1D weight is not copied into another), times ln1's weight when `fold_scale`
-    (a copy), else the weight itself (the caller scales what it pulls back); ln1's weights, one [d_model] per layer;
-    and [layer reader d_head] what q, k and v hold beyond W'n (the projection's bias and ln1's bias projected)."""
-    projections, scales, offsets = [], [], []
+    (a copy), else the weight itself (the caller scales what it pulls back); and ln1's weights, one [d_model] per
+    layer."""
+    projections, scales = [], []
     for block in blocks:
-        qkv, norm = block.attn.qkv, block.ln1
-        weight, scale = qkv.weight.detach().float(), norm.w.detach().float()
+        weight, scale = block.attn.qkv.weight.detach().float(), block.ln1.w.detach().float()
         scales.append(scale)
         projections.append((weight * scale if fold_scale else weight).view(n_read, -1, weight.shape[1]))
+    return projections, scales
+
+
+def qkv_offsets(blocks: list, n_read: int) -> torch.Tensor:
+    """[layer reader d_head] float32: what the `blocks`' q, k and v hold beyond W'n (the projection's bias and ln1's
+    bias projected)."""
+    offsets = []
+    for block in blocks:
+        qkv, norm = block.attn.qkv, block.ln1
+        weight = qkv.weight.detach().float()
         offset = qkv.bias.detach().float() if qkv.bias is not None else weight.new_zeros(weight.shape[0])
         shift = getattr(norm, "b", None)
         offsets.append(offset if shift is None else torch.addmv(offset, weight, shift.detach().float()))
-    return projections, scales, torch.stack(offsets).view(len(blocks), n_read, -1)
+    return torch.stack(offsets).view(len(blocks), n_read, -1)
 
 
 def out_weights(model: HookedDecoder, layer: int) -> torch.Tensor:
@@ -128,13 +139,13 @@ def out_weights(model: HookedDecoder, layer: int) -> torch.Tensor:
 @torch.no_grad()
 def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float], hook_grads: dict[str, torch.Tensor],
                   acts: dict[str, torch.Tensor], read: dict[int, torch.Tensor], deltas: torch.Tensor, mask: torch.Tensor, positions: bool,
-                  most: int) -> torch.Tensor:
+                  most: int, centred: bool) -> torch.Tensor:
     """[batch (pos) writer reader]: deltas [batch writer pos d_model] . the readers' gradients, weighted over the runs.
 
     `weights`: each stacked run's weight (runs of `batch` rows each; a run of weight 0 is skipped);
     `hook_grads`: the gradients of each layer's hook_q/k/v and hook_mlp_in and of the last hook_resid_post,
     every row; `acts`: the hook_q/k/v activations, every row; `read`: layer -> the residual ln1 read, every row;
-    `most`: layers per group."""
+    `most`: layers per group; `centred`: `centres(model)`, as the deltas were made."""
     batch, n_writers, n_pos, d_model = deltas.shape
     weighted = [i for i, w in enumerate(weights) if w]
     k = len(weighted)
@@ -155,10 +166,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
             torch.mv(pick(hook_grads[name]).float().reshape(k, -1).t(), run_weights, out=rows.view(-1))
         out *= keep
 
-    n_readers = graph.valid.shape[1]
-    full = deltas.new_zeros((batch, n_pos, n_writers, n_readers) if positions else (batch, n_writers, n_readers))
     flat = deltas.reshape(batch, n_writers, n_pos * d_model)
-    mlp_grads = deltas.new_empty(graph.n_layers + 1, batch, n_pos, d_model)  # [reader batch pos d_model]
 
     def product(n: int, grads: torch.Tensor) -> torch.Tensor:
         """deltas[:, :n] . grads [reader batch pos d_model]: [batch (pos) n reader]."""
@@ -167,7 +175,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         return torch.matmul(flat[:, :n], grads.reshape(grads.shape[0], batch, n_pos * d_model).permute(1, 2, 0))
 
     blocks = list(model.blocks)  # indexed once: a ModuleList's lookups cost more than this call's small products
-    centred, eps = centres(model), blocks[0].ln1.eps
+    eps = blocks[0].ln1.eps
     # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and 1/s, its scale's inverse
     # (in place: on a CPU every fresh large temporary costs its page faults, often more than its arithmetic)
     normed = torch.stack([pick(read[l]) for l in range(graph.n_layers)]).float().view(-1, k, batch, n_pos, d_model)
@@ -176,12 +184,19 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     # (torch.var_mean is several times slower than this on a CPU)
     inv_scales = torch.linalg.vector_norm(normed, dim=-1, keepdim=True).square_().div_(d_model).add_(eps).rsqrt_()
     normed *= inv_scales
-    # delta . n of every writer for every layer and run [batch pos (layer run) writer]: one product per prompt, on
-    # the deltas as they lie (writer-major)
-    dots = torch.stack([torch.bmm(normed[:, :, b].flatten(0, 1).transpose(0, 1), deltas[b].permute(1, 2, 0))
-                        for b in range(batch)])
-    del normed
-
+    groups = layer_groups(graph, most)
+    n_read_rows = max(len(g) * len(graph.attn_readers(g.start)) for g in groups)
+    n_tail = graph.n_layers + 1  # the MLPs' readers, then the logits'
+    # [reader batch pos d_model]: a group's pulled-back head gradients end where the MLPs' and the logits' gradients
+    # (their hook points', summed over the runs) begin, so the last group's one product covers them all
+    rows_buffer = deltas.new_empty(n_read_rows + n_tail, batch, n_pos, d_model)
+    summed([mlp_in_name(l) for l in range(graph.n_layers)] + [act_name("resid_post", graph.n_layers - 1)],
+           rows_buffer[n_read_rows:])
+    # [batch (pos) writer column], columns in this function's order: every layer's attention readers, then the MLPs',
+    # then the logits'; reordered to the graph's at the end
+    columns = [r for l in range(graph.n_layers) for r in graph.attn_readers(l)]
+    columns += [graph.mlp_reader(l) for l in range(graph.n_layers)] + [len(graph.readers) - 1]
+    full = deltas.new_zeros((batch, n_pos, n_writers, len(columns)) if positions else (batch, n_writers, len(columns)))
     scratch: dict[str, torch.Tensor] = {}  # buffers every group reuses
 
     def reused(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -196,12 +211,10 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         shape = (*parts[0].shape[:2], sum(p.shape[2] for p in parts), parts[0].shape[3])
         return torch.cat(parts, dim=2, out=reused(name, shape, parts[0].dtype)).float()
 
-    for group in layer_groups(graph, most):
-        G, last = len(group), group.stop - 1
-        first_reader = graph.attn_readers(group.start).start
+    done = 0  # attention columns written
+    for g, group in enumerate(groups):
+        G, last, final = len(group), group.stop - 1, g == len(groups) - 1
         n_read = len(graph.attn_readers(group.start))
-        # [.. n layer reader+1]: the group's attention readers, then its MLP reader, layer by layer
-        target = full[..., first_reader:graph.mlp_reader(last) + 1].unflatten(-1, (G, n_read + 1))
         # [run batch pos layer reader d_head]: q, then k, then v readers, as the fused projection's rows are ordered
         dq = qkv_of(hook_grads, group, "dq")
         d_head = dq.shape[-1]
@@ -210,30 +223,36 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         dq *= (keep * inv_scales[group.start:group.stop, ..., 0].permute(1, 2, 3, 0) * run_weights.view(k, 1, 1, 1))[..., None, None]
         # W' = W diag(w) copied, or w applied to what W pulls back: whichever tensor is the smaller
         fold = batch * n_pos > d_head
-        projections, ln_w, offsets = read_weights(blocks[group.start:group.stop], n_read, fold)
+        projections, ln_w = read_weights(blocks[group.start:group.stop], n_read, fold)
         summed_h = dq[0] if k == 1 else torch.sum(dq, 0, out=reused("h", dq.shape[1:], dq.dtype))  # [batch pos layer reader d_head]
         by_layer = summed_h.permute(2, 3, 0, 1, 4).reshape(G, n_read, batch * n_pos, d_head)
-        pulled = reused("pulled", (G * n_read, batch * n_pos, d_model), torch.float32)
+        start = n_read_rows - G * n_read
+        pulled = rows_buffer[start:n_read_rows].view(G * n_read, batch * n_pos, d_model)
         for j in range(G):  # one product per layer, each with its weight as stored
             rows = pulled[j * n_read:(j + 1) * n_read]
             torch.bmm(by_layer[j], projections[j], out=rows)
             if not fold:
                 rows *= ln_w[j]
-        n = _n_before(graph, 2 * last + 1)
-        scores = product(n, pulled.view(G * n_read, batch, n_pos, d_model)).unflatten(-1, (G, n_read))
-        # the rank-one term, for every run: (delta . n_run)(h_run . W'n_run) / D; W'n is what the run's projection
-        # computed less its bias and the projected norm bias, i.e. q, k and v as hooked
-        qkv = qkv_of(acts, group, "qkv").view(k, batch, n_pos, G, n_read, d_head)
-        qkv -= offsets  # W'n, in place of q, k and v (a copy), then times h
-        c = qkv.mul_(dq).sum(-1).div_(d_model)  # [run batch pos layer reader]
-        e = dots[:, :, group.start * k:group.stop * k, :n].unflatten(2, (G, k))  # [batch pos layer run writer]
-        out = "batch pos writer layer reader" if positions else "batch writer layer reader"
-        scores -= einsum(e, c, f"batch pos layer run writer, run batch pos layer reader -> {out}")
-        target[..., :n, :, :n_read] += scores
-        summed([mlp_in_name(l) for l in group], mlp_grads[group.start:group.stop])
-
-    # the MLPs' and the logits' inputs, whose gradients are their hook points': one product against every writer
-    summed([act_name("resid_post", graph.n_layers - 1)], mlp_grads[graph.n_layers:])
-    columns = [graph.mlp_reader(l) for l in range(graph.n_layers)] + [len(graph.readers) - 1]
-    full[..., columns] += product(n_writers, mlp_grads)
-    return full
+        # the writers before the group's last reader; the last group's product also takes the MLPs' and the logits'
+        # readers, against every writer
+        # ln1's last term, g = h W' - n (h . W'n) / D, subtracted from the pulled-back rows (one pass over them)
+        lhs = pulled.view(G, n_read, batch, n_pos, d_model)
+        residuals = normed[group.start:group.stop]  # [layer run batch pos d_model]
+        if k == 1:  # h . W'n = (h W') . n: the rows just pulled back, against the residual they were pulled to
+            c = (lhs * residuals).sum(-1, keepdim=True)  # [layer reader batch pos 1]
+            lhs.addcmul_(residuals, c, value=-1 / d_model)
+        else:  # the rows hold the runs' sum: each run's h . W'n from what its projection computed (q, k and v as
+            # hooked, less the projection's bias and ln1's bias projected)
+            qkv = qkv_of(acts, group, "qkv").view(k, batch, n_pos, G, n_read, d_head)
+            qkv -= qkv_offsets(blocks[group.start:group.stop], n_read)
+            c = qkv.mul_(dq).sum(-1).div_(d_model)  # [run batch pos layer reader]
+            lhs -= torch.einsum("kbplr,lkbpd->lrbpd", c, residuals)
+        # the writers before the group's last reader; the last group's product also takes the MLPs' and the logits'
+        # readers, against every writer
+        n = n_writers if final else _n_before(graph, 2 * last + 1)
+        scores = product(n, rows_buffer[start:] if final else rows_buffer[start:n_read_rows])
+        full[..., :n, done:done + scores.shape[-1]] = scores
+        done += G * n_read
+    order = torch.empty(len(columns), dtype=torch.long)
+    order[torch.tensor(columns)] = torch.arange(len(columns))
+    return full.index_select(-1, order.to(full.device))

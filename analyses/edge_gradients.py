@@ -30,7 +30,7 @@ import torch
 
 from probe.analyses.circuit_graph import CircuitGraph
 from probe.analyses.common import evaluate_metric, model_mask
-from probe.analyses.edge_contraction import mlp_in_name, reader_scores, writer_deltas
+from probe.analyses.edge_contraction import centres, mlp_in_name, reader_scores, writer_deltas
 from probe.analyses.metric_reads import evaluate_output, logit_reads
 from probe.hooks.hook_point import Store
 from probe import HookedDecoder
@@ -165,6 +165,7 @@ def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: tor
     small = batch * n_pos * model.cfg.d_model ** 2 <= SMALL_FORWARD or tokens.device.type != "cpu"
     stack_clean = runs[0].weight > 0 or (small and per_forward >= 2)
     layers_at_once = graph.n_layers if small else 1  # see analyses.edge_contraction
+    centred = centres(model)
     chunks = []
     rest = runs if stack_clean else runs[1:]
     while rest:
@@ -181,7 +182,7 @@ def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: tor
         grads = any(run.weight for run in chunk)
         fwd = _Forward(model, graph, chunk, batch, move, saved, grads)
         stacked = torch.cat([clean_tokens if run.clean else tokens for run in chunk])
-        rows_mask = mask.repeat(len(chunk), 1)
+        rows_mask = mask.expand(len(chunk), *mask.shape).reshape(-1, n_pos)  # a view for one prompt
         with torch.enable_grad() if grads else torch.no_grad():
             with model.hooks(fwd.hooks()):
                 final = model(stacked, attention_mask=model_mask(rows_mask), stop_at_layer=graph.n_layers)
@@ -192,9 +193,9 @@ def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: tor
             hook_grads = _backward(model, fwd, final, logit_grads)
         with torch.no_grad():  # weights (parameters) enter below: no graph
             if deltas is None:  # writer-major: each stage's product reads its first writers as one block
-                deltas = writer_deltas(model, graph, saved, layers_at_once)
+                deltas = writer_deltas(model, graph, saved, layers_at_once, centred)
             part = reader_scores(model, graph, [run.weight for run in chunk], hook_grads, fwd.live, fwd.read, deltas, mask,
-                                 positions, layers_at_once)
+                                 positions, layers_at_once, centred)
         full = part if full is None else full + part
         del fwd, final, hook_grads
     w, r = graph.edge_writer.to(tokens.device), graph.edge_reader.to(tokens.device)

@@ -34,6 +34,15 @@ def test_resolve_positions_counts_real_tokens_on_either_side():
         assert resolve_positions(mask, -2).tolist() == [3, 3]
     with pytest.raises(ValueError, match="past the end"):
         resolve_positions(right, 2)
+    full = torch.ones(2, 5, dtype=torch.bool)  # nothing padded: every prompt's positions are the tensor's
+    for mask in (full, full.long()):
+        assert resolve_positions(mask, -1).tolist() == [4, 4]
+        assert resolve_positions(mask, 2).tolist() == [2, 2]
+        assert resolve_positions(mask, -5).tolist() == [0, 0]
+    with pytest.raises(ValueError, match="position=5 is past the end of a prompt with 5 tokens"):
+        resolve_positions(full, 5)
+    with pytest.raises(ValueError, match="position=-6 is before the start of a prompt with 5 tokens"):
+        resolve_positions(full, -6)
 
 
 def test_text_gets_a_bos_only_when_the_tokenizer_has_one(tiny_model, no_bos_model):

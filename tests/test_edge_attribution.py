@@ -7,15 +7,18 @@ residual it reads plus a zero leaf of its own, so one backward gives each reader
 """
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
 import torch
 
 from probe.analyses import attribution_patch, logit_diff_metric
+from probe.analyses.common import token_strings
 from probe.analyses.edge_attribution import edge_attribution
 from probe import HookedDecoder
 from probe.names import act_name
+from probe.norm import RMSNorm
 
 from test_variants import build
 
@@ -339,7 +342,11 @@ def test_per_position_scores_add_up_and_frame(tiny_model):
     frame = scores.to_frame()
     assert list(frame.columns[:3]) == ["source", "target", "input"]
     assert {"score", "ci_low", "ci_high", "p_value"} <= set(frame.columns) and len(frame) == scores.graph.n_edges
-    assert len(scores.to_frame(positions=True)) == scores.graph.n_edges * clean.shape[1]
+    by_position = scores.to_frame(positions=True)
+    assert len(by_position) == scores.graph.n_edges * clean.shape[1]
+    # the token column: the first corrupted prompt's tokens (decoded when first read), position by position
+    assert list(by_position["token"][:clean.shape[1]]) == token_strings(tiny_model, corrupted[0].tolist())
+    assert list(by_position["position"][:clean.shape[1]]) == list(range(clean.shape[1]))
     top = scores.top(5)
     assert list(top["rank"]) == [1, 2, 3, 4, 5] and top["score"].abs().is_monotonic_decreasing
     scores.figure()
@@ -356,6 +363,16 @@ def test_bad_inputs(tiny_model):
         edge_attribution(tiny_model, clean, corrupted[:, :-1], metric)
     with pytest.raises(ValueError, match="per-position scores come from"):
         edge_attribution(tiny_model, clean, corrupted, metric, method="exact", positions=True)
+
+
+def test_a_model_mixing_norm_kinds_is_refused_by_name(tiny_model):
+    # the pull-back through ln1 (and the centred deltas) hold for all LayerNorms or all RMSNorms, not a mixture
+    mixed = copy.deepcopy(tiny_model)
+    mixed.blocks[0].ln1 = RMSNorm(mixed.cfg.d_model, mixed.cfg.eps)
+    clean, corrupted = prompts(mixed.cfg.d_vocab)
+    metric = logit_diff_metric(mixed, ANSWERS, COUNTERFACTUALS)
+    with pytest.raises(TypeError, match=r"one kind in the whole model; this model's norms are \['LayerNorm', 'RMSNorm'\]"):
+        edge_attribution(mixed, clean, corrupted, metric)
 
 
 def test_a_metric_declaring_its_reads_scores_like_the_full_logits_path(tiny_model, method="eap-ig-activations"):
