@@ -9,20 +9,20 @@ scale s:
 
     g = (1/s) (w*(dq W) - mean(w*(dq W)) - n mean(n*w*(dq W)))      (RMSNorm has no middle term)
 
-In a model of LayerNorms every reader's gradient has zero mean over d_model (each is a LayerNorm's input
-gradient: ln1's, ln2's or the final norm's), so a delta's mean never contributes and the deltas are centred
-once (writer_deltas); the middle term of g then vanishes. With h = dq/s (weighted, padding zeroed) and
-W' = W diag(w), for D = d_model:
+g is never formed per run, and there is no pass over [run batch pos reader d_model]. In a model of LayerNorms
+every reader's gradient has zero mean over d_model (each is a LayerNorm's input gradient: ln1's, ln2's or the
+final norm's), so a delta's mean never contributes and the deltas are centred once (writer_deltas); the middle
+term of g then vanishes. With h = dq/s (weighted, padding zeroed) and W' = W diag(w), for D = d_model:
 
-    g = h W'  -  n (h . W'n) / D
+    delta . g = delta . (h W')  -  (delta . n)(h . W'n) / D
 
-The first term is linear in h, so the runs' h are summed first and pulled back by one product with W'
-(W' is the weight where it lies times w, or w multiplies the pulled-back rows instead when those are the
-smaller tensor). The second is subtracted from those rows in place: with one run, h . W'n is (h W') . n,
-the rows just pulled back against the residual; with several, the rows hold the runs' sum, so each run's
-h . W'n comes from what its projection computed (hook_q/k/v less the biases) and the runs' terms are summed
-by one product over the runs. g is never formed per run, and there is no pass over [run batch pos reader
-d_model]. One matmul with the deltas then scores every reader of a group.
+The first term is linear in h, so the runs' h are summed first: one product with W' and one matmul with the
+deltas, whatever the number of runs (W' is the weight where it lies times w, or w multiplies the pulled-back
+rows instead when those are the smaller tensor). The other is rank one at each position and is subtracted from the
+scores, not from the gradients (at GPT-2's shape a further pass over the pulled-back rows costs more than the
+rest of this function): W'n is what the run's projection computed (hook_q/k/v less the biases), delta . n is one
+product per prompt for every layer and run on the deltas as they lie (writer-major), and the rest is a
+[writer (run pos)] x [(run pos) reader] product per group.
 
 Layers are taken in groups of consecutive layers with the same head counts, stacked along a leading layer
 dimension: on a model whose forward costs its per-operation overhead, one group holds every layer, so the
@@ -162,6 +162,10 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
 
     def summed(names: list[str], out: torch.Tensor) -> None:
         """out [layer batch pos d_model] = the names' gradients summed over the runs with their weights, padding zeroed."""
+        if k == 1:  # a copy, scaled: one op per reader
+            for name, rows in zip(names, out):
+                torch.mul(pick(hook_grads[name]), keep * weights[weighted[0]], out=rows)
+            return
         for name, rows in zip(names, out):
             torch.mv(pick(hook_grads[name]).float().reshape(k, -1).t(), run_weights, out=rows.view(-1))
         out *= keep
@@ -184,6 +188,12 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     # (torch.var_mean is several times slower than this on a CPU)
     inv_scales = torch.linalg.vector_norm(normed, dim=-1, keepdim=True).square_().div_(d_model).add_(eps).rsqrt_()
     normed *= inv_scales
+    # delta . n of every writer for every layer and run [batch pos (layer run) writer]: one product per prompt, on
+    # the deltas as they lie (writer-major)
+    dots = torch.stack([torch.bmm(normed[:, :, b].flatten(0, 1).transpose(0, 1), deltas[b].permute(1, 2, 0))
+                        for b in range(batch)])
+    del normed
+
     groups = layer_groups(graph, most)
     n_read_rows = max(len(g) * len(graph.attn_readers(g.start)) for g in groups)
     n_tail = graph.n_layers + 1  # the MLPs' readers, then the logits'
@@ -235,24 +245,17 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
                 rows *= ln_w[j]
         # the writers before the group's last reader; the last group's product also takes the MLPs' and the logits'
         # readers, against every writer
-        # ln1's last term, g = h W' - n (h . W'n) / D, subtracted from the pulled-back rows (one pass over them)
-        lhs = pulled.view(G, n_read, batch, n_pos, d_model)
-        residuals = normed[group.start:group.stop]  # [layer run batch pos d_model]
-        if k == 1:  # h . W'n = (h W') . n: the rows just pulled back, against the residual they were pulled to
-            c = (lhs * residuals).sum(-1, keepdim=True)  # [layer reader batch pos 1]
-            lhs.addcmul_(residuals, c, value=-1 / d_model)
-        else:  # the rows hold the runs' sum: each run's h . W'n from what its projection computed (q, k and v as
-            # hooked, less the projection's bias and ln1's bias projected)
-            qkv = qkv_of(acts, group, "qkv").view(k, batch, n_pos, G, n_read, d_head)
-            qkv -= qkv_offsets(blocks[group.start:group.stop], n_read)
-            c = qkv.mul_(dq).sum(-1).div_(d_model)  # [run batch pos layer reader]
-            lhs -= torch.einsum("kbplr,lkbpd->lrbpd", c, residuals)
-        # the writers before the group's last reader; the last group's product also takes the MLPs' and the logits'
-        # readers, against every writer
         n = n_writers if final else _n_before(graph, 2 * last + 1)
         scores = product(n, rows_buffer[start:] if final else rows_buffer[start:n_read_rows])
+        attention = scores[..., :G * n_read].unflatten(-1, (G, n_read))
+        # the rank-one term, for every run: (delta . n_run)(h_run . W'n_run) / D; W'n is what the run's projection
+        # computed less its bias and the projected norm bias, i.e. q, k and v as hooked
+        qkv = qkv_of(acts, group, "qkv").view(k, batch, n_pos, G, n_read, d_head)
+        qkv -= qkv_offsets(blocks[group.start:group.stop], n_read)  # W'n, in place of q, k and v (a copy), then times h
+        c = qkv.mul_(dq).sum(-1).div_(d_model)  # [run batch pos layer reader]
+        e = dots[:, :, group.start * k:group.stop * k, :n].unflatten(2, (G, k))  # [batch pos layer run writer]
+        attention -= torch.einsum("bplkw,kbplr->bpwlr" if positions else "bplkw,kbplr->bwlr", e, c)
         full[..., :n, done:done + scores.shape[-1]] = scores
         done += G * n_read
-    order = torch.empty(len(columns), dtype=torch.long)
-    order[torch.tensor(columns)] = torch.arange(len(columns))
-    return full.index_select(-1, order.to(full.device))
+    order = sorted(range(len(columns)), key=columns.__getitem__)  # the graph's reader r is column order[r]
+    return full.index_select(-1, torch.tensor(order, device=full.device))
