@@ -105,7 +105,8 @@ def test_composition_scores_equal_the_dense_products(tiny_model, tiny_hf):
     dh = d // n_heads
     circuits = {}
     for layer, block in enumerate(tiny_hf.transformer.h):
-        w, w_out = block.attn.c_attn.weight.double(), block.attn.c_proj.weight.double()  # Conv1D: [in out]
+        # Conv1D: [in out]; detached: the oracle's arithmetic needs no graph (and float() of a graph tensor warns)
+        w, w_out = block.attn.c_attn.weight.detach().double(), block.attn.c_proj.weight.detach().double()
         for h in range(n_heads):
             q, k, v = (w[:, part * d + h * dh: part * d + (h + 1) * dh] for part in range(3))
             circuits[layer, h] = dict(ov=v @ w_out[h * dh:(h + 1) * dh], qk=q @ k.T)
@@ -172,7 +173,8 @@ def test_gemma2_heads_write_through_their_write_norm_and_process_without_centrin
         attn = block.attn
         for head in range(attn.n_heads):
             kv = head // (attn.n_heads // attn.n_kv_heads)
-            full = w_e @ attn.W_V[kv].double() @ (attn.W_O[head].double() * block.ln1_post.w.double()) @ w_u
+            w_v, w_o, w_post = (t.detach().double() for t in (attn.W_V[kv], attn.W_O[head], block.ln1_post.w))
+            full = w_e @ w_v @ (w_o * w_post) @ w_u
             eig = torch.linalg.eigvals(full)
             assert scores.scores[layer, head] == pytest.approx(float(eig.sum().real) / float(eig.abs().sum()), abs=1e-4)
     processed = copying_scores(model)  # runs: folding is allowed, centring the capped logits is not attempted
