@@ -233,7 +233,7 @@ def biased_model(tiny_model):
     from probe import process_weights
 
     model = process_weights(tiny_model).eval()
-    assert model.cfg.unembed_bias and float(model.unembed.bias.abs().min()) > 0
+    assert model.cfg.unembed_bias and float(model.unembed.bias.detach().abs().min()) > 0
     return model
 
 
