@@ -47,6 +47,11 @@ def mlp_in_name(layer: int) -> str:
     return f"blocks.{layer}.hook_mlp_in"
 
 
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """t as float32, without a dispatch when it already is (this module's small-model calls make dozens)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def centres(model: HookedDecoder) -> bool:
     """True when every norm a reader's gradient passes (ln1, ln2, the final norm) is a LayerNorm, False when every
     one is an RMSNorm; the pull-back of a head's gradient knows only these two."""
@@ -83,7 +88,7 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
     first = saved["embed"]
     batch, n_pos, d_model = first["clean"].shape
     out = torch.empty(batch, len(graph.writers), n_pos, d_model, device=first["clean"].device)
-    out[:, 0] = first["clean"].float() - first["corrupted"].float()
+    torch.sub(f32(first["clean"]), f32(first["corrupted"]), out=out[:, 0])
     for group in layer_groups(graph, most):
         n_heads = graph.heads[group.start]
         first_writer = graph.head_writers(group.start).start
@@ -91,15 +96,15 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
         for j, l in enumerate(group):
             z, mlp_out, w_o = saved[act_name("z", l)], saved[act_name("mlp_out", l)], out_weights(model, l)
             if graph.sandwich:  # each run's write is divided by its own ln1_post scale: head_outputs
-                shares = [head_outputs(model, l, einsum(z[run].float(), w_o, "batch pos head d_head, head d_head d_model "
+                shares = [head_outputs(model, l, einsum(f32(z[run]), w_o, "batch pos head d_head, head d_head d_model "
                                                         "-> batch pos head d_model"),
                                        saved[act_name("scale", l, "ln1_post")][run]) for run in ("clean", "corrupted")]
                 block[:, j, :n_heads] = (shares[0] - shares[1]).transpose(1, 2)
             else:  # linear in z: one product of the difference per prompt, written where it stays
-                dz = z["clean"].float() - z["corrupted"].float()  # [batch pos head d_head]
+                dz = f32(z["clean"]) - f32(z["corrupted"])  # [batch pos head d_head]
                 for b in range(batch):
                     torch.bmm(dz[b].transpose(0, 1), w_o, out=block[b, j, :n_heads])
-            torch.sub(mlp_out["clean"].float(), mlp_out["corrupted"].float(), out=block[:, j, n_heads])
+            torch.sub(f32(mlp_out["clean"]), f32(mlp_out["corrupted"]), out=block[:, j, n_heads])
     if centred:
         out -= out.mean(-1, keepdim=True)
     return out
@@ -109,10 +114,10 @@ def read_weights(blocks: list, n_read: int, fold_scale: bool):
     """float32, for the `blocks` (a group's): each layer's q/k/v projection [reader d_head d_model] (in the weight's own
     memory layout: a transposed Conv1D weight is not copied into another), times ln1's weight when `fold_scale`
     (a copy), else the weight itself (the caller scales what it pulls back); and ln1's weights, one [d_model] per
-    layer."""
+    layer. The parameters themselves, not detached copies: for callers under no_grad, as the scoring runs."""
     projections, scales = [], []
     for block in blocks:
-        weight, scale = block.attn.qkv.weight.detach().float(), block.ln1.w.detach().float()
+        weight, scale = f32(block.attn.qkv.weight), f32(block.ln1.w)
         scales.append(scale)
         projections.append((weight * scale if fold_scale else weight).view(n_read, -1, weight.shape[1]))
     return projections, scales
@@ -120,20 +125,20 @@ def read_weights(blocks: list, n_read: int, fold_scale: bool):
 
 def qkv_offsets(blocks: list, n_read: int) -> torch.Tensor:
     """[layer reader d_head] float32: what the `blocks`' q, k and v hold beyond W'n (the projection's bias and ln1's
-    bias projected)."""
+    bias projected). For callers under no_grad."""
     offsets = []
     for block in blocks:
         qkv, norm = block.attn.qkv, block.ln1
-        weight = qkv.weight.detach().float()
-        offset = qkv.bias.detach().float() if qkv.bias is not None else weight.new_zeros(weight.shape[0])
+        weight = f32(qkv.weight)
+        offset = f32(qkv.bias) if qkv.bias is not None else weight.new_zeros(weight.shape[0])
         shift = getattr(norm, "b", None)
-        offsets.append(offset if shift is None else torch.addmv(offset, weight, shift.detach().float()))
+        offsets.append(offset if shift is None else torch.addmv(offset, weight, f32(shift)))
     return torch.stack(offsets).view(len(blocks), n_read, -1)
 
 
 def out_weights(model: HookedDecoder, layer: int) -> torch.Tensor:
-    """[head d_head d_model] float32: the layer's W_O."""
-    return model.blocks[layer].attn.W_O.detach().float()
+    """[head d_head d_model] float32: the layer's W_O (a view of the parameter: for callers under no_grad)."""
+    return f32(model.blocks[layer].attn.W_O)
 
 
 @torch.no_grad()
@@ -163,11 +168,12 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     def summed(names: list[str], out: torch.Tensor) -> None:
         """out [layer batch pos d_model] = the names' gradients summed over the runs with their weights, padding zeroed."""
         if k == 1:  # a copy, scaled: one op per reader
+            scale = keep * weights[weighted[0]]
             for name, rows in zip(names, out):
-                torch.mul(pick(hook_grads[name]), keep * weights[weighted[0]], out=rows)
+                torch.mul(pick(hook_grads[name]), scale, out=rows)
             return
         for name, rows in zip(names, out):
-            torch.mv(pick(hook_grads[name]).float().reshape(k, -1).t(), run_weights, out=rows.view(-1))
+            torch.mv(f32(pick(hook_grads[name])).reshape(k, -1).t(), run_weights, out=rows.view(-1))
         out *= keep
 
     flat = deltas.reshape(batch, n_writers, n_pos * d_model)
@@ -182,7 +188,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     eps = blocks[0].ln1.eps
     # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and 1/s, its scale's inverse
     # (in place: on a CPU every fresh large temporary costs its page faults, often more than its arithmetic)
-    normed = torch.stack([pick(read[l]) for l in range(graph.n_layers)]).float().view(-1, k, batch, n_pos, d_model)
+    normed = f32(torch.stack([pick(read[l]) for l in range(graph.n_layers)])).view(-1, k, batch, n_pos, d_model)
     if centred:
         normed -= normed.mean(-1, keepdim=True)
     # (torch.var_mean is several times slower than this on a CPU)
@@ -217,9 +223,9 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
 
     def qkv_of(source: dict[str, torch.Tensor], group: range, name: str) -> torch.Tensor:
         """[rows pos (layer reader) d_head]: the group's q, k and v (values or gradients), q then k then v per layer."""
-        parts = [pick(source[act_name(kind, l)]).detach() for l in group for kind in ("q", "k", "v")]
+        parts = [pick(source[act_name(kind, l)]) for l in group for kind in ("q", "k", "v")]
         shape = (*parts[0].shape[:2], sum(p.shape[2] for p in parts), parts[0].shape[3])
-        return torch.cat(parts, dim=2, out=reused(name, shape, parts[0].dtype)).float()
+        return f32(torch.cat(parts, dim=2, out=reused(name, shape, parts[0].dtype)))
 
     done = 0  # attention columns written
     for g, group in enumerate(groups):

@@ -80,7 +80,8 @@ class _Forward:
         slot = self.saved.setdefault(name, {})
         for key, rows in self.kept_rows:
             if key not in slot:
-                slot[key] = act[rows].detach()
+                part = act[rows]
+                slot[key] = part.detach() if part.requires_grad else part  # a Store's tensors come detached
 
     def collect(self) -> None:
         """After the forward: the stored writers' clean and corrupted rows into `saved`, and the residuals ln1 read."""
