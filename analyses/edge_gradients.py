@@ -131,9 +131,9 @@ class _Forward:
             return hook
 
         store, store_residual = Store(self.stored), Store(self.residuals)  # inline in the hook point: no call, no checks
-
-        def keep(act, hook):
-            return self.keep(hook.name, act)
+        # q, k and v kept in their graph, the backward's inputs (downstream of resid_pre 0, so in the graph even when
+        # the weights are frozen)
+        live = Store(self.live, detach=False)
 
         def keep_own(act, hook):  # a node of its own: its gradient is the MLP's share, not the residual's whole
             return self.keep(hook.name, act.view_as(act)) if self.grads else act
@@ -144,7 +144,8 @@ class _Forward:
             if l > 0:
                 name = act_name("resid_pre", l)
                 out.append((name, resid(name, True, reads=l) if moves_all else store_residual))
-            out += [(act_name(kind, l), keep) for kind in ("q", "k", "v")]
+            if self.grads:
+                out += [(act_name(kind, l), live) for kind in ("q", "k", "v")]
             out += [(act_name("z", l), store), (act_name("mlp_out", l), store), (mlp_in_name(l), keep_own)]
             if graph.sandwich:
                 out.append((act_name("scale", l, "ln1_post"), store))

@@ -49,16 +49,17 @@ def compiled_scope():
 
 
 class Store:
-    """A hook that keeps each activation it sees under its point's name in `into` (detached from autograd) and
-    changes nothing: what a cache attaches. HookPoint runs it inline, without the checks a replacing hook needs."""
+    """A hook that keeps each activation it sees under its point's name in `into` (detached from autograd, or with
+    `detach=False` in its graph, for a gradient taken with respect to it later) and changes nothing: what a cache
+    attaches. HookPoint runs it inline, without the checks a replacing hook needs."""
 
-    __slots__ = ("into",)
+    __slots__ = ("into", "detach")
 
-    def __init__(self, into: dict):
-        self.into = into
+    def __init__(self, into: dict, detach: bool = True):
+        self.into, self.detach = into, detach
 
     def __call__(self, x: torch.Tensor, hook: "HookPoint") -> None:
-        self.into[hook.name] = x.detach() if x.requires_grad else x
+        self.into[hook.name] = x.detach() if self.detach and x.requires_grad else x
 
 
 def _backward(dir: str) -> bool:
@@ -200,7 +201,7 @@ class HookPoint(nn.Module):
             owner = _owner()
             for fn in [h.fn for h in self._fns if h.owner is None or h.owner is owner]:  # a snapshot: hooks may add hooks
                 if type(fn) is Store:  # a cache's store: nothing to check, nothing replaced
-                    fn.into[self.name] = x.detach() if x.requires_grad else x
+                    fn.into[self.name] = x.detach() if fn.detach and x.requires_grad else x
                 else:
                     x = self._apply_hook(fn, x, "activation")
         if self._bwd_fns and x.requires_grad and torch.is_grad_enabled() and _visible(self._bwd_fns):
