@@ -66,6 +66,25 @@ def test_a_store_sees_what_the_hooks_before_it_wrote():
     torch.testing.assert_close(kept["p"], torch.ones(3))
 
 
+def test_a_store_that_keeps_the_graph_gives_the_gradient_a_backward_hook_sees(tiny_model, tokens):
+    """Store(detach=False) keeps the live tensor: the gradient taken with respect to it equals the one a backward hook
+    at the same point receives (the hook machinery's own path, the oracle)."""
+    name = "blocks.1.attn.hook_q"
+    kept, seen = {}, {}
+    with torch.enable_grad():
+        with tiny_model.hooks([(name, Store(kept, detach=False))],
+                              bwd_hooks=[(name, lambda g, hook: seen.__setitem__("grad", g.clone()))]):
+            logits = tiny_model(tokens)
+            assert kept[name].requires_grad and kept[name].grad_fn is not None
+            (grad,) = torch.autograd.grad(logits[:, -1, 3].sum(), [kept[name]], retain_graph=True)
+            logits[:, -1, 3].sum().backward()  # inside the block: its backward hooks see it
+    torch.testing.assert_close(grad, seen["grad"], rtol=1e-6, atol=1e-7)
+    detached = {}
+    with torch.enable_grad(), tiny_model.hooks([(name, Store(detached))]):
+        tiny_model(tokens)
+    assert not detached[name].requires_grad
+
+
 def test_another_threads_cache_is_not_filled_by_this_threads_forward(tiny_model, tokens):
     """Scopes stay context-local: a cache open in a thread (blocked inside its forward) gets nothing from ours."""
     inside, release, result = threading.Event(), threading.Event(), {}
