@@ -64,11 +64,16 @@ def logit_diff_metric(model: HookedDecoder, answer, counterfactual, position: in
     if len(answer_ids) != len(counter_ids):
         raise ValueError(f"{len(answer_ids)} answers but {len(counter_ids)} counterfactuals; give one of each per prompt")
 
+    built: dict = {}  # (rows, device) -> columns: analyses ask for the same ones call after call
+
     def columns(rows: int, device) -> torch.Tensor:  # [rows 2]: (answer, counterfactual), the prompts tiled
         if rows % len(answer_ids):
             raise ValueError(f"{len(answer_ids)} answers do not match a batch of {rows} prompts")
-        reps = rows // len(answer_ids)
-        return torch.stack([answer_ids.to(device).repeat(reps), counter_ids.to(device).repeat(reps)], dim=1)
+        key = (rows, str(device))
+        if key not in built:
+            reps = rows // len(answer_ids)
+            built[key] = torch.stack([answer_ids.to(device).repeat(reps), counter_ids.to(device).repeat(reps)], dim=1)
+        return built[key]
 
     def positions(attention_mask: torch.Tensor) -> torch.Tensor:
         return resolve_positions(attention_mask, int(position))

@@ -106,6 +106,12 @@ class CircuitGraph(TableDisplay):
     def n_edges(self) -> int:
         return int(self.valid.sum())
 
+    @cached_property
+    def writers_before(self) -> tuple[int, ...]:
+        """For each stage s (0 .. 2 n_layers + 2), how many writers land before it: a prefix in writer order."""
+        stages = self.writer_stage.tolist()
+        return tuple(sum(w < s for w in stages) for s in range(2 * self.n_layers + 3))
+
     def edge_names(self) -> list[str]:
         return [f"{self.writers[w]} -> {self.readers[r]}" for w, r in self.valid.nonzero().tolist()]
 

@@ -74,11 +74,6 @@ def layer_groups(graph: CircuitGraph, most: int) -> list[range]:
     return groups
 
 
-def _n_before(graph: CircuitGraph, stage: int) -> int:
-    """How many writers (a prefix, in writer order) land before `stage`."""
-    return int((graph.writer_stage < stage).sum())
-
-
 @torch.no_grad()
 def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: int, centred: bool) -> torch.Tensor:
     """[batch writer pos d_model] float32, writer-major: every writer's clean output less its corrupted one, centred
@@ -251,7 +246,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
                 rows *= ln_w[j]
         # the writers before the group's last reader; the last group's product also takes the MLPs' and the logits'
         # readers, against every writer
-        n = n_writers if final else _n_before(graph, 2 * last + 1)
+        n = n_writers if final else graph.writers_before[2 * last + 1]
         scores = product(n, rows_buffer[start:] if final else rows_buffer[start:n_read_rows])
         attention = scores[..., :G * n_read].unflatten(-1, (G, n_read))
         # the rank-one term, for every run: (delta . n_run)(h_run . W'n_run) / D; W'n is what the run's projection

@@ -57,6 +57,10 @@ def test_graph_of_gpt2_counts_names_and_edges(tiny_model):
     with pytest.raises(ValueError, match="not a reader"):
         graph.reader_indices("L0H9<q")
     assert "110 edges" in str(graph)
+    # by hand: before layer l's attention, embed and l layers' H heads and MLP; before its MLP, also its H heads
+    assert graph.writers_before[0] == 0 and graph.writers_before[2 * L + 2] == len(graph.writers)
+    for l in range(L):
+        assert graph.writers_before[2 * l + 1] == 1 + (H + 1) * l and graph.writers_before[2 * l + 2] == 1 + (H + 1) * l + H
 
 
 def test_graph_of_grouped_query_and_parallel_models(tmp_path):
