@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Literal, Optional, Sequence
+from typing import Literal, Optional
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -33,9 +33,10 @@ from tqdm.auto import tqdm
 
 from probe.analyses.ablation import Metric, metric_name
 from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
-from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask, token_decoder, tokens_and_mask
+from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask, tokens_and_mask
 from probe.analyses.edge_gradients import gradient_scores
 from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
+from probe.analyses.labels import token_texts
 from probe.analyses.paired_stats import bootstrap_ci, sign_flip_p
 from probe import HookedDecoder
 
@@ -61,15 +62,19 @@ class EdgeScores(TableDisplay):
     clean_values: Optional[torch.Tensor] = field(default=None, repr=False)  # [batch]
     corrupted_values: Optional[torch.Tensor] = field(default=None, repr=False)  # [batch]
     position_tokens: Optional[list[int]] = field(default=None, repr=False)  # the first corrupted prompt's ids
-    decode: Optional[Callable[[Sequence[int]], list[str]]] = field(default=None, repr=False, compare=False)
+    tokenizer: object = field(default=None, repr=False, compare=False)  # what decodes them (None: the ids as strings)
 
     @cached_property
     def position_strings(self) -> Optional[list[str]]:
         """The first corrupted prompt's tokens, raw; decoded when first read (only per-position frames and circuit
         labels read them, and decoding costs a noticeable share of a small model's EAP call)."""
-        if self.position_tokens is None:
-            return None
-        return self.decode(self.position_tokens) if self.decode is not None else [str(t) for t in self.position_tokens]
+        return None if self.position_tokens is None else token_texts(self.tokenizer, self.position_tokens)
+
+    def __getstate__(self) -> dict:
+        # a pickle holds the decoded strings, not the tokenizer
+        state = dict(self.__dict__, tokenizer=None)
+        state["position_strings"] = self.position_strings
+        return state
 
     def matrix(self) -> torch.Tensor:
         """[writer reader]: the scores, NaN where there is no edge."""
@@ -198,7 +203,7 @@ def edge_attribution(
         corrupted=corrupted_mean, method=method, metric_name=metric_name(metric),
         ig_steps=ig_steps if method.startswith("eap-ig") else 1,
         per_position=None if per_position is None else per_position.cpu(), clean_values=clean_values.detach().cpu(),
-        corrupted_values=corrupted_values.cpu(), position_tokens=tokens[0].tolist(), decode=token_decoder(model),
+        corrupted_values=corrupted_values.cpu(), position_tokens=tokens[0].tolist(), tokenizer=model.tokenizer,
     )
 
 

@@ -19,10 +19,11 @@ term of g then vanishes. With h = dq/s (weighted, padding zeroed) and W' = W dia
 The first term is linear in h, so the runs' h are summed first: one product with W' and one matmul with the
 deltas, whatever the number of runs (W' is the weight where it lies times w, or w multiplies the pulled-back
 rows instead when those are the smaller tensor). The other is rank one at each position and is subtracted from the
-scores, not from the gradients (at GPT-2's shape a further pass over the pulled-back rows costs more than the
-rest of this function): W'n is what the run's projection computed (hook_q/k/v less the biases), delta . n is one
-product per prompt for every layer and run on the deltas as they lie (writer-major), and the rest is a
-[writer (run pos)] x [(run pos) reader] product per group.
+scores, not from the gradients (subtracted from the pulled-back rows it costs further passes over them: at
+GPT-2-small's shape, 4 x 128, this function took 605 ms against 426 that way for EAP): W'n is what the run's
+projection computed (hook_q/k/v less the biases), delta . n is one product per prompt for every layer and run on
+the deltas as they lie (writer-major), and the rest is a [writer (run pos)] x [(run pos) reader] product per
+group.
 
 Layers are taken in groups of consecutive layers with the same head counts, stacked along a leading layer
 dimension: on a model whose forward costs its per-operation overhead, one group holds every layer, so the

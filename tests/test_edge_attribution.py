@@ -8,6 +8,7 @@ residual it reads plus a zero leaf of its own, so one backward gives each reader
 from __future__ import annotations
 
 import copy
+import pickle
 import sys
 
 import pytest
@@ -347,6 +348,11 @@ def test_per_position_scores_add_up_and_frame(tiny_model):
     # the token column: the first corrupted prompt's tokens (decoded when first read), position by position
     assert list(by_position["token"][:clean.shape[1]]) == token_strings(tiny_model, corrupted[0].tolist())
     assert list(by_position["position"][:clean.shape[1]]) == list(range(clean.shape[1]))
+    # a pickle (torch.save of the results) keeps the strings and the scores, not the tokenizer
+    fresh = edge_attribution(tiny_model, clean, corrupted, metric, positions=True)
+    copy_back = pickle.loads(pickle.dumps(fresh))
+    assert copy_back.tokenizer is None and copy_back.position_strings == by_position["token"][:clean.shape[1]].tolist()
+    torch.testing.assert_close(copy_back.scores, fresh.scores, rtol=0, atol=0)
     top = scores.top(5)
     assert list(top["rank"]) == [1, 2, 3, 4, 5] and top["score"].abs().is_monotonic_decreasing
     scores.figure()
