@@ -76,8 +76,8 @@ def test_a_store_that_keeps_the_graph_gives_the_gradient_a_backward_hook_sees(ti
                               bwd_hooks=[(name, lambda g, hook: seen.__setitem__("grad", g.clone()))]):
             logits = tiny_model(tokens)
             assert kept[name].requires_grad and kept[name].grad_fn is not None
-            (grad,) = torch.autograd.grad(logits[:, -1, 3].sum(), [kept[name]], retain_graph=True)
-            logits[:, -1, 3].sum().backward()  # inside the block: its backward hooks see it
+            # inside the block, so its backward hook sees this pass; autograd.grad leaves the shared model's .grad alone
+            (grad,) = torch.autograd.grad(logits[:, -1, 3].sum(), [kept[name]])
     torch.testing.assert_close(grad, seen["grad"], rtol=1e-6, atol=1e-7)
     detached = {}
     with torch.enable_grad(), tiny_model.hooks([(name, Store(detached))]):
