@@ -117,16 +117,18 @@ def resolve_positions(mask: torch.Tensor, position: int) -> torch.Tensor:
     """[batch] index of `position` counted among each prompt's real tokens (-1 = each prompt's last),
     for right or left padding."""
     position = check_int(position, "position")
-    padded = not bool(mask.all())
-    # nothing padded (the usual case): every prompt has the full length, one check covers them all
-    lengths = mask.long().sum(-1) if padded else None
-    shortest = int(lengths.min()) if padded else mask.shape[-1]
-    if position >= 0 and position >= shortest:
-        raise ValueError(f"position={position} is past the end of a prompt with {shortest} tokens")
-    if position < 0 and -position > shortest:
-        raise ValueError(f"position={position} is before the start of a prompt with {shortest} tokens")
-    if not padded:
-        return torch.full((mask.shape[0],), position % shortest, dtype=torch.long, device=mask.device)
+
+    def check(shortest: int) -> None:  # the shortest prompt decides for all
+        if position >= shortest:
+            raise ValueError(f"position={position} is past the end of a prompt with {shortest} tokens")
+        if -position > shortest:
+            raise ValueError(f"position={position} is before the start of a prompt with {shortest} tokens")
+
+    if bool(mask.all()):  # nothing padded (the usual case): every prompt has the full length
+        check(mask.shape[-1])
+        return torch.full((mask.shape[0],), position % mask.shape[-1], dtype=torch.long, device=mask.device)
+    lengths = mask.long().sum(-1)
+    check(int(lengths.min()))
     index = torch.full_like(lengths, position) if position >= 0 else lengths + position
     if not bool(mask[:, :1].all()):  # left padding: real tokens start later
         index = index + (~mask.bool()).long().cumprod(-1).sum(-1)

@@ -85,12 +85,13 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
     batch, n_pos, d_model = first["clean"].shape
     out = torch.empty(batch, len(graph.writers), n_pos, d_model, device=first["clean"].device)
     torch.sub(f32(first["clean"]), f32(first["corrupted"]), out=out[:, 0])
+    blocks = list(model.blocks)  # indexed once, as in reader_scores
     for group in layer_groups(graph, most):
         n_heads = graph.heads[group.start]
         first_writer = graph.head_writers(group.start).start
         block = out[:, first_writer:graph.mlp_writer(group.stop - 1) + 1].unflatten(1, (len(group), n_heads + 1))
         for j, l in enumerate(group):
-            z, mlp_out, w_o = saved[act_name("z", l)], saved[act_name("mlp_out", l)], out_weights(model, l)
+            z, mlp_out, w_o = saved[act_name("z", l)], saved[act_name("mlp_out", l)], out_weights(blocks[l])
             if graph.sandwich:  # each run's write is divided by its own ln1_post scale: head_outputs
                 shares = [head_outputs(model, l, einsum(f32(z[run]), w_o, "batch pos head d_head, head d_head d_model "
                                                         "-> batch pos head d_model"),
@@ -132,9 +133,9 @@ def qkv_offsets(blocks: list, n_read: int) -> torch.Tensor:
     return torch.stack(offsets).view(len(blocks), n_read, -1)
 
 
-def out_weights(model: HookedDecoder, layer: int) -> torch.Tensor:
-    """[head d_head d_model] float32: the layer's W_O (a view of the parameter: for callers under no_grad)."""
-    return f32(model.blocks[layer].attn.W_O)
+def out_weights(block) -> torch.Tensor:
+    """[head d_head d_model] float32: the block's W_O (a view of the parameter: for callers under no_grad)."""
+    return f32(block.attn.W_O)
 
 
 @torch.no_grad()
