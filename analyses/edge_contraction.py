@@ -39,6 +39,7 @@ from einops import einsum
 
 from probe.analyses.circuit_graph import CircuitGraph
 from probe.analyses.edge_patching import head_outputs
+from probe.analyses.scratch import scratch
 from probe import HookedDecoder
 from probe.names import act_name
 from probe.norm import LayerNorm, RMSNorm
@@ -162,6 +163,9 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     run_weights = torch.tensor([weights[i] for i in weighted], dtype=torch.float32, device=deltas.device)
     keep = mask.to(device=deltas.device, dtype=torch.float32)[:, :, None]  # [batch pos 1]: padding carries no effect
 
+    def buffer(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return scratch(f"edge_contraction.{name}", shape, dtype, deltas.device)
+
     def summed(names: list[str], out: torch.Tensor) -> None:
         """out [layer batch pos d_model] = the names' gradients summed over the runs with their weights, padding zeroed."""
         if k == 1:  # a copy, scaled: one op per reader
@@ -184,8 +188,11 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     blocks = list(model.blocks)  # indexed once: a ModuleList's lookups cost more than this call's small products
     eps = blocks[0].ln1.eps
     # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and 1/s, its scale's inverse
-    # (in place: on a CPU every fresh large temporary costs its page faults, often more than its arithmetic)
-    normed = f32(torch.stack([pick(read[l]) for l in range(graph.n_layers)])).view(-1, k, batch, n_pos, d_model)
+    # (in place, and the large buffers from analyses.scratch: on a CPU every fresh large temporary costs its page
+    # faults, often more than its arithmetic)
+    residuals = [pick(read[l]) for l in range(graph.n_layers)]
+    normed = torch.stack(residuals, out=buffer("normed", (len(residuals), *residuals[0].shape), residuals[0].dtype))
+    normed = f32(normed).view(-1, k, batch, n_pos, d_model)
     if centred:
         normed -= normed.mean(-1, keepdim=True)
     # (torch.var_mean is several times slower than this on a CPU)
@@ -202,7 +209,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     n_tail = graph.n_layers + 1  # the MLPs' readers, then the logits'
     # [reader batch pos d_model]: a group's pulled-back head gradients end where the MLPs' and the logits' gradients
     # (their hook points', summed over the runs) begin, so the last group's one product covers them all
-    rows_buffer = deltas.new_empty(n_read_rows + n_tail, batch, n_pos, d_model)
+    rows_buffer = buffer("rows", (n_read_rows + n_tail, batch, n_pos, d_model), torch.float32)
     summed([mlp_in_name(l) for l in range(graph.n_layers)] + [act_name("resid_post", graph.n_layers - 1)],
            rows_buffer[n_read_rows:])
     # [batch (pos) writer column], columns in this function's order: every layer's attention readers, then the MLPs',
@@ -210,19 +217,11 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     columns = [r for l in range(graph.n_layers) for r in graph.attn_readers(l)]
     columns += [graph.mlp_reader(l) for l in range(graph.n_layers)] + [len(graph.readers) - 1]
     full = deltas.new_zeros((batch, n_pos, n_writers, len(columns)) if positions else (batch, n_writers, len(columns)))
-    scratch: dict[str, torch.Tensor] = {}  # buffers every group reuses
-
-    def reused(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        held = scratch.get(name)
-        if held is None or held.shape != shape or held.dtype != dtype:
-            held = scratch[name] = torch.empty(shape, dtype=dtype, device=deltas.device)
-        return held
-
     def qkv_of(source: dict[str, torch.Tensor], group: range, name: str) -> torch.Tensor:
         """[rows pos (layer reader) d_head]: the group's q, k and v (values or gradients), q then k then v per layer."""
         parts = [pick(source[act_name(kind, l)]) for l in group for kind in ("q", "k", "v")]
         shape = (*parts[0].shape[:2], sum(p.shape[2] for p in parts), parts[0].shape[3])
-        return f32(torch.cat(parts, dim=2, out=reused(name, shape, parts[0].dtype)))
+        return f32(torch.cat(parts, dim=2, out=buffer(name, shape, parts[0].dtype)))
 
     done = 0  # attention columns written
     for g, group in enumerate(groups):
@@ -237,7 +236,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         # W' = W diag(w) copied, or w applied to what W pulls back: whichever tensor is the smaller
         fold = batch * n_pos > d_head
         projections, ln_w = read_weights(blocks[group.start:group.stop], n_read, fold)
-        summed_h = dq[0] if k == 1 else torch.sum(dq, 0, out=reused("h", dq.shape[1:], dq.dtype))  # [batch pos layer reader d_head]
+        summed_h = dq[0] if k == 1 else torch.sum(dq, 0, out=buffer("h", dq.shape[1:], dq.dtype))  # [batch pos layer reader d_head]
         by_layer = summed_h.permute(2, 3, 0, 1, 4).reshape(G, n_read, batch * n_pos, d_head)
         start = n_read_rows - G * n_read
         pulled = rows_buffer[start:n_read_rows].view(G * n_read, batch * n_pos, d_model)

@@ -193,7 +193,10 @@ def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: tor
             if not grads:
                 continue
             hook_grads = _backward(model, fwd, final, logit_grads)
-        with torch.no_grad():  # weights (parameters) enter below: no graph
+        # weights (parameters) enter below, with no graph; inference mode also skips the version counters and view
+        # records of no_grad (measured: ~0.2 ms of a 7 ms small-model EAP call); only `full` leaves it, and it is
+        # only read afterwards
+        with torch.inference_mode():
             if deltas is None:  # writer-major: each stage's product reads its first writers as one block
                 deltas = writer_deltas(model, graph, saved, layers_at_once, centred)
             part = reader_scores(model, graph, [run.weight for run in chunk], hook_grads, fwd.live, fwd.read, deltas, mask,

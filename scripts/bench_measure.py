@@ -38,6 +38,9 @@ def _proc_status_kib(field_name: str) -> int:
 
 
 def _release_free_memory() -> None:
+    from probe.analyses import scratch
+
+    scratch.release()  # the buffers a call keeps for its next call count in its own peak
     gc.collect()
     try:  # glibc keeps freed heap pages; hand them back so the next call's rise is its own
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -428,3 +428,22 @@ def test_the_two_paths_agree_on_the_other_methods(family, method, monkeypatch):
                              max_rows=2 * clean.shape[0])
     assert_scores_close(large.per_example, small.per_example)
     assert_scores_close(large.per_position.flatten(1), small.per_position.flatten(1))
+
+
+def test_scratch_buffers_left_holding_nan_change_no_score(family):
+    """The contraction's buffers outlive a call (analyses.scratch) and hold what the last call left there: filled
+    with NaN after a call on longer prompts, they still give the oracle's scores (nothing is read before it is
+    written), for EAP and EAP-IG alike."""
+    from probe.analyses import scratch
+
+    kind, hf, model = family
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    edge_attribution(model, *prompts(model.cfg.d_vocab, n_pos=13), metric, method="eap-ig-inputs", ig_steps=3,
+                     positions=True)
+    for method, steps in (("eap", 1), ("eap-ig-inputs", 3)):
+        assert scratch.held()
+        for buffer in scratch.held():
+            buffer.fill_(float("nan"))
+        ours = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=steps)
+        assert_scores_close(ours.per_example, integrated_oracle(hf, kind, ours.graph, clean, corrupted, steps))
