@@ -447,3 +447,34 @@ def test_scratch_buffers_left_holding_nan_change_no_score(family):
             buffer.fill_(float("nan"))
         ours = edge_attribution(model, clean, corrupted, metric, method=method, ig_steps=steps)
         assert_scores_close(ours.per_example, integrated_oracle(hf, kind, ours.graph, clean, corrupted, steps))
+
+
+def test_threads_scoring_at_once_get_the_scores_each_gets_alone(tiny_model):
+    """Calls from several threads at once (each with its own scratch buffers and scoped hooks) score as each does
+    alone; with buffers shared between threads, a run of this test saw one thread's scores off by ~100."""
+    import threading
+
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    inputs = [prompts(tiny_model.cfg.d_vocab, n_pos=8 + 3 * i, seed=i) for i in range(4)]
+    alone = [edge_attribution(tiny_model, *pair, metric, method="eap-ig-inputs", ig_steps=3).per_example
+             for pair in inputs]
+    got, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(8):
+                scores = edge_attribution(tiny_model, *inputs[i], metric, method="eap-ig-inputs", ig_steps=3).per_example
+                got.setdefault(i, []).append(scores)
+        except Exception as err:  # surfaced below: an exception in a thread does not fail the test by itself
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for i, runs in got.items():
+        assert len(runs) == 8
+        for scores in runs:  # (not bit for bit: a matmul may split its work differently while threads compete)
+            torch.testing.assert_close(scores, alone[i], atol=1e-6 * float(alone[i].abs().max()), rtol=0)
