@@ -97,9 +97,10 @@ bench_stage() {  # stage, own cap, out subdirectory, dtype, workloads, more benc
 for stage in $STAGES; do
     case $stage in
         tests)
-            tests=(tests/test_gpu.py)
-            [ "$DEVICE" = cuda ] && tests+=("tests/test_attribution.py::test_gpu_matches_cpu"
-                "tests/test_circuit.py::test_scores_and_circuits_are_the_same_on_the_gpu"
+            # the GPU-against-CPU tests honour PROBE_TEST_DEVICE; CUDA graphs exist on CUDA only
+            tests=(tests/test_gpu.py "tests/test_attribution.py::test_gpu_matches_cpu"
+                "tests/test_circuit.py::test_scores_and_circuits_are_the_same_on_the_gpu")
+            [ "$DEVICE" = cuda ] && tests+=(
                 "tests/test_compiled.py::test_cuda_graph_forwards_equal_eager_and_outlive_the_next_replay")
             PROBE_TEST_DEVICE=$DEVICE run_stage tests "${TESTS_S:-240}" \
                 python3 -m pytest -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} "${tests[@]}" ;;

@@ -5,6 +5,7 @@ a few sentences below, and the weights are `transformers`' own random initialisa
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,13 @@ def bundled_model() -> HookedDecoder:
     from probe import DEFAULT_MODEL
 
     return HookedDecoder.from_pretrained(DEFAULT_MODEL).eval()
+
+
+@pytest.fixture
+def device_under_test() -> torch.device:
+    """The device a GPU test compares with the CPU: $PROBE_TEST_DEVICE, else CUDA when present; the test is skipped
+    with neither (PROBE_TEST_DEVICE=cpu runs it on the CPU against itself, which checks the test)."""
+    device = os.environ.get("PROBE_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+    if device is None:
+        pytest.skip("needs a GPU (or PROBE_TEST_DEVICE=cpu to check this test on the CPU)")
+    return torch.device(device)

@@ -260,11 +260,10 @@ def test_bundled_model_dla_adds_up(bundled_model):
     torch.testing.assert_close(result.total, result.actual, atol=ATOL, rtol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_gpu_matches_cpu(tiny_model, tokens):
+def test_gpu_matches_cpu(tiny_model, tokens, device_under_test):
     import copy
 
-    model = copy.deepcopy(tiny_model).cuda()
+    model = copy.deepcopy(tiny_model).to(device_under_test)
     on_gpu = direct_logit_attribution(model, tokens, 5, 7)
     on_cpu = direct_logit_attribution(tiny_model, tokens, 5, 7)
     torch.testing.assert_close(on_gpu.contributions.cpu(), on_cpu.contributions, atol=1e-3, rtol=0)

@@ -241,22 +241,23 @@ def test_circuit_figure_draws_every_edge_kind(tiny_model):
     assert len(hover) == 6 and "L0H1 → L0 mlp<br>score +0.3" in hover
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_scores_and_circuits_are_the_same_on_the_gpu(tiny_model):
+def test_scores_and_circuits_are_the_same_on_the_gpu(tiny_model, device_under_test):
     import copy
 
-    gpu = copy.deepcopy(tiny_model).to("cuda")
+    gpu = copy.deepcopy(tiny_model).to(device_under_test)
     clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    on = dict(clean=clean.to(device_under_test), corrupted=corrupted.to(device_under_test))
     for method in ("eap", "eap-ig-inputs"):
         cpu_scores = edge_attribution(tiny_model, clean, corrupted, logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS), method=method)
-        gpu_scores = edge_attribution(gpu, clean.cuda(), corrupted.cuda(), logit_diff_metric(gpu, ANSWERS, COUNTERFACTUALS), method=method)
+        gpu_scores = edge_attribution(gpu, on["clean"], on["corrupted"], logit_diff_metric(gpu, ANSWERS, COUNTERFACTUALS),
+                                      method=method)
         scale = float(cpu_scores.scores.abs().max())
         torch.testing.assert_close(gpu_scores.scores, cpu_scores.scores, atol=1e-4 * scale, rtol=0)
         assert cpu_scores.circuit(n_edges=20).edge_names() == gpu_scores.circuit(n_edges=20).edge_names()
     circuit = cpu_scores.circuit(n_edges=20)
     on_gpu = Circuit(graph=circuit_graph(gpu), edges=circuit.edges)
     a = faithfulness(tiny_model, circuit, clean, corrupted, logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS))
-    b = faithfulness(gpu, on_gpu, clean.cuda(), corrupted.cuda(), logit_diff_metric(gpu, ANSWERS, COUNTERFACTUALS))
+    b = faithfulness(gpu, on_gpu, on["clean"], on["corrupted"], logit_diff_metric(gpu, ANSWERS, COUNTERFACTUALS))
     assert b.value == pytest.approx(a.value, abs=1e-4)
 
 
