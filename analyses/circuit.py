@@ -7,6 +7,8 @@ edges, which leaves a circuit's faithfulness unchanged under patching and shows 
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
@@ -14,7 +16,7 @@ import pandas as pd
 import torch
 
 from probe.analyses.circuit_graph import CircuitGraph
-from probe.analyses.common import TableDisplay
+from probe.analyses.common import TableDisplay, is_int
 
 
 def prune(graph: CircuitGraph, chosen: torch.Tensor) -> torch.Tensor:
@@ -141,8 +143,16 @@ def circuit_from_scores(scores, n_edges: Optional[int] = None, threshold: Option
     graph = scores.graph
     if (n_edges is None) == (threshold is None):
         raise ValueError("give exactly one of n_edges (how many edges) or threshold (the smallest |score| kept)")
-    if n_edges is not None and not (isinstance(n_edges, int) and not isinstance(n_edges, bool) and 0 <= n_edges):
+    # NumPy and 0-d tensor integers too: a size read back from a frame (faithfulness.csv) is an np.int64
+    if n_edges is not None and not (is_int(n_edges) and 0 <= int(n_edges)):
         raise ValueError(f"n_edges={n_edges!r} must be a non-negative int (the graph has {graph.n_edges} edges)")
+    n_edges = None if n_edges is None else int(n_edges)
+    # a NaN threshold kept nothing without a word, and a string failed inside torch's comparison
+    if isinstance(threshold, torch.Tensor) and threshold.dim() == 0 and threshold.dtype != torch.bool:
+        threshold = float(threshold)  # e.g. scores.scores.abs().max(), as before
+    if threshold is not None and not (isinstance(threshold, numbers.Real) and not isinstance(threshold, bool)
+                                      and not math.isnan(threshold)):
+        raise ValueError(f"threshold={threshold!r} must be a number (the smallest |score| kept, or score with absolute=False)")
     if method not in ("topn", "greedy"):
         raise ValueError(f"method={method!r} is not one of: topn, greedy")
     key = scores.scores.float().abs() if absolute else scores.scores.float()

@@ -9,11 +9,13 @@ import plotly.graph_objects as go
 import torch
 
 from probe.analyses.common import escape_token
+from probe.analyses.labels import LINE_PX, TITLE_TOP_PX, title_lines, titled, wrap
 
 INPUT_STYLE = {"q": ("solid", -0.22), "k": ("dash", 0.0), "v": ("dot", 0.22), "mlp": ("solid", 0.0), "logits": ("solid", 0.0)}
 POSITIVE, NEGATIVE = "rgba(33, 102, 172, {a})", "rgba(178, 24, 43, {a})"
 WIDTH_BINS = 5
 MAX_TITLE_TOKENS = 40
+MODE_BAR_GAP = 14  # px between plotly's mode bar and the title
 
 
 def _positions(graph) -> dict[int, tuple[float, float]]:
@@ -98,12 +100,20 @@ def circuit_figure(circuit, title: Optional[str] = None) -> go.Figure:
         if circuit.labels:
             shown = "".join(escape_token(t) for t in circuit.labels[:MAX_TITLE_TOKENS])
             prompt = f"<br><sup>corrupted prompt: {shown}{' …' if len(circuit.labels) > MAX_TITLE_TOKENS else ''}</sup>"
-        title = (f"Circuit: {circuit.n_edges} edges, {len(nodes)} nodes ({circuit.method}; blue raises the "
+        # the circuit's own node count: the drawing always places the logits, an empty circuit has no node
+        title = (f"Circuit: {circuit.n_edges} edges, {len(circuit.nodes)} nodes ({circuit.method}; blue raises the "
                  f"{circuit.metric_name}, red lowers it){prompt}")
     rows = 2 * graph.n_layers + 2
+    width = max(700, 130 * max(graph.heads) + 200)
     labels = ["embed"] + [f"L{l} {part}" for l in range(graph.n_layers) for part in ("attn", "mlp")] + ["logits"]
     fig.update_yaxes(autorange="reversed", tickvals=list(range(rows)), ticktext=labels, showgrid=True, zeroline=False)
     fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False, range=[-0.8, max(graph.heads) + 0.8])
-    fig.update_layout(title=title, width=max(700, 130 * max(graph.heads) + 200), height=max(500, 70 * rows + 160),
-                      plot_bgcolor="white", legend=dict(orientation="h", y=-0.05), hovermode="closest")
+    # plotly never wraps a title: a long prompt ran off the right edge; each line past the usual two gets its height
+    extra = max(0, title_lines(wrap(title, width - 40)) - 2) * LINE_PX
+    height = max(500, 70 * rows + 160) + extra
+    fig.update_layout(width=width, height=height, plot_bgcolor="white", legend=dict(orientation="h", y=-0.05),
+                      hovermode="closest")
+    titled(fig, title, width, top=MODE_BAR_GAP)
+    # the first line spans most of a narrow figure, so it starts clear of the mode bar's icons, not just at their foot
+    fig.update_layout(title_y=1 - (TITLE_TOP_PX + MODE_BAR_GAP) / height)
     return fig

@@ -9,7 +9,7 @@ writes: edges.csv, edges.html (the top edges), circuit.csv, circuit.html (the dr
 faithfulness.csv, faithfulness.html (the curve)
 
 Edges are ranked by |score| unless --signed ranks them by the score itself, those estimated to restore the
-clean behaviour first (a negative edge then never enters): with eap-ig-activations scores the signed circuits
+clean behaviour first (a negative edge enters only after every positive one): with eap-ig-activations scores the signed circuits
 keep more of the logit difference at the same size (docs/circuits.md).
 
 examples:
@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--ablation mean averages over several corrupted prompts and this command takes one; use patch or zero")
     if args.random < 0:
         raise CommandError(f"--random {args.random} must be 0 or more")
+    for flag in ("--clean", "--corrupted"):  # (every command's text arguments are checked for UTF-8 in scripts/common)
+        if getattr(args, flag[2:]) == "":  # two empty prompts would be scored as one prompt
+            raise CommandError(f"{flag} is empty; give the prompt's text")
     out = Output(default_out(args, "circuit"), args.force)
     model = load_model(args)
     try:
@@ -75,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
     out.write_figure("edges.html", scores.figure())
     circuit = scores.circuit(n_edges=min(args.edges, graph.n_edges), method="greedy" if args.greedy else "topn",
                              absolute=not args.signed)
+    if circuit.n_edges == 0:  # faithfulness 0 and an empty drawing would otherwise be all the run says
+        log(args, f"note: the circuit has no edges: pruning dropped all {circuit.requested} chosen, none of which joins "
+                  "the embedding to the logits through the others; pass a larger --edges")
     out.write_csv("circuit.csv", circuit.to_frame())
     out.write_figure("circuit.html", circuit.figure())
     kept = faithfulness(model, circuit, args.clean, args.corrupted, metric, ablation=args.ablation)

@@ -300,3 +300,86 @@ def test_probe_circuit_signed_selects_the_highest_scores(tiny_dir, tmp_path, cap
     assert len(circuit) > 0 and (circuit["score"] >= top["score"].min()).all()
     by_size = edges.loc[edges["score"].abs().sort_values(ascending=False, kind="stable").index[:15]]
     assert set(zip(top["source"], top["target"])) != set(zip(by_size["source"], by_size["target"]))  # negative edges
+
+
+CIRCUIT_ARGS = ["--clean", "the dog and the", "--corrupted", "the the and the", "--answer", " dog", "--counterfactual", " the",
+                "--method", "eap", "--random", "0"]
+
+
+@pytest.mark.parametrize("flag, value, said", [
+    ("--clean", "the dog \udcff and", "--clean is not UTF-8"),  # how Python hands over a command line's byte 0xFF
+    ("--answer", "\udcff", "--answer is not UTF-8"),
+    ("--clean", "", "--clean is empty"),
+])
+def test_probe_circuit_refuses_non_utf8_and_empty_text(tiny_dir, tmp_path, capsys, flag, value, said):
+    from probe.cli import cli
+
+    argv = ["circuit", "--model", str(tiny_dir), *CIRCUIT_ARGS, "--out", str(tmp_path / "out")]
+    argv[argv.index(flag) + 1] = value
+    if flag == "--clean" and value == "":
+        argv[argv.index("--corrupted") + 1] = ""  # equal lengths: the empty prompt itself must be what is named
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and not (tmp_path / "out").exists()
+    if "UTF-8" in said:
+        assert "0xFF" in err  # the offending byte, as the shell passed it
+
+
+def test_circuit_accepts_numpy_and_tensor_integers_and_refuses_bad_thresholds(tiny_model):
+    import numpy as np
+
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    scores = edge_attribution(tiny_model, clean, corrupted, logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS))
+    plain = scores.circuit(n_edges=12)
+    for n in (np.int64(12), torch.tensor(12)):  # e.g. a size read back from faithfulness.csv
+        assert scores.circuit(n_edges=n).edge_names() == plain.edge_names() and scores.circuit(n_edges=n).requested == 12
+    for bad in (float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="threshold"):
+            scores.circuit(threshold=bad)
+
+
+def test_circuit_figure_title_wraps_a_long_prompt_and_counts_nodes_as_the_circuit(tiny_model):
+    """plotly never wraps a title: a long corrupted prompt ran off the figure's right edge. The title's lines must
+    each fit the figure's width, and together hold every shown token of the prompt, escaped for plotly."""
+    import html
+
+    from probe.analyses.circuit_figure import MAX_TITLE_TOKENS
+    from probe.analyses.labels import TITLE_CHAR_PX, shown_token
+
+    graph = circuit_graph(tiny_model)
+    tokens = [f"<tok{i}&>" for i in range(MAX_TITLE_TOKENS)]
+    circuit = Circuit.from_edges(graph, [("embed", "L0H1<v"), ("L0H1", "logits")])
+    circuit.labels = tokens
+    fig = circuit.figure()
+    title = fig.layout.title.text
+    lines = title.split("<br>")
+    assert len(lines) > 2  # 40 tokens of 9 characters do not fit one line of a 720 px figure
+    for line in lines:
+        small = line.startswith("<sup>")
+        plain = html.unescape(line.removeprefix("<sup>").removesuffix("</sup>"))
+        assert "<" not in line.removeprefix("<sup>").removesuffix("</sup>")  # escaped: no raw markup
+        assert len(plain) * TITLE_CHAR_PX * (0.7 if small else 1.0) <= fig.layout.width
+    joined = "".join(html.unescape(l.removeprefix("<sup>").removesuffix("</sup>")) for l in lines)
+    assert "".join(shown_token(t) for t in tokens) in joined.replace(" ", "")
+    assert fig.layout.margin.t >= 30 + 24 * len(lines)  # room above the plot for every line
+    # an empty circuit has no nodes (circuit.nodes), and the drawing says so rather than "1 nodes"
+    empty = Circuit(graph=graph, edges=torch.zeros(0, dtype=torch.long), requested=3)
+    assert empty.nodes == [] and "0 edges" in empty.figure().layout.title.text
+    assert "1 nodes" not in empty.figure().layout.title.text and "0 nodes" in empty.figure().layout.title.text
+
+
+def test_probe_circuit_says_when_pruning_leaves_no_edges(tiny_dir, tmp_path, capsys):
+    """--edges 1 here picks L0H2 -> logits, whose writer the embedding does not reach: pruned, an empty circuit.
+    The run must say so and how to get a circuit, not only report faithfulness 0."""
+    import pandas as pd
+
+    from probe.cli import cli
+
+    out = tmp_path / "one"
+    assert cli.main(["circuit", "--model", str(tiny_dir), *CIRCUIT_ARGS, "--edges", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    edges = pd.read_csv(out / "edges.csv")
+    best = edges.loc[edges["score"].abs().idxmax()]
+    assert best["source"] != "embed" and best["target"] == "logits"  # by hand: this edge cannot survive pruning
+    assert len(pd.read_csv(out / "circuit.csv")) == 0
+    assert "no edges" in err and "--edges" in err

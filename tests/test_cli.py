@@ -646,3 +646,19 @@ def test_probe_report_runs_with_only_the_runtime_dependencies(tiny_dir, tmp_path
                             env={**os.environ, "PROBE_BLOCKED_MODULES": json.dumps(blocked)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "r" / "report.html").is_file()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["tokens", "--prompt", "ROMEO \udcff"], "--prompt"),  # how Python hands over a command line's byte 0xFF
+    (["lens", "--prompt", "ROMEO", "--target", "\udcff"], "--target"),
+    (["cache", "--prompt", "ROMEO", "--names", "blocks.\udce9"], "--names"),
+])
+def test_a_text_argument_that_is_not_utf8_is_named_with_its_byte(argv, flag, tmp_path, capsys):
+    """Before any model loads or any directory is made, for every command (scripts/common.run_command); the
+    tokenizer's own error named neither the flag nor the byte."""
+    from probe.cli import cli
+
+    out = tmp_path / "out"
+    assert cli.main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} is not UTF-8 text" in err and "byte 0x" in err and "Traceback" not in err and not out.exists()
