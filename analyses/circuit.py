@@ -62,6 +62,18 @@ class Circuit(TableDisplay):
     metric_name: str = "metric"
     labels: Optional[list[str]] = field(default=None, repr=False)  # the prompt's tokens, raw, for the figure's title
 
+    def __post_init__(self):
+        # an index of -1 would wrap to the graph's last edge without a word, and one past the end fail far from here
+        edges = self.edges
+        if not (isinstance(edges, torch.Tensor) and edges.dim() == 1 and not edges.is_floating_point()
+                and edges.dtype != torch.bool):
+            raise TypeError("Circuit.edges must be a 1-D integer tensor of edge indices (Circuit.from_edges builds one "
+                            f"from names), got {edges.dtype if isinstance(edges, torch.Tensor) else type(edges).__name__}"
+                            f"{'' if not isinstance(edges, torch.Tensor) else ' of shape ' + str(tuple(edges.shape))}")
+        if edges.numel() and not (0 <= int(edges.min()) and int(edges.max()) < self.graph.n_edges):
+            raise ValueError(f"Circuit.edges holds indices from {int(edges.min())} to {int(edges.max())}, but the graph's "
+                             f"edges are 0 to {self.graph.n_edges - 1}")
+
     @classmethod
     def from_edges(cls, graph: CircuitGraph, edges: Sequence[tuple[str, str]], prune_edges: bool = False) -> "Circuit":
         """A circuit from (writer, reader) names, e.g. [("L0H1", "L2H0<k"), ("L2H0", "logits")]."""

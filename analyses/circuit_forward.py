@@ -175,7 +175,8 @@ def sparse_final(model: HookedDecoder, graph: CircuitGraph, run: BaseRun, base: 
             x = inputs(int(graph.reader_stage[mlp_reader]), [mlp_reader]).reshape(k * batch, n_pos, d_model)
             report(torch.tensor([mlp_writer]), block.mlp(block.ln2(x.to(dtype))).view(1, k, batch, n_pos, d_model))
     last = len(graph.readers) - 1
-    return inputs(2 * graph.n_layers + 1, [last]).reshape(k * batch, n_pos, d_model)
+    # in the model's dtype, as the hooked forward's final residual: ln_final and W_U (bf16 models) refuse float32
+    return inputs(2 * graph.n_layers + 1, [last]).reshape(k * batch, n_pos, d_model).to(dtype)
 
 
 def _attend(attn, q, k, v, allowed) -> torch.Tensor:

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from probe.analyses.ablation import Metric, metric_name
 from probe.analyses.circuit import Circuit
 from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
-from probe.analyses.common import AnalysisInput, TableDisplay, model_mask
+from probe.analyses.common import AnalysisInput, TableDisplay, check_int, is_int, model_mask
 from probe.analyses.edge_attribution import EdgeScores, paired_tokens
 from probe.analyses.circuit_forward import BaseRun, qkv_hook_names, sparse_final, sparse_supported
 from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, rebased, run_edges, stage_residuals, writer_outputs
@@ -105,6 +105,7 @@ class CircuitRunner:
     def evaluate(self, circuits: torch.Tensor, progress: bool = False) -> torch.Tensor:
         """[circuit batch]: the metric of each circuit, given as [circuit edge] bool."""
         graph, (batch, n_pos) = self.graph, self.tokens.shape
+        _check_masks(graph, circuits)
         device = self.tokens.device
         w, r = graph.edge_writer.to(device), graph.edge_reader.to(device)
         copies = copies_per_forward(self.model, batch, n_pos, self.max_rows)
@@ -188,6 +189,21 @@ class Faithfulness(TableDisplay):
         frame = pd.concat([rows, mean], ignore_index=True)
         frame["edges"], frame["ablation"] = self.n_edges, self.ablation
         return frame
+
+
+def _check_masks(graph: CircuitGraph, circuits) -> None:
+    # one circuit's [edge] mask would broadcast into every row, and float weights would be fractional edges to the
+    # hooked engine but whole ones to the sparse engine: both silently wrong
+    if not isinstance(circuits, torch.Tensor) or circuits.dim() != 2:
+        got = tuple(circuits.shape) if isinstance(circuits, torch.Tensor) else type(circuits).__name__
+        raise ValueError(f"circuits must be a [circuit edge] bool tensor, got {got}; for one circuit pass "
+                         "circuit.edge_mask()[None], for several torch.stack of their edge masks")
+    if circuits.shape[1] != graph.n_edges:
+        raise ValueError(f"circuits has {circuits.shape[1]} columns but this model's graph has {graph.n_edges} edges: "
+                         "build the masks from this model's graph (Circuit.edge_mask())")
+    if circuits.dtype != torch.bool:
+        raise TypeError(f"circuits must be bool (an edge is kept or not), got {circuits.dtype}; pass mask.bool() or "
+                        "Circuit.edge_mask()")
 
 
 def _check_circuit(graph: CircuitGraph, circuit: Circuit) -> None:
@@ -287,11 +303,11 @@ def faithfulness_curve(model: HookedDecoder, scores: EdgeScores, clean: Analysis
     if scores.graph.writers != runner.graph.writers or scores.graph.readers != runner.graph.readers:
         raise ValueError("the scores were computed on another model's graph")
     n = runner.graph.n_edges
-    sizes = default_sizes(n) if sizes is None else sorted({int(s) for s in sizes})
+    sizes = default_sizes(n) if sizes is None else sorted({check_int(s, 'a size in sizes') for s in sizes})  # 2.5 refused
     bad = [s for s in sizes if not 0 <= s <= n]
     if bad:
         raise ValueError(f"sizes {bad} are outside [0, {n}], the graph's edge count")
-    if not (isinstance(n_random, int) and n_random >= 0):
+    if not (is_int(n_random) and n_random >= 0):  # not True, which would quietly be 1
         raise ValueError(f"n_random={n_random!r} must be a non-negative int")
     circuits = [scores.circuit(n_edges=s, method=method, absolute=absolute) for s in sizes]
     gen = torch.Generator().manual_seed(seed)

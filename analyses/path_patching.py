@@ -19,7 +19,7 @@ import torch
 
 from probe.analyses.ablation import Metric, metric_name
 from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
-from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask
+from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask
 from probe.analyses.edge_attribution import paired_tokens
 from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
 from probe.analyses.paired_stats import bootstrap_ci, sign_flip_p
@@ -94,7 +94,8 @@ class PathPatching(TableDisplay):
 
 
 def _names(value: NodeNames) -> list:
-    if isinstance(value, (str, tuple)):
+    # only a pair of ints is one node, (layer, head); a tuple of names is several, as a list of them is
+    if isinstance(value, str) or (isinstance(value, tuple) and len(value) == 2 and all(is_int(v) for v in value)):
         return [value]
     items = list(value)
     if not items:
@@ -109,15 +110,23 @@ def path_patch(model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisIn
     'L2H0<k', 'L2H0' for all three of its inputs, 'L1 mlp', 'logits').
 
     `sweep=True`: `senders` is a list of sender sets (a name each, or a list of names), each patched on its own, in
-    batched forwards; `senders="heads"` with sweep=True is every head alone (a layer x head figure)."""
+    batched forwards; `senders="heads"` with sweep=True is every head that writes before a receiver, alone (a layer x
+    head figure)."""
     graph = circuit_graph(model)
     readers = sorted({i for name in _names(receivers) for i in graph.reader_indices(name)})
-    if sweep:
-        sets = [[w] for w, kind in enumerate(graph.writer_kind) if kind == "head"] if senders == "heads" else \
-            [[graph.writer_index(n) for n in _names(s)] for s in _names(senders)]
+    valid = graph.valid
+    if isinstance(senders, str) and senders == "heads":
+        if not sweep:
+            raise ValueError("senders='heads' means every head patched on its own: pass sweep=True (or name the heads)")
+        # every head with a path to the receivers: the later ones have none, and stay blank in the figure
+        sets = [[w] for w, kind in enumerate(graph.writer_kind) if kind == "head" and bool(valid[w, readers].any())]
+        if not sets:
+            raise ValueError(f"no head writes before any of the receivers {[graph.readers[r] for r in readers]}: "
+                             "receive at a later layer's input, an MLP or the logits")
+    elif sweep:
+        sets = [[graph.writer_index(n) for n in _names(s)] for s in _names(senders)]
     else:
         sets = [[graph.writer_index(n) for n in _names(senders)]]
-    valid = graph.valid
     for members in sets:
         if not bool(valid[members][:, readers].any()):
             raise ValueError(f"none of the senders {[graph.writers[w] for w in members]} writes before any of the receivers "

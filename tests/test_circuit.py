@@ -383,3 +383,22 @@ def test_probe_circuit_says_when_pruning_leaves_no_edges(tiny_dir, tmp_path, cap
     assert best["source"] != "embed" and best["target"] == "logits"  # by hand: this edge cannot survive pruning
     assert len(pd.read_csv(out / "circuit.csv")) == 0
     assert "no edges" in err and "--edges" in err
+
+
+def test_circuit_edges_and_curve_sizes_are_checked_not_wrapped_or_truncated(tiny_model):
+    """An edge index of -1 would silently be the graph's last edge, and a size of 2.5 two edges."""
+    graph = circuit_graph(tiny_model)
+    with pytest.raises(ValueError, match="indices from -1"):
+        Circuit(graph=graph, edges=torch.tensor([0, -1]))
+    with pytest.raises(ValueError, match=f"edges are 0 to {graph.n_edges - 1}"):
+        Circuit(graph=graph, edges=torch.tensor([graph.n_edges]))
+    with pytest.raises(TypeError, match="1-D integer tensor"):
+        Circuit(graph=graph, edges=torch.tensor([0.0, 1.0]))
+    assert Circuit(graph=graph, edges=torch.tensor([], dtype=torch.long)).n_edges == 0
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    scores = edge_attribution(tiny_model, clean, corrupted, metric)
+    with pytest.raises(TypeError, match="a size in sizes=2.5"):
+        faithfulness_curve(tiny_model, scores, clean, corrupted, metric, sizes=[2, 2.5])
+    with pytest.raises(ValueError, match="n_random=True"):
+        faithfulness_curve(tiny_model, scores, clean, corrupted, metric, sizes=[2], n_random=True)

@@ -116,3 +116,45 @@ def test_a_metric_without_declared_reads_gets_the_full_logits(tiny_model):
     with torch.no_grad():
         torch.testing.assert_close(kept.circuit_values, mean_logit(model(clean, attention_mask=mask), clean, mask),
                                    atol=2e-5, rtol=0)
+
+
+def test_sparse_engine_runs_bfloat16_models(tiny_dir):
+    """A bfloat16 model under the default (sparse) engine: the full graph is the model's own clean forward and the
+    empty graph its corrupted forward, to bfloat16 rounding, for a metric that declares its reads and one that does
+    not. The last tokens differ (3 clean, 4 corrupted), so the two runs are far apart next to that rounding."""
+    model = HookedDecoder.from_pretrained(tiny_dir, dtype=torch.bfloat16).eval()
+    clean, corrupted, mask = paired(model.cfg.d_vocab)
+    clean[:, -1], corrupted[:, -1] = 3, 4
+    graph = circuit_graph(model)
+    full = Circuit(graph=graph, edges=torch.arange(graph.n_edges))
+    empty = Circuit(graph=graph, edges=torch.zeros(0, dtype=torch.long))
+
+    def last_logit(logits, tokens, attention_mask):  # no declared reads: the full logits
+        return logits[:, -1, 3].float() - logits[:, -1, 4].float()
+
+    for metric in (logit_diff_metric(model, [3, 3, 3], [4, 4, 4]), last_logit):
+        runner = CircuitRunner.prepare(model, clean, corrupted, metric, attention_mask=mask)
+        assert runner.run is not None  # the sparse engine
+        with torch.no_grad():
+            expected_clean = metric(model(clean, attention_mask=mask), clean, mask.bool()).float()
+            expected_corrupted = metric(model(corrupted, attention_mask=mask), corrupted, mask.bool()).float()
+        assert float((expected_clean - expected_corrupted).abs().min()) > 0.2
+        got = runner.evaluate(torch.stack([full.edge_mask(), empty.edge_mask()]))
+        torch.testing.assert_close(got[0], expected_clean, atol=1e-2, rtol=0)
+        torch.testing.assert_close(got[1], expected_corrupted, atol=1e-2, rtol=0)
+
+
+def test_evaluate_refuses_masks_that_are_not_circuit_by_edge_bool(tiny_model):
+    """`evaluate` takes [circuit edge] bool: one circuit's [edge] mask, a wrong edge count or float weights (which the
+    hooked engine would read as fractional edges and the sparse one as whole ones) are refused, naming the fix."""
+    clean, corrupted, mask = paired(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, [5, 9, 3], [7, 2, 1])
+    n = circuit_graph(tiny_model).n_edges
+    for engine in ("sparse", "hooked"):
+        runner = CircuitRunner.prepare(tiny_model, clean, corrupted, metric, attention_mask=mask, engine=engine)
+        with pytest.raises(ValueError, match=r"\[circuit edge\].*edge_mask\(\)\[None\]"):
+            runner.evaluate(torch.ones(n, dtype=torch.bool))
+        with pytest.raises(ValueError, match=f"{n} edges"):
+            runner.evaluate(torch.ones(1, n - 1, dtype=torch.bool))
+        with pytest.raises(TypeError, match="bool"):
+            runner.evaluate(torch.full((1, n), 0.5))

@@ -16,7 +16,7 @@ from test_circuit import ANSWERS, COUNTERFACTUALS, prompts, sharp_model  # noqa:
 
 @torch.no_grad()
 def two_pass(model, clean, corrupted, metric, sender, receiver):
-    """sender (layer, head); receiver ("q" | "k" | "v", layer, head) with head a key/value head for k and v,
+    """sender (layer, head), or a list of them; receiver ("q" | "k" | "v", layer, head) with head a key/value head for k and v,
     ("mlp", layer) or ("logits",). Pass 1: every head and MLP frozen at its corrupted output except the sender's
     (clean) and the receiver's, the receiver's norm at its corrupted scale; record the receiver. Pass 2: the
     corrupted run with the recorded receiver patched in."""
@@ -25,12 +25,14 @@ def two_pass(model, clean, corrupted, metric, sender, receiver):
     _, corr = model.run_with_cache(corrupted, names=everything)
     L = model.cfg.n_layers
     kind = receiver[0]
+    senders = sender if isinstance(sender, list) else [sender]
 
     def heads(x, hook):
         layer = int(hook.name.split(".")[1])
         out = corr[hook.name].clone()
-        if layer == sender[0]:
-            out[:, :, sender[1]] = clean_cache[hook.name][:, :, sender[1]]
+        for sender_layer, sender_head in senders:
+            if layer == sender_layer:
+                out[:, :, sender_head] = clean_cache[hook.name][:, :, sender_head]
         return out
 
     def frozen(x, hook):
@@ -114,3 +116,39 @@ def test_path_patching_refuses_impossible_paths(tiny_model):
         path_patch(tiny_model, clean, corrupted, metric, senders="L1H0", receivers="L0H1<q")
     with pytest.raises(ValueError, match="not a writer"):
         path_patch(tiny_model, clean, corrupted, metric, senders="L1H0<q", receivers="logits")
+
+
+def test_sweep_over_heads_into_a_head_input_takes_the_heads_before_it(sharp_model):
+    """senders="heads" into a layer-1 input: the layer-0 heads, each against the two-pass recipe; the layer-1 heads,
+    which write after the receiver, are left out (blank in the figure) rather than failing the sweep."""
+    model = sharp_model
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    sweep = path_patch(model, clean, corrupted, metric, senders="heads", receivers="L1H2<q", sweep=True)
+    assert sweep.senders == [["L0H0"], ["L0H1"], ["L0H2"], ["L0H3"]]
+    for head in range(4):
+        expected = two_pass(model, clean, corrupted, metric, (0, head), ("q", 1, 2))
+        torch.testing.assert_close(sweep.patched[head], expected, atol=1e-6, rtol=1e-5)
+    grid = sweep.figure().data[0].z
+    assert all(v == v for v in grid[0]) and all(v != v for v in grid[1])  # layer 1: NaN, no path
+    with pytest.raises(ValueError, match="no head writes before"):
+        path_patch(model, clean, corrupted, metric, senders="heads", receivers="L0H1<q", sweep=True)
+    with pytest.raises(ValueError, match="sweep=True"):
+        path_patch(model, clean, corrupted, metric, senders="heads", receivers="logits")
+
+
+def test_a_tuple_of_names_is_several_nodes(sharp_model):
+    """("L0H1", "L0H3") names two senders (only a pair of ints is one head, (layer, head)), in a plain call and as one
+    set of a sweep; both against the two-pass recipe with the two heads patched together."""
+    model = sharp_model
+    clean, corrupted = prompts(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, ANSWERS, COUNTERFACTUALS)
+    expected = two_pass(model, clean, corrupted, metric, [(0, 1), (0, 3)], ("q", 1, 2))
+    result = path_patch(model, clean, corrupted, metric, senders=("L0H1", "L0H3"), receivers=("L1H2<q",))
+    assert result.senders == [["L0H1", "L0H3"]] and result.receivers == ["L1H2<q"]
+    torch.testing.assert_close(result.patched[0], expected, atol=1e-6, rtol=1e-5)
+    sweep = path_patch(model, clean, corrupted, metric, senders=[("L0H1", "L0H3"), (0, 2)], receivers="L1H2<q", sweep=True)
+    assert sweep.senders == [["L0H1", "L0H3"], ["L0H2"]]
+    torch.testing.assert_close(sweep.patched[0], expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sweep.patched[1], two_pass(model, clean, corrupted, metric, (0, 2), ("q", 1, 2)),
+                               atol=1e-6, rtol=1e-5)
