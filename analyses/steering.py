@@ -30,6 +30,7 @@ from probe.analyses.common import is_int
 from probe.analyses.sae_checks import check_sae
 from probe.analyses.steering_vectors import SITES, Position, SteeringVector, site_name, steering_vector, vector_paths
 from probe import HookedDecoder, SparseAutoencoder
+from probe.hooks.hook_point import current_owner
 
 __all__ = ["POSITIONS", "Position", "Positions", "SITES", "Steering", "SteeringVector", "site_name", "steer", "steering_vector", "vector_paths"]
 
@@ -44,8 +45,13 @@ class _PassSplit:
     def __init__(self) -> None:
         self.offset = 0
         self.prompt_length: Optional[int] = None
+        # the torch pre-hook sits on the model, so it sees every thread's passes, while the steering hooks run only
+        # in this context's (probe's hooks are scoped): another thread's forward must not move this one's offset
+        self.owner = current_owner()
 
     def before_pass(self, module, args, kwargs) -> None:
+        if current_owner() is not self.owner:
+            return
         cache = kwargs.get("kv_cache")
         self.offset = 0 if cache is None else cache.length  # read before layer 0 appends to it
 

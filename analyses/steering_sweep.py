@@ -38,7 +38,8 @@ def target_logprob_metric(model: HookedDecoder, targets, position: int = -1) -> 
     values = targets if isinstance(targets, (list, tuple)) else [targets]
     if not values:
         raise ValueError("targets is empty: give at least one token id or one-token string")
-    ids = torch.tensor([token_id(model, v, "target") for v in values], device=model.device)
+    # each token once: a target named twice (as text and as its id) would count its probability twice
+    ids = torch.tensor(list(dict.fromkeys(token_id(model, v, "target") for v in values)), device=model.device)
     if not is_int(position):
         raise TypeError(f"position={position!r} must be an int")
 

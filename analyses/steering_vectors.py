@@ -150,6 +150,9 @@ class SteeringVector(TableDisplay):
             raise ValueError(f"{sidecar} is not valid JSON: {err}") from err
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError(f"{sidecar} is not a steering vector's sidecar (its format is not {FORMAT!r})")
+        missing = [key for key in ("layer", "site", "d_model") if key not in meta]
+        if missing:  # else a bare KeyError('layer'), which names neither the file nor what is wrong with it
+            raise ValueError(f"{sidecar} lacks {', '.join(missing)}: it is incomplete; save the vector again")
         try:
             tensors = load_file(str(tensor_path))
         except (SafetensorError, OSError) as err:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import math
 import sys
 from pathlib import Path
 
@@ -27,10 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--negative", default=None, help="file of prompts to steer away from, one per line, paired with --positive")
     parser.add_argument("--vector", default=None, help="a saved vector (NAME.safetensors beside NAME.json) instead of --positive/--negative")
     parser.add_argument("--layer", type=int, default=None, help="block whose --site the vector is read from and added to")
-    parser.add_argument("--site", default="resid_pre", choices=["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"],
+    # None, not the defaults themselves: with --vector, a --site or --position the user gave is refused, not ignored
+    parser.add_argument("--site", default=None, choices=["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"],
                         help="where in the block (default resid_pre)")
-    parser.add_argument("--position", default="last", choices=["last", "mean"],
-                        help="read each contrastive prompt's activation at its last token or averaged over its tokens")
+    parser.add_argument("--position", default=None, choices=["last", "mean"],
+                        help="read each contrastive prompt's activation at its last token or averaged over its tokens "
+                             "(default last)")
     parser.add_argument("--coefficient", type=float, default=4.0, help="multiple of the vector added while generating")
     parser.add_argument("--positions", default="all", choices=["all", "prompt", "generated"], help="which positions to steer")
     parser.add_argument("--prompt", action="append", required=True, help="a prompt to continue (repeat for several)")
@@ -50,6 +53,10 @@ def _vector(args, model):
     if args.vector is not None:
         if args.positive or args.negative or args.layer is not None:
             raise CommandError("--vector replaces --positive, --negative and --layer; give either the vector or those")
+        for flag, value in (("--site", args.site), ("--position", args.position)):
+            if value is not None:  # the saved vector has its own; silently steering elsewhere would mislead
+                raise CommandError(f"{flag} {value}: --vector brings its own site and position (in its .json); "
+                                   f"drop {flag}, or build a new vector with --positive, --negative and --layer")
         try:
             return SteeringVector.load(args.vector, model), None, None
         except (OSError, ValueError) as err:
@@ -63,8 +70,8 @@ def _vector(args, model):
     for flag, lines in (("--positive", positive), ("--negative", negative)):
         for line in lines:
             checked(flag, check_prompt_fits, model, line)
-    vector = checked("--layer", lambda: steering_vector(model, positive, negative, args.layer, args.position, args.site,
-                                                         model_name=model_label(args)))
+    vector = checked("--layer", lambda: steering_vector(model, positive, negative, args.layer, args.position or "last",
+                                                         args.site or "resid_pre", model_name=model_label(args)))
     return vector, positive, negative
 
 
@@ -90,12 +97,16 @@ def _generate(model, steering, prompt: str, args) -> list[str]:
 
 
 def generations_page(frame, title: str, setup: str) -> str:
+    # one column per run, in the order run (unsteered first): not per coefficient, which both runs share at
+    # --coefficient 0; prompts are distinct (run refuses repeats), so each (prompt, sample) has one text per run
+    runs = list(dict.fromkeys(frame.run))
     rows = []
     for (prompt, sample), group in frame.groupby(["prompt", "sample"], sort=False):
-        cells = "".join(f"<td><pre><span class='prompt'>{shown(prompt)}</span><b>{shown(text)}</b></pre></td>"
-                        for text in group.sort_values("coefficient").completion)
+        texts = dict(zip(group.run, group.completion))
+        cells = "".join(f"<td><pre><span class='prompt'>{shown(prompt)}</span><b>{shown(texts[run])}</b></pre></td>"
+                        for run in runs)
         rows.append(f"<tr><td>{sample}</td>{cells}</tr>")
-    heads = "".join(f"<th>{shown(label)}</th>" for label in frame.drop_duplicates("coefficient").sort_values("coefficient").run)
+    heads = "".join(f"<th>{shown(label)}</th>" for label in runs)
     style = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto}table{border-collapse:collapse;width:100%;table-layout:fixed}th:first-child{width:4em}"
              "td,th{border:1px solid #ccc;padding:4px;vertical-align:top;text-align:left}"
              "pre{white-space:pre-wrap;margin:0}.prompt{color:#888}")
@@ -111,10 +122,19 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1 or args.samples < 1 or args.heldout_windows < 1:
         raise CommandError("--max-new-tokens, --samples and --heldout-windows must each be at least 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # else generate's error, after all the work
+        raise CommandError(f"--temperature {args.temperature:g} must be a finite number >= 0 (0: greedy)")
     if args.samples > 1 and args.temperature == 0:
         raise CommandError("--samples above 1 needs --temperature above 0: greedy continuations would all be the same")
+    if args.coefficients is not None and not all(math.isfinite(c) for c in args.coefficients):
+        raise CommandError(f"--coefficients {' '.join(f'{c:g}' for c in args.coefficients)}: give finite numbers")
+    repeated = next((p for i, p in enumerate(args.prompt) if p in args.prompt[:i]), None)
+    if repeated is not None:  # its rows would merge with the first one's in generations.html
+        raise CommandError(f"--prompt {repeated!r} is given twice; give each prompt once (--samples N with "
+                           "--temperature above 0 gives several continuations of one prompt)")
     if args.heldout is not None and not Path(args.heldout).is_file():
-        raise CommandError(f"--heldout {args.heldout} does not exist")
+        what = "is not a file" if Path(args.heldout).exists() else "does not exist"
+        raise CommandError(f"--heldout {args.heldout} {what}")
     out = Output(default_out(args, "steer"), args.force)
     model = load_model(args)
     for prompt in args.prompt:

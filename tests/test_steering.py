@@ -387,3 +387,139 @@ def test_docs_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), flags=re.S)
     assert blocks
     exec(compile(blocks[0], str(doc), "exec"), {})
+
+
+# ---- review: defects found against oracles ---------------------------------------------------------------
+def greedy_by_reforward(model, prompt, n_new, hooks):
+    """Greedy tokens from full re-forwards with `hooks` written by hand: the oracle for a steered generation."""
+    out = prompt
+    for _ in range(n_new):
+        with torch.no_grad():
+            logits = model.run_with_hooks(out, fwd_hooks=hooks)
+        out = torch.cat([out, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("positions", ["prompt", "generated"])
+def test_another_threads_forward_does_not_move_the_steered_positions(tiny_model, positions):
+    """A plain forward on the shared model from another thread, between a steered pass's start and its steered
+    layer, must neither see the steer nor change which positions the steered pass steers."""
+    import threading
+
+    model, layer, n_new = tiny_model, 1, 6
+    direction = direction_for(model, layer, scale=2.0)
+    prompt = torch.randint(1, model.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(11))
+    other = torch.randint(1, model.cfg.d_vocab, (1, 4), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        other_clean = model(other)
+    seen = []
+
+    def interleave(x, hook):  # runs in each steered pass after it began, before block `layer`
+        thread = threading.Thread(target=lambda: seen.append(model(other).detach()))
+        thread.start()
+        thread.join()
+
+    expected = greedy_by_reforward(model, prompt, n_new, [(act_name("resid_pre", layer),
+                                                           reforward_hook(direction, positions, prompt.shape[1]))])
+    steering = steer(model, direction, 1.0, layers=layer, positions=positions)
+    out = model.generate(prompt, n_new, steering=steering, fwd_hooks=[("hook_embed", interleave)])
+    assert out.tolist() == expected.tolist()
+    assert len(seen) == n_new and all(torch.equal(s, other_clean) for s in seen)  # the other thread is unsteered
+    assert no_hooks_left(model)
+
+
+def test_target_logprob_counts_each_target_once(tiny_model):
+    """log p(targets) is the log of the targets' total probability: a token named twice (as text and as its id,
+    or twice) is still one token, not twice its probability."""
+    prompt = tiny_model.to_tokens("To be, or not")
+    to = tiny_model.to_single_token(" to")
+    with torch.no_grad():
+        logits = tiny_model(prompt)
+    by_hand = logits[0, -1].log_softmax(-1)[to]
+    for targets in ([" to", " to"], [" to", to]):
+        metric = target_logprob_metric(tiny_model, targets)
+        value = metric(logits, prompt, torch.ones_like(prompt, dtype=torch.bool))
+        assert float(value[0]) == pytest.approx(float(by_hand), abs=1e-5)
+
+
+def steer_cli(tiny_dir, tmp_path, *extra, prompts=("To be",)):
+    from probe.cli import cli
+
+    (tmp_path / "pos.txt").write_text("\n".join(POSITIVE) + "\n")
+    (tmp_path / "neg.txt").write_text("\n".join(NEGATIVE) + "\n")
+    argv = ["steer", "--model", str(tiny_dir), "--positive", str(tmp_path / "pos.txt"), "--negative",
+            str(tmp_path / "neg.txt"), "--layer", "1", "--max-new-tokens", "4", "--heldout-windows", "1", "--quiet"]
+    for prompt in prompts:
+        argv += ["--prompt", prompt]
+    return cli.main(argv + list(extra))
+
+
+def page_table(out):
+    """[header cells, then each row's cells] of generations.html."""
+    page = (out / "generations.html").read_text()
+    rows = re.findall(r"<tr>(.*?)</tr>", page, flags=re.S)
+    return [re.findall(r"<t[hd]>", row) for row in rows]
+
+
+def test_cli_generations_page_has_one_column_per_run(tiny_dir, tiny_model, tmp_path, capsys, coefficient="0"):
+    """The page's columns are the runs, unsteered first: with --coefficient 0 both runs are coefficient 0, and
+    the header must still have a column for each of a row's cells."""
+    out = tmp_path / "out"
+    assert steer_cli(tiny_dir, tmp_path, "--coefficient", coefficient, "--out", str(out)) == 0, capsys.readouterr().err
+    header, *rows = page_table(out)
+    assert len(header) == 3 and all(len(row) == 3 for row in rows) and len(rows) == 1  # sample, unsteered, steered
+    page = (out / "generations.html").read_text()
+    assert page.index("unsteered") < page.index(f"steered x{float(coefficient):g}")
+    plain = tiny_model.to_string(tiny_model.generate(tiny_model.to_tokens("To be"), 4)[0, -4:])
+    first = re.findall(r"<b>(.*?)</b>", page, flags=re.S)[0]  # the first cell is the unsteered continuation
+    import html as html_module
+
+    assert html_module.unescape(first) == plain
+
+
+def test_cli_refuses_a_prompt_given_twice(tiny_dir, tmp_path, capsys):
+    """Two identical --prompt values merged into one row of four cells under two headers; now a clear error."""
+    out = tmp_path / "out"
+    code = steer_cli(tiny_dir, tmp_path, "--coefficient", "2", "--out", str(out), prompts=("To be", "The", "To be"))
+    err = capsys.readouterr().err
+    assert code == 2 and "--prompt 'To be' is given twice" in err and "Traceback" not in err
+    assert not (out / "generations.html").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--coefficients", "1", "nan"], "--coefficients"),
+    (["--coefficients", "inf"], "--coefficients"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--temperature", "nan"], "--temperature"),
+    (["--site", "mlp_out"], "--site"),
+    (["--position", "mean"], "--position"),
+])
+def test_cli_bad_flags_are_named_before_any_work(tiny_dir, tiny_model, tmp_path, capsys, extra, message):
+    saved = tmp_path / "v.safetensors"
+    steering_vector(tiny_model, POSITIVE, NEGATIVE, layer=1).save(saved)
+    from probe.cli import cli
+
+    out = tmp_path / "out"
+    argv = ["steer", "--model", str(tiny_dir), "--prompt", "To be", "--target", " to", "--max-new-tokens", "3",
+            "--heldout-windows", "1", "--out", str(out), "--quiet", *extra]
+    if extra[0] in ("--site", "--position"):  # a loaded vector has its own site and position
+        argv += ["--vector", str(saved)]
+    else:
+        (tmp_path / "pos.txt").write_text("\n".join(POSITIVE) + "\n")
+        (tmp_path / "neg.txt").write_text("\n".join(NEGATIVE) + "\n")
+        argv += ["--positive", str(tmp_path / "pos.txt"), "--negative", str(tmp_path / "neg.txt"), "--layer", "1"]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: {message}" in err and "Traceback" not in err, err
+    assert not (out / "generations.csv").exists()
+
+
+def test_load_names_a_sidecar_missing_its_layer(tiny_model, tmp_path):
+    """A sidecar without "layer" raised a bare KeyError('layer'), which `probe steer --vector` printed as
+    'error: layer'; it is a ValueError naming the file and the key."""
+    SteeringVector(direction=torch.ones(64), layer=0).save(tmp_path / "v.safetensors")
+    meta = json.loads((tmp_path / "v.json").read_text())
+    del meta["layer"]
+    (tmp_path / "v.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"v\.json lacks layer"):
+        SteeringVector.load(tmp_path / "v.safetensors", tiny_model)
