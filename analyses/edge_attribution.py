@@ -37,6 +37,7 @@ from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, 
 from probe.analyses.edge_gradients import gradient_scores
 from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
 from probe.analyses.labels import token_texts
+from probe.analyses.metric_reads import logit_reads
 from probe.analyses.paired_stats import bootstrap_ci, sign_flip_p
 from probe import HookedDecoder
 
@@ -178,8 +179,17 @@ def edge_attribution(
         raise ValueError(f"method={method!r} is not one of: {', '.join(METHODS)}")
     if not (isinstance(ig_steps, int) and not isinstance(ig_steps, bool) and ig_steps > 0):
         raise ValueError(f"ig_steps={ig_steps!r} must be a positive int")
+    if max_rows is not None and not (isinstance(max_rows, int) and not isinstance(max_rows, bool) and max_rows > 0):
+        # 0 or a negative cap silently meant one batch per forward, and a float failed deep in the slicing
+        raise ValueError(f"max_rows={max_rows!r} must be a positive int (rows per forward), or None for a memory budget")
     graph = circuit_graph(model)
     clean_tokens, tokens, mask = paired_tokens(model, clean, corrupted, attention_mask)
+    reads = logit_reads(metric)
+    if reads is not None and method != "exact":
+        # the gradient methods evaluate the metric on stacked runs only (2 or more batches at once), so 4 answers for 2
+        # prompts would tile without complaint (clean rows reading answers 0-1, corrupted rows 2-3): ask the metric for
+        # one batch's columns first, which refuses answers that do not match the prompts
+        reads.columns(tokens.shape[0], tokens.device)
     if method == "exact":
         if positions:
             raise ValueError("method='exact' patches whole edges (every position at once); per-position scores come from "

@@ -80,5 +80,11 @@ def evaluate_output(model: HookedDecoder, metric, output: torch.Tensor, tokens: 
     if tuple(values.shape) != (rows,):
         raise ValueError(f"LogitReads.combine returned shape {tuple(values.shape)}; it must return one value per row, "
                          f"shape ({rows},)")
+    if torch.is_grad_enabled() and output.requires_grad and not values.requires_grad:
+        # a caller evaluating in a graph wants the metric's gradient (edge attribution, attribution patching); without
+        # this check the backward failed with torch's bare "element 0 of tensors does not require grad"
+        raise ValueError("the metric's LogitReads.combine does not depend on the logits through differentiable "
+                         "operations (no autograd graph); a gradient method needs its gradient: compute it with torch "
+                         "operations on the values, not .item(), argmax or .detach()")
     return values.float()
 

@@ -195,3 +195,26 @@ def test_qwen3_query_and_key_norm_weights_enter_the_qk_circuit(tmp_path):
         w_q = attn.q_proj.weight[head * dh:(head + 1) * dh].T.double() * attn.q_norm.weight.double()
         w_k = attn.k_proj.weight[kv * dh:(kv + 1) * dh].T.double() * attn.k_norm.weight.double()
         torch.testing.assert_close(qk_circuit(model, 1, head).double(), w_q @ w_k.T, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["eap", "eap-ig-inputs", "exact"])
+def test_edge_attribution_refuses_a_max_rows_that_is_not_a_positive_int(tiny_model, tiny_hf, method):
+    """max_rows=0 or -3 silently ran one batch per forward, and 4.0 failed in a slice ('slice indices must be
+    integers'); ablation's max_rows refuses them the same way. A cap below the batch still scores as transformers'
+    autograd does."""
+    from probe.analyses import logit_diff_metric
+    from probe.analyses.edge_attribution import edge_attribution
+    from test_edge_attribution import ANSWERS, COUNTERFACTUALS, HFEdges, oracle_scores, prompts
+
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    for bad in (0, -3, 4.0, True, "4"):
+        with pytest.raises(ValueError, match=f"max_rows={bad!r} must be a positive int"):
+            edge_attribution(tiny_model, clean, corrupted, metric, method=method, ig_steps=2, max_rows=bad)
+    if method == "eap":
+        ours = edge_attribution(tiny_model, clean, corrupted, metric, max_rows=1)
+        oracle = HFEdges(tiny_hf, "gpt2")
+        clean_writers, _ = oracle.run(clean, ANSWERS, COUNTERFACTUALS)
+        corr_writers, corr_grads = oracle.run(corrupted, ANSWERS, COUNTERFACTUALS)
+        expected = oracle_scores(ours.graph, clean_writers - corr_writers, corr_grads)
+        torch.testing.assert_close(ours.per_example, expected, atol=1e-4 * float(expected.abs().max()), rtol=0)

@@ -176,3 +176,62 @@ def test_attribution_never_unembeds_every_position_and_runs_two_forwards(tiny_mo
     finally:
         for handle in handles:
             handle.remove()
+
+
+@pytest.mark.parametrize("method", ["eap", "eap-ig-inputs", "eap-ig-activations", "clean-corrupted"])
+def test_edge_attribution_refuses_more_answers_than_prompts(tiny_model, tiny_hf, method):
+    """Four answers for two prompts: the gradient methods evaluate the metric on stacked runs only (four rows and more),
+    where four answers tiled without complaint (the clean rows read answers 0-1, the corrupted rows 2-3); the exact
+    method and a metric without declared reads already refused them, naming the two prompts."""
+    from probe.analyses.edge_attribution import edge_attribution
+
+    clean, corrupted = prompts(tiny_model)
+    four = logit_diff_metric(tiny_model, [5, 9, 11, 12], [7, 2, 3, 4])
+    with pytest.raises(ValueError, match="4 answers do not match a batch of 2 prompts"):
+        edge_attribution(tiny_model, clean, corrupted, generic(four), method=method, ig_steps=2)  # the reference behaviour
+    with pytest.raises(ValueError, match="4 answers do not match a batch of 2 prompts"):
+        edge_attribution(tiny_model, clean, corrupted, four, method=method, ig_steps=2)
+    # three answers for two prompts: named by the prompts' count, not by the stacked rows' (4, 6, ...)
+    with pytest.raises(ValueError, match="3 answers do not match a batch of 2 prompts"):
+        edge_attribution(tiny_model, clean, corrupted, logit_diff_metric(tiny_model, [5, 9, 11], [7, 2, 3]),
+                         method=method, ig_steps=2)
+    # one answer per prompt, or one for all of them, still run: their unpatched values are transformers' logit differences
+    with torch.no_grad():
+        hf_logits = {name: tiny_hf(tokens).logits[:, -1] for name, tokens in (("clean", clean), ("corrupted", corrupted))}
+    rows = torch.arange(2)
+    for answers, counters in ((ANSWERS, COUNTERFACTUALS), ([5], [7])):
+        scores = edge_attribution(tiny_model, clean, corrupted, logit_diff_metric(tiny_model, answers, counters),
+                                  method=method, ig_steps=2)
+        a, c = torch.tensor(answers).expand(2), torch.tensor(counters).expand(2)
+        for name in ("clean", "corrupted"):
+            expected = float((hf_logits[name][rows, a] - hf_logits[name][rows, c]).mean())
+            assert getattr(scores, name) == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("method", ["eap", "eap-ig-activations"])
+def test_a_declared_metric_that_is_not_differentiable_is_refused_by_name(tiny_model, method):
+    """A metric declaring its reads whose combine detaches (or takes an argmax): the same function without the
+    declaration is refused with an explanation; with it, the backward failed with torch's bare "element 0 of tensors
+    does not require grad"."""
+    from probe.analyses.edge_attribution import edge_attribution
+    from probe.analyses.metric_reads import LogitReads
+
+    clean, corrupted = prompts(tiny_model)
+    difference = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    for combine in (lambda v: (v[:, 0] - v[:, 1]).detach(), lambda v: v.argmax(-1).float()):
+        def metric(logits, tokens, mask, combine=combine):
+            rows = torch.arange(logits.shape[0])
+            read = difference.reads.columns(logits.shape[0], logits.device)
+            return combine(logits[rows, difference.reads.positions(mask)].float().gather(-1, read))
+
+        with pytest.raises(ValueError, match="does not depend on the logits through differentiable operations"):
+            edge_attribution(tiny_model, clean, corrupted, metric, method=method, ig_steps=2)  # the reference behaviour
+        metric.reads = LogitReads(positions=difference.reads.positions, columns=difference.reads.columns, combine=combine)
+        with pytest.raises(ValueError, match="does not depend on the logits through differentiable operations"):
+            edge_attribution(tiny_model, clean, corrupted, metric, method=method, ig_steps=2)
+        with pytest.raises(ValueError, match="does not depend on the logits through differentiable operations"):
+            attribution_patch(tiny_model, clean, corrupted, metric)
+        # where no gradient is wanted it is a metric like any other: head ablation evaluates it as the logits do
+        declared = head_ablation_effects(tiny_model, corrupted, metric)
+        plain = head_ablation_effects(tiny_model, corrupted, generic(metric))
+        torch.testing.assert_close(declared.per_prompt, plain.per_prompt, atol=1e-4, rtol=0)
