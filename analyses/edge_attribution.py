@@ -174,7 +174,8 @@ def edge_attribution(
 
     `metric(logits, tokens, attention_mask) -> [batch]` as in analyses.ablation (e.g. `logit_diff_metric`).
     `positions=True` also keeps each position's share (memory batch x pos x edges). `max_rows` caps the
-    rows of one forward (the stacked runs of the gradient methods, the patched copies of method="exact")."""
+    rows of one forward (the stacked runs of the gradient methods, the patched copies of method="exact"), though a
+    forward holds at least one batch (method="clean-corrupted" stacks its clean and corrupted batch whatever the cap)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of: {', '.join(METHODS)}")
     if not (isinstance(ig_steps, int) and not isinstance(ig_steps, bool) and ig_steps > 0):
