@@ -366,6 +366,9 @@ def _partial_influence(rows: torch.Tensor, row_target: torch.Tensor, n_active: i
 
 
 def _heads(model: HookedDecoder, heads: Sequence) -> list[tuple[int, int]]:
+    # one head on its own ("L2H0", or (2, 0)) is that head, not a sequence of its characters or numbers
+    if isinstance(heads, str) or (len(heads) == 2 and all(is_int(x) for x in heads)):
+        heads = [heads]
     out = []
     for item in heads:
         layer, head = parse_head(item) if isinstance(item, str) else (int(item[0]), int(item[1]))

@@ -28,7 +28,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from probe import HookedDecoder, SparseAutoencoder
+from probe import HookedDecoder, NormPlacement, SparseAutoencoder
 from probe.sae import BUNDLED_SAES, spliced
 
 TranscoderSpec = Union[str, Path, SparseAutoencoder, Sequence[Union[str, Path, SparseAutoencoder]],
@@ -91,6 +91,10 @@ def check_transcoder(model: HookedDecoder, sae: SparseAutoencoder, where: Option
     if cfg.hook_name not in {f"blocks.{layer}.{read}" for read in READS}:
         raise ValueError(f"{what} reads {cfg.hook_name!r}; a transcoder of layer {layer} must read one of "
                          + ", ".join(f"blocks.{layer}.{read}" for read in READS))
+    if cfg.hook_name == f"blocks.{layer}.ln2.hook_normalized" and model.cfg.norm_placement == NormPlacement.POST:
+        # a post-norm block's ln2 normalises resid_mid + mlp_out: a transcoder there would read its own output (a cycle)
+        raise ValueError(f"{what} reads {cfg.hook_name!r}, which in this post-norm model comes after the MLP it "
+                         f"replaces; read blocks.{layer}.hook_mlp_in (the MLP's input) instead")
     model.hook_point(cfg.hook_name)  # a point this model lacks fails here, with the closest names
     if cfg.d_in != model.cfg.d_model or cfg.d_out != model.cfg.d_model:
         raise ValueError(f"{what} maps {cfg.d_in} -> {cfg.d_out} dimensions but the model's d_model is "

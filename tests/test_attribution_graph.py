@@ -358,3 +358,54 @@ def test_probe_graph_writes_the_page_and_tables_with_tokens_escaped(tiny_dir, tm
     assert code == 0 and cli.main(["graph", "--model", str(tiny_dir), "--prompt", "x", "--transcoders", "bundled",
                                    "--out", str(tmp_path / "bad"), "--quiet"]) == 2
     assert "d_model" in capsys.readouterr().err
+
+
+def post_norm_copy(model):
+    """The same weights in post-norm blocks (GPT-1's layout): h = ln1(x + attn(x)); y = ln2(h + mlp(h))."""
+    import dataclasses
+
+    from probe import HookedDecoder, NormPlacement
+
+    post = HookedDecoder(dataclasses.replace(model.cfg, norm_placement=NormPlacement.POST), model.tokenizer)
+    post.load_state_dict(model.state_dict())
+    return post.eval()
+
+
+def test_a_post_norm_models_ln2_comes_after_its_mlp_so_a_transcoder_may_not_read_it(tiny_model):
+    post = post_norm_copy(tiny_model)
+    tokens = post.to_tokens("the dog sleeps")
+    # by hand: ln2 of a post-norm block normalises resid_mid + mlp_out, so it moves when the MLP's output does
+    names = ["blocks.0.ln2.hook_normalized", "blocks.0.hook_mlp_in"]
+    with torch.no_grad():
+        _, clean = post.run_with_cache(tokens, names=names)
+        with post.hooks([("blocks.0.hook_mlp_out", lambda a, hook: torch.zeros_like(a))]):
+            _, ablated = post.run_with_cache(tokens, names=names)
+    assert (clean[names[0]] - ablated[names[0]]).abs().max() > 1e-3  # after the MLP
+    assert torch.equal(clean[names[1]], ablated[names[1]])  # what the MLP reads: before it
+    saes = random_transcoders(post)
+    # a transcoder reading its own MLP's output made a cycle (the graph failed as "the adjacency has a cycle")
+    with pytest.raises(ValueError, match="after"):
+        load_transcoders(post, [saes[0].float()])
+    import dataclasses
+
+    for sae in saes:  # the MLP's own input is fine
+        sae.cfg = dataclasses.replace(sae.cfg, hook_name=sae.cfg.hook_name.replace("ln2.hook_normalized", "hook_mlp_in"))
+    assert sorted(load_transcoders(post, [s.float() for s in saes])) == [0, 1]
+
+
+@pytest.mark.parametrize("head", ["L1H2", "1.2", (1, 2)])
+def test_one_head_without_a_list_is_that_head(setup, weights, head):
+    model, saes, tokens = setup
+    # "L1H2" was read as the heads "L", "1", "H", "2" and refused ("'L' is not a head"); (1, 2) raised a TypeError
+    graph = attribution_graph(model, saes, tokens, max_feature_nodes=0, without_heads=head)
+    oracle = Oracle(weights, saes, tokens, model.cfg.n_heads)
+    oracle.clean["pattern"][1] = oracle.clean["pattern"][1].clone()
+    oracle.clean["pattern"][1][2] = 0.0
+    m = oracle.multipliers(1.0)
+    rec = oracle.run(*m)
+    for t in (graph.kind == LOGIT).nonzero()[:, 0].tolist():
+        value = oracle.target(rec, LOGIT, 2, len(tokens) - 1, int(graph.token[t]))
+        _, d_err, d_emb = torch.autograd.grad(value, m, retain_graph=True)
+        expected = torch.cat([d_err.flatten(), d_emb])
+        assert torch.allclose(graph.adjacency[t, :len(expected)].double(), expected, atol=TOL)
+        assert abs(float(graph.value[t]) - float(value.detach())) < TOL
