@@ -202,24 +202,28 @@ def attribution_graph(model: HookedDecoder, transcoders: TranscoderSpec, prompt:
     logit_ids, logit_weights = logit_targets_of(model, state.logits[-1], logit_targets)
     probabilities = state.logits[-1].float().softmax(-1)[logit_ids]
 
-    # the active features, sorted by (layer, pos, feature): the source columns, and the rows' targets
-    empty = torch.zeros(0, dtype=torch.long, device=state.tokens.device)
+    # the active features, sorted by (layer, pos, feature): the source columns, and the rows' targets. The run and
+    # its readouts live on the model's device; the rows, targets and values are gathered on the CPU
+    device = state.tokens.device
+    empty = torch.zeros(0, dtype=torch.long, device=device)
     found = [(layer, *acts.nonzero(as_tuple=True)) for layer, acts in state.features.items()]
     f_layer = torch.cat([empty] + [torch.full_like(p, layer) for layer, p, _ in found])
     f_pos = torch.cat([empty] + [p for _, p, _ in found])
     f_id = torch.cat([empty] + [f for _, _, f in found])
-    f_act = torch.cat([torch.zeros(0, dtype=dtype)] + [state.features[layer][p, f] for layer, p, f in found])
+    f_act = torch.cat([torch.zeros(0, dtype=dtype, device=device)] + [state.features[layer][p, f] for layer, p, f in found])
     n_active = len(f_id)
     n_sources = n_active + n_layers * n_pos + n_pos
     n_visit = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
 
     unembed, unembed_bias = demeaned_unembedding(model, logit_ids)
-    enc = torch.cat([torch.zeros(0, model.cfg.d_model, dtype=dtype)]
+    enc = torch.cat([torch.zeros(0, model.cfg.d_model, dtype=dtype, device=device)]
                     + [transcoders[layer].W_enc.detach()[:, f].T for layer, _, f in found])
-    enc_bias = torch.cat([torch.zeros(0, dtype=dtype)] + [transcoders[layer].b_enc.detach()[f] for layer, _, f in found])
+    enc_bias = torch.cat([torch.zeros(0, dtype=dtype, device=device)]
+                         + [transcoders[layer].b_enc.detach()[f] for layer, _, f in found])
 
     def spec(targets: torch.Tensor):
         """(layer, pos, direction, bias) of targets: feature indices, or n_active + j for logit j."""
+        targets = targets.to(device)
         logit = targets >= n_active
         j, i = (targets - n_active).clamp(min=0), targets.clamp(max=max(n_active - 1, 0))
         layer = torch.where(logit, n_layers, f_layer[i] if n_active else n_layers)
@@ -231,7 +235,7 @@ def attribution_graph(model: HookedDecoder, transcoders: TranscoderSpec, prompt:
     def readout(run, targets: torch.Tensor) -> torch.Tensor:
         """[n]: each target's value in the run, target b read from copy b."""
         layer, pos, direction, bias = spec(targets)
-        values = torch.zeros(len(targets), dtype=dtype)
+        values = torch.zeros(len(targets), dtype=dtype, device=device)
         total = 0
         for read in layer.unique().tolist():
             rows = (layer == read).nonzero()[:, 0]
@@ -246,7 +250,7 @@ def attribution_graph(model: HookedDecoder, transcoders: TranscoderSpec, prompt:
     def rows_of(run, grads: Sequence[Optional[torch.Tensor]], n: int) -> torch.Tensor:
         """[n source]: each target's edges from every source, from the gradients at the sources' leaves."""
         grads = [torch.zeros_like(source[:n]) if g is None else g[:n] for g, source in zip(grads, run.sources)]
-        out = torch.zeros(n, n_sources, dtype=dtype)
+        out = torch.zeros(n, n_sources, dtype=dtype, device=device)
         for layer in range(n_layers):
             g = grads[1 + layer]  # [n pos d_model]
             cols = (f_layer == layer).nonzero()[:, 0]
@@ -283,7 +287,7 @@ def attribution_graph(model: HookedDecoder, transcoders: TranscoderSpec, prompt:
         if n_visit == n_active:
             pending = torch.arange(n_active)
         else:  # influence from the rows so far: a feature not yet visited passes none on
-            ranking = _partial_influence(rows[:filled], row_target[:filled], n_active, logit_weights.to(dtype))
+            ranking = _partial_influence(rows[:filled], row_target[:filled], n_active, logit_weights.cpu().to(dtype))
             order = ranking.argsort(descending=True)
             pending = order[~visited[order]][:min(update_interval * run.embed.shape[0], n_visit - int(visited.sum()))]
         compute(run, pending)
@@ -298,7 +302,9 @@ def attribution_graph(model: HookedDecoder, transcoders: TranscoderSpec, prompt:
         biases = torch.stack([(zero.final[0, p] if l == n_layers else zero.inputs[l][0, p]) @ d + b
                               for l, p, d, b in zip(layer.tolist(), pos.tolist(), direction, bias_terms)]) \
             if len(row_target) else torch.zeros(0, dtype=dtype)
+        biases = biases.cpu()
     del zero
+    f_layer, f_pos, f_id, f_act = f_layer.cpu(), f_pos.cpu(), f_id.cpu(), f_act.detach().cpu()  # for the nodes below
 
     selected = visited.nonzero()[:, 0]  # sorted: features stay in (layer, pos, feature) order
     columns = torch.cat([selected, torch.arange(n_active, n_sources)])
@@ -337,8 +343,8 @@ def attribution_graph(model: HookedDecoder, transcoders: TranscoderSpec, prompt:
         pos=torch.cat([f_pos[selected], grid_pos, torch.arange(n_pos), torch.full((n_logits,), n_pos - 1)]),
         feature=torch.cat([f_id[selected], torch.full((n_layers * n_pos + n_pos + n_logits,), -1)]),
         token=torch.cat([torch.full((n_sel + n_layers * n_pos,), -1), cpu_tokens, logit_cpu]),
-        activation=torch.cat([f_act[selected].detach(), state.errors.norm(dim=-1).flatten(),
-                              state.embeddings.norm(dim=-1), values[logit_rows]]).cpu(),
+        activation=torch.cat([f_act[selected], state.errors.norm(dim=-1).flatten().cpu(),
+                              state.embeddings.norm(dim=-1).cpu(), values[logit_rows]]),
         value=per_node(values[target_rows]), bias=per_node(biases[target_rows]),
         unvisited=per_node(rows[target_rows][:, unselected].sum(-1)),
         adjacency=adjacency.cpu(), logit_probabilities=probabilities.cpu(), logit_weights=logit_weights.cpu().float(),

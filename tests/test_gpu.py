@@ -455,6 +455,35 @@ def run_pruned_forward(model):
         return {"logits": pruned(heldout_tokens(model, 2, 32).to(model.device))[:, -4:]}
 
 
+def run_edge_attribution(model):
+    """EAP and EAP-IG over every edge, a circuit's faithfulness and a path patch: the circuit tools on the device."""
+    from probe.analyses import edge_attribution, faithfulness, path_patch
+
+    clean, corrupted, metric = patching_prompts(model)
+    eap = edge_attribution(model, clean, corrupted, metric)
+    ig = edge_attribution(model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=3)
+    circuit = eap.circuit(n_edges=30)  # chosen on each device: equal scores choose the same edges
+    kept = faithfulness(model, circuit, clean, corrupted, metric)
+    paths = path_patch(model, clean, corrupted, metric, senders=["L0H1"], receivers=["L2H0<k"])
+    return {"eap": eap.per_example, "eap_ig": ig.per_example, "faithfulness": kept.circuit_values,
+            "path_patch": paths.patched}
+
+
+def run_attribution_graph(model):
+    """The bundled transcoders' attribution graph. In float32 the whole adjacency and each target's value and bias;
+    in bfloat16 the features kept can differ (their influence ranking moves) and the error nodes carry bfloat16's
+    rounding of the transcoders' reconstructions (their edges correlate ~0.89 with float32's on the CPU), so only the
+    two logits' values: that the graph is built on the device at all."""
+    from probe.analyses import attribution_graph
+
+    graph = attribution_graph(model, "bundled", PROMPTS[0], max_feature_nodes=64, batch_size=16,
+                              logit_targets=[" the", " and"])
+    out = {"logit_values": graph.value[-2:]}
+    if model.W_U.dtype == torch.float32:
+        out.update(adjacency=graph.adjacency, value=graph.value, bias=graph.bias)
+    return out
+
+
 ANALYSES = {
     "logit_lens": run_logit_lens,
     "tuned_lens": run_tuned_lens,
@@ -470,6 +499,8 @@ ANALYSES = {
     "memories": run_memories,
     "pruned_forward": run_pruned_forward,
     "copying_scores": run_copying_scores,
+    "edge_attribution": run_edge_attribution,
+    "attribution_graph": run_attribution_graph,
 }
 
 
@@ -493,7 +524,8 @@ def test_analysis_on_device_matches_cpu(analysis, dtype, bundled_model, cpu_resu
     the CPU: >= 0.9995), since bfloat16's rounding is not small next to the smaller effects."""
     expected = cpu_results(analysis)
     got = ANALYSES[analysis](on_device(bundled_model, dtype))
-    assert set(got) == set(expected)
+    # in bfloat16 an analysis may return only what no ranking that bfloat16 can reorder decides (attribution_graph)
+    assert set(got) == set(expected) if dtype == torch.float32 else (got and set(got) <= set(expected))
     for name, value in got.items():
         value, reference = value.detach().float().cpu(), expected[name].float()
         assert value.shape == reference.shape, name
