@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Optional
 
 import plotly.graph_objects as go
@@ -273,5 +274,7 @@ def graph_page(graph, title: Optional[str] = None, feature_links: Optional[dict]
                 rowY=[40 + r * row_h for r in range(n_rows)],
                 colX=[60 + (p + 0.5) * col_w for p in range(len(graph.token_strings))],
                 width=int(80 + col_w * len(graph.token_strings)), height=int(40 + n_rows * row_h + 110), summary=summary)
-    title = html_text(title or "attribution graph")
-    return PAGE.replace("__TITLE__", title).replace("__DATA__", _json_for_script(data))
+    # one pass over the template: replacing one placeholder after the other spliced the data into a title that
+    # held "__DATA__"
+    fill = {"__TITLE__": html_text(title or "attribution graph"), "__DATA__": _json_for_script(data)}
+    return re.sub("__TITLE__|__DATA__", lambda match: fill[match.group(0)], PAGE)

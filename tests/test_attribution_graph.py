@@ -409,3 +409,18 @@ def test_one_head_without_a_list_is_that_head(setup, weights, head):
         expected = torch.cat([d_err.flatten(), d_emb])
         assert torch.allclose(graph.adjacency[t, :len(expected)].double(), expected, atol=TOL)
         assert abs(float(graph.value[t]) - float(value.detach())) < TOL
+
+
+def test_a_title_naming_the_data_placeholder_is_shown_as_written(full_graph):
+    """The page's title and data are filled in one pass: a title holding "__DATA__" stays text, and the page's
+    data is there once, where the template has it."""
+    import html
+    import json
+    import re
+
+    title = "runs <__DATA__> & __TITLE__"
+    page = full_graph.prune().page(title=title)
+    assert page.count('id="graph-data"') == 1
+    assert f"<title>{html.escape(title)}</title>" in page and f"<h1>{html.escape(title)}</h1>" in page
+    data = re.search(r'<script type="application/json" id="graph-data">(.*?)</script>', page, re.S).group(1)
+    assert len(json.loads(data)["nodes"]) == full_graph.prune().n_nodes
