@@ -1,7 +1,6 @@
 """HookedRootModule: gives any nn.Module built from HookPoints named hooks, scoped hooking and caching."""
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -118,15 +117,18 @@ class HookedRootModule(nn.Module):
         that `reset_hooks()` removes and `persistent_hooks()` lists; `clear_contexts` empties every hook's
         `ctx` on exit.
         """
-        handles = []
+        handles, succeeded = [], False
         try:
             for hook_list, backward in ((fwd_hooks, False), (bwd_hooks, True)):
                 for names, fn in hook_list:
                     for name in self.select_hook_names(names):
                         handles.append(self.hook_point(name).add(fn, backward=backward, persistent=not reset_hooks_end))
             yield self
+            succeeded = True
         finally:
-            if reset_hooks_end or sys.exc_info()[0] is not None:  # a failed block leaves nothing behind
+            # a failed block leaves nothing behind; whether it failed is its own outcome, not sys.exc_info(), which
+            # also names an error the caller is handling around a block that succeeded
+            if reset_hooks_end or not succeeded:
                 for handle in reversed(handles):
                     handle.remove()
             if clear_contexts:
@@ -256,14 +258,14 @@ class HookedRootModule(nn.Module):
                     converted[id(activation)] = (weakref.ref(activation), store[hook.name])
             if grads_of is None:
                 return None
-            if activation.requires_grad:
-                live[hook.name] = activation
-                return None
-            # nothing before it needs a gradient (frozen weights): it becomes a leaf we can differentiate to,
-            # and the next point it reaches (as the same tensor) reuses what is stored for it
-            leaf = live[hook.name] = activation.detach().requires_grad_(True)
-            converted[id(leaf)] = (weakref.ref(leaf), store[hook.name])
-            return leaf
+            # differentiate to a node of this point's own, as a backward hook does: the tensor itself may be read
+            # elsewhere too (hook_mlp_in is resid_mid's tensor, which the residual sum also reads), and this point's
+            # gradient is that of what flows on from it. Nothing before it needing a gradient (frozen weights), the
+            # node is a leaf. The next point it reaches (as the same tensor) reuses what is stored for it.
+            own = live[hook.name] = (activation.view_as(activation) if activation.requires_grad
+                                     else activation.detach().requires_grad_(True))
+            converted[id(own)] = (weakref.ref(own), store[hook.name])
+            return own
 
         if grads_of is not None and torch.is_inference_mode_enabled():
             # enable_grad cannot reach out of inference mode: the scalar would have no graph

@@ -510,3 +510,27 @@ def test_a_persistent_hook_belongs_to_the_model_and_every_thread_sees_it():
     finally:
         model.reset_hooks()
     assert model.persistent_hooks() == []
+
+
+def test_reset_hooks_end_false_keeps_the_hooks_of_a_block_that_runs_while_an_exception_is_handled():
+    """A block (or run_with_hooks) that succeeds inside an `except` clause, where sys.exc_info() names the handled
+    error, still keeps its hooks when told to: only an error leaving the block itself removes them."""
+    toy, x = Toy(), torch.ones(3)
+    plus_one = lambda t, hook: t + 1  # noqa: E731
+    try:
+        raise KeyError("handled by the caller, not raised in the block")
+    except KeyError:
+        with toy.hooks([("hook_in", plus_one)], reset_hooks_end=False):
+            pass
+        toy.run_with_hooks(x, fwd_hooks=[("hook_out", plus_one)], reset_hooks_end=False)
+    assert [entry[:2] for entry in toy.persistent_hooks()] == [("hook_in", "fwd"), ("hook_out", "fwd")]
+    assert torch.equal(toy(x), 2 * (x + 1) + 1 + 1)  # by hand: both kept hooks run
+    toy.reset_hooks()
+    assert attached(toy) == 0 and torch.equal(toy(x), 2 * x + 1)
+    with pytest.raises(RuntimeError):  # and a block that fails still leaves nothing, inside an except clause too
+        try:
+            raise KeyError("handled")
+        except KeyError:
+            with toy.hooks([("hook_in", plus_one)], reset_hooks_end=False):
+                raise RuntimeError("the block's own failure")
+    assert attached(toy) == 0

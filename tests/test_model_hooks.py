@@ -299,3 +299,40 @@ def test_converted_cache_keeps_one_copy_of_a_tensor_seen_at_two_points(tiny_mode
     assert torch.equal(post, plain["blocks.0.hook_resid_post"].to(storage["dtype"]))
     q, k = cache["blocks.0.attn.hook_q"], cache["blocks.0.attn.hook_k"]
     assert q.data_ptr() != k.data_ptr()  # different tensors stay different
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_cached_gradient_of_mlp_in_is_the_mlps_share_as_transformers_autograd_has_it(tiny_model, tiny_hf, tokens, frozen):
+    """hook_mlp_in is what the MLP reads (resid_mid's tensor, which the residual sum reads too): its cached gradient is
+    d value / d (the MLP's input) alone, as a backward hook at the point sees it and as transformers' autograd gives
+    through a node of its own in front of ln_2; hook_resid_mid's is the whole residual's. Frozen weights (each cached
+    point a leaf) must agree too."""
+    import copy
+
+    from hf_oracle import next_token_logprob
+
+    mlp_in, kept = {}, []
+    for l, block in enumerate(tiny_hf.transformer.h):  # ln_2 reads the residual; the MLP path alone runs through it
+        def own(mod, args, l=l):
+            mlp_in[l] = args[0].view_as(args[0])
+            return (mlp_in[l],)
+        kept.append(block.ln_2.register_forward_pre_hook(own))
+    try:
+        out = tiny_hf(tokens, output_hidden_states=True)
+    finally:
+        for handle in kept:
+            handle.remove()
+    L = tiny_model.cfg.n_layers
+    expected = torch.autograd.grad(next_token_logprob(out.logits, tokens), [mlp_in[l] for l in range(L)])
+    model = copy.deepcopy(tiny_model).requires_grad_(False) if frozen else tiny_model
+    names = [f"blocks.{l}.{kind}" for l in range(L) for kind in ("hook_resid_mid", "hook_mlp_in")]
+    _, cache = model.run_with_cache(tokens, names=names, grads_of=lambda logits: next_token_logprob(logits, tokens))
+    seen = {}
+    with tiny_model.hooks(bwd_hooks=[(names, lambda grad, hook: seen.__setitem__(hook.name, grad.clone()))]):
+        torch.autograd.grad(next_token_logprob(tiny_model(tokens), tokens), tiny_model.embed.W_E)
+    for l in range(L):
+        scale = float(expected[l].abs().max())
+        for name in (f"blocks.{l}.hook_mlp_in", f"blocks.{l}.hook_resid_mid"):
+            torch.testing.assert_close(cache[f"{name}_grad"], seen[name], atol=1e-5 * scale, rtol=1e-4, msg=name)
+        torch.testing.assert_close(cache[f"blocks.{l}.hook_mlp_in_grad"], expected[l], atol=1e-5 * scale, rtol=1e-4)
+    assert all(p.grad is None for p in tiny_model.parameters())
