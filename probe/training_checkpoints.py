@@ -89,9 +89,12 @@ def save_final(out: Path, sae: SparseAutoencoder, cfg: TrainingConfig, history: 
     staged = out / f".final-{cfg.seed}"
     sae.save_pretrained(staged, overwrite=True)
     try:
-        for name in ("sae_weights.safetensors", "cfg.json"):
+        names = ("sae_weights.safetensors", "cfg.json")
+        for name in names:
             if (out / name).exists() and not overwrite:
                 raise FileExistsError(f"{out / name} exists; pass overwrite=True to replace it")
+        (out / "cfg.json").unlink(missing_ok=True)  # an old cfg.json must never stand beside the new weights
+        for name in names:
             (staged / name).replace(out / name)
     finally:
         shutil.rmtree(staged, ignore_errors=True)

@@ -55,6 +55,20 @@ class TrainingConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("lr_warm_up_steps", "lr_decay_steps", "coefficient_warm_up_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: none), got {value!r}")
+        # a negative coefficient rewards density; a negative max_grad_norm flips every gradient in clip_grad_norm_
+        for name in ("l1_coefficient", "l0_coefficient", "aux_coefficient", "max_grad_norm"):
+            value = getattr(self, name)
+            if not (value is None and name == "max_grad_norm") and not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}" + (" (0: no clipping)" if name == "max_grad_norm" else ""))
+        for name in ("jumprelu_bandwidth", "decoder_init_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.topk_threshold_lr <= 1:
+            raise ValueError(f"topk_threshold_lr must be in (0, 1] (the moving average's rate), got {self.topk_threshold_lr!r}")
         if self.resample_every_steps is not None:
             if self.architecture != "standard":
                 raise ValueError(f"resample_every_steps applies to the standard (L1) architecture; {self.architecture} "
@@ -87,5 +101,6 @@ def lr_factor(cfg: TrainingConfig, step: int) -> float:
 
 
 def coefficient_at(cfg: TrainingConfig, step: int) -> float:
+    """SAELens's `CoefficientScheduler`: from 0 at step 0, linearly to the full value at coefficient_warm_up_steps."""
     value = cfg.l1_coefficient if cfg.architecture == "standard" else cfg.l0_coefficient
-    return value * min(1.0, (step + 1) / cfg.coefficient_warm_up_steps) if cfg.coefficient_warm_up_steps else value
+    return value * min(1.0, step / cfg.coefficient_warm_up_steps) if cfg.coefficient_warm_up_steps else value

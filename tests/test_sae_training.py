@@ -482,3 +482,105 @@ def test_probe_train_sae_writes_a_dictionary_probe_sae_can_load(tiny_dir, tmp_pa
     sae = SparseAutoencoder.from_pretrained(out)
     assert sae.cfg.k == 4 and json.loads((out / "training.json").read_text())["config"]["training_tokens"] == 1000
     assert main(argv) == 2 and "already holds a dictionary" in capsys.readouterr().err
+
+
+# ---- the schedules and one training step, by hand and against SAELens -------------------------------
+def test_training_steps_are_adam_on_the_loss_with_saelens_schedules_by_hand():
+    """Three steps of train_on_store against the same steps taken by hand: the loss written out (by_hand), clipping
+    at 1 and torch.optim.Adam, with SAELens 6's schedules: the learning rate warms up as (step + 1) / warm
+    (`LinearLR(start_factor=1/warm)`), the L1 coefficient as step / warm (`CoefficientScheduler` starts at 0.0 and
+    steps after each training step)."""
+    truth = ground_truth()
+    cfg = TrainingConfig(hook_name="blocks.0.hook_resid_post", d_sae=32, training_tokens=64 * 3, batch_tokens=64,
+                         architecture="standard", l1_coefficient=0.5, coefficient_warm_up_steps=2, lr=1e-2,
+                         lr_warm_up_steps=2, seed=3)
+    ours = train_on_store(SyntheticStore(truth, 64), cfg, 24, 24, progress=False)
+    store = SyntheticStore(truth, 64)
+    batches = [store.next_batch()[0] for _ in range(3)]
+    sae = TrainingSAE(cfg, 24, 24, torch.Generator().manual_seed(cfg.seed))  # the same initial weights
+    with torch.no_grad():
+        sae.b_dec.copy_(batches[0].mean(0))
+    optimizer = torch.optim.Adam(sae.parameters(), lr=cfg.lr, betas=cfg.adam_betas)
+    for step, x in enumerate(batches):
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / 2)
+        terms, _ = by_hand(sae, x, x, 0.5 * min(1.0, step / 2))
+        optimizer.zero_grad()
+        sum(terms.values()).backward()
+        torch.nn.utils.clip_grad_norm_(sae.parameters(), 1.0)
+        optimizer.step()
+    for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
+        torch.testing.assert_close(getattr(ours.sae, name), getattr(sae, name).detach(), atol=1e-6, rtol=0, msg=name)
+
+
+@needs_saelens
+def test_the_lr_and_coefficient_schedules_are_saelens():
+    code = """
+import json, torch
+from sae_lens.training.optim import CoefficientScheduler, get_lr_scheduler
+p = torch.nn.Parameter(torch.zeros(1))
+opt = torch.optim.Adam([p], lr=0.1)
+sched = get_lr_scheduler("constant", opt, training_steps=12, lr=0.1, warm_up_steps=3, decay_steps=4, lr_end=0.1, num_cycles=1)
+coef = CoefficientScheduler(warm_up_steps=5, final_value=0.7)
+lrs, coefs = [], []
+for _ in range(12):
+    lrs.append(opt.param_groups[0]["lr"]); coefs.append(coef.value)
+    opt.step(); sched.step(); coef.step()
+print(json.dumps({"lr": lrs, "coefficient": coefs}))
+"""
+    done = subprocess.run([str(SAELENS_PYTHON), "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    from probe.training_config import coefficient_at, lr_factor
+    cfg = TrainingConfig(hook_name="blocks.0.hook_resid_post", d_sae=8, training_tokens=12 * 32, batch_tokens=32,
+                         architecture="standard", lr=0.1, lr_warm_up_steps=3, lr_decay_steps=4, l1_coefficient=0.7,
+                         coefficient_warm_up_steps=5)
+    assert [0.1 * lr_factor(cfg, s) for s in range(12)] == pytest.approx(theirs["lr"], abs=1e-12)
+    assert [coefficient_at(cfg, s) for s in range(12)] == pytest.approx(theirs["coefficient"], abs=1e-12)
+
+
+@pytest.mark.parametrize("bad, named", [
+    (dict(lr_warm_up_steps=-2), "lr_warm_up_steps"), (dict(lr_decay_steps=-3), "lr_decay_steps"),
+    (dict(coefficient_warm_up_steps=-1), "coefficient_warm_up_steps"), (dict(l1_coefficient=-1.0), "l1_coefficient"),
+    (dict(architecture="jumprelu", l0_coefficient=-0.1), "l0_coefficient"),
+    (dict(architecture="topk", k=4, aux_coefficient=-1.0), "aux_coefficient"),
+    (dict(max_grad_norm=-1.0), "max_grad_norm"), (dict(architecture="jumprelu", jumprelu_bandwidth=0.0), "jumprelu_bandwidth"),
+    (dict(architecture="batchtopk", k=4, topk_threshold_lr=0.0), "topk_threshold_lr"),
+    (dict(architecture="batchtopk", k=4, topk_threshold_lr=1.5), "topk_threshold_lr"),
+    (dict(decoder_init_norm=0.0), "decoder_init_norm"),
+])
+def test_bad_settings_are_refused_naming_the_setting(bad, named):
+    """Each of these trains silently wrong otherwise: a negative warm-up or decay makes the learning rate or the
+    coefficient negative (gradient ascent), a negative max_grad_norm flips every gradient in clip_grad_norm_, a
+    zero bandwidth divides by zero in the backward, a zero threshold rate keeps BatchTopK's threshold at 0."""
+    base = dict(hook_name="blocks.0.hook_resid_post", d_sae=32, training_tokens=64 * 10, batch_tokens=64, architecture="standard")
+    with pytest.raises(ValueError, match=named):
+        TrainingConfig(**{**base, **bad})
+
+
+def test_replacing_a_final_dictionary_never_leaves_a_cfg_describing_other_weights(tmp_path, monkeypatch):
+    """save_final with overwrite: were it interrupted between its two renames, the directory must not hold the old
+    cfg.json beside the new weights (a cfg.json is the promise that its weights are there)."""
+    from probe.training_checkpoints import save_final
+
+    cfg = TrainingConfig(hook_name="blocks.0.hook_resid_post", d_sae=16, training_tokens=64, batch_tokens=32,
+                         architecture="standard")
+    old = SparseAutoencoder(SAEConfig(d_in=12, d_sae=8, hook_name=cfg.hook_name, architecture="topk", k=2))
+    new = SparseAutoencoder(SAEConfig(d_in=12, d_sae=16, hook_name=cfg.hook_name, architecture="standard"))
+    out = tmp_path / "out"
+    old.save_pretrained(out)
+    original = Path.replace
+
+    def interrupted(self, target):
+        if Path(target).name == "cfg.json":
+            raise KeyboardInterrupt  # as if the process were killed between the renames
+        return original(self, target)
+
+    monkeypatch.setattr(Path, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_final(out, new, cfg, [{}], overwrite=True)
+    monkeypatch.setattr(Path, "replace", original)
+    weights = load_file(str(out / "sae_weights.safetensors"))
+    if (out / "cfg.json").exists():
+        described = json.loads((out / "cfg.json").read_text())
+        assert described["d_sae"] == weights["W_enc"].shape[1], (described["d_sae"], weights["W_enc"].shape)
