@@ -107,7 +107,8 @@ class StackMethods:
                 raise ValueError(f"apply_ln: in a post-norm block ln1 and ln2 normalise sums after the sublayers, not "
                                  f"the input to layer {layer}; only the final layer (layer=-1) has an input norm here")
             key = act_name("scale", layer, "ln2" if mlp_input else "ln1")
-        scale = rs.take(self._need(key, "apply_ln"), pos, -2)
+        scale = _residual_scale(self._need(key, "apply_ln"), 2 + self.has_batch_dim, key)
+        scale = rs.take(scale, pos, -2)
         return rs.take(scale, batch, 0) if self.has_batch_dim else scale
 
     # ---- stacks of the residual stream --------------------------------------------------------------------
@@ -342,6 +343,20 @@ class StackMethods:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
         stack = stack.squeeze(-1) if squeeze else stack
         return (stack, labels) if return_labels else stack
+
+
+def _residual_scale(scale: torch.Tensor, dims: int, key: str) -> torch.Tensor:
+    """A norm's cached scale as [... pos 1]. While a per-head attention input is on (set_use_split_qkv_input /
+    set_use_attn_in) ln1 norms each head's copy of the residual, so its hook_scale is [... pos head 1]; the copies
+    are the one residual, so each head's scale is the residual's and one is kept. Copies a hook made differ refuse."""
+    if scale.dim() != dims + 1:
+        return scale
+    first = scale[..., :1, :]
+    if not torch.allclose(scale, first.expand_as(scale), rtol=1e-5, atol=0):
+        raise ValueError(f"apply_ln: {key} holds one scale per head (a per-head attention input was on) and the heads' "
+                         f"differ (a hook edited one head's input), so no one scale is the residual stream's; run the "
+                         f"cache again without that hook, or with set_use_split_qkv_input(False) / set_use_attn_in(False)")
+    return first[..., 0, :]
 
 
 def _as_matrix(project: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], bool]:

@@ -106,6 +106,8 @@ class DecoderCache(StackMethods, ActivationCache):
             except (AttributeError, TypeError):
                 return "", f"the layer must be an int, got {layer!r}"
             if layer < 0:
+                if layer < -self._n_layers:
+                    return "", f"layer {layer} counts back past the first of the {self._n_layers} layers"
                 layer += self._n_layers
         norm = sublayer if sublayer in _NORMS else None
         try:
@@ -132,10 +134,11 @@ class DecoderCache(StackMethods, ActivationCache):
         transformer-lens moves its cache in place and returns it: `cache = cache.to(...)` works on both."""
         return self._like(super().to(device, dtype)._acts, self.has_batch_dim)
 
-    def remove_batch_dim(self) -> "DecoderCache":
-        """Drop the batch dimension of a one-prompt cache, in place (as transformer-lens), and return the cache."""
+    def remove_batch_dim(self, batch_size: Optional[int] = None) -> "DecoderCache":
+        """Drop the batch dimension of a one-prompt cache, in place (as transformer-lens), and return the cache.
+        `batch_size`: transformer-lens 4's, the batch size the caller knows (it must be 1)."""
         if self.has_batch_dim:
-            sizes = {t.shape[0] for t in self._acts.values() if t.dim() > 0}
+            sizes = {t.shape[0] for t in self._acts.values() if t.dim() > 0} | ({batch_size} - {None})
             if sizes - {1}:
                 raise ValueError(f"remove_batch_dim needs a cache of one prompt, got batch sizes {sorted(sizes)}; "
                                  f"take one with cache.apply_slice_to_batch_dim(i)")

@@ -484,3 +484,50 @@ def test_transformer_lens_code_runs_unchanged(models, name):
 
 def test_there_are_at_least_forty_cases():
     assert len(CASES) >= 40
+
+
+# ---- the cache's methods while a per-head attention input is on ------------------------------------------
+@pytest.mark.parametrize("switch", ["set_use_split_qkv_input", "set_use_attn_in"])
+def test_apply_ln_at_a_layer_with_per_head_attention_inputs(models, switch):
+    # ARENA 1.2 turns on per-head inputs for path patching, then reads the same cache with TL's stacking methods:
+    # the residual entering layer 2, through ln1's cached scale, must be what it is with the switch off
+    def stacks(model):
+        getattr(model, switch)(True)
+        try:
+            _, cache = model.run_with_cache(PROMPT)
+        finally:
+            getattr(model, switch)(False)
+        return (cache.decompose_resid(layer=2, apply_ln=True, pos_slice=-1),
+                cache.accumulated_resid(layer=2, incl_mid=True, apply_ln=True, pos_slice=[1, 3]),
+                cache.stack_head_results(layer=2, apply_ln=True, pos_slice=-1, incl_remainder=True),
+                cache.apply_ln_to_stack(cache.decompose_resid(layer=1), layer=1))
+
+    ours, theirs = models
+    assert_same(stacks(ours), stacks(theirs), what=switch)
+
+
+def test_remove_batch_dim_told_the_batch_size(models):
+    # transformer-lens 4's remove_batch_dim takes the true batch size when the caller knows it
+    def case(model):
+        _, cache = model.run_with_cache(PROMPT)
+        cache = cache.remove_batch_dim(batch_size=1)
+        return cache.has_batch_dim, cache["resid_pre", 1], cache.accumulated_resid(layer=2, apply_ln=True, pos_slice=-1)
+
+    ours, theirs = models
+    assert_same(case(ours), case(theirs), what="remove_batch_dim(batch_size=1)")
+    _, cache = ours.run_with_cache(PROMPTS)
+    with pytest.raises(ValueError, match="one prompt"):
+        cache.remove_batch_dim(batch_size=3)
+
+
+def test_a_negative_layer_past_the_first_is_a_key_error_naming_it(models):
+    # TL counts cache["resid_pre", -l] from the end and raises KeyError past the first layer; the message must name
+    # the layer the user wrote, not the one it became
+    ours, theirs = models
+    _, tl_cache = theirs.run_with_cache(PROMPT)
+    with pytest.raises(KeyError):
+        tl_cache["resid_pre", -5]
+    _, cache = ours.run_with_cache(PROMPT)
+    with pytest.raises(KeyError, match=r"-5") as caught:
+        cache["resid_pre", -5]
+    assert "-1" not in str(caught.value)
