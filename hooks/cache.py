@@ -39,8 +39,10 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         return sum(t.numel() * t.element_size() for t in self._acts.values())
 
     def to(self, device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> "ActivationCache":
-        """A new cache with every tensor moved (floating tensors also cast when dtype is given)."""
-        return ActivationCache({name: stored_tensor(t, device, dtype) for name, t in self._acts.items()})
+        """Every tensor moved (floating ones also cast when dtype is given), in place, and the cache returned: as
+        transformer-lens's `cache.to(device)`, whose users write it as a statement (`cache.to("cpu")` frees the GPU)."""
+        self._acts = {name: stored_tensor(t, device, dtype) for name, t in self._acts.items()}
+        return self
 
 
 def stored_tensor(t: torch.Tensor, device, dtype) -> torch.Tensor:

@@ -130,9 +130,8 @@ class DecoderCache(StackMethods, ActivationCache):
 
     # ---- transformer-lens's housekeeping --------------------------------------------------------------
     def to(self, device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> "DecoderCache":
-        """A new cache with every tensor moved (and floating ones cast); the same model and batch dimension.
-        transformer-lens moves its cache in place and returns it: `cache = cache.to(...)` works on both."""
-        return self._like(super().to(device, dtype)._acts, self.has_batch_dim)
+        """Every tensor moved (and floating ones cast), in place, as transformer-lens does, and the cache returned."""
+        return super().to(device, dtype)
 
     def remove_batch_dim(self, batch_size: Optional[int] = None) -> "DecoderCache":
         """Drop the batch dimension of a one-prompt cache, in place (as transformer-lens), and return the cache.

@@ -365,14 +365,16 @@ def test_remove_batch_dim_needs_one_prompt_and_happens_once(ours):
         cache.apply_slice_to_batch_dim(0)
 
 
-def test_to_keeps_the_class_the_model_and_the_batch_dim(ours):
+def test_to_moves_in_place_and_keeps_the_model_and_the_batch_dim(ours):
     _, cache = ours.run_with_cache(PROMPT, remove_batch_dim=True)
-    moved = cache.to(dtype=torch.float64)
+    _, moved = ours.run_with_cache(PROMPT, remove_batch_dim=True)
+    assert moved.to(dtype=torch.float64) is moved  # in place, as transformer-lens's to(), and returned
     assert type(moved) is DecoderCache and moved._model() is ours and moved.has_batch_dim is False
-    assert moved["embed"].dtype == torch.float64 and cache["embed"].dtype == torch.float32  # a new cache
+    assert moved["embed"].dtype == torch.float64 and cache["embed"].dtype == torch.float32
     assert moved.logit_attrs(moved.decompose_resid(), " the", has_batch_dim=False).dtype == torch.float64
     torch.testing.assert_close(moved.accumulated_resid(apply_ln=True).float(), cache.accumulated_resid(apply_ln=True))
-    half = cache.to("cpu", torch.bfloat16)
+    _, half = ours.run_with_cache(PROMPT, remove_batch_dim=True)
+    half.to("cpu", torch.bfloat16)
     torch.testing.assert_close(half.stack_head_results(pos_slice=-1).float(), cache.stack_head_results(pos_slice=-1),
                                atol=2e-2, rtol=2e-2)  # bfloat16 storage, float32 weights: computed in float32
 

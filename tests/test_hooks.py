@@ -148,9 +148,9 @@ def test_cache_dtype_and_device_options():
     # the values are the activations rounded once: x, 2x, 2x + 1
     for name, value in (("hook_in", x), ("inner.hook_mid", 2 * x), ("hook_out", 2 * x + 1)):
         assert torch.equal(cache[name], value.to(torch.bfloat16)), name
-    moved = cache.to(dtype=torch.float64)
-    assert moved["hook_out"].dtype == torch.float64 and cache["hook_out"].dtype == torch.bfloat16
-    assert torch.equal(moved["hook_out"], cache["hook_out"].double())
+    stored = cache["hook_out"]
+    assert cache.to(dtype=torch.float64) is cache  # in place, as transformer-lens's to(), and returned
+    assert cache["hook_out"].dtype == torch.float64 and torch.equal(cache["hook_out"], stored.double())
 
 
 def test_cache_is_read_only_and_reports_unknown_names():

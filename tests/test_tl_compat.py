@@ -531,3 +531,16 @@ def test_a_negative_layer_past_the_first_is_a_key_error_naming_it(models):
     with pytest.raises(KeyError, match=r"-5") as caught:
         cache["resid_pre", -5]
     assert "-1" not in str(caught.value)
+
+
+def test_cache_to_as_a_statement_moves_the_cache(models):
+    # TL users write `cache.to("cpu")` on its own line to free the GPU: TL moves the cache in place and returns it.
+    # The meta device shows the move on a CPU machine.
+    def case(model):
+        _, cache = model.run_with_cache(PROMPT)
+        returned = cache.to("meta")
+        return returned is cache, sorted({t.device.type for t in cache.values()})
+
+    ours, theirs = models
+    assert case(theirs) == (True, ["meta"])  # what TL does, on the same checkpoint
+    assert case(ours) == case(theirs)
