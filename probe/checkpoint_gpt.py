@@ -25,7 +25,7 @@ def gpt2_config(hf: dict) -> DecoderConfig:
         n_layers=hf["n_layer"], d_model=hf["n_embd"], n_heads=hf["n_head"], d_mlp=hf.get("n_inner") or 4 * hf["n_embd"],
         d_vocab=hf["vocab_size"], n_ctx=hf["n_positions"], eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=activation_of(hf.get("activation_function", "gelu_new"), GPT_ACTIVATIONS),
-        heads_per_layer=None if heads is None else tuple(heads),
+        tied_embeddings=hf.get("tie_word_embeddings", True), heads_per_layer=None if heads is None else tuple(heads),
     )
 
 
@@ -35,14 +35,14 @@ def gpt1_config(hf: dict) -> DecoderConfig:
         n_ctx=hf["n_positions"], eps=hf.get("layer_norm_epsilon", 1e-5),
         # GPT-1's "gelu" is the tanh approximation (transformers maps it to gelu_new)
         activation=activation_of(hf.get("afn", "gelu"), {**GPT_ACTIVATIONS, "gelu": Activation.GELU_TANH}),
-        norm_placement=NormPlacement.POST, final_norm=False,
+        norm_placement=NormPlacement.POST, final_norm=False, tied_embeddings=hf.get("tie_word_embeddings", True),
     )
 
 
 def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
     require_fields(cfg, "GPT-2", norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
                    gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, qkv_bias=True, out_bias=True,
-                   mlp_bias=True, tied_embeddings=True)
+                   mlp_bias=True)
     if cfg.n_heads * cfg.d_head != cfg.d_model:
         raise ValueError("a GPT-2 checkpoint needs n_heads * d_head == d_model")
     special = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else cfg.d_vocab - 1
@@ -50,7 +50,7 @@ def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dic
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
         "n_head": cfg.n_heads, "n_inner": cfg.d_mlp, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx,
         "layer_norm_epsilon": cfg.eps, "activation_function": GPT_ACTIVATION_NAMES[cfg.activation],
-        "bos_token_id": special, "eos_token_id": special, "tie_word_embeddings": True,
+        "bos_token_id": special, "eos_token_id": special, "tie_word_embeddings": cfg.tied_embeddings,
         # transformers cannot load a pruned model (its layers differ in width); probe can
         **({"heads_per_layer": list(cfg.heads_per_layer)} if cfg.heads_per_layer is not None else {}),
     }
@@ -89,7 +89,8 @@ def gpt_to_probe(names):
             tensor = source.take(theirs, shape)
             # a transposed Conv1D weight stays a view: F.linear on it reads the stored layout directly
             out[ours] = tensor.T if transposed else tensor
-        out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])  # GPT-1 and GPT-2 are always tied
+        # tied unless config.json says tie_word_embeddings=false; then the head is lm_head.weight, beside `transformer.`
+        out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
         return out
 
     return convert
@@ -97,8 +98,11 @@ def gpt_to_probe(names):
 
 def gpt_to_hf(names):
     def convert(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-        return {theirs: (params[ours].T if transposed else params[ours]).contiguous()
-                for ours, (theirs, _, transposed) in names(cfg).items()}
+        out = {theirs: (params[ours].T if transposed else params[ours]).contiguous()
+               for ours, (theirs, _, transposed) in names(cfg).items()}
+        if not cfg.tied_embeddings:
+            out["lm_head.weight"] = params["unembed.weight"].contiguous()
+        return out
 
     return convert
 
@@ -109,13 +113,13 @@ gpt1_names = _gpt_names("tokens_embed.weight", "positions_embed.weight", final_n
 
 def gpt1_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
     require_fields(cfg, "GPT-1", heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.POST, final_norm=False, positions=Positions.LEARNED,
-                   gated_mlp=False, n_kv_heads=cfg.n_heads, qkv_bias=True, out_bias=True, mlp_bias=True, tied_embeddings=True)
+                   gated_mlp=False, n_kv_heads=cfg.n_heads, qkv_bias=True, out_bias=True, mlp_bias=True)
     afn = {Activation.GELU_TANH: "gelu", Activation.RELU: "relu", Activation.SILU: "silu"}
     if cfg.activation not in afn:
         raise ValueError(f"a GPT-1 checkpoint cannot hold activation={cfg.activation.value}")
     return {"model_type": "openai-gpt", "architectures": ["OpenAIGPTLMHeadModel"], "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
             "n_head": cfg.n_heads, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx, "afn": afn[cfg.activation],
-            "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": True}
+            "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": cfg.tied_embeddings}
 
 
 # ---- GPT-NeoX (Pythia): nn.Linear layers; q, k, v fused and interleaved per head ---------------------

@@ -88,6 +88,19 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         if name == "__metadata__":
             continue
         tensors[name] = _entry(path, name, entry, base, data_bytes)
+    # as the safetensors library requires: the entries tile the data exactly, so no two tensors share bytes and
+    # no bytes hide between or after them (an aliased or polyglot file)
+    covered = 0
+    for stored in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if stored.start != base + covered:
+            raise SafetensorsError(
+                f"{path}: the header entry for {stored.name!r} has data_offsets starting at byte {stored.start - base}, "
+                f"but the tensors before it end at byte {covered}: "
+                + ("tensors overlap" if stored.start < base + covered else "the data has a hole"))
+        covered = stored.end - base
+    if covered != data_bytes:
+        raise SafetensorsError(f"{path}: the header's data_offsets cover {covered} of the {data_bytes} data bytes; "
+                               "the file has bytes no tensor indexes")
     return tensors
 
 

@@ -524,3 +524,30 @@ def test_broken_sae_weights_are_named_at_load_by_file_and_tensor(tmp_path, bad, 
     with pytest.raises(ValueError, match=match) as caught:
         SparseAutoencoder.from_pretrained(_sae_files(tmp_path / "sae", SAE_CFG, state))
     assert "sae_weights.safetensors" in str(caught.value)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "openai-gpt"])
+def test_gpt_checkpoints_with_an_untied_head_load_and_save_as_transformers_reads_them(tmp_path, kind):
+    """tie_word_embeddings=false in a GPT-2 or GPT-1 config.json: transformers keeps lm_head.weight as its own
+    matrix; probe must read it (it refused, saying the config ties them) and write it back."""
+    import transformers as tf
+
+    cls, config = {"gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=24,
+                                                               tie_word_embeddings=False)),
+                   "openai-gpt": (tf.OpenAIGPTLMHeadModel, tf.OpenAIGPTConfig(vocab_size=50, n_embd=32, n_layer=2, n_head=4,
+                                                                              n_positions=24, tie_word_embeddings=False))}[kind]
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape))
+    model.save_pretrained(tmp_path / "hf")
+    hf = cls.from_pretrained(tmp_path / "hf").eval()
+    assert not torch.equal(hf.lm_head.weight, hf.get_input_embeddings().weight)  # transformers kept it untied
+    tokens = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(1))
+    ours = HookedDecoder.from_pretrained(tmp_path / "hf").eval()
+    assert not ours.cfg.tied_embeddings
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, atol=1e-4, rtol=0)
+        again = cls.from_pretrained(ours.save_pretrained(tmp_path / "saved")).eval()
+        torch.testing.assert_close(again(tokens).logits, expected, atol=1e-5, rtol=0)

@@ -79,3 +79,21 @@ def test_the_loader_reads_each_tensor_once_when_it_is_taken(tiny_dir, monkeypatc
     stored = load_file(str(tiny_dir / "model.safetensors"))
     [wte] = [name for name in names if name.endswith("wte.weight")]
     assert torch.equal(model.embed.W_E, stored[wte])
+
+
+@pytest.mark.parametrize("offsets, size", [
+    ([[0, 8], [4, 12]], 12),  # b's first half is a's second half
+    ([[0, 8], [0, 8]], 8),  # one buffer read as two weights
+    ([[0, 8], [12, 20]], 20),  # a hole between them
+    ([[0, 8], [8, 16]], 24),  # bytes after the last tensor
+], ids=["overlap", "alias", "hole", "trailing"])
+def test_offsets_that_overlap_or_leave_bytes_unindexed_are_refused_as_the_library_refuses_them(tmp_path, offsets, size):
+    """The format indexes the data buffer exactly, no holes and no overlaps (a polyglot or aliased file is not
+    safetensors): the safetensors library refuses every one of these; so must the reader."""
+    header = {name: {"dtype": "F32", "shape": [2], "data_offsets": o} for name, o in zip("ab", offsets)}
+    path = _write(tmp_path / "bad.safetensors", header, bytes(range(size)))
+    with pytest.raises(Exception, match="invalid offset|not fully covered"):
+        load_file(str(path))
+    with pytest.raises(SafetensorsError, match="data_offsets") as caught:
+        read_header(path)
+    assert str(path) in str(caught.value)
