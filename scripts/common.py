@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence
 
 from probe.cli.output import OPEN, PLOTLY_MODES, SETTINGS, OutputError, fresh_directory
 from probe.cli.output import Output as _Output
+from probe.cli.text_arguments import non_utf8_argument
 
 DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -255,7 +256,9 @@ def run_command(run: Callable[[argparse.Namespace], int], parser: argparse.Argum
     try:
         try:
             with terminate_as_interrupt() as terminated:
-                check_utf8(args)
+                problem = non_utf8_argument(args)
+                if problem:
+                    raise CommandError(problem)
                 seed_everything(args.seed)
                 code = run(args)
         except BaseException as err:  # the run's output directories are left as they were before it
@@ -362,22 +365,6 @@ def command(module_doc: str, prog: str, add_arguments: Callable[[argparse.Argume
         return run_command(run, build_parser(), argv)
 
     return build_parser, main
-
-
-def check_utf8(args: argparse.Namespace) -> None:
-    """Every text argument is UTF-8. Python hands a command-line byte that is not over as a lone surrogate
-    (U+DC80 + the byte), which a tokenizer then refuses with a message naming neither the flag nor the byte."""
-    for dest, value in vars(args).items():
-        for text in value if isinstance(value, (list, tuple)) else [value]:
-            if not isinstance(text, str):
-                continue
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                bad = ord(text[err.start])
-                shown = f"byte 0x{bad - 0xDC00:02X}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
-                raise CommandError(f"--{dest.replace('_', '-')} is not UTF-8 text ({shown} at character {err.start}); "
-                                   "pass it in UTF-8 (e.g. convert it with iconv -t UTF-8)") from None
 
 
 def check_prompt(model, prompt: str) -> None:
