@@ -282,7 +282,7 @@ def direct_logit_attribution(
     if capped:  # the components add up to the logits before the cap (a monotone squash), so those are explained
         final = cache[final_name][rows, positions][:, None]  # [batch 1 d_model]
         explained = model.unembed.uncapped(model.ln_final(final))[:, 0]
-    comps = stack_components(model, cache, positions)  # [batch component d_model]
+    comps = stack_components(model, cache, positions, dtype=torch.float32)  # [batch component d_model]
     scale = cache["ln_final.hook_scale"][rows, positions][:, None, :] if frozen else None  # [batch 1 1]
 
     # With its scale frozen at the forward pass's value the final norm is affine, N(x) = L(x) + N(0):

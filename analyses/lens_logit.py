@@ -240,8 +240,8 @@ def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLe
     target_ids = _resolve_target(model, tokens, mask, target, logits[:, -1])
     # One site at a time, through one reused float32 buffer: each site's log-softmax is written into
     # it once (no float copy of bf16 logits first, no fresh vocabulary-sized allocation per site), read
-    # by top-k, the target's gather and the KL contraction, and last overwritten in place by the
-    # comparison with the target whose sum is the rank. A float sum of 0/1 is exact below 2^24 and
+    # by the gathers and the KL contraction, and last overwritten in place by the comparison of the
+    # logits with the target's, whose sum is the rank. A float sum of 0/1 is exact below 2^24 and
     # several times faster than count_nonzero over a bool temporary, which was the lens's costliest pass.
     final = logits[:, -1].float().log_softmax(-1)
     p_final = final.exp()
@@ -253,15 +253,18 @@ def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLe
     rank = torch.empty(batch, n_sites, n_pos, dtype=torch.long, device=device)
     kl = torch.empty(batch, n_sites, n_pos, dtype=torch.float32, device=device)
     buffer = torch.empty(batch, n_pos, n_vocab, dtype=torch.float32, device=device) if n_sites > 1 else None
+    top_values = torch.empty(batch, n_pos, k, dtype=logits.dtype, device=device)  # the top logits, unused
     for site in range(n_sites):
         # the final site last: its log-probabilities are `final`, which the other sites' KL reads until then
-        logprobs = final if site == n_sites - 1 else torch.log_softmax(logits[:, site], -1, dtype=torch.float32, out=buffer)
-        torch.topk(logprobs, k, dim=-1, out=(top_logprobs[:, site], top_tokens[:, site]))
-        chosen = logprobs.gather(-1, target_ids[..., None])  # [batch pos 1]
-        target_logprob[:, site] = chosen[..., 0]
+        site_logits = logits[:, site]
+        logprobs = final if site == n_sites - 1 else torch.log_softmax(site_logits, -1, dtype=torch.float32, out=buffer)
+        # top-k and rank on the logits themselves: logit - logsumexp rounds logits a float32 step apart together
+        torch.topk(site_logits, k, dim=-1, out=(top_values, top_tokens[:, site]))
+        top_logprobs[:, site] = logprobs.gather(-1, top_tokens[:, site])
+        target_logprob[:, site] = logprobs.gather(-1, target_ids[..., None])[..., 0]
         # KL(final || site) = sum p_f log p_f - sum p_f log p_site; the contraction makes no temporary
         kl[:, site] = neg_entropy - torch.einsum("bpv,bpv->bp", p_final, logprobs)
-        rank[:, site] = _count_above(logprobs, chosen)
+        rank[:, site] = _count_above(site_logits, site_logits.gather(-1, target_ids[..., None]), out=logprobs)
     kl.clamp_(min=0)
     kl[:, -1] = 0.0  # the final row against itself: exactly zero, not a rounding residue
     return LogitLensResult(
@@ -271,11 +274,11 @@ def _lens_result(model, tokens, mask, sites, logits, target, k, name) -> LogitLe
     )
 
 
-def _count_above(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """[...]: how many entries of `logprobs` [... vocab] exceed `chosen` [... 1]; overwrites `logprobs`."""
-    if logprobs.shape[-1] >= 2**24:  # a float count would round; never reached by a real vocabulary
-        return torch.count_nonzero(logprobs > chosen, dim=-1)
-    return torch.gt(logprobs, chosen, out=logprobs).sum(-1)
+def _count_above(logits: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """[...]: how many entries of `logits` [... vocab] exceed `chosen` [... 1]; overwrites `out` (float32, logits' shape)."""
+    if logits.shape[-1] >= 2**24:  # a float count would round; never reached by a real vocabulary
+        return torch.count_nonzero(logits > chosen, dim=-1)
+    return torch.gt(logits, chosen, out=out).sum(-1)
 
 
 def _resolve_target(model, tokens, mask, target: TargetSpec, final_logits) -> torch.Tensor:

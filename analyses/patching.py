@@ -185,7 +185,7 @@ def patch(
     clean: AnalysisInput,
     corrupted: AnalysisInput,
     metric: Metric,
-    sites: Union[str, Sequence[Site]] = "heads",
+    sites: Union[str, Site, Sequence[Site]] = "heads",
     method: Literal["exact", "attribution"] = "exact",
     max_rows: Optional[int] = None,
     *,
@@ -194,7 +194,7 @@ def patch(
     """Patch each site from the clean run into the corrupted run and measure the metric.
 
     sites: 'heads' (every head's hook_z), 'resid_pre' / 'attn_out' / 'mlp_out' (every layer x
-    position), or a list of Site. method 'exact' reruns the model per site (batched: sites of one
+    position), a Site or a list of Site. method 'exact' reruns the model per site (batched: sites of one
     layer share a forward, restarting there from the cached corrupted residual); 'attribution'
     estimates every site from one forward and one backward. `attention_mask` [batch pos] marks the
     real tokens of padded token ids, the same for both (text is padded and masked for you).
@@ -207,6 +207,8 @@ def patch(
             "shape and padding: patching swaps activations position by position"
         )
     n = tokens.shape[1]
+    if isinstance(sites, Site):  # one site on its own: patch it as a list of one
+        sites = [sites]
     sweep = sites if isinstance(sites, str) else None
     sites = sweep_sites(model, sites, n) if isinstance(sites, str) else list(sites)
     if not sites:
@@ -243,7 +245,7 @@ def patch(
 
 
 def attribution_patch(model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
-                      sites: Union[str, Sequence[Site]] = "heads", *,
+                      sites: Union[str, Site, Sequence[Site]] = "heads", *,
                       attention_mask: Optional[torch.Tensor] = None) -> PatchingResult:
     """Attribution patching: `patch(..., method='attribution')`."""
     return patch(model, clean, corrupted, metric, sites, method="attribution", attention_mask=attention_mask)

@@ -75,18 +75,22 @@ def check_pre_norm(model: HookedDecoder) -> None:
                          "split into heads is not implemented")
 
 
-def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tensor] = None,
+                     dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """[batch pos component d_model] in `Components.for_model` order, from a cache of `component_hooks`;
-    with `positions` [batch], only each prompt's one position: [batch component d_model]."""
+    with `positions` [batch], only each prompt's one position: [batch component d_model]. `dtype` (default: the
+    cache's) is the stack's: a sandwich block's head shares are computed, not cached, and float32 keeps their digits."""
     def pick(t: torch.Tensor) -> torch.Tensor:  # [batch pos ...] -> [batch ...] before stacking, to keep memory small
         return t if positions is None else t[torch.arange(t.shape[0], device=t.device), positions]
 
     embed = pick(cache["hook_embed"])
+    dtype = embed.dtype if dtype is None else dtype
+    embed = embed.to(dtype)
     parts = [embed.unsqueeze(-2)]
     if has_pos_embed(model):
-        parts.append(pick(cache["hook_pos_embed"]).unsqueeze(-2))
+        parts.append(pick(cache["hook_pos_embed"]).to(dtype).unsqueeze(-2))
     for layer, block in enumerate(model.blocks):
-        heads = pick(cache[act_name("result", layer)])  # [batch (pos) head d_model]
+        heads = pick(cache[act_name("result", layer)]).to(dtype)  # [batch (pos) head d_model]
         bias = None if block.attn.b_O is None else block.attn.b_O.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2)
         if hasattr(block, "ln1_post"):
             # a sandwich block normalises the attention's write; with that norm's scale frozen at its value in
@@ -96,7 +100,7 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
             heads = (heads * through).to(embed.dtype)
             bias = None if bias is None else (bias * through).to(embed.dtype)
         parts += [heads] + ([] if bias is None else [bias])
-        parts.append(pick(cache[act_name("mlp_out", layer)]).unsqueeze(-2))  # a sandwich block's is already normalised
+        parts.append(pick(cache[act_name("mlp_out", layer)]).to(dtype).unsqueeze(-2))  # a sandwich block's is already normalised
     return torch.cat(parts, dim=-2)
 
 

@@ -338,3 +338,29 @@ def test_sandwich_blocks_with_layernorm_write_norms_are_refused():
     model = HookedDecoder(DecoderConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=20, n_ctx=8, norm_placement="sandwich"))
     with pytest.raises(ValueError, match="sandwich blocks are decomposed with RMSNorm write norms"):
         direct_logit_attribution(model, torch.tensor([[1, 2, 3]]), 4)
+
+
+def test_bfloat16_sandwich_heads_are_linearised_in_float32(tmp_path):
+    """Each Gemma 2 head's row is its cached result through ln1_post (scale frozen) and the frozen final norm, onto
+    the answer direction: computed in float64 from the bfloat16 model's own activations and weights. Rounding the
+    head's share result * w / scale to bfloat16 before the final norm cost ~2e-3 of the largest row."""
+    from test_variants import build
+
+    from probe import HookedDecoder
+    from probe.analyses.residual_components import component_hooks
+
+    build("gemma2", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval().to(torch.bfloat16)
+    tokens = torch.randint(1, 101, (2, 9), generator=torch.Generator().manual_seed(0))
+    result = direct_logit_attribution(model, tokens, 5, 9)
+    _, cache = model.run_with_cache(tokens, names=component_hooks(model) + ["ln_final.hook_scale"])
+    W_U = model.unembed.W_U.detach().double()
+    direction = (W_U[:, 5] - W_U[:, 9]) * model.ln_final.w.detach().double() / cache["ln_final.hook_scale"][:, -1].double()
+    expected = []
+    for layer, block in enumerate(model.blocks):
+        result_h = cache[f"blocks.{layer}.attn.hook_result"][:, -1].double()  # [batch head d_model]
+        through = block.ln1_post.w.detach().double() / cache[f"blocks.{layer}.ln1_post.hook_scale"][:, -1].double()
+        expected.append(torch.einsum("bhd,bd->bh", result_h * through[:, None], direction))
+    expected = torch.stack(expected, dim=1)  # [batch layer head]
+    bound = 1e-5 * float(expected.abs().max())
+    torch.testing.assert_close(result.head_contributions().double(), expected, atol=bound, rtol=0)

@@ -338,3 +338,31 @@ def test_logit_lens_on_parallel_blocks_matches_transformers(tmp_path):
                  lambda: TunedLens.for_model(model, include_mid=True)):
         with pytest.raises(ValueError, match="parallel .*leave include_mid=False"):
             call()
+
+
+def test_ranks_and_top_k_follow_the_logits_through_near_ties(tiny_model, tokens):
+    """Every token gets a twin whose logit is 2e-7 higher: distinct float32 logits, but their log-probs
+    (logit - logsumexp, near -5.8 where a float32 step is 4.8e-7) round together. Ranks and the top-k were
+    read off the log-probs, so a target's twin above it was not counted (rank 1 too good) and twins came in
+    either order; numpy on the lens's own logits is the oracle."""
+    import copy
+
+    import numpy as np
+    from torch import nn
+
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        weight = model.unembed.weight.detach().clone()
+        weight[1::2] = weight[0::2][: weight[1::2].shape[0]]
+        bias = torch.zeros(weight.shape[0])
+        bias[1::2] = 2e-7
+    model.unembed.weight, model.unembed.bias = nn.Parameter(weight), nn.Parameter(bias)  # untied, on the copy only
+    result = logit_lens(model, tokens, k=6, include_mid=True)
+    logits = result.logits.double().numpy()
+    assert (logits[..., 1::2] > logits[..., 0::2]).all()  # the twins really are apart in the logits
+    target = result.target.numpy()[:, None, :, None].repeat(logits.shape[1], 1)
+    chosen = np.take_along_axis(logits, target, -1)
+    np.testing.assert_array_equal(result.target_rank.numpy(), (logits > chosen).sum(-1))
+    np.testing.assert_array_equal(np.take_along_axis(logits, result.top_tokens.numpy(), -1), -np.sort(-logits, -1)[..., :6])
+    probs = torch.from_numpy(logits).softmax(-1)
+    torch.testing.assert_close(result.top_probs.double(), probs.gather(-1, result.top_tokens), atol=1e-6, rtol=0)

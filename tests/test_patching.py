@@ -245,3 +245,13 @@ def test_a_metric_must_give_one_value_per_row(tiny_model, prompts):
     for method in ("exact", "attribution"):
         with pytest.raises(ValueError, match=r"one value per row, shape \(2,\)"):
             patch(tiny_model, clean, corrupted, lambda logits, tokens, mask: logits[:, -1, :2], method=method)
+
+
+def test_a_single_site_is_patched_like_a_list_of_one(tiny_model, tiny_hf, prompts, metric):
+    """`sites=Site(...)` alone (not in a list) was a bare "'Site' object is not iterable"."""
+    clean, corrupted = prompts
+    site = Site("z", 1, head=2, pos=CORRUPTED_POS)
+    for method, oracle in (("exact", hf_exact), ("attribution", hf_attribution)):
+        result = patch(tiny_model, clean, corrupted, metric, sites=site, method=method)
+        assert result.sites == [site]
+        assert float(result.recovered[0]) == pytest.approx(oracle(tiny_hf, clean, corrupted, site), abs=1e-4)
