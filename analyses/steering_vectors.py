@@ -131,10 +131,14 @@ class SteeringVector(TableDisplay):
                 "site": self.site, "d_model": self.d_model, "position": self.position, "norm": self.norm,
                 "n_pairs": None if self.differences is None else self.differences.shape[0]}
         tensor_path.parent.mkdir(parents=True, exist_ok=True)
-        # the sidecar is renamed into place first and the tensors last, both after both are written
-        with atomic_file(tensor_path, overwrite=overwrite) as tmp_tensors, atomic_file(sidecar, overwrite=overwrite) as tmp_meta:
-            save_file(tensors, str(tmp_tensors))
+        # both written first; then the old sidecar goes, the tensors are renamed into place and the sidecar last, so an
+        # interrupted replacement leaves tensors without a sidecar (which load refuses), never an old sidecar
+        # describing new tensors or a new one describing old tensors (of another layer or site, say)
+        with atomic_file(sidecar, overwrite=overwrite) as tmp_meta:
             tmp_meta.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            with atomic_file(tensor_path, overwrite=overwrite) as tmp_tensors:
+                save_file(tensors, str(tmp_tensors))
+                sidecar.unlink(missing_ok=True)
         return tensor_path, sidecar
 
     @classmethod

@@ -523,3 +523,36 @@ def test_load_names_a_sidecar_missing_its_layer(tiny_model, tmp_path):
     (tmp_path / "v.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"v\.json lacks layer"):
         SteeringVector.load(tmp_path / "v.safetensors", tiny_model)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])  # the tensors' rename, or the sidecar's
+def test_an_interrupted_replacement_never_pairs_a_sidecar_with_other_tensors(tiny_model, tmp_path, monkeypatch, fail_at):
+    """Replacing a saved vector with one of another layer, interrupted at either rename, leaves files that load as
+    one whole vector (the old or the new) or are refused: never the new layer on the old direction or the reverse."""
+    import os
+
+    from probe import io
+
+    old = steering_vector(tiny_model, POSITIVE, NEGATIVE, layer=0, model_name="tiny")
+    new = steering_vector(tiny_model, POSITIVE, NEGATIVE, layer=1, model_name="tiny")
+    assert not torch.allclose(old.direction, new.direction)
+    path = tmp_path / "v.safetensors"
+    old.save(path)
+    renames, rename = [], os.replace
+
+    def interrupted(src, dst):
+        renames.append(dst)
+        if len(renames) == fail_at:
+            raise KeyboardInterrupt  # as if the process were stopped there
+        return rename(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        new.save(path, overwrite=True)
+    monkeypatch.undo()
+    assert len(renames) == fail_at
+    try:
+        loaded = SteeringVector.load(path, tiny_model)
+    except FileNotFoundError:
+        return  # a half-replaced vector is refused as incomplete
+    assert any(loaded.layer == v.layer and torch.equal(loaded.direction, v.direction) for v in (old, new))
