@@ -1,6 +1,6 @@
 """DecoderCache: a decoder's activation cache with transformer-lens's ActivationCache keys and methods.
 
-The keys and housekeeping (to, remove_batch_dim, apply_slice_to_batch_dim) live here; the stacks of the residual
+The keys and housekeeping (remove_batch_dim, apply_slice_to_batch_dim; `to` is ActivationCache's) live here; the stacks of the residual
 stream (accumulated_resid, decompose_resid, stack_head_results, logit_attrs, ...) in probe.cache_stacks, over the
 arithmetic of probe.residual_stack.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Mapping
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -129,10 +129,6 @@ class DecoderCache(StackMethods, ActivationCache):
         return max(layers) + 1 if layers else 0
 
     # ---- transformer-lens's housekeeping --------------------------------------------------------------
-    def to(self, device: Optional[Union[str, torch.device]] = None, dtype: Optional[torch.dtype] = None) -> "DecoderCache":
-        """Every tensor moved (and floating ones cast), in place, as transformer-lens does, and the cache returned."""
-        return super().to(device, dtype)
-
     def remove_batch_dim(self, batch_size: Optional[int] = None) -> "DecoderCache":
         """Drop the batch dimension of a one-prompt cache, in place (as transformer-lens), and return the cache.
         `batch_size`: transformer-lens 4's, the batch size the caller knows (it must be 1)."""

@@ -51,14 +51,13 @@ class TrainingConfig:
             raise ValueError(f"architecture={self.architecture!r} needs k, an int in [1, d_sae={self.d_sae}], got {self.k!r}")
         if not topk and self.k is not None:
             raise ValueError(f"k={self.k!r} applies only to topk and batchtopk; {self.architecture} sets sparsity by its coefficient")
-        for name in ("d_sae", "training_tokens", "batch_tokens", "dead_feature_window", "resample_batches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("lr_warm_up_steps", "lr_decay_steps", "coefficient_warm_up_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0 (0: none), got {value!r}")
+        for names, least, what in ((("d_sae", "training_tokens", "batch_tokens", "dead_feature_window", "resample_batches"),
+                                    1, "a positive int"),
+                                   (("lr_warm_up_steps", "lr_decay_steps", "coefficient_warm_up_steps"), 0, "an int >= 0 (0: none)")):
+            for name in names:
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                    raise ValueError(f"{name} must be {what}, got {value!r}")
         # a negative coefficient rewards density; a negative max_grad_norm flips every gradient in clip_grad_norm_
         for name in ("l1_coefficient", "l0_coefficient", "aux_coefficient", "max_grad_norm"):
             value = getattr(self, name)
