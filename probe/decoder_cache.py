@@ -1,8 +1,8 @@
 """DecoderCache: a decoder's activation cache with transformer-lens's ActivationCache keys and methods.
 
-The keys and housekeeping (remove_batch_dim, apply_slice_to_batch_dim; `to` is ActivationCache's) live here; the stacks of the residual
-stream (accumulated_resid, decompose_resid, stack_head_results, logit_attrs, ...) in probe.cache_stacks, over the
-arithmetic of probe.residual_stack.
+The keys and housekeeping (remove_batch_dim, apply_slice_to_batch_dim; `to` is ActivationCache's) live here;
+the stacks of the residual stream (accumulated_resid, decompose_resid, stack_head_results, logit_attrs, ...) in
+probe.cache_stacks, over the arithmetic of probe.residual_stack.
 """
 from __future__ import annotations
 
