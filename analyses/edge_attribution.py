@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from probe.analyses.ablation import Metric, metric_name
 from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
-from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, model_mask, tokens_and_mask
+from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, tokens_and_mask
 from probe.analyses.edge_gradients import gradient_scores
 from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
 from probe.analyses.labels import token_texts
@@ -178,11 +178,15 @@ def edge_attribution(
     forward holds at least one batch (method="clean-corrupted" stacks its clean and corrupted batch whatever the cap)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of: {', '.join(METHODS)}")
-    if not (isinstance(ig_steps, int) and not isinstance(ig_steps, bool) and ig_steps > 0):
+    # NumPy and 0-d tensor integers too (a sweep's values), as plain ints from here on
+    if not (is_int(ig_steps) and ig_steps > 0):
         raise ValueError(f"ig_steps={ig_steps!r} must be a positive int")
-    if max_rows is not None and not (isinstance(max_rows, int) and not isinstance(max_rows, bool) and max_rows > 0):
-        # 0 or a negative cap silently meant one batch per forward, and a float failed deep in the slicing
-        raise ValueError(f"max_rows={max_rows!r} must be a positive int (rows per forward), or None for a memory budget")
+    ig_steps = int(ig_steps)
+    if max_rows is not None:
+        if not (is_int(max_rows) and max_rows > 0):
+            # 0 or a negative cap silently meant one batch per forward, and a float failed deep in the slicing
+            raise ValueError(f"max_rows={max_rows!r} must be a positive int (rows per forward), or None for a memory budget")
+        max_rows = int(max_rows)
     graph = circuit_graph(model)
     clean_tokens, tokens, mask = paired_tokens(model, clean, corrupted, attention_mask)
     reads = logit_reads(metric)

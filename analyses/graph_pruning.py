@@ -7,7 +7,8 @@ has no cycles. Pruning keeps the most influential feature and error nodes until 
 of the influence of all feature and error nodes (embeddings and logits always stay), then the edges, scored by
 B times their target's influence plus its logit weight (on the graph the nodes left), until they hold
 `edge_threshold` of all edge scores; features and errors left without an outgoing edge, and features left
-without an incoming one, go too, until none is left. Thresholds 0.8 and 0.98 are circuit-tracer's defaults.
+without an incoming one, go too, until none is left; so the shares of influence and edge score kept, measured
+at the end, can fall below the thresholds. Thresholds 0.8 and 0.98 are circuit-tracer's defaults.
 """
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ class Pruning:
     node_mask: torch.Tensor  # [node] bool
     edge_mask: torch.Tensor  # [target source] bool
     influence: torch.Tensor  # [node]: each node's influence on the unpruned graph
-    node_share: float  # the share of feature and error influence the node step kept
-    edge_share: float  # the share of edge score the edge step kept
+    node_share: float  # the share of feature and error influence the kept nodes hold (on the unpruned graph)
+    edge_share: float  # the share of edge score (on the graph the node step left) the kept edges hold
 
 
 def prune(adjacency: torch.Tensor, logit_weights: torch.Tensor, prunable: torch.Tensor, has_inputs: torch.Tensor,
@@ -74,13 +75,11 @@ def prune(adjacency: torch.Tensor, logit_weights: torch.Tensor, prunable: torch.
     scores = torch.where(prunable, node_influence, 0.0)
     node_mask = ~prunable
     node_mask[prunable] = top_share(scores[prunable], node_threshold)
-    node_share = float(scores[node_mask].sum() / scores.sum()) if float(scores.sum()) > 0 else 1.0
 
     kept = adjacency * (node_mask[:, None] & node_mask[None, :])
     kept_normalised = row_normalised(kept)
     edge_scores = kept_normalised * (influence(kept_normalised, weights) + weights)[:, None]
     edge_mask = (edge_scores > 0) & top_share(edge_scores.flatten(), edge_threshold).view_as(edge_scores)
-    edge_share = float(edge_scores[edge_mask].sum() / edge_scores.sum()) if float(edge_scores.sum()) > 0 else 1.0
     while True:  # drop what no longer connects; each pass can strand more, at most one per layer
         before = node_mask.clone()
         node_mask &= ~prunable | edge_mask.any(dim=0)
@@ -88,4 +87,7 @@ def prune(adjacency: torch.Tensor, logit_weights: torch.Tensor, prunable: torch.
         edge_mask &= node_mask[:, None] & node_mask[None, :]
         if bool((node_mask == before).all()):
             break
+    # measured on what is left, after the stranded nodes went: the shares of the graph the caller gets
+    node_share = float(scores[node_mask].sum() / scores.sum()) if float(scores.sum()) > 0 else 1.0
+    edge_share = float(edge_scores[edge_mask].sum() / edge_scores.sum()) if float(edge_scores.sum()) > 0 else 1.0
     return Pruning(node_mask, edge_mask, node_influence.to(logit_weights.dtype), node_share, edge_share)

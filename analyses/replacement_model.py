@@ -56,13 +56,17 @@ def load_transcoders(model: HookedDecoder, transcoders: TranscoderSpec) -> dict[
         transcoders = [str(path) for path in found]
     if isinstance(transcoders, (str, Path, SparseAutoencoder)):
         transcoders = [transcoders]
-    items = list(transcoders.values()) if isinstance(transcoders, Mapping) else list(transcoders)
-    if not items:
+    # a mapping's keys are the layers the caller meant: each is checked against the layer its transcoder writes
+    keyed = list(transcoders.items()) if isinstance(transcoders, Mapping) else [(None, t) for t in transcoders]
+    if not keyed:
         raise ValueError("no transcoders given: pass 'bundled', directories or SparseAutoencoder objects")
     out: dict[int, SparseAutoencoder] = {}
-    for item in items:
+    for key, item in keyed:
         sae = item if isinstance(item, SparseAutoencoder) else SparseAutoencoder.from_pretrained(item)
         layer = check_transcoder(model, sae, where=str(item) if not isinstance(item, SparseAutoencoder) else None)
+        if key is not None and key != layer:
+            raise ValueError(f"the transcoder given for layer {key!r} writes {mlp_out_name(layer)} (layer {layer}); "
+                             "key each transcoder by the layer whose MLP it replaces, or pass a list")
         if layer in out:
             raise ValueError(f"two transcoders write {mlp_out_name(layer)}; give one per layer")
         dtype = model.embed.W_E.dtype

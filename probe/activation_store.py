@@ -2,7 +2,8 @@
 
 The corpus's documents are tokenised into one stream, each document preceded by the tokenizer's BOS
 (GPT-2's `<|endoftext|>`, the document separator), and cut into windows of `context_size` tokens that
-each begin with BOS, as the bundled model was trained (`scripts/train_tiny.py`). Windows run through the
+each begin with BOS, as the bundled model was trained (`scripts/train_tiny.py`); a window cut where a document
+begins starts with that document's BOS, never with two. Windows run through the
 model `batch_prompts` at a time, the forward stopping after the block of the last hook point read
 (`model(tokens, stop_at_layer=...)`), and every position's activation enters a buffer of `buffer_tokens`
 rows. The buffer is shuffled, its first half served in batches of `batch_tokens`, the served half refilled
@@ -137,10 +138,11 @@ class ActivationStore:
         return next(self._windows)
 
     def _window_stream(self) -> Iterator[list[int]]:
-        """Windows of context_size tokens, each BOS + the next context_size - 1 tokens of the corpus stream,
-        cycling over the corpus (each pass an epoch); of a shard (r, n), windows r, r + n, r + 2n, ..."""
+        """Windows of context_size tokens, each BOS + the next context_size - 1 tokens of the corpus stream (or, where
+        a document begins, its own BOS + context_size - 1 tokens), cycling over the corpus (each pass an epoch); of
+        a shard (r, n), windows r, r + n, r + 2n, ..."""
         tokenizer = self.model.tokenizer
-        body = self.context_size - 1
+        bos, body = tokenizer.bos_id, self.context_size - 1
         rank, size = self.shard
         yielded = cut = 0  # windows this shard yielded; windows cut from the stream, every shard's
         while True:
@@ -151,12 +153,14 @@ class ActivationStore:
                     raise ValueError(f"corpus document {i} is {type(text).__name__} {str(text)[:40]!r}; documents must be "
                                      "non-empty strings")
                 documents += 1
-                pending += [tokenizer.bos_id] + tokenizer.encode(text)
-                while len(pending) >= body:
+                pending += [bos] + tokenizer.encode(text)
+                # a window cut where a document begins starts with that document's own BOS, not BOS BOS (rare in
+                # a model's training, and a second attention-sink row in the dictionary's data); SAELens does the same
+                while pending and len(pending) >= (take := body + (pending[0] == bos)):
                     if cut % size == rank:
-                        yield [tokenizer.bos_id] + pending[:body]
+                        yield pending[:take] if take > body else [bos] + pending[:body]
                         yielded += 1
-                    pending = pending[body:]
+                    pending = pending[take:]
                     cut += 1
             if documents == 0:
                 raise ValueError("the corpus has no documents")

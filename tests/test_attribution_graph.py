@@ -259,19 +259,27 @@ def test_influence_and_pruning_keep_the_stated_share():
     ordered = scores.flatten().sort(descending=True).values
     n_top = int((ordered.cumsum(0) < 0.9 * ordered.sum()).sum()) + 1  # the fewest edges holding 90%
     top = scores >= ordered[n_top - 1]
-    assert abs(result.edge_share - float(scores[top].sum() / scores.sum())) < 1e-12
     # the edges kept are those, less any left dangling: a feature without outgoing or incoming edges goes
     assert not (result.edge_mask & ~top).any()
     dropped = top & ~result.edge_mask
-    assert (~result.node_mask[dropped.nonzero()]).any(dim=1).all()
+    assert dropped.any() and (~result.node_mask[dropped.nonzero()]).any(dim=1).all()
     assert (result.edge_mask[:, ~result.node_mask] == 0).all()
+    # the shares are those of what is left: here under the 90% the edge step kept (reported before the stranded went)
+    assert abs(result.edge_share - float(scores[result.edge_mask].sum() / scores.sum())) < 1e-12
+    assert result.edge_share < 0.9 <= float(scores[top].sum() / scores.sum())
+    assert abs(result.node_share - float(expected[:10][result.node_mask[:10]].sum() / expected[:10].sum())) < 1e-12
 
 
 def test_a_pruned_graph_keeps_its_shares(setup, full_graph):
     model, saes, tokens = setup
     graph = full_graph
     pruned = graph.prune(node_threshold=0.8, edge_threshold=0.98)
-    assert pruned.shares[0] >= 0.8 and pruned.shares[1] >= 0.98
+    # the influence share by hand: the kept features' and errors' influence on the unpruned graph over all of theirs
+    full = influence(row_normalised(graph.adjacency.double()), graph.logit_weight_vector().double())
+    prunable = (graph.kind == FEATURE) | (graph.kind == ERROR)
+    kept = (pruned.kind == FEATURE) | (pruned.kind == ERROR)
+    assert abs(pruned.shares[0] - float(pruned.influence[kept].double().sum() / full[prunable].sum())) < 1e-5
+    assert 0.5 < pruned.shares[0] <= 1.0 and 0.5 < pruned.shares[1] <= 1.0
     assert pruned.n_nodes < graph.n_nodes
     assert int((pruned.kind == EMBEDDING).sum()) == len(tokens) and int((pruned.kind == LOGIT).sum()) == int(
         (graph.kind == LOGIT).sum())
@@ -317,6 +325,11 @@ def test_bad_inputs_say_what_to_do(setup):
         attribution_graph(model, saes, tokens, logit_targets=["the cat sat"])
     with pytest.raises(ValueError, match="d_model"):
         load_transcoders(model, "bundled")
+    # a mapping's keys are the layers meant: a transcoder under another layer's key was used at its own layer
+    with pytest.raises(ValueError, match="given for layer 1 writes blocks.0.hook_mlp_out"):
+        load_transcoders(model, {1: saes[0], 0: saes[1]})
+    assert {layer: sae.cfg.hook_name_out for layer, sae in load_transcoders(model, {1: saes[1], 0: saes[0]}).items()} \
+        == {0: "blocks.0.hook_mlp_out", 1: "blocks.1.hook_mlp_out"}
     with pytest.raises(ValueError, match="exactly one"):
         FeatureEdit(0, 1, 2)
     with pytest.raises(ValueError, match="outside"):

@@ -365,8 +365,24 @@ def test_bad_inputs(tiny_model):
         edge_attribution(tiny_model, clean, corrupted, metric, method="bogus")
     with pytest.raises(ValueError, match="ig_steps=0 must be a positive int"):
         edge_attribution(tiny_model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=0)
+    with pytest.raises(ValueError, match="ig_steps=2.0 must be a positive int"):
+        edge_attribution(tiny_model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=2.0)
     with pytest.raises(ValueError, match="same shape and padding"):
         edge_attribution(tiny_model, clean, corrupted[:, :-1], metric)
+
+
+def test_numpy_and_tensor_integers_are_settings_like_ints(tiny_model):
+    import numpy as np
+
+    # a sweep's np.int64 steps and row caps were refused as "not a positive int"
+    clean, corrupted = prompts(tiny_model.cfg.d_vocab)
+    metric = logit_diff_metric(tiny_model, ANSWERS, COUNTERFACTUALS)
+    plain = edge_attribution(tiny_model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=2, max_rows=4)
+    for steps, rows in ((np.int64(2), np.int32(4)), (torch.tensor(2), torch.tensor(4))):
+        swept = edge_attribution(tiny_model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=steps,
+                                 max_rows=rows)
+        assert type(swept.ig_steps) is int and swept.ig_steps == 2
+        assert torch.equal(swept.scores, plain.scores)
     with pytest.raises(ValueError, match="per-position scores come from"):
         edge_attribution(tiny_model, clean, corrupted, metric, method="exact", positions=True)
 

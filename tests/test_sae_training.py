@@ -309,17 +309,56 @@ def test_two_processes_under_torchrun_take_the_steps_of_one_reading_whole_batche
 
 
 # ---- on a model --------------------------------------------------------------------------------
+def windows_by_hand(tokenizer, texts, context_size: int, n: int) -> torch.Tensor:
+    """The store's first n windows, cut by hand: the documents as one stream, each after a BOS; a window is the
+    stream's next context_size - 1 tokens after a BOS of its own, or, where a document begins, that document's BOS
+    and the context_size - 1 tokens after it."""
+    bos, stream = tokenizer.bos_id, []
+    for text in texts:
+        stream += [bos] + tokenizer.encode(text)
+    windows, at = [], 0
+    while len(windows) < n:
+        if stream[at] == bos:
+            windows.append(stream[at:at + context_size])
+            at += context_size
+        else:
+            windows.append([bos] + stream[at:at + context_size - 1])
+            at += context_size - 1
+    return torch.tensor(windows)
+
+
+def test_a_window_cut_where_a_document_begins_starts_with_its_bos_alone(tiny_model):
+    """Documents of 15 tokens in windows of 16: each window is one document after its BOS. A BOS was prepended to
+    every window, the document's own included (BOS BOS, and each later window shifted by one)."""
+    tokenizer = tiny_model.tokenizer
+    texts = []
+    for start in ("To be, or not", "The quick brown fox", "When in the course"):
+        text = start
+        while len(tokenizer.encode(text)) < 15:
+            text += " and"
+        assert len(tokenizer.encode(text)) == 15
+        texts.append(text)
+    store = ActivationStore(tiny_model, texts, ["hook_embed", "hook_pos_embed"], batch_tokens=24, buffer_tokens=48,
+                            context_size=16, batch_prompts=3)
+    store.next_batch()
+    embed, pos_embed = store.buffer  # every row the store read, rows aligned across the two points
+    token = (embed[:, None] - tiny_model.embed.W_E[None]).abs().amax(-1).argmin(-1)
+    position = (pos_embed[:, None] - tiny_model.pos_embed.W_pos[None]).abs().amax(-1).argmin(-1)
+    bos = tokenizer.bos_id
+    assert not bool(((token == bos) & (position == 1)).any())
+    expected = torch.tensor([[bos] + tokenizer.encode(t) for t in texts])
+    assert torch.equal(windows_by_hand(tokenizer, texts, 16, 3), expected)
+    rows = sorted(zip(position.tolist(), token.tolist()))
+    assert rows == sorted((p, t) for window in expected.tolist() for p, t in enumerate(window))
+
+
 def test_the_store_serves_the_models_activations_shuffled_and_reproducibly(tiny_model):
     hook = "blocks.0.hook_resid_post"
     store = ActivationStore(tiny_model, TEXTS, hook, batch_tokens=32, buffer_tokens=96, context_size=16, batch_prompts=4)
     assert store.stop_at_layer == 1
     batches = [store.next_batch()[0] for _ in range(4)]
     # every row is the model's activation at some position of the windows the store cut
-    bos = tiny_model.tokenizer.bos_id
-    stream = []
-    for text in TEXTS:
-        stream += [bos] + tiny_model.tokenizer.encode(text)
-    windows = torch.tensor([[bos] + stream[i * 15:(i + 1) * 15] for i in range(store.windows_read)])
+    windows = windows_by_hand(tiny_model.tokenizer, TEXTS, 16, store.windows_read)
     _, cache = tiny_model.run_with_cache(windows, names=hook)
     every = cache[hook].reshape(-1, 64)
     for batch in batches:
@@ -341,11 +380,7 @@ def test_a_shard_of_the_store_reads_every_nth_window(tiny_model):
     store = ActivationStore(tiny_model, TEXTS, hook, batch_tokens=32, buffer_tokens=64, context_size=16, batch_prompts=2,
                             shard=(1, 2))
     rows = torch.cat([store.next_batch()[0] for _ in range(2)])
-    bos = tiny_model.tokenizer.bos_id
-    stream = []
-    for text in TEXTS:
-        stream += [bos] + tiny_model.tokenizer.encode(text)
-    windows = torch.tensor([[bos] + stream[i * 15:(i + 1) * 15] for i in range(2 * store.windows_read)])
+    windows = windows_by_hand(tiny_model.tokenizer, TEXTS, 16, 2 * store.windows_read)
     _, cache = tiny_model.run_with_cache(windows, names=hook)
     odd, even = cache[hook][1::2, 1:].reshape(-1, 64), cache[hook][0::2, 1:].reshape(-1, 64)
     not_bos = (rows - cache[hook][0, 0]).abs().amax(-1) > 1e-5
