@@ -207,6 +207,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         # the deltas as they lie (writer-major)
         dots = torch.stack([torch.bmm(normed[:, :, b].flatten(0, 1).transpose(0, 1), deltas[b].permute(1, 2, 0))
                             for b in range(batch)])
+        del normed  # only the folded path reads it again
 
     groups = layer_groups(graph, most)
     n_read_rows = max(len(g) * len(graph.attn_readers(g.start)) for g in groups)

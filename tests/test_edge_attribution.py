@@ -369,6 +369,8 @@ def test_bad_inputs(tiny_model):
         edge_attribution(tiny_model, clean, corrupted, metric, method="eap-ig-inputs", ig_steps=2.0)
     with pytest.raises(ValueError, match="same shape and padding"):
         edge_attribution(tiny_model, clean, corrupted[:, :-1], metric)
+    with pytest.raises(ValueError, match="per-position scores come from"):
+        edge_attribution(tiny_model, clean, corrupted, metric, method="exact", positions=True)
 
 
 def test_numpy_and_tensor_integers_are_settings_like_ints(tiny_model):
@@ -383,8 +385,6 @@ def test_numpy_and_tensor_integers_are_settings_like_ints(tiny_model):
                                  max_rows=rows)
         assert type(swept.ig_steps) is int and swept.ig_steps == 2
         assert torch.equal(swept.scores, plain.scores)
-    with pytest.raises(ValueError, match="per-position scores come from"):
-        edge_attribution(tiny_model, clean, corrupted, metric, method="exact", positions=True)
 
 
 def test_a_model_mixing_norm_kinds_is_refused_by_name(tiny_model):
