@@ -26,6 +26,10 @@ import torch
 from probe.hooks import HookPoint
 from probe.model import HookedDecoder
 
+# How windows are cut, saved with the state: 2 = a window cut where a document begins keeps that document's BOS
+# alone. States without it (rule 1, BOS BOS there) would resume onto other windows than the run they continue.
+WINDOW_RULE = 2
+
 
 class ActivationStore:
     def __init__(
@@ -173,13 +177,22 @@ class ActivationStore:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only (for safetensors): the buffer, the shuffle generator's state, the position."""
         state = {"generator": self.generator.get_state(),
-                 "position": torch.tensor([self.windows_read, self.served, self.epochs], dtype=torch.long)}
+                 "position": torch.tensor([self.windows_read, self.served, self.epochs], dtype=torch.long),
+                 "window_rule": torch.tensor([WINDOW_RULE], dtype=torch.long)}
         if self.buffer is not None:
             state.update({f"buffer.{i}": b.cpu().contiguous() for i, b in enumerate(self.buffer)})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Continue where the store that wrote `state` was, on the same corpus and model."""
+        rule = int(state["window_rule"][0]) if "window_rule" in state else 1
+        if rule != WINDOW_RULE:
+            # refused rather than resumed: the windows read from here on would not be the ones the saved run read,
+            # and the buffer and position would describe another stream
+            raise ValueError(f"this activation store state cuts windows by rule {rule} and this probe by rule "
+                             f"{WINDOW_RULE} (a window cut where a document begins now keeps that document's BOS alone, "
+                             "not BOS BOS): resuming would not continue the same stream. Start the run afresh, or "
+                             "resume it with the probe version that wrote it")
         self.generator.set_state(state["generator"])
         windows_read, self.served, epochs = (int(v) for v in state["position"])
         self.buffer = [state[f"buffer.{i}"].to(self.store_device) for i in range(len(self.hook_names))] \

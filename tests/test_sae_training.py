@@ -421,6 +421,33 @@ def test_resuming_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run(tin
                   resume=checkpoint)
 
 
+def test_a_checkpoint_whose_store_cut_windows_by_the_old_rule_is_refused(tiny_model, tmp_path):
+    """A state written before windows kept a document's BOS alone (no window_rule) would resume onto other windows
+    than the run it continues, silently; it is refused, naming the rule. The current state resumes the stream."""
+    cfg = small_cfg()
+    train_sae(tiny_model, TEXTS, cfg, out=tmp_path / "run", progress=False, stop_after_steps=4)
+    checkpoint = tmp_path / "run" / "checkpoints" / str(4 * 256)
+    state = load_file(str(checkpoint / "trainer_state.safetensors"))
+    assert int(state["store.window_rule"][0]) == 2
+    old = {k: v for k, v in state.items() if k != "store.window_rule"}
+    save_file(old, str(checkpoint / "trainer_state.safetensors"))
+    with pytest.raises(ValueError, match="rule 1 .* rule 2.*afresh"):
+        train_sae(tiny_model, TEXTS, cfg, out=tmp_path / "run", progress=False, resume=checkpoint)
+    assert not (tmp_path / "run" / "cfg.json").exists()
+
+    store = ActivationStore(tiny_model, TEXTS, "hook_embed", batch_tokens=32, buffer_tokens=64, context_size=16,
+                            batch_prompts=2)
+    store.next_batch()
+    saved = store.state_dict()
+    expected = store.next_batch()[0]
+    resumed = ActivationStore(tiny_model, TEXTS, "hook_embed", batch_tokens=32, buffer_tokens=64, context_size=16,
+                              batch_prompts=2)
+    resumed.load_state_dict(saved)
+    assert torch.equal(resumed.next_batch()[0], expected)
+    with pytest.raises(ValueError, match="rule 3"):
+        resumed.load_state_dict({**saved, "window_rule": torch.tensor([3])})
+
+
 def test_a_trained_sae_beats_the_mean_on_held_out_activations(tiny_model):
     hook = "blocks.1.hook_resid_post"
     cfg = small_cfg(hook_name=hook, training_tokens=256 * 60, lr_decay_steps=20, checkpoint_every_tokens=None, k=16)
