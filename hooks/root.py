@@ -173,6 +173,15 @@ class HookedRootModule(nn.Module):
         """Every hook point by name (transformer-lens's `hook_dict`)."""
         return dict(self._all_points)
 
+    def hook_points(self) -> list[HookPoint]:
+        """Every hook point (transformer-lens's `hook_points()`, the values of `hook_dict`)."""
+        return list(self._all_points.values())
+
+    @property
+    def mod_dict(self) -> dict[str, nn.Module]:
+        """Every submodule by name, hook points included (transformer-lens's `mod_dict`)."""
+        return {name: module for name, module in self.named_modules() if name}
+
     def run_with_hooks(
         self, *args: Any, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
         bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), reset_hooks_end: bool = True,
@@ -203,6 +212,7 @@ class HookedRootModule(nn.Module):
         remove_batch_dim: bool = False,
         incl_bwd: bool = False,
         return_cache_object: bool = True,
+        pos_slice: Any = None,
         **kwargs: Any,
     ) -> tuple[Any, ActivationCache]:
         """Run the model and return `(output, cache)`.
@@ -220,8 +230,9 @@ class HookedRootModule(nn.Module):
 
         transformer-lens's keywords work too: `names_filter` (= `names`), `incl_bwd=True` (the gradient of the
         output itself, which must then be a scalar such as `return_type="loss"`: `grads_of=lambda out: out`),
-        `remove_batch_dim=True` (a batch of one, stored without its batch dimension) and
-        `return_cache_object=False` (a plain dict).
+        `remove_batch_dim=True` (a batch of one, stored without its batch dimension),
+        `return_cache_object=False` (a plain dict) and `pos_slice=` (store only those positions; see the model's
+        `slice_cached_positions`).
         """
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             # an integer or bool cache would hold truncated activations without a word
@@ -235,8 +246,7 @@ class HookedRootModule(nn.Module):
             if grads_of is not None:
                 raise ValueError("incl_bwd=True differentiates the output itself; with grads_of=... pass only that")
             grads_of = _the_output
-        for unsupported, fix in (("pos_slice", "slice the cached tensors afterwards"),
-                                 ("reset_hooks_end", "use add_hook/reset_hooks for hooks that outlive the call"),
+        for unsupported, fix in (("reset_hooks_end", "use add_hook/reset_hooks for hooks that outlive the call"),
                                  ("clear_contexts", "call model.clear_contexts()")):
             if unsupported in kwargs:
                 raise TypeError(f"run_with_cache does not take {unsupported}= (a transformer-lens keyword): {fix}; "
@@ -289,6 +299,8 @@ class HookedRootModule(nn.Module):
                 out = self(*args, **kwargs)
             if grads_of is not None:
                 out = self._cache_gradients(out, grads_of, live, store, device, dtype)
+        if pos_slice is not None:
+            store = self.slice_cached_positions(store, pos_slice)
         if remove_batch_dim:
             batches = {t.shape[0] for t in store.values()}
             if batches - {1}:
@@ -296,6 +308,11 @@ class HookedRootModule(nn.Module):
             store = {name: t[0] for name, t in store.items()}
         cache = self.make_cache(store, has_batch_dim=not remove_batch_dim)
         return out, (cache if return_cache_object else dict(cache.items()))
+
+    def slice_cached_positions(self, store: dict[str, torch.Tensor], pos_slice: Any) -> dict[str, torch.Tensor]:
+        """run_with_cache(pos_slice=...): the model knows where each activation's position axis is."""
+        raise TypeError(f"{type(self).__name__}.run_with_cache does not take pos_slice=: this model does not say where "
+                        "its activations' position axes are; slice the cached tensors afterwards")
 
     def make_cache(self, activations: dict[str, torch.Tensor], has_batch_dim: bool = True) -> ActivationCache:
         """The cache object run_with_cache returns (models override this to give theirs more methods)."""

@@ -57,11 +57,11 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
         allowed: Optional[torch.Tensor] = None,
         past: Optional[LayerKV] = None,
     ) -> torch.Tensor:
-        """x [batch pos d_model]; positions [batch pos]; `allowed` [batch 1 query_pos key_pos] says which
+        """x [batch pos d_model]; positions [batch pos] (None: 0, 1, ...); `allowed` [batch 1 query_pos key_pos] says which
         keys each query may see (None: plain causal); `past` holds earlier passes' keys and values."""
         q, k, v = self.project(x)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
@@ -92,9 +92,13 @@ class Attention(nn.Module):
         """q [batch pos head d_head], k and v [batch pos kv_head d_head] from x [batch pos d_model] in one matmul,
         or from each head's own input."""
         if isinstance(x, torch.Tensor):
-            q, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
+            qkv = self.qkv(x)
+            n_q, n_kv = self.qkv_sizes[:2]
+            # slices, not split(): autograd lets a hook edit one slice in place (`v[:, :, head] = 0`, as
+            # transformer-lens code does), but not one of split's several outputs
+            parts = qkv[..., :n_q], qkv[..., n_q:n_q + n_kv], qkv[..., n_q + n_kv:]
             return tuple(rearrange(t, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
-                         for t in (q, k, v))
+                         for t in parts)
         biases = (self.b_Q, self.b_K, self.b_V)
         return tuple(
             einsum(inp, w, "batch pos head d_model, head d_model d_head -> batch pos head d_head") + (0.0 if b is None else b)

@@ -120,6 +120,11 @@ class DecoderConfig:
     device: str = dataclasses.field(default="cpu", compare=False)
     dtype: Any = dataclasses.field(default=None, compare=False)  # the weights' torch.dtype
     default_prepend_bos: bool = dataclasses.field(default=True, compare=False)
+    # transformer-lens's use_* switches as the model's set_use_* last set them (code reads model.cfg.use_attn_result)
+    use_attn_result: bool = dataclasses.field(default=False, compare=False)
+    use_split_qkv_input: bool = dataclasses.field(default=False, compare=False)
+    use_attn_in: bool = dataclasses.field(default=False, compare=False)
+    use_hook_mlp_in: bool = dataclasses.field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         def positive(field):

@@ -88,8 +88,11 @@ class Rotary(nn.Module):
             self.build_buffers()
         return self
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [batch pos head d_head], positions [batch pos] -> x rotated by its position."""
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [batch pos head d_head], positions [batch pos] (None: 0, 1, ... for a block called on its own, as
+        `model.blocks[l](resid)`) -> x rotated by its position."""
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)[None]
         angles = positions[..., None].float() * self.inv_freq  # [batch pos dim/2]
         angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # [batch pos 1 dim]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)

@@ -51,7 +51,7 @@ class PreNormBlock(nn.Module):
         self.hook_mlp_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_post = HookPoint()  # [batch pos d_model]
 
-    def forward(self, resid_pre, positions, allowed=None, past=None):
+    def forward(self, resid_pre, positions=None, allowed=None, past=None):
         resid_pre = self.hook_resid_pre(resid_pre)
         attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past))
         resid_mid = self.hook_resid_mid(resid_pre + attn_out)
@@ -83,7 +83,7 @@ class PostNormBlock(PreNormBlock):
 
     Same components and hook names; resid_mid and resid_post are the normalised sums that flow on."""
 
-    def forward(self, resid_pre, positions, allowed=None, past=None):
+    def forward(self, resid_pre, positions=None, allowed=None, past=None):
         resid_pre = self.hook_resid_pre(resid_pre)
         attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, nn.Identity()), positions, allowed, past))
         resid_mid = self.hook_resid_mid(self.ln1(resid_pre + attn_out))
@@ -100,7 +100,7 @@ class ParallelBlock(PreNormBlock):
         super().__init__(cfg, layer)
         del self.hook_resid_mid
 
-    def forward(self, resid_pre, positions, allowed=None, past=None):
+    def forward(self, resid_pre, positions=None, allowed=None, past=None):
         resid_pre = self.hook_resid_pre(resid_pre)
         attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past))
         mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_pre))))
@@ -117,7 +117,7 @@ class SandwichBlock(PreNormBlock):
         self.ln1_post = make_norm(cfg)
         self.ln2_post = make_norm(cfg)
 
-    def forward(self, resid_pre, positions, allowed=None, past=None):
+    def forward(self, resid_pre, positions=None, allowed=None, past=None):
         resid_pre = self.hook_resid_pre(resid_pre)
         attn_out = self.hook_attn_out(self.ln1_post(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past)))
         resid_mid = self.hook_resid_mid(resid_pre + attn_out)

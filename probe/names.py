@@ -9,6 +9,7 @@ from typing import Literal, Optional
 # kind -> where it lives inside block l ("" is the block itself)
 _BLOCK_KINDS = {
     "resid_pre": "", "resid_mid": "", "resid_post": "", "attn_out": "", "mlp_out": "",
+    "attn_in": "", "q_input": "", "k_input": "", "v_input": "", "mlp_in": "",
     "q": "attn", "k": "attn", "v": "attn", "rot_q": "attn", "rot_k": "attn", "attn_scores": "attn",
     "pattern": "attn", "z": "attn", "result": "attn", "q_normed": "attn", "k_normed": "attn",
     "pre": "mlp", "post": "mlp", "pre_linear": "mlp",
@@ -26,7 +27,8 @@ _BLOCK_NORMS = ("ln1", "ln2", "ln1_post", "ln2_post")
 def act_name(kind: str, layer: Optional[int] = None, norm: Optional[BlockNorm] = None) -> str:
     """The hook name of `kind` in block `layer`.
 
-    kinds: resid_pre resid_mid resid_post attn_out mlp_out; q (query) k (key) v (value) rot_q rot_k
+    kinds: resid_pre resid_mid resid_post attn_out mlp_out; attn_in q_input k_input v_input mlp_in (the
+    use_attn_in / use_split_qkv_input / use_hook_mlp_in inputs); q (query) k (key) v (value) rot_q rot_k
     attn_scores (scores, attn_logits) pattern (attn) z result; pre (mlp_pre) post (mlp_post)
     pre_linear; q_normed k_normed (Qwen3); scale normalized (of `norm` ln1/ln2/ln1_post/ln2_post in block `layer`, or of ln_final without a
     layer); embed pos_embed (no layer).

@@ -2,19 +2,23 @@
 positions, and clear refusals for the keywords probe does not take. A face over probe's one implementation."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
+import probe.residual_stack as rs
+
 GUIDE = "docs/from_transformer_lens.md"
 RETURN_TYPES = ("logits", "loss", "both", None)
+PATTERN_HOOKS = ("hook_pattern", "hook_attn_scores")  # [batch head query_pos key_pos]; the rest [batch pos ...]
 
 # transformer-lens keywords probe does not take, with what to do instead
 UNSUPPORTED = {
     "past_kv_cache": "pass kv_cache=probe.kv_cache.KVCache(...) (model.generate builds one for you)",
     "shortformer_pos_embed": "shortformer positions are not supported",
-    "pos_slice": "slice the cached tensors afterwards",
+    "pos_slice": "it is run_with_cache's keyword (the positions to store)",
     "left_attention_mask": "pass attention_mask= (1 = real token)",
     "one_zero_attention_mask": "pass attention_mask= (1 = real token)",
 }
@@ -80,25 +84,45 @@ class TransformerLensSurface:
         probe computes it whenever it is hooked or cached by name either way; this only changes the default."""
         for block in self.blocks:
             block.attn.hook_result.opt_in = not use_attn_result
+        self._record_switch(use_attn_result=bool(use_attn_result))
 
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
         """Whether a cache of everything includes each head's own query, key and value input, `blocks.l.hook_q_input`
         / `hook_k_input` / `hook_v_input` [batch pos head d_model] (the residual before the norm). They exist and
         work whenever hooked or cached by name either way."""
         self._include_by_default(("hook_q_input", "hook_k_input", "hook_v_input"), use_split_qkv_input)
+        self._record_switch(use_split_qkv_input=bool(use_split_qkv_input))
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
         """The same for `blocks.l.hook_attn_in` [batch pos head d_model], one per-head input for all of q, k and v."""
         self._include_by_default(("hook_attn_in",), use_attn_in)
+        self._record_switch(use_attn_in=bool(use_attn_in))
 
     def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
         """The same for `blocks.l.hook_mlp_in` [batch pos d_model], the residual the MLP reads, before its norm."""
         self._include_by_default(("hook_mlp_in",), use_hook_mlp_in)
+        self._record_switch(use_hook_mlp_in=bool(use_hook_mlp_in))
+
+    def _record_switch(self, **switch: bool) -> None:
+        # the config is frozen and may be shared: the model gets its own copy saying what is on
+        self.cfg = dataclasses.replace(self.cfg, **switch)
 
     def _include_by_default(self, names: tuple[str, ...], on: bool) -> None:
         for block in self.blocks:
             for name in names:
                 getattr(block, name).opt_in = not on
+
+    def slice_cached_positions(self, store: dict[str, torch.Tensor], pos_slice) -> dict[str, torch.Tensor]:
+        """transformer-lens's run_with_cache(pos_slice=...): each cached activation (and gradient) kept at those
+        positions only, along its position axis (the query axis of pattern and attn_scores), which stays even for
+        an int (pos_slice=-1 stores [batch 1 ...]), as transformer-lens's."""
+        index = rs.to_index(pos_slice)
+        if isinstance(index, int):
+            index = [index]  # keeps the axis
+        if isinstance(index, list):
+            index = torch.tensor(index)
+        return {name: rs.take(tensor, index, -2 if name.removesuffix("_grad").endswith(PATTERN_HOOKS) else 1)
+                for name, tensor in store.items()}
 
     # ---- positions -----------------------------------------------------------------------------------
     def get_token_position(self, single_token: Union[str, int], input: Union[str, torch.Tensor],

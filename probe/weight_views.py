@@ -3,27 +3,44 @@ circuits transformer-lens builds from them: `model.OV`, `model.QK`, composition 
 from __future__ import annotations
 
 import numbers
-from typing import Literal, Optional, Union
+from typing import Callable, Literal, Optional, Union
 
 import torch
 
+from probe.config import NormPlacement
 from probe.factored import FactoredMatrix
 
 
-def _stacked(path: str, shape: str) -> property:
-    """Every block's `path` (e.g. "attn.W_Q") stacked over layers, [layer ...]: a copy, to read."""
+def _per_head(w: torch.Tensor) -> tuple[int, ...]:  # [head d_model d_head] -> [head d_head]
+    return (w.shape[0], w.shape[-1])
+
+
+def _last(w: torch.Tensor) -> tuple[int, ...]:  # [... d_out] -> [d_out]
+    return (w.shape[-1],)
+
+
+def _stacked(path: str, shape: str, bias_of: Optional[tuple[str, Callable]] = None) -> property:
+    """Every block's `path` (e.g. "attn.W_Q") stacked over layers, [layer ...]: a copy, to read. A bias the
+    checkpoint lacks is zeros, as transformer-lens has it, so `z @ model.W_O[l] + model.b_O[l]` runs on every
+    family (the blocks' own `attn.b_O` stays None); `bias_of` is (the weight it biases, its shape from the weight)."""
     sublayer, name = path.split(".")
 
-    def get(self: "WeightViews") -> Optional[torch.Tensor]:
-        values = [getattr(getattr(block, sublayer), name) for block in self.blocks]
-        if any(v is None for v in values):
-            return None  # the model has no such bias
+    def get(self: "WeightViews") -> torch.Tensor:
+        values = []
+        for block in self.blocks:
+            part = getattr(block, sublayer)
+            value = getattr(part, name)
+            if value is None:
+                weight = getattr(part, bias_of[0])
+                value = weight.new_zeros(bias_of[1](weight))
+            values.append(value)
         if len({tuple(v.shape) for v in values}) > 1:
             raise ValueError(f"{name} has a different shape in each layer (structurally pruned heads), so it does not "
                              f"stack; read model.blocks[layer].{path}")
         return torch.stack(values)
 
-    get.__doc__ = f"{shape}: every block's {path}, stacked (None if the model has no such bias)"
+    get.__doc__ = f"{shape}: every block's {path}, stacked" + (" (zeros where the model has no such bias)"
+                                                                  if bias_of else "")
     return property(get)
 
 
@@ -34,14 +51,14 @@ class WeightViews:
     W_K = _stacked("attn.W_K", "[layer kv_head d_model d_head]")
     W_V = _stacked("attn.W_V", "[layer kv_head d_model d_head]")
     W_O = _stacked("attn.W_O", "[layer head d_head d_model]")
-    b_Q = _stacked("attn.b_Q", "[layer head d_head]")
-    b_K = _stacked("attn.b_K", "[layer kv_head d_head]")
-    b_V = _stacked("attn.b_V", "[layer kv_head d_head]")
-    b_O = _stacked("attn.b_O", "[layer d_model]")
+    b_Q = _stacked("attn.b_Q", "[layer head d_head]", ("W_Q", _per_head))
+    b_K = _stacked("attn.b_K", "[layer kv_head d_head]", ("W_K", _per_head))
+    b_V = _stacked("attn.b_V", "[layer kv_head d_head]", ("W_V", _per_head))
+    b_O = _stacked("attn.b_O", "[layer d_model]", ("W_O", _last))
     W_in = _stacked("mlp.W_in", "[layer d_model d_mlp]")
     W_out = _stacked("mlp.W_out", "[layer d_mlp d_model]")
-    b_in = _stacked("mlp.b_in", "[layer d_mlp]")
-    b_out = _stacked("mlp.b_out", "[layer d_model]")
+    b_in = _stacked("mlp.b_in", "[layer d_mlp]", ("W_in", _last))
+    b_out = _stacked("mlp.b_out", "[layer d_model]", ("W_out", _last))
 
     @property
     def W_E(self) -> torch.Tensor:  # [vocab d_model]: the table; Gemma's residual receives it times embed.scale
@@ -58,8 +75,35 @@ class WeightViews:
         return self.unembed.W_U
 
     @property
-    def b_U(self) -> Optional[torch.Tensor]:  # [vocab], None without an unembedding bias
-        return self.unembed.bias
+    def b_U(self) -> torch.Tensor:  # [vocab]: zeros without an unembedding bias, as transformer-lens's
+        bias = self.unembed.bias
+        return self.W_U.new_zeros(self.W_U.shape[-1]) if bias is None else bias
+
+    @property
+    def W_E_pos(self) -> torch.Tensor:  # [vocab + n_ctx, d_model]: the token and position tables, one after the other
+        return torch.cat([self.W_E, self.W_pos], dim=0)
+
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> torch.Tensor:
+        """[d_model]: what the biases alone have added to the residual stream before block `layer` (every earlier
+        attention's b_O, and the MLPs' b_out unless include_mlp_biases=False), or before its MLP with
+        mlp_input=True, as transformer-lens's. Refused where biases do not simply add up in the residual: post-norm
+        and sandwich blocks (a norm sits between each write and the residual), and mlp_input=True in a parallel
+        block (its MLP reads resid_pre, which holds no bias of its own layer's attention)."""
+        n_layers = len(self.blocks)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= n_layers:
+            raise ValueError(f"accumulated_bias: layer={layer!r} must be an int in [0, n_layers={n_layers}]")
+        placement = self.cfg.norm_placement
+        if placement in (NormPlacement.POST, NormPlacement.SANDWICH):
+            raise ValueError(f"accumulated_bias: this model's blocks are {placement.value}-norm, so a norm lies between "
+                             "each bias and the residual stream and the biases do not add up there")
+        if mlp_input and (layer == n_layers or placement is NormPlacement.PARALLEL):
+            why = ("layer=n_layers has no MLP" if layer == n_layers else
+                   "in a parallel block the MLP reads resid_pre, so accumulated_bias(layer) is its input already")
+            raise ValueError(f"accumulated_bias: mlp_input=True: {why}")
+        total = self.W_U.new_zeros(self.cfg.d_model)
+        for index in range(layer):
+            total = total + self.b_O[index] + (self.b_out[index] if include_mlp_biases else 0.0)
+        return total + self.b_O[layer] if mlp_input else total
 
     # ---- circuits, as transformer-lens defines them -------------------------------------------------------
     def _per_query_head(self, kv: torch.Tensor) -> torch.Tensor:

@@ -144,7 +144,8 @@ def test_model_level_weights_stack_transformers_parameters(tiny_model, tiny_hf):
         assert torch.equal(m.W_in[l], theirs.mlp.c_fc.weight) and torch.equal(m.b_in[l], theirs.mlp.c_fc.bias)
         assert torch.equal(m.W_out[l], theirs.mlp.c_proj.weight) and torch.equal(m.b_out[l], theirs.mlp.c_proj.bias)
     assert torch.equal(m.W_E, tiny_hf.transformer.wte.weight) and torch.equal(m.W_pos, tiny_hf.transformer.wpe.weight)
-    assert torch.equal(m.W_U, tiny_hf.lm_head.weight.T) and m.b_U is None
+    # GPT-2 has no unembedding bias: zeros, as transformer-lens's b_U, so `resid @ W_U + b_U` runs
+    assert torch.equal(m.W_U, tiny_hf.lm_head.weight.T) and torch.equal(m.b_U, torch.zeros(m.cfg.d_vocab))
 
 
 def test_model_level_weights_of_grouped_query_attention_keep_one_key_value_head_each(tmp_path):
@@ -167,7 +168,10 @@ def test_model_level_weights_of_grouped_query_attention_keep_one_key_value_head_
             assert torch.equal(m.W_V[l, kv], attn.v_proj.weight[rows(kv)].T) and torch.equal(m.b_V[l, kv], attn.v_proj.bias[rows(kv)])
         assert torch.equal(m.b_O[l], attn.o_proj.bias)  # attention_bias covers the output projection too
         assert torch.equal(m.W_in[l], layer.mlp.up_proj.weight.T) and torch.equal(m.W_out[l], layer.mlp.down_proj.weight.T)
-    assert torch.equal(m.W_U, hf.lm_head.weight.T) and m.b_in is None and m.b_U is None
+    # biases the checkpoint lacks are zeros at the model level (transformer-lens's), None in the blocks
+    assert torch.equal(m.W_U, hf.lm_head.weight.T) and torch.equal(m.b_U, torch.zeros(m.cfg.d_vocab))
+    assert torch.equal(m.b_in, torch.zeros(n_layers, m.cfg.d_mlp)) and m.blocks[0].mlp.b_in is None
+    assert torch.equal(m.b_out, torch.zeros(n_layers, m.cfg.d_model)) and m.blocks[0].mlp.b_out is None
 
 
 def test_model_level_weights_say_when_they_do_not_exist():
@@ -181,4 +185,6 @@ def test_model_level_weights_say_when_they_do_not_exist():
                                          qkv_bias=False, mlp_bias=False))
     with pytest.raises(ValueError, match="rotary"):
         rotary.W_pos
-    assert rotary.b_Q is None and rotary.b_in is None
+    # a missing bias is zeros of its shape at the model level (transformer-lens's), None in the block itself
+    assert torch.equal(rotary.b_Q, torch.zeros(1, 4, 8)) and torch.equal(rotary.b_in, torch.zeros(1, 128))
+    assert rotary.blocks[0].attn.b_Q is None and rotary.blocks[0].mlp.b_in is None

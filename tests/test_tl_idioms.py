@@ -1,0 +1,208 @@
+"""More transformer-lens idioms, run unchanged on probe and on transformer-lens's bridge over the same directory
+(compatibility mode, unprocessed weights): edits made in place inside hooks, run_with_cache(pos_slice=...), the
+use_* inputs by short key, the model-level biases and accumulated_bias, and a block called on its own. Where the
+bridge is wrong (an edit at hook_resid_mid), transformers' own forward is the oracle instead."""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from probe import DEFAULT_MODEL, HookedDecoder
+from test_tl_compat import PROMPT, PROMPTS, classic, models  # noqa: F401 (models is a fixture)
+from tl_oracle import assert_same
+
+
+# ---- a hook edits its activation in place, as TL tutorials do ---------------------------------------------
+def zero_head(activation, hook, head):
+    activation[:, :, head] = 0.0  # in place, returning None: TL keeps the edited tensor
+
+
+def case_edit_values_queries_and_keys_in_place(model):
+    # with gradients on (the default), as a patching notebook runs it
+    return (model.run_with_hooks(PROMPT, fwd_hooks=[("blocks.1.attn.hook_v", partial(zero_head, head=2))]),
+            model.run_with_hooks(PROMPT, fwd_hooks=[("blocks.2.attn.hook_q", partial(zero_head, head=0)),
+                                                    ("blocks.0.attn.hook_k", partial(zero_head, head=5))]))
+
+
+def case_edited_values_reach_the_loss_gradient(model):
+    # the in-place edit is on the autograd graph: the gradient reaching the first block's input sees it
+    delta = torch.zeros(1, len(model.to_str_tokens(PROMPT)), model.cfg.d_model, requires_grad=True)
+    model.run_with_hooks(PROMPT, return_type="loss", fwd_hooks=[
+        ("blocks.0.hook_resid_pre", lambda resid, hook: resid + delta),
+        ("blocks.1.attn.hook_v", partial(zero_head, head=2))]).backward()
+    model.zero_grad()
+    return delta.grad
+
+
+# ---- run_with_cache(pos_slice=...) -----------------------------------------------------------------------
+BRIDGE_ONLY = ("attn.hook_hidden_states", "hook_unembed")  # the bridge's own points, which HookedTransformer lacks
+
+
+def sliced(model, pos_slice, **kwargs):
+    _, cache = model.run_with_cache(PROMPT, pos_slice=pos_slice, **kwargs)
+    return classic({name: cache[name] for name in cache.keys() if not name.endswith(BRIDGE_ONLY)})
+
+
+def case_pos_slice_last(model):
+    return sliced(model, -1)  # an int keeps the position axis; pattern and attn_scores slice the query axis
+
+
+def case_pos_slice_forms(model):
+    return sliced(model, (1, 4)), sliced(model, [0, 2, 5]), sliced(model, slice(3, None)), sliced(
+        model, -2, remove_batch_dim=True)
+
+
+def case_pos_slice_then_the_cache_methods(model):
+    _, cache = model.run_with_cache(PROMPTS[1], pos_slice=-1)
+    stack, labels = cache.decompose_resid(layer=-1, return_labels=True)
+    return labels, cache.apply_ln_to_stack(stack, layer=-1), cache.accumulated_resid(layer=3, apply_ln=True)
+
+
+def case_pos_slice_of_gradients(model):
+    _, cache = model.run_with_cache(PROMPT, pos_slice=[1, 4], incl_bwd=True, return_type="loss",
+                                    names_filter=lambda name: name.endswith(("resid_post", "hook_pattern")))
+    model.zero_grad()
+    return classic({name: cache[name] for name in cache.keys()})
+
+
+# ---- the use_* inputs by short key, model-level weights ---------------------------------------------------
+def case_use_inputs_by_short_key(model):
+    model.set_use_hook_mlp_in(True)
+    model.set_use_split_qkv_input(True)
+    try:
+        _, cache = model.run_with_cache(PROMPT)
+    finally:
+        model.set_use_hook_mlp_in(False)
+        model.set_use_split_qkv_input(False)
+    return cache["mlp_in", 1], cache["q_input", 0], cache["k_input", 2], cache["v_input", 3]
+
+
+def case_switches_show_in_the_config(model):
+    # circuit-discovery code checks model.cfg.use_attn_result (and the rest) before it hooks per-head values
+    names = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+    seen = [{name: getattr(model.cfg, name) for name in names}]
+    for name in names:
+        getattr(model, "set_" + name)(True)
+        seen.append({name: getattr(model.cfg, name) for name in names})
+        getattr(model, "set_" + name)(False)
+    return seen + [{name: getattr(model.cfg, name) for name in names}]
+
+
+def case_logits_by_hand_with_b_U(model):
+    # Exploratory_Analysis_Demo's lens by hand: the final norm, then W_U plus b_U (GPT-2 has none: zeros)
+    _, cache = model.run_with_cache(PROMPT)
+    return model.ln_final(cache["resid_post", 2]) @ model.W_U + model.b_U, model.b_U
+
+
+def case_head_write_by_hand_with_b_O(model):
+    _, cache = model.run_with_cache(PROMPT)
+    return torch.einsum("bphd,hdm->bpm", cache["z", 1], model.W_O[1]) + model.b_O[1]
+
+
+def case_accumulated_bias(model):
+    return [(model.accumulated_bias(layer), model.accumulated_bias(layer, mlp_input=True),
+             model.accumulated_bias(layer, include_mlp_biases=False)) for layer in range(model.cfg.n_layers)] + [
+        model.accumulated_bias(model.cfg.n_layers)]
+
+
+def case_token_and_position_table(model):
+    return model.W_E_pos
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_transformer_lens_idiom_runs_unchanged(models, name):  # noqa: F811
+    ours, theirs = models
+    assert_same(CASES[name](ours), classic(CASES[name](theirs)), what=name)
+
+
+def test_pos_slice_stores_the_positions_asked_for(models):  # noqa: F811
+    # beyond the oracle: the stored tensors are the full cache's, at those positions (query positions of a pattern)
+    ours, _ = models
+    _, full = ours.run_with_cache(PROMPT)
+    _, last = ours.run_with_cache(PROMPT, pos_slice=-1)
+    assert last["resid_pre", 1].shape == (1, 1, ours.cfg.d_model)
+    torch.testing.assert_close(last["resid_pre", 1], full["resid_pre", 1][:, -1:], rtol=0, atol=0)
+    torch.testing.assert_close(last["pattern", 2], full["pattern", 2][:, :, -1:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="pos_slice"):
+        ours.run_with_cache(PROMPT, pos_slice=1.5)
+
+
+def test_a_block_called_on_its_own(models):  # noqa: F811
+    # `model.blocks[l](resid)`: positions 0, 1, ... and plain causal attention. HookedTransformer's block returns the
+    # residual; the bridge's wraps it in a one-element tuple, which is the only difference
+    ours, theirs = models
+    _, cache = ours.run_with_cache(PROMPT)
+    resid = cache["resid_pre", 1]
+    (expected,) = theirs.blocks[1](resid)
+    assert_same(ours.blocks[1](resid), expected, what="blocks[1](resid)")
+
+
+def test_a_rotary_block_called_on_its_own_counts_positions_from_zero(tmp_path):
+    from test_variants import build
+
+    build("llama", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 9))
+    _, cache = model.run_with_cache(tokens)
+    torch.testing.assert_close(model.blocks[1](cache["resid_pre", 1]), cache["resid_post", 1], rtol=0, atol=1e-5)
+
+
+def test_an_edit_at_resid_mid_reaches_the_mlp_and_the_residual_as_in_transformers(models):  # noqa: F811
+    # transformers' GPT-2 block as the oracle (transformer-lens 4.3's bridge passes an edit at hook_resid_mid to the
+    # MLP's input only, not to the residual sum): the delta's gradient is the loss's through both paths
+    from transformers import AutoModelForCausalLM
+
+    ours, _ = models
+    tokens = ours.to_tokens(PROMPT)
+    hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL)).eval()
+    grads = []
+    for run in ("ours", "transformers"):
+        delta = torch.zeros(1, tokens.shape[1], ours.cfg.d_model, requires_grad=True)
+        if run == "ours":
+            loss = ours.run_with_hooks(tokens, return_type="loss",
+                                       fwd_hooks=[("blocks.2.hook_resid_mid", lambda x, hook: x + delta)])
+        else:
+            block = hf.transformer.h[2]
+            handles = [block.ln_2.register_forward_pre_hook(lambda module, args: (args[0] + delta,)),
+                       block.mlp.register_forward_hook(lambda module, args, out: out + delta)]  # the skip path
+            loss = hf(tokens, labels=tokens).loss
+            for handle in handles:
+                handle.remove()
+        loss.backward()
+        grads.append(delta.grad)
+    ours.zero_grad()
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-6)
+    assert grads[0].abs().max() > 1e-3
+
+
+def test_accumulated_bias_refuses_where_biases_do_not_add_up(tmp_path):
+    from test_variants import build
+
+    build("gemma2", tmp_path / "gemma2")
+    sandwich = HookedDecoder.from_pretrained(tmp_path / "gemma2")
+    with pytest.raises(ValueError, match="sandwich"):
+        sandwich.accumulated_bias(1)
+    build("neox", tmp_path / "neox")
+    parallel = HookedDecoder.from_pretrained(tmp_path / "neox")
+    assert parallel.accumulated_bias(1).shape == (parallel.cfg.d_model,)
+    with pytest.raises(ValueError, match="parallel block"):
+        parallel.accumulated_bias(1, mlp_input=True)
+    with pytest.raises(ValueError, match="layer=7"):
+        parallel.accumulated_bias(7)
+
+
+def test_hook_points_and_mod_dict(models):  # noqa: F811
+    # the bridge lists points of its own beside the classic ones (hook_hidden_states, attn.hook_q_input, ...):
+    # every point of probe's is one of the bridge's (its hook_dict names some under aliases of its own naming)
+    ours, theirs = models
+    names = [point.name for point in ours.hook_points()]
+    assert sorted(names) == sorted(ours.hook_dict) and len(names) == len(set(names))
+    assert set(names) <= set(theirs.hook_dict) and len(theirs.hook_points()) > 0
+    assert all(ours.mod_dict[name] is ours.hook_dict[name] for name in names)
+    assert all(name in theirs.mod_dict for name in names)  # the bridge's mod_dict holds the same points by name
+    assert ours.mod_dict["blocks.0.attn"] is ours.blocks[0].attn
