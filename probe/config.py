@@ -276,3 +276,17 @@ class DecoderConfig:
             if values.get(field) is not None:
                 values[field] = tuple(values[field])
         return cls(**values)
+
+
+_SWITCHES = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+
+
+def _refuse_assignment(self: DecoderConfig, name: str, value: Any) -> None:
+    # transformer-lens code turns its switches on by assigning to model.cfg; this config is frozen (and may be shared
+    # by several models), so say what does the same here rather than the bare dataclass error
+    fix = (f"call model.set_{name}({value!r}), which turns it on and updates model.cfg" if name in _SWITCHES else
+           "build a changed copy with dataclasses.replace(cfg, ...) and a model from it")
+    raise dataclasses.FrozenInstanceError(f"DecoderConfig is frozen: cannot assign {name}={value!r}; {fix}")
+
+
+DecoderConfig.__setattr__ = _refuse_assignment  # the generated __init__ sets fields through object.__setattr__

@@ -206,3 +206,13 @@ def test_hook_points_and_mod_dict(models):  # noqa: F811
     assert all(ours.mod_dict[name] is ours.hook_dict[name] for name in names)
     assert all(name in theirs.mod_dict for name in names)  # the bridge's mod_dict holds the same points by name
     assert ours.mod_dict["blocks.0.attn"] is ours.blocks[0].attn
+
+
+def test_assigning_a_switch_to_the_frozen_config_names_the_method(models):  # noqa: F811
+    # EAP-style code writes `model.cfg.use_attn_result = True`; probe's config is frozen and says what to call
+    ours, _ = models
+    with pytest.raises(AttributeError, match=r"model\.set_use_attn_result\(True\)"):
+        ours.cfg.use_attn_result = True
+    with pytest.raises(AttributeError, match=r"dataclasses\.replace"):
+        ours.cfg.n_layers = 2
+    assert ours.cfg.use_attn_result is False and ours.cfg.n_layers == 4
