@@ -115,13 +115,15 @@ class TransformerLensSurface:
     def slice_cached_positions(self, store: dict[str, torch.Tensor], pos_slice) -> dict[str, torch.Tensor]:
         """transformer-lens's run_with_cache(pos_slice=...): each cached activation (and gradient) kept at those
         positions only, along its position axis (the query axis of pattern and attn_scores), which stays even for
-        an int (pos_slice=-1 stores [batch 1 ...]), as transformer-lens's."""
-        index = rs.to_index(pos_slice)
-        if isinstance(index, int):
-            index = [index]  # keeps the axis
-        if isinstance(index, list):
-            index = torch.tensor(index)
-        return {name: rs.take(tensor, index, -2 if name.removesuffix("_grad").endswith(PATTERN_HOOKS) else 1)
+        an int (pos_slice=-1 stores [batch 1 ...]), as transformer-lens's. The positions become an index tensor:
+        indexing with it copies, so the rest of the forward's activations are freed, not kept alive under views."""
+        spec = rs.to_index(pos_slice)
+
+        def kept(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+            index = torch.arange(tensor.shape[dim])[spec].reshape(-1)  # an int keeps its axis: [1]
+            return rs.take(tensor, index, dim)
+
+        return {name: kept(tensor, -2 if name.removesuffix("_grad").endswith(PATTERN_HOOKS) else 1)
                 for name, tensor in store.items()}
 
     # ---- positions -----------------------------------------------------------------------------------

@@ -100,10 +100,9 @@ class WeightViews:
             why = ("layer=n_layers has no MLP" if layer == n_layers else
                    "in a parallel block the MLP reads resid_pre, so accumulated_bias(layer) is its input already")
             raise ValueError(f"accumulated_bias: mlp_input=True: {why}")
-        total = self.W_U.new_zeros(self.cfg.d_model)
-        for index in range(layer):
-            total = total + self.b_O[index] + (self.b_out[index] if include_mlp_biases else 0.0)
-        return total + self.b_O[layer] if mlp_input else total
+        b_O = self.b_O  # each read stacks every layer: once
+        total = b_O[:layer].sum(0) + (self.b_out[:layer].sum(0) if include_mlp_biases else 0.0)
+        return total + b_O[layer] if mlp_input else total
 
     # ---- circuits, as transformer-lens defines them -------------------------------------------------------
     def _per_query_head(self, kv: torch.Tensor) -> torch.Tensor:
