@@ -292,7 +292,8 @@ def head_ablation_effects(
             stacked_mask = mask.repeat(k, 1)
             out = model.run_with_hooks(
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
-                start_at_layer=layer, stop_at_layer=stop, fwd_hooks=[(act_name("z", layer), ablate)],
+                start_at_layer=None if layer == 0 else layer, stop_at_layer=stop,
+                fwd_hooks=[(act_name("z", layer), ablate)],
             )
             values = evaluate_output(model, metric, out, tokens.repeat(k, 1), stacked_mask)
             per_prompt[layer, first: first + k] = values.view(k, batch).cpu()

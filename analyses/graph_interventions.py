@@ -109,7 +109,7 @@ def intervene(model: HookedDecoder, transcoders: TranscoderSpec, prompt: Analysi
             return edit
 
         hooks = [(name, freeze) for name in patterns] + [
-            (f"{transcoders[layer].cfg.hook_name}.hook_sae_acts_post", edit_layer(layer))
+            (f"{transcoders[layer].cfg.written_hook_name}.hook_sae_acts_post", edit_layer(layer))
             for layer in sorted({e.layer for e in edits})]
         with spliced(model, list(transcoders.values()), use_error_term=True):
             edited = model.run_with_hooks(tokens, fwd_hooks=hooks)

@@ -284,7 +284,8 @@ def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
             stacked_mask = mask.repeat(k, 1)
             out = model.run_with_hooks(
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=model_mask(stacked_mask),
-                start_at_layer=layer, stop_at_layer=stop, fwd_hooks=[(act_name(act, layer), swap)],
+                start_at_layer=None if layer == 0 else layer, stop_at_layer=stop,
+                fwd_hooks=[(act_name(act, layer), swap)],
             )
             values = evaluate_output(model, metric, out, tokens.repeat(k, 1), stacked_mask).view(k, batch).mean(dim=1)
             patched[chunk] = values.cpu()

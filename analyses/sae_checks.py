@@ -29,10 +29,11 @@ def check_sae(model: HookedDecoder, sae: SparseAutoencoder) -> str:
                         f"got {type(sae).__name__}")
     name = sae.cfg.hook_name
     _check_point(model, name, sae.cfg.d_in, "reads")
-    if f"{name}.hook_sae_input" in model.hook_names:
-        # the point then holds an SAE's output: features of a reconstruction, and a second splice would collide
-        raise ValueError(f"an SAE is spliced into the model at {name!r} right now; call this outside the "
-                         "`with spliced(...)` block (it runs the model with and without the SAE itself)")
+    for point in {name, sae.cfg.written_hook_name}:
+        if f"{point}.hook_sae_input" in model.hook_names:
+            # the point then holds an SAE's output: features of a reconstruction, and a second splice would collide
+            raise ValueError(f"an SAE is spliced into the model at {point!r} right now; call this outside the "
+                             "`with spliced(...)` block (it runs the model with and without the SAE itself)")
     if sae.cfg.is_transcoder:
         _check_point(model, sae.cfg.hook_name_out, sae.cfg.d_out, "writes")
     return name

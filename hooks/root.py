@@ -309,6 +309,46 @@ class HookedRootModule(nn.Module):
         cache = self.make_cache(store, has_batch_dim=not remove_batch_dim)
         return out, (cache if return_cache_object else dict(cache.items()))
 
+    def get_caching_hooks(self, names_filter: Optional[NameFilter] = None, incl_bwd: bool = False,
+                          device: Optional[Union[str, torch.device]] = None, remove_batch_dim: bool = False,
+                          cache: Optional[dict] = None, pos_slice: Any = None) -> tuple[dict, list, list]:
+        """transformer-lens's `(cache, fwd_hooks, bwd_hooks)`, for the caller to attach (`with model.hooks(fwd, bwd)`,
+        or `run_with_hooks`): each forward hook stores its point's activation in `cache` under its name, each
+        backward hook the gradient there under name + "_grad", detached (on `device`, at `pos_slice`, without the
+        batch dimension when asked). Nothing is attached here."""
+        cache = {} if cache is None else cache
+
+        def storing(suffix: str) -> HookFn:
+            def store(tensor: torch.Tensor, hook: HookPoint) -> None:
+                kept = {hook.name: tensor.detach()}
+                if pos_slice is not None:
+                    kept = self.slice_cached_positions(kept, pos_slice)
+                value = kept[hook.name][0] if remove_batch_dim else kept[hook.name]
+                cache[hook.name + suffix] = value if device is None else value.to(device)
+            return store
+
+        names = self.select_hook_names(names_filter)
+        return (cache, [(name, storing("")) for name in names],
+                [(name, storing("_grad")) for name in names] if incl_bwd else [])
+
+    def add_caching_hooks(self, names_filter: Optional[NameFilter] = None, incl_bwd: bool = False,
+                          device: Optional[Union[str, torch.device]] = None, remove_batch_dim: bool = False,
+                          cache: Optional[dict] = None) -> dict:
+        """transformer-lens's: `get_caching_hooks`' hooks attached as persistent ones (`persistent_hooks()` lists them,
+        `reset_hooks()` removes them), filling the returned dict on every pass until then."""
+        cache, fwd, bwd = self.get_caching_hooks(names_filter, incl_bwd, device, remove_batch_dim, cache)
+        for direction, hooks in (("fwd", fwd), ("bwd", bwd)):
+            for name, fn in hooks:
+                self.add_hook(name, fn, dir=direction)
+        return cache
+
+    def cache_all(self, cache: Optional[dict], incl_bwd: bool = False, device=None, remove_batch_dim: bool = False):
+        self.add_caching_hooks(None, incl_bwd, device, remove_batch_dim, cache)
+
+    def cache_some(self, cache: Optional[dict], names: NameFilter, incl_bwd: bool = False, device=None,
+                   remove_batch_dim: bool = False):
+        self.add_caching_hooks(names, incl_bwd, device, remove_batch_dim, cache)
+
     def slice_cached_positions(self, store: dict[str, torch.Tensor], pos_slice: Any) -> dict[str, torch.Tensor]:
         """run_with_cache(pos_slice=...): the model knows where each activation's position axis is."""
         raise TypeError(f"{type(self).__name__}.run_with_cache does not take pos_slice=: this model does not say where "

@@ -117,6 +117,7 @@ class DecoderConfig:
     # Which loaded model this describes, not its architecture: kept off comparisons and to_dict. The model sets
     # them (transformer-lens code reads model.cfg.device and model.cfg.model_name).
     model_name: Optional[str] = dataclasses.field(default=None, compare=False)
+    original_architecture: Optional[str] = dataclasses.field(default=None, compare=False)  # config.json's, "GPT2LMHeadModel"
     device: str = dataclasses.field(default="cpu", compare=False)
     dtype: Any = dataclasses.field(default=None, compare=False)  # the weights' torch.dtype
     default_prepend_bos: bool = dataclasses.field(default=True, compare=False)
@@ -247,6 +248,84 @@ class DecoderConfig:
     @property
     def attn_only(self) -> bool:
         return False
+
+    @property
+    def final_rms(self) -> bool:
+        return self.final_norm and self.norm is not Norm.LAYER
+
+    @property
+    def attention_dir(self) -> str:
+        return "causal"
+
+    @property
+    def use_local_attn(self) -> bool:
+        return self.sliding_window is not None
+
+    @property
+    def window_size(self) -> Optional[int]:
+        return self.sliding_window
+
+    @property
+    def attn_types(self) -> Optional[list[str]]:  # each layer's: "local" (windowed) or "global"; None without a window
+        if self.sliding_window is None:
+            return None
+        return ["local" if self.layer_window(layer) is not None else "global" for layer in range(self.n_layers)]
+
+    @property
+    def output_logits_soft_cap(self) -> float:
+        return -1.0 if self.logit_softcap is None else float(self.logit_softcap)  # TL: -1 for no cap
+
+    @property
+    def attn_scores_soft_cap(self) -> float:
+        return -1.0 if self.attn_softcap is None else float(self.attn_softcap)
+
+    @property
+    def use_normalization_before_and_after(self) -> bool:
+        return self.norm_placement is NormPlacement.SANDWICH
+
+    @property
+    def use_qk_norm(self) -> bool:
+        return self.qk_norm
+
+    @property
+    def use_attn_scale(self) -> bool:
+        return True
+
+    @property
+    def attn_scale(self) -> float:  # what q.k is divided by
+        return float(self.d_head if self.attn_scale_dim is None else self.attn_scale_dim) ** 0.5
+
+    @property
+    def rotary_adjacent_pairs(self) -> bool:
+        return False  # the half-split layout (dimension i with i + rotary_dim / 2), as Llama and GPT-NeoX
+
+    @property
+    def initializer_range(self) -> float:
+        return self.init_std
+
+    @property
+    def tokenizer_name(self) -> Optional[str]:
+        return self.model_name  # the checkpoint's own tokenizer.json is what probe loads
+
+    @property
+    def post_embedding_ln(self) -> bool:
+        return False
+
+    @property
+    def scale_attn_by_inverse_layer_idx(self) -> bool:
+        return False
+
+    @property
+    def ungroup_grouped_query_attention(self) -> bool:
+        return False  # model.W_K keeps one entry per key/value head
+
+    @property
+    def num_experts(self) -> None:
+        return None
+
+    @property
+    def seed(self) -> None:
+        return None
 
     @property
     def n_params(self) -> int:

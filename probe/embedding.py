@@ -27,18 +27,36 @@ class Embed(nn.Module):
         return embedded * torch.tensor(self.scale, dtype=embedded.dtype, device=embedded.device)
 
 
-class PosEmbed(nn.Module):
+class AbsolutePositions(nn.Module):
+    """What the absolute schemes share: each token adds W_pos [n_ctx d_model] at its position."""
+
+    def forward(self, tokens: torch.Tensor, past_kv_pos_offset: int = 0, attention_mask: Optional[torch.Tensor] = None,
+                *, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[batch pos] -> [batch pos d_model]. The model passes each token's `positions`. Called as transformer-lens
+        code calls it (`model.pos_embed(tokens)`), positions count from `past_kv_pos_offset`, or along the real tokens
+        of `attention_mask` ([batch past+pos], 1 = real), and padding gets zeros, as TL's PosEmbed gives."""
+        if positions is not None:
+            return F.embedding(positions, self.W_pos)
+        batch, n = tokens.shape[:2]
+        window = slice(past_kv_pos_offset, past_kv_pos_offset + n)
+        if attention_mask is None:
+            at = torch.arange(window.start, window.stop, device=self.W_pos.device)
+            return F.embedding(at, self.W_pos).expand(batch, n, -1)
+        attention_mask = attention_mask.to(self.W_pos.device)
+        at = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)[:, window]
+        real = attention_mask[:, window].bool()[..., None]
+        return torch.where(real, F.embedding(at, self.W_pos), 0.0)
+
+
+class PosEmbed(AbsolutePositions):
     """Learned absolute positions: one trained vector per position."""
 
     def __init__(self, n_ctx: int, d_model: int):
         super().__init__()
         self.W_pos = nn.Parameter(torch.empty(n_ctx, d_model))
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:  # [batch pos] -> [batch pos d_model]
-        return F.embedding(positions, self.W_pos)
 
-
-class SinusoidalPosEmbed(nn.Module):
+class SinusoidalPosEmbed(AbsolutePositions):
     """Fixed absolute positions (Vaswani et al. 2017): sin on even dimensions, cos on odd ones."""
 
     def __init__(self, n_ctx: int, d_model: int):
@@ -57,9 +75,6 @@ class SinusoidalPosEmbed(nn.Module):
         table[:, 1::2] = torch.cos(position * frequency)[:, : d_model // 2]
         device = self.W_pos.device if not self.W_pos.is_meta else "cpu"
         self.W_pos = table.to(device=device, dtype=torch.float32)
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:  # [batch pos] -> [batch pos d_model]
-        return F.embedding(positions, self.W_pos)
 
 
 class Rotary(nn.Module):

@@ -129,7 +129,7 @@ def _generate_tokens(model, input, max_new_tokens, temperature, top_k, top_p, fr
     """The loop: (tokens [batch prompt+new], their mask, the per-pass caches)."""
     # text is padded on the left: every prompt then ends at the last position, where generation continues
     # (transformer-lens forces the same whatever padding_side says)
-    tokens, attention_mask = model._tokens_and_mask(input, attention_mask, padding_side="left", prepend_bos=prepend_bos)
+    tokens, attention_mask = model.tokens_and_mask(input, attention_mask, padding_side="left", prepend_bos=prepend_bos)
     if attention_mask is None and padding_side is not None and isinstance(input, torch.Tensor):
         attention_mask = _mask_from_padding(model, tokens, padding_side, prepend_bos)
     if tokens.shape[1] + max_new_tokens > model.cfg.n_ctx:

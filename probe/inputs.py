@@ -14,7 +14,7 @@ ModelInput = Union[str, Sequence[str], torch.Tensor]
 class InputChecks:
     """The checks of a forward's inputs, a mixin of HookedDecoder (it reads self.cfg, self.device, the tokenizer)."""
 
-    def _tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor],
+    def tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor],
                          padding_side: Optional[str] = None, prepend_bos: Optional[bool] = None):
         """Token ids on the model's device and their [batch pos] long mask (None: nothing padded)."""
         if is_text(input):
@@ -66,14 +66,14 @@ class InputChecks:
 
 
     def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:
-        if not 0 < start_at_layer <= self.cfg.n_layers:
+        if not 0 <= start_at_layer <= self.cfg.n_layers:
             raise ValueError(f"start_at_layer={start_at_layer} is outside [0, n_layers={self.cfg.n_layers}]")
         if not (isinstance(resid, torch.Tensor) and resid.is_floating_point() and resid.dim() == 3
                 and resid.shape[-1] == self.cfg.d_model):
             shape = tuple(resid.shape) if isinstance(resid, torch.Tensor) else type(resid).__name__
             raise ValueError(
                 f"with start_at_layer={start_at_layer} the input is the residual stream [batch pos d_model="
-                f"{self.cfg.d_model}] (floating point), got {shape}"
+                f"{self.cfg.d_model}] (floating point), got {shape}; for token ids leave start_at_layer out (None)"
             )
         # like token ids, a residual from a cache stored elsewhere (device='cpu', dtype=bfloat16) is moved in
         return resid.to(self.device, self.embed.W_E.dtype)

@@ -1,6 +1,8 @@
 """Loading and saving Hugging Face GPT-2 checkpoints (safetensors first; never unpickling code)."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 from pathlib import Path
@@ -33,9 +35,44 @@ SHORT_NAMES = {
     **{f"{name}{it}": f"google/{name}{it}" for name in ("gemma-2b", "gemma-7b", "gemma-2-2b", "gemma-2-9b", "gemma-2-27b")
        for it in ("", "-it")},
 }
+_STANFORD_RUNS = [(size, letter, f"{run}-gpt2-{size}-x{seed}")
+                  for size, runs in (("small", ("alias", "battlestar", "caprica", "darkmatter", "expanse")),
+                                     ("medium", ("arwen", "beren", "celebrimbor", "durin", "eowyn")))
+                  for letter, run, seed in zip("abcde", runs, (21, 49, 81, 343, 777))]
+# transformer-lens's other spellings of the same checkpoints, and its short names for other supported families
+SHORT_NAMES.update({
+    "gpt2-small": "openai-community/gpt2",
+    **{alias: "distilbert/distilgpt2" for alias in ("distillgpt2", "distill-gpt2", "distil-gpt2", "gpt2-xs")},
+    # Pythia's first names (sizes counted without the embeddings), its v0 runs, and plain "pythia" for the smallest
+    **{f"pythia-{old}{kind}": f"EleutherAI/pythia-{size}{kind}"
+       for old, size in (("19m", "70m"), ("125m", "160m"), ("350m", "410m"), ("800m", "1b"), ("1.3b", "1.4b"),
+                         ("2.7b", "2.8b"), ("6.7b", "6.9b"), ("13b", "12b"))
+       for kind in ("", "-deduped", "-v0", "-deduped-v0")},
+    **{f"pythia-{size}{kind}": f"EleutherAI/pythia-{size}{kind}"
+       for size in ("70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b") for kind in ("-v0", "-deduped-v0")},
+    "pythia": "EleutherAI/pythia-70m", "pythia-v0": "EleutherAI/pythia-70m-v0",
+    **{f"pythia-{size}-seed{seed}": f"EleutherAI/pythia-160m-seed{seed}" for size in ("160m", "125m") for seed in (1, 2, 3)},
+    # Stanford CRFM's GPT-2 runs (five seeds per size), each with its training checkpoints as revisions
+    **{f"stanford-gpt2-{size}-{letter}": f"stanford-crfm/{run}" for size, letter, run in _STANFORD_RUNS},
+    **{run: f"stanford-crfm/{run}" for _, _, run in _STANFORD_RUNS},
+    **{f"Llama-2-{size}{chat}": f"meta-llama/Llama-2-{size}{chat}-hf" for size in ("7b", "13b")
+       for chat in ("", "-chat")},
+    "Llama-2-70b-chat": "meta-llama/Llama-2-70b-chat-hf",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1", "mistral-7b-instruct": "mistralai/Mistral-7B-Instruct-v0.1",
+    **{f"qwen1.5-{size}{chat.lower()}": f"Qwen/Qwen1.5-{size.upper()}{chat}"
+       for size in ("0.5b", "1.8b", "4b", "7b", "14b") for chat in ("", "-Chat")},
+    **{f"qwen2-{size}{it.lower()}": f"Qwen/Qwen2-{size.upper()}{it}" for size in ("0.5b", "1.5b", "7b")
+       for it in ("", "-Instruct")},
+    **{f"qwen2.5-{size}{it.lower()}": f"Qwen/Qwen2.5-{size.upper()}{it}"
+       for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b") for it in ("", "-Instruct")},
+    **{f"qwen3-{size}": f"Qwen/Qwen3-{size.upper()}" for size in ("0.6b", "1.7b", "4b", "8b", "14b")},
+    "qwen3-0.6b-base": "Qwen/Qwen3-0.6B-Base",
+})
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
              "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
 HUB_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def load_pretrained(
     name_or_path: Union[str, Path],
     device: Optional[Union[str, torch.device]] = None,
@@ -50,6 +87,8 @@ def load_pretrained(
     weights = _read_weights(directory)
     _check_layer_count(hf_config, weights, directory)  # before any table or tensor is sized by the config
     cfg = config_from_hf(hf_config, directory)
+    architectures = hf_config.get("architectures") or [None]  # transformer-lens code reads cfg.original_architecture
+    cfg = dataclasses.replace(cfg, original_architecture=architectures[0])
     # each tensor is read, converted and moved to `device` in turn: the host never holds more than the tensors one
     # conversion needs at a time (plus the model itself, when it stays on the CPU)
     state = state_dict_from_hf(weights, hf_config, cfg, directory, device=device)
@@ -86,7 +125,8 @@ def resolve_checkpoint(name_or_path: Union[str, Path], revision: Optional[str] =
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     raise CheckpointError(
         f"{name!r} is neither a local checkpoint directory nor a supported model name; "
-        f"supported names: {', '.join(SHORT_NAMES)}; or a hub repository (owner/name); "
+        f"supported names: {', '.join(list(SHORT_NAMES)[:12])}, ... ({len(SHORT_NAMES)} in all, "
+        "transformer-lens's short names: probe.loading.SHORT_NAMES); or a hub repository (owner/name); "
         "or pass a directory holding config.json and model.safetensors"
     )
 

@@ -20,6 +20,7 @@ from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, toke
 from probe.kv_cache import KVCache
 from probe.mlp import make_mlp
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
+from probe.sae_methods import SAEMethods
 from probe.shapes import PER_HEAD_INPUTS, hook_shapes
 from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported
 from probe.tokenizer import Tokenizer
@@ -130,7 +131,7 @@ BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, No
 Block = PreNormBlock
 
 
-class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, InputChecks, HookedRootModule):
+class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethods, InputChecks, HookedRootModule):
     """Token (+ position) embedding -> n_layers blocks -> final norm -> unembedding."""
 
     def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
@@ -162,7 +163,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, InputChec
         loss_per_token: bool = False,
         prepend_bos: Optional[bool] = None,
         padding_side: Optional[str] = None,
-        start_at_layer: Optional[int] = 0,
+        start_at_layer: Optional[int] = None,
         stop_at_layer: Optional[int] = None,
         tokens: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
@@ -179,18 +180,19 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, InputChec
         with `loss_per_token=True`), "both" ((logits, loss)) or None. The loss counts every position of
         right-padded text, as transformer-lens does; left padding or an `attention_mask` leaves padding out.
 
-        `start_at_layer=l` takes the residual stream [batch pos d_model] entering block l instead of
-        tokens (give `tokens=` to score a loss); `stop_at_layer=l` returns the residual stream entering block l
-        instead of logits. Together they rerun part of the model, e.g. from a cached residual.
+        `start_at_layer=l` (0 too, as in transformer-lens) takes the residual stream [batch pos d_model] entering
+        block l instead of tokens (give `tokens=` to score a loss); `stop_at_layer=l` returns the residual stream
+        entering block l instead of logits. Together they rerun part of the model, e.g. from a cached residual.
 
         `kv_cache` (see `generate`) keeps every layer's keys and values: the input is then only the
         new tokens, and their positions continue where the cache ends.
         """
         refuse_unsupported(unsupported, "HookedDecoder.forward")
         check_return_type(return_type)
-        start_at_layer = start_at_layer or 0  # transformer-lens passes None for "from the embeddings"
-        if start_at_layer == 0:
-            tokens, attention_mask = self._tokens_and_mask(input, attention_mask, padding_side, prepend_bos)
+        from_tokens = start_at_layer is None  # as in transformer-lens: any layer, 0 too, takes a residual
+        start_at_layer = 0 if from_tokens else start_at_layer
+        if from_tokens:
+            tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos)
             batch, n_new = tokens.shape
         else:
             resid = self._validate_residual(input, start_at_layer)
@@ -208,7 +210,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, InputChec
         logits_mask = attention_mask
         device = self.device
         if kv_cache is not None:
-            if start_at_layer != 0 or stop_at_layer is not None:
+            if not from_tokens or stop_at_layer is not None:
                 # the cache must grow in every layer at once, or its length and mask stop matching the keys
                 raise ValueError(
                     f"kv_cache needs a pass through every layer; got start_at_layer={start_at_layer}, "
@@ -221,10 +223,10 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, InputChec
             new_mask = attention_mask if attention_mask is not None else torch.ones(batch, n_new, dtype=torch.long, device=device)
             attention_mask = kv_cache.extend_mask(new_mask)
         positions = token_positions(attention_mask, batch, n_new, device)
-        if start_at_layer == 0:
+        if from_tokens:
             resid = self.hook_embed(self.embed(tokens))
             if self.pos_embed is not None:
-                resid = resid + self.hook_pos_embed(self.pos_embed(positions))
+                resid = resid + self.hook_pos_embed(self.pos_embed(tokens, positions=positions))
         # one mask per distinct window (Gemma 2 alternates a window with full attention)
         allowed = {window: allowed_keys(attention_mask, positions, window) for window in self.windows}
         for index, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=start_at_layer):
@@ -253,7 +255,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, InputChec
         """The residual stream entering block 0 for unpadded token ids [batch pos] -> [batch pos d_model]."""
         return self(tokens, stop_at_layer=0)
 
-    def estimate_cache_bytes(self, names, dtype, input=None, attention_mask=None, *, start_at_layer=0,
+    def estimate_cache_bytes(self, names, dtype, input=None, attention_mask=None, *, start_at_layer=None,
                              stop_at_layer=None, kv_cache=None, **_) -> Optional[int]:
         """Bytes a cache of `names` takes for this input, from the hook shapes (see probe.shapes)."""
         if isinstance(input, torch.Tensor):
@@ -317,29 +319,45 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, InputChec
         cls,
         name_or_path: Union[str, Path],
         device: Optional[Union[str, torch.device]] = None,
-        dtype: Optional[torch.dtype] = None,
+        dtype: Optional[Union[torch.dtype, str]] = None,
         revision: Optional[str] = None,
         device_map=None,
         max_memory=None,
+        **transformer_lens_keywords,
     ) -> "HookedDecoder":
         """Load a Hugging Face checkpoint (GPT-2, GPT-1, Llama, Qwen2, GPT-NeoX/Pythia): a local directory, a
         short name (`gpt2`, `gpt2-medium`, `pythia-160m`, ...) or a hub repository (`owner/name`).
 
         `revision`: a hub branch, tag or commit, e.g. one of Pythia's training checkpoints (`"step3000"`).
         `device_map`: "auto", {layer: device} or a plan from `HookedDecoder.plan_device_map`, to spread the
-        blocks over several devices (`max_memory` caps each device for "auto"); see probe/placement.py."""
+        blocks over several devices (`max_memory` caps each device for "auto"); see probe/placement.py.
+        transformer-lens's keywords (`fold_ln=`, `center_writing_weights=`, `center_unembed=`,
+        `refactor_factored_attn_matrices=`, `default_prepend_bos=`, `default_padding_side=`, dtype names, ...) do
+        what they do there; without a processing keyword the weights are the checkpoint's own (probe/tl_loading.py)."""
         from probe.loading import load_pretrained
+        from probe.tl_loading import finish_loading, parse_loading_keywords
 
+        options = parse_loading_keywords(name_or_path, dtype, device, revision, transformer_lens_keywords)
         if device_map is not None and device is not None:
             raise ValueError("pass device= (one device) or device_map= (several), not both")
-        model = load_pretrained(name_or_path, device=device, dtype=dtype, revision=revision, model_class=cls)
+        model = load_pretrained(name_or_path, device=options.device, dtype=options.load_dtype, revision=options.revision,
+                                model_class=cls)
         prepend_bos = model.tokenizer is None or model.tokenizer.bos_id is not None
         model.cfg = dataclasses.replace(model.cfg, model_name=str(name_or_path), default_prepend_bos=prepend_bos)
+        finish_loading(model, options)
         if device_map is not None:
             from probe.placement import dispatch
 
             dispatch(model, device_map, max_memory)
         return model
+
+    @classmethod
+    def from_pretrained_no_processing(cls, name_or_path: Union[str, Path], **keywords) -> "HookedDecoder":
+        """transformer-lens's name for a load that keeps the checkpoint's weights, which probe's from_pretrained
+        does unless asked otherwise; its keywords as from_pretrained's."""
+        from probe.tl_loading import NO_PROCESSING
+
+        return cls.from_pretrained(name_or_path, **{**NO_PROCESSING, **keywords})
 
     @classmethod
     def plan_device_map(cls, cfg: DecoderConfig, max_memory=None, dtype: torch.dtype = torch.float32) -> dict[str, str]:

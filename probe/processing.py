@@ -3,6 +3,8 @@ more simply, leaving what the model computes unchanged.
 
 - `fold_ln`: each norm's weight (and bias) moves into the layer that reads the norm's output, so
   the norm only normalises (w = 1, b = 0) and `hook_normalized` is exactly what that layer reads.
+  A LayerNorm's readers also lose their weights' mean over d_model (its output has mean zero, so
+  they never used it), as transformer-lens's fold_ln does.
 - `center_writing_weights`: everything that writes into the residual stream (embeddings, attention
   and MLP outputs) writes a mean-zero vector (fixed sinusoidal positions are not weights and keep
   their mean). Every reader of the residual is a LayerNorm, which subtracts the mean first, so
@@ -13,6 +15,12 @@ more simply, leaving what the model computes unchanged.
 - `fold_value_biases`: the value bias moves into the output bias. Each query's attention weights
   sum to 1, so a head passes its value bias through unchanged: `hook_v` and `hook_z` then hold the
   part of the values that depends on the tokens.
+- `refactor_factored_attn_matrices` (off by default, as in transformer-lens): each head's W_Q W_K^T
+  (with the query and key biases as an extra row) and W_V W_O are rewritten from their SVD U S V^T:
+  W_Q = U sqrt(S) and W_K = V sqrt(S), W_V = U S and W_O = V^T (a rotation, so z has the norm of the
+  head's write), as transformer-lens does. The products are unchanged, so are the scores and the
+  output; q, k, v and z become the head's coordinates along its singular directions (each direction's
+  sign is the SVD's choice). It needs positions that do not rotate q and k, and one key/value head per head.
 
 The result is a new model (the input is left as it was) whose unembedding is no longer tied to the
 embedding, and which has an unembedding bias when a final LayerNorm bias was folded in (so it cannot
@@ -23,12 +31,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from probe.config import DecoderConfig, Norm, NormPlacement
-from probe.model import HookedDecoder
+from probe.config import DecoderConfig, Norm, NormPlacement, Positions
+from probe.factored import FactoredMatrix
+from probe.norm import LayerNorm
+
+if TYPE_CHECKING:  # annotations only: HookedDecoder.from_pretrained processes through this module
+    from probe.model import HookedDecoder
 
 
 def can_fold_ln(cfg: DecoderConfig) -> bool:
@@ -42,18 +55,34 @@ def can_center_writing_weights(cfg: DecoderConfig) -> bool:
     return cfg.norm is Norm.LAYER and cfg.final_norm and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL)
 
 
-@torch.no_grad()
-def process_weights(
-    model: HookedDecoder,
-    *,
-    fold_ln: bool = True,
-    center_writing_weights: bool = True,
-    center_unembed: bool = True,
-    fold_value_biases: bool = True,
-) -> HookedDecoder:
-    """A copy of `model` with its weights processed (see the module docstring); its log-probabilities
-    equal the original's up to rounding."""
-    cfg = model.cfg
+def can_center_unembed(cfg: DecoderConfig) -> bool:
+    """Shifting each position's logits passes through to the probabilities unless a soft cap bends them (Gemma 2)."""
+    return cfg.logit_softcap is None
+
+
+def can_refactor_factored_attn_matrices(cfg: DecoderConfig) -> bool:
+    """Rotary positions rotate q and k between W_Q and the scores, and a key/value head shared by several query
+    heads cannot be balanced against each of them at once."""
+    return cfg.positions is not Positions.ROTARY and cfg.n_kv_heads == cfg.n_heads
+
+
+def process_weights(model: HookedDecoder, *, fold_ln: bool = True, center_writing_weights: bool = True,
+                    center_unembed: bool = True, fold_value_biases: bool = True,
+                    refactor_factored_attn_matrices: bool = False) -> HookedDecoder:
+    """A copy of `model` with its weights processed (see the module docstring); its log-probabilities equal the
+    original's up to rounding."""
+    steps = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+                 fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+    check_processing(model.cfg, **steps)
+    processed = copy.deepcopy(model)
+    process_weights_in_place(processed, **steps)
+    return processed
+
+
+def check_processing(cfg: DecoderConfig, *, fold_ln: bool = True, center_writing_weights: bool = True,
+                     center_unembed: bool = True, fold_value_biases: bool = True,
+                     refactor_factored_attn_matrices: bool = False) -> None:
+    """A ValueError naming the step a model of `cfg` cannot take, and how to leave it out."""
     if fold_ln and not can_fold_ln(cfg):
         raise ValueError("fold_ln needs pre-norm, parallel or sandwich blocks: in a post-norm model (GPT-1) the norm's output is the "
                          "residual stream itself, not the input of one layer; pass fold_ln=False")
@@ -62,23 +91,39 @@ def process_weights(
                          f"or parallel blocks and a final LayerNorm); this model has norm={cfg.norm.value}, "
                          f"final_norm={cfg.final_norm}, norm_placement={cfg.norm_placement.value}; "
                          "pass center_writing_weights=False")
-    if center_unembed and cfg.logit_softcap is not None:
+    if center_unembed and not can_center_unembed(cfg):
         raise ValueError("center_unembed shifts each position's logits, which a logit soft cap (Gemma 2) does not "
                          "pass through unchanged; pass center_unembed=False")
-    processed = copy.deepcopy(model)
-    _untie(processed)
+    if refactor_factored_attn_matrices and not can_refactor_factored_attn_matrices(cfg):
+        raise ValueError("refactor_factored_attn_matrices needs positions that do not rotate q and k (this model has "
+                         f"positions={cfg.positions.value}) and a key/value head per query head (n_kv_heads="
+                         f"{cfg.n_kv_heads}, n_heads={cfg.n_heads}); pass refactor_factored_attn_matrices=False")
+
+
+@torch.no_grad()
+def process_weights_in_place(model: HookedDecoder, *, fold_ln: bool = True, center_writing_weights: bool = True,
+                             center_unembed: bool = True, fold_value_biases: bool = True,
+                             refactor_factored_attn_matrices: bool = False) -> HookedDecoder:
+    """Process `model`'s own weights (no copy: for a model nothing else holds, as a fresh load) and return it."""
+    check_processing(model.cfg, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+                     center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+                     refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+    _untie(model)
     if fold_ln:
-        _fold_norms(processed)
+        _fold_norms(model)
     if center_writing_weights:
-        _center_writers(processed)
+        _center_writers(model)
     if center_unembed:
-        unembed = processed.unembed  # weight [vocab d_model]: each logit's mean over the vocabulary goes
+        unembed = model.unembed  # weight [vocab d_model]: each logit's mean over the vocabulary goes
         unembed.weight -= unembed.weight.mean(dim=0, keepdim=True)
         if unembed.bias is not None:
             unembed.bias -= unembed.bias.mean()
-    if fold_value_biases:
-        _fold_value_biases(processed)
-    return processed
+    if fold_value_biases or refactor_factored_attn_matrices:  # refactoring W_V W_O needs b_V out of the way
+        _fold_value_biases(model)
+    if refactor_factored_attn_matrices:
+        for block in model.blocks:
+            _refactor_attention(block.attn)
+    return model
 
 
 def _untie(model: HookedDecoder) -> None:
@@ -102,7 +147,8 @@ def _fold_norms(model: HookedDecoder) -> None:
 
 def _fold_norm_into(norm: nn.Module, readers: list[nn.Module], model: HookedDecoder, bias_field: str) -> None:
     """reader(w * n + b) == reader'(n) with reader'.weight = reader.weight * w and reader'.bias =
-    reader.bias + reader.weight @ b; the norm keeps w = 1 (and b = 0)."""
+    reader.bias + reader.weight @ b; the norm keeps w = 1 (and b = 0). After a LayerNorm each reader's weight
+    is also centred over its input, as transformer-lens's fold_ln does, which its mean-zero input cannot see."""
     w = norm.w.float()
     b = norm.b.float() if hasattr(norm, "b") else None
     fold_bias = b is not None and bool(b.any())
@@ -112,7 +158,10 @@ def _fold_norm_into(norm: nn.Module, readers: list[nn.Module], model: HookedDeco
             if reader.bias is None:  # the folded norm bias needs somewhere to live
                 _add_biases(model, bias_field)
             reader.bias.copy_(reader.bias.float() + weight @ b)
-        reader.weight.copy_(weight * w)
+        weight = weight * w
+        if isinstance(norm, LayerNorm):  # its output has mean zero: what a reader reads along (1, ..., 1) is never used
+            weight = weight - weight.mean(dim=1, keepdim=True)
+        reader.weight.copy_(weight)
     norm.w.fill_(1.0)
     if b is not None:
         norm.b.zero_()
@@ -166,3 +215,27 @@ def _fold_value_biases(model: HookedDecoder) -> None:
             _add_biases(model, "out_bias")
         attn.out.bias.copy_(attn.out.bias.float() + folded)
         b_v.zero_()
+
+
+def _refactor_attention(attn: nn.Module) -> None:
+    """Every head's W_Q W_K^T as (U sqrt(S)) (sqrt(S) V^T) and W_V W_O as (U S) V^T; the query and key biases ride
+    along as an extra input row (a constant 1), so the scores' bias terms are kept too."""
+    if attn.n_heads == 0:
+        return
+    biased = attn.qkv.bias is not None
+
+    def with_bias_row(weight, bias):  # [head d_model d_head] -> [head d_model+1 d_head]
+        return torch.cat([weight, bias[:, None, :]], dim=1).double() if biased else weight.double()
+
+    queries, keys = FactoredMatrix(with_bias_row(attn.W_Q, attn.b_Q), with_bias_row(attn.W_K, attn.b_K).mT).make_even().pair
+    keys = keys.mT
+    ov = FactoredMatrix(attn.W_V.double(), attn.W_O.double())
+    values, outputs = ov.collapse_r(), ov.V.mT
+    d_model = attn.W_Q.shape[1]
+    attn.W_Q.copy_(queries[:, :d_model])
+    attn.W_K.copy_(keys[:, :d_model])
+    if biased:
+        attn.b_Q.copy_(queries[:, d_model])
+        attn.b_K.copy_(keys[:, d_model])
+    attn.W_V.copy_(values)
+    attn.W_O.copy_(outputs)

@@ -32,7 +32,7 @@ import hashlib
 import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from einops import rearrange
@@ -72,6 +72,7 @@ class SparseAutoencoder(HookedRootModule):
         self.hook_sae_recons = HookPoint()  # [... d_in]
         self.hook_sae_error = HookPoint()  # [... d_in]: x - reconstruction, with use_error_term
         self.hook_sae_output = HookPoint()  # [... d_in]: what the model receives when spliced
+        self.use_error_term = False  # SAELens's setting: what a splice uses when not told (use_error_term=None)
         self.setup_hooks()
         # each point's last dimension, for a model's cache-size estimate (a hook_z SAE's error and output keep
         # the heads, [... head d_head], the same number of elements as d_in)
@@ -168,6 +169,12 @@ class SparseAutoencoder(HookedRootModule):
 
     # ---- files -----------------------------------------------------------------------------------------
     @classmethod
+    def load_from_disk(cls, path: Union[str, Path], device: Optional[Union[str, torch.device]] = None,
+                       dtype: Optional[torch.dtype] = None) -> "SparseAutoencoder":
+        """SAELens's name for `from_pretrained(directory)`, so `SAE.load_from_disk(path)` needs only the class changed."""
+        return cls.from_pretrained(path, device=device, dtype=dtype)
+
+    @classmethod
     def from_pretrained(cls, directory: Union[str, Path], device: Optional[Union[str, torch.device]] = None,
                         dtype: Optional[torch.dtype] = None) -> "SparseAutoencoder":
         """Read an SAELens directory (cfg.json and sae_weights.safetensors), as SAELens 3 to 6 write them."""
@@ -232,11 +239,12 @@ class SparseAutoencoder(HookedRootModule):
 
 @contextmanager
 def spliced(model: HookedRootModule, saes: Union[SparseAutoencoder, Sequence[SparseAutoencoder]],
-            use_error_term: bool = False) -> Iterator[HookedRootModule]:
+            use_error_term: Optional[bool] = False) -> Iterator[HookedRootModule]:
     """Inside the block, each SAE's output replaces the model's activation at its hook point (a transcoder's
     prediction replaces the activation at its hook_name_out), and the SAE's hook points are the model's, named
-    `<hook_name>.hook_sae_acts_post` etc. Hooks on the hook point itself attached inside the block see the
-    SAE's output. Everything is undone on exit, whatever happens."""
+    `<hook_name>.hook_sae_acts_post` etc. (a transcoder's `<hook_name_out>.hook_sae_acts_post`, as SAELens names them). Hooks on the hook point itself attached inside the block see the
+    SAE's output. Everything is undone on exit, whatever happens. `use_error_term=None`: each SAE's own
+    `sae.use_error_term`, as SAELens reads it."""
     saes = [saes] if isinstance(saes, SparseAutoencoder) else list(saes)
     for names in ([sae.cfg.hook_name for sae in saes],
                   [sae.cfg.hook_name_out if sae.cfg.is_transcoder else sae.cfg.hook_name for sae in saes]):
@@ -245,13 +253,35 @@ def spliced(model: HookedRootModule, saes: Union[SparseAutoencoder, Sequence[Spa
                              f"({', '.join(sorted(n for n in set(names) if names.count(n) > 1))}); splice one per point")
     with ExitStack() as stack:
         for sae in saes:
-            model.hook_point(sae.cfg.hook_name)  # a misspelt or foreign hook point fails here, named
-            if sae.cfg.is_transcoder:
-                model.hook_point(sae.cfg.hook_name_out)
-            lent = {f"{sae.cfg.hook_name}.{name}": point for name, point in sae._hook_points.items()}
-            stack.enter_context(model.lent_hook_points(lent))
-            stack.enter_context(model.hooks(_splice_hooks(sae, use_error_term)))
+            stack.callback(attach(model, sae, use_error_term, permanent=False))
         yield model
+
+
+def attach(model: HookedRootModule, sae: SparseAutoencoder, use_error_term: Optional[bool] = None, *,
+           permanent: bool = True) -> Callable[[], None]:
+    """Splice `sae` into `model` (as `spliced` does) until the returned function is called: SAELens's `add_sae`.
+    Its hooks are `permanent` ones, which `model.reset_hooks()` keeps and `model.persistent_hooks()` lists;
+    `permanent=False` gives scoped ones, for a block (`spliced`)."""
+    model.hook_point(sae.cfg.hook_name)  # a misspelt or foreign hook point fails here, named
+    if sae.cfg.is_transcoder:
+        model.hook_point(sae.cfg.hook_name_out)
+    error_term = sae.use_error_term if use_error_term is None else bool(use_error_term)
+    lending = ExitStack()
+    lending.enter_context(model.lent_hook_points({f"{sae.cfg.written_hook_name}.{name}": point
+                                                 for name, point in sae._hook_points.items()}))
+    try:
+        handles = [model.hook_point(name).add(fn, persistent=permanent, permanent=permanent)
+                   for name, fn in _splice_hooks(sae, error_term)]
+    except BaseException:
+        lending.close()
+        raise
+
+    def detach() -> None:
+        for handle in reversed(handles):
+            handle.remove()
+        lending.close()
+
+    return detach
 
 
 def _splice_hooks(sae: SparseAutoencoder, use_error_term: bool) -> list:

@@ -17,6 +17,13 @@ TRANSCODER_NAMES = {("standard", False): "transcoder", ("standard", True): "skip
                     ("topk", False): "topk_transcoder", ("topk", True): "topk_skip_transcoder"}
 
 
+@dataclass(frozen=True)
+class SAEMetadata:
+    model_name: Optional[str]
+    hook_name: str
+    hook_name_out: Optional[str]
+
+
 @dataclass(frozen=True, kw_only=True)
 class SAEConfig:
     d_in: int
@@ -33,6 +40,17 @@ class SAEConfig:
     @property
     def is_transcoder(self) -> bool:
         return self.hook_name_out is not None
+
+    @property
+    def metadata(self) -> "SAEMetadata":
+        """SAELens 6's `cfg.metadata` (code reads `sae.cfg.metadata.hook_name`): the same facts under its names."""
+        return SAEMetadata(model_name=self.model_name, hook_name=self.hook_name, hook_name_out=self.hook_name_out)
+
+    @property
+    def written_hook_name(self) -> str:
+        """The point it writes (hook_name_out for a transcoder), under which a splice names its hook points
+        (`<written_hook_name>.hook_sae_acts_post`), as SAELens does."""
+        return self.hook_name_out if self.is_transcoder else self.hook_name
 
     @property
     def d_write(self) -> int:

@@ -126,6 +126,16 @@ class TransformerLensSurface:
         return {name: kept(tensor, -2 if name.removesuffix("_grad").endswith(PATTERN_HOOKS) else 1)
                 for name, tensor in store.items()}
 
+    def input_to_embed(self, input, prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None,
+                       attention_mask: Optional[torch.Tensor] = None, past_kv_cache=None):
+        """transformer-lens's first step of the forward: `(residual, tokens, None, attention_mask)`, the residual
+        [batch pos d_model] entering block 0 (run the rest with `model(residual, start_at_layer=0, ...)` or the
+        blocks), the token ids, no shortformer positions, and the mask (None when nothing is padded)."""
+        if past_kv_cache is not None:
+            refuse_unsupported({"past_kv_cache": past_kv_cache}, "input_to_embed()")
+        tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos)
+        return self(tokens, attention_mask=attention_mask, stop_at_layer=0), tokens, None, attention_mask
+
     # ---- positions -----------------------------------------------------------------------------------
     def get_token_position(self, single_token: Union[str, int], input: Union[str, torch.Tensor],
                            mode: str = "first", prepend_bos: Optional[bool] = None, **_) -> int:

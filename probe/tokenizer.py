@@ -94,12 +94,21 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """The ids of `text`. Nothing is added by default (probe's `to_tokens` prepends BOS itself); GPT-2's
-        tokenizer adds nothing either way, so this is transformers' `encode` there."""
+    def encode(self, text: str, add_special_tokens: bool = False, return_tensors: Optional[str] = None):
+        """The ids of `text`: a list, or [1 pos] with `return_tensors` "pt" / "np". Nothing is added by default
+        (probe's `to_tokens` prepends BOS itself); GPT-2's tokenizer adds nothing either way, so this is
+        transformers' `encode` there."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a string, got {type(text).__name__}; use tokenizer(list_of_texts) for a batch")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids if return_tensors is None else _as_array([ids], return_tensors)
+
+    def tokenize(self, text: str) -> list[str]:
+        """The vocabulary entries `text` splits into (byte-level strings, e.g. "Ġthe")."""
+        return self.backend.encode(text, add_special_tokens=False).tokens
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        return self.decode(self.convert_tokens_to_ids(list(tokens)))
 
     def decode(self, ids: TokenIds, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False,
                **_) -> str:
@@ -149,6 +158,10 @@ class Tokenizer:
     def padding_side(self, side: str) -> None:
         self._padding_side = check_padding_side(side)
 
+    @property
+    def vocab(self) -> dict[str, int]:  # Hugging Face's name for the same mapping
+        return self.get_vocab()
+
     def get_vocab(self) -> dict[str, int]:
         return self.backend.get_vocab(with_added_tokens=True)
 
@@ -169,6 +182,10 @@ class Tokenizer:
     def special_ids(self) -> list[int]:
         return sorted(i for i, added in self.backend.get_added_tokens_decoder().items() if added.special)
 
+    @property
+    def all_special_ids(self) -> list[int]:  # transformers' name
+        return self.special_ids
+
     def __call__(self, text: Union[str, Sequence[str]], padding: Union[bool, str] = False,
                  truncation: Union[bool, str] = False, max_length: Optional[int] = None,
                  return_tensors: Optional[str] = None, add_special_tokens: bool = True,
@@ -182,8 +199,9 @@ class Tokenizer:
         texts = [text] if single else list(text) if isinstance(text, (list, tuple)) else None
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError(f"tokenizer() takes a string or a non-empty list of strings, got {text!r:.80}")
-        if return_tensors not in (None, "pt"):
-            raise ValueError(f"return_tensors={return_tensors!r}: only 'pt' (torch) or None (lists) is supported")
+        if return_tensors not in (None, "pt", "np"):
+            raise ValueError(f"return_tensors={return_tensors!r}: only 'pt' (torch), 'np' (numpy) or None (lists) "
+                             "is supported")
         rows = [self.backend.encode(t, add_special_tokens=add_special_tokens).ids for t in texts]
         if truncation not in (False, "do_not_truncate") and max_length is not None:
             rows = [row[:max_length] for row in rows]
@@ -197,11 +215,8 @@ class Tokenizer:
             ids, mask = rows, [[1] * len(row) for row in rows]
         else:
             raise ValueError(f"padding={padding!r} is not one of True, False, 'longest', 'max_length', 'do_not_pad'")
-        if return_tensors == "pt":
-            if len({len(row) for row in ids}) > 1:
-                raise ValueError("these texts have different lengths, so they make no [batch pos] tensor: "
-                                 "pass padding=True")
-            ids, mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+        if return_tensors is not None:
+            ids, mask = _as_array(ids, return_tensors), _as_array(mask, return_tensors)
         elif single:
             ids, mask = ids[0], mask[0]
         out = Encoding(input_ids=ids)
@@ -221,6 +236,14 @@ def pad_rows(rows: Sequence[Sequence[int]], pad_id: int, padding_side: str, leng
         ids[i, span] = torch.tensor(list(row), dtype=torch.long)
         mask[i, span] = 1
     return ids, mask
+
+
+def _as_array(rows: list[list[int]], kind: str):
+    """Equal-length id rows as a [batch pos] torch ("pt") or numpy ("np") int64 array."""
+    if len({len(row) for row in rows}) > 1:
+        raise ValueError("these texts have different lengths, so they make no [batch pos] tensor: pass padding=True")
+    ids = torch.tensor(rows, dtype=torch.long)
+    return ids.numpy() if kind == "np" else ids
 
 
 def check_padding_side(side: str) -> str:

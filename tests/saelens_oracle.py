@@ -1,8 +1,13 @@
-"""Run by the SAELens virtualenv's Python (scripts/saelens_oracle.sh), never imported by the tests: SAELens 6
-needs transformer-lens < 4, which the main environment cannot have. Reads and writes safetensors only.
+"""Run by the SAELens virtualenv's Python (scripts/saelens_oracle.sh): SAELens 6 needs transformer-lens < 4, which
+the main environment cannot have. Reads and writes safetensors only. The tests import one function from it,
+`hooked_sae_idioms`, to run the same idioms on probe; everything that imports SAELens stays inside the commands.
 
     python saelens_oracle.py encode SAE_DIR INPUTS OUTPUTS
         SAE.load_from_disk(SAE_DIR); INPUTS holds x; OUTPUTS gets features, output (SAELens's forward)
+    python saelens_oracle.py hooked_sae MODEL_DIR SAE_DIR INPUTS OUTPUTS
+        HookedSAETransformer (transformer-lens 3's HookedTransformer, built offline from a GPT-2 directory's
+        weights, unprocessed) runs hooked_sae_idioms with the SAE in SAE_DIR on INPUTS' tokens; OUTPUTS gets each
+        idiom's results by name
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -51,6 +56,64 @@ def loss(arch: str, settings_json: str, state: str, inputs: str, outputs: str) -
     save_file(written, outputs)
 
 
+def hooked_gpt2(model_dir: str):
+    from sae_lens import HookedSAETransformer
+    from transformer_lens import HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(model_dir)
+    c = hf.config
+    cfg = HookedTransformerConfig(n_layers=c.n_layer, d_model=c.n_embd, n_ctx=c.n_positions, d_head=c.n_embd // c.n_head,
+                                  n_heads=c.n_head, d_mlp=4 * c.n_embd, d_vocab=c.vocab_size, act_fn="gelu_new",
+                                  normalization_type="LN", eps=c.layer_norm_epsilon, device="cpu")
+    model = HookedSAETransformer(cfg)
+    model.load_and_process_state_dict(convert_gpt2_weights(hf, cfg), fold_ln=False, center_writing_weights=False,
+                                      center_unembed=False, fold_value_biases=False)
+    return model.eval()
+
+
+def hooked_sae_idioms(model, sae, tokens) -> dict:
+    """SAELens's HookedSAETransformer idioms, written once: the oracle runs them on HookedSAETransformer, and
+    tests/test_sae_methods.py imports this function to run them on probe (only attribute access, no imports)."""
+    hook = sae.cfg.metadata.hook_name_out or sae.cfg.metadata.hook_name  # a transcoder's points: where it writes
+    out = {}
+    with torch.no_grad():
+        logits, cache = model.run_with_cache_with_saes(tokens, saes=[sae])
+        out["cached.logits"] = logits
+        for name in ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_output"):
+            out[f"cached.{name}"] = cache[f"{hook}.{name}"]
+        out["cached.resid_post_last"] = cache[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
+        out["with_error.logits"] = model.run_with_saes(tokens, saes=[sae], use_error_term=True)
+        sae.use_error_term = True  # the SAE's own setting, read when use_error_term is not given
+        _, error_cache = model.run_with_cache_with_saes(tokens, saes=[sae])
+        out["own_setting.error"] = error_cache[f"{hook}.hook_sae_error"]
+        sae.use_error_term = False
+
+        def ablate_feature(acts, hook):
+            acts[:, :, 3] = 0.0
+            return acts
+
+        out["ablated.logits"] = model.run_with_hooks_with_saes(
+            tokens, saes=[sae], fwd_hooks=[(f"{hook}.hook_sae_acts_post", ablate_feature)])
+        with model.saes(saes=[sae]):
+            out["block.logits"] = model(tokens)
+        out["after_block.logits"] = model(tokens)
+        model.add_sae(sae)
+        out["attached.logits"] = model(tokens)
+        out["attached.names"] = torch.tensor([len(model.acts_to_saes)])
+        model.reset_saes()
+        out["reset.logits"] = model(tokens)
+    return out
+
+
+def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
+    from sae_lens import SAE
+
+    out = hooked_sae_idioms(hooked_gpt2(model_dir), SAE.load_from_disk(sae_dir, device="cpu"), load_file(inputs)["tokens"])
+    save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"encode": encode, "loss": loss}[command](*args)
+    {"encode": encode, "loss": loss, "hooked_sae": hooked_sae}[command](*args)

@@ -188,7 +188,7 @@ def test_start_and_stop_at_layer_compose_to_the_full_forward(tiny_model, tokens)
         torch.testing.assert_close(tiny_model(tokens, stop_at_layer=-1), resid)
     for start, stop in ((0, 3), (0, -3), (2, 1)):  # past the last layer, before the first, before the start
         with pytest.raises(ValueError, match=f"stop_at_layer={stop} must be in"):
-            tiny_model(tokens if start == 0 else resid, start_at_layer=start, stop_at_layer=stop)
+            tiny_model(tokens if start == 0 else resid, start_at_layer=start or None, stop_at_layer=stop)
 
 
 def test_start_at_layer_takes_a_stored_residual_and_a_mask(tiny_model, tokens):

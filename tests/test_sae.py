@@ -292,11 +292,11 @@ def test_a_spliced_transcoder_replaces_the_mlp_output_by_its_prediction(tiny_mod
             prediction = prediction + x @ sae.W_skip.double().T
         expected = tiny_model.run_with_hooks(tokens, fwd_hooks=[(written, lambda a, hook: prediction.float())])
         with spliced(tiny_model, sae):
-            logits, got = tiny_model.run_with_cache(tokens, names=[f"{read}.hook_sae_acts_post"])
+            logits, got = tiny_model.run_with_cache(tokens, names=[f"{written}.hook_sae_acts_post"])  # SAELens's name
         with spliced(tiny_model, sae, use_error_term=True):
             unchanged = tiny_model(tokens)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
-    torch.testing.assert_close(got[f"{read}.hook_sae_acts_post"].double(), features, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[f"{written}.hook_sae_acts_post"].double(), features, atol=1e-5, rtol=0)
     torch.testing.assert_close(unchanged, original, atol=1e-5, rtol=0)
     sae.save_pretrained(tmp_path / "tc")
     loaded = SparseAutoencoder.from_pretrained(tmp_path / "tc")

@@ -454,7 +454,7 @@ def classic(value):
     """transformer-lens's classic names only: the bridge also reports its components' own hooks (`.hook_in`,
     `.hook_out`) beside them, which HookedTransformer never had."""
     def keep(name):
-        return not name.endswith((".hook_in", ".hook_out"))
+        return not name.removesuffix("_grad").endswith((".hook_in", ".hook_out"))
 
     if isinstance(value, dict):
         return {k: v for k, v in value.items() if keep(k)}

@@ -111,6 +111,36 @@ def case_token_and_position_table(model):
     return model.W_E_pos
 
 
+# ---- the forward's first step, and caching hooks to attach by hand ------------------------------------------
+def case_input_to_embed(model):
+    residual, tokens, shortformer, mask = model.input_to_embed(PROMPT)
+    # the rest of the forward from that residual (start_at_layer=0: the input is the residual entering block 0)
+    return (residual, tokens, shortformer, mask, model(residual, start_at_layer=0),
+            model(residual, start_at_layer=0, stop_at_layer=2))
+
+
+def case_get_caching_hooks_attached_by_hand(model):
+    cache, fwd, bwd = model.get_caching_hooks(lambda name: name.endswith(("hook_z", "hook_resid_post")), incl_bwd=True)
+    with model.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
+        model(PROMPT, return_type="loss").backward()
+    model.zero_grad()
+    sliced, fwd, _ = model.get_caching_hooks(lambda name: name.endswith("hook_pattern"), remove_batch_dim=True,
+                                             pos_slice=-1)
+    model.run_with_hooks(PROMPT, fwd_hooks=fwd)
+    return classic(cache), classic(sliced)
+
+
+def case_caching_hooks_kept_until_reset(model):
+    cache = model.add_caching_hooks(lambda name: name.endswith("hook_resid_pre"))
+    everything = {}
+    model.cache_some(everything, lambda name: name.endswith("attn.hook_pattern"), incl_bwd=True)
+    model(PROMPT, return_type="loss").backward()
+    model.zero_grad()
+    model.reset_hooks()
+    model(PROMPTS[1])  # after reset_hooks nothing is stored
+    return classic(cache), classic(everything)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
@@ -118,6 +148,20 @@ CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case
 def test_transformer_lens_idiom_runs_unchanged(models, name):  # noqa: F811
     ours, theirs = models
     assert_same(CASES[name](ours), classic(CASES[name](theirs)), what=name)
+
+
+def test_input_to_embed_of_left_padded_prompts_counts_positions_along_real_tokens(models):  # noqa: F811
+    # as HookedTransformer does (the bridge ignores the padding here): the oracle is the weights, by hand
+    ours, _ = models
+    residual, tokens, _, mask = ours.input_to_embed(PROMPTS, padding_side="left")
+    lengths = [len(ours.to_tokens(prompt)[0]) for prompt in PROMPTS]
+    assert mask.sum(1).tolist() == lengths and all(row[-n:].all() for row, n in zip(mask, lengths))
+    W_E, W_pos = ours.W_E.detach(), ours.W_pos.detach()
+    for row, n in enumerate(lengths):
+        by_hand = W_E[tokens[row, -n:]] + W_pos[:n]
+        torch.testing.assert_close(residual[row, -n:], by_hand, rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours(residual, start_at_layer=0, attention_mask=mask)[row, -n:],
+                                   ours(ours.to_tokens(PROMPTS[row]))[0], rtol=0, atol=1e-4)
 
 
 def test_pos_slice_stores_the_positions_asked_for(models):  # noqa: F811

@@ -129,7 +129,18 @@ CASES = {
         PROMPTS[1], max_new_tokens=8, do_sample=True, top_p=0.9, verbose=False, use_past_kv_cache=False)),
     "generate do_sample=True temperature 0 is greedy": lambda model: model.generate(
         PROMPTS[0], max_new_tokens=8, do_sample=True, temperature=0.0, verbose=False, use_past_kv_cache=False),
+    # ---- TL's dataset helper given model.tokenizer (it calls tokenizer(texts, return_tensors="np", padding=True)) ----
+    "tokenize_and_concatenate": lambda model: tokenized_dataset(model.tokenizer),
 }
+
+
+def tokenized_dataset(tokenizer):
+    import datasets
+    from transformer_lens.utilities import tokenize_and_concatenate
+
+    texts = datasets.Dataset.from_dict({"text": [PROMPTS[0] * 9, PROMPTS[1] * 7, PROMPTS[2] * 20]})
+    return tokenize_and_concatenate(texts, tokenizer, max_length=24, column_name="text", add_bos_token=True,
+                                    num_proc=1)[:]["tokens"]
 
 def _with_padding_side(model, side, fn):
     before = model.tokenizer.padding_side
@@ -263,6 +274,15 @@ def hf_tokenizer():
                                    eos_token=special, pad_token=special)
 
 
+def numpy_out(arrays):
+    """Arrays as (type, dtype, tensor) triples, so the comparison sees numpy's arrays stay numpy's."""
+    if isinstance(arrays, dict) or hasattr(arrays, "keys"):
+        return {key: numpy_out(arrays[key]) for key in arrays.keys()}
+    if isinstance(arrays, list):
+        return [numpy_out(a) for a in arrays]
+    return [type(arrays).__name__, str(arrays.dtype), torch.as_tensor(arrays)]
+
+
 TOKENIZER_CASES = {
     "call": lambda tok: dict(tok(PROMPTS[0])),
     "call list": lambda tok: dict(tok(PROMPTS)),
@@ -275,6 +295,12 @@ TOKENIZER_CASES = {
     "call attribute": lambda tok: tok(PROMPTS[0]).input_ids,
     "call special in text": lambda tok: tok("a<|endoftext|>b")["input_ids"],
     "encode": lambda tok: tok.encode(PROMPTS[2]),
+    "encode tensors": lambda tok: numpy_out([tok.encode(PROMPTS[1], return_tensors="pt"),
+                                             tok.encode(PROMPTS[1], return_tensors="np")]),
+    "call numpy": lambda tok: numpy_out(tok(PROMPTS, return_tensors="np", padding=True)),  # tokenize_and_concatenate's
+    "tokenize": lambda tok: tok.tokenize(PROMPTS[1]),
+    "convert_tokens_to_string": lambda tok: tok.convert_tokens_to_string(tok.tokenize(PROMPTS[1])),
+    "all_special_ids": lambda tok: tok.all_special_ids,
     "decode list": lambda tok: tok.decode([0, 590, 45, 37]),
     "decode tensor": lambda tok: tok.decode(torch.tensor([0, 590, 45, 37])),
     "decode 0-d": lambda tok: tok.decode(torch.tensor(590)),

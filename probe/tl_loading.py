@@ -1,0 +1,132 @@
+"""transformer-lens's `from_pretrained` keywords on HookedDecoder.from_pretrained, so TL's loading line runs unchanged.
+
+probe loads a checkpoint's own weights. Code that passes any of TL's processing keywords (`fold_ln=`,
+`center_writing_weights=`, `center_unembed=`, `fold_value_biases=`, `refactor_factored_attn_matrices=`) gets TL's
+processing instead: the keywords it gives, and TL's defaults for the ones it leaves out, as
+`HookedTransformer.from_pretrained` would (a default that does not apply to the model, such as centring the writers of
+an RMSNorm model, is skipped with a warning, as TL skips it; one asked for explicitly is refused with the reason).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Optional, Union
+
+import torch
+
+from probe.loading import SHORT_NAMES
+from probe.processing import (can_center_unembed, can_center_writing_weights, can_fold_ln,
+                              can_refactor_factored_attn_matrices, process_weights_in_place)
+from probe.tl_surface import refuse_unsupported
+
+TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's
+    "fold_ln": True, "center_writing_weights": True, "center_unembed": True, "fold_value_biases": True,
+    "refactor_factored_attn_matrices": False,
+}
+NO_PROCESSING = {step: False for step in TL_PROCESSING_DEFAULTS}  # from_pretrained_no_processing's
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
+LOADING_HINTS = {
+    "checkpoint_index": "pass checkpoint_value=<step> or revision='step<N>' (the index needs the hub's list of "
+                        "checkpoints; Pythia's training checkpoints are hub revisions)",
+    "hf_model": "save it with hf_model.save_pretrained(directory) and load that directory",
+    "tokenizer": "probe loads the checkpoint's own tokenizer.json; put the tokenizer's files in the directory",
+    "n_devices": "pass device_map='auto' (or {layer: device}) to spread the blocks over several devices",
+    "first_n_layers": "load the whole model and run it with stop_at_layer=",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadingKeywords:
+    """What transformer-lens's loading keywords ask of a load."""
+
+    dtype: Optional[torch.dtype]
+    device: Optional[Union[str, torch.device]]
+    revision: Optional[str]
+    processing: Optional[dict[str, bool]]  # None: the checkpoint's own weights
+    default_prepend_bos: Optional[bool]
+    default_padding_side: Optional[str]
+
+    @property
+    def load_dtype(self) -> Optional[torch.dtype]:
+        """Processed weights are computed in float32 and cast afterwards, so half precision rounds only once."""
+        if self.processing and self.dtype in (torch.float16, torch.bfloat16):
+            return torch.float32
+        return self.dtype
+
+
+def parse_loading_keywords(name_or_path, dtype: Any, device: Any, revision: Optional[str],
+                           keywords: dict[str, Any]) -> LoadingKeywords:
+    """Read TL's keywords out of `keywords` (from_pretrained's **kwargs); a TypeError for any probe does not take."""
+    keywords = dict(keywords)
+    if "checkpoint_value" in keywords:
+        if revision is not None:
+            raise TypeError("pass revision= or checkpoint_value=, not both")
+        revision = checkpoint_revision(name_or_path, keywords.pop("checkpoint_value"))
+    if "torch_dtype" in keywords:  # TL's older spelling of dtype
+        if dtype is not None:
+            raise TypeError("pass dtype= or torch_dtype=, not both")
+        dtype = keywords.pop("torch_dtype")
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype={dtype!r} is not a dtype name; use one of {', '.join(DTYPE_NAMES)} or a torch.dtype")
+        dtype = DTYPE_NAMES[dtype]
+    if keywords.pop("n_devices", 1) != 1:
+        raise TypeError(f"from_pretrained does not take n_devices= above 1: {LOADING_HINTS['n_devices']}")
+    if not keywords.pop("move_to_device", True):
+        device = "cpu"  # TL leaves the weights where they were built
+    given = {step: bool(keywords.pop(step)) for step in TL_PROCESSING_DEFAULTS if step in keywords}
+    prepend_bos = keywords.pop("default_prepend_bos", None)
+    padding_side = keywords.pop("default_padding_side", None)
+    if padding_side not in (None, "left", "right"):
+        raise ValueError(f"default_padding_side={padding_side!r} must be 'left' or 'right'")
+    refuse_unsupported(keywords, "HookedDecoder.from_pretrained()", LOADING_HINTS)
+    return LoadingKeywords(dtype=dtype, device=device, revision=revision, processing=given or None,
+                           default_prepend_bos=prepend_bos, default_padding_side=padding_side)
+
+
+def checkpoint_revision(name_or_path, step) -> str:
+    """The hub revision of TL's `checkpoint_value=step`: Pythia's branches are `step<N>`, Stanford CRFM's GPT-2 runs'
+    `checkpoint-<N>`."""
+    repo = SHORT_NAMES.get(str(name_or_path), str(name_or_path))
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise TypeError(f"checkpoint_value must be a training step (an int), got {step!r}")
+    if repo.startswith("EleutherAI/pythia-"):
+        return f"step{step}"
+    if repo.startswith("stanford-crfm/"):
+        return f"checkpoint-{step}"
+    raise TypeError(f"checkpoint_value= picks a training checkpoint of Pythia or Stanford CRFM's GPT-2 runs, and "
+                    f"{name_or_path!r} is neither; pass revision= (a hub branch, tag or commit) instead")
+
+
+def processing_steps(cfg, given: dict[str, bool]) -> dict[str, bool]:
+    """TL's processing for a model of `cfg`: the steps given, TL's defaults for the rest where they apply."""
+    applies = {"fold_ln": can_fold_ln, "center_writing_weights": can_center_writing_weights,
+               "center_unembed": can_center_unembed, "fold_value_biases": lambda cfg: True,
+               "refactor_factored_attn_matrices": can_refactor_factored_attn_matrices}
+    steps = {}
+    for step, default in TL_PROCESSING_DEFAULTS.items():
+        if step in given:
+            steps[step] = given[step]
+        elif default and not applies[step](cfg):
+            warnings.warn(f"from_pretrained: skipping {step} (transformer-lens's default), which this model's blocks "
+                          f"do not allow; pass {step}=False to say so", stacklevel=3)
+            steps[step] = False
+        else:
+            steps[step] = default
+    return steps
+
+
+def finish_loading(model, options: LoadingKeywords):
+    """Apply the processing and defaults `options` ask for to a freshly loaded model (nothing else holds it)."""
+    if options.processing is not None:
+        process_weights_in_place(model, **processing_steps(model.cfg, options.processing))
+        if options.load_dtype != options.dtype:
+            model.to(options.dtype)
+    if options.default_prepend_bos is not None:
+        model.cfg = dataclasses.replace(model.cfg, default_prepend_bos=bool(options.default_prepend_bos))
+    if options.default_padding_side is not None:
+        if model.tokenizer is None:
+            raise ValueError("default_padding_side= needs a tokenizer, and this checkpoint has none")
+        model.tokenizer.padding_side = options.default_padding_side
+    return model
