@@ -50,6 +50,17 @@ class SAEMethods:
             self.reset_saes(sae.cfg.hook_name)
         attached[sae.cfg.hook_name] = Attached(sae, use_error_term, attach(self, sae, use_error_term))
 
+    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
+                    level=None) -> None:
+        """The hooks' reset; attached SAEs stay attached, as SAELens's do (they are modules there, not hooks):
+        `reset_saes()` removes them."""
+        super().reset_hooks(clear_contexts, direction, including_permanent, level)
+        attached = self._sae_attachments()
+        for name, previous in list(attached.items()):  # their permanent hooks may just have gone: splice them anew
+            previous.detach()
+            attached[name] = Attached(previous.sae, previous.use_error_term,
+                                      attach(self, previous.sae, previous.use_error_term))
+
     def reset_saes(self, act_names: Optional[Union[str, Sequence[str]]] = None) -> None:
         """Detach the SAEs `add_sae` attached at these hook names (all of them by default)."""
         attached = self._sae_attachments()

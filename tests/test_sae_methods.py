@@ -70,6 +70,9 @@ def test_an_attached_sae_is_visible_survives_reset_hooks_and_leaves_no_trace(bun
             assert {name for name, *_ in model.persistent_hooks()} == {sae.cfg.hook_name}  # visible, permanent
             model.reset_hooks()  # as SAELens's, it leaves SAEs attached
             assert_same(model(tokens), spliced_logits, atol=1e-6)
+            model.reset_hooks(including_permanent=True)  # even this: an SAE is not a hook there
+            assert_same(model(tokens), spliced_logits, atol=1e-6)
+            assert len(model.persistent_hooks()) == 1 and model.acts_to_saes == {sae.cfg.hook_name: sae}
             with model.saes(saes=[sae], use_error_term=True):  # steps in for the attached one, which comes back
                 assert_same(model(tokens), plain, atol=1e-4)
             assert_same(model(tokens), spliced_logits, atol=1e-6)
