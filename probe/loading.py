@@ -6,7 +6,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 from safetensors.torch import save_file
@@ -70,6 +70,7 @@ SHORT_NAMES.update({
 })
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
              "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
+TOKENIZER_FILES = ["tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
 HUB_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -84,7 +85,26 @@ def load_pretrained(
     directory = resolve_checkpoint(name_or_path, revision)
     hf_config = _read_json(directory / "config.json")
     _family(hf_config, directory)
-    weights = _read_weights(directory)
+    return _build(hf_config, _read_weights(directory), _read_tokenizer(directory), directory, device, dtype, model_class)
+
+
+def load_hf_model(hf_model, tokenizer: Optional[Tokenizer], device=None, dtype: Optional[torch.dtype] = None, *,
+                  model_class: type) -> HookedDecoder:
+    """A transformers model already in memory (transformer-lens's `hf_model=`), read as its saved directory would
+    be: its config and a copy of its weights (`hf_model` itself is left as it was)."""
+    config = getattr(hf_model, "config", None)
+    if not (hasattr(config, "to_dict") and hasattr(hf_model, "state_dict")):
+        raise TypeError(f"hf_model must be a transformers model (e.g. GPT2LMHeadModel), got {type(hf_model).__name__}")
+    hf_config = config.to_dict()
+    where = Path(f"<hf_model {type(hf_model).__name__}>")  # what error messages name in place of a directory
+    _family(hf_config, where)
+    # copies: the model built must not share (and later process in place) hf_model's own tensors
+    return _build(hf_config, {name: tensor.detach().clone() for name, tensor in hf_model.state_dict().items()},
+                  tokenizer, where, device, dtype, model_class)
+
+
+def _build(hf_config: dict, weights: dict, tokenizer: Optional[Tokenizer], directory: Path, device, dtype,
+           model_class: type) -> HookedDecoder:
     _check_layer_count(hf_config, weights, directory)  # before any table or tensor is sized by the config
     cfg = config_from_hf(hf_config, directory)
     architectures = hf_config.get("architectures") or [None]  # transformer-lens code reads cfg.original_architecture
@@ -94,7 +114,7 @@ def load_pretrained(
     state = state_dict_from_hf(weights, hf_config, cfg, directory, device=device)
     del weights
     with torch.device("meta"):  # no time spent initialising weights that are overwritten at once
-        model = model_class(cfg, tokenizer=_read_tokenizer(directory))
+        model = model_class(cfg, tokenizer=tokenizer)
     model.load_state_dict(state, strict=True, assign=True)
     del state  # a dtype change below then frees each parameter's old copy as it goes
     if cfg.tied_embeddings:
@@ -104,7 +124,14 @@ def load_pretrained(
 
 
 # ---- finding the files ---------------------------------------------------------------------------
-def resolve_checkpoint(name_or_path: Union[str, Path], revision: Optional[str] = None) -> Path:
+def load_tokenizer(name_or_path: Union[str, Path], revision: Optional[str] = None) -> Optional[Tokenizer]:
+    """The tokenizer of a checkpoint directory, short name or hub repository, without its weights (for a model
+    given in memory, transformer-lens's `hf_model=`)."""
+    return _read_tokenizer(resolve_checkpoint(name_or_path, revision, files=TOKENIZER_FILES))
+
+
+def resolve_checkpoint(name_or_path: Union[str, Path], revision: Optional[str] = None,
+                       files: Sequence[str] = HUB_FILES) -> Path:
     """A local directory as given, or a short name (`gpt2`, `pythia-70m`) or hub repository fetched from (or
     found in the cache of) the hub, at `revision` (a branch, tag or commit: Pythia's training checkpoints
     are the branches `step0` ... `step143000`)."""
@@ -116,11 +143,11 @@ def resolve_checkpoint(name_or_path: Union[str, Path], revision: Optional[str] =
         return path
     name = str(name_or_path)
     if name in SHORT_NAMES:
-        return _from_hub(SHORT_NAMES[name], revision=revision)
+        return _from_hub(SHORT_NAMES[name], revision=revision, files=files)
     if path.exists():
         raise CheckpointError(f"{path} is a file; pass the checkpoint directory holding config.json")
     if HUB_REPO_ID.fullmatch(name):  # not a local directory, but shaped like owner/name: a hub repository
-        return _from_hub(name, also=f"there is no local directory {path}", revision=revision)
+        return _from_hub(name, also=f"there is no local directory {path}", revision=revision, files=files)
     if any(sep in name for sep in ("/", "\\")) or name.startswith((".", "~")):
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     raise CheckpointError(
@@ -131,16 +158,16 @@ def resolve_checkpoint(name_or_path: Union[str, Path], revision: Optional[str] =
     )
 
 
-def _from_hub(repo_id: str, also: str = "", revision: Optional[str] = None) -> Path:
+def _from_hub(repo_id: str, also: str = "", revision: Optional[str] = None, files: Sequence[str] = HUB_FILES) -> Path:
     from huggingface_hub import snapshot_download
 
     try:  # the local cache first: works offline and costs no request
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(files), local_files_only=True))
     except Exception:
         pass
     at = "" if revision is None else f" at revision {revision!r}"
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(files)))
     except Exception as err:
         raise CheckpointError(
             (f"{also}; " if also else "") +

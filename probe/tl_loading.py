@@ -14,10 +14,11 @@ from typing import Any, Optional, Union
 
 import torch
 
-from probe.loading import SHORT_NAMES
+from probe.loading import SHORT_NAMES, load_hf_model, load_pretrained, load_tokenizer
 from probe.processing import (can_center_unembed, can_center_writing_weights, can_fold_ln,
                               can_refactor_factored_attn_matrices, process_weights_in_place)
 from probe.tl_surface import refuse_unsupported
+from probe.tokenizer import Tokenizer
 
 TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's
     "fold_ln": True, "center_writing_weights": True, "center_unembed": True, "fold_value_biases": True,
@@ -29,8 +30,6 @@ DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch
 LOADING_HINTS = {
     "checkpoint_index": "pass checkpoint_value=<step> or revision='step<N>' (the index needs the hub's list of "
                         "checkpoints; Pythia's training checkpoints are hub revisions)",
-    "hf_model": "save it with hf_model.save_pretrained(directory) and load that directory",
-    "tokenizer": "probe loads the checkpoint's own tokenizer.json; put the tokenizer's files in the directory",
     "n_devices": "pass device_map='auto' (or {layer: device}) to spread the blocks over several devices",
     "first_n_layers": "load the whole model and run it with stop_at_layer=",
 }
@@ -43,6 +42,8 @@ class LoadingKeywords:
     dtype: Optional[torch.dtype]
     device: Optional[Union[str, torch.device]]
     revision: Optional[str]
+    hf_model: Any  # a transformers model in memory, to load instead of the name's weights
+    tokenizer: Optional[Tokenizer]  # a transformers tokenizer's, in place of the checkpoint's
     processing: Optional[dict[str, bool]]  # None: the checkpoint's own weights
     default_prepend_bos: Optional[bool]
     default_padding_side: Optional[str]
@@ -80,8 +81,11 @@ def parse_loading_keywords(name_or_path, dtype: Any, device: Any, revision: Opti
     padding_side = keywords.pop("default_padding_side", None)
     if padding_side not in (None, "left", "right"):
         raise ValueError(f"default_padding_side={padding_side!r} must be 'left' or 'right'")
+    hf_model, tokenizer = keywords.pop("hf_model", None), keywords.pop("tokenizer", None)
     refuse_unsupported(keywords, "HookedDecoder.from_pretrained()", LOADING_HINTS)
-    return LoadingKeywords(dtype=dtype, device=device, revision=revision, processing=given or None,
+    return LoadingKeywords(dtype=dtype, device=device, revision=revision, hf_model=hf_model,
+                           tokenizer=None if tokenizer is None else Tokenizer.from_transformers(tokenizer),
+                           processing=given or None,
                            default_prepend_bos=prepend_bos, default_padding_side=padding_side)
 
 
@@ -115,6 +119,19 @@ def processing_steps(cfg, given: dict[str, bool]) -> dict[str, bool]:
         else:
             steps[step] = default
     return steps
+
+
+def load_model(name_or_path, options: LoadingKeywords, model_class: type):
+    """The checkpoint `name_or_path` names, or `hf_model` with the name's tokenizer (TL's `hf_model=`: nothing but
+    the tokenizer is read for the name); `tokenizer=` replaces the tokenizer either way."""
+    if options.hf_model is None:
+        model = load_pretrained(name_or_path, device=options.device, dtype=options.load_dtype,
+                                revision=options.revision, model_class=model_class)
+        if options.tokenizer is not None:
+            model.tokenizer = options.tokenizer
+        return model
+    tokenizer = options.tokenizer or load_tokenizer(name_or_path, options.revision)
+    return load_hf_model(options.hf_model, tokenizer, options.device, options.load_dtype, model_class=model_class)
 
 
 def finish_loading(model, options: LoadingKeywords):

@@ -83,6 +83,19 @@ class Tokenizer:
         except ValueError as err:
             raise ValueError(f"the tokenizer in {directory}: {err} (or fix bos_token in tokenizer_config.json)") from None
 
+    @classmethod
+    def from_transformers(cls, tokenizer) -> "Tokenizer":
+        """A transformers tokenizer (transformer-lens's `tokenizer=`): its fast backend, BOS and EOS tokens."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if not isinstance(backend, _HFTokenizer):
+            raise TypeError(f"tokenizer must be a fast transformers tokenizer (AutoTokenizer.from_pretrained(..., "
+                            f"use_fast=True)), got {type(tokenizer).__name__}")
+        backend = _HFTokenizer.from_str(backend.to_str())  # its own copy, without the caller's padding settings
+        backend.no_padding()
+        backend.no_truncation()
+        return cls(backend, _known(backend, tokenizer.bos_token) or _default_bos(backend),
+                   _known(backend, tokenizer.eos_token))
+
     def save(self, directory: Path) -> None:
         self.backend.save(str(Path(directory) / "tokenizer.json"))
 

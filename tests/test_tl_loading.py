@@ -148,9 +148,44 @@ def test_placement_keywords_and_refusals_name_the_fix():
     assert HookedDecoder.from_pretrained(DEFAULT_MODEL, n_devices=1).W_E.device.type == "cpu"
     for keywords, fix in [(dict(checkpoint_index=3), "checkpoint_value=<step>"), (dict(n_devices=2), "device_map='auto'"),
                           (dict(checkpoint_value=3000), "Pythia or Stanford CRFM's GPT-2 runs"),
-                          (dict(hf_model=object()), "save_pretrained"), (dict(fold_layernorm=True), "'fold_layernorm'")]:
+                          (dict(hf_model=object()), "hf_model must be a transformers model"),
+                          (dict(tokenizer=object()), "a fast transformers tokenizer"),
+                          (dict(fold_layernorm=True), "'fold_layernorm'")]:
         with pytest.raises(TypeError, match=fix.replace("(", r"\(").replace("'", ".")):
             HookedDecoder.from_pretrained(DEFAULT_MODEL, **keywords)
+
+
+def test_a_transformers_model_in_memory_loads_as_transformer_lens_loads_it(monkeypatch, tmp_path):
+    # HookedTransformer.from_pretrained("gpt2", hf_model=fine_tuned, tokenizer=its_tokenizer): the name reads
+    # nothing (the hub is never asked), the weights are the model's own, copied
+    import huggingface_hub
+    from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked for a model given in memory")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    hf = GPT2LMHeadModel.from_pretrained(str(DEFAULT_MODEL)).eval()
+    with torch.no_grad():
+        for param in hf.parameters():  # not the bundled model's weights any more: "fine-tuned"
+            param.add_(0.01 * torch.randn_like(param))
+    before = {name: p.detach().clone() for name, p in hf.named_parameters()}
+    special = "<|endoftext|>"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{DEFAULT_MODEL}/tokenizer.json", bos_token=special,
+                                        eos_token=special, pad_token=special, padding_side="left")
+    tokenizer.backend_tokenizer.enable_padding(length=40)  # the caller's settings stay out of probe's copy
+    model = HookedDecoder.from_pretrained("gpt2", hf_model=hf, tokenizer=tokenizer, fold_ln=True).eval()
+    tokens = model.to_tokens(PROMPT)
+    assert tokens[0].tolist() == [tokenizer.bos_token_id] + tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        assert_same(model(tokens).log_softmax(-1), hf(tokens).logits.log_softmax(-1), what="processed, in memory")
+    assert all(torch.equal(p, before[name]) for name, p in hf.named_parameters())  # processing touched a copy
+    assert model.cfg.model_name == "gpt2" and model.cfg.original_architecture == "GPT2LMHeadModel"
+    # without tokenizer=, the name's tokenizer: here a local directory's
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((Path(DEFAULT_MODEL) / "tokenizer.json").read_bytes())
+    from_dir = HookedDecoder.from_pretrained(tmp_path, hf_model=hf)
+    assert from_dir.to_tokens(PROMPT).tolist() == tokens.tolist()
 
 
 def test_checkpoint_value_asks_the_hub_for_that_training_step(monkeypatch):
