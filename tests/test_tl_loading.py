@@ -87,6 +87,29 @@ def test_the_loading_keywords_process_as_transformer_lens_does(line):
                     what=f"{line}: {name}")
 
 
+@pytest.mark.parametrize("family", ["neox", "qwen3", "gemma2"])
+def test_other_families_process_as_the_bridge_does(family, tmp_path):
+    # parallel blocks with LayerNorm (centred), RMSNorm with grouped-query heads (folded only), Gemma 2's sandwich
+    # norms and capped logits (folded, no centring of the writers or of the capped unembedding, as TL skips them)
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from test_variants import build
+
+    build(family, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = TransformerBridge.boot_transformers(str(tmp_path), device="cpu")
+        theirs.enable_compatibility_mode()  # TL's defaults
+        ours = HookedDecoder.from_pretrained(tmp_path, fold_ln=True).eval()
+    for name in WEIGHTS:
+        if name == "W_pos" or (getattr(ours.blocks[0].attn, "b_Q") is None and name.startswith("b_") and name != "b_U"):
+            continue  # rotary positions; the bridge has no zeros for the biases these checkpoints lack
+        assert_same(getattr(ours, name), getattr(theirs, name), atol=1e-6, what=f"{family}: {name}")
+    tokens = torch.tensor([[1, 5, 9, 22, 7, 60, 3]])
+    with torch.no_grad():
+        assert_same(ours(tokens), theirs(tokens), what=f"{family}: logits")
+
+
 def test_without_processing_keywords_the_weights_are_the_checkpoints_own(bundled_model):
     plain = {name: getattr(bundled_model, name) for name in WEIGHTS}
     no_processing = HookedDecoder.from_pretrained_no_processing(DEFAULT_MODEL)
