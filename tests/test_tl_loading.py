@@ -16,7 +16,7 @@ import torch
 from probe import DEFAULT_MODEL, HookedDecoder
 from probe.checkpoints import CheckpointError
 from probe.loading import SHORT_NAMES
-from test_tl_compat import PROMPT, PROMPTS, classic
+from test_tl_compat import CASES, PROMPT, PROMPTS, classic
 from tl_oracle import assert_same, bridge
 
 TL_DEFAULTS = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True,
@@ -34,6 +34,8 @@ def processed_bridge(steps: tuple):
         warnings.simplefilter("ignore")
         model = TransformerBridge.boot_transformers(str(DEFAULT_MODEL), device="cpu")
         model.enable_compatibility_mode(**dict(steps))
+    for param in model.parameters():  # some idioms take gradients
+        param.requires_grad_(True)
     return model.eval()
 
 
@@ -108,6 +110,20 @@ def test_other_families_process_as_the_bridge_does(family, tmp_path):
     tokens = torch.tensor([[1, 5, 9, 22, 7, 60, 3]])
     with torch.no_grad():
         assert_same(ours(tokens), theirs(tokens), what=f"{family}: logits")
+
+
+@pytest.fixture(scope="module")
+def processed_models():
+    steps = dict(fold_ln=True, center_writing_weights=True, center_unembed=True)  # Exploratory_Analysis_Demo's line
+    return (HookedDecoder.from_pretrained(DEFAULT_MODEL, **steps).eval(),
+            processed_bridge(tuple({**TL_DEFAULTS, **steps}.items())))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_tutorial_idioms_agree_on_processed_weights_too(processed_models, name):
+    # test_tl_compat's cases, run on the model as the tutorials load it (processed), against the bridge processed so
+    ours, theirs = processed_models
+    assert_same(CASES[name](ours), classic(CASES[name](theirs)), what=name)
 
 
 def test_without_processing_keywords_the_weights_are_the_checkpoints_own(bundled_model):
