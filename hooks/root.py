@@ -39,9 +39,12 @@ class HookedRootModule(nn.Module):
         """Bytes a cache of `names` would take for this input, or None if unknown (models override this)."""
         return None
 
-    def setup_hooks(self) -> None:
+    def setup_hooks(self, aliases: Optional[dict[str, str]] = None) -> None:
+        """Name every HookPoint submodule. `aliases` ({other name: point name}) are names that hooks may also
+        use for a point (another library's spelling); caches and name filters know the point by its own name."""
         self._hook_points: dict[str, HookPoint] = {}
         self._lent_points: dict[str, HookPoint] = {}  # another module's, for a `lent_hook_points` block
+        self._aliases: dict[str, str] = dict(aliases or {})
         for name, module in self.named_modules():
             if isinstance(module, HookPoint):
                 module.name = name
@@ -64,6 +67,7 @@ class HookedRootModule(nn.Module):
 
     def hook_point(self, name: str) -> HookPoint:
         # the two registries never share a name: look in each rather than merging them for every lookup
+        name = self._aliases.get(name, name)
         point = self._hook_points.get(name) or self._lent_points.get(name)
         if point is None:
             raise unknown_name_error(name, self._all_points) from None
@@ -75,14 +79,10 @@ class HookedRootModule(nn.Module):
         if names is None:
             return [n for n, p in self._all_points.items() if not p.opt_in]
         if isinstance(names, str):
-            self.hook_point(names)
-            return [names]
+            return [self.hook_point(names).name]
         if callable(names):
             return [n for n, p in self._all_points.items() if names(n) and not (p.opt_in and p.by_name)]
-        names = list(names)
-        for name in names:
-            self.hook_point(name)
-        return names
+        return [self.hook_point(name).name for name in names]
 
     @contextmanager
     def lent_hook_points(self, points: dict[str, HookPoint]) -> Iterator["HookedRootModule"]:

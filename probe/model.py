@@ -19,6 +19,7 @@ from probe.embedding import Embed, Unembed, make_pos_embed
 from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
 from probe.kv_cache import KVCache
 from probe.mlp import make_mlp
+from probe.names import bridge_aliases
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.sae_methods import SAEMethods
 from probe.shapes import PER_HEAD_INPUTS, hook_shapes
@@ -151,7 +152,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
         self.init_weights()
-        self.setup_hooks()
+        self.setup_hooks(aliases=bridge_aliases(cfg.n_layers))
         self._follow_weights()
 
     def forward(

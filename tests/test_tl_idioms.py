@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from probe import DEFAULT_MODEL, HookedDecoder
-from test_tl_compat import PROMPT, PROMPTS, classic, models  # noqa: F401 (models is a fixture)
+from test_tl_compat import PROMPT, PROMPTS, classic, clean_and_corrupted, logit_diff, models  # noqa: F401 (a fixture)
 from tl_oracle import assert_same
 
 
@@ -130,6 +130,19 @@ def case_get_caching_hooks_attached_by_hand(model):
     return classic(cache), classic(sliced)
 
 
+def case_direct_path_patching_of_transformer_lens_4(model):
+    # TL 4's own path patching hooks the bridge's names for the per-head inputs (blocks.l.attn.hook_q_input)
+    import transformer_lens.patching as patching
+
+    clean, corrupted = clean_and_corrupted(model)
+    _, clean_cache = model.run_with_cache(clean)
+    _, corrupted_cache = model.run_with_cache(corrupted)
+    return [patching.get_act_patch_direct_path(model, corrupted, clean_cache, corrupted_cache, logit_diff, src_layer=0,
+                                               src_head=2, component=part, verbose=False) for part in "qkv"] + [
+        patching.get_act_patch_direct_path_all_sources(model, corrupted, clean_cache, corrupted_cache, logit_diff,
+                                                       component="v", verbose=False)]
+
+
 def case_caching_hooks_kept_until_reset(model):
     cache = model.add_caching_hooks(lambda name: name.endswith("hook_resid_pre"))
     everything = {}
@@ -162,6 +175,16 @@ def test_input_to_embed_of_left_padded_prompts_counts_positions_along_real_token
         torch.testing.assert_close(residual[row, -n:], by_hand, rtol=0, atol=1e-6)
         torch.testing.assert_close(ours(residual, start_at_layer=0, attention_mask=mask)[row, -n:],
                                    ours(ours.to_tokens(PROMPTS[row]))[0], rtol=0, atol=1e-4)
+
+
+def test_the_bridges_names_for_the_per_head_inputs_reach_the_block_points(models):  # noqa: F811
+    ours, _ = models
+    seen = []
+    ours.run_with_hooks(PROMPT, fwd_hooks=[("blocks.1.attn.hook_k_input", lambda x, hook: seen.append(hook.name))])
+    assert seen == ["blocks.1.hook_k_input"]  # hooks take the alias; the point keeps its own name, in caches too
+    _, cache = ours.run_with_cache(PROMPT, names=["blocks.2.attn.hook_v_input"])
+    assert list(cache.keys()) == ["blocks.2.hook_v_input"]
+    assert "blocks.1.attn.hook_k_input" not in ours.hook_dict
 
 
 def test_pos_slice_stores_the_positions_asked_for(models):  # noqa: F811
