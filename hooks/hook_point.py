@@ -3,6 +3,8 @@ and the gradient flowing back through it."""
 from __future__ import annotations
 
 import contextvars
+import functools
+import inspect
 import threading
 from contextlib import contextmanager
 from functools import partial
@@ -80,6 +82,7 @@ class HookHandle:
                  permanent: bool = False):
         self.registry, self.fn, self.backward = registry, fn, backward
         self.persistent, self.permanent = persistent or permanent, permanent
+        self.by_keyword = type(fn) is not Store and takes_hook_by_keyword(fn)
         # a scoped hook runs only in the context (thread) that attached it; a persistent one everywhere
         self.owner = None if self.persistent else current_owner()
         self.removed = False  # a backward pass after the block ended must not run it
@@ -94,6 +97,31 @@ class HookHandle:
             self.registry.remove(self)  # by identity: handles define no equality
         except ValueError:  # removed already
             pass
+
+
+def takes_hook_by_keyword(fn: Callable) -> bool:
+    """Whether `fn` takes the hook point only as the keyword `hook` (`def fn(x, *, hook)`, as transformer-lens 4's own
+    hooks are written: TL calls fn(x, hook=point)). Every other hook gets it second, positionally, whatever it
+    calls it."""
+    code = getattr(fn, "__code__", None)
+    if code is not None and not hasattr(fn, "__self__"):  # a plain function: its code object says it all
+        return _code_takes_hook_by_keyword(code)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: positional, as always
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in positional) and any(
+        (p.kind is p.KEYWORD_ONLY and p.name == "hook") or p.kind is p.VAR_KEYWORD for p in params)
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_takes_hook_by_keyword(code) -> bool:
+    # hooks are made by the thousand from a few definitions (closures share their code): decide once per code
+    takes_varargs = bool(code.co_flags & inspect.CO_VARARGS)
+    keyword_only = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
+    takes_kwargs = bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    return code.co_argcount < 2 and not takes_varargs and ("hook" in keyword_only or takes_kwargs)
 
 
 def _owner() -> Optional[object]:
@@ -199,11 +227,12 @@ class HookPoint(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fns:
             owner = _owner()
-            for fn in [h.fn for h in self._fns if h.owner is None or h.owner is owner]:  # a snapshot: hooks may add hooks
+            for handle in [h for h in self._fns if h.owner is None or h.owner is owner]:  # a snapshot: hooks may add hooks
+                fn = handle.fn
                 if type(fn) is Store:  # a cache's store: nothing to check, nothing replaced
                     fn.into[self.name] = x.detach() if fn.detach and x.requires_grad else x
                 else:
-                    x = self._apply_hook(fn, x, "activation")
+                    x = self._apply_hook(handle, x, "activation")
         if self._bwd_fns and x.requires_grad and torch.is_grad_enabled() and _visible(self._bwd_fns):
             # Hook a fresh autograd node, not x itself: the same tensor often passes two points
             # (resid_post of block l is resid_pre of block l+1), and hooks on one tensor run in the
@@ -216,13 +245,14 @@ class HookPoint(nn.Module):
     def _backward(self, handles: list[HookHandle], grad: torch.Tensor) -> torch.Tensor:
         for handle in handles:
             if not handle.removed:
-                grad = self._apply_hook(handle.fn, grad, "gradient")
+                grad = self._apply_hook(handle, grad, "gradient")
         return grad
 
-    def _apply_hook(self, fn: HookFn, x: torch.Tensor, what: str) -> torch.Tensor:
-        """fn's replacement for x, checked, or x itself when fn returns None."""
+    def _apply_hook(self, handle: HookHandle, x: torch.Tensor, what: str) -> torch.Tensor:
+        """The hook's replacement for x, checked, or x itself when it returns None."""
+        fn = handle.fn
         try:
-            out = fn(x, self)
+            out = fn(x, hook=self) if handle.by_keyword else fn(x, self)
         except Exception as err:
             if hasattr(err, "add_note"):  # Python 3.11+: say where the user's hook failed, keep its type
                 err.add_note(f"raised by the hook {getattr(fn, '__name__', fn)!r} on {self.name!r}")

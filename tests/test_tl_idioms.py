@@ -143,6 +143,25 @@ def case_direct_path_patching_of_transformer_lens_4(model):
                                                        component="v", verbose=False)]
 
 
+def case_hooks_that_take_the_point_by_keyword(model):
+    # TL calls hook(activation, hook=point); TL 4's own hooks are written `def fn(x, *, hook)`
+    def scale(activation, *, hook):
+        return activation * (1 + hook.layer())
+
+    def count(activation, **kwargs):
+        kwargs["hook"].ctx["seen"] = kwargs["hook"].name
+
+    return model.run_with_hooks(PROMPT, fwd_hooks=[("blocks.1.hook_mlp_out", scale), ("blocks.2.attn.hook_z", count)])
+
+
+def case_node_attribution_patching_of_transformer_lens_4(model):
+    from transformer_lens.tools.analysis.attribution_patching import attribution_patch
+
+    clean, corrupted = clean_and_corrupted(model)
+    result = attribution_patch(model, clean, corrupted, logit_diff)
+    return sorted((repr(node), float(score)) for node, score in result.node_scores.items())
+
+
 def case_caching_hooks_kept_until_reset(model):
     cache = model.add_caching_hooks(lambda name: name.endswith("hook_resid_pre"))
     everything = {}

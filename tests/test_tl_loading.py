@@ -126,6 +126,17 @@ def test_the_tutorial_idioms_agree_on_processed_weights_too(processed_models, na
     assert_same(CASES[name](ours), classic(CASES[name](theirs)), what=name)
 
 
+@pytest.mark.parametrize("unit", ["component", "head", "layer"])
+def test_transformer_lens_4_direct_logit_attribution_on_processed_weights(processed_models, unit):
+    # TL 4's tool (tools.analysis) needs the final norm folded, as the tutorials load the model
+    from transformer_lens.tools.analysis.direct_logit_attribution import direct_logit_attribution
+
+    ours, theirs = processed_models
+    mine, tl = (direct_logit_attribution(model, PROMPT, " the", " and", unit=unit) for model in (ours, theirs))
+    assert_same(mine.attribution, tl.attribution, what=unit)
+    assert list(mine.labels) == list(tl.labels)
+
+
 def test_without_processing_keywords_the_weights_are_the_checkpoints_own(bundled_model):
     plain = {name: getattr(bundled_model, name) for name in WEIGHTS}
     no_processing = HookedDecoder.from_pretrained_no_processing(DEFAULT_MODEL)
