@@ -170,8 +170,10 @@ class HookedRootModule(nn.Module):
 
     @property
     def hook_dict(self) -> dict[str, HookPoint]:
-        """Every hook point by name (transformer-lens's `hook_dict`)."""
-        return dict(self._all_points)
+        """Every hook point by name (transformer-lens's `hook_dict`), and again under each alias `setup_hooks` was
+        given (as transformer-lens 4's bridge lists its own names beside the classic ones)."""
+        points = self._all_points
+        return {**points, **{alias: points[name] for alias, name in self._aliases.items() if name in points}}
 
     def hook_points(self) -> list[HookPoint]:
         """Every hook point (transformer-lens's `hook_points()`, the values of `hook_dict`)."""

@@ -85,7 +85,7 @@ class CompiledForwards:
         return copies[id(out)]
 
     def _refuse_hooks(self, what: str) -> None:
-        hooked = [name for name, point in self.model.hook_dict.items() if point.active]
+        hooked = [name for name in self.model.hook_names if self.model.hook_point(name).active]
         if hooked:
             shown = ", ".join(hooked[:3]) + (f" and {len(hooked) - 3} more" if len(hooked) > 3 else "")
             raise RuntimeError(

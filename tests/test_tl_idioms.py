@@ -162,6 +162,26 @@ def case_node_attribution_patching_of_transformer_lens_4(model):
     return sorted((repr(node), float(score)) for node, score in result.node_scores.items())
 
 
+def case_edge_attribution_patching_of_transformer_lens_4(model):
+    # TL 4's EAP hooks every point its graph needs by the names in model.hook_dict, the bridge's aliases among them
+    from transformer_lens.tools.analysis.attribution_patching import EdgeAttributionConfig, attribution_patch
+
+    clean, corrupted = clean_and_corrupted(model)
+    result = attribution_patch(model, clean, corrupted, logit_diff, EdgeAttributionConfig(granularity="edge"))
+    return sorted((repr(edge), float(score)) for edge, score in result.edge_scores.items())
+
+
+def case_faithfulness_of_transformer_lens_4(model):
+    from transformer_lens.tools.analysis.attribution_patching import (EdgeAttributionConfig, FaithfulnessConfig,
+                                                                     attribution_patch, faithfulness)
+
+    clean, corrupted = clean_and_corrupted(model)
+    scores = attribution_patch(model, clean, corrupted, logit_diff, EdgeAttributionConfig(granularity="edge"))
+    circuit = [edge for edge, _ in sorted(scores.edge_scores.items(), key=lambda item: (-abs(item[1]), repr(item[0])))]
+    result = faithfulness(model, clean, corrupted, logit_diff, circuit[:40], FaithfulnessConfig(ablation="corrupt"))
+    return result.recovered, result.full_metric, result.corrupt_metric, result.circuit_size, result.total_edges
+
+
 def case_caching_hooks_kept_until_reset(model):
     cache = model.add_caching_hooks(lambda name: name.endswith("hook_resid_pre"))
     everything = {}
@@ -203,7 +223,7 @@ def test_the_bridges_names_for_the_per_head_inputs_reach_the_block_points(models
     assert seen == ["blocks.1.hook_k_input"]  # hooks take the alias; the point keeps its own name, in caches too
     _, cache = ours.run_with_cache(PROMPT, names=["blocks.2.attn.hook_v_input"])
     assert list(cache.keys()) == ["blocks.2.hook_v_input"]
-    assert "blocks.1.attn.hook_k_input" not in ours.hook_dict
+    assert ours.hook_dict["blocks.1.attn.hook_k_input"] is ours.hook_dict["blocks.1.hook_k_input"]  # as the bridge's
 
 
 def test_pos_slice_stores_the_positions_asked_for(models):  # noqa: F811
@@ -287,9 +307,11 @@ def test_hook_points_and_mod_dict(models):  # noqa: F811
     # every point of probe's is one of the bridge's (its hook_dict names some under aliases of its own naming)
     ours, theirs = models
     names = [point.name for point in ours.hook_points()]
-    assert sorted(names) == sorted(ours.hook_dict) and len(names) == len(set(names))
+    aliases = {f"blocks.{layer}.attn.hook_{part}_input" for layer in range(ours.cfg.n_layers) for part in "qkv"}
+    assert set(ours.hook_dict) == set(names) | aliases and len(names) == len(set(names)) == len(ours.hook_names)
     assert set(names) <= set(theirs.hook_dict) and len(theirs.hook_points()) > 0
     assert all(ours.mod_dict[name] is ours.hook_dict[name] for name in names)
+    assert aliases <= set(theirs.hook_dict)  # the bridge's own names for the per-head inputs
     assert all(name in theirs.mod_dict for name in names)  # the bridge's mod_dict holds the same points by name
     assert ours.mod_dict["blocks.0.attn"] is ours.blocks[0].attn
 
