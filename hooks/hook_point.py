@@ -106,6 +106,17 @@ def takes_hook_by_keyword(fn: Callable) -> bool:
     code = getattr(fn, "__code__", None)
     if code is not None and not hasattr(fn, "__self__"):  # a plain function: its code object says it all
         return _code_takes_hook_by_keyword(code)
+    if type(fn) is partial and callable(fn.func):  # partial(hook_fn, head=h), made once per patched site
+        return _partial_takes_hook_by_keyword(fn.func, len(fn.args), frozenset(fn.keywords))
+    return _signature_takes_hook_by_keyword(fn)
+
+
+@functools.lru_cache(maxsize=4096)
+def _partial_takes_hook_by_keyword(func: Callable, n_args: int, keywords: frozenset) -> bool:
+    return _signature_takes_hook_by_keyword(partial(func, *([None] * n_args), **dict.fromkeys(keywords)))
+
+
+def _signature_takes_hook_by_keyword(fn: Callable) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: positional, as always
