@@ -167,6 +167,29 @@ class SparseAutoencoder(HookedRootModule):
             fingerprint.update(memoryview(data.view(torch.uint8).numpy()))  # the bytes as they are, without a copy
         return fingerprint.hexdigest()[:16]
 
+    @property
+    def device(self) -> torch.device:  # SAELens's sae.device and sae.dtype
+        return self.W_enc.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.W_enc.dtype
+
+    @torch.no_grad()
+    def fold_W_dec_norm(self) -> None:
+        """SAELens's: each decoder row scaled to unit norm and its norm folded into the encoder (the feature's W_enc
+        column, b_enc entry and JumpReLU threshold), so the output is unchanged and each feature reads in units of
+        its decoder norm. Refused for TopK, where scaling the pre-activations changes which k win (as SAELens's)."""
+        if self.cfg.architecture == "topk":
+            raise ValueError("fold_W_dec_norm would change which k features a TopK SAE keeps (the pre-activations are "
+                             "rescaled per feature); it folds standard and jumprelu SAEs only")
+        norms = self.W_dec.norm(dim=-1).clamp(min=1e-8)  # [d_sae]
+        self.W_dec.div_(norms[:, None])
+        self.W_enc.mul_(norms)
+        self.b_enc.mul_(norms)
+        if self.threshold is not None:
+            self.threshold.mul_(norms)
+
     # ---- files -----------------------------------------------------------------------------------------
     @classmethod
     def load_from_disk(cls, path: Union[str, Path], device: Optional[Union[str, torch.device]] = None,

@@ -4,6 +4,8 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
 
     python saelens_oracle.py encode SAE_DIR INPUTS OUTPUTS
         SAE.load_from_disk(SAE_DIR); INPUTS holds x; OUTPUTS gets features, output (SAELens's forward)
+    python saelens_oracle.py fold SAE_DIR INPUTS OUTPUTS
+        the SAE after its fold_W_dec_norm(): OUTPUTS gets features, output and its W_enc, W_dec, b_enc (threshold)
     python saelens_oracle.py hooked_sae MODEL_DIR SAE_DIR INPUTS OUTPUTS
         HookedSAETransformer (transformer-lens 3's HookedTransformer, built offline from a GPT-2 directory's
         weights, unprocessed) runs hooked_sae_idioms with the SAE in SAE_DIR on INPUTS' tokens; OUTPUTS gets each
@@ -54,6 +56,18 @@ def loss(arch: str, settings_json: str, state: str, inputs: str, outputs: str) -
     written["loss"] = result.loss.detach().contiguous()
     written.update({f"grad.{n}": p.grad.contiguous() for n, p in sae.named_parameters() if p.grad is not None})
     save_file(written, outputs)
+
+
+def fold(sae_dir: str, inputs: str, outputs: str) -> None:
+    from sae_lens import SAE
+
+    sae = SAE.load_from_disk(sae_dir, device="cpu")
+    sae.fold_W_dec_norm()
+    x = load_file(inputs)["x"]
+    with torch.no_grad():
+        out = {"features": sae.encode(x), "output": sae(x)}
+    out.update({name: p.detach() for name, p in sae.named_parameters() if name in ("W_enc", "W_dec", "b_enc", "threshold")})
+    save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)
 
 
 def hooked_gpt2(model_dir: str):
@@ -116,4 +130,4 @@ def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"encode": encode, "loss": loss, "hooked_sae": hooked_sae}[command](*args)
+    {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae}[command](*args)

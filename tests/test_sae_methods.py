@@ -57,6 +57,32 @@ def test_hooked_sae_transformer_idioms_give_saelens_numbers(kind, tmp_path):
                                                                             written.get("hook_name_out"))
 
 
+@needs_saelens
+def test_fold_W_dec_norm_is_saelens(tmp_path):
+    from test_sae_training import random_inference
+
+    x = torch.randn(50, 24, generator=torch.Generator().manual_seed(2))
+    save_file({"x": x}, tmp_path / "x.safetensors")
+    for i, (architecture, transcoder) in enumerate([("standard", False), ("jumprelu", False), ("jumprelu", True)]):
+        sae = random_inference(architecture, transcoder, seed=i)
+        sae.save_pretrained(tmp_path / f"sae{i}")
+        with torch.no_grad():
+            before = sae(x)
+        sae.fold_W_dec_norm()
+        oracle("fold", tmp_path / f"sae{i}", tmp_path / "x.safetensors", tmp_path / f"folded{i}.safetensors")
+        theirs = load_file(tmp_path / f"folded{i}.safetensors")
+        with torch.no_grad():
+            ours = {"features": sae.encode(x), "output": sae(x), "W_enc": sae.W_enc, "W_dec": sae.W_dec, "b_enc": sae.b_enc,
+                    **({"threshold": sae.threshold} if sae.threshold is not None else {})}
+        assert set(ours) == set(theirs)
+        for name in theirs:
+            assert_same(ours[name], theirs[name], atol=1e-5, what=f"{architecture} {name}")
+        assert_same(ours["output"], before, atol=1e-5, what="the output is unchanged")
+        torch.testing.assert_close(sae.W_dec.norm(dim=-1), torch.ones(sae.cfg.d_sae), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="which k features a TopK SAE keeps"):
+        random_inference("topk").fold_W_dec_norm()
+
+
 def test_an_attached_sae_is_visible_survives_reset_hooks_and_leaves_no_trace(bundled_model):
     model = bundled_model
     sae = SparseAutoencoder.from_pretrained(BUNDLED_SAE)
