@@ -55,8 +55,10 @@ class SAEMethods:
         """The hooks' reset; attached SAEs stay attached, as SAELens's do (they are modules there, not hooks):
         `reset_saes()` removes them."""
         super().reset_hooks(clear_contexts, direction, including_permanent, level)
+        if not including_permanent:  # the splices' hooks are permanent ones: still there
+            return
         attached = self._sae_attachments()
-        for name, previous in list(attached.items()):  # their permanent hooks may just have gone: splice them anew
+        for name, previous in list(attached.items()):  # their hooks have just gone: splice them anew
             previous.detach()
             attached[name] = Attached(previous.sae, previous.use_error_term,
                                       attach(self, previous.sae, previous.use_error_term))

@@ -114,7 +114,7 @@ def processing_steps(cfg, given: dict[str, bool]) -> dict[str, bool]:
             steps[step] = given[step]
         elif default and not applies[step](cfg):
             warnings.warn(f"from_pretrained: skipping {step} (transformer-lens's default), which this model's blocks "
-                          f"do not allow; pass {step}=False to say so", stacklevel=3)
+                          f"do not allow; pass {step}=False to say so", stacklevel=4)  # the from_pretrained call
             steps[step] = False
         else:
             steps[step] = default
@@ -130,7 +130,7 @@ def load_model(name_or_path, options: LoadingKeywords, model_class: type):
         if options.tokenizer is not None:
             model.tokenizer = options.tokenizer
         return model
-    tokenizer = options.tokenizer or load_tokenizer(name_or_path, options.revision)
+    tokenizer = options.tokenizer if options.tokenizer is not None else load_tokenizer(name_or_path, options.revision)
     return load_hf_model(options.hf_model, tokenizer, options.device, options.load_dtype, model_class=model_class)
 
 
