@@ -200,7 +200,10 @@ def test_placement_keywords_and_refusals_name_the_fix():
                           (dict(checkpoint_value=3000), "Pythia or Stanford CRFM's GPT-2 runs"),
                           (dict(hf_model=object()), "hf_model must be a transformers model"),
                           (dict(tokenizer=object()), "a fast transformers tokenizer"),
-                          (dict(fold_layernorm=True), "'fold_layernorm'")]:
+                          (dict(fold_layernorm=True), "'fold_layernorm'"),
+                          (dict(default_prepend_bos="no"), "default_prepend_bos must be True or False, got 'no'"),
+                          (dict(fold_ln=1), "fold_ln must be True or False"),
+                          (dict(move_to_device="cpu"), "move_to_device must be True or False")]:
         with pytest.raises(TypeError, match=fix.replace("(", r"\(").replace("'", ".")):
             HookedDecoder.from_pretrained(DEFAULT_MODEL, **keywords)
 
