@@ -39,7 +39,7 @@ class AbsolutePositions(nn.Module):
             return F.embedding(positions, self.W_pos)
         batch, n = tokens.shape[:2]
         window = slice(past_kv_pos_offset, past_kv_pos_offset + n)
-        if attention_mask is None:
+        if attention_mask is None:  # a lookup, not a slice of W_pos: the caller may edit what it gets
             at = torch.arange(window.start, window.stop, device=self.W_pos.device)
             return F.embedding(at, self.W_pos).expand(batch, n, -1)
         attention_mask = attention_mask.to(self.W_pos.device)

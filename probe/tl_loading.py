@@ -74,16 +74,14 @@ def parse_loading_keywords(name_or_path, dtype: Any, device: Any, revision: Opti
         dtype = DTYPE_NAMES[dtype]
     if keywords.pop("n_devices", 1) != 1:
         raise TypeError(f"from_pretrained does not take n_devices= above 1: {LOADING_HINTS['n_devices']}")
-    move_to_device = keywords.pop("move_to_device", True)
-    if not isinstance(move_to_device, bool):
-        raise TypeError(f"move_to_device must be True or False, got {move_to_device!r}")
-    if not move_to_device:
-        device = "cpu"  # TL leaves the weights where they were built
     given = {step: keywords.pop(step) for step in TL_PROCESSING_DEFAULTS if step in keywords}
     prepend_bos = keywords.pop("default_prepend_bos", None)
-    for name, value in {**given, "default_prepend_bos": prepend_bos}.items():
+    move_to_device = keywords.pop("move_to_device", True)
+    for name, value in {**given, "default_prepend_bos": prepend_bos, "move_to_device": move_to_device}.items():
         if value is not None and not isinstance(value, bool):  # "no" would read as True
             raise TypeError(f"{name} must be True or False, got {value!r}")
+    if not move_to_device:
+        device = "cpu"  # TL leaves the weights where they were built
     padding_side = keywords.pop("default_padding_side", None)
     if padding_side not in (None, "left", "right"):
         raise ValueError(f"default_padding_side={padding_side!r} must be 'left' or 'right'")

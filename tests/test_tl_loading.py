@@ -17,7 +17,7 @@ from probe import DEFAULT_MODEL, HookedDecoder
 from probe.checkpoints import CheckpointError
 from probe.loading import SHORT_NAMES
 from test_tl_compat import CASES, PROMPT, PROMPTS, classic
-from tl_oracle import assert_same, bridge
+from tl_oracle import assert_same, booted, bridge
 
 TL_DEFAULTS = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True,
                    refactor_factored_attn_matrices=False)
@@ -28,15 +28,7 @@ REFACTORED = ("hook_q", "hook_k", "hook_v", "hook_z")  # coordinates along singu
 
 @functools.lru_cache(maxsize=4)
 def processed_bridge(steps: tuple):
-    from transformer_lens.model_bridge import TransformerBridge
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = TransformerBridge.boot_transformers(str(DEFAULT_MODEL), device="cpu")
-        model.enable_compatibility_mode(**dict(steps))
-    for param in model.parameters():  # some idioms take gradients
-        param.requires_grad_(True)
-    return model.eval()
+    return booted(DEFAULT_MODEL, **dict(steps))
 
 
 def sign_aligned(ours, theirs):
@@ -93,15 +85,12 @@ def test_the_loading_keywords_process_as_transformer_lens_does(line):
 def test_other_families_process_as_the_bridge_does(family, tmp_path):
     # parallel blocks with LayerNorm (centred), RMSNorm with grouped-query heads (folded only), Gemma 2's sandwich
     # norms and capped logits (folded, no centring of the writers or of the capped unembedding, as TL skips them)
-    from transformer_lens.model_bridge import TransformerBridge
-
     from test_variants import build
 
     build(family, tmp_path)
+    theirs = booted(tmp_path)  # TL's defaults
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        theirs = TransformerBridge.boot_transformers(str(tmp_path), device="cpu")
-        theirs.enable_compatibility_mode()  # TL's defaults
         ours = HookedDecoder.from_pretrained(tmp_path, fold_ln=True).eval()
     for name in WEIGHTS:
         if name == "W_pos" or (getattr(ours.blocks[0].attn, "b_Q") is None and name.startswith("b_") and name != "b_U"):

@@ -12,12 +12,18 @@ import torch
 
 @functools.lru_cache(maxsize=4)
 def bridge(directory: str):
+    return booted(directory, no_processing=True)
+
+
+def booted(directory, **compatibility) -> "TransformerBridge":  # noqa: F821
+    """A fresh bridge over `directory` in compatibility mode with these settings (processing steps), in eval mode
+    with gradients on (some idioms take them)."""
     from transformer_lens.model_bridge import TransformerBridge
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = TransformerBridge.boot_transformers(str(directory), device="cpu")
-        model.enable_compatibility_mode(no_processing=True)
+        model.enable_compatibility_mode(**compatibility)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(True)
