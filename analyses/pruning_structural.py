@@ -89,18 +89,13 @@ def prune_heads(
     keep = [[i for i in range(len(current[l])) if i not in remove[l]] for l in range(cfg.n_layers)]
     new_cfg = replace(cfg, heads_per_layer=tuple(len(k) for k in keep))
 
-    d_head = cfg.d_head
+    # the state dict is transformer-lens's layout (probe.tl_state_dict): per-head tensors, indexed by the kept heads
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     for l, kept in enumerate(keep):
-        n_l = cfg.layer_heads(l)
-        within = torch.arange(d_head)
-        idx = torch.tensor(kept, dtype=torch.long)[:, None] * d_head + within  # [kept d_head] rows of each kept head
-        rows = torch.cat([idx.flatten() + part * n_l * d_head for part in range(3)])  # q | k | v
-        prefix = f"blocks.{l}.attn"
-        state[f"{prefix}.qkv.weight"] = state[f"{prefix}.qkv.weight"][rows.to(model.device)].contiguous()
-        if f"{prefix}.qkv.bias" in state:
-            state[f"{prefix}.qkv.bias"] = state[f"{prefix}.qkv.bias"][rows.to(model.device)].contiguous()
-        state[f"{prefix}.out.weight"] = state[f"{prefix}.out.weight"][:, idx.flatten().to(model.device)].contiguous()
+        idx = torch.tensor(kept, dtype=torch.long, device=model.device)
+        for name in ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O"):
+            key = f"blocks.{l}.attn.{name}"
+            state[key] = state[key][idx].contiguous()
     with torch.device(model.device), warnings.catch_warnings():
         # a layer left with no heads has empty projections, whose initialisation torch warns is a no-op
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")

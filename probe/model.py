@@ -23,6 +23,7 @@ from probe.names import bridge_aliases
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.sae_methods import SAEMethods
 from probe.shapes import PER_HEAD_INPUTS, hook_shapes
+from probe.tl_state_dict import use_tl_layout
 from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported
 from probe.tokenizer import Tokenizer
 from probe.tokens import TokenMethods, is_text
@@ -153,6 +154,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
             self.unembed.weight = self.embed.W_E
         self.init_weights()
         self.setup_hooks(aliases=bridge_aliases(cfg.n_layers))
+        use_tl_layout(self)  # state_dict() in transformer-lens's names and shapes; load_state_dict takes both layouts
         self._follow_weights()
 
     def forward(

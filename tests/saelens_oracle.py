@@ -10,6 +10,12 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         HookedSAETransformer (transformer-lens 3's HookedTransformer, built offline from a GPT-2 directory's
         weights, unprocessed) runs hooked_sae_idioms with the SAE in SAE_DIR on INPUTS' tokens; OUTPUTS gets each
         idiom's results by name
+    python saelens_oracle.py tl_state_dict KIND MODEL_DIR CONFIG_JSON STATE INPUTS OUTPUTS
+        transformer-lens 3's HookedTransformer(HookedTransformerConfig(**CONFIG)) for the transformers checkpoint
+        in MODEL_DIR (KIND: gpt2, llama, neox, qwen3 or gemma: TL's converter for it). OUTPUTS gets tl.KEY, TL's
+        own state dict of that checkpoint (its converter's, unprocessed), tl_logits (TL's forward with them) and
+        logits (TL's forward after load_state_dict(STATE, strict=False)) on INPUTS' tokens; stdout the JSON of a
+        fresh model's state-dict shapes and that load's missing and unexpected keys
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -87,6 +93,27 @@ def hooked_gpt2(model_dir: str):
     return model.eval()
 
 
+def tl_state_dict(kind: str, model_dir: str, config_json: str, state: str, inputs: str, outputs: str) -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained import weight_conversions
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    cfg = HookedTransformerConfig(**json.loads(config_json), device="cpu")
+    model = HookedTransformer(cfg).eval()
+    shapes = {key: list(t.shape) for key, t in model.state_dict().items()}
+    converted = getattr(weight_conversions, f"convert_{kind}_weights")(hf, cfg)
+    tokens = load_file(inputs)["tokens"]
+    out = {f"tl.{key}": t.detach().clone().contiguous() for key, t in converted.items()}
+    with torch.no_grad():
+        model.load_state_dict(converted, strict=False)
+        out["tl_logits"] = model(tokens).contiguous()
+        loaded = model.load_state_dict(load_file(state), strict=False)
+        out["logits"] = model(tokens).contiguous()
+    save_file(out, outputs)
+    print(json.dumps({"shapes": shapes, "missing": loaded.missing_keys, "unexpected": loaded.unexpected_keys}))
+
+
 def hooked_sae_idioms(model, sae, tokens) -> dict:
     """SAELens's HookedSAETransformer idioms, written once: the oracle runs them on HookedSAETransformer, and
     tests/test_sae_methods.py imports this function to run them on probe (only attribute access, no imports)."""
@@ -130,4 +157,4 @@ def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae}[command](*args)
+    {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict}[command](*args)

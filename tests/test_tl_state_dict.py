@@ -1,0 +1,281 @@
+"""probe/tl_state_dict.py: `state_dict()` in transformer-lens's layout, and `load_state_dict` of it.
+
+The oracles: transformer-lens 3's HookedTransformer itself (in the SAELens virtualenv, tests/saelens_oracle.py's
+tl_state_dict command): the names and shapes of its state dict, its own converter's weights for the same
+checkpoint, and its forward on what probe exports; `transformers`' forward; and modules written here from the weights
+by hand, as ARENA's transformer-from-scratch has students write them, loaded from probe's modules by state dict."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from probe import DEFAULT_MODEL, HookedDecoder
+from probe.tl_state_dict import TL_BUFFERS
+from test_sae_training import needs_saelens, oracle
+from test_variants import build
+
+
+def tl_config(kind: str, hf) -> dict:
+    """HookedTransformerConfig's settings for a transformers model, as a TL user writes them by hand."""
+    c = hf.config
+    if kind == "gpt2":
+        return dict(n_layers=c.n_layer, d_model=c.n_embd, n_ctx=c.n_positions, d_head=c.n_embd // c.n_head,
+                    n_heads=c.n_head, d_mlp=c.n_inner or 4 * c.n_embd, d_vocab=c.vocab_size, act_fn="gelu_new",
+                    normalization_type="LN", eps=c.layer_norm_epsilon)
+    d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    common = dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings, d_head=d_head,
+                  n_heads=c.num_attention_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size,
+                  positional_embedding_type="rotary", rotary_adjacent_pairs=False,
+                  rotary_base=c.rope_parameters["rope_theta"], original_architecture=c.architectures[0])
+    if kind in ("llama", "qwen3"):
+        return dict(common, act_fn="silu", normalization_type="RMS", eps=c.rms_norm_eps, rotary_dim=d_head,
+                    n_key_value_heads=c.num_key_value_heads, gated_mlp=True, final_rms=True, use_qk_norm=kind == "qwen3")
+    assert kind == "neox"
+    return dict(common, act_fn=c.hidden_act, normalization_type="LN", eps=c.layer_norm_eps, parallel_attn_mlp=True,
+                rotary_dim=int(d_head * c.rope_parameters["partial_rotary_factor"]))
+
+
+def checkpoint(case: str, directory):
+    """(the checkpoint's directory, TL's converter kind, the transformers model)."""
+    import transformers
+
+    if case == "gpt2-bundled":
+        return DEFAULT_MODEL, "gpt2", transformers.GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL).eval()
+    kind = {"llama-gqa-untied": "llama", "neox-parallel-partial-rotary": "neox", "qwen3-qk-norm-tied": "qwen3"}[case]
+    return directory, kind, build(kind, directory)
+
+
+@needs_saelens
+@pytest.mark.parametrize("case", ["gpt2-bundled", "llama-gqa-untied", "neox-parallel-partial-rotary", "qwen3-qk-norm-tied"])
+def test_the_state_dict_is_hooked_transformers_and_loads_both_ways(case, tmp_path):
+    directory, kind, hf = checkpoint(case, tmp_path / "checkpoint")
+    model = HookedDecoder.from_pretrained(directory).eval()
+    exported = model.state_dict()
+    save_file(exported, str(tmp_path / "state.safetensors"))  # contiguous and unshared, as safetensors needs
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
+    report = json.loads(oracle("tl_state_dict", kind, directory, json.dumps(tl_config(kind, hf)),
+                               tmp_path / "state.safetensors", tmp_path / "tokens.safetensors", tmp_path / "out.safetensors"))
+    out = load_file(str(tmp_path / "out.safetensors"))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+
+    # names and shapes: a HookedTransformer's, less the buffers it recomputes from its config
+    tl_shapes = {key: shape for key, shape in report["shapes"].items() if key.rsplit(".", 1)[-1] not in TL_BUFFERS}
+    assert {key: list(t.shape) for key, t in exported.items()} == tl_shapes
+    # values: TL's own converter's, for the same checkpoint
+    tl_weights = {key.removeprefix("tl."): t for key, t in out.items() if key.startswith("tl.")}
+    assert set(tl_weights) <= set(exported)
+    for key, value in exported.items():  # a bias the converter leaves out stays at TL's zero initialisation
+        torch.testing.assert_close(value, tl_weights.get(key, torch.zeros_like(value)), atol=1e-6, rtol=0, msg=key)
+    torch.testing.assert_close(out["tl_logits"], expected, atol=1e-4, rtol=1e-4)  # the oracle's own check
+    # TL's forward on what probe exports
+    assert report["unexpected"] == [] and all(key.rsplit(".", 1)[-1] in TL_BUFFERS for key in report["missing"])
+    torch.testing.assert_close(out["logits"], expected, atol=1e-4, rtol=1e-4)
+    # and back: a HookedTransformer's state dict (with its buffers) loads strictly into a fresh probe model
+    fresh = HookedDecoder(model.cfg).eval()
+    buffers = {f"blocks.{l}.attn.{name}": torch.zeros(()) for l in range(model.cfg.n_layers) for name in TL_BUFFERS}
+    fresh.load_state_dict({**tl_weights, **buffers}, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(tokens), expected, atol=1e-4, rtol=1e-4)
+
+
+# ---- ARENA's transformer from scratch: modules in TL's layout, loaded from probe's by state dict -----------------
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, d_model, eps):
+        super().__init__()
+        self.w, self.b, self.eps = nn.Parameter(torch.ones(d_model)), nn.Parameter(torch.zeros(d_model)), eps
+
+    def forward(self, x):
+        centred = x - x.mean(-1, keepdim=True)
+        return centred / (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt() * self.w + self.b
+
+
+class Embed(nn.Module):
+    def __init__(self, d_vocab, d_model):
+        super().__init__()
+        self.W_E = nn.Parameter(torch.empty(d_vocab, d_model))
+
+    def forward(self, tokens):
+        return self.W_E[tokens]
+
+
+class PosEmbed(nn.Module):
+    def __init__(self, n_ctx, d_model):
+        super().__init__()
+        self.W_pos = nn.Parameter(torch.empty(n_ctx, d_model))
+
+    def forward(self, tokens):
+        return self.W_pos[: tokens.shape[1]].expand(tokens.shape[0], -1, -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, n_heads, d_model, d_head):
+        super().__init__()
+        self.W_Q, self.W_K, self.W_V = (nn.Parameter(torch.empty(n_heads, d_model, d_head)) for _ in range(3))
+        self.b_Q, self.b_K, self.b_V = (nn.Parameter(torch.zeros(n_heads, d_head)) for _ in range(3))
+        self.W_O, self.b_O = nn.Parameter(torch.empty(n_heads, d_head, d_model)), nn.Parameter(torch.zeros(d_model))
+        self.register_buffer("IGNORE", torch.tensor(float("-inf")))  # students keep one; probe has no such buffer
+
+    def forward(self, x):
+        q, k, v = (torch.einsum("bpm,hmd->bphd", x, w) + b
+                   for w, b in ((self.W_Q, self.b_Q), (self.W_K, self.b_K), (self.W_V, self.b_V)))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+        n = x.shape[1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), self.IGNORE)
+        z = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+        return torch.einsum("bqhd,hdm->bqm", z, self.W_O) + self.b_O
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model, d_mlp):
+        super().__init__()
+        self.W_in, self.b_in = nn.Parameter(torch.empty(d_model, d_mlp)), nn.Parameter(torch.zeros(d_mlp))
+        self.W_out, self.b_out = nn.Parameter(torch.empty(d_mlp, d_model)), nn.Parameter(torch.zeros(d_model))
+
+    def forward(self, x):
+        return nn.functional.gelu(x @ self.W_in + self.b_in, approximate="tanh") @ self.W_out + self.b_out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln1, self.ln2 = LayerNorm(cfg.d_model, cfg.eps), LayerNorm(cfg.d_model, cfg.eps)
+        self.attn, self.mlp = Attention(cfg.n_heads, cfg.d_model, cfg.d_head), MLP(cfg.d_model, cfg.d_mlp)
+
+    def forward(self, resid):
+        resid = resid + self.attn(self.ln1(resid))
+        return resid + self.mlp(self.ln2(resid))
+
+
+class Unembed(nn.Module):
+    def __init__(self, d_model, d_vocab):
+        super().__init__()
+        self.W_U, self.b_U = nn.Parameter(torch.empty(d_model, d_vocab)), nn.Parameter(torch.zeros(d_vocab))
+
+    def forward(self, x):
+        return x @ self.W_U + self.b_U
+
+
+class DemoTransformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed, self.pos_embed = Embed(cfg.d_vocab, cfg.d_model), PosEmbed(cfg.n_ctx, cfg.d_model)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+        self.ln_final, self.unembed = LayerNorm(cfg.d_model, cfg.eps), Unembed(cfg.d_model, cfg.d_vocab)
+
+    def forward(self, tokens):
+        resid = self.embed(tokens) + self.pos_embed(tokens)
+        for block in self.blocks:
+            resid = block(resid)
+        return self.unembed(self.ln_final(resid))
+
+
+def test_arena_modules_load_from_probe_by_state_dict_and_agree():
+    """ARENA 1.1's `load_gpt2_test(cls, reference_gpt2.<module>, input)` and `demo_gpt2.load_state_dict(
+    reference_gpt2.state_dict(), strict=False)`, with probe as the reference: every module a student writes in TL's
+    layout gets all its weights and gives the reference module's output, and the whole model gives transformers'."""
+    import transformers
+
+    reference = HookedDecoder.from_pretrained(DEFAULT_MODEL, fold_ln=False, center_unembed=False,
+                                              center_writing_weights=False).eval()
+    cfg = reference.cfg
+    tokens = reference.to_tokens("ROMEO. But soft, what light through yonder window breaks?")
+    _, cache = reference.run_with_cache(tokens)
+
+    def load_gpt2_test(student: nn.Module, reference_module: nn.Module, input):
+        loaded = student.load_state_dict(reference_module.state_dict(), strict=False)
+        assert loaded.unexpected_keys == [] and all(key.endswith("IGNORE") for key in loaded.missing_keys), loaded
+        with torch.no_grad():
+            torch.testing.assert_close(student(input), reference_module(input), atol=1e-4, rtol=1e-3)
+
+    load_gpt2_test(LayerNorm(cfg.d_model, cfg.eps), reference.ln_final, cache["resid_post", cfg.n_layers - 1])
+    load_gpt2_test(Embed(cfg.d_vocab, cfg.d_model), reference.embed, tokens)
+    load_gpt2_test(PosEmbed(cfg.n_ctx, cfg.d_model), reference.pos_embed, tokens)
+    load_gpt2_test(Attention(cfg.n_heads, cfg.d_model, cfg.d_head), reference.blocks[0].attn, cache["normalized", 0, "ln1"])
+    load_gpt2_test(MLP(cfg.d_model, cfg.d_mlp), reference.blocks[0].mlp, cache["normalized", 0, "ln2"])
+    load_gpt2_test(Block(cfg), reference.blocks[0], cache["resid_pre", 0])
+    load_gpt2_test(Unembed(cfg.d_model, cfg.d_vocab), reference.unembed, cache["ln_final.hook_normalized"])
+
+    demo = DemoTransformer(cfg)
+    loaded = demo.load_state_dict(reference.state_dict(), strict=False)
+    assert loaded.unexpected_keys == [] and all(key.endswith("IGNORE") for key in loaded.missing_keys)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(demo(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+# ---- loading probe's own layout, refusals ---------------------------------------------------------------------
+
+
+def test_probe_layout_state_dicts_still_load(tiny_model, tokens):
+    """load_state_dict takes probe's own names too (parameters as named_parameters() names them)."""
+    own = {name: p.detach().clone() for name, p in tiny_model.named_parameters(remove_duplicate=False)}
+    fresh = HookedDecoder(tiny_model.cfg).eval()
+    fresh.load_state_dict(own, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(tokens), tiny_model(tokens))
+
+
+def test_a_module_state_dict_round_trips_and_biases_the_model_lacks_are_zeros(tmp_path):
+    hf = build("llama", tmp_path)  # no biases anywhere, grouped key/value heads
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    attn = model.blocks[1].attn
+    state = attn.state_dict()
+    assert sorted(state) == ["W_O", "W_Q", "_W_K", "_W_V", "_b_K", "_b_V", "b_O", "b_Q"]
+    assert all(state[name].count_nonzero() == 0 for name in ("b_Q", "_b_K", "_b_V", "b_O"))
+    # W_Q[h] is transformers' q_proj rows for head h, transposed (the weights by hand)
+    q_proj = hf.model.layers[1].self_attn.q_proj.weight.detach()
+    torch.testing.assert_close(state["W_Q"][3], q_proj[3 * 8:4 * 8].T)
+    other = HookedDecoder.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        for p in other.blocks[1].attn.parameters():
+            p.zero_()
+    other.blocks[1].attn.load_state_dict(state, strict=True)
+    assert torch.equal(other.blocks[1].attn.qkv.weight, attn.qkv.weight)
+    assert torch.equal(other.blocks[1].attn.out.weight, attn.out.weight)
+
+
+def test_a_nonzero_bias_the_model_has_no_room_for_is_refused_by_name(tmp_path):
+    build("llama", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path)
+    state = model.state_dict()
+    state["blocks.0.attn.b_Q"] = torch.ones_like(state["blocks.0.attn.b_Q"])
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.attn\.b_Q is not zero.*qkv_bias"):
+        model.load_state_dict(state)
+    state = model.state_dict()
+    state["blocks.1.mlp.b_out"] = torch.ones_like(state["blocks.1.mlp.b_out"])
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.mlp\.b_out is not zero.*mlp_bias"):
+        model.load_state_dict(state)
+
+
+def test_wrong_shapes_and_missing_pieces_are_named(tiny_model):
+    state = tiny_model.state_dict()
+    state["blocks.0.attn.W_K"] = state["blocks.0.attn.W_K"][:, :, :-1]
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.attn\.W_K has shape .* but this model needs"):
+        HookedDecoder(tiny_model.cfg).load_state_dict(state)
+    state = tiny_model.state_dict()
+    del state["blocks.0.attn.W_V"]
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.attn\.W_V is missing"):
+        HookedDecoder(tiny_model.cfg).load_state_dict(state)
+
+
+def test_a_tied_model_refuses_an_unembedding_that_is_not_its_embedding(tmp_path):
+    """A processed TL model's W_U is centred, no longer W_E transposed: a tied probe model cannot hold both, and
+    without the check the later tensor would silently overwrite the earlier."""
+    model = HookedDecoder.from_pretrained(DEFAULT_MODEL)
+    assert model.cfg.tied_embeddings
+    state = model.state_dict()
+    state["unembed.W_U"] = state["unembed.W_U"] - state["unembed.W_U"].mean(-1, keepdim=True)
+    with pytest.raises(RuntimeError, match="tied_embeddings=False"):
+        HookedDecoder(model.cfg).load_state_dict(state)
+    untied = HookedDecoder(dataclasses.replace(model.cfg, tied_embeddings=False))
+    untied.load_state_dict(state, strict=True)
+    assert torch.equal(untied.unembed.W_U, state["unembed.W_U"])
