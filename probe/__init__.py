@@ -7,10 +7,11 @@ from probe.names import act_name
 from probe.processing import process_weights
 from probe.sae import SAEConfig, SparseAutoencoder, spliced
 from probe.sae_training import TrainingConfig, train_sae
+from probe.tl_config import HookedTransformerConfig
 from probe.tokenizer import Tokenizer
 
 __all__ = [
-    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "Norm",
+    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedTransformerConfig", "Norm",
     "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig",
     "SandwichBlock", "SparseAutoencoder", "Tokenizer", "TrainingConfig", "act_name", "process_weights", "spliced",
     "train_sae",

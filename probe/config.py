@@ -96,6 +96,9 @@ class DecoderConfig:
     gated_mlp: bool = False  # act(gate(x)) * up(x) -> down: SwiGLU with SILU
     norm: Norm = Norm.LAYER
     norm_placement: NormPlacement = NormPlacement.PRE
+    # False: ln1, ln2 and ln_final learn no w (and b), as transformer-lens's LNPre / RMSPre and what fold_ln leaves;
+    # a sandwich block's post norms and the q/k norms keep theirs
+    norm_weights: bool = True
     final_norm: bool = True
     positions: Positions = Positions.LEARNED
     rotary_base: float = 10000.0
@@ -227,7 +230,7 @@ class DecoderConfig:
 
     @property
     def normalization_type(self) -> str:
-        return "LN" if self.norm is Norm.LAYER else "RMS"
+        return ("LN" if self.norm is Norm.LAYER else "RMS") + ("" if self.norm_weights else "Pre")
 
     @property
     def positional_embedding_type(self) -> str:
@@ -251,7 +254,7 @@ class DecoderConfig:
 
     @property
     def final_rms(self) -> bool:
-        return self.final_norm and self.norm is not Norm.LAYER
+        return self.final_norm and self.norm is not Norm.LAYER and self.norm_weights  # TL: an RMSNorm with weights
 
     @property
     def attention_dir(self) -> str:

@@ -80,12 +80,13 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     add("embed.weight", "embedding", v * d)
     if cfg.positions is Positions.LEARNED:
         add("pos_embed.weight", "embedding", cfg.n_ctx * d)
-    norm_params = d * (2 if cfg.norm is Norm.LAYER else 1)
+    per_norm = 2 if cfg.norm is Norm.LAYER else 1  # w (and b) per dimension
+    norm_params = d * per_norm if cfg.norm_weights else 0  # ln1, ln2, ln_final: see DecoderConfig.norm_weights
     for layer in range(cfg.n_layers):
         h, kv = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
         add("ln1", "norm", norm_params, layer)
         add("attn.q.weight", "attention", d * h * dh, layer)
-        add("attn.qk_norm", "norm", 2 * dh * (2 if cfg.norm is Norm.LAYER else 1) if cfg.qk_norm else 0, layer)
+        add("attn.qk_norm", "norm", 2 * dh * per_norm if cfg.qk_norm else 0, layer)
         add("attn.k.weight", "attention", d * kv * dh, layer)
         add("attn.v.weight", "attention", d * kv * dh, layer)
         add("attn.qkv.bias", "attention", (h + 2 * kv) * dh if cfg.qkv_bias else 0, layer)
@@ -93,8 +94,8 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
         add("ln2", "norm", norm_params, layer)
         if cfg.norm_placement is NormPlacement.SANDWICH:
-            add("ln1_post", "norm", norm_params, layer)
-            add("ln2_post", "norm", norm_params, layer)
+            add("ln1_post", "norm", d * per_norm, layer)
+            add("ln2_post", "norm", d * per_norm, layer)
         if cfg.gated_mlp:
             add("mlp.gate.weight", "mlp", d * m, layer)
             add("mlp.gate.bias", "mlp", m if cfg.mlp_bias else 0, layer)
@@ -106,4 +107,5 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("ln_final", "norm", norm_params)
     if not cfg.tied_embeddings:  # tied: the embedding's row already counts these weights
         add("unembed.weight", "unembedding", d * v)
+    add("unembed.bias", "unembedding", v if cfg.unembed_bias else 0)
     return Ledger(cfg=cfg, n_ctx=cfg.n_ctx if n_ctx is None else n_ctx, dtype=dtype, rows=rows)

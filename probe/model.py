@@ -37,9 +37,9 @@ class PreNormBlock(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
-        self.ln1 = make_norm(cfg)
+        self.ln1 = make_norm(cfg, foldable=True)
         self.attn = Attention(cfg, layer)
-        self.ln2 = make_norm(cfg)
+        self.ln2 = make_norm(cfg, foldable=True)
         self.mlp = make_mlp(cfg)
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
         # per-head copies of what attention reads, before its norm (transformer-lens's use_attn_in and
@@ -138,7 +138,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
 
     def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
         super().__init__()
-        prepend_bos = tokenizer is None or tokenizer.bos_id is not None
+        prepend_bos = cfg.default_prepend_bos and (tokenizer is None or tokenizer.bos_id is not None)
         self.cfg = cfg if cfg.default_prepend_bos == prepend_bos else dataclasses.replace(cfg, default_prepend_bos=prepend_bos)
         self.tokenizer = tokenizer
         self.embed = Embed(cfg.d_vocab, cfg.d_model, math.sqrt(cfg.d_model) if cfg.scale_embed else None)
@@ -148,13 +148,16 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
             self.hook_pos_embed = HookPoint()  # [batch pos d_model]
         self.blocks = nn.ModuleList([BLOCKS[cfg.norm_placement](cfg, layer) for layer in range(cfg.n_layers)])
         self.windows = {cfg.layer_window(layer) for layer in range(cfg.n_layers)}
-        self.ln_final = make_norm(cfg) if cfg.final_norm else nn.Identity()
+        self.ln_final = make_norm(cfg, foldable=True) if cfg.final_norm else nn.Identity()
         self.unembed = Unembed(cfg.d_vocab, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
         self.init_weights()
         self.setup_hooks(aliases=bridge_aliases(cfg.n_layers))
         use_tl_layout(self)  # state_dict() in transformer-lens's names and shapes; load_state_dict takes both layouts
+        self.follow_config_switches()
+        if cfg.device != "cpu" or cfg.dtype not in (None, torch.float32):  # a config that names them, as TL's can
+            self.to(device=cfg.device, dtype=cfg.dtype)
         self._follow_weights()
 
     def forward(

@@ -11,12 +11,40 @@ from probe.hooks import HookPoint
 from probe.config import DecoderConfig, Norm
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, d_model: int, eps: float):
+class FixedWeights:
+    """A norm without learned weights (transformer-lens's LNPre / RMSPre): w is ones and b zeros, kept as buffers
+    outside the state dict, so everything that reads a norm's w and b reads the right values."""
+
+    def fix_weights(self, d_model: int, names: tuple[str, ...]) -> None:
+        self.fixed = {name: 1.0 if name == "w" else 0.0 for name in names}
+        for name, value in self.fixed.items():
+            self.register_buffer(name, torch.full((d_model,), value), persistent=False)
+
+    def drop_weights(self) -> None:
+        """Turn learned weights that are already ones and zeros (folded away: probe.processing) into fixed ones."""
+        names = tuple(name for name in ("w", "b") if isinstance(getattr(self, name, None), nn.Parameter))
+        if names:
+            like = self.w
+            for name in names:
+                delattr(self, name)
+            self.fix_weights(like.shape[0], names)
+            for name in names:
+                setattr(self, name, getattr(self, name).to(device=like.device, dtype=like.dtype))
+
+    def build_buffers(self) -> None:  # after building on the meta device (probe.loading)
+        for name, value in getattr(self, "fixed", {}).items():
+            setattr(self, name, torch.full(getattr(self, name).shape, value, device=getattr(self, name).device))
+
+
+class LayerNorm(FixedWeights, nn.Module):
+    def __init__(self, d_model: int, eps: float, learned: bool = True):
         super().__init__()
         self.eps = eps
-        self.w = nn.Parameter(torch.ones(d_model))
-        self.b = nn.Parameter(torch.zeros(d_model))
+        if learned:
+            self.w = nn.Parameter(torch.ones(d_model))
+            self.b = nn.Parameter(torch.zeros(d_model))
+        else:
+            self.fix_weights(d_model, ("w", "b"))
         self.hook_scale = HookPoint()  # [batch pos 1]: sqrt(var + eps), what the centred input is divided by
         self.hook_normalized = HookPoint()  # [batch pos d_model]: centred / scale, before w and b (as TransformerLens)
 
@@ -33,11 +61,14 @@ class LayerNorm(nn.Module):
         return (normalized.float() * self.w.float() + self.b.float()).to(x.dtype)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, d_model: int, eps: float):
+class RMSNorm(FixedWeights, nn.Module):
+    def __init__(self, d_model: int, eps: float, learned: bool = True):
         super().__init__()
         self.eps = eps
-        self.w = nn.Parameter(torch.ones(d_model))
+        if learned:
+            self.w = nn.Parameter(torch.ones(d_model))
+        else:
+            self.fix_weights(d_model, ("w",))
         self.hook_scale = HookPoint()  # [batch pos 1] float32: sqrt(mean(x^2) + eps)
         self.hook_normalized = HookPoint()  # [batch pos d_model] float32: x / scale, before w
 
@@ -68,6 +99,8 @@ class RMSNormFloat32(RMSNorm):
 FLOAT32_HOOK_NORMS = frozenset({Norm.RMS, Norm.RMS_FLOAT32})
 
 
-def make_norm(cfg: DecoderConfig, dim: Optional[int] = None) -> nn.Module:
-    """The config's norm over the last `dim` (default d_model) dimensions."""
-    return {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32}[cfg.norm](dim or cfg.d_model, cfg.eps)
+def make_norm(cfg: DecoderConfig, dim: Optional[int] = None, foldable: bool = False) -> nn.Module:
+    """The config's norm over the last `dim` (default d_model) dimensions. `foldable`: one whose output a linear
+    layer reads (ln1, ln2, ln_final), which learns no weights when cfg.norm_weights is False."""
+    kind = {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32}[cfg.norm]
+    return kind(dim or cfg.d_model, cfg.eps, learned=cfg.norm_weights or not foldable)

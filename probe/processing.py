@@ -2,7 +2,9 @@
 more simply, leaving what the model computes unchanged.
 
 - `fold_ln`: each norm's weight (and bias) moves into the layer that reads the norm's output, so
-  the norm only normalises (w = 1, b = 0) and `hook_normalized` is exactly what that layer reads.
+  the norm only normalises (w = 1, b = 0, no longer learned: `cfg.norm_weights` is False and
+  `cfg.normalization_type` "LNPre" or "RMSPre", as in transformer-lens) and `hook_normalized` is exactly
+  what that layer reads.
   A LayerNorm's readers also lose their weights' mean over d_model (its output has mean zero, so
   they never used it), as transformer-lens's fold_ln does.
 - `center_writing_weights`: everything that writes into the residual stream (embeddings, attention
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +67,31 @@ def can_refactor_factored_attn_matrices(cfg: DecoderConfig) -> bool:
     """Rotary positions rotate q and k between W_Q and the scores, and a key/value head shared by several query
     heads cannot be balanced against each of them at once."""
     return cfg.positions is not Positions.ROTARY and cfg.n_kv_heads == cfg.n_heads
+
+
+TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's (and process_weights_'s, load_and_process_state_dict's)
+    "fold_ln": True, "center_writing_weights": True, "center_unembed": True, "fold_value_biases": True,
+    "refactor_factored_attn_matrices": False,
+}
+
+
+def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, stacklevel: int = 4) -> dict[str, bool]:
+    """TL's processing for a model of `cfg`: the steps given, TL's defaults for the rest where they apply (a default
+    that does not apply is skipped with a warning naming `where`, as TL skips it; a step given is checked later)."""
+    applies = {"fold_ln": can_fold_ln, "center_writing_weights": can_center_writing_weights,
+               "center_unembed": can_center_unembed, "fold_value_biases": lambda cfg: True,
+               "refactor_factored_attn_matrices": can_refactor_factored_attn_matrices}
+    steps = {}
+    for step, default in TL_PROCESSING_DEFAULTS.items():
+        if step in given:
+            steps[step] = given[step]
+        elif default and not applies[step](cfg):
+            warnings.warn(f"{where}: skipping {step} (transformer-lens's default), which this model's blocks "
+                          f"do not allow; pass {step}=False to say so", stacklevel=stacklevel)  # the user's call
+            steps[step] = False
+        else:
+            steps[step] = default
+    return steps
 
 
 def process_weights(model: HookedDecoder, *, fold_ln: bool = True, center_writing_weights: bool = True,
@@ -109,7 +137,7 @@ def process_weights_in_place(model: HookedDecoder, *, fold_ln: bool = True, cent
                      center_unembed=center_unembed, fold_value_biases=fold_value_biases,
                      refactor_factored_attn_matrices=refactor_factored_attn_matrices)
     _untie(model)
-    if fold_ln:
+    if fold_ln and model.cfg.norm_weights:  # norms without weights (folded already, or LNPre) have nothing to fold
         _fold_norms(model)
     if center_writing_weights:
         _center_writers(model)
@@ -143,6 +171,16 @@ def _fold_norms(model: HookedDecoder) -> None:
         _fold_norm_into(block.ln2, _mlp_inputs(block), model, "mlp_bias")
     if model.cfg.final_norm:
         _fold_norm_into(model.ln_final, [model.unembed], model, "unembed_bias")
+    drop_norm_weights(model)  # the folded norms are left with nothing to learn
+
+
+def drop_norm_weights(model: HookedDecoder) -> None:
+    """ln1, ln2 and ln_final keep w = 1 (and b = 0) fixed, learning none: transformer-lens's LNPre / RMSPre, whose
+    state dict has no norm weights (cfg.norm_weights False). For norms whose weights are ones and zeros already."""
+    for norm in [n for block in model.blocks for n in (block.ln1, block.ln2)] + [model.ln_final]:
+        if hasattr(norm, "drop_weights"):  # not the Identity of a model without a final norm
+            norm.drop_weights()
+    model.cfg = dataclasses.replace(model.cfg, norm_weights=False)
 
 
 def _fold_norm_into(norm: nn.Module, readers: list[nn.Module], model: HookedDecoder, bias_field: str) -> None:

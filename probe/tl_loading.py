@@ -9,21 +9,15 @@ an RMSNorm model, is skipped with a warning, as TL skips it; one asked for expli
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Optional, Union
 
 import torch
 
 from probe.loading import SHORT_NAMES, load_hf_model, load_pretrained, load_tokenizer
-from probe.processing import (can_center_unembed, can_center_writing_weights, can_fold_ln,
-                              can_refactor_factored_attn_matrices, process_weights_in_place)
+from probe.processing import TL_PROCESSING_DEFAULTS, process_weights_in_place, tl_processing_steps
 from probe.tl_surface import refuse_unsupported
 from probe.tokenizer import Tokenizer
 
-TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's
-    "fold_ln": True, "center_writing_weights": True, "center_unembed": True, "fold_value_biases": True,
-    "refactor_factored_attn_matrices": False,
-}
 NO_PROCESSING = {step: False for step in TL_PROCESSING_DEFAULTS}  # from_pretrained_no_processing's
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
@@ -107,24 +101,6 @@ def checkpoint_revision(name_or_path, step) -> str:
                     f"{name_or_path!r} is neither; pass revision= (a hub branch, tag or commit) instead")
 
 
-def processing_steps(cfg, given: dict[str, bool]) -> dict[str, bool]:
-    """TL's processing for a model of `cfg`: the steps given, TL's defaults for the rest where they apply."""
-    applies = {"fold_ln": can_fold_ln, "center_writing_weights": can_center_writing_weights,
-               "center_unembed": can_center_unembed, "fold_value_biases": lambda cfg: True,
-               "refactor_factored_attn_matrices": can_refactor_factored_attn_matrices}
-    steps = {}
-    for step, default in TL_PROCESSING_DEFAULTS.items():
-        if step in given:
-            steps[step] = given[step]
-        elif default and not applies[step](cfg):
-            warnings.warn(f"from_pretrained: skipping {step} (transformer-lens's default), which this model's blocks "
-                          f"do not allow; pass {step}=False to say so", stacklevel=4)  # the from_pretrained call
-            steps[step] = False
-        else:
-            steps[step] = default
-    return steps
-
-
 def load_model(name_or_path, options: LoadingKeywords, model_class: type):
     """The checkpoint `name_or_path` names, or `hf_model` with the name's tokenizer (TL's `hf_model=`: nothing but
     the tokenizer is read for the name); `tokenizer=` replaces the tokenizer either way."""
@@ -141,7 +117,7 @@ def load_model(name_or_path, options: LoadingKeywords, model_class: type):
 def finish_loading(model, options: LoadingKeywords):
     """Apply the processing and defaults `options` ask for to a freshly loaded model (nothing else holds it)."""
     if options.processing is not None:
-        process_weights_in_place(model, **processing_steps(model.cfg, options.processing))
+        process_weights_in_place(model, **tl_processing_steps(model.cfg, options.processing, "from_pretrained"))
         if options.load_dtype != options.dtype:
             model.to(options.dtype)
     if options.default_prepend_bos is not None:

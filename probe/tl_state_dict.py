@@ -76,15 +76,21 @@ def _save_attention(module: Attention, state: dict, prefix: str, local_metadata)
 
 
 def _save_mlp(module: MLP, state: dict, prefix: str, local_metadata) -> None:
-    renamed = [("fc_in", "W_in", "b_in"), ("fc_out", "W_out", "b_out")]
-    if hasattr(module, "gate"):
-        renamed.append(("gate", "W_gate", "b_gate"))
-    for linear, weight_name, bias_name in renamed:
-        weight = state.pop(prefix + linear + ".weight")
-        state[prefix + weight_name] = weight.T.contiguous()
-        bias = state.pop(prefix + linear + ".bias", None)
-        if bias is not None or linear != "gate":  # TL's gated MLP has no gate bias
-            state[prefix + bias_name] = _or_zeros(bias, weight.shape[0], weight)
+    gated = hasattr(module, "gate")
+    for linear, name in [("fc_in", "W_in"), ("fc_out", "W_out")] + ([("gate", "W_gate")] if gated else []):
+        state[prefix + name] = state.pop(prefix + linear + ".weight").T.contiguous()
+    d_mlp, like = module.fc_in.out_features, state[prefix + "W_in"]
+    state[prefix + "b_out"] = _or_zeros(state.pop(prefix + "fc_out.bias", None), module.fc_out.out_features, like)
+    up_bias = state.pop(prefix + "fc_in.bias", None)
+    if not gated:
+        state[prefix + "b_in"] = _or_zeros(up_bias, d_mlp, like)
+        return
+    # TL's gated MLP adds b_in after act(gate) * up, and has no other bias; probe's biases sit inside the up and gate
+    # projections (as transformers' do), which TL cannot hold: they go under names of their own when not zero
+    state[prefix + "b_in"] = like.new_zeros(d_mlp)
+    for name, bias in (("b_up", up_bias), ("b_gate", state.pop(prefix + "gate.bias", None))):
+        if bias is not None and bias.count_nonzero():
+            state[prefix + name] = bias
 
 
 def _save_unembed(module: Unembed, state: dict, prefix: str, local_metadata) -> None:
@@ -107,7 +113,8 @@ def _take(state: dict, key: str, shape: tuple, errors: list) -> Optional[torch.T
     return tensor
 
 
-def _bias_into(state: dict, key: str, target: str, shape: tuple, has_bias: bool, errors: list, what: str) -> None:
+def _bias_into(state: dict, key: str, target: str, shape: tuple, has_bias: bool, errors: list, what: str,
+               fix: str = "load it into a model built with that bias, or drop the key") -> None:
     """TL's bias `key` into probe's `target`; dropped when the model has no such bias and it is zero."""
     if key not in state:
         return  # TL always writes its biases; a state dict without one leaves the model's as they are
@@ -117,8 +124,7 @@ def _bias_into(state: dict, key: str, target: str, shape: tuple, has_bias: bool,
     if has_bias:
         state[target] = bias.reshape(-1)
     elif bias.count_nonzero():
-        errors.append(f"{key} is not zero, but this model has no {what} (its config says so): load it into a "
-                      f"model built with that bias, or drop the key")
+        errors.append(f"{key} is not zero, but this model has no {what}: {fix}")
 
 
 def _load_attention(module: Attention, state: dict, prefix: str, local_metadata, strict, missing, unexpected,
@@ -154,15 +160,28 @@ def _load_attention(module: Attention, state: dict, prefix: str, local_metadata,
 def _load_mlp(module: MLP, state: dict, prefix: str, local_metadata, strict, missing, unexpected, errors: list) -> None:
     if prefix + "W_in" not in state:
         return
-    renamed = [("fc_in", "W_in", "b_in"), ("fc_out", "W_out", "b_out")]
-    if hasattr(module, "gate"):
-        renamed.append(("gate", "W_gate", "b_gate"))
-    for linear_name, weight_name, bias_name in renamed:
+    gated = hasattr(module, "gate")
+    for linear_name, name in [("fc_in", "W_in"), ("fc_out", "W_out")] + ([("gate", "W_gate")] if gated else []):
         linear = getattr(module, linear_name)
-        weight = _take(state, prefix + weight_name, (linear.in_features, linear.out_features), errors)
+        weight = _take(state, prefix + name, (linear.in_features, linear.out_features), errors)
         if weight is not None:
             state[prefix + linear_name + ".weight"] = weight.T
-        _bias_into(state, prefix + bias_name, prefix + linear_name + ".bias", (linear.out_features,),
+    d_mlp, d_model = module.fc_in.out_features, module.fc_out.out_features
+    _bias_into(state, prefix + "b_out", prefix + "fc_out.bias", (d_model,), module.fc_out.bias is not None, errors,
+               "MLP bias (mlp_bias)")
+    if not gated:
+        _bias_into(state, prefix + "b_in", prefix + "fc_in.bias", (d_mlp,), module.fc_in.bias is not None, errors,
+                   "MLP bias (mlp_bias)")
+        return
+    # see _save_mlp: TL's b_in comes after the gate's product, where probe has no bias
+    _bias_into(state, prefix + "b_in", prefix + "b_in.after_gate", (d_mlp,), False, errors,
+               "bias after the gate's product (transformer-lens's gated MLP adds b_in after act(gate) * up)",
+               fix="probe's gated MLP, as transformers', biases the up projection inside the product instead, so a "
+                   "non-zero TL b_in has no place in it")
+    for name, linear in (("b_up", module.fc_in), ("b_gate", module.gate)):
+        if linear.bias is not None and prefix + name not in state:
+            state[prefix + name] = linear.weight.new_zeros(d_mlp)  # absent: zero, as TL's gated MLP has it
+        _bias_into(state, prefix + name, prefix + ("fc_in" if name == "b_up" else "gate") + ".bias", (d_mlp,),
                    linear.bias is not None, errors, "MLP bias (mlp_bias)")
 
 
@@ -191,6 +210,8 @@ def _check_tied_unembedding(model: nn.Module, state: dict, prefix: str, local_me
         unembedding = state[prefix + "unembed.weight"]
     else:
         return
+    if unembedding is embedding or unembedding.data_ptr() == embedding.data_ptr():
+        return  # one tensor (probe's loading passes the tied one twice)
     if unembedding.shape == embedding.shape and not torch.equal(unembedding.to(embedding.dtype), embedding):
         errors.append("this state dict's unembedding is not its embedding transposed, but this model ties the two "
                       "(cfg.tied_embeddings=True): load it into a model built with "

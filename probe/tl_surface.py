@@ -3,12 +3,15 @@ positions, and clear refusals for the keywords probe does not take. A face over 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 import probe.residual_stack as rs
+from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps
+from probe.tokenizer import Tokenizer, check_padding_side
 
 GUIDE = "docs/from_transformer_lens.md"
 RETURN_TYPES = ("logits", "loss", "both", None)
@@ -102,6 +105,57 @@ class TransformerLensSurface:
         """The same for `blocks.l.hook_mlp_in` [batch pos d_model], the residual the MLP reads, before its norm."""
         self._include_by_default(("hook_mlp_in",), use_hook_mlp_in)
         self._record_switch(use_hook_mlp_in=bool(use_hook_mlp_in))
+
+    # ---- transformer-lens's processing and tokenizer methods, on a model already built -----------------------
+    def process_weights_(self, fold_ln: Optional[bool] = None, center_writing_weights: Optional[bool] = None,
+                         center_unembed: Optional[bool] = None, refactor_factored_attn_matrices: Optional[bool] = None,
+                         fold_value_biases: Optional[bool] = None) -> None:
+        """transformer-lens's `process_weights_`: this model's own weights processed in place (probe.processing).
+        A step left out (None) gets TL's default, skipped with a warning where this model cannot take it, as TL
+        skips it; a step asked for that the model cannot take is refused."""
+        if fold_ln is not False and not self.cfg.norm_weights:
+            warnings.warn("fold_ln: this model's norms have no weights (folded already, or LNPre / RMSPre); skipping "
+                          "fold_ln, as transformer-lens skips it", stacklevel=2)
+            fold_ln = False
+        given = {name: value for name, value in (
+            ("fold_ln", fold_ln), ("center_writing_weights", center_writing_weights), ("center_unembed", center_unembed),
+            ("refactor_factored_attn_matrices", refactor_factored_attn_matrices),
+            ("fold_value_biases", fold_value_biases)) if value is not None}
+        with torch.no_grad():
+            process_weights_in_place(self, **tl_processing_steps(self.cfg, given, "process_weights_", stacklevel=3))
+
+    def load_and_process_state_dict(self, state_dict: dict, fold_ln: Optional[bool] = None,
+                                    center_writing_weights: Optional[bool] = None, center_unembed: Optional[bool] = None,
+                                    fold_value_biases: Optional[bool] = None,
+                                    refactor_factored_attn_matrices: Optional[bool] = None) -> None:
+        """transformer-lens's `load_and_process_state_dict`: `load_state_dict(state_dict)` (strict; TL's layout or
+        probe's), then `process_weights_`. A state dict without norm weights was processed already (TL saves its
+        processed models so): the norms then learn none and fold_ln is skipped, as TL skips it."""
+        if self.cfg.norm_weights and not any(key.endswith((".ln1.w", ".ln2.w", "ln_final.w")) for key in state_dict):
+            drop_norm_weights(self)  # the state dict's norms were folded already
+        self.load_state_dict(state_dict, strict=True)
+        self.process_weights_(fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+                              center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+                              refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+
+    def set_tokenizer(self, tokenizer, default_padding_side: Optional[str] = None) -> None:
+        """transformer-lens's `set_tokenizer`: a probe Tokenizer, or a transformers (fast) tokenizer, converted.
+        BOS is prepended by default when the tokenizer has one and the config says so."""
+        if not isinstance(tokenizer, Tokenizer):
+            tokenizer = Tokenizer.from_transformers(tokenizer)
+        if default_padding_side is not None:
+            tokenizer.padding_side = check_padding_side(default_padding_side)
+        self.tokenizer = tokenizer
+        prepend_bos = self.cfg.default_prepend_bos and tokenizer.bos_id is not None
+        if prepend_bos != self.cfg.default_prepend_bos:
+            self.cfg = dataclasses.replace(self.cfg, default_prepend_bos=prepend_bos)
+
+    def follow_config_switches(self) -> None:
+        """Turn on the use_* switches the config says are on (a config built by HookedTransformerConfig(...,
+        use_attn_result=True), or copied from a model that set them)."""
+        for switch in ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in"):
+            if getattr(self.cfg, switch):
+                getattr(self, f"set_{switch}")(True)
 
     def _record_switch(self, **switch: bool) -> None:
         # the config is frozen and may be shared: the model gets its own copy saying what is on

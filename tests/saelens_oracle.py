@@ -16,6 +16,12 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         own state dict of that checkpoint (its converter's, unprocessed), tl_logits (TL's forward with them) and
         logits (TL's forward after load_state_dict(STATE, strict=False)) on INPUTS' tokens; stdout the JSON of a
         fresh model's state-dict shapes and that load's missing and unexpected keys
+    python saelens_oracle.py tl_build CONFIG_JSON INPUTS OUTPUTS [PROCESS_JSON]
+        HookedTransformer(HookedTransformerConfig(**CONFIG)), its weights then moved off their initialisation
+        (seeded; a gated MLP's b_in stays zero): OUTPUTS gets state.KEY (its state dict) and logits on INPUTS'
+        tokens; stdout the JSON of the config's resolved values (n_heads, d_mlp, initializer_range, ...). With
+        PROCESS_JSON, the model then load_and_process_state_dict(state, **PROCESS): OUTPUTS also gets processed.KEY
+        and processed_logits, and the JSON processed_normalization_type
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -114,6 +120,35 @@ def tl_state_dict(kind: str, model_dir: str, config_json: str, state: str, input
     print(json.dumps({"shapes": shapes, "missing": loaded.missing_keys, "unexpected": loaded.unexpected_keys}))
 
 
+RESOLVED = ("n_heads", "d_mlp", "d_vocab_out", "initializer_range", "attn_scale", "n_key_value_heads", "act_fn",
+            "normalization_type", "positional_embedding_type", "rotary_dim", "eps", "default_prepend_bos",
+            "use_attn_result", "parallel_attn_mlp", "gated_mlp", "final_rms", "attn_only", "attention_dir")
+
+
+def tl_build(config_json: str, inputs: str, outputs: str, process_json: str = "") -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(**json.loads(config_json), device="cpu")
+    model = HookedTransformer(cfg).eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not (cfg.gated_mlp and name.endswith("mlp.b_in")):  # after the gate's product: probe has no such bias
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        out = {f"state.{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()}
+        tokens = load_file(inputs)["tokens"]
+        out["logits"] = model(tokens).contiguous()
+    resolved = {name: getattr(cfg, name) for name in RESOLVED}
+    if process_json:
+        model.load_and_process_state_dict({k.removeprefix("state."): v for k, v in out.items()}, **json.loads(process_json))
+        with torch.no_grad():
+            out.update({f"processed.{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()})
+            out["processed_logits"] = model(tokens).contiguous()
+        resolved["processed_normalization_type"] = model.cfg.normalization_type
+    save_file(out, outputs)
+    print(json.dumps(resolved))
+
+
 def hooked_sae_idioms(model, sae, tokens) -> dict:
     """SAELens's HookedSAETransformer idioms, written once: the oracle runs them on HookedSAETransformer, and
     tests/test_sae_methods.py imports this function to run them on probe (only attribute access, no imports)."""
@@ -157,4 +192,4 @@ def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict}[command](*args)
+    {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict, "tl_build": tl_build}[command](*args)

@@ -27,6 +27,9 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     {"heads_per_layer": (8, 3, 0)},
     {"norm_placement": "sandwich", "norm": "rms", "positions": "rotary", "scale_embed": True},  # Gemma 2's extra norms
     {"norm_placement": "parallel", "positions": "rotary", "rotary_dim": 4},
+    {"norm_weights": False, "qk_norm": True},  # transformer-lens's LNPre: the q/k norms keep their weights
+    {"norm_weights": False, "norm": "rms", "norm_placement": "sandwich"},  # RMSPre: so do the post norms
+    {"norm_weights": False, "norm": "rms", "unembed_bias": True, "tied_embeddings": False},  # RMSPre, TL's b_U
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -279,3 +280,166 @@ def test_a_tied_model_refuses_an_unembedding_that_is_not_its_embedding(tmp_path)
     untied = HookedDecoder(dataclasses.replace(model.cfg, tied_embeddings=False))
     untied.load_state_dict(state, strict=True)
     assert torch.equal(untied.unembed.W_U, state["unembed.W_U"])
+
+
+# ---- HookedTransformerConfig(...) + HookedDecoder(cfg): a HookedTransformer built from scratch, and its weights ----
+
+TOY_CONFIGS = {
+    "ln-defaults": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="gelu", seed=1),
+    "rms-rotary-gqa-gated": dict(n_layers=2, d_model=32, d_head=8, n_heads=4, n_ctx=16, d_vocab=50, act_fn="silu",
+                                 normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8,
+                                 n_key_value_heads=2, gated_mlp=True, final_rms=True, d_mlp=48),
+    "parallel-partial-rotary-scaled": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="relu",
+                                           parallel_attn_mlp=True, positional_embedding_type="rotary", rotary_dim=4,
+                                           d_mlp=64, attn_scale=3.0, rotary_base=500),
+    "local-windows-softcaps": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="gelu_new",
+                                   use_local_attn=True, window_size=4, attn_types=["global", "local"],
+                                   attn_scores_soft_cap=5.0, output_logits_soft_cap=3.0),
+    "lnpre-othello-like": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="gelu",
+                               normalization_type="LNPre"),
+    "rmspre-rotary": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="silu",
+                          normalization_type="RMSPre", positional_embedding_type="rotary"),
+    "one-layer-relu-result": dict(n_layers=1, d_model=24, d_head=6, n_ctx=8, d_vocab=30, act_fn="relu",
+                                  use_attn_result=True, default_prepend_bos=False, initializer_range=0.05),
+}
+
+
+@needs_saelens
+@pytest.mark.parametrize("case", sorted(TOY_CONFIGS))
+def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(case, tmp_path):
+    """TL's `HookedTransformer(HookedTransformerConfig(**settings))` and its trained weights (here moved off their
+    initialisation), against probe's `HookedDecoder(probe.HookedTransformerConfig(**settings))` given the same
+    state dict: the config resolves TL's defaults as TL does, the state dict loads strictly, the logits agree."""
+    from probe import HookedTransformerConfig
+
+    settings = TOY_CONFIGS[case]
+    tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(2))
+    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
+    resolved = json.loads(oracle("tl_build", json.dumps(settings), tmp_path / "tokens.safetensors", tmp_path / "out.safetensors"))
+    out = load_file(str(tmp_path / "out.safetensors"))
+
+    model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
+    for name, value in resolved.items():
+        assert getattr(model.cfg, name) == pytest.approx(value) if isinstance(value, float) else getattr(model.cfg, name) == value, name
+    model.load_state_dict({key.removeprefix("state."): t for key, t in out.items() if key.startswith("state.")}, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), out["logits"], atol=1e-4, rtol=1e-4)
+    if settings.get("use_attn_result"):  # a cache of everything holds each head's write, as TL's does then
+        _, cache = model.run_with_cache(tokens)
+        assert "blocks.0.attn.hook_result" in cache
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(attn_only=True), "attn_only=True.*every probe block has an MLP"),
+    (dict(normalization_type=None), "normalization_type=None.*'LN', 'LNPre', 'RMS' and 'RMSPre'"),
+    (dict(positional_embedding_type="shortformer"), "shortformer.*'standard'"),
+    (dict(attention_dir="bidirectional"), "causal only"),
+    (dict(d_vocab_out=10), "d_vocab_out=10"),
+    (dict(tokenizer_name="gpt2"), "tokenizer=probe.loading.load_tokenizer"),
+    (dict(act_fn="solu_ln"), "act_fn='solu_ln'"),
+    (dict(final_rms=True), "final_rms=True.*normalization_type='RMS'"),
+    (dict(d_vocab=-1), "needs d_vocab"),
+    (dict(n_lyers=2), r"unknown keywords \['n_lyers'\]"),
+])
+def test_what_probe_does_not_build_is_refused_by_name(settings, match):
+    from probe import HookedTransformerConfig
+
+    base = dict(n_layers=1, d_model=16, d_head=4, n_ctx=8, d_vocab=20, act_fn="gelu")
+    with pytest.raises((TypeError, ValueError), match=match):
+        HookedTransformerConfig(**{**base, **settings})
+
+
+def test_a_config_naming_a_dtype_builds_the_model_in_it():
+    from probe import HookedTransformerConfig
+
+    model = HookedDecoder(HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_ctx=8, d_vocab=20, act_fn="gelu",
+                                                  dtype=torch.bfloat16))
+    assert model.embed.W_E.dtype == torch.bfloat16 and model.cfg.dtype == torch.bfloat16
+    assert model.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
+
+
+def test_a_gated_mlp_keeps_its_projection_biases_and_refuses_tl_bias_after_the_gate(tmp_path):
+    """transformer-lens's gated MLP adds b_in after act(gate) * up; transformers' (and probe's) bias the up and gate
+    projections inside the product. The two are different functions, so probe's go under their own names, b_up and
+    b_gate, and a non-zero TL b_in is refused rather than put where it would compute something else."""
+    hf = build("llama", tmp_path, mlp_bias=True, attention_bias=True, num_key_value_heads=1)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    state = model.state_dict()
+    assert state["blocks.0.mlp.b_in"].count_nonzero() == 0
+    torch.testing.assert_close(state["blocks.0.mlp.b_up"], hf.model.layers[0].mlp.up_proj.bias.detach())
+    torch.testing.assert_close(state["blocks.0.mlp.b_gate"], hf.model.layers[0].mlp.gate_proj.bias.detach())
+    fresh = HookedDecoder(model.cfg).eval()
+    fresh.load_state_dict(state, strict=True)
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+    state["blocks.1.mlp.b_in"] = torch.ones_like(state["blocks.1.mlp.b_in"])
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.mlp\.b_in is not zero.*after act\(gate\) \* up"):
+        fresh.load_state_dict(state)
+
+
+@needs_saelens
+@pytest.mark.parametrize("case, steps", [
+    ("ln-defaults", {}),  # TL's defaults: fold, centre the writers and the unembedding, fold the value biases
+    ("ln-defaults", {"center_unembed": False, "fold_value_biases": False}),
+    ("rms-rotary-gqa-gated", {}),  # centring the writers does not apply to RMSNorm: skipped, as TL skips it
+    ("parallel-partial-rotary-scaled", {}),
+    ("lnpre-othello-like", {}),
+])
+def test_load_and_process_state_dict_is_hooked_transformers(case, steps, tmp_path):
+    """`model.load_and_process_state_dict(state, **steps)` on both libraries, from the same HookedTransformer weights:
+    the processed state dicts (TL's layout, no norm weights left), the logits and cfg.normalization_type agree."""
+    from probe import HookedTransformerConfig
+
+    settings = TOY_CONFIGS[case]
+    tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(4))
+    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
+    resolved = json.loads(oracle("tl_build", json.dumps(settings), tmp_path / "tokens.safetensors",
+                                 tmp_path / "out.safetensors", json.dumps(steps)))
+    out = load_file(str(tmp_path / "out.safetensors"))
+    raw = {key.removeprefix("state."): t for key, t in out.items() if key.startswith("state.")}
+    theirs = {key.removeprefix("processed."): t for key, t in out.items() if key.startswith("processed.")}
+
+    model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the defaults an RMSNorm model skips
+        model.load_and_process_state_dict(raw, **steps)
+    assert model.cfg.normalization_type == resolved["processed_normalization_type"]
+    ours = model.state_dict()
+    tl_keys = {key for key in theirs if key.rsplit(".", 1)[-1] not in TL_BUFFERS}
+    assert set(ours) == tl_keys
+    for key in tl_keys:
+        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5, msg=key)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), out["processed_logits"], atol=1e-4, rtol=1e-4)
+    # a processed state dict (no norm weights) loads into a fresh, unprocessed model too: fold_ln is skipped
+    fresh = HookedDecoder(HookedTransformerConfig(**settings)).eval()
+    with pytest.warns(UserWarning, match="skipping fold_ln"):
+        fresh.load_and_process_state_dict(theirs, fold_ln=True, center_writing_weights=False, center_unembed=False,
+                                          fold_value_biases=False)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(tokens), out["processed_logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_set_tokenizer_gives_a_model_built_from_its_config_transformers_tokens():
+    """TL's `model.set_tokenizer(AutoTokenizer.from_pretrained(...))` on a model built from its config: the model then
+    tokenizes as the transformers tokenizer does (BOS first), pads on the side asked for, and decodes back."""
+    import transformers
+    from probe import HookedTransformerConfig
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    model = HookedDecoder(HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_ctx=64,
+                                                  d_vocab=len(hf_tokenizer), act_fn="gelu"))
+    assert model.tokenizer is None
+    model.set_tokenizer(hf_tokenizer, default_padding_side="left")
+    text = "ROMEO. But soft, what light"
+    expected = [hf_tokenizer.bos_token_id] + hf_tokenizer(text)["input_ids"]
+    assert model.to_tokens(text)[0].tolist() == expected
+    assert model.to_str_tokens(text) == [hf_tokenizer.decode([i]) for i in expected]
+    assert model.to_string(model.to_tokens(text)[0, 1:]) == text
+    short = [hf_tokenizer.bos_token_id] + hf_tokenizer("ROMEO.")["input_ids"]
+    batch = model.to_tokens([text, "ROMEO."])
+    assert batch[1, -len(short):].tolist() == short  # left-padded
+    assert batch[1, :len(expected) - len(short)].eq(hf_tokenizer.eos_token_id).all()  # GPT-2 pads with EOS, as TL does
+    with torch.no_grad():
+        assert model(text).shape == (1, len(expected), len(hf_tokenizer))

@@ -1,0 +1,160 @@
+"""transformer-lens's `HookedTransformerConfig(...)`, for building a model from scratch as TL code does:
+
+    cfg = HookedTransformerConfig(n_layers=2, d_model=128, d_head=32, n_ctx=64, d_vocab=100, act_fn="gelu")
+    model = HookedDecoder(cfg)                     # TL: HookedTransformer(cfg)
+    model.load_state_dict(torch.load(path, weights_only=True))   # a HookedTransformer's saved weights
+
+It takes TL's keywords, with TL's defaults, and returns probe's `DecoderConfig`. A HookedTransformer always has
+q/k/v, output, MLP and unembedding biases and untied embeddings, so the config has them too: its state dict then loads
+strictly (probe.tl_state_dict). The initial weights are probe's (normal, `initializer_range`), not TL's draw:
+`seed=` seeds torch's, numpy's and random's generators as TL's config does, so a seeded run repeats, but TL's and
+probe's random models differ. What probe's decoder does not have is refused by name, with what to use instead.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Optional
+
+import torch
+
+from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
+
+ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu": Activation.GELU,
+               "relu": Activation.RELU, "silu": Activation.SILU}
+NORMS = {"LN": Norm.LAYER, "RMS": Norm.RMS, "LNPre": Norm.LAYER, "RMSPre": Norm.RMS}
+POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+# TL settings with nothing to build in probe: accepted at these values only
+ONLY = {"attention_dir": "causal", "attn_only": False, "d_vocab_out": -1, "scale_attn_by_inverse_layer_idx": False,
+        "post_embedding_ln": False, "rotary_adjacent_pairs": False, "load_in_4bit": False, "num_experts": None,
+        "experts_per_token": None, "n_devices": 1, "init_weights": True, "use_hook_tokens": False,
+        "ungroup_grouped_query_attention": False, "tokenizer_name": None, "trust_remote_code": False,
+        "relative_attention_max_distance": None, "relative_attention_num_buckets": None,
+        "decoder_start_token_id": None}
+WHY = {"attention_dir": "probe's decoder is causal only",
+       "attn_only": "every probe block has an MLP",
+       "d_vocab_out": "probe's unembedding has d_vocab outputs (leave d_vocab_out at -1 or equal to d_vocab)",
+       "tokenizer_name": "probe's config holds no tokenizer: pass it to the model, HookedDecoder(cfg, "
+                         "tokenizer=probe.loading.load_tokenizer(name))",
+       "normalization_type": "probe's norms are 'LN', 'LNPre', 'RMS' and 'RMSPre' (a model with no norm is not built)",
+       "positional_embedding_type": "probe's positions are 'standard' (learned) and 'rotary'",
+       "act_fn": f"probe's activations are {sorted(ACTIVATIONS)}",
+       "final_rms": "probe's final norm is the kind of the others: final_rms goes with normalization_type='RMS'",
+       "rotary_adjacent_pairs": "probe rotates dimension i with i + rotary_dim / 2, as Llama and GPT-NeoX do"}
+# TL settings that only describe where a checkpoint came from, or that probe computes itself
+IGNORED = {"from_checkpoint", "checkpoint_index", "checkpoint_label_type", "checkpoint_value", "init_mode", "n_params",
+           "tokenizer_prepends_bos", "default_padding_side", "NTK_by_parts_factor", "NTK_by_parts_low_freq_factor",
+           "NTK_by_parts_high_freq_factor", "NTK_original_ctx_len"}
+
+
+def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: transformer-lens's name, for its code
+    """A DecoderConfig from transformer-lens's HookedTransformerConfig keywords (see the module docstring)."""
+    s = dict(settings)
+    for name in ("n_layers", "d_model", "n_ctx", "d_head"):
+        if name not in s:
+            raise TypeError(f"HookedTransformerConfig needs {name} (transformer-lens requires it too)")
+    for name, allowed in ONLY.items():
+        if name in s and s[name] != allowed and not (name == "d_vocab_out" and s[name] == s.get("d_vocab")):
+            raise ValueError(f"HookedTransformerConfig({name}={s[name]!r}) is not supported: {WHY.get(name, '')}".rstrip(": "))
+    known = set(ONLY) | IGNORED | KNOWN
+    unknown = sorted(set(s) - known)
+    if unknown:
+        raise TypeError(f"HookedTransformerConfig got unknown keywords {unknown}; transformer-lens's keywords that "
+                        f"probe builds are {sorted(KNOWN)}")
+    d_vocab = s.get("d_vocab", -1)
+    if d_vocab == -1:
+        raise ValueError("HookedTransformerConfig needs d_vocab: transformer-lens reads it from tokenizer_name's "
+                         "tokenizer, and probe's config holds no tokenizer (give d_vocab=len(tokenizer.vocab))")
+    d_model, d_head = s["d_model"], s["d_head"]
+    n_heads = s.get("n_heads", -1)
+    if n_heads == -1:
+        if d_model % d_head:
+            raise ValueError(f"n_heads defaults to d_model // d_head, but d_model={d_model} is not a multiple of "
+                             f"d_head={d_head}: give n_heads")
+        n_heads = d_model // d_head
+    act_fn = s.get("act_fn")
+    if act_fn not in ACTIVATIONS:
+        raise ValueError(f"HookedTransformerConfig(act_fn={act_fn!r}) is not supported: {WHY['act_fn']}")
+    norm = _choice(s, "normalization_type", "LN", NORMS)
+    positions = _choice(s, "positional_embedding_type", "standard", POSITIONS)
+    if s.get("final_rms", False) and norm is not Norm.RMS:
+        raise ValueError(f"HookedTransformerConfig(final_rms=True) with normalization_type={s.get('normalization_type')!r}"
+                         f" is not supported: {WHY['final_rms']}")
+    placement = NormPlacement.PRE
+    if s.get("parallel_attn_mlp", False):
+        placement = NormPlacement.PARALLEL
+    if s.get("use_normalization_before_and_after", False):
+        placement = NormPlacement.SANDWICH
+    if s.get("seed") is not None:
+        _seed_everywhere(s["seed"])
+    window = s.get("window_size") if s.get("use_local_attn", False) else None
+    attn_types = s.get("attn_types")
+    init = s.get("initializer_range", -1.0)
+    dtype = s.get("dtype", torch.float32)
+    return DecoderConfig(
+        n_layers=s["n_layers"], d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=s["n_ctx"], d_head=d_head,
+        d_mlp=s.get("d_mlp"), n_kv_heads=s.get("n_key_value_heads"), eps=s.get("eps", 1e-5),
+        activation=ACTIVATIONS[act_fn], gated_mlp=s.get("gated_mlp", False), norm=norm, norm_placement=placement,
+        norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"),
+        positions=positions, rotary_base=float(s.get("rotary_base", 10000)), rotary_dim=s.get("rotary_dim") if positions is Positions.ROTARY else None,
+        rotary_scaling=_ntk_scaling(s), sliding_window=window,
+        sliding_layers=tuple(t == "local" for t in attn_types) if window is not None and attn_types else None,
+        attn_scale_dim=_scale_dim(s), attn_softcap=_cap(s.get("attn_scores_soft_cap", -1.0)),
+        logit_softcap=_cap(s.get("output_logits_soft_cap", -1.0)), qk_norm=s.get("use_qk_norm", False),
+        qkv_bias=True, out_bias=True, mlp_bias=True, unembed_bias=True,
+        tied_embeddings=s.get("tie_word_embeddings", False),
+        init_std=init if init > 0 else 0.8 / math.sqrt(d_model),  # TL's default for a negative initializer_range
+        model_name=s.get("model_name", "custom"), original_architecture=s.get("original_architecture"),
+        device=str(s.get("device") or "cpu"), dtype=DTYPES.get(dtype, dtype),
+        default_prepend_bos=s.get("default_prepend_bos", True),
+        **{name: s.get(name, False) for name in ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")})
+
+
+KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab", "act_fn", "eps", "normalization_type",
+         "positional_embedding_type", "final_rms", "parallel_attn_mlp", "use_normalization_before_and_after", "seed",
+         "use_local_attn", "window_size", "attn_types", "initializer_range", "dtype", "n_key_value_heads", "gated_mlp",
+         "rotary_base", "rotary_dim", "use_NTK_by_parts_rope", "use_attn_scale", "attn_scale", "attn_scores_soft_cap",
+         "output_logits_soft_cap", "use_qk_norm", "tie_word_embeddings", "model_name", "original_architecture", "device",
+         "default_prepend_bos", "use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in"}
+
+
+def _choice(s: dict, name: str, default: str, table: dict):
+    value = s.get(name, default)
+    if value not in table:
+        raise ValueError(f"HookedTransformerConfig({name}={value!r}) is not supported: {WHY[name]}")
+    return table[value]
+
+
+def _scale_dim(s: dict) -> Optional[float]:
+    """What q.k is divided by the square root of: TL's attn_scale is that root (-1: sqrt(d_head))."""
+    if not s.get("use_attn_scale", True):
+        return 1.0
+    scale = s.get("attn_scale", -1.0)
+    return None if scale == -1.0 else float(scale) ** 2
+
+
+def _cap(value: float) -> Optional[float]:
+    return None if value is None or value < 0 else float(value)
+
+
+def _ntk_scaling(s: dict) -> Optional[RotaryScaling]:
+    """TL's NTK-by-parts rope (Llama 3.1) is transformers' "llama3" rope scaling."""
+    if not s.get("use_NTK_by_parts_rope", False):
+        return None
+    return RotaryScaling(kind="llama3", factor=s.get("NTK_by_parts_factor", 8.0),
+                         low_freq_factor=s.get("NTK_by_parts_low_freq_factor", 1.0),
+                         high_freq_factor=s.get("NTK_by_parts_high_freq_factor", 4.0),
+                         original_n_ctx=s.get("NTK_original_ctx_len", 8192))
+
+
+def _seed_everywhere(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed)
+    except ImportError:  # numpy is a dependency, but seeding it is only a courtesy
+        pass
