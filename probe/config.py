@@ -24,6 +24,7 @@ class Norm(enum.Enum):
     LAYER = "layer"  # subtract the mean, divide by the std, then w * x + b
     RMS = "rms"  # divide by the root mean square, then w * x (Llama)
     RMS_FLOAT32 = "rms_float32"  # the same, w kept and applied in float32, rounded once (Gemma; w = 1 + the stored offset)
+    NONE = "none"  # no normalisation at all (transformer-lens's normalization_type=None: toy models, grokking)
 
 
 class NormPlacement(enum.Enum):
@@ -230,6 +231,8 @@ class DecoderConfig:
 
     @property
     def normalization_type(self) -> str:
+        if self.norm is Norm.NONE:
+            return None
         return ("LN" if self.norm is Norm.LAYER else "RMS") + ("" if self.norm_weights else "Pre")
 
     @property
@@ -254,7 +257,7 @@ class DecoderConfig:
 
     @property
     def final_rms(self) -> bool:
-        return self.final_norm and self.norm is not Norm.LAYER and self.norm_weights  # TL: an RMSNorm with weights
+        return self.final_norm and self.norm not in (Norm.LAYER, Norm.NONE) and self.norm_weights  # TL: an RMSNorm with weights
 
     @property
     def attention_dir(self) -> str:

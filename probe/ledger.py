@@ -80,7 +80,7 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     add("embed.weight", "embedding", v * d)
     if cfg.positions is Positions.LEARNED:
         add("pos_embed.weight", "embedding", cfg.n_ctx * d)
-    per_norm = 2 if cfg.norm is Norm.LAYER else 1  # w (and b) per dimension
+    per_norm = {Norm.LAYER: 2, Norm.NONE: 0}.get(cfg.norm, 1)  # w (and b) per dimension
     norm_params = d * per_norm if cfg.norm_weights else 0  # ln1, ln2, ln_final: see DecoderConfig.norm_weights
     for layer in range(cfg.n_layers):
         h, kv = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)

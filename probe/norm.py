@@ -95,6 +95,25 @@ class RMSNormFloat32(RMSNorm):
         return self
 
 
+class NoNorm(FixedWeights, nn.Module):
+    """No normalisation (transformer-lens's normalization_type=None): the output is the input. Its scale is 1, kept
+    as a hook point (and w, b as fixed ones and zeros) so that what reads a norm's scale or weights (the cache's
+    apply_ln_to_stack, the lenses, processing) reads the identity rather than needing a case of its own."""
+
+    def __init__(self, d_model: int, eps: float, learned: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.fix_weights(d_model, ("w", "b"))
+        self.hook_scale = HookPoint()  # [batch pos 1]: ones
+        self.hook_normalized = HookPoint()  # [batch pos d_model]: the input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.hook_scale.active or self.hook_normalized.active):
+            return x
+        scale = self.hook_scale(x.new_ones(*x.shape[:-1], 1))  # a hook may replace it (a frozen scale)
+        return self.hook_normalized(x / scale)
+
+
 # the norms whose hook_scale / hook_normalized hold float32 whatever the model's dtype (they compute in it)
 FLOAT32_HOOK_NORMS = frozenset({Norm.RMS, Norm.RMS_FLOAT32})
 
@@ -102,5 +121,5 @@ FLOAT32_HOOK_NORMS = frozenset({Norm.RMS, Norm.RMS_FLOAT32})
 def make_norm(cfg: DecoderConfig, dim: Optional[int] = None, foldable: bool = False) -> nn.Module:
     """The config's norm over the last `dim` (default d_model) dimensions. `foldable`: one whose output a linear
     layer reads (ln1, ln2, ln_final), which learns no weights when cfg.norm_weights is False."""
-    kind = {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32}[cfg.norm]
+    kind = {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32, Norm.NONE: NoNorm}[cfg.norm]
     return kind(dim or cfg.d_model, cfg.eps, learned=cfg.norm_weights or not foldable)

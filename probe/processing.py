@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # annotations only: HookedDecoder.from_pretrained processes t
 def can_fold_ln(cfg: DecoderConfig) -> bool:
     """Folding needs each norm to feed layers (pre-norm, parallel or sandwich blocks; a sandwich block's write
     norms stay as they are): in a post-norm model the norm's output is the residual stream itself."""
-    return cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH)
+    return cfg.norm is not Norm.NONE and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH)
 
 
 def can_center_writing_weights(cfg: DecoderConfig) -> bool:

@@ -22,7 +22,7 @@ from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positio
 
 ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu": Activation.GELU,
                "relu": Activation.RELU, "silu": Activation.SILU}
-NORMS = {"LN": Norm.LAYER, "RMS": Norm.RMS, "LNPre": Norm.LAYER, "RMSPre": Norm.RMS}
+NORMS = {"LN": Norm.LAYER, "RMS": Norm.RMS, "LNPre": Norm.LAYER, "RMSPre": Norm.RMS, None: Norm.NONE}
 POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -38,7 +38,7 @@ WHY = {"attention_dir": "probe's decoder is causal only",
        "d_vocab_out": "probe's unembedding has d_vocab outputs (leave d_vocab_out at -1 or equal to d_vocab)",
        "tokenizer_name": "probe's config holds no tokenizer: pass it to the model, HookedDecoder(cfg, "
                          "tokenizer=probe.loading.load_tokenizer(name))",
-       "normalization_type": "probe's norms are 'LN', 'LNPre', 'RMS' and 'RMSPre' (a model with no norm is not built)",
+       "normalization_type": "probe's norms are 'LN', 'LNPre', 'RMS', 'RMSPre' and None",
        "positional_embedding_type": "probe's positions are 'standard' (learned) and 'rotary'",
        "act_fn": f"probe's activations are {sorted(ACTIVATIONS)}",
        "final_rms": "probe's final norm is the kind of the others: final_rms goes with normalization_type='RMS'",
@@ -97,7 +97,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         n_layers=s["n_layers"], d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=s["n_ctx"], d_head=d_head,
         d_mlp=s.get("d_mlp"), n_kv_heads=s.get("n_key_value_heads"), eps=s.get("eps", 1e-5),
         activation=ACTIVATIONS[act_fn], gated_mlp=s.get("gated_mlp", False), norm=norm, norm_placement=placement,
-        norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"),
+        norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"), final_norm=norm is not Norm.NONE,
         positions=positions, rotary_base=float(s.get("rotary_base", 10000)), rotary_dim=s.get("rotary_dim") if positions is Positions.ROTARY else None,
         rotary_scaling=_ntk_scaling(s), sliding_window=window,
         sliding_layers=tuple(t == "local" for t in attn_types) if window is not None and attn_types else None,

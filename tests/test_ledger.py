@@ -29,6 +29,7 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     {"norm_placement": "parallel", "positions": "rotary", "rotary_dim": 4},
     {"norm_weights": False, "qk_norm": True},  # transformer-lens's LNPre: the q/k norms keep their weights
     {"norm_weights": False, "norm": "rms", "norm_placement": "sandwich"},  # RMSPre: so do the post norms
+    {"norm": "none", "final_norm": False},  # transformer-lens's normalization_type=None
     {"norm_weights": False, "norm": "rms", "unembed_bias": True, "tied_embeddings": False},  # RMSPre, TL's b_U
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):

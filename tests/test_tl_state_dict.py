@@ -299,6 +299,8 @@ TOY_CONFIGS = {
                                normalization_type="LNPre"),
     "rmspre-rotary": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="silu",
                           normalization_type="RMSPre", positional_embedding_type="rotary"),
+    "no-norm-grokking-like": dict(n_layers=1, d_vocab=114, d_model=32, d_mlp=128, n_heads=4, d_head=8, n_ctx=3,
+                                  act_fn="relu", normalization_type=None),
     "one-layer-relu-result": dict(n_layers=1, d_model=24, d_head=6, n_ctx=8, d_vocab=30, act_fn="relu",
                                   use_attn_result=True, default_prepend_bos=False, initializer_range=0.05),
 }
@@ -331,7 +333,7 @@ def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(
 
 @pytest.mark.parametrize("settings, match", [
     (dict(attn_only=True), "attn_only=True.*every probe block has an MLP"),
-    (dict(normalization_type=None), "normalization_type=None.*'LN', 'LNPre', 'RMS' and 'RMSPre'"),
+    (dict(normalization_type="LNx"), "normalization_type='LNx'.*'LN', 'LNPre', 'RMS', 'RMSPre' and None"),
     (dict(positional_embedding_type="shortformer"), "shortformer.*'standard'"),
     (dict(attention_dir="bidirectional"), "causal only"),
     (dict(d_vocab_out=10), "d_vocab_out=10"),
@@ -385,6 +387,7 @@ def test_a_gated_mlp_keeps_its_projection_biases_and_refuses_tl_bias_after_the_g
     ("rms-rotary-gqa-gated", {}),  # centring the writers does not apply to RMSNorm: skipped, as TL skips it
     ("parallel-partial-rotary-scaled", {}),
     ("lnpre-othello-like", {}),
+    ("no-norm-grokking-like", {}),  # nothing to fold, no LayerNorm to centre the writers for: both skipped
 ])
 def test_load_and_process_state_dict_is_hooked_transformers(case, steps, tmp_path):
     """`model.load_and_process_state_dict(state, **steps)` on both libraries, from the same HookedTransformer weights:
@@ -443,3 +446,23 @@ def test_set_tokenizer_gives_a_model_built_from_its_config_transformers_tokens()
     assert batch[1, :len(expected) - len(short)].eq(hf_tokenizer.eos_token_id).all()  # GPT-2 pads with EOS, as TL does
     with torch.no_grad():
         assert model(text).shape == (1, len(expected), len(hf_tokenizer))
+
+
+def test_a_model_without_norms_decomposes_into_its_logits():
+    """normalization_type=None (grokking's model): the norms are the identity, with scale 1, so the cache's
+    decomposition with the norm "applied" still adds up to the logits, and the accumulated residual ends at them."""
+    from probe import HookedTransformerConfig
+
+    model = HookedDecoder(HookedTransformerConfig(n_layers=2, d_vocab=40, d_model=32, d_mlp=64, n_heads=4, d_head=8,
+                                                  n_ctx=8, act_fn="relu", normalization_type=None, seed=0)).eval()
+    assert model.cfg.normalization_type is None and model.state_dict().keys().isdisjoint({"blocks.0.ln1.w", "ln_final.w"})
+    tokens = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(0))
+    logits, cache = model.run_with_cache(tokens)
+    by_hand = cache["embed"] + cache["pos_embed"]
+    for l in range(2):
+        by_hand = by_hand + cache["attn_out", l] + cache["mlp_out", l]
+    torch.testing.assert_close(by_hand @ model.W_U + model.b_U, logits, atol=1e-5, rtol=1e-5)
+    stack = cache.decompose_resid(apply_ln=True, pos_slice=-1)
+    torch.testing.assert_close(stack.sum(0) @ model.W_U + model.b_U, logits[:, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.accumulated_resid(apply_ln=True, pos_slice=-1)[-1] @ model.W_U + model.b_U,
+                               logits[:, -1], atol=1e-5, rtol=1e-5)
