@@ -100,100 +100,113 @@ def _save_unembed(module: Unembed, state: dict, prefix: str, local_metadata) -> 
 
 
 # ---- loading: TL's tensors -> probe's (left alone when the state dict has probe's) ------------------------------
+# A module whose TL tensors are only partly given keeps its own for the rest, and their TL names count as missing:
+# load_state_dict(strict=True) then raises for them, and strict=False reports them, as for any other key.
 
 
-def _take(state: dict, key: str, shape: tuple, errors: list) -> Optional[torch.Tensor]:
-    """state[key] (popped) when it has `shape`; None with an error recorded when it is absent or shaped otherwise."""
+def _into(state: dict, key: str, target: str, shape: tuple, current: torch.Tensor, errors: list, missing: list,
+          reshape=lambda t: t) -> None:
+    """TL's `key` (of `shape`) into probe's `target`, reshaped; absent: the module keeps `current`, `key` missing."""
     tensor = state.pop(key, None)
     if tensor is None:
-        errors.append(f"{key} is missing: a transformer-lens state dict needs every one of the module's tensors")
+        missing.append(key)
+        state[target] = current
     elif tuple(tensor.shape) != tuple(shape):
         errors.append(f"{key} has shape {tuple(tensor.shape)}, but this model needs {tuple(shape)}")
-        tensor = None
-    return tensor
+    else:
+        state[target] = reshape(tensor)
 
 
-def _bias_into(state: dict, key: str, target: str, shape: tuple, has_bias: bool, errors: list, what: str,
-               fix: str = "load it into a model built with that bias, or drop the key") -> None:
-    """TL's bias `key` into probe's `target`; dropped when the model has no such bias and it is zero."""
-    if key not in state:
-        return  # TL always writes its biases; a state dict without one leaves the model's as they are
-    bias = _take(state, key, shape, errors)
+def _bias_into(state: dict, key: str, target: str, shape: tuple, current: Optional[torch.Tensor], errors: list,
+               missing: list, what: str, fix: str = "load it into a model built with that bias, or drop the key") -> None:
+    """TL's bias `key` into probe's `target` (`current`: the module's bias, None when it has none, and then a zero
+    TL bias is dropped and a non-zero one refused)."""
+    if current is not None:
+        _into(state, key, target, shape, current, errors, missing, lambda t: t.reshape(-1))
+        return
+    bias = state.pop(key, None)
     if bias is None:
         return
-    if has_bias:
-        state[target] = bias.reshape(-1)
+    if tuple(bias.shape) != tuple(shape):
+        errors.append(f"{key} has shape {tuple(bias.shape)}, but this model needs {tuple(shape)}")
     elif bias.count_nonzero():
         errors.append(f"{key} is not zero, but this model has no {what}: {fix}")
+
+
+def _current(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.detach()
 
 
 def _load_attention(module: Attention, state: dict, prefix: str, local_metadata, strict, missing, unexpected,
                     errors: list) -> None:
     for name in TL_BUFFERS:
         state.pop(prefix + name, None)
-    grouped_names = {prefix + "_W_K", prefix + "_W_V"}
-    if prefix + "W_Q" not in state and not grouped_names & set(state):
+    grouped = module.n_kv_heads != module.n_heads
+    k, v = ("_W_K", "_W_V") if grouped else ("W_K", "W_V")
+    names = ("W_Q", k, v, "W_O", "b_Q", k.replace("W", "b"), v.replace("W", "b"), "b_O")
+    if not any(prefix + name in state for name in names):
         return  # probe's own layout (or nothing for this module)
-    k_name = "_W_K" if prefix + "_W_K" in state else "W_K"
-    v_name = "_W_V" if prefix + "_W_V" in state else "W_V"
     d_model, d_head, n_q, n_kv = module.qkv.in_features, module.d_head, module.n_heads, module.n_kv_heads
-    parts = [_take(state, prefix + name, (n, d_model, d_head), errors)
-             for name, n in (("W_Q", n_q), (k_name, n_kv), (v_name, n_kv))]
-    w_o = _take(state, prefix + "W_O", (n_q, d_head, d_model), errors)
-    # q, k and v's biases go into one fused bias: each is staged under its own key, then joined
-    staged = [prefix + f"qkv.bias.{part}" for part in "qkv"]
-    for name, target, n in zip(("b_Q", k_name.replace("W", "b"), v_name.replace("W", "b")), staged, (n_q, n_kv, n_kv)):
-        _bias_into(state, prefix + name, target, (n, d_head), module.qkv.bias is not None, errors,
-                   "q/k/v bias (qkv_bias)")
+    heads = (n_q, n_kv, n_kv)
+    # q, k and v go into the one fused projection: each is staged under its own key, then joined
+    staged = [prefix + f"qkv.{part}" for part in "qkv"]
+    for name, target, n, current in zip(names[:3], staged, heads, module.qkv.weight.detach().split(module.qkv_sizes)):
+        _into(state, prefix + name, target, (n, d_model, d_head), current, errors, missing,
+              lambda t: rearrange(t, "head d_model d_head -> (head d_head) d_model"))
     if all(key in state for key in staged):
-        state[prefix + "qkv.bias"] = torch.cat([state.pop(key) for key in staged])
-    for key in staged:  # a partial set of biases: the model keeps its own
+        state[prefix + "qkv.weight"] = torch.cat([state[key] for key in staged])
+    has_bias = module.qkv.bias is not None
+    biases = module.qkv.bias.detach().split(module.qkv_sizes) if has_bias else (None, None, None)
+    staged_bias = [prefix + f"qkv.bias.{part}" for part in "qkv"]
+    for name, target, n, current in zip(names[4:7], staged_bias, heads, biases):
+        _bias_into(state, prefix + name, target, (n, d_head), current, errors, missing, "q/k/v bias (qkv_bias)")
+    if has_bias and all(key in state for key in staged_bias):
+        state[prefix + "qkv.bias"] = torch.cat([state[key] for key in staged_bias])
+    for key in staged + staged_bias:
         state.pop(key, None)
-    _bias_into(state, prefix + "b_O", prefix + "out.bias", (d_model,), module.out.bias is not None, errors,
+    _into(state, prefix + "W_O", prefix + "out.weight", (n_q, d_head, d_model), module.out.weight.detach(), errors,
+          missing, lambda t: rearrange(t, "head d_head d_model -> d_model (head d_head)"))
+    _bias_into(state, prefix + "b_O", prefix + "out.bias", (d_model,), _current(module.out.bias), errors, missing,
                "output bias (out_bias)")
-    if any(p is None for p in parts) or w_o is None:
-        return
-    state[prefix + "qkv.weight"] = torch.cat([rearrange(p, "head d_model d_head -> (head d_head) d_model") for p in parts])
-    state[prefix + "out.weight"] = rearrange(w_o, "head d_head d_model -> d_model (head d_head)")
 
 
 def _load_mlp(module: MLP, state: dict, prefix: str, local_metadata, strict, missing, unexpected, errors: list) -> None:
-    if prefix + "W_in" not in state:
-        return
     gated = hasattr(module, "gate")
-    for linear_name, name in [("fc_in", "W_in"), ("fc_out", "W_out")] + ([("gate", "W_gate")] if gated else []):
+    weights = [("fc_in", "W_in"), ("fc_out", "W_out")] + ([("gate", "W_gate")] if gated else [])
+    if not any(prefix + name in state for name in ("W_in", "W_out", "W_gate", "b_in", "b_out")):
+        return
+    for linear_name, name in weights:
         linear = getattr(module, linear_name)
-        weight = _take(state, prefix + name, (linear.in_features, linear.out_features), errors)
-        if weight is not None:
-            state[prefix + linear_name + ".weight"] = weight.T
+        _into(state, prefix + name, prefix + linear_name + ".weight", (linear.in_features, linear.out_features),
+              linear.weight.detach(), errors, missing, lambda t: t.T)
     d_mlp, d_model = module.fc_in.out_features, module.fc_out.out_features
-    _bias_into(state, prefix + "b_out", prefix + "fc_out.bias", (d_model,), module.fc_out.bias is not None, errors,
-               "MLP bias (mlp_bias)")
+    _bias_into(state, prefix + "b_out", prefix + "fc_out.bias", (d_model,), _current(module.fc_out.bias), errors,
+               missing, "MLP bias (mlp_bias)")
     if not gated:
-        _bias_into(state, prefix + "b_in", prefix + "fc_in.bias", (d_mlp,), module.fc_in.bias is not None, errors,
-                   "MLP bias (mlp_bias)")
+        _bias_into(state, prefix + "b_in", prefix + "fc_in.bias", (d_mlp,), _current(module.fc_in.bias), errors,
+                   missing, "MLP bias (mlp_bias)")
         return
     # see _save_mlp: TL's b_in comes after the gate's product, where probe has no bias
-    _bias_into(state, prefix + "b_in", prefix + "b_in.after_gate", (d_mlp,), False, errors,
+    _bias_into(state, prefix + "b_in", prefix + "b_in.after_gate", (d_mlp,), None, errors, missing,
                "bias after the gate's product (transformer-lens's gated MLP adds b_in after act(gate) * up)",
                fix="probe's gated MLP, as transformers', biases the up projection inside the product instead, so a "
                    "non-zero TL b_in has no place in it")
-    for name, linear in (("b_up", module.fc_in), ("b_gate", module.gate)):
+    for name, linear_name in (("b_up", "fc_in"), ("b_gate", "gate")):
+        linear = getattr(module, linear_name)
         if linear.bias is not None and prefix + name not in state:
             state[prefix + name] = linear.weight.new_zeros(d_mlp)  # absent: zero, as TL's gated MLP has it
-        _bias_into(state, prefix + name, prefix + ("fc_in" if name == "b_up" else "gate") + ".bias", (d_mlp,),
-                   linear.bias is not None, errors, "MLP bias (mlp_bias)")
+        _bias_into(state, prefix + name, prefix + linear_name + ".bias", (d_mlp,), _current(linear.bias), errors,
+                   missing, "MLP bias (mlp_bias)")
 
 
 def _load_unembed(module: Unembed, state: dict, prefix: str, local_metadata, strict, missing, unexpected,
                   errors: list) -> None:
-    if prefix + "W_U" not in state:
+    if prefix + "W_U" not in state and prefix + "b_U" not in state:
         return
     d_vocab, d_model = module.weight.shape
-    weight = _take(state, prefix + "W_U", (d_model, d_vocab), errors)
-    if weight is not None:
-        state[prefix + "weight"] = weight.T
-    _bias_into(state, prefix + "b_U", prefix + "bias", (d_vocab,), module.bias is not None, errors,
+    _into(state, prefix + "W_U", prefix + "weight", (d_model, d_vocab), module.weight.detach(), errors, missing,
+          lambda t: t.T)
+    _bias_into(state, prefix + "b_U", prefix + "bias", (d_vocab,), _current(module.bias), errors, missing,
                "unembedding bias (unembed_bias)")
 
 

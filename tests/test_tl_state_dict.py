@@ -262,10 +262,19 @@ def test_wrong_shapes_and_missing_pieces_are_named(tiny_model):
     state["blocks.0.attn.W_K"] = state["blocks.0.attn.W_K"][:, :, :-1]
     with pytest.raises(RuntimeError, match=r"blocks\.0\.attn\.W_K has shape .* but this model needs"):
         HookedDecoder(tiny_model.cfg).load_state_dict(state)
+    # a piece left out: missing under its TL name (strict=True raises, strict=False keeps the model's own)
     state = tiny_model.state_dict()
-    del state["blocks.0.attn.W_V"]
-    with pytest.raises(RuntimeError, match=r"blocks\.0\.attn\.W_V is missing"):
+    del state["blocks.0.attn.W_V"], state["blocks.1.mlp.b_in"], state["unembed.W_U"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "blocks\.0\.attn\.W_V"'):
         HookedDecoder(tiny_model.cfg).load_state_dict(state)
+    fresh = HookedDecoder(tiny_model.cfg)
+    before = {name: getattr(fresh.blocks[0].attn, name).detach().clone() for name in ("W_Q", "W_V")}
+    loaded = fresh.load_state_dict(state, strict=False)
+    assert sorted(loaded.missing_keys) == ["blocks.0.attn.W_V", "blocks.1.mlp.b_in", "unembed.W_U"]
+    assert loaded.unexpected_keys == []
+    assert torch.equal(fresh.blocks[0].attn.W_V, before["W_V"])  # kept
+    assert torch.equal(fresh.blocks[0].attn.W_Q, tiny_model.blocks[0].attn.W_Q)  # loaded
+    assert not torch.equal(fresh.blocks[0].attn.W_Q, before["W_Q"])
 
 
 def test_a_tied_model_refuses_an_unembedding_that_is_not_its_embedding(tmp_path):
