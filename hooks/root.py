@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from probe.hooks.cache import ActivationCache, stored_tensor
-from probe.hooks.hook_point import HookFn, HookPoint, Store
+from probe.hooks.hook_point import HookFn, HookHandle, HookPoint, Store
 from probe.hooks.names import unknown_name_error
 
 NameFilter = Union[str, Sequence[str], Callable[[str], bool]]
@@ -167,6 +167,24 @@ class HookedRootModule(nn.Module):
         `reset_hooks_end=False`): what stays attached after the call that added it."""
         return [(name, handle.direction, handle.fn, handle.permanent)
                 for name, point in self._all_points.items() for handle in point.handles if handle.persistent]
+
+    def list_hooks(self, name_filter: Optional[NameFilter] = None, dir: str = "both",
+                   including_permanent: bool = True) -> dict[str, list[HookHandle]]:
+        """transformer-lens's `list_hooks`: the hooks attached now (scoped, persistent and permanent ones), by point
+        name, points without any left out; `dir` "fwd", "bwd" or "both"; `name_filter` as run_with_cache's names."""
+        if dir not in ("fwd", "bwd", "both"):
+            raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', got {dir!r}")
+        if name_filter is None or callable(name_filter):
+            names = [n for n in self._all_points if name_filter is None or name_filter(n)]
+        else:
+            names = [self.hook_point(n).name for n in ([name_filter] if isinstance(name_filter, str) else name_filter)]
+        listed = {}
+        for name in names:
+            handles = [h for h in self._all_points[name].handles if dir in ("both", h.direction)
+                       and (including_permanent or not h.permanent)]
+            if handles:
+                listed[name] = handles
+        return listed
 
     @property
     def hook_dict(self) -> dict[str, HookPoint]:

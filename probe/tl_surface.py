@@ -150,6 +150,15 @@ class TransformerLensSurface:
         if prepend_bos != self.cfg.default_prepend_bos:
             self.cfg = dataclasses.replace(self.cfg, default_prepend_bos=prepend_bos)
 
+    @property
+    def n_params_total(self) -> int:
+        """transformer-lens's count of every parameter (a tied embedding once), as transformers' num_parameters()."""
+        return sum(p.numel() for p in self.parameters())
+
+    def mps(self):
+        """transformer-lens's `model.mps()`: the model on Apple's MPS device."""
+        return self.to(torch.device("mps"))
+
     def follow_config_switches(self) -> None:
         """Turn on the use_* switches the config says are on (a config built by HookedTransformerConfig(...,
         use_attn_result=True), or copied from a model that set them)."""

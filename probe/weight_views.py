@@ -61,6 +61,12 @@ class WeightViews:
     b_out = _stacked("mlp.b_out", "[layer d_model]", ("W_out", _last))
 
     @property
+    def W_gate(self) -> Optional[torch.Tensor]:  # [layer d_model d_mlp]; None without a gated MLP, as transformer-lens's
+        if not self.cfg.gated_mlp:
+            return None
+        return torch.stack([block.mlp.W_gate for block in self.blocks])
+
+    @property
     def W_E(self) -> torch.Tensor:  # [vocab d_model]: the table; Gemma's residual receives it times embed.scale
         return self.embed.W_E
 

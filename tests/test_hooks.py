@@ -534,3 +534,27 @@ def test_reset_hooks_end_false_keeps_the_hooks_of_a_block_that_runs_while_an_exc
             with toy.hooks([("hook_in", plus_one)], reset_hooks_end=False):
                 raise RuntimeError("the block's own failure")
     assert attached(toy) == 0
+
+
+def test_list_hooks_shows_what_is_attached_now_by_point_and_direction():
+    """transformer-lens's list_hooks: scoped, persistent and permanent hooks, by point; the filters narrow it."""
+    model = Toy()
+    def f(x, hook):
+        return x
+    def g(grad, hook):
+        return grad
+    model.add_hook("hook_in", f)
+    model.add_hook("inner.hook_mid", f, is_permanent=True)
+    assert {name: [h.fn for h in hs] for name, hs in model.list_hooks().items()} == {"hook_in": [f], "inner.hook_mid": [f]}
+    with model.hooks(fwd_hooks=[("hook_out", f)], bwd_hooks=[("hook_out", g)]):
+        listed = model.list_hooks()
+        assert [h.direction for h in listed["hook_out"]] == ["fwd", "bwd"]
+        assert list(model.list_hooks(dir="bwd")) == ["hook_out"]
+        assert list(model.list_hooks(lambda name: name.startswith("hook_"), dir="fwd")) == ["hook_in", "hook_out"]
+        assert list(model.list_hooks(["inner.hook_mid"])) == ["inner.hook_mid"]
+        assert "inner.hook_mid" not in model.list_hooks(including_permanent=False)
+    assert "hook_out" not in model.list_hooks()  # the block's hooks went with it
+    model.reset_hooks(including_permanent=True)
+    assert model.list_hooks() == {}
+    with pytest.raises(ValueError, match="dir must be"):
+        model.list_hooks(dir="forward")

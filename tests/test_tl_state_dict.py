@@ -475,3 +475,15 @@ def test_a_model_without_norms_decomposes_into_its_logits():
     torch.testing.assert_close(stack.sum(0) @ model.W_U + model.b_U, logits[:, -1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache.accumulated_resid(apply_ln=True, pos_slice=-1)[-1] @ model.W_U + model.b_U,
                                logits[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_w_gate_and_n_params_total_are_transformers_weights_and_count(tmp_path):
+    hf = build("llama", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path)
+    expected = torch.stack([layer.mlp.gate_proj.weight.detach().T for layer in hf.model.layers])
+    torch.testing.assert_close(model.W_gate, expected)
+    assert model.n_params_total == hf.num_parameters()
+    gpt2 = HookedDecoder.from_pretrained(DEFAULT_MODEL)
+    assert gpt2.W_gate is None  # no gated MLP, as transformer-lens says
+    import transformers
+    assert gpt2.n_params_total == transformers.GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL).num_parameters()
