@@ -178,13 +178,9 @@ class HookedRootModule(nn.Module):
             names = [n for n in self._all_points if name_filter is None or name_filter(n)]
         else:
             names = [self.hook_point(n).name for n in ([name_filter] if isinstance(name_filter, str) else name_filter)]
-        listed = {}
-        for name in names:
-            handles = [h for h in self._all_points[name].handles if dir in ("both", h.direction)
-                       and (including_permanent or not h.permanent)]
-            if handles:
-                listed[name] = handles
-        return listed
+        listed = {name: [h for h in self._all_points[name].handles if dir in ("both", h.direction)
+                         and (including_permanent or not h.permanent)] for name in names}
+        return {name: handles for name, handles in listed.items() if handles}
 
     @property
     def hook_dict(self) -> dict[str, HookPoint]:

@@ -32,7 +32,7 @@ ONLY = {"attention_dir": "causal", "attn_only": False, "d_vocab_out": -1, "scale
         "experts_per_token": None, "n_devices": 1, "init_weights": True, "use_hook_tokens": False,
         "ungroup_grouped_query_attention": False, "tokenizer_name": None, "trust_remote_code": False,
         "relative_attention_max_distance": None, "relative_attention_num_buckets": None,
-        "decoder_start_token_id": None}
+        "decoder_start_token_id": None, "default_padding_side": "right"}
 WHY = {"attention_dir": "probe's decoder is causal only",
        "attn_only": "every probe block has an MLP",
        "d_vocab_out": "probe's unembedding has d_vocab outputs (leave d_vocab_out at -1 or equal to d_vocab)",
@@ -42,11 +42,20 @@ WHY = {"attention_dir": "probe's decoder is causal only",
        "positional_embedding_type": "probe's positions are 'standard' (learned) and 'rotary'",
        "act_fn": f"probe's activations are {sorted(ACTIVATIONS)}",
        "final_rms": "probe's final norm is the kind of the others: final_rms goes with normalization_type='RMS'",
-       "rotary_adjacent_pairs": "probe rotates dimension i with i + rotary_dim / 2, as Llama and GPT-NeoX do"}
-# TL settings that only describe where a checkpoint came from, or that probe computes itself
+       "rotary_adjacent_pairs": "probe rotates dimension i with i + rotary_dim / 2, as Llama and GPT-NeoX do",
+       "default_padding_side": "probe's config holds no tokenizer: give the side with the tokenizer, "
+                               "model.set_tokenizer(tokenizer, default_padding_side='left')"}
+# TL settings that only describe where a checkpoint came from, or that probe computes (or draws) itself
 IGNORED = {"from_checkpoint", "checkpoint_index", "checkpoint_label_type", "checkpoint_value", "init_mode", "n_params",
-           "tokenizer_prepends_bos", "default_padding_side", "NTK_by_parts_factor", "NTK_by_parts_low_freq_factor",
-           "NTK_by_parts_high_freq_factor", "NTK_original_ctx_len"}
+           "tokenizer_prepends_bos"}
+KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab", "act_fn", "eps", "normalization_type",
+         "positional_embedding_type", "final_rms", "parallel_attn_mlp", "use_normalization_before_and_after", "seed",
+         "use_local_attn", "window_size", "attn_types", "initializer_range", "dtype", "n_key_value_heads", "gated_mlp",
+         "rotary_base", "rotary_dim", "use_NTK_by_parts_rope", "NTK_by_parts_factor", "NTK_by_parts_low_freq_factor",
+         "NTK_by_parts_high_freq_factor", "NTK_original_ctx_len", "use_attn_scale", "attn_scale",
+         "attn_scores_soft_cap", "output_logits_soft_cap", "use_qk_norm", "tie_word_embeddings", "model_name",
+         "original_architecture", "device", "default_prepend_bos", "use_attn_result", "use_split_qkv_input",
+         "use_attn_in", "use_hook_mlp_in"}
 
 
 def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: transformer-lens's name, for its code
@@ -57,7 +66,8 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
             raise TypeError(f"HookedTransformerConfig needs {name} (transformer-lens requires it too)")
     for name, allowed in ONLY.items():
         if name in s and s[name] != allowed and not (name == "d_vocab_out" and s[name] == s.get("d_vocab")):
-            raise ValueError(f"HookedTransformerConfig({name}={s[name]!r}) is not supported: {WHY.get(name, '')}".rstrip(": "))
+            why = WHY.get(name, "probe's decoder does not build it")
+            raise ValueError(f"HookedTransformerConfig({name}={s[name]!r}) is not supported: {why}")
     known = set(ONLY) | IGNORED | KNOWN
     unknown = sorted(set(s) - known)
     if unknown:
@@ -110,14 +120,6 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         device=str(s.get("device") or "cpu"), dtype=DTYPES.get(dtype, dtype),
         default_prepend_bos=s.get("default_prepend_bos", True),
         **{name: s.get(name, False) for name in ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")})
-
-
-KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab", "act_fn", "eps", "normalization_type",
-         "positional_embedding_type", "final_rms", "parallel_attn_mlp", "use_normalization_before_and_after", "seed",
-         "use_local_attn", "window_size", "attn_types", "initializer_range", "dtype", "n_key_value_heads", "gated_mlp",
-         "rotary_base", "rotary_dim", "use_NTK_by_parts_rope", "use_attn_scale", "attn_scale", "attn_scores_soft_cap",
-         "output_logits_soft_cap", "use_qk_norm", "tie_word_embeddings", "model_name", "original_architecture", "device",
-         "default_prepend_bos", "use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in"}
 
 
 def _choice(s: dict, name: str, default: str, table: dict):

@@ -347,6 +347,7 @@ def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(
     (dict(attention_dir="bidirectional"), "causal only"),
     (dict(d_vocab_out=10), "d_vocab_out=10"),
     (dict(tokenizer_name="gpt2"), "tokenizer=probe.loading.load_tokenizer"),
+    (dict(default_padding_side="left"), "set_tokenizer\\(tokenizer, default_padding_side='left'\\)"),
     (dict(act_fn="solu_ln"), "act_fn='solu_ln'"),
     (dict(final_rms=True), "final_rms=True.*normalization_type='RMS'"),
     (dict(d_vocab=-1), "needs d_vocab"),
