@@ -241,7 +241,7 @@ def rows_per_forward(model: HookedDecoder, n_pos: int, max_rows: Optional[int]) 
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         return max_rows
-    return max(1, LOGIT_BUDGET // (n_pos * model.cfg.d_vocab))
+    return max(1, LOGIT_BUDGET // (n_pos * model.cfg.d_vocab_out))
 
 
 @torch.no_grad()

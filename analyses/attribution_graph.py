@@ -154,8 +154,8 @@ def logit_targets_of(model: HookedDecoder, logits: torch.Tensor, targets) -> tup
     ids = []
     for item in items:
         if is_int(item):
-            if not 0 <= int(item) < model.cfg.d_vocab:
-                raise ValueError(f"logit target {int(item)} is outside the vocabulary [0, {model.cfg.d_vocab})")
+            if not 0 <= int(item) < model.cfg.d_vocab_out:
+                raise ValueError(f"logit target {int(item)} is outside the vocabulary [0, {model.cfg.d_vocab_out})")
             ids.append(int(item))
         elif isinstance(item, str):
             if model.tokenizer is None:

@@ -163,13 +163,14 @@ def single_token_id(model: HookedDecoder, text: str, what: str = "answer") -> in
 
 
 def token_id(model: HookedDecoder, value, what: str) -> int:
-    """A token id from an int-like id or a single-token string, checked against the vocabulary."""
+    """A token id the logits hold (an answer, a target) from an int-like id or a single-token string, checked
+    against the output vocabulary (d_vocab_out: all of d_vocab but in a toy model that predicts fewer)."""
     if isinstance(value, str):
-        return single_token_id(model, value, what)
-    if not is_int(value):
+        value = single_token_id(model, value, what)
+    elif not is_int(value):
         raise TypeError(f"{what} {value!r} is not a token id: give an int or a string that is one token")
-    if not 0 <= int(value) < model.cfg.d_vocab:
-        raise ValueError(f"{what} token id {value!r} is outside the vocabulary [0, {model.cfg.d_vocab})")
+    if not 0 <= int(value) < model.cfg.d_vocab_out:
+        raise ValueError(f"{what} token id {value!r} is outside the vocabulary the logits cover [0, {model.cfg.d_vocab_out})")
     return int(value)
 
 

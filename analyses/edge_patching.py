@@ -104,7 +104,7 @@ class EdgeInputs:
 
 def copies_per_forward(model: HookedDecoder, batch: int, n_pos: int, max_rows: Optional[int] = None) -> int:
     """How many copies of a batch one patched forward stacks: its logits stay near the ablation budget."""
-    rows = max_rows if max_rows is not None else max(1, LOGIT_BUDGET // max(1, n_pos * model.cfg.d_vocab))
+    rows = max_rows if max_rows is not None else max(1, LOGIT_BUDGET // max(1, n_pos * model.cfg.d_vocab_out))
     return max(1, rows // batch)
 
 

@@ -202,8 +202,8 @@ def logit_lens(
     """
     if norm not in ("recompute", "frozen"):
         raise ValueError(f"norm={norm!r} is not one of: recompute, frozen")
-    if not (isinstance(k, int) and 1 <= k <= model.cfg.d_vocab):
-        raise ValueError(f"k={k!r} must be an int in [1, d_vocab={model.cfg.d_vocab}]")
+    if not (isinstance(k, int) and 1 <= k <= model.cfg.d_vocab_out):
+        raise ValueError(f"k={k!r} must be an int in [1, d_vocab_out={model.cfg.d_vocab_out}]")
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     sites = model_lens_sites(model, include_mid)
     if lens is not None:
@@ -294,7 +294,7 @@ def _resolve_target(model, tokens, mask, target: TargetSpec, final_logits) -> to
         t = t.expand(batch, n) if t.dim() == 1 and t.shape[0] == n else t
         if t.shape != tokens.shape:
             raise ValueError(f"a target tensor must have shape [batch pos] {tuple(tokens.shape)} or [pos], got {tuple(target.shape)}")
-        if bool((t < 0).any() | (t >= model.cfg.d_vocab).any()):
-            raise ValueError(f"target token ids must lie in [0, {model.cfg.d_vocab})")
+        if bool((t < 0).any() | (t >= model.cfg.d_vocab_out).any()):
+            raise ValueError(f"target token ids must lie in [0, {model.cfg.d_vocab_out})")
         return t
     raise TypeError(f"target must be None, a token id, a string or a tensor of ids, got {type(target).__name__}")

@@ -173,7 +173,7 @@ def evaluate_masks(
     nll_sum = torch.zeros(n_masks, dtype=torch.float64)
     correct = torch.zeros(n_masks, dtype=torch.float64)
     count = 0
-    per_batch = [max(1, LOGIT_BUDGET // (t.numel() * model.cfg.d_vocab)) for t in batches]  # masks per forward
+    per_batch = [max(1, LOGIT_BUDGET // (t.numel() * model.cfg.d_vocab_out)) for t in batches]  # masks per forward
     bar = tqdm(total=sum(-(-n_masks // k) for k in per_batch), desc=desc, unit="forward", disable=desc is None)
     for tokens, per_forward in zip(batches, per_batch):
         batch, n = check_length(tokens).shape

@@ -118,8 +118,8 @@ def feature_dashboard(
         raise ValueError("give features (ids) or top (how many of the most active), not both")
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 < top <= sae.cfg.d_sae):
         raise ValueError(f"top={top!r} must be an integer in [1, d_sae={sae.cfg.d_sae}]")
-    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 < n_tokens <= model.cfg.d_vocab:
-        raise ValueError(f"n_tokens={n_tokens!r} must be an integer in [1, d_vocab={model.cfg.d_vocab}]")
+    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 < n_tokens <= model.cfg.d_vocab_out:
+        raise ValueError(f"n_tokens={n_tokens!r} must be an integer in [1, d_vocab_out={model.cfg.d_vocab_out}]")
     chosen = None if features is None else feature_ids(sae, features).tolist()
     scan = feature_scan(model, sae, corpus, chosen, k=k, max_tokens=max_tokens, window=window,
                         batch_size=batch_size, progress=progress)

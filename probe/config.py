@@ -88,6 +88,7 @@ class DecoderConfig:
     n_heads: int
     d_vocab: int
     n_ctx: int  # the longest sequence (learned positions need a row per position)
+    d_vocab_out: Optional[int] = None  # the logits' size; None: d_vocab (a toy model may predict fewer tokens than it reads)
     d_head: Optional[int] = None  # None: d_model // n_heads
     d_mlp: Optional[int] = None  # None: 4 * d_model
     n_kv_heads: Optional[int] = None  # None: n_heads (multi-head); fewer: grouped-query; 1: multi-query
@@ -150,8 +151,13 @@ class DecoderConfig:
             object.__setattr__(self, "d_mlp", 4 * self.d_model)
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        for field in ("d_head", "d_mlp", "n_kv_heads"):
+        if self.d_vocab_out is None:
+            object.__setattr__(self, "d_vocab_out", self.d_vocab)
+        for field in ("d_head", "d_mlp", "n_kv_heads", "d_vocab_out"):
             positive(field)
+        if self.tied_embeddings and self.d_vocab_out != self.d_vocab:
+            raise ValueError(f"tied embeddings share one [vocab d_model] table, so d_vocab_out={self.d_vocab_out} must "
+                             f"equal d_vocab={self.d_vocab}; set tied_embeddings=False")
         if self.sliding_window is not None:
             positive("sliding_window")
         if self.sliding_layers is not None:
@@ -242,10 +248,6 @@ class DecoderConfig:
     @property
     def n_key_value_heads(self) -> Optional[int]:
         return None if self.n_kv_heads == self.n_heads else self.n_kv_heads  # TL: None for plain multi-head
-
-    @property
-    def d_vocab_out(self) -> int:
-        return self.d_vocab
 
     @property
     def parallel_attn_mlp(self) -> bool:

@@ -106,6 +106,6 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     if cfg.final_norm:
         add("ln_final", "norm", norm_params)
     if not cfg.tied_embeddings:  # tied: the embedding's row already counts these weights
-        add("unembed.weight", "unembedding", d * v)
-    add("unembed.bias", "unembedding", v if cfg.unembed_bias else 0)
+        add("unembed.weight", "unembedding", d * cfg.d_vocab_out)
+    add("unembed.bias", "unembedding", cfg.d_vocab_out if cfg.unembed_bias else 0)
     return Ledger(cfg=cfg, n_ctx=cfg.n_ctx if n_ctx is None else n_ctx, dtype=dtype, rows=rows)

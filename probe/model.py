@@ -149,7 +149,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         self.blocks = nn.ModuleList([BLOCKS[cfg.norm_placement](cfg, layer) for layer in range(cfg.n_layers)])
         self.windows = {cfg.layer_window(layer) for layer in range(cfg.n_layers)}
         self.ln_final = make_norm(cfg, foldable=True) if cfg.final_norm else nn.Identity()
-        self.unembed = Unembed(cfg.d_vocab, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
+        self.unembed = Unembed(cfg.d_vocab_out, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
         self.init_weights()

@@ -27,7 +27,7 @@ POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 # TL settings with nothing to build in probe: accepted at these values only
-ONLY = {"attention_dir": "causal", "attn_only": False, "d_vocab_out": -1, "scale_attn_by_inverse_layer_idx": False,
+ONLY = {"attention_dir": "causal", "attn_only": False, "scale_attn_by_inverse_layer_idx": False,
         "post_embedding_ln": False, "rotary_adjacent_pairs": False, "load_in_4bit": False, "num_experts": None,
         "experts_per_token": None, "n_devices": 1, "init_weights": True, "use_hook_tokens": False,
         "ungroup_grouped_query_attention": False, "tokenizer_name": None, "trust_remote_code": False,
@@ -35,7 +35,6 @@ ONLY = {"attention_dir": "causal", "attn_only": False, "d_vocab_out": -1, "scale
         "decoder_start_token_id": None, "default_padding_side": "right"}
 WHY = {"attention_dir": "probe's decoder is causal only",
        "attn_only": "every probe block has an MLP",
-       "d_vocab_out": "probe's unembedding has d_vocab outputs (leave d_vocab_out at -1 or equal to d_vocab)",
        "tokenizer_name": "probe's config holds no tokenizer: pass it to the model, HookedDecoder(cfg, "
                          "tokenizer=probe.loading.load_tokenizer(name))",
        "normalization_type": "probe's norms are 'LN', 'LNPre', 'RMS', 'RMSPre' and None",
@@ -48,7 +47,7 @@ WHY = {"attention_dir": "probe's decoder is causal only",
 # TL settings that only describe where a checkpoint came from, or that probe computes (or draws) itself
 IGNORED = {"from_checkpoint", "checkpoint_index", "checkpoint_label_type", "checkpoint_value", "init_mode", "n_params",
            "tokenizer_prepends_bos"}
-KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab", "act_fn", "eps", "normalization_type",
+KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab", "d_vocab_out", "act_fn", "eps", "normalization_type",
          "positional_embedding_type", "final_rms", "parallel_attn_mlp", "use_normalization_before_and_after", "seed",
          "use_local_attn", "window_size", "attn_types", "initializer_range", "dtype", "n_key_value_heads", "gated_mlp",
          "rotary_base", "rotary_dim", "use_NTK_by_parts_rope", "NTK_by_parts_factor", "NTK_by_parts_low_freq_factor",
@@ -65,7 +64,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         if name not in s:
             raise TypeError(f"HookedTransformerConfig needs {name} (transformer-lens requires it too)")
     for name, allowed in ONLY.items():
-        if name in s and s[name] != allowed and not (name == "d_vocab_out" and s[name] == s.get("d_vocab")):
+        if name in s and s[name] != allowed:
             why = WHY.get(name, "probe's decoder does not build it")
             raise ValueError(f"HookedTransformerConfig({name}={s[name]!r}) is not supported: {why}")
     known = set(ONLY) | IGNORED | KNOWN
@@ -105,6 +104,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
     dtype = s.get("dtype", torch.float32)
     return DecoderConfig(
         n_layers=s["n_layers"], d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=s["n_ctx"], d_head=d_head,
+        d_vocab_out=None if s.get("d_vocab_out", -1) == -1 else s["d_vocab_out"],
         d_mlp=s.get("d_mlp"), n_kv_heads=s.get("n_key_value_heads"), eps=s.get("eps", 1e-5),
         activation=ACTIVATIONS[act_fn], gated_mlp=s.get("gated_mlp", False), norm=norm, norm_placement=placement,
         norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"), final_norm=norm is not Norm.NONE,

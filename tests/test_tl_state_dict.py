@@ -310,6 +310,8 @@ TOY_CONFIGS = {
                           normalization_type="RMSPre", positional_embedding_type="rotary"),
     "no-norm-grokking-like": dict(n_layers=1, d_vocab=114, d_model=32, d_mlp=128, n_heads=4, d_head=8, n_ctx=3,
                                   act_fn="relu", normalization_type=None),
+    "grokking-d-vocab-out": dict(n_layers=1, d_vocab=114, d_vocab_out=113, d_model=32, d_mlp=128, n_heads=4,
+                                 d_head=8, n_ctx=3, act_fn="relu", normalization_type=None),
     "one-layer-relu-result": dict(n_layers=1, d_model=24, d_head=6, n_ctx=8, d_vocab=30, act_fn="relu",
                                   use_attn_result=True, default_prepend_bos=False, initializer_range=0.05),
 }
@@ -345,7 +347,6 @@ def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(
     (dict(normalization_type="LNx"), "normalization_type='LNx'.*'LN', 'LNPre', 'RMS', 'RMSPre' and None"),
     (dict(positional_embedding_type="shortformer"), "shortformer.*'standard'"),
     (dict(attention_dir="bidirectional"), "causal only"),
-    (dict(d_vocab_out=10), "d_vocab_out=10"),
     (dict(tokenizer_name="gpt2"), "tokenizer=probe.loading.load_tokenizer"),
     (dict(default_padding_side="left"), "set_tokenizer\\(tokenizer, default_padding_side='left'\\)"),
     (dict(act_fn="solu_ln"), "act_fn='solu_ln'"),
@@ -398,6 +399,7 @@ def test_a_gated_mlp_keeps_its_projection_biases_and_refuses_tl_bias_after_the_g
     ("parallel-partial-rotary-scaled", {}),
     ("lnpre-othello-like", {}),
     ("no-norm-grokking-like", {}),  # nothing to fold, no LayerNorm to centre the writers for: both skipped
+    ("grokking-d-vocab-out", {}),
 ])
 def test_load_and_process_state_dict_is_hooked_transformers(case, steps, tmp_path):
     """`model.load_and_process_state_dict(state, **steps)` on both libraries, from the same HookedTransformer weights:
@@ -488,3 +490,23 @@ def test_w_gate_and_n_params_total_are_transformers_weights_and_count(tmp_path):
     assert gpt2.W_gate is None  # no gated MLP, as transformer-lens says
     import transformers
     assert gpt2.n_params_total == transformers.GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL).num_parameters()
+
+
+def test_a_model_predicting_fewer_tokens_than_it_reads_checks_answers_against_its_logits(tmp_path):
+    """d_vocab_out < d_vocab (grokking's original model reads an "=" token it never predicts): the logits have
+    d_vocab_out columns, an answer outside them is refused by name, and no Hugging Face format holds the model."""
+    from probe import DecoderConfig, HookedTransformerConfig
+    from probe.analyses import direct_logit_attribution
+
+    model = HookedDecoder(HookedTransformerConfig(n_layers=1, d_vocab=12, d_vocab_out=11, d_model=16, d_head=4,
+                                                  n_ctx=3, act_fn="relu", normalization_type=None, seed=0)).eval()
+    tokens = torch.tensor([[3, 5, 11]])  # 11 is "=": an input only
+    assert model(tokens).shape == (1, 3, 11) and model.W_U.shape == (16, 11)
+    assert model.ledger().total_params == sum(p.numel() for p in model.parameters())
+    direct_logit_attribution(model, tokens, 8, 2)  # answers the logits hold
+    with pytest.raises(ValueError, match=r"answer token id 11 is outside the vocabulary the logits cover \[0, 11\)"):
+        direct_logit_attribution(model, tokens, 11, 2)
+    with pytest.raises(ValueError, match="d_vocab_out=11, d_vocab=12"):
+        model.save_pretrained(tmp_path / "saved")
+    with pytest.raises(ValueError, match="tied_embeddings=False"):
+        DecoderConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=12, d_vocab_out=11, n_ctx=4)
