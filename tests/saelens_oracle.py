@@ -22,6 +22,9 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         tokens; stdout the JSON of the config's resolved values (n_heads, d_mlp, initializer_range, ...). With
         PROCESS_JSON, the model then load_and_process_state_dict(state, **PROCESS): OUTPUTS also gets processed.KEY
         and processed_logits, and the JSON processed_normalization_type
+    python saelens_oracle.py toy_idioms CONFIG_JSON STATE INPUTS OUTPUTS
+        HookedTransformer(HookedTransformerConfig(**CONFIG)) with the state dict STATE runs toy_idioms on INPUTS'
+        tokens; OUTPUTS gets each idiom's result by name
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -149,6 +152,46 @@ def tl_build(config_json: str, inputs: str, outputs: str, process_json: str = ""
     print(json.dumps(resolved))
 
 
+def toy_idioms(model, tokens) -> dict:
+    """What analyses of a toy model built from its config write (ARENA's grokking and Othello-GPT sections), once:
+    the oracle runs them on HookedTransformer, tests/test_tl_state_dict.py on probe (attribute access only)."""
+    out = {}
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens)
+        out["logits"] = logits
+        out["pattern0"] = cache["pattern", 0]
+        out["post0"] = cache["post", 0]  # the MLP's neurons
+        out["resid_post_last"] = cache["resid_post", -1]
+        out["scale_final"] = cache["ln_final.hook_scale"] if "ln_final.hook_scale" in cache else torch.ones(1)
+        out["neuron_logit_map"] = model.blocks[0].mlp.W_out @ model.W_U  # [d_mlp vocab]
+        out["embed_to_neurons"] = model.W_E @ model.blocks[0].mlp.W_in  # [vocab d_mlp]
+        if model.cfg.positional_embedding_type == "standard":
+            out["W_pos"] = model.W_pos
+        out["OV_AB"] = model.OV[0, 1].AB
+        out["QK_AB"] = model.QK[0, 2].AB
+        out["attn_out_sum"] = sum(cache["attn_out", layer] for layer in range(model.cfg.n_layers))
+        stack, labels = cache.decompose_resid(return_labels=True)
+        out["decomposed"] = stack
+        out["n_components"] = torch.tensor([len(labels)])
+
+        def zero_head(z, hook):
+            z[:, :, 1] = 0.0
+            return z
+
+        out["ablated_logits"] = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_z", zero_head)])
+        out["loss"] = model(tokens, return_type="loss").reshape(1)
+    return out
+
+
+def toy(config_json: str, state: str, inputs: str, outputs: str) -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    model = HookedTransformer(HookedTransformerConfig(**json.loads(config_json), device="cpu")).eval()
+    model.load_state_dict(load_file(state), strict=False)
+    out = toy_idioms(model, load_file(inputs)["tokens"])
+    save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, outputs)
+
+
 def hooked_sae_idioms(model, sae, tokens) -> dict:
     """SAELens's HookedSAETransformer idioms, written once: the oracle runs them on HookedSAETransformer, and
     tests/test_sae_methods.py imports this function to run them on probe (only attribute access, no imports)."""
@@ -192,4 +235,5 @@ def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict, "tl_build": tl_build}[command](*args)
+    {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict, "tl_build": tl_build,
+     "toy_idioms": toy}[command](*args)

@@ -17,6 +17,7 @@ from torch import nn
 
 from probe import DEFAULT_MODEL, HookedDecoder
 from probe.tl_state_dict import TL_BUFFERS
+from saelens_oracle import toy_idioms
 from test_sae_training import needs_saelens, oracle
 from test_variants import build
 
@@ -510,3 +511,29 @@ def test_a_model_predicting_fewer_tokens_than_it_reads_checks_answers_against_it
         model.save_pretrained(tmp_path / "saved")
     with pytest.raises(ValueError, match="tied_embeddings=False"):
         DecoderConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=12, d_vocab_out=11, n_ctx=4)
+
+
+@needs_saelens
+@pytest.mark.parametrize("case", ["ln-defaults", "lnpre-othello-like", "no-norm-grokking-like", "rms-rotary-gqa-gated"])
+def test_toy_model_analyses_written_for_hooked_transformer_agree(case, tmp_path):
+    """The analyses ARENA's grokking and Othello-GPT sections write (caches, neuron maps, OV/QK, decompositions, a
+    head ablation, the loss), one function run on HookedTransformer and on probe, each built from the same config
+    and given the same trained weights (tests/saelens_oracle.py: toy_idioms)."""
+    from probe import HookedTransformerConfig
+
+    settings = TOY_CONFIGS[case]
+    tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(6))
+    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
+    oracle("tl_build", json.dumps(settings), tmp_path / "tokens.safetensors", tmp_path / "built.safetensors")
+    state = {key.removeprefix("state."): t for key, t in load_file(str(tmp_path / "built.safetensors")).items()
+             if key.startswith("state.")}
+    save_file(state, str(tmp_path / "state.safetensors"))
+    oracle("toy_idioms", json.dumps(settings), tmp_path / "state.safetensors", tmp_path / "tokens.safetensors",
+           tmp_path / "theirs.safetensors")
+    theirs = load_file(str(tmp_path / "theirs.safetensors"))
+    model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
+    model.load_state_dict(state, strict=True)
+    ours = toy_idioms(model, tokens)
+    assert set(ours) == set(theirs)
+    for name, value in ours.items():
+        torch.testing.assert_close(value.float(), theirs[name].float(), atol=1e-4, rtol=1e-4, msg=name)
