@@ -236,7 +236,7 @@ class DecoderConfig:
         return self.activation.value
 
     @property
-    def normalization_type(self) -> str:
+    def normalization_type(self) -> Optional[str]:  # None: no norms, as TL says
         if self.norm is Norm.NONE:
             return None
         return ("LN" if self.norm is Norm.LAYER else "RMS") + ("" if self.norm_weights else "Pre")
