@@ -25,7 +25,7 @@ from probe.sae_methods import SAEMethods
 from probe.shapes import PER_HEAD_INPUTS, hook_shapes
 from probe.tl_state_dict import use_tl_layout
 from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported
-from probe.tokenizer import Tokenizer
+from probe.tokenizer import Tokenizer, prepends_bos
 from probe.tokens import TokenMethods, is_text
 from probe.weight_views import WeightViews
 
@@ -138,7 +138,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
 
     def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
         super().__init__()
-        prepend_bos = cfg.default_prepend_bos and (tokenizer is None or tokenizer.bos_id is not None)
+        prepend_bos = prepends_bos(cfg.default_prepend_bos, tokenizer)
         self.cfg = cfg if cfg.default_prepend_bos == prepend_bos else dataclasses.replace(cfg, default_prepend_bos=prepend_bos)
         self.tokenizer = tokenizer
         self.embed = Embed(cfg.d_vocab, cfg.d_model, math.sqrt(cfg.d_model) if cfg.scale_embed else None)

@@ -75,9 +75,14 @@ def _save_attention(module: Attention, state: dict, prefix: str, local_metadata)
     state[prefix + "b_O"] = _or_zeros(out_bias, out_weight.shape[0], out_weight)
 
 
+def _mlp_weights(module: MLP) -> list[tuple[str, str]]:
+    """(probe's linear, TL's weight name) of every projection of the MLP."""
+    return [("fc_in", "W_in"), ("fc_out", "W_out")] + ([("gate", "W_gate")] if hasattr(module, "gate") else [])
+
+
 def _save_mlp(module: MLP, state: dict, prefix: str, local_metadata) -> None:
     gated = hasattr(module, "gate")
-    for linear, name in [("fc_in", "W_in"), ("fc_out", "W_out")] + ([("gate", "W_gate")] if gated else []):
+    for linear, name in _mlp_weights(module):
         state[prefix + name] = state.pop(prefix + linear + ".weight").T.contiguous()
     d_mlp, like = module.fc_in.out_features, state[prefix + "W_in"]
     state[prefix + "b_out"] = _or_zeros(state.pop(prefix + "fc_out.bias", None), module.fc_out.out_features, like)
@@ -172,10 +177,9 @@ def _load_attention(module: Attention, state: dict, prefix: str, local_metadata,
 
 def _load_mlp(module: MLP, state: dict, prefix: str, local_metadata, strict, missing, unexpected, errors: list) -> None:
     gated = hasattr(module, "gate")
-    weights = [("fc_in", "W_in"), ("fc_out", "W_out")] + ([("gate", "W_gate")] if gated else [])
     if not any(prefix + name in state for name in ("W_in", "W_out", "W_gate", "b_in", "b_out")):
         return
-    for linear_name, name in weights:
+    for linear_name, name in _mlp_weights(module):
         linear = getattr(module, linear_name)
         _into(state, prefix + name, prefix + linear_name + ".weight", (linear.in_features, linear.out_features),
               linear.weight.detach(), errors, missing, lambda t: t.T)

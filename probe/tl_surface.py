@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import probe.residual_stack as rs
 from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps
-from probe.tokenizer import Tokenizer, check_padding_side
+from probe.tokenizer import Tokenizer, check_padding_side, prepends_bos
 
 GUIDE = "docs/from_transformer_lens.md"
 RETURN_TYPES = ("logits", "loss", "both", None)
@@ -146,7 +146,7 @@ class TransformerLensSurface:
         if default_padding_side is not None:
             tokenizer.padding_side = check_padding_side(default_padding_side)
         self.tokenizer = tokenizer
-        prepend_bos = self.cfg.default_prepend_bos and tokenizer.bos_id is not None
+        prepend_bos = prepends_bos(self.cfg.default_prepend_bos, tokenizer)
         if prepend_bos != self.cfg.default_prepend_bos:
             self.cfg = dataclasses.replace(self.cfg, default_prepend_bos=prepend_bos)
 

@@ -259,6 +259,11 @@ def _as_array(rows: list[list[int]], kind: str):
     return ids.numpy() if kind == "np" else ids
 
 
+def prepends_bos(default: bool, tokenizer: Optional["Tokenizer"]) -> bool:
+    """Whether a model prepends BOS by default: its config says so (`default`) and its tokenizer, if any, has one."""
+    return default and (tokenizer is None or tokenizer.bos_id is not None)
+
+
 def check_padding_side(side: str) -> str:
     if side not in PADDING_SIDES:
         raise ValueError(f"padding_side must be 'right' or 'left', got {side!r}")

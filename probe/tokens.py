@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from probe.tokenizer import Tokenizer, pad_rows
+from probe.tokenizer import Tokenizer, pad_rows, prepends_bos
 
 StrTokens = Union[list[str], list[list[str]]]
 
@@ -48,7 +48,7 @@ class TokenMethods:
         tokenizer = self._require_tokenizer()
         padding_side = tokenizer.padding_side if padding_side is None else padding_side
         if prepend_bos is None:
-            prepend_bos = self.cfg.default_prepend_bos and tokenizer.bos_id is not None
+            prepend_bos = prepends_bos(self.cfg.default_prepend_bos, tokenizer)
         elif prepend_bos and tokenizer.bos_id is None:
             raise ValueError("this model's tokenizer has no BOS token (as GPT-1's); pass prepend_bos=False")
         texts = [input] if isinstance(input, str) else list(input) if isinstance(input, (list, tuple)) else None
