@@ -1,7 +1,8 @@
 """The residual stream as a sum of component writes, and each write's direct effect on the logits (Elhage et al. 2021).
 
 Components, in order: `embed`, `pos_embed`, then per layer l every head `L{l}H{h}` (its
-`hook_result`, without b_O), `L{l} attn bias` (b_O) and `L{l} mlp`. Their sum is the final
+`hook_result`, without b_O), `L{l} attn bias` (b_O) and `L{l} mlp` (none in an attention-only model; no
+`pos_embed` where positions stay out of the residual: rotary, shortformer). Their sum is the final
 residual stream exactly. Direct logit attribution pushes each component through the final norm
 with the scale frozen at its value in the forward pass, so the attribution is linear and, with
 the norm's bias (and any unembedding bias) as extra rows, adds up to the model's logit.
@@ -39,7 +40,7 @@ class ResidualDecomposition(TableDisplay):
     n_layers: int
     position_labels: list[list[str]]
     token_strings: Callable[[list[int]], list[str]] = field(repr=False)
-    has_mid: bool = True  # a residual between attention and MLP exists (not in parallel blocks)
+    has_mid: bool = True  # a residual between attention and MLP exists (not in parallel / attention-only blocks)
 
     def total(self) -> torch.Tensor:
         """[batch pos d_model]: the sum of every component, the final residual stream."""
@@ -49,8 +50,12 @@ class ResidualDecomposition(TableDisplay):
         """[batch layer pos d_model]: the residual after the embedding and after each block (and each
         attention sublayer with include_mid), i.e. the sum of the components written so far."""
         if include_mid and not self.has_mid:
-            raise ValueError("include_mid=True reads the residual between attention and MLP; this model's blocks are "
-                             "parallel (both read the residual entering the block), so there is none")
+            # the index knows which: an attention-only model's components hold no MLP
+            why = ("this attention-only model has no MLPs, so each block's output is the residual after its attention"
+                   if "mlp" not in self.index.kinds else
+                   "this model's blocks are parallel (both read the residual entering the block)")
+            raise ValueError(f"include_mid=True reads the residual between attention and MLP; {why}, so there is none: "
+                             "leave include_mid=False")
         written = self.index.written(self.n_layers, include_mid, self.components.device).to(self.components.dtype)
         return einsum(self.components, written, "batch pos component d_model, layer component -> batch layer pos d_model")
 
@@ -130,7 +135,7 @@ class LogitAttribution(TableDisplay):
     n_heads: int  # the most heads any layer has
     position_labels: list[list[str]]
     token_strings: Callable[[list[int]], list[str]] = field(repr=False)
-    has_mid: bool = True  # `accumulated` reads after each attention sublayer too (not in parallel blocks)
+    has_mid: bool = True  # `accumulated` reads after each attention sublayer too (not parallel or attn-only blocks)
 
     @property
     def total(self) -> torch.Tensor:

@@ -37,14 +37,22 @@ import torch
 
 from probe import HookedDecoder
 from probe.config import Norm, NormPlacement
+from probe.analyses.architecture import refuse_shortformer, require_mlps
 from probe.analyses.common import TableDisplay
 
 LOGITS = "logits"
 
 
 def check_graph_model(model: HookedDecoder) -> None:
-    """Refuse the families whose residual stream is not an exact sum of writer outputs."""
+    """Refuse the families whose residual stream is not an exact sum of writer outputs, and those the graph does not
+    describe: it has an MLP node per layer and an `embed` node that carries the positions."""
     cfg = model.cfg
+    what = "circuits (edge attribution, faithfulness, path patching)"
+    heads_instead = ("patch(..., sites='heads'), ablate_heads and direct_logit_attribution (probe.analyses) work "
+                     "head by head")
+    require_mlps(model, what, "the graph's MLP nodes (L{l} mlp) and their edges do not exist", heads_instead)
+    refuse_shortformer(model, what, "the graph's `embed` node does not carry them, and every query and key reads "
+                       "them besides the residual, which no edge describes", heads_instead)
     if cfg.norm_placement is NormPlacement.POST:
         raise ValueError("post-norm blocks (GPT-1) normalise the residual itself, so it is not a sum of the writers' "
                          "outputs and an edge has no exact meaning; circuits need pre-norm, parallel or sandwich blocks")

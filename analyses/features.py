@@ -27,6 +27,7 @@ import torch
 from einops import einsum, rearrange
 
 from probe.analyses.ablation import loss_metric
+from probe.analyses.architecture import refuse_shortformer
 from probe.analyses.common import AnalysisInput, PromotedTokens, TableDisplay, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
 from probe.analyses.sae_checks import FeatureSpec, check_sae, feature_ids, output_hook
 from probe.analyses.vocab_projection import final_norm_directions, top_tokens, value_directions
@@ -176,9 +177,13 @@ def _residual_write(model: HookedDecoder, name: str) -> Callable[[torch.Tensor],
                 return written if post is None else written * post
 
             return through_W_O
-        if point is block.mlp.hook_post:
-            values = value_directions(model, layer, torch.arange(block.mlp.W_out.shape[0]), through_final_norm=False)
+        mlp = getattr(block, "mlp", None)  # an attention-only block has none
+        if mlp is not None and point is mlp.hook_post:
+            values = value_directions(model, layer, torch.arange(mlp.W_out.shape[0]), through_final_norm=False)
             return lambda directions: directions @ values  # [d_mlp d_model]: each neuron's write
+    if point is getattr(model, "hook_pos_embed", None):
+        refuse_shortformer(model, f"feature_logits of an SAE at {name!r}", "decoder rows there never reach the "
+                           "unembedding directly", "use an SAE on the residual stream (hook_resid_pre/post)")
     residual = ("hook_embed", "hook_pos_embed", "hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out",
                 "hook_resid_post")
     if any(point is getattr(owner, attr, None) for owner in (model, *model.blocks) for attr in residual):
@@ -246,7 +251,8 @@ def _embedding_read(model: HookedDecoder, name: str) -> Callable[[torch.Tensor],
     are on the residual stream; centred (a LayerNorm) at a norm's hook_normalized, whose per-position scale is left
     out (it divides every token's score alike)."""
     point = model.hook_point(name)
-    norms = [norm for block in model.blocks for norm in (block.ln1, block.ln2)] + [model.ln_final]
+    norms = [getattr(block, norm) for block in model.blocks for norm in ("ln1", "ln2") if hasattr(block, norm)]
+    norms.append(model.ln_final)  # (an attention-only block has no ln2)
     if any(point is getattr(norm, "hook_normalized", None) for norm in norms):
         if model.cfg.norm is Norm.LAYER:
             return lambda embedded: embedded - embedded.mean(-1, keepdim=True)

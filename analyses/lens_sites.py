@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from probe.analyses.architecture import has_mlps, require_mlps
 from probe.analyses.common import token_labels
 from probe import HookedDecoder, NormPlacement
 from probe.names import act_name
@@ -22,12 +23,16 @@ def lens_sites(n_layers: int, include_mid: bool = False) -> list[str]:
 
 
 def has_resid_mid(model: HookedDecoder) -> bool:
-    """Whether blocks have a residual between attention and MLP (parallel blocks have none)."""
-    return model.cfg.norm_placement is not NormPlacement.PARALLEL
+    """Whether blocks have a residual between attention and MLP (none in parallel blocks; attention-only ones have no
+    MLP)."""
+    return has_mlps(model) and model.cfg.norm_placement is not NormPlacement.PARALLEL
 
 
 def model_lens_sites(model: HookedDecoder, include_mid: bool = False) -> list[str]:
     """`lens_sites` for this model; include_mid needs a residual between the sublayers, which parallel blocks lack."""
+    if include_mid:
+        require_mlps(model, "include_mid=True", "no residual between attention and MLP (hook_resid_mid)",
+                     "leave include_mid=False: each block's hook_resid_post is the residual after its attention")
     if include_mid and not has_resid_mid(model):
         raise ValueError("include_mid reads the residual between each block's attention and MLP (hook_resid_mid); "
                          f"this model's blocks are {model.cfg.norm_placement.value} (attention and MLP both read "

@@ -48,12 +48,13 @@ def benchmark(model: HookedDecoder, texts: Corpus = None, layers: Layers = None,
     """Tokens/s of top_triggers against a plain forward pass over the same windows (issue: >= 0.8x)."""
     import time
 
+    layer_ids = layer_list(model, layers, "the trigger-scan benchmark")  # before reading the corpus
     tokenizer = model._require_tokenizer()
     window = model.cfg.n_ctx
     items = list(scan_windows(model, texts, window, True, (0, 0), 0, 1))
     n_tokens = sum(len(w[3]) for w in items)
     batches = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
-    scanner = Scanner(model, layer_list(model, layers), torch.arange(model.cfg.d_mlp), k, 24)
+    scanner = Scanner(model, layer_ids, torch.arange(model.cfg.d_mlp), k, 24)
     token_batches = [scanner.set_batch([(d, s, ids, n) for d, _, s, ids, n in b], tokenizer.bos_id,
                                        tokenizer.pad_id, window) for b in batches]
 

@@ -7,6 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from probe.analyses.memory_units import require_ffn
 from probe.analyses.trigger_results import MLP_SOURCE, TopTriggers
 from probe.analyses.vocab_projection import top_value_tokens
 from probe import HookedDecoder
@@ -65,6 +66,7 @@ def agreement(model: HookedDecoder, triggers: TopTriggers, *, through_final_norm
     The baseline pairs each neuron's triggers with the top token of the next scanned neuron's
     value (a cyclic shift), which keeps the token distribution and breaks the neuron's identity.
     """
+    require_ffn(model, "agreement")  # a scan of another model's neurons: this one has no values to read them by
     require_mlp(triggers, "agreement")
     matches, examples, baseline = [], [], []
     for li, layer in enumerate(triggers.layers):

@@ -11,7 +11,7 @@ from plotly.subplots import make_subplots
 
 from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
 from probe.analyses.labels import TICK_CHAR_PX, figure_token, plain_length, titled
-from probe.analyses.memory_units import Layers, layer_list
+from probe.analyses.memory_units import Layers, layer_list, require_ffn
 from probe.analyses.vocab_projection import top_value_tokens, value_directions
 from probe import HookedDecoder, NormPlacement
 from probe.names import act_name
@@ -115,7 +115,7 @@ def memory_lookup(
     if not is_int(position) or not -n_pos <= position < n_pos:
         raise ValueError(f"position {position!r} is outside the prompt's {n_pos} tokens")
     position %= n_pos
-    layers = layer_list(model, layer)
+    layers = layer_list(model, layer, "memory_lookup")
     if not isinstance(k, int) or not 0 < k <= model.cfg.d_mlp:
         raise ValueError(f"k={k!r} must be an integer in [1, d_mlp={model.cfg.d_mlp}]")
     sandwich = model.cfg.norm_placement is NormPlacement.SANDWICH
@@ -154,5 +154,6 @@ def memory_lookup(
 
 def sub_updates(model: HookedDecoder, layer: int, coefficients: torch.Tensor) -> torch.Tensor:
     """[d_mlp d_model]: every memory's sub-update m_i v_i for coefficients [d_mlp] of `layer`."""
+    require_ffn(model, "sub_updates")
     W_out = model.blocks[layer].mlp.W_out.detach()
     return einsum(coefficients.to(W_out), W_out, "d_mlp, d_mlp d_model -> d_mlp d_model")

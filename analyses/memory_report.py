@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Union
 from probe.analyses.common import token_strings
 from probe.analyses.labels import html_text, html_token, text_of
 from probe.analyses.memory_agreement import require_mlp
+from probe.analyses.memory_units import require_ffn
 from probe.analyses.trigger_results import PAD, TopTriggers
 from probe.analyses.vocab_projection import top_value_tokens
 from probe import HookedDecoder
@@ -105,6 +106,7 @@ def memory_report(
     `n_examples` trigger prefixes, activation first, the trigger token highlighted and the actual
     next token after it in blue (outlined in green when it is the value's top token).
     """
+    require_ffn(model, "memory_report")
     require_mlp(triggers, "memory_report")  # cards read FFN value vectors; an SAE scan has none
     if path is not None and Path(path).exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it or choose another path")

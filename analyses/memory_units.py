@@ -5,13 +5,17 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from probe.analyses.architecture import require_mlps
 from probe.analyses.common import is_int, unit_ids
 from probe import HookedDecoder
 
 Layers = Union[int, Sequence[int], None]
 
 
-def layer_list(model: HookedDecoder, layers: Layers) -> list[int]:
+def layer_list(model: HookedDecoder, layers: Layers, what: str = "FFN memories") -> list[int]:
+    """The FFN layers `layers` names (None: all), checked; `what` (the analysis) heads the refusal on a model
+    without MLPs."""
+    require_ffn(model, what)
     n = model.cfg.n_layers
     if layers is None:
         return list(range(n))
@@ -25,6 +29,12 @@ def layer_list(model: HookedDecoder, layers: Layers) -> list[int]:
     if len(set(resolved)) != len(resolved):
         raise ValueError(f"layers {chosen} name a layer twice")
     return resolved
+
+
+def require_ffn(model: HookedDecoder, what: str) -> None:
+    require_mlps(model, what, "no FFN neurons (mlp.hook_post) or value vectors (W_out) to read",
+                 "read its heads instead (direct_logit_attribution, attention_patterns, ov_circuit), or an SAE's "
+                 "features (top_triggers(..., sae=), feature_logits)")
 
 
 def neuron_tensor(model: HookedDecoder, neurons: Optional[Sequence[int]]) -> torch.Tensor:

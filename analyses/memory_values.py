@@ -52,7 +52,7 @@ def value_tokens(
     unembedding instead of v_i: (v_i - mean(v_i)) * ln_final.w for a LayerNorm, v_i * ln_final.w for
     an RMSNorm (Geva et al. read the raw v_i).
     """
-    (layer,) = layer_list(model, layer)
+    (layer,) = layer_list(model, layer, "value_tokens")
     ids = neuron_tensor(model, neurons)
     if not isinstance(k, int) or not 0 < k <= model.cfg.d_vocab:
         raise ValueError(f"k={k!r} must be an integer in [1, d_vocab={model.cfg.d_vocab}]")

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 import torch
 
 from probe.analyses.ablation import Metric, metric_name, rows_per_forward, tokens_and_mask
+from probe.analyses.architecture import require_mlps
 from probe.analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
 from probe.analyses.common import AnalysisInput, TableDisplay, is_int, model_mask, token_labels, token_strings
 from probe.analyses.labels import LAYER_AXIS, grid_layout, head_grid, head_label, position_labels, titled
@@ -52,6 +53,9 @@ class Site:
 
     def check(self, model: HookedDecoder, n_pos: int) -> None:
         cfg = model.cfg
+        if self.act == "mlp_out":
+            require_mlps(model, f"patching site {self!r}", "no mlp_out to patch",
+                         "patch 'attn_out' (a block's whole write), 'resid_pre' or 'heads' instead")
         problems = []
         if self.act not in ACTIVATIONS:
             problems.append(f"act={self.act!r} is not one of {', '.join(ACTIVATIONS)}")
@@ -69,6 +73,9 @@ class Site:
 def sweep_sites(model: HookedDecoder, sweep: str, n_pos: int) -> list[Site]:
     """The sites of a standard sweep: every head ('heads'), or every layer x position."""
     layers = range(model.cfg.n_layers)
+    if sweep == "mlp_out":
+        require_mlps(model, "sites='mlp_out'", "no mlp_out to patch",
+                     "sweep 'attn_out' (a block's whole write), 'resid_pre' or 'heads' instead")
     if sweep == "heads":
         return [Site("z", l, head=h) for l in layers for h in range(model.cfg.layer_heads(l))]
     if sweep in ACTIVATIONS and sweep != "z":
@@ -194,8 +201,9 @@ def patch(
     """Patch each site from the clean run into the corrupted run and measure the metric.
 
     sites: 'heads' (every head's hook_z), 'resid_pre' / 'attn_out' / 'mlp_out' (every layer x
-    position), a Site or a list of Site. method 'exact' reruns the model per site (batched: sites of one
-    layer share a forward, restarting there from the cached corrupted residual); 'attribution'
+    position; an attention-only model has no 'mlp_out'), a Site or a list of Site. method 'exact'
+    reruns the model per site (batched: sites of one layer share a forward, restarting there from
+    the cached corrupted residual); 'attribution'
     estimates every site from one forward and one backward. `attention_mask` [batch pos] marks the
     real tokens of padded token ids, the same for both (text is padded and masked for you).
     """

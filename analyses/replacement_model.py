@@ -8,11 +8,12 @@ heads (patterns fixed) and the norms (scales fixed), and nowhere else.
 
 The nodes that write are the active transcoder features (activation a times the decoder row W_dec[f]), the
 error nodes (one vector per layer and position) and the embedding nodes (the residual entering block 0 at
-each position: token plus position embedding). Their writes are treated as constants (direct effects only):
-no gradient runs through an encoder, so a feature's influence on a later one is its edge alone, and the
-later one's own response to it is another edge. TopK's selection is frozen with everything else: the active
-set is the one chosen on the prompt, and an active feature's activation is its pre-activation (the k largest
-are kept only when positive, so relu is the identity on them).
+each position: token plus position embedding; a shortformer model's positions join only the queries and keys,
+so they act through the frozen patterns and its embedding nodes hold the tokens alone). Their writes are treated
+as constants (direct effects only): no gradient runs through an encoder, so a feature's influence on a later one
+is its edge alone, and the later one's own response to it is another edge. TopK's selection is frozen with
+everything else: the active set is the one chosen on the prompt, and an active feature's activation is its
+pre-activation (the k largest are kept only when positive, so relu is the identity on them).
 
 What a node reads (a target): an active feature's pre-activation x . W_enc[:, f] + b_enc[f], x being the
 transcoder's input in the linearised run, and a logit demeaned over the vocabulary, logit(v) - mean logit, as
@@ -28,6 +29,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
+from probe.analyses.architecture import require_mlps
 from probe import HookedDecoder, NormPlacement, SparseAutoencoder
 from probe.sae import BUNDLED_SAES, spliced
 
@@ -49,6 +51,9 @@ def load_transcoders(model: HookedDecoder, transcoders: TranscoderSpec) -> dict[
     a directory, SparseAutoencoder objects, or a list or {layer: ...} of those; each checked to write
     blocks.L.hook_mlp_out and read a point of block L before its MLP. A layer without one keeps its MLP
     whole as its error node (the MLP's output, a constant of the linearisation)."""
+    require_mlps(model, "attribution graphs (attribution_graph, intervene)", "no MLP for a transcoder to replace",
+                 "read its heads instead: their direct effects with probe.analyses.direct_logit_attribution, their "
+                 "causal ones with patch(..., sites='heads') or ablate_heads")
     if isinstance(transcoders, str) and transcoders == BUNDLED:
         found = sorted(BUNDLED_SAES.glob("transcoder-*"))
         if not found:

@@ -1,6 +1,9 @@
 """The component axis of the residual stream: `embed`, `pos_embed`, then per layer l every head `L{l}H{h}` (its
 `hook_result`, without b_O), `L{l} attn bias` (b_O) and `L{l} mlp`, whose writes add up to the final residual
-stream of a pre-norm model; their names, the hooks that read them, and the writes stacked from a cache."""
+stream of a pre-norm model; their names, the hooks that read them, and the writes stacked from a cache.
+
+Only what the residual stream holds is a component: an attention-only model has no `L{l} mlp`, and a model whose
+positions never enter the residual (rotary, shortformer) no `pos_embed`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +12,7 @@ from typing import Optional
 import pandas as pd
 import torch
 
+from probe.analyses.architecture import has_mlps, positions_in_residual
 from probe.analyses.lens_sites import lens_sites
 from probe import HookedDecoder
 from probe.config import Norm, NormPlacement
@@ -30,13 +34,14 @@ class Components:
         if has_pos_embed(model):
             names, kinds = names + ["pos_embed"], kinds + ["pos_embed"]
         layers, heads = [None] * len(names), [None] * len(names)
+        mlp = 1 if has_mlps(model) else 0
         for layer, block in enumerate(model.blocks):
             n_heads = block.attn.n_heads  # per layer: pruned models keep different numbers
             bias = [f"L{layer} attn bias"] if block.attn.b_O is not None else []
-            names += [f"L{layer}H{h}" for h in range(n_heads)] + bias + [f"L{layer} mlp"]
-            kinds += ["head"] * n_heads + ["attn_bias"] * len(bias) + ["mlp"]
-            layers += [layer] * (n_heads + len(bias) + 1)
-            heads += list(range(n_heads)) + [None] * len(bias) + [None]
+            names += [f"L{layer}H{h}" for h in range(n_heads)] + bias + [f"L{layer} mlp"] * mlp
+            kinds += ["head"] * n_heads + ["attn_bias"] * len(bias) + ["mlp"] * mlp
+            layers += [layer] * (n_heads + len(bias) + mlp)
+            heads += list(range(n_heads)) + [None] * (len(bias) + mlp)
         return cls(names, kinds, layers, heads)
 
     def frame(self) -> pd.DataFrame:
@@ -62,7 +67,9 @@ class Components:
 
 
 def has_pos_embed(model: HookedDecoder) -> bool:
-    return "hook_pos_embed" in model.hook_names  # models with rotary positions write no position embedding
+    """Whether `pos_embed` is a component: the model writes its positions into the residual stream (rotary and
+    shortformer positions act inside attention; a shortformer's hook_pos_embed fires all the same)."""
+    return positions_in_residual(model)
 
 
 def check_pre_norm(model: HookedDecoder) -> None:
@@ -100,14 +107,15 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
             heads = (heads * through).to(embed.dtype)
             bias = None if bias is None else (bias * through).to(embed.dtype)
         parts += [heads] + ([] if bias is None else [bias])
-        parts.append(pick(cache[act_name("mlp_out", layer)]).to(dtype).unsqueeze(-2))  # a sandwich block's is already normalised
+        if has_mlps(model):  # a sandwich block's mlp_out is already normalised
+            parts.append(pick(cache[act_name("mlp_out", layer)]).to(dtype).unsqueeze(-2))
     return torch.cat(parts, dim=-2)
 
 
 def component_hooks(model: HookedDecoder) -> list[str]:
     names = ["hook_embed"] + (["hook_pos_embed"] if has_pos_embed(model) else [])
     for layer in range(model.cfg.n_layers):
-        names += [act_name("result", layer), act_name("mlp_out", layer)]
+        names += [act_name("result", layer)] + ([act_name("mlp_out", layer)] if has_mlps(model) else [])
         if model.cfg.norm_placement is NormPlacement.SANDWICH:
             names.append(act_name("scale", layer, "ln1_post"))
     return names

@@ -7,6 +7,7 @@ from typing import Sequence, Union
 
 import torch
 
+from probe.analyses.architecture import check_block_point
 from probe.analyses.common import unit_ids
 from probe.hooks import UnknownNameError
 from probe import HookedDecoder, SparseAutoencoder
@@ -41,6 +42,9 @@ def check_sae(model: HookedDecoder, sae: SparseAutoencoder) -> str:
 
 def _check_point(model: HookedDecoder, name: str, width: int, verb: str) -> None:
     """`name` is a hook point of the model holding one vector of `width` per position (hook_z: the heads flattened)."""
+    # an MLP transcoder or an SAE on an MLP's output, given a model without MLPs: say so, not just "unknown name"
+    check_block_point(model, name, f"the SAE {verb}", "use a dictionary trained on a point this model has (the "
+                      "residual stream: hook_resid_pre / hook_resid_post; attention: hook_attn_out, attn.hook_z)")
     try:
         model.hook_point(name)
     except UnknownNameError as err:

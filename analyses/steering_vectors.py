@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from probe.analyses.architecture import check_block_point
 from probe.analyses.common import AnalysisInput, TableDisplay, is_int, model_mask, resolve_positions, tokens_and_mask
 from probe import HookedDecoder
 from probe.io import atomic_file
@@ -31,6 +32,7 @@ def site_name(model: HookedDecoder, site: str, layer) -> str:
     if not is_int(layer) or not 0 <= int(layer) < model.cfg.n_layers:
         raise ValueError(f"layer={layer!r} must be an int in [0, n_layers={model.cfg.n_layers})")
     name = act_name(site, int(layer))
+    check_block_point(model, name, "steering site", "choose resid_pre, resid_post or attn_out")
     model.hook_point(name)  # a parallel block has no resid_mid: named here, not at the first forward
     return name
 

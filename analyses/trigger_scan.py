@@ -125,7 +125,7 @@ def top_triggers(
         neuron_ids = torch.arange(sae.cfg.d_sae) if neurons is None else feature_ids(sae, neurons)
         source = hook_name
     else:
-        layer_ids = layer_list(model, layers)
+        layer_ids = layer_list(model, layers, "top_triggers of FFN neurons (no sae=)")
         neuron_ids = neuron_tensor(model, neurons)
         source = MLP_SOURCE
     if not isinstance(k, int) or k < 1:

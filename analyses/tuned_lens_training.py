@@ -53,8 +53,9 @@ def collect_residuals(model: HookedDecoder, text: str, sites: list[str], max_tok
     """[token layer d_model] residuals at `sites` for every text token (not the BOS, whose residual is fixed).
     With `desc`, a progress bar of that name (stderr) over the forwards."""
     out = []
-    first = 0 if model.tokenizer.bos_id is None else 1
+    # the windows first: they refuse a model without a tokenizer, which bos_id would fail on with an AttributeError
     chunks = [chunk for rows in lens_windows(model, text, max_tokens, n_ctx) for chunk in rows.split(batch_size)]
+    first = 0 if model.tokenizer.bos_id is None else 1
     for chunk in progress_bar(chunks, desc, unit="batch"):
         _, cache = model.run_with_cache(chunk, names=sites)
         stacked = torch.stack([cache[s][:, first:] for s in sites], dim=2)  # [batch pos layer d_model]

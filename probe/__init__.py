@@ -2,7 +2,8 @@
 from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
 from probe.factored import FactoredMatrix
-from probe.model import Block, HookedDecoder, ParallelBlock, PostNormBlock, PreNormBlock, SandwichBlock
+from probe.blocks import AttnOnlyBlock, Block, ParallelBlock, PostNormBlock, PreNormBlock, SandwichBlock
+from probe.model import HookedDecoder
 from probe.names import act_name
 from probe.processing import process_weights
 from probe.sae import SAEConfig, SparseAutoencoder, spliced
@@ -11,7 +12,7 @@ from probe.tl_config import HookedTransformerConfig
 from probe.tokenizer import Tokenizer
 
 __all__ = [
-    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedTransformerConfig", "Norm",
+    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "AttnOnlyBlock", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedTransformerConfig", "Norm",
     "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig",
     "SandwichBlock", "SparseAutoencoder", "Tokenizer", "TrainingConfig", "act_name", "process_weights", "spliced",
     "train_sae",

@@ -60,10 +60,17 @@ class Attention(nn.Module):
         positions: Optional[torch.Tensor] = None,
         allowed: Optional[torch.Tensor] = None,
         past: Optional[LayerKV] = None,
+        qk_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x [batch pos d_model]; positions [batch pos] (None: 0, 1, ...); `allowed` [batch 1 query_pos key_pos] says which
-        keys each query may see (None: plain causal); `past` holds earlier passes' keys and values."""
+        keys each query may see (None: plain causal); `past` holds earlier passes' keys and values; `qk_pos`
+        [batch pos d_model], shortformer positions, joins the queries' and keys' inputs but not the values'."""
         q, k, v = self.project(x)
+        if qk_pos is not None:  # (x + qk_pos) @ W_Q is x @ W_Q + qk_pos @ W_Q: one more matmul, no second q/k/v pass
+            n_q, n_kv = self.qkv_sizes[:2]
+            pos_qk = F.linear(qk_pos, self.qkv.weight[: n_q + n_kv])
+            q = q + rearrange(pos_qk[..., :n_q], "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
+            k = k + rearrange(pos_qk[..., n_q:], "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         if self.rotary is not None:

@@ -25,7 +25,7 @@ import torch
 
 import probe.residual_stack as rs
 from probe.hooks.names import UnknownNameError
-from probe.config import Norm, NormPlacement
+from probe.config import Norm, NormPlacement, Positions
 from probe.names import act_name
 
 
@@ -65,6 +65,8 @@ class StackMethods:
 
     def _mlp_layer(self, layer: Optional[int], mlp_input: bool, method: str) -> int:
         layer = self._layer(layer, method)
+        if mlp_input and self._config.attn_only:
+            raise ValueError(f"{method}: mlp_input=True: this attention-only model has no MLPs; leave it False")
         if mlp_input and layer == self._config.n_layers:
             raise ValueError(f"{method}: mlp_input=True needs the layer whose MLP reads the stack, below n_layers="
                              f"{layer}; layer=-1 / None is the unembedding, which has no MLP")
@@ -89,6 +91,17 @@ class StackMethods:
                              f"them anyway); decompose_resid gives the normalised attn_out / mlp_out, "
                              f"probe.analyses.residual_decomposition splits the heads through ln1_post's cached scale, and "
                              f"cache.stack_activation('result') stacks the pre-norm head writes")
+
+    def _refuse_attn_only(self, method: str) -> None:
+        if self._config.attn_only:
+            raise ValueError(f"{method}: this attention-only model has no MLPs, so no neurons")
+
+    def _residual_embeds(self) -> list[str]:
+        """The cached embedding writes that the residual stream holds: a shortformer model's positions join only
+        the queries' and keys' inputs, so they are not one (transformer-lens counts them, and its stack then does
+        not add up to the residual)."""
+        names = ("hook_embed",) if self._config.positions is Positions.SHORTFORMER else ("hook_embed", "hook_pos_embed")
+        return [name for name in names if name in self._acts]
 
     def _refuse_parallel(self, method: str, argument: str) -> None:
         if self._config.norm_placement is NormPlacement.PARALLEL:
@@ -143,6 +156,9 @@ class StackMethods:
         layer = self._layer(layer, "accumulated_resid")
         if incl_mid or mlp_input:
             self._refuse_parallel("accumulated_resid", "incl_mid=True / mlp_input=True")
+            if self._config.attn_only:
+                raise ValueError("accumulated_resid: incl_mid=True / mlp_input=True: this attention-only model has no "
+                                 "MLPs, so no resid_mid")
         sites = rs.accumulated_sites(self._config.n_layers, layer, incl_mid, mlp_input)
         pos = rs.to_index(pos_slice)
         stack = torch.stack([rs.take(self._need(name, "accumulated_resid"), pos, -2) for _, name in sites])
@@ -161,8 +177,8 @@ class StackMethods:
         if mlp_input:
             self._refuse_parallel("decompose_resid", "mlp_input=True")
         layer = self._mlp_layer(layer, mlp_input, "decompose_resid")
-        embeds = [n for n in ("hook_embed", "hook_pos_embed") if n in self._acts] if incl_embeds else []
-        sites = rs.decomposition_sites(layer, mode, mlp_input, embeds)
+        embeds = self._residual_embeds() if incl_embeds else []
+        sites = rs.decomposition_sites(layer, mode, mlp_input, embeds, with_mlps=not self._config.attn_only)
         pos = rs.to_index(pos_slice)
         stack = torch.stack([rs.take(self._need(name, "decompose_resid"), pos, -2) for _, name in sites])
         if apply_ln:
@@ -244,6 +260,7 @@ class StackMethods:
         """Each neuron's write in `layer` (its activation times its row of W_out, no b_out) [... neuron d_model], for
         the neurons of `neuron_slice`; `project_output_onto` [d_model] or [d_model out] projects each write."""
         self._require_sum_of_writes("get_neuron_results", per_component=True)
+        self._refuse_attn_only("get_neuron_results")
         W_out = self._live_model("get_neuron_results").blocks[layer].mlp.W_out
         return self._neuron_results(layer, W_out, rs.to_index(neuron_slice, "neuron_slice"), rs.to_index(pos_slice),
                                     project_output_onto)
@@ -260,6 +277,7 @@ class StackMethods:
         divides by that norm's cached scale; `project_output_onto` projects each write without building
         [... neuron d_model]."""
         self._require_sum_of_writes("stack_neuron_results", per_component=True)
+        self._refuse_attn_only("stack_neuron_results")
         if mlp_input and incl_remainder:
             self._refuse_parallel("stack_neuron_results", "mlp_input=True with incl_remainder=True")
         layer = self._mlp_layer(layer, mlp_input, "stack_neuron_results")
@@ -317,23 +335,24 @@ class StackMethods:
 
         heads, labels = self.stack_head_results(layer + mlp_input, pos_slice=pos_slice, return_labels=True)
         parts = [finish(heads)]
-        if layer > 0 and expand_neurons:
+        attn_only = self._config.attn_only
+        if layer > 0 and expand_neurons and not attn_only:
             neurons, names = self.stack_neuron_results(layer, pos_slice, return_labels=True, apply_ln=fold,
                                                        project_output_onto=project, mlp_input=mlp_input)
             parts.append(neurons)
             labels += names
-        elif layer > 0:
+        elif layer > 0 and not attn_only:
             mlps, names = self.decompose_resid(layer, mlp_input, "mlp", pos_slice=pos_slice, incl_embeds=False,
                                                return_labels=True)
             parts.append(finish(mlps))
             labels += names
         pos = rs.to_index(pos_slice)
-        for name in ("hook_embed", "hook_pos_embed"):
-            if name in self._acts:
-                parts.append(finish(rs.take(self._acts[name], pos, -2)[None]))
-                labels.append(name.removeprefix("hook_"))
+        for name in self._residual_embeds():
+            parts.append(finish(rs.take(self._acts[name], pos, -2)[None]))
+            labels.append(name.removeprefix("hook_"))
         blocks = model.blocks
-        bias = rs.accumulated_bias([b.attn.b_O for b in blocks], [b.mlp.b_out for b in blocks], layer,
+        b_out = [None if attn_only else b.mlp.b_out for b in blocks]
+        bias = rs.accumulated_bias([b.attn.b_O for b in blocks], b_out, layer,
                                    self._config.d_model, mlp_input, include_mlp_biases=expand_neurons)
         bias = bias.to(heads.device, heads.dtype).expand(1, *heads.shape[1:-1], bias.shape[-1])
         parts.append(finish(bias) if fold or project is not None else bias)

@@ -62,6 +62,9 @@ def family_for_config(cfg: DecoderConfig) -> Family:
     if cfg.d_vocab_out != cfg.d_vocab:
         raise ValueError(f"no Hugging Face checkpoint format here predicts another vocabulary than it reads "
                          f"(d_vocab_out={cfg.d_vocab_out}, d_vocab={cfg.d_vocab}); save model.state_dict() with safetensors")
+    if cfg.attn_only:
+        raise ValueError("no Hugging Face checkpoint format holds attention-only blocks; save model.state_dict() with "
+                         "safetensors and load it into HookedDecoder(cfg)")
     if cfg.unembed_bias:
         raise ValueError("no Hugging Face checkpoint format here holds an unembedding bias (a model from "
                          "process_weights has one); save the unprocessed model and process it again after loading")

@@ -40,6 +40,9 @@ class Positions(enum.Enum):
     LEARNED = "learned"  # a learned vector per position, added to the embedding (GPT-2, GPT-1)
     SINUSOIDAL = "sinusoidal"  # fixed sinusoids added to the embedding (Vaswani et al. 2017)
     ROTARY = "rotary"  # q and k rotated by position inside every attention layer (Llama)
+    # a learned vector per position added to every attention layer's query and key inputs (after ln1), never to the
+    # residual stream or the values (Press et al. 2021; transformer-lens's attn-only toy models, ARENA's induction model)
+    SHORTFORMER = "shortformer"
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class DecoderConfig:
     gated_mlp: bool = False  # act(gate(x)) * up(x) -> down: SwiGLU with SILU
     norm: Norm = Norm.LAYER
     norm_placement: NormPlacement = NormPlacement.PRE
+    attn_only: bool = False  # blocks without an MLP: y = x + attn(ln1(x)) (toy models; pre-norm only)
     # False: ln1, ln2 and ln_final learn no w (and b), as transformer-lens's LNPre / RMSPre and what fold_ln leaves;
     # a sandwich block's post norms and the q/k norms keep theirs
     norm_weights: bool = True
@@ -123,6 +127,10 @@ class DecoderConfig:
     # them (transformer-lens code reads model.cfg.device and model.cfg.model_name).
     model_name: Optional[str] = dataclasses.field(default=None, compare=False)
     original_architecture: Optional[str] = dataclasses.field(default=None, compare=False)  # config.json's, "GPT2LMHeadModel"
+    # a tokenizer to load (a checkpoint directory, short name or hub repository) when a model is built from this
+    # config without one, as transformer-lens's HookedTransformer(cfg) loads cfg.tokenizer_name's; a loaded
+    # checkpoint's config leaves it None (the model has the checkpoint's tokenizer already)
+    tokenizer_source: Optional[str] = dataclasses.field(default=None, compare=False)
     device: str = dataclasses.field(default="cpu", compare=False)
     dtype: Any = dataclasses.field(default=None, compare=False)  # the weights' torch.dtype
     default_prepend_bos: bool = dataclasses.field(default=True, compare=False)
@@ -213,6 +221,11 @@ class DecoderConfig:
             if self.rotary_dim % 2 or self.rotary_dim > self.d_head:
                 raise ValueError(f"positions=rotary rotates pairs of dimensions, so rotary_dim must be even and at most "
                                  f"d_head={self.d_head}, got rotary_dim={self.rotary_dim}")
+        if not isinstance(self.attn_only, bool):
+            raise ValueError(f"attn_only must be a bool, got {self.attn_only!r}")
+        if self.attn_only and self.norm_placement is not NormPlacement.PRE:
+            raise ValueError(f"attn_only blocks are pre-norm, x + attn(ln1(x)); got norm_placement="
+                             f"{self.norm_placement.value!r}: use norm_placement='pre'")
         if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
             raise ValueError(f"eps must be a small positive float, got {self.eps!r}")
         if not (isinstance(self.rotary_base, (int, float)) and self.rotary_base > 1):
@@ -243,7 +256,8 @@ class DecoderConfig:
 
     @property
     def positional_embedding_type(self) -> str:
-        return {Positions.LEARNED: "standard", Positions.SINUSOIDAL: "sinusoidal", Positions.ROTARY: "rotary"}[self.positions]
+        return {Positions.LEARNED: "standard", Positions.SINUSOIDAL: "sinusoidal", Positions.ROTARY: "rotary",
+                Positions.SHORTFORMER: "shortformer"}[self.positions]
 
     @property
     def n_key_value_heads(self) -> Optional[int]:
@@ -252,10 +266,6 @@ class DecoderConfig:
     @property
     def parallel_attn_mlp(self) -> bool:
         return self.norm_placement is NormPlacement.PARALLEL
-
-    @property
-    def attn_only(self) -> bool:
-        return False
 
     @property
     def final_rms(self) -> bool:
@@ -308,12 +318,12 @@ class DecoderConfig:
         return False  # the half-split layout (dimension i with i + rotary_dim / 2), as Llama and GPT-NeoX
 
     @property
-    def initializer_range(self) -> float:
-        return self.init_std
+    def tokenizer_name(self) -> Optional[str]:
+        return self.tokenizer_source or self.model_name  # a loaded checkpoint's own tokenizer.json is what probe reads
 
     @property
-    def tokenizer_name(self) -> Optional[str]:
-        return self.model_name  # the checkpoint's own tokenizer.json is what probe loads
+    def initializer_range(self) -> float:
+        return self.init_std
 
     @property
     def post_embedding_ln(self) -> bool:
@@ -340,7 +350,7 @@ class DecoderConfig:
         """Weights in the attention and MLP sublayers (transformer-lens's count: no embeddings, norms or biases)."""
         per_layer = sum(
             self.d_model * self.d_head * (2 * self.layer_heads(l) + 2 * self.layer_kv_heads(l))
-            + self.d_model * self.d_mlp * (3 if self.gated_mlp else 2)
+            + (0 if self.attn_only else self.d_model * self.d_mlp * (3 if self.gated_mlp else 2))
             for l in range(self.n_layers))
         return per_layer
 

@@ -30,6 +30,13 @@ class Embed(nn.Module):
 class AbsolutePositions(nn.Module):
     """What the absolute schemes share: each token adds W_pos [n_ctx d_model] at its position."""
 
+    in_residual = True  # whether place() adds the positions to the residual stream
+
+    def place(self, resid: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(the residual entering block 0, what every layer adds to its queries' and keys' inputs): these schemes
+        add the positions to the residual stream."""
+        return resid + pos, None
+
     def forward(self, tokens: torch.Tensor, past_kv_pos_offset: int = 0, attention_mask: Optional[torch.Tensor] = None,
                 *, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[batch pos] -> [batch pos d_model]. The model passes each token's `positions`. Called as transformer-lens
@@ -54,6 +61,16 @@ class PosEmbed(AbsolutePositions):
     def __init__(self, n_ctx: int, d_model: int):
         super().__init__()
         self.W_pos = nn.Parameter(torch.empty(n_ctx, d_model))
+
+
+class ShortformerPosEmbed(PosEmbed):
+    """Learned positions that every attention layer adds to its queries' and keys' inputs, after ln1; the residual
+    stream and the values never hold them (Press et al. 2021; transformer-lens's "shortformer")."""
+
+    in_residual = False
+
+    def place(self, resid: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return resid, pos
 
 
 class SinusoidalPosEmbed(AbsolutePositions):
@@ -137,6 +154,7 @@ def make_pos_embed(cfg: DecoderConfig) -> nn.Module | None:
         Positions.LEARNED: lambda: PosEmbed(cfg.n_ctx, cfg.d_model),
         Positions.SINUSOIDAL: lambda: SinusoidalPosEmbed(cfg.n_ctx, cfg.d_model),
         Positions.ROTARY: lambda: None,
+        Positions.SHORTFORMER: lambda: ShortformerPosEmbed(cfg.n_ctx, cfg.d_model),
     }[cfg.positions]()
 
 

@@ -39,6 +39,9 @@ class Ledger:
         matmul_weights = sum(r["params"] for r in self.rows if r["component"].endswith("weight") and r["group"] != "embedding")
         if cfg.tied_embeddings:  # the unembedding matmul happens even when its weights are the embedding's
             matmul_weights += cfg.d_vocab * cfg.d_model
+        if cfg.positions is Positions.SHORTFORMER:  # each layer projects the positions through W_Q and W_K too
+            matmul_weights += sum(cfg.d_model * (cfg.layer_heads(l) + cfg.layer_kv_heads(l)) * cfg.d_head
+                                  for l in range(cfg.n_layers))
         keys = [min(self.n_ctx, cfg.layer_window(l) or self.n_ctx) for l in range(cfg.n_layers)]
         attention = 2 * 2 * sum(cfg.layer_heads(l) * keys[l] for l in range(cfg.n_layers)) * cfg.d_head
         return 2 * matmul_weights + attention
@@ -78,7 +81,7 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
             rows.append({"component": component, "layer": layer, "group": group, "params": params})
 
     add("embed.weight", "embedding", v * d)
-    if cfg.positions is Positions.LEARNED:
+    if cfg.positions in (Positions.LEARNED, Positions.SHORTFORMER):
         add("pos_embed.weight", "embedding", cfg.n_ctx * d)
     per_norm = {Norm.LAYER: 2, Norm.NONE: 0}.get(cfg.norm, 1)  # w (and b) per dimension
     norm_params = d * per_norm if cfg.norm_weights else 0  # ln1, ln2, ln_final: see DecoderConfig.norm_weights
@@ -92,6 +95,8 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("attn.qkv.bias", "attention", (h + 2 * kv) * dh if cfg.qkv_bias else 0, layer)
         add("attn.o.weight", "attention", h * dh * d, layer)
         add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
+        if cfg.attn_only:
+            continue
         add("ln2", "norm", norm_params, layer)
         if cfg.norm_placement is NormPlacement.SANDWICH:
             add("ln1_post", "norm", d * per_norm, layer)

@@ -10,15 +10,13 @@ import torch
 from torch import nn
 
 from probe.hooks import HookedRootModule, HookPoint
-from einops import repeat
 
-from probe.attention import Attention, PerHeadInputs
-from probe.config import DecoderConfig, NormPlacement
+from probe.blocks import BLOCKS, AttnOnlyBlock
+from probe.config import DecoderConfig
 from probe.decoder_cache import DecoderCache
 from probe.embedding import Embed, Unembed, make_pos_embed
 from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
 from probe.kv_cache import KVCache
-from probe.mlp import make_mlp
 from probe.names import bridge_aliases
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.sae_methods import SAEMethods
@@ -32,112 +30,15 @@ from probe.weight_views import WeightViews
 NORM_HOOKS = (".hook_scale", ".hook_normalized")
 
 
-class PreNormBlock(nn.Module):
-    """The pre-norm residual block (GPT-2, Llama): h = x + attn(ln1(x)); y = h + mlp(ln2(h))."""
-
-    def __init__(self, cfg: DecoderConfig, layer: int = 0):
-        super().__init__()
-        self.ln1 = make_norm(cfg, foldable=True)
-        self.attn = Attention(cfg, layer)
-        self.ln2 = make_norm(cfg, foldable=True)
-        self.mlp = make_mlp(cfg)
-        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
-        # per-head copies of what attention reads, before its norm (transformer-lens's use_attn_in and
-        # use_split_qkv_input): computed only while hooked or cached by name, see attention_input
-        self.hook_attn_in = HookPoint(opt_in=True, by_name=True)  # [batch pos head d_model]
-        self.hook_q_input = HookPoint(opt_in=True, by_name=True)  # [batch pos head d_model]
-        self.hook_k_input = HookPoint(opt_in=True, by_name=True)  # [batch pos kv_head d_model]
-        self.hook_v_input = HookPoint(opt_in=True, by_name=True)  # [batch pos kv_head d_model]
-        self.hook_attn_out = HookPoint()  # [batch pos d_model]
-        self.hook_resid_mid = HookPoint()  # [batch pos d_model]
-        self.hook_mlp_in = HookPoint(opt_in=True)  # [batch pos d_model]: what the MLP reads, before its norm
-        self.hook_mlp_out = HookPoint()  # [batch pos d_model]
-        self.hook_resid_post = HookPoint()  # [batch pos d_model]
-
-    def forward(self, resid_pre, positions=None, allowed=None, past=None):
-        resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past))
-        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
-        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_mid))))
-        return self.hook_resid_post(resid_mid + mlp_out)
-
-    def attention_input(self, resid: torch.Tensor, norm: nn.Module):
-        """norm(resid) [batch pos d_model], what attention reads. While a per-head input point is hooked, each head
-        reads its own copy instead, normed separately: PerHeadInputs of [batch pos head d_model] queries' and
-        [batch pos kv_head d_model] keys' and values' inputs, so an edit reaches one head's q, k or v alone."""
-        points = (self.hook_attn_in, self.hook_q_input, self.hook_k_input, self.hook_v_input)
-        if not any(point.active for point in points):
-            return norm(resid)
-        # repeat may return a broadcast view of resid: a real copy, so an in-place edit stays in its head
-        attn_in = self.hook_attn_in(repeat(resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_heads).clone())
-        if self.attn.n_kv_heads != self.attn.n_heads and self.hook_attn_in.active:
-            raise ValueError("hook_attn_in has one copy per query head, but this model's keys and values have fewer "
-                             "heads (grouped-query attention); hook hook_k_input / hook_v_input instead")
-        kv_in = attn_in if self.attn.n_kv_heads == self.attn.n_heads else repeat(
-            resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_kv_heads)
-        # copies made before any hook runs, so an in-place edit of a query input never reaches a key or value
-        k_in, v_in = kv_in.clone(), kv_in.clone()
-        q_in = self.hook_q_input(attn_in)
-        return PerHeadInputs(norm(q_in), norm(self.hook_k_input(k_in)), norm(self.hook_v_input(v_in)))
-
-
-class PostNormBlock(PreNormBlock):
-    """The post-norm residual block (Vaswani et al. 2017, GPT-1): h = ln1(x + attn(x)); y = ln2(h + mlp(h)).
-
-    Same components and hook names; resid_mid and resid_post are the normalised sums that flow on."""
-
-    def forward(self, resid_pre, positions=None, allowed=None, past=None):
-        resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, nn.Identity()), positions, allowed, past))
-        resid_mid = self.hook_resid_mid(self.ln1(resid_pre + attn_out))
-        mlp_out = self.hook_mlp_out(self.mlp(self.hook_mlp_in(resid_mid)))
-        return self.hook_resid_post(self.ln2(resid_mid + mlp_out))
-
-
-class ParallelBlock(PreNormBlock):
-    """The parallel residual block (GPT-NeoX, Pythia): y = x + attn(ln1(x)) + mlp(ln2(x)).
-
-    Both sublayers read the same residual, so there is no residual between them: no hook_resid_mid."""
-
-    def __init__(self, cfg: DecoderConfig, layer: int = 0):
-        super().__init__(cfg, layer)
-        del self.hook_resid_mid
-
-    def forward(self, resid_pre, positions=None, allowed=None, past=None):
-        resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past))
-        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_pre))))
-        return self.hook_resid_post(resid_pre + attn_out + mlp_out)
-
-
-class SandwichBlock(PreNormBlock):
-    """Norms on both sides of each sublayer (Gemma 2): h = x + ln1_post(attn(ln1(x))); y = h + ln2_post(mlp(ln2(h))).
-
-    hook_attn_out and hook_mlp_out are the normalised writes, what the residual stream receives."""
-
-    def __init__(self, cfg: DecoderConfig, layer: int = 0):
-        super().__init__(cfg, layer)
-        self.ln1_post = make_norm(cfg)
-        self.ln2_post = make_norm(cfg)
-
-    def forward(self, resid_pre, positions=None, allowed=None, past=None):
-        resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.ln1_post(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past)))
-        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
-        mlp_out = self.hook_mlp_out(self.ln2_post(self.mlp(self.ln2(self.hook_mlp_in(resid_mid)))))
-        return self.hook_resid_post(resid_mid + mlp_out)
-
-
-BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, NormPlacement.PARALLEL: ParallelBlock,
-          NormPlacement.SANDWICH: SandwichBlock}
-Block = PreNormBlock
-
-
 class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethods, InputChecks, HookedRootModule):
     """Token (+ position) embedding -> n_layers blocks -> final norm -> unembedding."""
 
     def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
         super().__init__()
+        if tokenizer is None and cfg.tokenizer_source is not None:
+            from probe.loading import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.tokenizer_source)
         prepend_bos = prepends_bos(cfg.default_prepend_bos, tokenizer)
         self.cfg = cfg if cfg.default_prepend_bos == prepend_bos else dataclasses.replace(cfg, default_prepend_bos=prepend_bos)
         self.tokenizer = tokenizer
@@ -146,7 +47,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         self.pos_embed = make_pos_embed(cfg)  # None with rotary positions, which act inside attention
         if self.pos_embed is not None:
             self.hook_pos_embed = HookPoint()  # [batch pos d_model]
-        self.blocks = nn.ModuleList([BLOCKS[cfg.norm_placement](cfg, layer) for layer in range(cfg.n_layers)])
+        block = AttnOnlyBlock if cfg.attn_only else BLOCKS[cfg.norm_placement]  # the config allows attn_only pre-norm only
+        self.blocks = nn.ModuleList([block(cfg, layer) for layer in range(cfg.n_layers)])
         self.windows = {cfg.layer_window(layer) for layer in range(cfg.n_layers)}
         self.ln_final = make_norm(cfg, foldable=True) if cfg.final_norm else nn.Identity()
         self.unembed = Unembed(cfg.d_vocab_out, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
@@ -173,6 +75,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         stop_at_layer: Optional[int] = None,
         tokens: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
+        shortformer_pos_embed: Optional[torch.Tensor] = None,
         **unsupported,
     ) -> torch.Tensor:
         """Logits [batch pos vocab] for token ids [batch pos] (or [pos]), a string, or a list of strings.
@@ -192,6 +95,10 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
 
         `kv_cache` (see `generate`) keeps every layer's keys and values: the input is then only the
         new tokens, and their positions continue where the cache ends.
+
+        Shortformer models (positions added to every layer's queries and keys, not to the residual stream) compute
+        their positions on a `start_at_layer` run too; `shortformer_pos_embed` [batch pos d_model] (transformer-lens's
+        keyword, e.g. from `input_to_embed`) gives them instead.
         """
         refuse_unsupported(unsupported, "HookedDecoder.forward")
         check_return_type(return_type)
@@ -231,17 +138,33 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         positions = token_positions(attention_mask, batch, n_new, device)
         if from_tokens:
             resid = self.hook_embed(self.embed(tokens))
-            if self.pos_embed is not None:
-                resid = resid + self.hook_pos_embed(self.pos_embed(tokens, positions=positions))
+        qk_pos = self._check_shortformer_pos_embed(shortformer_pos_embed, from_tokens, (batch, n_new))
+        if self.pos_embed is not None and qk_pos is None and (from_tokens or not self.pos_embed.in_residual):
+            resid, qk_pos = self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
         # one mask per distinct window (Gemma 2 alternates a window with full attention)
         allowed = {window: allowed_keys(attention_mask, positions, window) for window in self.windows}
         for index, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=start_at_layer):
             past = None if kv_cache is None else kv_cache.layers[index]
-            resid = block(resid, positions, allowed[self.cfg.layer_window(index)], past)
+            resid = block(resid, positions, allowed[self.cfg.layer_window(index)], past, qk_pos)
         if stop_at_layer is not None:
             return resid
         logits = self.unembed(self.ln_final(resid))
         return finish_output(return_type, logits, tokens, logits_mask, loss_per_token)
+
+    def _check_shortformer_pos_embed(self, given: Optional[torch.Tensor], from_tokens: bool, batch_pos) -> Optional[torch.Tensor]:
+        if given is None:
+            return None
+        if self.pos_embed is None or self.pos_embed.in_residual:
+            raise ValueError(f"shortformer_pos_embed is for shortformer models; this one's positions are "
+                             f"{self.cfg.positional_embedding_type!r}: leave it out")
+        if from_tokens:
+            raise ValueError("shortformer_pos_embed goes with start_at_layer (a run from a residual); from tokens the "
+                             "model computes its positions itself: leave it out")
+        want = (*batch_pos, self.cfg.d_model)
+        if tuple(given.shape) != want:
+            raise ValueError(f"shortformer_pos_embed has shape {tuple(given.shape)}; this run needs {list(want)} "
+                             f"[batch pos d_model]")
+        return given
 
     def make_cache(self, activations, has_batch_dim: bool = True) -> DecoderCache:
         return DecoderCache(activations, self, has_batch_dim)

@@ -49,8 +49,10 @@ if TYPE_CHECKING:  # annotations only: HookedDecoder.from_pretrained processes t
 
 def can_fold_ln(cfg: DecoderConfig) -> bool:
     """Folding needs each norm to feed layers (pre-norm, parallel or sandwich blocks; a sandwich block's write
-    norms stay as they are): in a post-norm model the norm's output is the residual stream itself."""
-    return cfg.norm is not Norm.NONE and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH)
+    norms stay as they are): in a post-norm model the norm's output is the residual stream itself. Shortformer
+    positions join ln1's output before W_Q and W_K, so ln1's weight cannot move into them."""
+    return (cfg.norm is not Norm.NONE and cfg.positions is not Positions.SHORTFORMER
+            and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH))
 
 
 def can_center_writing_weights(cfg: DecoderConfig) -> bool:
@@ -112,8 +114,11 @@ def check_processing(cfg: DecoderConfig, *, fold_ln: bool = True, center_writing
                      refactor_factored_attn_matrices: bool = False) -> None:
     """A ValueError naming the step a model of `cfg` cannot take, and how to leave it out."""
     if fold_ln and not can_fold_ln(cfg):
-        raise ValueError("fold_ln needs pre-norm, parallel or sandwich blocks: in a post-norm model (GPT-1) the norm's output is the "
-                         "residual stream itself, not the input of one layer; pass fold_ln=False")
+        why = ("shortformer positions are added to ln1's output before W_Q and W_K, so ln1's weight cannot be "
+               "folded into them" if cfg.positions is Positions.SHORTFORMER and cfg.norm is not Norm.NONE else
+               "it needs pre-norm, parallel or sandwich blocks with norms: in a post-norm model (GPT-1) the norm's "
+               "output is the residual stream itself, not the input of one layer")
+        raise ValueError(f"fold_ln: {why}; pass fold_ln=False")
     if center_writing_weights and not can_center_writing_weights(cfg):
         raise ValueError("center_writing_weights needs every reader of the residual stream to be a LayerNorm (pre-norm "
                          f"or parallel blocks and a final LayerNorm); this model has norm={cfg.norm.value}, "
@@ -161,14 +166,21 @@ def _untie(model: HookedDecoder) -> None:
 
 
 def _mlp_inputs(block: nn.Module) -> list[nn.Module]:
-    """The MLP's layers that read ln2: the up projection, and the gate of a gated MLP."""
+    """The MLP's layers that read ln2: the up projection, and the gate of a gated MLP (none in an attn-only block)."""
+    if not hasattr(block, "mlp"):
+        return []
     return [block.mlp.fc_in] + ([block.mlp.gate] if hasattr(block.mlp, "gate") else [])
+
+
+def _mlp_outputs(model: HookedDecoder) -> list[nn.Module]:
+    return [block.mlp.fc_out for block in model.blocks if hasattr(block, "mlp")]
 
 
 def _fold_norms(model: HookedDecoder) -> None:
     for block in model.blocks:
         _fold_norm_into(block.ln1, [block.attn.qkv], model, "qkv_bias")
-        _fold_norm_into(block.ln2, _mlp_inputs(block), model, "mlp_bias")
+        if hasattr(block, "ln2"):
+            _fold_norm_into(block.ln2, _mlp_inputs(block), model, "mlp_bias")
     if model.cfg.final_norm:
         _fold_norm_into(model.ln_final, [model.unembed], model, "unembed_bias")
     drop_norm_weights(model)  # the folded norms are left with nothing to learn
@@ -177,7 +189,8 @@ def _fold_norms(model: HookedDecoder) -> None:
 def drop_norm_weights(model: HookedDecoder) -> None:
     """ln1, ln2 and ln_final keep w = 1 (and b = 0) fixed, learning none: transformer-lens's LNPre / RMSPre, whose
     state dict has no norm weights (cfg.norm_weights False). For norms whose weights are ones and zeros already."""
-    for norm in [n for block in model.blocks for n in (block.ln1, block.ln2)] + [model.ln_final]:
+    norms = [getattr(block, name) for block in model.blocks for name in ("ln1", "ln2") if hasattr(block, name)]
+    for norm in norms + [model.ln_final]:
         if hasattr(norm, "drop_weights"):  # not the Identity of a model without a final norm
             norm.drop_weights()
     model.cfg = dataclasses.replace(model.cfg, norm_weights=False)
@@ -214,7 +227,7 @@ def _biased_layers(model: HookedDecoder, bias_field: str) -> list[nn.Module]:
     if bias_field == "out_bias":
         return [block.attn.out for block in model.blocks]
     if bias_field == "mlp_bias":
-        return [layer for block in model.blocks for layer in _mlp_inputs(block) + [block.mlp.fc_out]]
+        return [layer for block in model.blocks for layer in _mlp_inputs(block)] + _mlp_outputs(model)
     raise ValueError(f"unknown bias field {bias_field!r}")
 
 
@@ -231,13 +244,14 @@ def _add_biases(model: HookedDecoder, bias_field: str) -> None:
 def _center_writers(model: HookedDecoder) -> None:
     """Subtract, from every vector written into the residual stream, its mean over d_model."""
     model.embed.W_E -= model.embed.W_E.mean(dim=-1, keepdim=True)
-    if isinstance(getattr(model.pos_embed, "W_pos", None), nn.Parameter):  # sinusoids are fixed, not weights
+    # sinusoids are fixed, not weights; shortformer positions join ln1's output, not the residual stream, so
+    # centring them would change the queries and keys (transformer-lens centres them all the same)
+    if isinstance(getattr(model.pos_embed, "W_pos", None), nn.Parameter) and model.pos_embed.in_residual:
         model.pos_embed.W_pos -= model.pos_embed.W_pos.mean(dim=-1, keepdim=True)
-    for block in model.blocks:
-        for writer in (block.attn.out, block.mlp.fc_out):  # weight [d_model in]: each column is a written vector
-            writer.weight -= writer.weight.mean(dim=0, keepdim=True)
-            if writer.bias is not None:
-                writer.bias -= writer.bias.mean()
+    for writer in [block.attn.out for block in model.blocks] + _mlp_outputs(model):
+        writer.weight -= writer.weight.mean(dim=0, keepdim=True)  # weight [d_model in]: each column is a written vector
+        if writer.bias is not None:
+            writer.bias -= writer.bias.mean()
 
 
 def _fold_value_biases(model: HookedDecoder) -> None:

@@ -74,16 +74,18 @@ def accumulated_sites(n_layers: int, layer: int, incl_mid: bool = False, mlp_inp
 
 
 def decomposition_sites(layer: int, mode: Literal["all", "mlp", "attn"] = "all", mlp_input: bool = False,
-                        embeds: Sequence[str] = ("hook_embed", "hook_pos_embed")) -> list[tuple[str, str]]:
+                        embeds: Sequence[str] = ("hook_embed", "hook_pos_embed"),
+                        with_mlps: bool = True) -> list[tuple[str, str]]:
     """(label, hook name) of the writes that add up to the residual stream entering `layer` (its MLP with
-    `mlp_input`): the `embeds` given (those cached), then each earlier layer's attn_out and mlp_out."""
+    `mlp_input`): the `embeds` given (those cached), then each earlier layer's attn_out and mlp_out (none in an
+    attention-only model: `with_mlps=False`)."""
     if mode not in ("all", "mlp", "attn"):
         raise ValueError(f"mode={mode!r} is not one of 'all', 'mlp', 'attn'")
     sites = [(name.removeprefix("hook_"), name) for name in embeds]
     for l in range(layer):
         if mode != "mlp":
             sites.append((f"{l}_attn_out", act_name("attn_out", l)))
-        if mode != "attn":
+        if mode != "attn" and with_mlps:
             sites.append((f"{l}_mlp_out", act_name("mlp_out", l)))
     if mlp_input and mode != "mlp":
         sites.append((f"{layer}_attn_out", act_name("attn_out", layer)))

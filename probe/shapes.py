@@ -56,18 +56,25 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         if sandwich:
             norm(f"{b}.ln1_post")
         shapes[f"{b}.hook_attn_out"] = resid
-        if cfg.norm_placement is not NormPlacement.PARALLEL:  # both sublayers read resid_pre: nothing between them
-            shapes[f"{b}.hook_resid_mid"] = resid
-        shapes[f"{b}.hook_mlp_in"] = resid
-        norm(f"{b}.ln2")
-        shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
-        if cfg.gated_mlp:
-            shapes[f"{b}.mlp.hook_pre_linear"] = (batch, pos, cfg.d_mlp)
-        shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
-        if sandwich:
-            norm(f"{b}.ln2_post")
-        shapes[f"{b}.hook_mlp_out"] = resid
+        if not cfg.attn_only:
+            mlp_shapes(cfg, shapes, b, batch, pos, norm)
         shapes[f"{b}.hook_resid_post"] = resid
     if cfg.final_norm:
         norm("ln_final")
     return shapes
+
+
+def mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int, norm) -> None:
+    """The points of block `b` from resid_mid to mlp_out (an attention-only block has none of them)."""
+    resid = (batch, pos, cfg.d_model)
+    if cfg.norm_placement is not NormPlacement.PARALLEL:  # both sublayers read resid_pre: nothing between them
+        shapes[f"{b}.hook_resid_mid"] = resid
+    shapes[f"{b}.hook_mlp_in"] = resid
+    norm(f"{b}.ln2")
+    shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
+    if cfg.gated_mlp:
+        shapes[f"{b}.mlp.hook_pre_linear"] = (batch, pos, cfg.d_mlp)
+    shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
+    if cfg.norm_placement is NormPlacement.SANDWICH:
+        norm(f"{b}.ln2_post")
+    shapes[f"{b}.hook_mlp_out"] = resid

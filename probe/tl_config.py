@@ -23,22 +23,21 @@ from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positio
 ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu": Activation.GELU,
                "relu": Activation.RELU, "silu": Activation.SILU}
 NORMS = {"LN": Norm.LAYER, "RMS": Norm.RMS, "LNPre": Norm.LAYER, "RMSPre": Norm.RMS, None: Norm.NONE}
-POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY}
+POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY, "shortformer": Positions.SHORTFORMER}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 # TL settings with nothing to build in probe: accepted at these values only
-ONLY = {"attention_dir": "causal", "attn_only": False, "scale_attn_by_inverse_layer_idx": False,
+ONLY = {"attention_dir": "causal", "scale_attn_by_inverse_layer_idx": False,
         "post_embedding_ln": False, "rotary_adjacent_pairs": False, "load_in_4bit": False, "num_experts": None,
         "experts_per_token": None, "n_devices": 1, "init_weights": True, "use_hook_tokens": False,
-        "ungroup_grouped_query_attention": False, "tokenizer_name": None, "trust_remote_code": False,
+        "ungroup_grouped_query_attention": False, "trust_remote_code": False,
         "relative_attention_max_distance": None, "relative_attention_num_buckets": None,
         "decoder_start_token_id": None, "default_padding_side": "right"}
 WHY = {"attention_dir": "probe's decoder is causal only",
-       "attn_only": "every probe block has an MLP",
-       "tokenizer_name": "probe's config holds no tokenizer: pass it to the model, HookedDecoder(cfg, "
-                         "tokenizer=probe.loading.load_tokenizer(name))",
+       "attn_only": "attention-only blocks are pre-norm: x + attn(ln1(x)); leave parallel_attn_mlp and "
+                    "use_normalization_before_and_after False",
        "normalization_type": "probe's norms are 'LN', 'LNPre', 'RMS', 'RMSPre' and None",
-       "positional_embedding_type": "probe's positions are 'standard' (learned) and 'rotary'",
+       "positional_embedding_type": "probe's positions are 'standard' (learned), 'shortformer' and 'rotary'",
        "act_fn": f"probe's activations are {sorted(ACTIVATIONS)}",
        "final_rms": "probe's final norm is the kind of the others: final_rms goes with normalization_type='RMS'",
        "rotary_adjacent_pairs": "probe rotates dimension i with i + rotary_dim / 2, as Llama and GPT-NeoX do",
@@ -54,7 +53,7 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "NTK_by_parts_high_freq_factor", "NTK_original_ctx_len", "use_attn_scale", "attn_scale",
          "attn_scores_soft_cap", "output_logits_soft_cap", "use_qk_norm", "tie_word_embeddings", "model_name",
          "original_architecture", "device", "default_prepend_bos", "use_attn_result", "use_split_qkv_input",
-         "use_attn_in", "use_hook_mlp_in"}
+         "use_attn_in", "use_hook_mlp_in", "attn_only", "tokenizer_name"}
 
 
 def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: transformer-lens's name, for its code
@@ -74,8 +73,10 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
                         f"probe builds are {sorted(KNOWN)}")
     d_vocab = s.get("d_vocab", -1)
     if d_vocab == -1:
-        raise ValueError("HookedTransformerConfig needs d_vocab: transformer-lens reads it from tokenizer_name's "
-                         "tokenizer, and probe's config holds no tokenizer (give d_vocab=len(tokenizer.vocab))")
+        if s.get("tokenizer_name") is None:
+            raise ValueError("HookedTransformerConfig needs d_vocab, or tokenizer_name to read it from (as "
+                             "transformer-lens does)")
+        d_vocab = _vocab_size(s["tokenizer_name"])
     d_model, d_head = s["d_model"], s["d_head"]
     n_heads = s.get("n_heads", -1)
     if n_heads == -1:
@@ -83,7 +84,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
             raise ValueError(f"n_heads defaults to d_model // d_head, but d_model={d_model} is not a multiple of "
                              f"d_head={d_head}: give n_heads")
         n_heads = d_model // d_head
-    act_fn = s.get("act_fn")
+    act_fn = s.get("act_fn", "relu" if s.get("attn_only") else None)  # no MLP to use it: TL's value, unused
     if act_fn not in ACTIVATIONS:
         raise ValueError(f"HookedTransformerConfig(act_fn={act_fn!r}) is not supported: {WHY['act_fn']}")
     norm = _choice(s, "normalization_type", "LN", NORMS)
@@ -96,6 +97,10 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         placement = NormPlacement.PARALLEL
     if s.get("use_normalization_before_and_after", False):
         placement = NormPlacement.SANDWICH
+    attn_only = s.get("attn_only", False)
+    if attn_only is True and placement is not NormPlacement.PRE:
+        raise ValueError(f"HookedTransformerConfig(attn_only=True) with {placement.value} blocks is not supported: "
+                         f"{WHY['attn_only']}")
     if s.get("seed") is not None:
         _seed_everywhere(s["seed"])
     window = s.get("window_size") if s.get("use_local_attn", False) else None
@@ -107,6 +112,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         d_vocab_out=None if s.get("d_vocab_out", -1) == -1 else s["d_vocab_out"],
         d_mlp=s.get("d_mlp"), n_kv_heads=s.get("n_key_value_heads"), eps=s.get("eps", 1e-5),
         activation=ACTIVATIONS[act_fn], gated_mlp=s.get("gated_mlp", False), norm=norm, norm_placement=placement,
+        attn_only=attn_only,
         norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"), final_norm=norm is not Norm.NONE,
         positions=positions, rotary_base=float(s.get("rotary_base", 10000)), rotary_dim=s.get("rotary_dim") if positions is Positions.ROTARY else None,
         rotary_scaling=_ntk_scaling(s), sliding_window=window,
@@ -117,9 +123,17 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         tied_embeddings=s.get("tie_word_embeddings", False),
         init_std=init if init > 0 else 0.8 / math.sqrt(d_model),  # TL's default for a negative initializer_range
         model_name=s.get("model_name", "custom"), original_architecture=s.get("original_architecture"),
+        tokenizer_source=s.get("tokenizer_name"),
         device=str(s.get("device") or "cpu"), dtype=DTYPES.get(dtype, dtype),
         default_prepend_bos=s.get("default_prepend_bos", True),
         **{name: s.get(name, False) for name in ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")})
+
+
+def _vocab_size(tokenizer_name: str) -> int:
+    """d_vocab as transformer-lens reads it from a tokenizer: its largest id + 1."""
+    from probe.loading import load_tokenizer
+
+    return max(load_tokenizer(tokenizer_name).vocab.values()) + 1
 
 
 def _choice(s: dict, name: str, default: str, table: dict):

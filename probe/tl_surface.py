@@ -20,7 +20,6 @@ PATTERN_HOOKS = ("hook_pattern", "hook_attn_scores")  # [batch head query_pos ke
 # transformer-lens keywords probe does not take, with what to do instead
 UNSUPPORTED = {
     "past_kv_cache": "pass kv_cache=probe.kv_cache.KVCache(...) (model.generate builds one for you)",
-    "shortformer_pos_embed": "shortformer positions are not supported",
     "pos_slice": "it is run_with_cache's keyword (the positions to store)",
     "left_attention_mask": "pass attention_mask= (1 = real token)",
     "one_zero_attention_mask": "pass attention_mask= (1 = real token)",
@@ -191,13 +190,17 @@ class TransformerLensSurface:
 
     def input_to_embed(self, input, prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None,
                        attention_mask: Optional[torch.Tensor] = None, past_kv_cache=None):
-        """transformer-lens's first step of the forward: `(residual, tokens, None, attention_mask)`, the residual
-        [batch pos d_model] entering block 0 (run the rest with `model(residual, start_at_layer=0, ...)` or the
-        blocks), the token ids, no shortformer positions, and the mask (None when nothing is padded)."""
+        """transformer-lens's first step of the forward: `(residual, tokens, shortformer_pos_embed, attention_mask)`,
+        the residual [batch pos d_model] entering block 0 (run the rest with `model(residual, start_at_layer=0, ...)`
+        or the blocks), the token ids, a shortformer model's positions [batch pos d_model] (None for the others,
+        whose positions are in the residual or rotary), and the mask (None when nothing is padded)."""
         if past_kv_cache is not None:
             refuse_unsupported({"past_kv_cache": past_kv_cache}, "input_to_embed()")
         tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos)
-        return self(tokens, attention_mask=attention_mask, stop_at_layer=0), tokens, None, attention_mask
+        residual = self(tokens, attention_mask=attention_mask, stop_at_layer=0)
+        shortformer = self.pos_embed is not None and not self.pos_embed.in_residual
+        positions = self.pos_embed(tokens, attention_mask=attention_mask) if shortformer else None
+        return residual, tokens, positions, attention_mask
 
     # ---- positions -----------------------------------------------------------------------------------
     def get_token_position(self, single_token: Union[str, int], input: Union[str, torch.Tensor],

@@ -26,6 +26,9 @@ def _stacked(path: str, shape: str, bias_of: Optional[tuple[str, Callable]] = No
     sublayer, name = path.split(".")
 
     def get(self: "WeightViews") -> torch.Tensor:
+        if sublayer == "mlp" and self.cfg.attn_only:
+            # a ValueError, not an AttributeError: nn.Module would swap the latter for a bare "no attribute W_in"
+            raise ValueError(f"model.{name}: this attention-only model has no MLPs")
         values = []
         for block in self.blocks:
             part = getattr(block, sublayer)
@@ -102,12 +105,14 @@ class WeightViews:
         if placement in (NormPlacement.POST, NormPlacement.SANDWICH):
             raise ValueError(f"accumulated_bias: this model's blocks are {placement.value}-norm, so a norm lies between "
                              "each bias and the residual stream and the biases do not add up there")
-        if mlp_input and (layer == n_layers or placement is NormPlacement.PARALLEL):
-            why = ("layer=n_layers has no MLP" if layer == n_layers else
+        if mlp_input and (layer == n_layers or placement is NormPlacement.PARALLEL or self.cfg.attn_only):
+            why = ("layer=n_layers has no MLP" if layer == n_layers else "this attention-only model has no MLPs"
+                   if self.cfg.attn_only else
                    "in a parallel block the MLP reads resid_pre, so accumulated_bias(layer) is its input already")
             raise ValueError(f"accumulated_bias: mlp_input=True: {why}")
         b_O = self.b_O  # each read stacks every layer: once
-        total = b_O[:layer].sum(0) + (self.b_out[:layer].sum(0) if include_mlp_biases else 0.0)
+        with_mlps = include_mlp_biases and not self.cfg.attn_only
+        total = b_O[:layer].sum(0) + (self.b_out[:layer].sum(0) if with_mlps else 0.0)
         return total + b_O[layer] if mlp_input else total
 
     # ---- circuits, as transformer-lens defines them -------------------------------------------------------

@@ -313,6 +313,13 @@ TOY_CONFIGS = {
                                   act_fn="relu", normalization_type=None),
     "grokking-d-vocab-out": dict(n_layers=1, d_vocab=114, d_vocab_out=113, d_model=32, d_mlp=128, n_heads=4,
                                  d_head=8, n_ctx=3, act_fn="relu", normalization_type=None),
+    "attn-only-ln": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, attn_only=True),
+    # ARENA 1.2's induction model, smaller: attention only, shortformer positions, no norms, no act_fn
+    "attn-only-shortformer-arena-like": dict(n_layers=2, d_model=32, d_head=8, n_heads=4, n_ctx=16, d_vocab=50,
+                                             attention_dir="causal", attn_only=True, seed=398, use_attn_result=True,
+                                             normalization_type=None, positional_embedding_type="shortformer"),
+    "attn-only-shortformer-ln": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, attn_only=True,
+                                     positional_embedding_type="shortformer"),
     "one-layer-relu-result": dict(n_layers=1, d_model=24, d_head=6, n_ctx=8, d_vocab=30, act_fn="relu",
                                   use_attn_result=True, default_prepend_bos=False, initializer_range=0.05),
 }
@@ -344,15 +351,14 @@ def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(
 
 
 @pytest.mark.parametrize("settings, match", [
-    (dict(attn_only=True), "attn_only=True.*every probe block has an MLP"),
+    (dict(attn_only=True, parallel_attn_mlp=True), "attn_only=True.*parallel blocks.*pre-norm"),
     (dict(normalization_type="LNx"), "normalization_type='LNx'.*'LN', 'LNPre', 'RMS', 'RMSPre' and None"),
-    (dict(positional_embedding_type="shortformer"), "shortformer.*'standard'"),
+    (dict(positional_embedding_type="alibi"), "alibi.*'standard'.*'shortformer'"),
     (dict(attention_dir="bidirectional"), "causal only"),
-    (dict(tokenizer_name="gpt2"), "tokenizer=probe.loading.load_tokenizer"),
     (dict(default_padding_side="left"), "set_tokenizer\\(tokenizer, default_padding_side='left'\\)"),
     (dict(act_fn="solu_ln"), "act_fn='solu_ln'"),
     (dict(final_rms=True), "final_rms=True.*normalization_type='RMS'"),
-    (dict(d_vocab=-1), "needs d_vocab"),
+    (dict(d_vocab=-1), "needs d_vocab, or tokenizer_name"),
     (dict(n_lyers=2), r"unknown keywords \['n_lyers'\]"),
 ])
 def test_what_probe_does_not_build_is_refused_by_name(settings, match):
@@ -401,6 +407,8 @@ def test_a_gated_mlp_keeps_its_projection_biases_and_refuses_tl_bias_after_the_g
     ("lnpre-othello-like", {}),
     ("no-norm-grokking-like", {}),  # nothing to fold, no LayerNorm to centre the writers for: both skipped
     ("grokking-d-vocab-out", {}),
+    ("attn-only-ln", {}),
+    ("attn-only-shortformer-arena-like", {}),  # no norms: nothing to fold or centre, both skipped
 ])
 def test_load_and_process_state_dict_is_hooked_transformers(case, steps, tmp_path):
     """`model.load_and_process_state_dict(state, **steps)` on both libraries, from the same HookedTransformer weights:
@@ -513,6 +521,17 @@ def test_a_model_predicting_fewer_tokens_than_it_reads_checks_answers_against_it
         DecoderConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=12, d_vocab_out=11, n_ctx=4)
 
 
+def built_by_hooked_transformer(settings: dict, tokens: torch.Tensor, tmp_path) -> dict:
+    """The state dict of HookedTransformer(HookedTransformerConfig(**settings)), its weights moved off their
+    initialisation (the oracle's tl_build); also written to tmp_path: tokens.safetensors and state.safetensors."""
+    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
+    oracle("tl_build", json.dumps(settings), tmp_path / "tokens.safetensors", tmp_path / "built.safetensors")
+    state = {key.removeprefix("state."): t for key, t in load_file(str(tmp_path / "built.safetensors")).items()
+             if key.startswith("state.")}
+    save_file(state, str(tmp_path / "state.safetensors"))
+    return state
+
+
 @needs_saelens
 @pytest.mark.parametrize("case", ["ln-defaults", "lnpre-othello-like", "no-norm-grokking-like", "rms-rotary-gqa-gated"])
 def test_toy_model_analyses_written_for_hooked_transformer_agree(case, tmp_path):
@@ -523,11 +542,7 @@ def test_toy_model_analyses_written_for_hooked_transformer_agree(case, tmp_path)
 
     settings = TOY_CONFIGS[case]
     tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(6))
-    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
-    oracle("tl_build", json.dumps(settings), tmp_path / "tokens.safetensors", tmp_path / "built.safetensors")
-    state = {key.removeprefix("state."): t for key, t in load_file(str(tmp_path / "built.safetensors")).items()
-             if key.startswith("state.")}
-    save_file(state, str(tmp_path / "state.safetensors"))
+    state = built_by_hooked_transformer(settings, tokens, tmp_path)
     oracle("toy_idioms", json.dumps(settings), tmp_path / "state.safetensors", tmp_path / "tokens.safetensors",
            tmp_path / "theirs.safetensors")
     theirs = load_file(str(tmp_path / "theirs.safetensors"))

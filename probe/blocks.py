@@ -1,0 +1,130 @@
+"""The residual blocks: how attention and the MLP meet the residual stream, one class per arrangement of the norms.
+
+Each reads top to bottom with its hook points inline; the config picks one at construction (HookedDecoder)."""
+from __future__ import annotations
+
+import torch
+from einops import repeat
+from torch import nn
+
+from probe.attention import Attention, PerHeadInputs
+from probe.config import DecoderConfig, NormPlacement
+from probe.hooks import HookPoint
+from probe.mlp import make_mlp
+from probe.norm import make_norm
+
+
+class PreNormBlock(nn.Module):
+    """The pre-norm residual block (GPT-2, Llama): h = x + attn(ln1(x)); y = h + mlp(ln2(h))."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        super().__init__()
+        self.ln1 = make_norm(cfg, foldable=True)
+        self.attn = Attention(cfg, layer)
+        self.ln2 = make_norm(cfg, foldable=True)
+        self.mlp = make_mlp(cfg)
+        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        # per-head copies of what attention reads, before its norm (transformer-lens's use_attn_in and
+        # use_split_qkv_input): computed only while hooked or cached by name, see attention_input
+        self.hook_attn_in = HookPoint(opt_in=True, by_name=True)  # [batch pos head d_model]
+        self.hook_q_input = HookPoint(opt_in=True, by_name=True)  # [batch pos head d_model]
+        self.hook_k_input = HookPoint(opt_in=True, by_name=True)  # [batch pos kv_head d_model]
+        self.hook_v_input = HookPoint(opt_in=True, by_name=True)  # [batch pos kv_head d_model]
+        self.hook_attn_out = HookPoint()  # [batch pos d_model]
+        self.hook_resid_mid = HookPoint()  # [batch pos d_model]
+        self.hook_mlp_in = HookPoint(opt_in=True)  # [batch pos d_model]: what the MLP reads, before its norm
+        self.hook_mlp_out = HookPoint()  # [batch pos d_model]
+        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+
+    def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past, qk_pos))
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_mid))))
+        return self.hook_resid_post(resid_mid + mlp_out)
+
+    def attention_input(self, resid: torch.Tensor, norm: nn.Module):
+        """norm(resid) [batch pos d_model], what attention reads. While a per-head input point is hooked, each head
+        reads its own copy instead, normed separately: PerHeadInputs of [batch pos head d_model] queries' and
+        [batch pos kv_head d_model] keys' and values' inputs, so an edit reaches one head's q, k or v alone."""
+        points = (self.hook_attn_in, self.hook_q_input, self.hook_k_input, self.hook_v_input)
+        if not any(point.active for point in points):
+            return norm(resid)
+        # repeat may return a broadcast view of resid: a real copy, so an in-place edit stays in its head
+        attn_in = self.hook_attn_in(repeat(resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_heads).clone())
+        if self.attn.n_kv_heads != self.attn.n_heads and self.hook_attn_in.active:
+            raise ValueError("hook_attn_in has one copy per query head, but this model's keys and values have fewer "
+                             "heads (grouped-query attention); hook hook_k_input / hook_v_input instead")
+        kv_in = attn_in if self.attn.n_kv_heads == self.attn.n_heads else repeat(
+            resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_kv_heads)
+        # copies made before any hook runs, so an in-place edit of a query input never reaches a key or value
+        k_in, v_in = kv_in.clone(), kv_in.clone()
+        q_in = self.hook_q_input(attn_in)
+        return PerHeadInputs(norm(q_in), norm(self.hook_k_input(k_in)), norm(self.hook_v_input(v_in)))
+
+
+class PostNormBlock(PreNormBlock):
+    """The post-norm residual block (Vaswani et al. 2017, GPT-1): h = ln1(x + attn(x)); y = ln2(h + mlp(h)).
+
+    Same components and hook names; resid_mid and resid_post are the normalised sums that flow on."""
+
+    def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, nn.Identity()), positions, allowed, past, qk_pos))
+        resid_mid = self.hook_resid_mid(self.ln1(resid_pre + attn_out))
+        mlp_out = self.hook_mlp_out(self.mlp(self.hook_mlp_in(resid_mid)))
+        return self.hook_resid_post(self.ln2(resid_mid + mlp_out))
+
+
+class ParallelBlock(PreNormBlock):
+    """The parallel residual block (GPT-NeoX, Pythia): y = x + attn(ln1(x)) + mlp(ln2(x)).
+
+    Both sublayers read the same residual, so there is no residual between them: no hook_resid_mid."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        super().__init__(cfg, layer)
+        del self.hook_resid_mid
+
+    def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past, qk_pos))
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_pre))))
+        return self.hook_resid_post(resid_pre + attn_out + mlp_out)
+
+
+class SandwichBlock(PreNormBlock):
+    """Norms on both sides of each sublayer (Gemma 2): h = x + ln1_post(attn(ln1(x))); y = h + ln2_post(mlp(ln2(h))).
+
+    hook_attn_out and hook_mlp_out are the normalised writes, what the residual stream receives."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        super().__init__(cfg, layer)
+        self.ln1_post = make_norm(cfg)
+        self.ln2_post = make_norm(cfg)
+
+    def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.ln1_post(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past, qk_pos)))
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
+        mlp_out = self.hook_mlp_out(self.ln2_post(self.mlp(self.ln2(self.hook_mlp_in(resid_mid)))))
+        return self.hook_resid_post(resid_mid + mlp_out)
+
+
+class AttnOnlyBlock(PreNormBlock):
+    """An attention-only block (toy models, transformer-lens's attn_only): y = x + attn(ln1(x)).
+
+    No MLP, so no ln2 and nothing between the sublayers: no hook_resid_mid, hook_mlp_in or hook_mlp_out."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        super().__init__(cfg, layer)
+        del self.ln2, self.mlp, self.hook_resid_mid, self.hook_mlp_in, self.hook_mlp_out
+
+    def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past, qk_pos))
+        return self.hook_resid_post(resid_pre + attn_out)
+
+
+BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, NormPlacement.PARALLEL: ParallelBlock,
+          NormPlacement.SANDWICH: SandwichBlock}
+Block = PreNormBlock
