@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
+from probe.analyses.architecture import refuse_next_token_metric
 from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, resolve_positions, token_id, tokens_and_mask
 from probe.analyses.common import model_mask as _model_mask
 from probe.analyses.labels import head_grid, head_label, plotly_text
@@ -42,6 +43,7 @@ def loss_metric(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torc
 
 
 loss_metric.label = "loss"
+loss_metric.next_token = True  # refused on a bidirectional model (analyses.architecture.refuse_next_token_metric)
 
 
 def _token_ids(model: HookedDecoder, value, what: str) -> torch.Tensor:
@@ -264,6 +266,7 @@ def head_ablation_effects(
     `attention_mask` [batch pos] marks the real tokens of padded token ids.
     """
     metric = loss_metric if metric is None else metric
+    refuse_next_token_metric(model, metric, "head_ablation_effects")
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     batch, n = tokens.shape
     n_layer, n_head = model.cfg.n_layers, model.cfg.n_heads

@@ -1,8 +1,10 @@
 """What an analysis may assume of a model's blocks and positions, and the refusals of analyses that need what a
 model lacks: an attention-only model (`attn_only`, toy models) has no MLPs, so no hook_resid_mid, hook_mlp_in,
 hook_mlp_out, ln2 or mlp.* points; a shortformer model's positions join every layer's queries and keys, never the
-residual stream, so its hook_pos_embed is not a write to the residual. Each refusal names the problem and what to
-do instead, before any work, where the model would otherwise fail deep inside with a missing attribute or name."""
+residual stream, so its hook_pos_embed is not a write to the residual; a bidirectional model's queries see every key,
+later ones too, so its output at a position is no prediction of the next token (a next-token loss measures nothing
+it does) and it cannot generate. Each refusal names the problem and what to do instead, before any work, where the
+model would otherwise fail deep inside with a missing attribute or name, or give a number that means nothing."""
 from __future__ import annotations
 
 import re
@@ -48,3 +50,26 @@ def refuse_shortformer(model: HookedDecoder, what: str, why: str, instead: str) 
     if is_shortformer(model):
         raise ValueError(f"{what}: this model's shortformer positions are added to every layer's queries and keys, not "
                          f"to the residual stream, so {why}; {instead}")
+
+
+def is_bidirectional(model: HookedDecoder) -> bool:
+    """Whether every query sees every (real) key, later ones included (`DecoderConfig(bidirectional=True)`)."""
+    return bool(getattr(model.cfg, "bidirectional", False))
+
+
+def refuse_bidirectional(model: HookedDecoder, what: str, why: str, instead: str) -> None:
+    """Refuse `what` on a bidirectional model: "{what}: this model's attention is bidirectional, so {why}; {instead}"."""
+    if is_bidirectional(model):
+        raise ValueError(f"{what}: this model's attention is bidirectional, so {why}; {instead}")
+
+
+def refuse_next_token_metric(model: HookedDecoder, metric, what: str) -> None:
+    """Refuse a next-token metric (one marked `metric.next_token = True`: loss_metric, loglik_metric, the pruning
+    loss) on a bidirectional model, whose every position already sees the token the metric asks it to predict."""
+    if getattr(metric, "next_token", False):
+        name = getattr(metric, "label", None) or getattr(metric, "__name__", "metric")
+        refuse_bidirectional(model, f"{what} with the next-token {name} metric",
+                             "every position already sees the token after it and a next-token loss measures nothing "
+                             "the model computes",
+                             "pass a metric of what it outputs, e.g. logit_diff_metric(model, answer, wrong, "
+                             "position=0) for a classifier read at its first position")

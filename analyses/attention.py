@@ -32,6 +32,8 @@ class AttentionPatterns(TableDisplay):
     pattern: [layer head query_pos key_pos], for `layers` x `heads` (indices into the model).
     labels:  one escaped, position-suffixed label per token (safe to put into HTML).
     strings: each token's raw string (for frames and CSV, not HTML).
+    causal:  whether each query saw only itself and earlier keys; a bidirectional model's see every key, so its
+             frames and figures keep the weights above the diagonal too.
     """
 
     pattern: torch.Tensor
@@ -40,14 +42,15 @@ class AttentionPatterns(TableDisplay):
     tokens: torch.Tensor  # [pos]
     labels: list[str]
     strings: list[str]
+    causal: bool = True
 
     def to_frame(self) -> pd.DataFrame:
-        """One row per (layer, head, query_pos, key_pos) the causal mask allows."""
+        """One row per (layer, head, query_pos, key_pos) the model's mask allows (every pair when bidirectional)."""
         n_layer, n_head, n, _ = self.pattern.shape
         layer, head, query, key = torch.meshgrid(
             torch.tensor(self.layers), torch.tensor(self.heads), torch.arange(n), torch.arange(n), indexing="ij"
         )
-        keep = (key <= query).flatten() & ~self.pattern.isnan().flatten()
+        keep = ((key <= query) | (not self.causal)).flatten() & ~self.pattern.isnan().flatten()
         query, key = query.flatten()[keep], key.flatten()[keep]
         strings = pd.Series(self.strings)
         return pd.DataFrame({
@@ -82,7 +85,7 @@ class AttentionPatterns(TableDisplay):
 
     def _head(self, li: int, hi: int) -> go.Figure:
         n = self.pattern.shape[-1]
-        z = _masked(self.pattern[li, hi]).float().numpy()
+        z = _masked(self.pattern[li, hi], self.causal).float().numpy()
         name = head_label(self.layers[li], self.heads[hi])
         fig = go.Figure(go.Heatmap(
             z=z, x=self.labels, y=self.labels, coloraxis="coloraxis",
@@ -125,7 +128,7 @@ class AttentionPatterns(TableDisplay):
                            width=96 * n_head + 160, height=104 * n_layer + 140)
 
     def _add_pooled(self, fig, pattern: torch.Tensor, rows: int, cols: int, name: str, cells: Optional[int] = None):
-        z, spans = _pool(pattern, GRID_CELLS if cells is None else cells)
+        z, spans = _pool(pattern, GRID_CELLS if cells is None else cells, self.causal)
         span_labels = [self.labels[a] if a == b else f"{self.labels[a]} … {self.labels[b]}" for a, b in spans]
         fig.add_trace(go.Heatmap(
             z=z.float().numpy(), x=list(range(len(spans))), y=list(range(len(spans))), coloraxis="coloraxis",
@@ -134,19 +137,21 @@ class AttentionPatterns(TableDisplay):
         ), row=rows, col=cols)
 
 
-def _masked(pattern: torch.Tensor) -> torch.Tensor:
-    """NaN above the diagonal, so the causal mask shows as an empty triangle."""
+def _masked(pattern: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """NaN above the diagonal, so the causal mask shows as an empty triangle (a bidirectional pattern as it is)."""
+    if not causal:
+        return pattern
     n = pattern.shape[-1]
     future = torch.ones(n, n, dtype=torch.bool).triu(1)
     return pattern.masked_fill(future, float("nan"))
 
 
-def _pool(pattern: torch.Tensor, cells: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """[query_pos key_pos] max-pooled to at most `cells` a side (NaN where every cell is masked),
-    with the first and last position of each block."""
+def _pool(pattern: torch.Tensor, cells: int, causal: bool = True) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """[query_pos key_pos] max-pooled to at most `cells` a side (NaN where every cell is masked: above the
+    diagonal when `causal`), with the first and last position of each block."""
     n = pattern.shape[-1]
     if n <= cells:
-        return _masked(pattern), [(i, i) for i in range(n)]
+        return _masked(pattern, causal), [(i, i) for i in range(n)]
     size = math.ceil(n / cells)
     pad = size * math.ceil(n / size) - n
     # a block's max shows any sharp attention inside it; the mean would smear a one-token spike
@@ -155,6 +160,7 @@ def _pool(pattern: torch.Tensor, cells: int) -> tuple[torch.Tensor, list[tuple[i
     starts = torch.arange(blocks) * size
     # a block is entirely in the future when its first key comes after its last query
     future = starts[None, :] > (starts[:, None] + size - 1).clamp(max=n - 1)
+    future &= causal  # a bidirectional query sees every key: nothing is blank
     spans = [(int(s), min(int(s) + size - 1, n - 1)) for s in starts]
     return pooled.masked_fill(future, float("nan")), spans
 
@@ -207,4 +213,4 @@ def attention_patterns(
         pattern[i, present] = cache[name][0, [heads[j] for j in present]]
     strings = token_strings(model, tokens[0].tolist())
     return AttentionPatterns(pattern=pattern, layers=layers, heads=heads, tokens=tokens[0].cpu(),
-                             labels=position_labels(strings), strings=strings)
+                             labels=position_labels(strings), strings=strings, causal=not model.cfg.bidirectional)

@@ -31,12 +31,14 @@ DIGITS = 4  # decimals kept of each weight: 1e-4 is below what a shade or a hove
 @dataclass
 class AttentionView:
     """Attention weights of one prompt, ready to draw. rows[layer][head][query] is the query position's
-    weights over keys 0..query (None for a head a pruned layer does not have)."""
+    weights over keys 0..query, or over every key when `causal` is False (a bidirectional model), None for a head a
+    pruned layer does not have."""
 
     tokens: list[str]  # the tokens as written, whitespace visible (␣, ⏎), one per position
     layers: list[int]
     heads: list[int]
     rows: list[list[Optional[list[list[float]]]]]
+    causal: bool = True
 
     @classmethod
     def from_patterns(cls, patterns: AttentionPatterns) -> "AttentionView":
@@ -48,15 +50,18 @@ class AttentionView:
             for h in range(pattern.shape[1]):
                 p = pattern[l, h]
                 per_head.append(None if bool(p.isnan().any()) else
-                                [[round(float(w), DIGITS) for w in p[q, :q + 1]] for q in range(n)])
+                                [[round(float(w), DIGITS) for w in p[q, :q + 1 if patterns.causal else n]]
+                                 for q in range(n)])
             rows.append(per_head)
         return cls(tokens=[shown_token(s) for s in patterns.strings], layers=list(patterns.layers),
-                   heads=list(patterns.heads), rows=rows)
+                   heads=list(patterns.heads), rows=rows, causal=patterns.causal)
 
     def data(self) -> dict:
-        """What the page's script reads: tokens, layer and head numbers, the weights, the head labels."""
+        """What the page's script reads: tokens, layer and head numbers, the weights, the head labels, and whether
+        a query's row stops at itself (causal) or covers every key."""
         labels = [[head_label(l, h) for h in self.heads] for l in self.layers]
-        return dict(tokens=self.tokens, layers=self.layers, heads=self.heads, labels=labels, rows=self.rows)
+        return dict(tokens=self.tokens, layers=self.layers, heads=self.heads, labels=labels, rows=self.rows,
+                    causal=self.causal)
 
     def to_html(self, *, full_html: bool = False, title: str = "Attention, token by token") -> str:
         """The view as an HTML fragment (or, with `full_html`, a page): markup, its data, its script."""
@@ -140,7 +145,8 @@ window.probeAttentionView = window.probeAttentionView || function (root) {
     else { var first = data.rows[layerMenu.value].findIndex(function (r) { return r !== null; }); headMenu.value = Math.max(first, 0); }
   }
   function rows() { return data.rows[layerMenu.value][headMenu.value]; }
-  function weight(q, k) { var r = rows(); return (r && k <= q) ? r[q][k] : 0; }
+  function seen(q, k) { return !data.causal || k <= q; }  // a bidirectional query sees every key
+  function weight(q, k) { var r = rows(); return (r && seen(q, k)) ? r[q][k] : 0; }
   data.tokens.forEach(function (text, i) {
     var s = document.createElement("span"); s.className = "pa-tok"; s.textContent = text;
     s.title = "position " + i; s.dataset.position = i;
@@ -157,7 +163,7 @@ window.probeAttentionView = window.probeAttentionView || function (root) {
   function draw() {
     var ctx = canvas.getContext("2d"), r = rows(), to = modeMenu.value === "to";
     ctx.clearRect(0, 0, canvas.width, canvas.height);
-    for (var q = 0; q < n; q++) for (var k = 0; k <= q; k++) {
+    for (var q = 0; q < n; q++) for (var k = 0; k < n && seen(q, k); k++) {
       var w = weight(q, k); ctx.fillStyle = "rgba(31,119,180," + w + ")"; ctx.fillRect(k * cell, q * cell, cell, cell);
     }
     if (hovered !== null) {
@@ -171,7 +177,7 @@ window.probeAttentionView = window.probeAttentionView || function (root) {
       s.dataset.weight = w.toFixed(DIGITS);
       s.style.background = "rgba(" + (to ? "31,119,180," : "255,127,14,") + w + ")";
       s.classList.toggle("pa-here", i === hovered);
-      if (hovered !== null && w > bestW && (to ? i <= hovered : i >= hovered)) { best = i; bestW = w; }
+      if (hovered !== null && w > bestW && (to ? seen(hovered, i) : seen(i, hovered))) { best = i; bestW = w; }
     });
     var label = data.labels[layerMenu.value][headMenu.value];
     if (!r) info.textContent = label + " is pruned";

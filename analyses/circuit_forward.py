@@ -55,7 +55,7 @@ class BaseRun:
     qkv: list
     out_delta: Optional[torch.Tensor]
     positions: torch.Tensor  # [batch pos]
-    allowed: dict  # window -> [batch 1 query_pos key_pos] bool, or None (plain causal)
+    allowed: dict  # window -> [batch 1 query_pos key_pos] bool, or None (the attention's default: causal, or every key)
 
     @classmethod
     @torch.no_grad()
@@ -86,7 +86,9 @@ class BaseRun:
         batch, n_pos = tokens.shape
         attention_mask = model_mask(mask)
         positions = token_positions(attention_mask, batch, n_pos, tokens.device)
-        allowed = {window: allowed_keys(attention_mask, positions, window) for window in model.windows}
+        # the model's own masks: a bidirectional model's queries see every real key, later ones too
+        causal = not model.cfg.bidirectional
+        allowed = {window: allowed_keys(attention_mask, positions, window, causal) for window in model.windows}
         qkv = [torch.cat([cache[act_name(kind, l)] for kind in ("q", "k", "v")], dim=2).permute(2, 0, 1, 3).contiguous()
                for l in range(graph.n_layers)]
         return cls(qkv=qkv, out_delta=out_delta, positions=positions, allowed=allowed)
@@ -180,13 +182,16 @@ def sparse_final(model: HookedDecoder, graph: CircuitGraph, run: BaseRun, base: 
 
 
 def _attend(attn, q, k, v, allowed) -> torch.Tensor:
-    """z [row pos head d_head] of q, k, v [row pos head d_head] (the model's attention for these heads)."""
+    """z [row pos head d_head] of q, k, v [row pos head d_head] (the model's attention for these heads); `allowed`
+    None means what it means to the model's attention: earlier keys (`attn.causal`), or every key (bidirectional)."""
     if attn.fusable:
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
-                                              is_causal=allowed is None, scale=attn.scale).transpose(1, 2)
-    scores = einsum(q, k, "row query_pos head d_head, row key_pos head d_head -> row head query_pos key_pos")
-    if allowed is None:
+                                              is_causal=allowed is None and attn.causal, scale=attn.scale).transpose(1, 2)
+    scores = attn.score_cap(einsum(q, k, "row query_pos head d_head, row key_pos head d_head -> row head query_pos key_pos")
+                            * attn.scale)
+    if allowed is None and attn.causal:
         n = q.shape[1]
         allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    scores = attn.score_cap(scores * attn.scale).masked_fill(~allowed, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     return einsum(scores.softmax(dim=-1), v, "row head query_pos key_pos, row key_pos head d_head -> row query_pos head d_head")

@@ -64,7 +64,8 @@ def tokens_and_mask(
 
 
 def model_mask(mask: torch.Tensor) -> Optional[torch.Tensor]:
-    return None if bool(mask.all()) else mask.long()  # nothing padded: the causal-only path is exact and faster
+    # nothing padded: the attention's own default (causal, or every key when bidirectional) is exact and faster
+    return None if bool(mask.all()) else mask.long()
 
 
 def is_int(value) -> bool:

@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from probe.analyses.ablation import Metric, metric_name
+from probe.analyses.architecture import refuse_next_token_metric
 from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
 from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, tokens_and_mask
 from probe.analyses.edge_gradients import gradient_scores
@@ -188,6 +189,7 @@ def edge_attribution(
             raise ValueError(f"max_rows={max_rows!r} must be a positive int (rows per forward), or None for a memory budget")
         max_rows = int(max_rows)
     graph = circuit_graph(model)
+    refuse_next_token_metric(model, metric, "edge_attribution")
     clean_tokens, tokens, mask = paired_tokens(model, clean, corrupted, attention_mask)
     reads = logit_reads(metric)
     if reads is not None and method != "exact":

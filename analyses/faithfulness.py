@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from probe.analyses.ablation import Metric, metric_name
+from probe.analyses.architecture import refuse_next_token_metric
 from probe.analyses.circuit import Circuit
 from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
 from probe.analyses.common import AnalysisInput, TableDisplay, check_int, is_int, model_mask
@@ -43,8 +44,9 @@ class CircuitRunner:
 
     `engine`: "sparse" computes only the nodes a circuit touches, from the weights (analyses.circuit_forward);
     "hooked" runs the model's forward with every reader's input rebuilt by hooks (analyses.edge_patching); "auto"
-    (the default) is "sparse" wherever it runs (not sandwich blocks): it computes a subset of what the hooked
-    forward computes, so it is never the more expensive one. The two agree to float error."""
+    (the default) is "sparse" wherever it runs (not sandwich blocks, nor a model with hooks attached to stay, such as
+    ARENA's padding masks on hook_attn_scores, which only the hooked forward runs): it computes a subset of what the
+    hooked forward computes, so it is never the more expensive one. The two agree to float error."""
 
     model: HookedDecoder
     graph: CircuitGraph
@@ -70,10 +72,17 @@ class CircuitRunner:
         if engine not in ENGINES:
             raise ValueError(f"engine={engine!r} is not one of: {', '.join(ENGINES)}")
         graph = circuit_graph(model)
+        refuse_next_token_metric(model, metric, "faithfulness")
         if engine == "sparse" and not sparse_supported(graph):
             raise ValueError("engine='sparse' does not run sandwich blocks (Gemma 2), whose heads' outputs share one norm "
                              "scale per layer; use engine='auto' or 'hooked'")
-        sparse = engine == "sparse" or (engine == "auto" and sparse_supported(graph))
+        # hooks attached to stay (add_hook, a padding mask on hook_attn_scores) change the model's forward, which the
+        # sparse engine recomputes from the weights without them
+        attached = sorted({name for name, direction, *_ in model.persistent_hooks() if direction == "fwd"})
+        if engine == "sparse" and attached:
+            raise ValueError(f"engine='sparse' computes the circuit's forward from the weights, without the hooks "
+                             f"attached to {attached}; use engine='auto' or 'hooked', which runs them")
+        sparse = engine == "sparse" or (engine == "auto" and sparse_supported(graph) and not attached)
         clean_tokens, tokens, mask = paired_tokens(model, clean, corrupted, attention_mask)
         names = graph_hook_names(graph)
         stop = metric_stop(model, metric)  # a metric that says what it reads: no full logits

@@ -330,8 +330,13 @@ def feature_scan(
         nonlocal n_tokens
         tokens, real, counted, docs, positions = packed.to(device, non_blocking=True).unbind(0)
         real, counted = real.bool(), counted.bool()
-        # right padding: a causal model's real positions never see it; the forward stops after the hook's block
-        _, cache = model.run_with_cache(tokens, names=name, stop_at_layer=stop)
+        # right padding: a causal model's real positions never see it, a bidirectional model's are kept from it by
+        # the mask (its document's tokens and the BOS); the forward stops after the hook's block
+        mask = None
+        if model.cfg.bidirectional:
+            mask = real.long()
+            mask[:, 0] = 1
+        _, cache = model.run_with_cache(tokens, attention_mask=mask, names=name, stop_at_layer=stop)
         x = cache[name].to(sae.W_enc.device)
         acts = sae.feature_activations(x, None if every else ids.to(sae.W_enc.device)).float().to(device)
         folder.fold(acts, tokens, real, counted, docs, positions, before)

@@ -27,7 +27,7 @@ import torch
 from einops import einsum, rearrange
 
 from probe.analyses.ablation import loss_metric
-from probe.analyses.architecture import refuse_shortformer
+from probe.analyses.architecture import refuse_bidirectional, refuse_shortformer
 from probe.analyses.common import AnalysisInput, PromotedTokens, TableDisplay, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
 from probe.analyses.sae_checks import FeatureSpec, check_sae, feature_ids, output_hook
 from probe.analyses.vocab_projection import final_norm_directions, top_tokens, value_directions
@@ -354,8 +354,12 @@ def sae_loss_recovered(
 ) -> SAELossRecovered:
     """The loss of each prompt clean, with the SAE spliced in (`probe.spliced`, no error term), and with
     the point it writes zero-ablated (an SAE's hook point; a transcoder's output point, the MLP's output);
-    `recovered` compares them. Three forwards."""
+    `recovered` compares them. Three forwards. Refused on a bidirectional model (no next-token loss)."""
     name = check_sae(model, sae)
+    refuse_bidirectional(model, "sae_loss_recovered", "every position already sees the token after it and the next-token "
+                         "loss the CE score compares measures nothing the model computes",
+                         "judge the SAE by its reconstruction (sae_features' fvu and l0) or by a metric of what the "
+                         "model outputs, run with `with probe.spliced(model, sae):` and without")
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     forward_mask = model_mask(mask)
 

@@ -193,8 +193,9 @@ def logit_lens(
     """Decode the residual stream after the embedding and after every block through the final norm and unembedding.
 
     `target`: None = the next input token at each position, and the model's own top prediction at
-    each prompt's last position (which has no next token); a token id or single-token string = that
-    token everywhere; a tensor [batch pos] or [pos] = per position.
+    each prompt's last position (which has no next token); on a bidirectional model, whose positions
+    see the next token and predict no such thing, the model's own top prediction everywhere; a token
+    id or single-token string = that token everywhere; a tensor [batch pos] or [pos] = per position.
     `include_mid`: also read after every attention sublayer (`hook_resid_mid`).
     `norm`: "recompute" applies ln_final to each layer's residual (the lens as published); "frozen"
     divides by the final layer's own scale from the forward pass (the linearisation attribution uses).
@@ -283,6 +284,8 @@ def _count_above(logits: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor) 
 
 def _resolve_target(model, tokens, mask, target: TargetSpec, final_logits) -> torch.Tensor:
     batch, n = tokens.shape
+    if target is None and model.cfg.bidirectional:
+        return final_logits.argmax(-1)
     if target is None:
         nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
         is_last = mask & ~torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)

@@ -7,6 +7,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from probe.analyses.architecture import refuse_bidirectional
 from probe.analyses.memory_units import require_ffn
 from probe.analyses.trigger_results import MLP_SOURCE, TopTriggers
 from probe.analyses.vocab_projection import top_value_tokens
@@ -67,6 +68,9 @@ def agreement(model: HookedDecoder, triggers: TopTriggers, *, through_final_norm
     value (a cyclic shift), which keeps the token distribution and breaks the neuron's identity.
     """
     require_ffn(model, "agreement")  # a scan of another model's neurons: this one has no values to read them by
+    refuse_bidirectional(model, "agreement", "its output at a trigger is no prediction of the next token, and Geva's "
+                         "statistic (a value's top token against the token after its triggers) measures nothing it does",
+                         "compare value_tokens with the model's own outputs at the trigger positions (memory_lookup)")
     require_mlp(triggers, "agreement")
     matches, examples, baseline = [], [], []
     for li, layer in enumerate(triggers.layers):

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 import torch
 
 from probe.analyses.ablation import Metric, metric_name, rows_per_forward, tokens_and_mask
-from probe.analyses.architecture import require_mlps
+from probe.analyses.architecture import refuse_next_token_metric, require_mlps
 from probe.analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
 from probe.analyses.common import AnalysisInput, TableDisplay, is_int, model_mask, token_labels, token_strings
 from probe.analyses.labels import LAYER_AXIS, grid_layout, head_grid, head_label, position_labels, titled
@@ -207,6 +207,7 @@ def patch(
     estimates every site from one forward and one backward. `attention_mask` [batch pos] marks the
     real tokens of padded token ids, the same for both (text is padded and masked for you).
     """
+    refuse_next_token_metric(model, metric, "patch")
     clean_tokens, clean_mask = tokens_and_mask(model, clean, attention_mask)
     tokens, mask = tokens_and_mask(model, corrupted, attention_mask)
     if clean_tokens.shape != tokens.shape or not torch.equal(clean_mask, mask):

@@ -18,6 +18,7 @@ import plotly.graph_objects as go
 import torch
 
 from probe.analyses.ablation import Metric, metric_name
+from probe.analyses.architecture import refuse_next_token_metric
 from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
 from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask
 from probe.analyses.edge_attribution import paired_tokens
@@ -113,6 +114,7 @@ def path_patch(model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisIn
     batched forwards; `senders="heads"` with sweep=True is every head that writes before a receiver, alone (a layer x
     head figure)."""
     graph = circuit_graph(model)
+    refuse_next_token_metric(model, metric, "path_patch")
     readers = sorted({i for name in _names(receivers) for i in graph.reader_indices(name)})
     valid = graph.valid
     if isinstance(senders, str) and senders == "heads":

@@ -12,7 +12,8 @@ import torch
 from plotly.subplots import make_subplots
 
 from probe.analyses.pruning_data import PruningData, token_batches
-from probe.analyses.pruning_importance import Metric, ascending_heads, evaluate_masks, head_importance, present_heads
+from probe.analyses.pruning_importance import (Metric, ascending_heads, evaluate_masks, head_importance, present_heads,
+                                               refuse_next_token_evaluation)
 from probe import HookedDecoder
 from probe.analyses.common import TableDisplay
 
@@ -163,6 +164,7 @@ def prune_by_importance(
     With `normalize` (the paper's per-layer L2 normalisation) a layer's last remaining head always
     scores 1, so near the end of the curve heads alone in their layers tie (broken by position).
     """
+    refuse_next_token_evaluation(model, "prune_by_importance")
     if stop_accuracy is not None and not 0 < stop_accuracy <= 1:
         raise ValueError(f"stop_accuracy is a fraction of the unpruned accuracy, in (0, 1]; got {stop_accuracy}")
     batches = token_batches(model, data, batch_size, seq_len, max_windows)

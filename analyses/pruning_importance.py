@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import torch
 from einops import rearrange
 
+from probe.analyses.architecture import refuse_bidirectional, refuse_next_token_metric
 from probe.analyses.common import TableDisplay, evaluate_metric
 from probe.analyses.labels import count, head_grid, head_label, plotly_text
 from probe.analyses.pruning_data import PruningData, check_length, token_batches
@@ -50,6 +51,7 @@ def _lm_loss(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.T
 
 
 _lm_loss.label = "loss"
+_lm_loss.next_token = True  # refused on a bidirectional model
 
 
 def _check_mask(model: HookedDecoder, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -131,6 +133,7 @@ def head_importance(
     `.grad` is left untouched.
     """
     metric = _lm_loss if metric is None else metric
+    refuse_next_token_metric(model, metric, "head_importance")
     batches = token_batches(model, data, batch_size, seq_len, max_windows)
     base = _check_mask(model, mask)
     total = torch.zeros_like(base)
@@ -158,6 +161,14 @@ def head_importance(
 
 
 # ---- evaluation under masks -----------------------------------------------------------------------
+def refuse_next_token_evaluation(model: HookedDecoder, what: str) -> None:
+    """The evaluation under masks is next-token loss and accuracy: refused on a bidirectional model."""
+    refuse_bidirectional(model, what, "every position already sees the token after it, and the pruning curve's next-token "
+                         "loss and accuracy measure nothing the model computes",
+                         "rank heads with head_importance(model, data, metric=...) and a metric of what it outputs "
+                         "(e.g. logit_diff_metric), then prune_heads")
+
+
 @torch.no_grad()
 def evaluate_masks(
     model: HookedDecoder, batches: Sequence[torch.Tensor], masks: torch.Tensor, *, desc: Optional[str] = None
@@ -166,6 +177,7 @@ def evaluate_masks(
     heads gated by each mask of `masks` [mask layer head] in turn (0 = zero-ablated). The masks are
     stacked along the batch dimension, several per forward. With `desc`, a progress bar of that name
     (stderr) counts the forwards."""
+    refuse_next_token_evaluation(model, "evaluate_masks")
     from tqdm.auto import tqdm
 
     masks = masks.to(model.device, torch.float32)

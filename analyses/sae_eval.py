@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 from probe.analyses.ablation import loss_metric
+from probe.analyses.architecture import refuse_bidirectional
 from probe.analyses.corpus import Corpus, iter_documents
 from probe.analyses.features import check_sae, sae_loss_recovered
 from probe import HookedDecoder, SparseAutoencoder, spliced
@@ -79,6 +80,10 @@ def sae_eval(model: HookedDecoder, sae: SparseAutoencoder, corpus: Corpus = None
              context_size: Optional[int] = None, batch_prompts: int = 8, dense_threshold: float = 0.1) -> SAEEval:
     """The dictionary's numbers on `corpus` (default: the bundled held-out text), over its first max_tokens."""
     check_sae(model, sae)
+    refuse_bidirectional(model, "sae_eval", "every position already sees the token after it and the next-token "
+                         "loss the CE score compares measures nothing the model computes",
+                         "read the reconstruction numbers from sae_features (fvu, l0) and feature_scan (density) on "
+                         "your own inputs")
     read, written = sae.cfg.hook_name, sae.cfg.hook_name_out if sae.cfg.is_transcoder else sae.cfg.hook_name
     if sae.cfg.is_transcoder:
         model.hook_point(written)

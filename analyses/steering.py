@@ -26,6 +26,7 @@ from typing import Iterator, Literal, Optional, Sequence, Union
 
 import torch
 
+from probe.analyses.architecture import refuse_bidirectional
 from probe.analyses.common import is_int
 from probe.analyses.sae_checks import check_sae
 from probe.analyses.steering_vectors import SITES, Position, SteeringVector, site_name, steering_vector, vector_paths
@@ -82,6 +83,10 @@ class Steering:
         if self.direction.shape[0] != model.cfg.d_model:
             raise ValueError(f"the direction has d_model={self.direction.shape[0]}, but the model has "
                              f"d_model={model.cfg.d_model}: it was made for another model")
+        if self.positions != "all":  # the split is a generation's: its prompt, then the tokens generated
+            refuse_bidirectional(model, f"steering positions={self.positions!r}", "it does not generate (each new token "
+                                 "would change what every earlier position sees), and a prompt/generated split means "
+                                 "nothing", "steer positions='all' inside `with steer(...):` around forward passes")
         return [site_name(model, self.site, layer) for layer in self.layers]
 
     @contextmanager

@@ -18,6 +18,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from probe.analyses.ablation import Metric, loss_metric, metric_name
+from probe.analyses.architecture import refuse_bidirectional
 from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, resolve_positions, token_id, tokens_and_mask
 from probe.analyses.pruning import PruningData, token_batches
 from probe.analyses.steering import SteeringVector, steer
@@ -30,6 +31,7 @@ def loglik_metric(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: to
 
 
 loglik_metric.label = "log-likelihood"
+loglik_metric.next_token = True  # refused on a bidirectional model
 
 
 def target_logprob_metric(model: HookedDecoder, targets, position: int = -1) -> Metric:
@@ -143,6 +145,10 @@ def steering_sweep(model: HookedDecoder, vector: Union[SteeringVector, torch.Ten
     """The metric (default: each prompt's log-likelihood) on `prompts`, minus on `versus` when given, and the loss on
     `heldout` text (default: probe.HELDOUT_TEXT, its first `heldout_windows` windows of n_ctx tokens), with the
     model steered by `vector` (a SteeringVector, a tensor with `layers`, or (sae, index)) at each coefficient."""
+    refuse_bidirectional(model, "steering_sweep", "every position already sees the token after it, and the sweep's "
+                         "fluency cost (next-token loss on held-out text) measures nothing the model computes",
+                         "measure the steer's effect with `with steer(model, vector, coefficient):` and a metric of "
+                         "what the model outputs")
     metric = loglik_metric if metric is None else metric
     values = [float(c) for c in coefficients]
     if not values or not all(math.isfinite(c) for c in values):

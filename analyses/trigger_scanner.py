@@ -25,7 +25,8 @@ def layout_windows(windows: list[tuple[int, int, list[int], list[int]]], bos: Op
                    n_pos: int, pin: bool = False) -> torch.Tensor:
     """A batch of windows (doc, doc_start, window ids, next ids) as one host tensor [window 2*n_pos+3]:
     the tokens right-padded to n_pos (BOS first when given; right padding needs no attention mask in a
-    causal model), the next ids (-1 past the window), then doc, doc_start and the window's length.
+    causal model, and `Scanner.send` gives a bidirectional one its mask), the next ids (-1 past the window),
+    then doc, doc_start and the window's length.
     `pin`: in page-locked memory, so the copy to a GPU can overlap its work."""
     offset = int(bos is not None)
     packed = torch.full((len(windows), 2 * n_pos + _META), -1, dtype=torch.long)
@@ -89,8 +90,11 @@ class Scanner:
         # each position's context is the last `context` tokens of its window up to it, BOS and padding hidden
         shown = tokens.masked_fill(~valid, PAD).to(torch.int32)
         padded = torch.cat([shown.new_full((len(shown), self.context), PAD), shown], dim=1)  # [window pos+context]
+        # a bidirectional model's real tokens would attend to the right padding: it is masked (a causal model's
+        # real tokens never see it, and its forward runs unmasked, with no read-back of the mask)
+        attention_mask = (pos < offset + length[:, None]).long() if self.model.cfg.bidirectional else None
         self.batch = dict(valid=valid.flatten(), next_tokens=next_ids.flatten(), doc=doc, start=start,
-                          padded=padded)
+                          padded=padded, attention_mask=attention_mask)
         return tokens.contiguous()
 
     def run(self, tokens: torch.Tensor) -> None:
@@ -101,7 +105,8 @@ class Scanner:
     def folded(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state with one more batch folded in, the scanner's own left as it was (the caller commits it)."""
         self.found = [None] * len(self.layers)
-        self.model.run_with_hooks(tokens, fwd_hooks=self.hooks(), stop_at_layer=self.stop_at_layer)
+        self.model.run_with_hooks(tokens, attention_mask=self.batch.get("attention_mask"), fwd_hooks=self.hooks(),
+                                  stop_at_layer=self.stop_at_layer)
         return self._merged()
 
     def hooks(self):

@@ -204,6 +204,11 @@ class HookPoint(nn.Module):
         `reset_hooks()` (permanent hooks: until `including_permanent=True`). `level` (TL's context level) is ignored."""
         return self.add(hook, backward=_backward(dir), persistent=True, permanent=is_permanent, prepend=prepend)
 
+    def add_perma_hook(self, hook: HookFn, dir: str = "fwd") -> HookHandle:
+        """transformer-lens's `HookPoint.add_perma_hook`: `add_hook(hook, dir, is_permanent=True)`, a hook that
+        `reset_hooks()` keeps (`model.reset_hooks(including_permanent=True)` removes it; see persistent_hooks())."""
+        return self.add_hook(hook, dir=dir, is_permanent=True)
+
     def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False, level=None) -> None:
         """Remove this point's hooks in direction `dir` ("fwd", "bwd" or "both"), keeping permanent ones unless asked."""
         registries = {"fwd": [self._fns], "bwd": [self._bwd_fns], "both": [self._fns, self._bwd_fns]}

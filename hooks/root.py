@@ -46,8 +46,10 @@ class HookedRootModule(nn.Module):
         self._lent_points: dict[str, HookPoint] = {}  # another module's, for a `lent_hook_points` block
         self._aliases: dict[str, str] = dict(aliases or {})
         for name, module in self.named_modules():
+            if not name or not isinstance(getattr(module, "name", None), (str, type(None))):
+                continue  # the root has no path; a module whose own attribute is called `name` keeps it
+            module.name = name  # every module's path, as transformer-lens code reads it (model.ln_final.name)
             if isinstance(module, HookPoint):
-                module.name = name
                 self._hook_points[name] = module
 
     def __getstate__(self) -> dict:

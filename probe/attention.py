@@ -36,6 +36,7 @@ class Attention(nn.Module):
         self.scale = (cfg.d_head if cfg.attn_scale_dim is None else cfg.attn_scale_dim) ** -0.5
         self.score_cap = make_softcap(cfg.attn_softcap)
         self.fusable = cfg.attn_softcap is None  # the fused kernel cannot cap scores
+        self.causal = not cfg.bidirectional  # what `allowed=None` means: earlier keys only, or every key
         self.hook_q = HookPoint()  # [batch pos head d_head]
         self.hook_k = HookPoint()  # [batch pos kv_head d_head]
         self.hook_v = HookPoint()  # [batch pos kv_head d_head]
@@ -63,7 +64,7 @@ class Attention(nn.Module):
         qk_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x [batch pos d_model]; positions [batch pos] (None: 0, 1, ...); `allowed` [batch 1 query_pos key_pos] says which
-        keys each query may see (None: plain causal); `past` holds earlier passes' keys and values; `qk_pos`
+        keys each query may see (None: plain causal, or every key in a bidirectional model); `past` holds earlier passes' keys and values; `qk_pos`
         [batch pos d_model], shortformer positions, joins the queries' and keys' inputs but not the values'."""
         q, k, v = self.project(x)
         if qk_pos is not None:  # (x + qk_pos) @ W_Q is x @ W_Q + qk_pos @ W_Q: one more matmul, no second q/k/v pass
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         else:  # nothing observes the pattern: let the fused kernel avoid materialising it
             z = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=allowed, is_causal=allowed is None, scale=self.scale,
+                attn_mask=allowed, is_causal=allowed is None and self.causal, scale=self.scale,
             ).transpose(1, 2)
         z = self.hook_z(z)
         if self.hook_result.active:
@@ -113,10 +114,11 @@ class Attention(nn.Module):
 
     def _attend_explicitly(self, q, k, v, allowed):
         scores = einsum(q, k, "batch query_pos head d_head, batch key_pos head d_head -> batch head query_pos key_pos")
-        if allowed is None:
+        scores = self.score_cap(scores * self.scale)
+        if allowed is None and self.causal:
             n = q.shape[1]
             allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        scores = self.hook_attn_scores(self.score_cap(scores * self.scale).masked_fill(~allowed, float("-inf")))
+        scores = self.hook_attn_scores(scores if allowed is None else scores.masked_fill(~allowed, float("-inf")))
         pattern = self.hook_pattern(scores.softmax(dim=-1))
         return einsum(pattern, v, "batch head query_pos key_pos, batch key_pos head d_head -> batch query_pos head d_head")
 

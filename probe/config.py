@@ -102,6 +102,8 @@ class DecoderConfig:
     norm: Norm = Norm.LAYER
     norm_placement: NormPlacement = NormPlacement.PRE
     attn_only: bool = False  # blocks without an MLP: y = x + attn(ln1(x)) (toy models; pre-norm only)
+    bidirectional: bool = False  # every query sees every (real) key, later ones too: an encoder or classifier toy model
+    use_hook_tokens: bool = False  # a hook_tokens point on the token ids [batch pos] entering the model (TL's switch)
     # False: ln1, ln2 and ln_final learn no w (and b), as transformer-lens's LNPre / RMSPre and what fold_ln leaves;
     # a sandwich block's post norms and the q/k norms keep theirs
     norm_weights: bool = True
@@ -221,8 +223,12 @@ class DecoderConfig:
             if self.rotary_dim % 2 or self.rotary_dim > self.d_head:
                 raise ValueError(f"positions=rotary rotates pairs of dimensions, so rotary_dim must be even and at most "
                                  f"d_head={self.d_head}, got rotary_dim={self.rotary_dim}")
-        if not isinstance(self.attn_only, bool):
-            raise ValueError(f"attn_only must be a bool, got {self.attn_only!r}")
+        for field in ("attn_only", "bidirectional", "use_hook_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
+        if self.bidirectional and self.sliding_window is not None:
+            raise ValueError("a sliding window counts keys back from each query, which bidirectional attention does "
+                             "not have: set sliding_window=None or bidirectional=False")
         if self.attn_only and self.norm_placement is not NormPlacement.PRE:
             raise ValueError(f"attn_only blocks are pre-norm, x + attn(ln1(x)); got norm_placement="
                              f"{self.norm_placement.value!r}: use norm_placement='pre'")
@@ -273,7 +279,7 @@ class DecoderConfig:
 
     @property
     def attention_dir(self) -> str:
-        return "causal"
+        return "bidirectional" if self.bidirectional else "causal"
 
     @property
     def use_local_attn(self) -> bool:

@@ -92,6 +92,10 @@ def generate(
     `with steering.applied(model):`. `use_past_kv_cache` is TL's name for `use_cache`.
     """
     refuse_unsupported(unsupported, "HookedDecoder.generate", UNSUPPORTED)
+    if model.cfg.bidirectional:
+        raise ValueError("generate: this model's attention is bidirectional, so every position already sees the "
+                         "tokens after it and none predicts a next token to continue with; run the model on whole "
+                         "sequences instead")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     if temperature is not None and temperature < 0:

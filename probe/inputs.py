@@ -24,9 +24,10 @@ class InputChecks:
             # never truncated here: text longer than n_ctx is refused (validate_tokens) rather than cut silently
             tokens, attention_mask = self.to_tokens(input, prepend_bos=prepend_bos, return_attention_mask=True,
                                                     padding_side=padding_side, truncate=False)
-            if padding_side == "right" or bool(attention_mask.all()):
+            if bool(attention_mask.all()) or (padding_side == "right" and not self.cfg.bidirectional):
                 # causal attention alone is exact for every real token when the padding comes after them, and it
-                # gives the padded positions transformer-lens's values (they attend like real tokens)
+                # gives the padded positions transformer-lens's values (they attend like real tokens); a
+                # bidirectional model's real tokens would read the padding after them, so it keeps the mask
                 attention_mask = None
         elif isinstance(input, torch.Tensor):
             tokens = input
@@ -108,12 +109,20 @@ def token_positions(attention_mask: Optional[torch.Tensor], batch: int, n_new: i
 
 
 def allowed_keys(attention_mask: Optional[torch.Tensor], positions: torch.Tensor,
-                  sliding_window: Optional[int] = None) -> Optional[torch.Tensor]:
+                  sliding_window: Optional[int] = None, causal: bool = True) -> Optional[torch.Tensor]:
     """[batch 1 query_pos key_pos], which keys each new query (at `positions` [batch n_new], the last n_new of
-    the mask's) may see: earlier or itself, not padding, and with a sliding window fewer than `sliding_window`
-    real tokens back. Each query always sees itself, so a padded query's row stays finite (its values are
-    meaningless but never NaN). None when plain causal attention says it all (no padding, no window reached)."""
+    the mask's) may see: earlier (any, without `causal`) or itself, not padding, and with a sliding window fewer
+    than `sliding_window` real tokens back. Each query always sees itself, so a padded query's row stays finite
+    (its values are meaningless but never NaN). None when the attention's own default says it all (causal, or
+    every key without `causal`: no padding, no window reached)."""
     n_new = positions.shape[1]
+    if not causal:
+        if attention_mask is None:
+            return None
+        n_all = attention_mask.shape[1]
+        key_at = torch.arange(n_all, device=attention_mask.device)[None, :]
+        query_at = torch.arange(n_all - n_new, n_all, device=attention_mask.device)[:, None]
+        return attention_mask.bool()[:, None, None, :] | (key_at == query_at)
     if attention_mask is None:
         if sliding_window is None or n_new <= sliding_window:
             return None

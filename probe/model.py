@@ -42,6 +42,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         prepend_bos = prepends_bos(cfg.default_prepend_bos, tokenizer)
         self.cfg = cfg if cfg.default_prepend_bos == prepend_bos else dataclasses.replace(cfg, default_prepend_bos=prepend_bos)
         self.tokenizer = tokenizer
+        self.hook_tokens = HookPoint() if cfg.use_hook_tokens else nn.Identity()  # [batch pos] token ids
         self.embed = Embed(cfg.d_vocab, cfg.d_model, math.sqrt(cfg.d_model) if cfg.scale_embed else None)
         self.hook_embed = HookPoint()  # [batch pos d_model]
         self.pos_embed = make_pos_embed(cfg)  # None with rotary positions, which act inside attention
@@ -123,6 +124,10 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         logits_mask = attention_mask
         device = self.device
         if kv_cache is not None:
+            if self.cfg.bidirectional:
+                raise ValueError("kv_cache: in a bidirectional model earlier positions attend to later ones, so their "
+                                 "keys and values change with every new token and cannot be cached; run the whole "
+                                 "sequence again instead")
             if not from_tokens or stop_at_layer is not None:
                 # the cache must grow in every layer at once, or its length and mask stop matching the keys
                 raise ValueError(
@@ -137,12 +142,13 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
             attention_mask = kv_cache.extend_mask(new_mask)
         positions = token_positions(attention_mask, batch, n_new, device)
         if from_tokens:
-            resid = self.hook_embed(self.embed(tokens))
+            resid = self.hook_embed(self.embed(self.hook_tokens(tokens)))
         qk_pos = self._check_shortformer_pos_embed(shortformer_pos_embed, from_tokens, (batch, n_new))
         if self.pos_embed is not None and qk_pos is None and (from_tokens or not self.pos_embed.in_residual):
             resid, qk_pos = self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
         # one mask per distinct window (Gemma 2 alternates a window with full attention)
-        allowed = {window: allowed_keys(attention_mask, positions, window) for window in self.windows}
+        causal = not self.cfg.bidirectional
+        allowed = {window: allowed_keys(attention_mask, positions, window, causal) for window in self.windows}
         for index, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=start_at_layer):
             past = None if kv_cache is None else kv_cache.layers[index]
             resid = block(resid, positions, allowed[self.cfg.layer_window(index)], past, qk_pos)
@@ -204,7 +210,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         total = 0
         for name in names:
             if name in shapes:
-                total += math.prod(shapes[name]) * (norm_item if name.endswith(NORM_HOOKS) else item)
+                size = 8 if name == "hook_tokens" else norm_item if name.endswith(NORM_HOOKS) else item  # int64 ids
+                total += math.prod(shapes[name]) * size
                 continue
             # a lent point (a spliced SAE's) says its width; [batch pos width] whatever it reads
             width = self.hook_point(name).width

@@ -18,7 +18,8 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
     last on the values' inputs, so its hooks hold [batch pos kv_head ...]."""
     key_pos = pos if key_pos is None else key_pos
     resid = (batch, pos, cfg.d_model)
-    shapes = {"hook_embed": resid}
+    shapes = {"hook_tokens": (batch, pos)} if cfg.use_hook_tokens else {}
+    shapes["hook_embed"] = resid
     if cfg.positions is not Positions.ROTARY:
         shapes["hook_pos_embed"] = resid
 

@@ -27,13 +27,13 @@ POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY, "shortfo
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 # TL settings with nothing to build in probe: accepted at these values only
-ONLY = {"attention_dir": "causal", "scale_attn_by_inverse_layer_idx": False,
+ONLY = {"scale_attn_by_inverse_layer_idx": False,
         "post_embedding_ln": False, "rotary_adjacent_pairs": False, "load_in_4bit": False, "num_experts": None,
-        "experts_per_token": None, "n_devices": 1, "init_weights": True, "use_hook_tokens": False,
+        "experts_per_token": None, "n_devices": 1, "init_weights": True,
         "ungroup_grouped_query_attention": False, "trust_remote_code": False,
         "relative_attention_max_distance": None, "relative_attention_num_buckets": None,
         "decoder_start_token_id": None, "default_padding_side": "right"}
-WHY = {"attention_dir": "probe's decoder is causal only",
+WHY = {"attention_dir": "probe's attention is 'causal' or 'bidirectional'",
        "attn_only": "attention-only blocks are pre-norm: x + attn(ln1(x)); leave parallel_attn_mlp and "
                     "use_normalization_before_and_after False",
        "normalization_type": "probe's norms are 'LN', 'LNPre', 'RMS', 'RMSPre' and None",
@@ -53,7 +53,7 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "NTK_by_parts_high_freq_factor", "NTK_original_ctx_len", "use_attn_scale", "attn_scale",
          "attn_scores_soft_cap", "output_logits_soft_cap", "use_qk_norm", "tie_word_embeddings", "model_name",
          "original_architecture", "device", "default_prepend_bos", "use_attn_result", "use_split_qkv_input",
-         "use_attn_in", "use_hook_mlp_in", "attn_only", "tokenizer_name"}
+         "use_attn_in", "use_hook_mlp_in", "attn_only", "tokenizer_name", "attention_dir", "use_hook_tokens"}
 
 
 def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: transformer-lens's name, for its code
@@ -97,6 +97,9 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         placement = NormPlacement.PARALLEL
     if s.get("use_normalization_before_and_after", False):
         placement = NormPlacement.SANDWICH
+    attention_dir = s.get("attention_dir", "causal")
+    if attention_dir not in ("causal", "bidirectional"):
+        raise ValueError(f"HookedTransformerConfig(attention_dir={attention_dir!r}) is not supported: {WHY['attention_dir']}")
     attn_only = s.get("attn_only", False)
     if attn_only is True and placement is not NormPlacement.PRE:
         raise ValueError(f"HookedTransformerConfig(attn_only=True) with {placement.value} blocks is not supported: "
@@ -112,7 +115,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         d_vocab_out=None if s.get("d_vocab_out", -1) == -1 else s["d_vocab_out"],
         d_mlp=s.get("d_mlp"), n_kv_heads=s.get("n_key_value_heads"), eps=s.get("eps", 1e-5),
         activation=ACTIVATIONS[act_fn], gated_mlp=s.get("gated_mlp", False), norm=norm, norm_placement=placement,
-        attn_only=attn_only,
+        attn_only=attn_only, bidirectional=attention_dir == "bidirectional", use_hook_tokens=s.get("use_hook_tokens", False),
         norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"), final_norm=norm is not Norm.NONE,
         positions=positions, rotary_base=float(s.get("rotary_base", 10000)), rotary_dim=s.get("rotary_dim") if positions is Positions.ROTARY else None,
         rotary_scaling=_ntk_scaling(s), sliding_window=window,

@@ -28,6 +28,9 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
     python saelens_oracle.py induction CONFIG_JSON STATE INPUTS SEQ_LEN OUTPUTS
         HookedTransformer(HookedTransformerConfig(**CONFIG)) with the state dict STATE runs
         tests/induction_idioms.py's induction_idioms on INPUTS' tokens; OUTPUTS gets each result by name
+    python saelens_oracle.py brackets STATE OUTPUTS
+        HookedTransformer(HookedTransformerConfig(**brackets_idioms.CONFIG)) with the state dict STATE runs
+        tests/brackets_idioms.py's brackets_idioms; OUTPUTS gets each result by name
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -206,6 +209,17 @@ def induction(config_json: str, state: str, inputs: str, seq_len: str, outputs: 
     save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)
 
 
+def brackets(state: str, outputs: str) -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from brackets_idioms import BRACKETS, CONFIG, brackets_idioms  # beside this file: its folder is on sys.path
+
+    model = HookedTransformer(HookedTransformerConfig(**CONFIG, device="cpu")).eval()
+    model.load_state_dict(load_file(state), strict=True)
+    out = brackets_idioms(model, BRACKETS)
+    save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)
+
+
 def hooked_sae_idioms(model, sae, tokens) -> dict:
     """SAELens's HookedSAETransformer idioms, written once: the oracle runs them on HookedSAETransformer, and
     tests/test_sae_methods.py imports this function to run them on probe (only attribute access, no imports)."""
@@ -250,4 +264,4 @@ def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict, "tl_build": tl_build,
-     "toy_idioms": toy, "induction": induction}[command](*args)
+     "toy_idioms": toy, "induction": induction, "brackets": brackets}[command](*args)

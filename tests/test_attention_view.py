@@ -61,13 +61,12 @@ def test_a_pruned_models_missing_heads_are_marked(tiny_model, tmp_path):
     assert all(r is not None for r in data["rows"][1])
 
 
-@pytest.mark.slow
-def test_the_view_in_chromium_hovered_shows_the_hovered_tokens_row(tiny_model, tmp_path):
+def hovered_in_chromium(view, layer: int, head: int, position: int, tmp_path) -> subprocess.CompletedProcess:
+    """The DOM of `view`'s page after choosing `layer` and `head` and hovering token `position`, in headless
+    Chromium (the test skips where it is not installed)."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("chromium is not installed (apt-get install chromium)")
-    view = attention_view(tiny_model, HOSTILE)
-    layer, head, position = 1, 2, 6
     page = view.to_html(full_html=True).replace("</body>", (
         '<script>var r = document.querySelector(".probe-attn");'
         f'r.querySelector(".pa-layer").value = "{layer}"; r.querySelector(".pa-layer").dispatchEvent(new Event("change"));'
@@ -75,8 +74,14 @@ def test_the_view_in_chromium_hovered_shows_the_hovered_tokens_row(tiny_model, t
         f'r.querySelectorAll(".pa-tok")[{position}].dispatchEvent(new MouseEvent("mouseenter"));</script></body>'))
     path = tmp_path / "view.html"
     path.write_text(page, encoding="utf-8")
-    result = subprocess.run([chromium, "--headless", "--no-sandbox", "--enable-logging=stderr", "--v=0", "--dump-dom",
-                             path.as_uri()], capture_output=True, text=True, timeout=120)
+    return subprocess.run([chromium, "--headless", "--no-sandbox", "--enable-logging=stderr", "--v=0", "--dump-dom",
+                           path.as_uri()], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_the_view_in_chromium_hovered_shows_the_hovered_tokens_row(tiny_model, tmp_path):
+    layer, head, position = 1, 2, 6
+    result = hovered_in_chromium(attention_view(tiny_model, HOSTILE), layer, head, position, tmp_path)
     console = [line for line in result.stderr.splitlines() if ":CONSOLE" in line]
     assert not console, console
     spans = re.findall(r'<span class="pa-tok[^"]*"[^>]*data-weight="([0-9.]+)"[^>]*>(.*?)</span>', result.stdout)

@@ -20,6 +20,7 @@ from probe import DEFAULT_MODEL, DecoderConfig, HookedDecoder, HookedTransformer
 from probe.shapes import hook_shapes
 from test_sae_training import needs_saelens, oracle
 from test_tl_state_dict import built_by_hooked_transformer
+from toy_weights import randomised
 
 SEQ_LEN = 8
 ARENA = dict(d_model=32, d_head=8, n_heads=4, n_layers=2, n_ctx=64, d_vocab=60, attention_dir="causal",
@@ -39,13 +40,7 @@ def repeated_tokens(batch: int = 3, d_vocab: int = 60, seed: int = 3) -> torch.T
 
 
 def trained(settings: dict) -> HookedDecoder:
-    """A model of `settings` whose weights are off their initialisation, as trained ones are, biases included."""
-    model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.2 * torch.randn(param.shape, generator=gen))
-    return model
+    return randomised(HookedDecoder(HookedTransformerConfig(**settings)), seed=11)
 
 
 @needs_saelens

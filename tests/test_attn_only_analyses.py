@@ -23,20 +23,11 @@ from probe.analyses import (
 )
 from probe.analyses.attribution_graph import FEATURE, LOGIT
 from probe.analyses.residual_components import Components, has_pos_embed
+from toy_weights import randomised
 
 KINDS = ("shortformer", "layernorm")
 ANSWER, WRONG = 3, 5
 NO_MLPS = "this attention-only model has no MLPs"
-
-
-def randomised(model: HookedDecoder, seed: int) -> HookedDecoder:
-    """Weights large enough that every path matters; norm weights near 1, so a dropped norm would show."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1 + 0.2 * noise if name.endswith(".w") else 0.3 * noise)
-    return model.eval()
 
 
 @functools.cache

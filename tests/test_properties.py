@@ -30,15 +30,19 @@ def configs(draw):
     n_layers = draw(st.integers(1, 3))
     if n_kv_heads == n_heads and draw(st.booleans()):
         heads_per_layer = tuple(draw(st.integers(0, n_heads)) for _ in range(n_layers))
-    positions = draw(st.sampled_from(["learned", "sinusoidal", "rotary"]))
+    positions = draw(st.sampled_from(["learned", "sinusoidal", "rotary", "shortformer"]))
     window = draw(st.sampled_from([None, None, 1, 3]))
+    placement = draw(st.sampled_from(["pre", "post", "parallel", "sandwich"]))
+    attn_only = placement == "pre" and draw(st.booleans())  # attention-only blocks are pre-norm
+    bidirectional = window is None and draw(st.booleans())  # a window counts back from the query: causal only
     rotary_dim = draw(st.sampled_from([None] + [r for r in (2, 4) if r <= d_head])) if positions == "rotary" else None
     return DecoderConfig(
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
         d_model=draw(st.sampled_from([8, 12, 16])), d_mlp=draw(st.sampled_from([8, 20])),
         d_vocab=draw(st.integers(5, 40)), n_ctx=draw(st.integers(4, 24)),
         activation="silu" if gated else draw(st.sampled_from(["gelu_new", "gelu", "relu"])), gated_mlp=gated,
-        norm=draw(st.sampled_from(["layer", "rms"])), norm_placement=draw(st.sampled_from(["pre", "post", "parallel", "sandwich"])),
+        norm=draw(st.sampled_from(["layer", "rms"])), norm_placement=placement, attn_only=attn_only,
+        bidirectional=bidirectional,
         final_norm=draw(st.booleans()), positions=positions, rotary_dim=rotary_dim,
         qkv_bias=draw(st.booleans()), out_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
         tied_embeddings=draw(st.booleans()), heads_per_layer=heads_per_layer,
@@ -74,7 +78,11 @@ def test_forward_is_finite_and_paths_agree(case):
     assert fast.shape == (*tokens.shape, cfg.d_vocab) and torch.isfinite(fast).all()
     torch.testing.assert_close(cached, fast, atol=1e-5, rtol=1e-5)  # explicit attention + cache == SDPA
     torch.testing.assert_close(identity, fast, atol=1e-5, rtol=1e-5)
-    if cfg.norm_placement in (NormPlacement.PRE, NormPlacement.SANDWICH):
+    if cfg.attn_only:
+        for l in range(cfg.n_layers):
+            c = lambda n: cache[f"blocks.{l}.{n}"]  # noqa: E731
+            torch.testing.assert_close(c("hook_resid_post"), c("hook_resid_pre") + c("hook_attn_out"), atol=1e-5, rtol=1e-5)
+    elif cfg.norm_placement in (NormPlacement.PRE, NormPlacement.SANDWICH):
         for l in range(cfg.n_layers):
             c = lambda n: cache[f"blocks.{l}.{n}"]  # noqa: E731
             torch.testing.assert_close(c("hook_resid_mid"), c("hook_resid_pre") + c("hook_attn_out"), atol=1e-5, rtol=1e-5)

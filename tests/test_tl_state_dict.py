@@ -313,6 +313,8 @@ TOY_CONFIGS = {
                                   act_fn="relu", normalization_type=None),
     "grokking-d-vocab-out": dict(n_layers=1, d_vocab=114, d_vocab_out=113, d_model=32, d_mlp=128, n_heads=4,
                                  d_head=8, n_ctx=3, act_fn="relu", normalization_type=None),
+    "bidirectional-hook-tokens": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="relu",
+                                      attention_dir="bidirectional", use_hook_tokens=True),
     "attn-only-ln": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, attn_only=True),
     # ARENA 1.2's induction model, smaller: attention only, shortformer positions, no norms, no act_fn
     "attn-only-shortformer-arena-like": dict(n_layers=2, d_model=32, d_head=8, n_heads=4, n_ctx=16, d_vocab=50,
@@ -354,7 +356,7 @@ def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(
     (dict(attn_only=True, parallel_attn_mlp=True), "attn_only=True.*parallel blocks.*pre-norm"),
     (dict(normalization_type="LNx"), "normalization_type='LNx'.*'LN', 'LNPre', 'RMS', 'RMSPre' and None"),
     (dict(positional_embedding_type="alibi"), "alibi.*'standard'.*'shortformer'"),
-    (dict(attention_dir="bidirectional"), "causal only"),
+    (dict(attention_dir="encoder"), "attention_dir='encoder'.*'causal' or 'bidirectional'"),
     (dict(default_padding_side="left"), "set_tokenizer\\(tokenizer, default_padding_side='left'\\)"),
     (dict(act_fn="solu_ln"), "act_fn='solu_ln'"),
     (dict(final_rms=True), "final_rms=True.*normalization_type='RMS'"),
