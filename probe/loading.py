@@ -67,8 +67,13 @@ SHORT_NAMES.update({
        for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b") for it in ("", "-Instruct")},
     **{f"qwen3-{size}": f"Qwen/Qwen3-{size.upper()}" for size in ("0.6b", "1.7b", "4b", "8b", "14b")},
     "qwen3-0.6b-base": "Qwen/Qwen3-0.6B-Base",
+    # Neel Nanda's toy models, in transformer-lens's own format (probe.checkpoint_tl); TL's names for them
+    **{f"attn-only-{n}l": f"NeelNanda/Attn_Only_{n}L512W_C4_Code" for n in range(1, 5)},
+    **{f"gelu-{n}l": f"NeelNanda/GELU_{n}L512W_C4_Code" for n in range(1, 5)},
+    "attn-only-2l-demo": "NeelNanda/Attn-Only-2L512W-Shortformer-6B-big-lr",
 })
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
+             "*final.pth",  # a transformer-lens-format checkpoint's state dict (probe.checkpoint_tl)
              "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
 TOKENIZER_FILES = ["tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
 HUB_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

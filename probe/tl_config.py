@@ -85,6 +85,8 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
                              f"d_head={d_head}: give n_heads")
         n_heads = d_model // d_head
     act_fn = s.get("act_fn", "relu" if s.get("attn_only") else None)  # no MLP to use it: TL's value, unused
+    if s.get("attn_only") and act_fn not in ACTIVATIONS:
+        act_fn = "relu"  # whatever an attention-only model's file names (SoLU in Neel Nanda's), nothing applies it
     if act_fn not in ACTIVATIONS:
         raise ValueError(f"HookedTransformerConfig(act_fn={act_fn!r}) is not supported: {WHY['act_fn']}")
     norm = _choice(s, "normalization_type", "LN", NORMS)

@@ -13,7 +13,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from probe.loading import SHORT_NAMES, load_hf_model, load_pretrained, load_tokenizer
+from probe.checkpoint_tl import is_tl_format, load_tl_format
+from probe.config_file import read_json_object
+from probe.loading import SHORT_NAMES, load_hf_model, load_pretrained, load_tokenizer, resolve_checkpoint
 from probe.processing import TL_PROCESSING_DEFAULTS, process_weights_in_place, tl_processing_steps
 from probe.tl_surface import refuse_unsupported
 from probe.tokenizer import Tokenizer
@@ -105,8 +107,12 @@ def load_model(name_or_path, options: LoadingKeywords, model_class: type):
     """The checkpoint `name_or_path` names, or `hf_model` with the name's tokenizer (TL's `hf_model=`: nothing but
     the tokenizer is read for the name); `tokenizer=` replaces the tokenizer either way."""
     if options.hf_model is None:
-        model = load_pretrained(name_or_path, device=options.device, dtype=options.load_dtype,
-                                revision=options.revision, model_class=model_class)
+        directory = resolve_checkpoint(name_or_path, options.revision)
+        config = read_json_object(directory / "config.json")
+        if is_tl_format(config):  # transformer-lens's own format (Neel Nanda's toy models): TL config, *final.pth
+            model = load_tl_format(directory, config, load_tokenizer, options.device, options.load_dtype, model_class)
+        else:
+            model = load_pretrained(directory, device=options.device, dtype=options.load_dtype, model_class=model_class)
         if options.tokenizer is not None:
             model.tokenizer = options.tokenizer
         return model

@@ -31,6 +31,11 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
     python saelens_oracle.py brackets STATE OUTPUTS
         HookedTransformer(HookedTransformerConfig(**brackets_idioms.CONFIG)) with the state dict STATE runs
         tests/brackets_idioms.py's brackets_idioms; OUTPUTS gets each result by name
+    python saelens_oracle.py neel NAME DIR INPUTS OUTPUTS PROCESS_JSON
+        transformer-lens 3's own from_pretrained(NAME, **PROCESS) for one of Neel Nanda's toy models, its hub reads
+        served from DIR (a TL-format config.json; a model_final.pth is first written there, a HookedTransformer of
+        that config with its weights moved off their initialisation, if DIR has none): OUTPUTS gets logits on
+        INPUTS' tokens and state.KEY (the loaded, processed state dict); stdout the JSON of its cfg's values
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -220,6 +225,42 @@ def brackets(state: str, outputs: str) -> None:
     save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)
 
 
+def neel(name: str, directory: str, inputs: str, outputs: str, process_json: str) -> None:
+    from pathlib import Path
+
+    import transformer_lens.loading_from_pretrained as loading
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    folder = Path(directory)
+
+    def served(repo, file_name, **_):  # TL's download_file_from_hf: json parsed, .pth torch-loaded
+        path = folder / file_name
+        return json.loads(path.read_text()) if file_name.endswith(".json") else torch.load(path, weights_only=True)
+
+    class Api:
+        def list_repo_files(self, repo, **_):
+            return sorted(p.name for p in folder.iterdir())
+
+    loading.utils.download_file_from_hf = served
+    loading.HfApi = Api
+    official = loading.get_official_model_name(name)
+    if not (folder / "model_final.pth").exists():
+        cfg = HookedTransformerConfig(**{k: v for k, v in loading.convert_neel_model_config(official).items()
+                                         if k != "original_architecture"}, device="cpu")
+        fresh = HookedTransformer(cfg)
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        torch.save(fresh.state_dict(), folder / "model_final.pth")
+    model = HookedTransformer.from_pretrained(name, device="cpu", **json.loads(process_json)).eval()
+    with torch.no_grad():
+        out = {"logits": model(load_file(inputs)["tokens"]).contiguous()}
+    out.update({f"state.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()})
+    save_file(out, outputs)
+    print(json.dumps({key: getattr(model.cfg, key) for key in RESOLVED + ("original_architecture",)}))
+
+
 def hooked_sae_idioms(model, sae, tokens) -> dict:
     """SAELens's HookedSAETransformer idioms, written once: the oracle runs them on HookedSAETransformer, and
     tests/test_sae_methods.py imports this function to run them on probe (only attribute access, no imports)."""
@@ -264,4 +305,4 @@ def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict, "tl_build": tl_build,
-     "toy_idioms": toy, "induction": induction, "brackets": brackets}[command](*args)
+     "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel}[command](*args)
