@@ -9,57 +9,36 @@ from __future__ import annotations
 
 import re
 
-from probe import HookedDecoder
+from probe import HookedDecoder, Positions
 
 # the points of a block from the residual between its sublayers to the MLP's output: what an attention-only block lacks
 MLP_POINT = re.compile(r"^blocks\.\d+\.(hook_resid_mid|hook_mlp_in|hook_mlp_out|ln2\.|ln2_post\.|mlp\.)")
 
 
-def has_mlps(model: HookedDecoder) -> bool:
-    return not model.cfg.attn_only
-
-
-def positions_in_residual(model: HookedDecoder) -> bool:
-    """Whether a position embedding is written into the residual stream (learned or sinusoidal positions): rotary
-    positions act inside attention, and shortformer ones join only each layer's queries' and keys' inputs."""
-    pos_embed = getattr(model, "pos_embed", None)
-    return pos_embed is not None and getattr(pos_embed, "in_residual", True)
-
-
-def is_shortformer(model: HookedDecoder) -> bool:
-    pos_embed = getattr(model, "pos_embed", None)
-    return pos_embed is not None and not getattr(pos_embed, "in_residual", True)
-
-
 def require_mlps(model: HookedDecoder, what: str, so: str, instead: str) -> None:
     """Refuse `what` on an attention-only model: "{what}: this attention-only model has no MLPs, so {so}; {instead}"."""
-    if not has_mlps(model):
+    if model.cfg.attn_only:
         raise ValueError(f"{what}: this attention-only model has no MLPs, so {so}; {instead}")
 
 
 def check_block_point(model: HookedDecoder, name: str, what: str, instead: str) -> None:
     """Refuse a hook name of a point an attention-only block lacks (resid_mid, the MLP's points), with the reason,
     rather than the bare unknown-name error the model would give at the first forward."""
-    if not has_mlps(model) and MLP_POINT.match(str(name)):
+    if model.cfg.attn_only and MLP_POINT.match(str(name)):
         raise ValueError(f"{what} {name!r}: this attention-only model has no MLPs, so its blocks have no resid_mid, "
                          f"mlp_in, mlp_out, ln2 or mlp.* points; {instead}")
 
 
 def refuse_shortformer(model: HookedDecoder, what: str, why: str, instead: str) -> None:
     """Refuse `what` on a model whose positions are not in the residual stream (shortformer)."""
-    if is_shortformer(model):
+    if model.cfg.positions is Positions.SHORTFORMER:
         raise ValueError(f"{what}: this model's shortformer positions are added to every layer's queries and keys, not "
                          f"to the residual stream, so {why}; {instead}")
 
 
-def is_bidirectional(model: HookedDecoder) -> bool:
-    """Whether every query sees every (real) key, later ones included (`DecoderConfig(bidirectional=True)`)."""
-    return bool(getattr(model.cfg, "bidirectional", False))
-
-
 def refuse_bidirectional(model: HookedDecoder, what: str, why: str, instead: str) -> None:
     """Refuse `what` on a bidirectional model: "{what}: this model's attention is bidirectional, so {why}; {instead}"."""
-    if is_bidirectional(model):
+    if model.cfg.bidirectional:
         raise ValueError(f"{what}: this model's attention is bidirectional, so {why}; {instead}")
 
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from probe.analyses.architecture import has_mlps, require_mlps
+from probe.analyses.architecture import require_mlps
 from probe.analyses.common import token_labels
 from probe import HookedDecoder, NormPlacement
 from probe.names import act_name
@@ -25,7 +25,7 @@ def lens_sites(n_layers: int, include_mid: bool = False) -> list[str]:
 def has_resid_mid(model: HookedDecoder) -> bool:
     """Whether blocks have a residual between attention and MLP (none in parallel blocks; attention-only ones have no
     MLP)."""
-    return has_mlps(model) and model.cfg.norm_placement is not NormPlacement.PARALLEL
+    return not model.cfg.attn_only and model.cfg.norm_placement is not NormPlacement.PARALLEL
 
 
 def model_lens_sites(model: HookedDecoder, include_mid: bool = False) -> list[str]:

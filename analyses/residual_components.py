@@ -12,7 +12,6 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from probe.analyses.architecture import has_mlps, positions_in_residual
 from probe.analyses.lens_sites import lens_sites
 from probe import HookedDecoder
 from probe.config import Norm, NormPlacement
@@ -34,7 +33,7 @@ class Components:
         if has_pos_embed(model):
             names, kinds = names + ["pos_embed"], kinds + ["pos_embed"]
         layers, heads = [None] * len(names), [None] * len(names)
-        mlp = 1 if has_mlps(model) else 0
+        mlp = 0 if model.cfg.attn_only else 1
         for layer, block in enumerate(model.blocks):
             n_heads = block.attn.n_heads  # per layer: pruned models keep different numbers
             bias = [f"L{layer} attn bias"] if block.attn.b_O is not None else []
@@ -69,7 +68,7 @@ class Components:
 def has_pos_embed(model: HookedDecoder) -> bool:
     """Whether `pos_embed` is a component: the model writes its positions into the residual stream (rotary and
     shortformer positions act inside attention; a shortformer's hook_pos_embed fires all the same)."""
-    return positions_in_residual(model)
+    return model.cfg.positions_in_residual
 
 
 def check_pre_norm(model: HookedDecoder) -> None:
@@ -107,7 +106,7 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
             heads = (heads * through).to(embed.dtype)
             bias = None if bias is None else (bias * through).to(embed.dtype)
         parts += [heads] + ([] if bias is None else [bias])
-        if has_mlps(model):  # a sandwich block's mlp_out is already normalised
+        if not model.cfg.attn_only:  # a sandwich block's mlp_out is already normalised
             parts.append(pick(cache[act_name("mlp_out", layer)]).to(dtype).unsqueeze(-2))
     return torch.cat(parts, dim=-2)
 
@@ -115,7 +114,7 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
 def component_hooks(model: HookedDecoder) -> list[str]:
     names = ["hook_embed"] + (["hook_pos_embed"] if has_pos_embed(model) else [])
     for layer in range(model.cfg.n_layers):
-        names += [act_name("result", layer)] + ([act_name("mlp_out", layer)] if has_mlps(model) else [])
+        names += [act_name("result", layer)] + ([] if model.cfg.attn_only else [act_name("mlp_out", layer)])
         if model.cfg.norm_placement is NormPlacement.SANDWICH:
             names.append(act_name("scale", layer, "ln1_post"))
     return names

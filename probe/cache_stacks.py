@@ -25,7 +25,7 @@ import torch
 
 import probe.residual_stack as rs
 from probe.hooks.names import UnknownNameError
-from probe.config import Norm, NormPlacement, Positions
+from probe.config import Norm, NormPlacement
 from probe.names import act_name
 
 
@@ -100,7 +100,7 @@ class StackMethods:
         """The cached embedding writes that the residual stream holds: a shortformer model's positions join only
         the queries' and keys' inputs, so they are not one (transformer-lens counts them, and its stack then does
         not add up to the residual)."""
-        names = ("hook_embed",) if self._config.positions is Positions.SHORTFORMER else ("hook_embed", "hook_pos_embed")
+        names = ("hook_embed", "hook_pos_embed") if self._config.positions_in_residual else ("hook_embed",)
         return [name for name in names if name in self._acts]
 
     def _refuse_parallel(self, method: str, argument: str) -> None:

@@ -129,9 +129,8 @@ class DecoderConfig:
     # them (transformer-lens code reads model.cfg.device and model.cfg.model_name).
     model_name: Optional[str] = dataclasses.field(default=None, compare=False)
     original_architecture: Optional[str] = dataclasses.field(default=None, compare=False)  # config.json's, "GPT2LMHeadModel"
-    # a tokenizer to load (a checkpoint directory, short name or hub repository) when a model is built from this
-    # config without one, as transformer-lens's HookedTransformer(cfg) loads cfg.tokenizer_name's; a loaded
-    # checkpoint's config leaves it None (the model has the checkpoint's tokenizer already)
+    # a tokenizer (directory, short name or hub repository) that a model built from this config without one loads,
+    # as TL's HookedTransformer(cfg) loads cfg.tokenizer_name's; None for a loaded checkpoint, which has its own
     tokenizer_source: Optional[str] = dataclasses.field(default=None, compare=False)
     device: str = dataclasses.field(default="cpu", compare=False)
     dtype: Any = dataclasses.field(default=None, compare=False)  # the weights' torch.dtype
@@ -264,6 +263,12 @@ class DecoderConfig:
     def positional_embedding_type(self) -> str:
         return {Positions.LEARNED: "standard", Positions.SINUSOIDAL: "sinusoidal", Positions.ROTARY: "rotary",
                 Positions.SHORTFORMER: "shortformer"}[self.positions]
+
+    @property
+    def positions_in_residual(self) -> bool:
+        """Whether a position embedding is added to the residual stream (learned, sinusoidal): rotary positions act
+        inside attention, and shortformer ones join only each layer's queries' and keys' inputs."""
+        return self.positions in (Positions.LEARNED, Positions.SINUSOIDAL)
 
     @property
     def n_key_value_heads(self) -> Optional[int]:

@@ -30,8 +30,6 @@ class Embed(nn.Module):
 class AbsolutePositions(nn.Module):
     """What the absolute schemes share: each token adds W_pos [n_ctx d_model] at its position."""
 
-    in_residual = True  # whether place() adds the positions to the residual stream
-
     def place(self, resid: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(the residual entering block 0, what every layer adds to its queries' and keys' inputs): these schemes
         add the positions to the residual stream."""
@@ -66,8 +64,6 @@ class PosEmbed(AbsolutePositions):
 class ShortformerPosEmbed(PosEmbed):
     """Learned positions that every attention layer adds to its queries' and keys' inputs, after ln1; the residual
     stream and the values never hold them (Press et al. 2021; transformer-lens's "shortformer")."""
-
-    in_residual = False
 
     def place(self, resid: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return resid, pos

@@ -116,22 +116,17 @@ def allowed_keys(attention_mask: Optional[torch.Tensor], positions: torch.Tensor
     (its values are meaningless but never NaN). None when the attention's own default says it all (causal, or
     every key without `causal`: no padding, no window reached)."""
     n_new = positions.shape[1]
-    if not causal:
-        if attention_mask is None:
-            return None
-        n_all = attention_mask.shape[1]
-        key_at = torch.arange(n_all, device=attention_mask.device)[None, :]
-        query_at = torch.arange(n_all - n_new, n_all, device=attention_mask.device)[:, None]
-        return attention_mask.bool()[:, None, None, :] | (key_at == query_at)
     if attention_mask is None:
-        if sliding_window is None or n_new <= sliding_window:
+        if not causal or sliding_window is None or n_new <= sliding_window:
             return None
         attention_mask = torch.ones(positions.shape, dtype=torch.long, device=positions.device)
     n_all = attention_mask.shape[1]
     device = attention_mask.device
     query_at = torch.arange(n_all - n_new, n_all, device=device)[:, None]
     key_at = torch.arange(n_all, device=device)[None, :]
-    allowed = (key_at <= query_at) & attention_mask.bool()[:, None, None, :]
+    allowed = attention_mask.bool()[:, None, None, :]
+    if causal:
+        allowed = allowed & (key_at <= query_at)
     if sliding_window is not None:  # distances in real tokens, so padding never changes what a prompt sees
         key_positions = attention_mask.cumsum(dim=1) - 1  # [batch key_pos]
         allowed &= (positions[:, None, :, None] - key_positions[:, None, None, :]) < sliding_window

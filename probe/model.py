@@ -12,7 +12,7 @@ from torch import nn
 from probe.hooks import HookedRootModule, HookPoint
 
 from probe.blocks import BLOCKS, AttnOnlyBlock
-from probe.config import DecoderConfig
+from probe.config import DecoderConfig, Positions
 from probe.decoder_cache import DecoderCache
 from probe.embedding import Embed, Unembed, make_pos_embed
 from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
@@ -144,7 +144,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         if from_tokens:
             resid = self.hook_embed(self.embed(self.hook_tokens(tokens)))
         qk_pos = self._check_shortformer_pos_embed(shortformer_pos_embed, from_tokens, (batch, n_new))
-        if self.pos_embed is not None and qk_pos is None and (from_tokens or not self.pos_embed.in_residual):
+        if self.pos_embed is not None and qk_pos is None and (from_tokens or not self.cfg.positions_in_residual):
             resid, qk_pos = self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
         # one mask per distinct window (Gemma 2 alternates a window with full attention)
         causal = not self.cfg.bidirectional
@@ -160,7 +160,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
     def _check_shortformer_pos_embed(self, given: Optional[torch.Tensor], from_tokens: bool, batch_pos) -> Optional[torch.Tensor]:
         if given is None:
             return None
-        if self.pos_embed is None or self.pos_embed.in_residual:
+        if self.cfg.positions is not Positions.SHORTFORMER:
             raise ValueError(f"shortformer_pos_embed is for shortformer models; this one's positions are "
                              f"{self.cfg.positional_embedding_type!r}: leave it out")
         if from_tokens:

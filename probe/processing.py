@@ -246,7 +246,7 @@ def _center_writers(model: HookedDecoder) -> None:
     model.embed.W_E -= model.embed.W_E.mean(dim=-1, keepdim=True)
     # sinusoids are fixed, not weights; shortformer positions join ln1's output, not the residual stream, so
     # centring them would change the queries and keys (transformer-lens centres them all the same)
-    if isinstance(getattr(model.pos_embed, "W_pos", None), nn.Parameter) and model.pos_embed.in_residual:
+    if isinstance(getattr(model.pos_embed, "W_pos", None), nn.Parameter) and model.cfg.positions_in_residual:
         model.pos_embed.W_pos -= model.pos_embed.W_pos.mean(dim=-1, keepdim=True)
     for writer in [block.attn.out for block in model.blocks] + _mlp_outputs(model):
         writer.weight -= writer.weight.mean(dim=0, keepdim=True)  # weight [d_model in]: each column is a written vector

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import probe.residual_stack as rs
+from probe.config import Positions
 from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps
 from probe.tokenizer import Tokenizer, check_padding_side, prepends_bos
 
@@ -198,7 +199,7 @@ class TransformerLensSurface:
             refuse_unsupported({"past_kv_cache": past_kv_cache}, "input_to_embed()")
         tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos)
         residual = self(tokens, attention_mask=attention_mask, stop_at_layer=0)
-        shortformer = self.pos_embed is not None and not self.pos_embed.in_residual
+        shortformer = self.cfg.positions is Positions.SHORTFORMER
         positions = self.pos_embed(tokens, attention_mask=attention_mask) if shortformer else None
         return residual, tokens, positions, attention_mask
 

@@ -20,7 +20,7 @@ from probe import DEFAULT_MODEL, DecoderConfig, HookedDecoder, HookedTransformer
 from probe.shapes import hook_shapes
 from test_sae_training import needs_saelens, oracle
 from test_tl_state_dict import built_by_hooked_transformer
-from toy_weights import randomised
+from toy_helpers import randomised
 
 SEQ_LEN = 8
 ARENA = dict(d_model=32, d_head=8, n_heads=4, n_layers=2, n_ctx=64, d_vocab=60, attention_dir="causal",

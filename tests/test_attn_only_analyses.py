@@ -23,7 +23,7 @@ from probe.analyses import (
 )
 from probe.analyses.attribution_graph import FEATURE, LOGIT
 from probe.analyses.residual_components import Components, has_pos_embed
-from toy_weights import randomised
+from toy_helpers import attribution_by_hand, copied_from, randomised, zero_head
 
 KINDS = ("shortformer", "layernorm")
 ANSWER, WRONG = 3, 5
@@ -189,14 +189,6 @@ def test_shortformer_positions_join_the_queries_and_keys_of_every_layer():
 
 
 # ---- ablation, patching, pruning -----------------------------------------------------------------------------
-def zero_head(head: int):
-    def hook(z, hook):
-        z = z.clone()
-        z[:, :, head] = 0.0
-        return z
-    return hook
-
-
 @torch.no_grad()
 def test_head_ablation_is_a_hand_written_hook_zeroing_hook_z(model):
     tokens, mask = batch(4)  # padded: the runs restarting at a layer must place the positions as a full forward does
@@ -224,12 +216,8 @@ def test_patching_is_a_hand_written_patch_and_its_gradient_estimate(model):
         _, clean_cache = model.run_with_cache(clean, attention_mask=mask)
 
     def patched_value(name: str, where) -> float:
-        def swap(activation, hook):
-            activation = activation.clone()
-            activation[where] = clean_cache[name][where]
-            return activation
         with torch.no_grad():
-            return float(logit_diff(model, corrupted, mask, [(name, swap)]).mean())
+            return float(logit_diff(model, corrupted, mask, [(name, copied_from(clean_cache, name, where))]).mean())
 
     heads = patch(model, clean, corrupted, metric, "heads", attention_mask=mask)
     for site, value in zip(heads.sites, heads.patched.tolist()):
@@ -242,18 +230,11 @@ def test_patching_is_a_hand_written_patch_and_its_gradient_estimate(model):
 
     # attribution patching: (clean - corrupted) . d metric / d z, the gradient taken by hand
     estimate = attribution_patch(model, clean, corrupted, metric, "heads", attention_mask=mask)
-    kept = {}
-
-    def keep(z, hook):  # not detached: layer 0's gradient must include its path through layer 1's heads
-        kept[hook.name] = z if z.requires_grad else z.detach().requires_grad_(True)
-        return kept[hook.name]
     names = ["blocks.0.attn.hook_z", "blocks.1.attn.hook_z"]
-    value = logit_diff(model, corrupted, mask, [(name, keep) for name in names]).mean()
-    grads = dict(zip(names, torch.autograd.grad(value, [kept[n] for n in names])))
-    for site, got in zip(estimate.sites, estimate.patched.tolist()):
-        name = site.hook_name
-        delta = ((clean_cache[name] - kept[name].detach()) * grads[name])[:, :, site.head].sum()
-        assert got == pytest.approx(float(value.detach() + delta), abs=1e-4)
+    expected = attribution_by_hand(lambda hooks: logit_diff(model, corrupted, mask, hooks).mean(), clean_cache, names,
+                                   estimate.sites)
+    for got, value in zip(estimate.patched.tolist(), expected):
+        assert got == pytest.approx(value, abs=1e-4)
 
 
 @torch.no_grad()

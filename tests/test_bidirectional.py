@@ -15,7 +15,7 @@ from probe import DecoderConfig, HookedDecoder, HookedTransformerConfig
 from probe.kv_cache import KVCache
 from test_sae_training import needs_saelens, oracle
 from test_tl_state_dict import built_by_hooked_transformer
-from toy_weights import randomised
+from toy_helpers import randomised
 
 
 def trained(**overrides) -> HookedDecoder:

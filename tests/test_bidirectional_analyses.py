@@ -34,7 +34,7 @@ from probe.analyses.graph_interventions import FeatureEdit
 from brackets_idioms import CONFIG, END, PAD, START
 from test_attention_view import hovered_in_chromium
 from test_circuit_forward import random_circuits
-from toy_weights import randomised
+from toy_helpers import attribution_by_hand, copied_from, randomised, zero_head
 
 OPEN, CLOSE = 3, 4
 BIDIRECTIONAL = "this model's attention is bidirectional"
@@ -84,14 +84,6 @@ def diff_of(logits: torch.Tensor) -> torch.Tensor:
 
 def run(model, tokens, mask, hooks=()) -> torch.Tensor:
     return model.run_with_hooks(tokens, attention_mask=mask, fwd_hooks=list(hooks))
-
-
-def zero_head(head: int):
-    def hook(z, hook):
-        z = z.clone()
-        z[:, :, head] = 0.0
-        return z
-    return hook
 
 
 def close(got, want, atol=1e-4, rtol=1e-4) -> None:
@@ -249,12 +241,8 @@ def test_patching_is_a_hand_written_patch_and_its_gradient_estimate():
         _, clean_cache = model.run_with_cache(clean, attention_mask=mask)
 
     def patched(name: str, where) -> float:
-        def swap(act, hook):
-            act = act.clone()
-            act[where] = clean_cache[name][where]
-            return act
         with torch.no_grad():
-            return float(diff_of(run(model, corrupted, mask, [(name, swap)])).mean())
+            return float(diff_of(run(model, corrupted, mask, [(name, copied_from(clean_cache, name, where))])).mean())
 
     sites = [Site("resid_pre", 2, pos=4), Site("resid_pre", 1, pos=6), Site("attn_out", 0), Site("mlp_out", 1, pos=5)]
     exact = patch(model, clean, corrupted, metric, sites, attention_mask=mask)
@@ -267,18 +255,11 @@ def test_patching_is_a_hand_written_patch_and_its_gradient_estimate():
         assert value == pytest.approx(patched(site.hook_name, (slice(None), slice(None), site.head)), abs=1e-4)
     # attribution patching: (clean - corrupted) . d metric / d z, the gradient taken by hand
     estimate = attribution_patch(model, clean, corrupted, metric, "heads", attention_mask=mask)
-    kept = {}
-
-    def keep(z, hook):
-        kept[hook.name] = z if z.requires_grad else z.detach().requires_grad_(True)
-        return kept[hook.name]
     names = [f"blocks.{l}.attn.hook_z" for l in range(3)]
-    value = diff_of(run(model, corrupted, mask, [(name, keep) for name in names])).mean()
-    grads = dict(zip(names, torch.autograd.grad(value, [kept[n] for n in names])))
-    for site, got in zip(estimate.sites, estimate.patched.tolist()):
-        name = site.hook_name
-        delta = ((clean_cache[name] - kept[name].detach()) * grads[name])[:, :, site.head].sum()
-        assert got == pytest.approx(float(value.detach() + delta), abs=1e-4)
+    expected = attribution_by_hand(lambda hooks: diff_of(run(model, corrupted, mask, hooks)).mean(), clean_cache, names,
+                                   estimate.sites)
+    for got, value in zip(estimate.patched.tolist(), expected):
+        assert got == pytest.approx(value, abs=1e-4)
 
 
 @torch.no_grad()
