@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from probe.analyses.architecture import refuse_next_token_metric
+from probe.analyses.architecture import refuse_bidirectional, refuse_next_token_metric
 from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, resolve_positions, token_id, tokens_and_mask
 from probe.analyses.common import model_mask as _model_mask
 from probe.analyses.labels import head_grid, head_label, plotly_text
@@ -139,6 +139,11 @@ def _replacements(
             f"the reference has {ref_tokens.shape[1]} positions but the input has {n}; ablations replace each "
             "position with the reference's at the same position, so give a reference at least as long"
         )
+    if bool(ref_mask[:, n:].any()):  # a causal position p sees tokens <= p only, so a longer reference is cut to fit
+        refuse_bidirectional(model, f"{method} ablation with a reference of {ref_tokens.shape[1]} positions for an input "
+                             f"of {n}", "every position sees every token of its prompt, and the reference's first "
+                             f"{n} positions also read its tokens past them, which the input does not have",
+                             f"give reference prompts of the same length as the input ({n} positions)")
     names = [act_name("z", l) for l in layers]
     _, cache = model.run_with_cache(ref_tokens, attention_mask=_model_mask(ref_mask), names=names)
     ref_mask = ref_mask[:, :n].to(torch.float32)
@@ -150,10 +155,16 @@ def _replacements(
                             "batch pos, batch pos head d_head -> pos head d_head")[None]
     else:
         # A prompt may only take its sample from a reference prompt that is real wherever it is: a
-        # shorter (padded) reference would hand it the activations of padding tokens.
-        covers = (ref_mask.bool()[None, :, :] | ~mask.bool()[:, None, :]).all(dim=-1)  # [batch reference]
+        # shorter (padded) reference would hand it the activations of padding tokens. A bidirectional
+        # model's positions see their whole prompt, so there only a reference of the same real positions
+        # computed comparable activations (a longer one's saw tokens the prompt does not have).
+        real, ref_real = mask.bool()[:, None, :], ref_mask.bool()[None, :, :]
+        covers = ((ref_real == real) if model.cfg.bidirectional else (ref_real | ~real)).all(dim=-1)  # [batch reference]
         short = (~covers.any(dim=1)).nonzero().flatten().tolist()
         if short:
+            refuse_bidirectional(model, f"resample ablation of input prompt(s) {short}", "every position sees every "
+                                 "token of its prompt, and no reference prompt has the same real positions (the same "
+                                 "length) as these", "give reference prompts of the same lengths as the input's")
             raise ValueError(
                 f"resample ablation: no reference prompt is as long as input prompt(s) {short}; give references "
                 "at least as long as every prompt"
@@ -181,8 +192,10 @@ def ablate_heads(
     zero: the head writes nothing (its b_O share stays, as b_O is not per head).
     mean: the head's output is its mean over the reference prompts, position by position.
     resample: each prompt gets the head's output on a reference prompt drawn at random (seeded).
-    The reference defaults to the input batch itself. `attention_mask` [batch pos] marks the real
-    tokens of padded token ids (text is padded and masked for you).
+    The reference defaults to the input batch itself; it may be longer than the input on a causal model (position
+    p reads tokens <= p only), not on a bidirectional one, where resample also draws each prompt's sample from
+    reference prompts of its own length. `attention_mask` [batch pos] marks the real tokens of padded token ids
+    (text is padded and masked for you).
     """
     heads = _check_heads(model, heads)
     tokens, mask = tokens_and_mask(model, input, attention_mask)

@@ -83,6 +83,22 @@ def check_int(value, what: str) -> int:
     return int(value)
 
 
+def top_count(k, limit: int, limit_name: str, default: int, what: str = "k") -> int:
+    """How many of `limit` things (a vocabulary's tokens, an SAE's features) to rank: `k`, or when k is None
+    `default` cut to `limit`, since a toy model's vocabulary (two classes) can be smaller than any default. An
+    explicit k outside [1, limit] is refused naming the limit, as everywhere else: taking fewer than asked without a
+    word would hide a mistake."""
+    if k is None:
+        return min(default, limit)
+    if not is_int(k) or not 1 <= int(k) <= limit:
+        message = f"{what}={k!r} must be an integer in [1, {limit_name}={limit}]"
+        if is_int(k) and int(k) > limit:  # the likely mistake: a count meant for a larger model
+            message += f": there are only {limit}; pass {what}={limit} or less, or leave {what} unset for " \
+                       f"min({default}, {limit_name})"
+        raise ValueError(message)
+    return int(k)
+
+
 def check_id_tensor(ids: torch.Tensor, what: str, noun: str = "token") -> torch.Tensor:
     """Ids given as a tensor must be integers: `.long()` would truncate 3.7 to id 3 without a word."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:

@@ -28,7 +28,7 @@ from einops import einsum, rearrange
 
 from probe.analyses.ablation import loss_metric
 from probe.analyses.architecture import refuse_bidirectional, refuse_shortformer
-from probe.analyses.common import AnalysisInput, PromotedTokens, TableDisplay, escape_token, is_int, model_mask, token_decoder, tokens_and_mask
+from probe.analyses.common import AnalysisInput, PromotedTokens, TableDisplay, escape_token, is_int, model_mask, token_decoder, tokens_and_mask, top_count
 from probe.analyses.sae_checks import FeatureSpec, check_sae, feature_ids, output_hook
 from probe.analyses.vocab_projection import final_norm_directions, top_tokens, value_directions
 from probe.hooks import HookPoint
@@ -38,10 +38,7 @@ __all__ = ["FeatureInputs", "FeatureLogits", "FeatureSpec", "SAEFeatures", "SAEL
            "feature_inputs", "feature_logits", "output_hook", "sae_features", "sae_loss_recovered"]
 
 
-def _check_k(k, limit: int, what: str) -> int:
-    if not is_int(k) or not 0 < int(k) <= limit:
-        raise ValueError(f"k={k!r} must be an integer in [1, {what}={limit}]")
-    return int(k)
+TOP_K = 10  # features per position and tokens per feature when k is not given (fewer where there are fewer)
 
 
 # ---- sae_features --------------------------------------------------------------------------------
@@ -118,16 +115,16 @@ def sae_features(
     model: HookedDecoder,
     sae: SparseAutoencoder,
     input: AnalysisInput,
-    k: int = 10,
+    k: Optional[int] = None,
     *,
     attention_mask: Optional[torch.Tensor] = None,
 ) -> SAEFeatures:
-    """The SAE's features at every real position of `input`: the k most active (fewer where fewer are
-    active), L0, and the relative squared error of what it writes (a transcoder's prediction of the
-    activation at its output point). One forward, caching only the SAE's hook points."""
+    """The SAE's features at every real position of `input`: the k most active (default 10, or d_sae if fewer;
+    fewer where fewer are active), L0, and the relative squared error of what it writes (a transcoder's prediction
+    of the activation at its output point). One forward, caching only the SAE's hook points."""
     name = check_sae(model, sae)
     written = output_hook(sae)
-    k = _check_k(k, sae.cfg.d_sae, "d_sae")
+    k = top_count(k, sae.cfg.d_sae, "d_sae", TOP_K)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     _, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=sorted({name, written}))
     x = cache[name].to(sae.W_enc.device)
@@ -222,15 +219,16 @@ class FeatureLogits(PromotedTokens):
 
 
 @torch.no_grad()
-def feature_logits(model: HookedDecoder, sae: SparseAutoencoder, features: FeatureSpec, k: int = 10) -> FeatureLogits:
-    """The top-k promoted and bottom-k suppressed tokens of each feature's decoder row W_dec[f], as it
-    reaches the unembedding: through W_O (hook_z) or W_out (mlp.hook_post) into the residual stream,
-    then centred (a LayerNorm final norm) and multiplied by the final norm's weight; in float32. A
-    transcoder's rows are read where they are written, at hook_name_out (a skip-transcoder's linear
+def feature_logits(model: HookedDecoder, sae: SparseAutoencoder, features: FeatureSpec,
+                   k: Optional[int] = None) -> FeatureLogits:
+    """The top-k promoted and bottom-k suppressed tokens (k: default 10, or d_vocab_out if fewer) of each
+    feature's decoder row W_dec[f], as it reaches the unembedding: through W_O (hook_z) or W_out (mlp.hook_post)
+    into the residual stream, then centred (a LayerNorm final norm) and multiplied by the final norm's weight; in
+    float32. A transcoder's rows are read where they are written, at hook_name_out (a skip-transcoder's linear
     path belongs to no feature and is left out)."""
     name = check_sae(model, sae)
     ids = feature_ids(sae, features)
-    k = _check_k(k, model.cfg.d_vocab, "d_vocab")
+    k = top_count(k, model.cfg.d_vocab_out, "d_vocab_out", TOP_K)  # W_U's columns: the output vocabulary
     write = _residual_write(model, output_hook(sae))  # check_sae made sure the SAE's width is the activation's
     W_dec = sae.W_dec.detach()
 
@@ -294,14 +292,16 @@ class FeatureInputs(PromotedTokens):
 
 
 @torch.no_grad()
-def feature_inputs(model: HookedDecoder, sae: SparseAutoencoder, features: FeatureSpec, k: int = 10) -> FeatureInputs:
-    """The input side of `feature_logits`: for each feature, the k tokens whose embeddings (W_E, times the model's
-    embedding scale) raise its pre-activation most and the k that lower it most along the direct path, the score
-    embed(t) . W_enc[:, f], centred first where the SAE reads a LayerNorm's hook_normalized (an MLP transcoder's
-    input). Positional embeddings, biases and b_dec add the same to every token and are left out; in float32."""
+def feature_inputs(model: HookedDecoder, sae: SparseAutoencoder, features: FeatureSpec,
+                   k: Optional[int] = None) -> FeatureInputs:
+    """The input side of `feature_logits`: for each feature, the k tokens (default 10, or d_vocab if fewer) whose
+    embeddings (W_E, times the model's embedding scale) raise its pre-activation most and the k that lower it most
+    along the direct path, the score embed(t) . W_enc[:, f], centred first where the SAE reads a LayerNorm's
+    hook_normalized (an MLP transcoder's input). Positional embeddings, biases and b_dec add the same to every
+    token and are left out; in float32."""
     name = check_sae(model, sae)
     ids = feature_ids(sae, features)
-    k = _check_k(k, model.cfg.d_vocab, "d_vocab")
+    k = top_count(k, model.cfg.d_vocab, "d_vocab", TOP_K)  # W_E's rows: the input vocabulary
     read = _embedding_read(model, name)
     W_enc = sae.W_enc.detach()[:, ids.to(sae.W_enc.device)].T.to(model.device, torch.float32)  # [feature d_in]
     d_vocab = model.cfg.d_vocab

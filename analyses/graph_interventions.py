@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import pandas as pd
 import torch
 
-from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_decoder
+from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_decoder, top_count
 from probe.analyses.replacement_model import TranscoderSpec, load_transcoders
 from probe import HookedDecoder
 from probe.sae import spliced
@@ -55,9 +55,11 @@ class Intervention(TableDisplay):
         """[pos vocab]: edited - clean."""
         return self.edited - self.clean
 
-    def to_frame(self, k: int = 10, pos: int = -1) -> pd.DataFrame:
-        """The k tokens whose logit at `pos` rose most and the k that fell most, with both probabilities."""
+    def to_frame(self, k: Optional[int] = None, pos: int = -1) -> pd.DataFrame:
+        """The k tokens (default 10, or the output vocabulary if smaller) whose logit at `pos` rose most and the k
+        that fell most, with both probabilities."""
         change = self.change[pos]
+        k = top_count(k, change.shape[-1], "d_vocab_out", 10)
         probs = self.clean[pos].softmax(-1), self.edited[pos].softmax(-1)
         rows = []
         for direction, ids in (("up", change.topk(k).indices), ("down", (-change).topk(k).indices)):

@@ -19,17 +19,21 @@ import plotly.graph_objects as go
 import torch
 
 from probe.analyses.labels import count, titled
-from probe.analyses.lens_logit import CELL_MAX_PX, CELL_MIN_PX, LogitLensResult, NormMode, TargetSpec, logit_lens
-from probe.analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, model_lens_sites, position_labels, site_label
+from probe.analyses.lens_logit import (
+    CELL_MAX_PX, CELL_MIN_PX, DEFAULT_K, LogitLensResult, NormMode, TargetSpec, lens_top_k, logit_lens,
+)
+from probe.analyses.lens_sites import (
+    final_norm, has_final_scale, has_resid_mid, lens_sites, model_lens_sites, position_labels, require_resid_mid, site_label,
+)
 from probe.analyses.tuned_lens import FORMAT_VERSION, LENS_CONFIG, LENS_WEIGHTS, TunedLens, TunedLensConfig
 from probe.analyses.tuned_lens_training import collect_residuals, heldout_split, lens_kl, progress_bar, train_tuned_lens
 from probe import HookedDecoder
 from probe.analyses.common import TableDisplay
 
-__all__ = ["CELL_MAX_PX", "CELL_MIN_PX", "FORMAT_VERSION", "LENS_CONFIG", "LENS_WEIGHTS", "LensComparison", "LogitLensResult",
-           "NormMode", "TargetSpec", "TunedLens", "TunedLensConfig", "compare_lenses", "final_norm", "has_final_scale",
-           "has_resid_mid", "heldout_split", "lens_sites", "logit_lens", "model_lens_sites", "position_labels", "site_label",
-           "train_tuned_lens"]
+__all__ = ["CELL_MAX_PX", "CELL_MIN_PX", "DEFAULT_K", "FORMAT_VERSION", "LENS_CONFIG", "LENS_WEIGHTS", "LensComparison",
+           "LogitLensResult", "NormMode", "TargetSpec", "TunedLens", "TunedLensConfig", "compare_lenses", "final_norm",
+           "has_final_scale", "has_resid_mid", "heldout_split", "lens_sites", "lens_top_k", "logit_lens", "model_lens_sites",
+           "position_labels", "require_resid_mid", "site_label", "train_tuned_lens"]
 
 
 # ---- logit lens vs tuned lens -----------------------------------------------------------------------

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
+from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask, top_count
 from probe.analyses.labels import CHAR_PX, figure_token, fitted, grid_layout, plain_length, titled
 from probe.analyses.lens_sites import final_norm, has_final_scale, model_lens_sites, position_labels, site_label
 from probe.analyses.tuned_lens import TunedLens
@@ -19,6 +19,7 @@ from probe import HookedDecoder
 NormMode = Literal["recompute", "frozen"]
 CELL_MIN_PX, CELL_MAX_PX = 34, 72  # a heatmap column per position: never narrower, at most this wide
 TargetSpec = Union[None, int, str, torch.Tensor]
+DEFAULT_K = 5  # top tokens per cell when k is not given (fewer when the output vocabulary is smaller)
 
 
 # ---- the logit lens ---------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ def logit_lens(
     model: HookedDecoder,
     input: AnalysisInput,
     target: TargetSpec = None,
-    k: int = 5,
+    k: Optional[int] = None,
     *,
     include_mid: bool = False,
     norm: NormMode = "recompute",
@@ -196,6 +197,8 @@ def logit_lens(
     each prompt's last position (which has no next token); on a bidirectional model, whose positions
     see the next token and predict no such thing, the model's own top prediction everywhere; a token
     id or single-token string = that token everywhere; a tensor [batch pos] or [pos] = per position.
+    `k`: top tokens kept per cell; None = 5, or the whole output vocabulary when it is smaller (a classifier's
+    two classes); an explicit k above d_vocab_out is refused.
     `include_mid`: also read after every attention sublayer (`hook_resid_mid`).
     `norm`: "recompute" applies ln_final to each layer's residual (the lens as published); "frozen"
     divides by the final layer's own scale from the forward pass (the linearisation attribution uses).
@@ -203,8 +206,7 @@ def logit_lens(
     """
     if norm not in ("recompute", "frozen"):
         raise ValueError(f"norm={norm!r} is not one of: recompute, frozen")
-    if not (isinstance(k, int) and 1 <= k <= model.cfg.d_vocab_out):
-        raise ValueError(f"k={k!r} must be an int in [1, d_vocab_out={model.cfg.d_vocab_out}]")
+    k = lens_top_k(model, k)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     sites = model_lens_sites(model, include_mid)
     if lens is not None:
@@ -222,6 +224,11 @@ def logit_lens(
     frozen = _final_scale(model, final_resid)[:, None] if norm == "frozen" and has_final_scale(model) else None
     logits = model.unembed(final_norm(model, resid, frozen))  # [batch site pos vocab]
     return _lens_result(model, tokens, mask, sites, logits, target, k, "tuned lens" if lens is not None else "logit lens")
+
+
+def lens_top_k(model: HookedDecoder, k: Optional[int], what: str = "k") -> int:
+    """The lens's top tokens per cell: `k`, or None for DEFAULT_K cut to the output vocabulary (`top_count`)."""
+    return top_count(k, model.cfg.d_vocab_out, "d_vocab_out", DEFAULT_K, what)
 
 
 def _final_scale(model: HookedDecoder, final_resid: torch.Tensor) -> torch.Tensor:

@@ -28,15 +28,22 @@ def has_resid_mid(model: HookedDecoder) -> bool:
     return not model.cfg.attn_only and model.cfg.norm_placement is not NormPlacement.PARALLEL
 
 
+def require_resid_mid(model: HookedDecoder, what: str, instead: str) -> None:
+    """Refuse `what`, a read of the residual between each block's attention and MLP (hook_resid_mid), on a model whose
+    blocks have none, naming the reason: an attention-only block has no MLP, a parallel block's attention and MLP
+    both read the residual entering it. "{what}: {reason}; {instead}"."""
+    require_mlps(model, what, "its blocks have no residual between attention and MLP (hook_resid_mid; each block's "
+                 "hook_resid_post is already the residual after its attention)", instead)
+    if not has_resid_mid(model):
+        raise ValueError(f"{what}: this model has {model.cfg.norm_placement.value} blocks (attention and MLP both read "
+                         f"hook_resid_pre), so there is no residual between them (hook_resid_mid); {instead}")
+
+
 def model_lens_sites(model: HookedDecoder, include_mid: bool = False) -> list[str]:
-    """`lens_sites` for this model; include_mid needs a residual between the sublayers, which parallel blocks lack."""
+    """`lens_sites` for this model; include_mid needs a residual between the sublayers, which attention-only and
+    parallel blocks lack."""
     if include_mid:
-        require_mlps(model, "include_mid=True", "no residual between attention and MLP (hook_resid_mid)",
-                     "leave include_mid=False: each block's hook_resid_post is the residual after its attention")
-    if include_mid and not has_resid_mid(model):
-        raise ValueError("include_mid reads the residual between each block's attention and MLP (hook_resid_mid); "
-                         f"this model's blocks are {model.cfg.norm_placement.value} (attention and MLP both read "
-                         "hook_resid_pre), so there is none: leave include_mid=False")
+        require_resid_mid(model, "include_mid=True", "leave include_mid=False")
     return lens_sites(model.cfg.n_layers, include_mid)
 
 

@@ -26,9 +26,11 @@ import torch
 
 from probe.analyses.corpus import Corpus
 from probe.analyses.feature_scan import FeatureScan, feature_scan
-from probe.analyses.features import FeatureInputs, FeatureLogits, check_sae, feature_ids, feature_inputs, feature_logits, output_hook
+from probe.analyses.features import (
+    TOP_K, FeatureInputs, FeatureLogits, check_sae, feature_ids, feature_inputs, feature_logits, output_hook,
+)
 from probe import HookedDecoder, SparseAutoencoder
-from probe.analyses.common import TableDisplay
+from probe.analyses.common import TableDisplay, top_count
 
 DEFAULT_TOP = 20
 
@@ -104,33 +106,34 @@ def feature_dashboard(
     *,
     top: Optional[int] = None,
     k: int = 10,
-    n_tokens: int = 10,
+    n_tokens: Optional[int] = None,
     max_tokens: int = 1 << 17,
     window: Optional[int] = None,
     batch_size: int = 8,
     progress: bool = True,
 ) -> FeatureDashboard:
     """The dashboard of `features` (ids), or of the `top` features active on the most tokens (default
-    DEFAULT_TOP when neither is given; that scans every feature). `k` contexts per feature, `n_tokens` tokens per
-    view; the corpus (None = the bundled held-out text) is read up to `max_tokens` tokens."""
+    DEFAULT_TOP, or d_sae if fewer, when neither is given; that scans every feature). `k` contexts per feature,
+    `n_tokens` tokens per view (default 10, or d_vocab_out if fewer); the corpus (None = the bundled held-out text)
+    is read up to `max_tokens` tokens."""
     check_sae(model, sae)
     if features is not None and top is not None:
         raise ValueError("give features (ids) or top (how many of the most active), not both")
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 < top <= sae.cfg.d_sae):
         raise ValueError(f"top={top!r} must be an integer in [1, d_sae={sae.cfg.d_sae}]")
-    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 < n_tokens <= model.cfg.d_vocab_out:
-        raise ValueError(f"n_tokens={n_tokens!r} must be an integer in [1, d_vocab_out={model.cfg.d_vocab_out}]")
+    n_tokens = top_count(n_tokens, model.cfg.d_vocab_out, "d_vocab_out", TOP_K, "n_tokens")
     chosen = None if features is None else feature_ids(sae, features).tolist()
     scan = feature_scan(model, sae, corpus, chosen, k=k, max_tokens=max_tokens, window=window,
                         batch_size=batch_size, progress=progress)
     notes = []
     if chosen is None:
-        chosen = top_features(scan, top or DEFAULT_TOP)
+        wanted = top or min(DEFAULT_TOP, sae.cfg.d_sae)  # a toy SAE may have fewer features than the default
+        chosen = top_features(scan, wanted)
         if not chosen:
             raise ValueError(f"no feature of the SAE is active on the {scan.n_tokens} tokens scanned: scan more tokens "
                              "or another corpus, or name features")
         scan = scan.select(chosen)
-        if len(chosen) < (top or DEFAULT_TOP):
+        if len(chosen) < wanted:
             notes.append(f"only {len(chosen)} features are active on the {scan.n_tokens} tokens scanned")
     dead = [f for f, a in zip(chosen, scan.active.tolist()) if a == 0]
     if dead:

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--features", type=feature_list, default=None, help="feature ids, comma-separated, e.g. 0,5,17")
     chosen.add_argument("--top", type=int, default=None,
-                        help="the N features active on the most corpus tokens (default when --features is not given: 20)")
+                        help="the N features active on the most corpus tokens (default when --features is not given: "
+                             "20, or d_sae if fewer)")
     parser.add_argument("--corpus", default=None, help="text file or folder of .txt files (default: the bundled held-out text)")
     parser.add_argument("--tokens", type=token_count, default=DEFAULT_TOKENS, help="corpus tokens to scan, e.g. 50k")
     parser.add_argument("--k", type=int, default=10, help="top contexts per feature, and tokens per logit / input list")
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from probe.analyses.features import feature_ids
-    from probe.analyses.sae_dashboard import DEFAULT_TOP, feature_dashboard
+    from probe.analyses.sae_dashboard import feature_dashboard
 
     model = load_model(args)
     sae = load_sae(model, args.sae)
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     out = Output(default_out(args, "sae-dashboard"), args.force)  # after the checks: a refusal leaves no folder
 
     dashboard = feature_dashboard(model, sae, args.corpus, args.features,
-                                  top=None if args.features is not None else (args.top or DEFAULT_TOP),
+                                  top=args.top,  # None: the library's default, cut to d_sae
                                   k=args.k, n_tokens=args.k, max_tokens=args.tokens, window=args.window,
                                   batch_size=args.batch_size, progress=not args.quiet)
     for name, frame in dashboard.frames().items():

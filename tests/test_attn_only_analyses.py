@@ -169,6 +169,17 @@ def test_the_logit_lens_decodes_each_residual_through_the_final_norm(model):
         train_tuned_lens(model, include_mid=True)
 
 
+def test_a_read_between_attention_and_mlp_is_refused_for_the_missing_mlps_not_for_parallel_blocks(model):
+    """`probe lens --mid` said these blocks were parallel; the one check behind the library and the command names
+    the reason: no MLP, so nothing between attention and MLP."""
+    from probe.analyses.lens import require_resid_mid
+
+    with pytest.raises(ValueError, match=rf"^--mid with --model toy: {NO_MLPS}, so its blocks have no residual between "
+                                         r"attention and MLP \(hook_resid_mid.*; drop --mid$") as refused:
+        require_resid_mid(model, "--mid with --model toy", "drop --mid")
+    assert "parallel" not in str(refused.value)
+
+
 @torch.no_grad()
 def test_shortformer_positions_join_the_queries_and_keys_of_every_layer():
     model = attn_only("shortformer")

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from probe import HookedDecoder, HookedTransformerConfig, SAEConfig, SparseAutoencoder
 from probe.analyses import (
     Site, ablate_heads, agreement, attention_patterns, attention_view, attribution_graph, attribution_patch,
-    direct_logit_attribution, edge_attribution, evaluate_masks, faithfulness, feature_scan, head_ablation_effects,
-    head_importance, head_scores, intervene, logit_diff_metric, logit_lens, loss_metric, memory_lookup, patch,
-    path_patch, prune_by_importance, prune_heads, residual_decomposition, sae_eval, sae_features, sae_loss_recovered,
-    steer, steering_sweep, steering_vector, top_triggers,
+    direct_logit_attribution, edge_attribution, evaluate_masks, faithfulness, feature_inputs, feature_logits, feature_scan,
+    head_ablation_effects, head_importance, head_scores, intervene, logit_diff_metric, logit_lens, loss_metric,
+    memory_lookup, patch, path_patch, prune_by_importance, prune_heads, residual_decomposition, sae_eval, sae_features,
+    sae_loss_recovered, steer, steering_sweep, steering_vector, top_triggers,
 )
 from probe.analyses.attribution_graph import FEATURE, LOGIT
 from probe.analyses.circuit import Circuit
@@ -203,6 +203,32 @@ def test_the_logit_lens_targets_the_models_own_prediction_everywhere():
     assert bool((result.target_rank[:, -1][real] == 0).all())
 
 
+def final_logits_by_hand(model: HookedDecoder, resid: torch.Tensor) -> torch.Tensor:
+    """The final LayerNorm and the unembedding written out from the weights."""
+    centred = resid - resid.mean(-1, keepdim=True)
+    normed = centred / centred.pow(2).mean(-1, keepdim=True).add(model.cfg.eps).sqrt() * model.ln_final.w + model.ln_final.b
+    return normed @ model.W_U + model.unembed.bias
+
+
+@torch.no_grad()
+def test_the_logit_lens_default_k_fits_two_classes_and_a_larger_k_is_refused():
+    """The default top-5 was refused by a model with two output tokens: it keeps both, ranked as the weights rank
+    them; a k the vocabulary cannot give is refused, saying what to pass."""
+    model = classifier()
+    tokens, mask = brackets(3)
+    result = logit_lens(model, tokens, attention_mask=mask)
+    _, cache = model.run_with_cache(tokens, attention_mask=mask)
+    real = mask.bool()
+    assert result.top_tokens.shape[-1] == 2
+    for i, site in enumerate(result.sites):
+        want = final_logits_by_hand(model, cache[site]).sort(-1, descending=True)
+        assert torch.equal(result.top_tokens[:, i][real], want.indices[real])
+        close(result.top_probs[:, i][real], want.values.softmax(-1)[real])
+    with pytest.raises(ValueError, match=r"k=3 must be an integer in \[1, d_vocab_out=2\]: there are only 2; pass k=2 "
+                                         r"or less, or leave k unset"):
+        logit_lens(model, tokens, k=3, attention_mask=mask)
+
+
 # ---- ablation, patching, pruning ----------------------------------------------------------------------------------
 @torch.no_grad()
 def test_head_ablation_is_a_hand_written_hook():
@@ -231,6 +257,63 @@ def test_head_ablation_is_a_hand_written_hook():
         return act
     got = ablate_heads(model, tokens, [(1, 1)], method="mean", attention_mask=mask)
     close(got[real], run(model, tokens, mask, [("blocks.1.attn.hook_z", with_mean)])[real])
+
+
+@torch.no_grad()
+def test_a_reference_longer_than_the_prompts_is_refused_and_one_as_long_is_a_hand_written_mean():
+    """A causal position reads only the tokens up to it, so a longer reference cut to the prompts' length is still
+    comparable; a bidirectional position reads its whole prompt, so the reference's first positions saw tokens the
+    prompts lack: refused, naming the fix. References of the prompts' own length are the hand-written hook."""
+    model = classifier()
+    tokens = brackets(4, lengths=(9, 9, 9))[0]
+    longer = brackets(5, lengths=(12, 12, 12, 12))[0]
+    same = brackets(6, lengths=(9, 9, 9, 9))[0]
+    refused = rf"{BIDIRECTIONAL}.*give reference prompts of the same length as the input \(9 positions\)"
+    for method in ("mean", "resample"):
+        with pytest.raises(ValueError, match=rf"{method} ablation with a reference of 12 positions .*{refused}"):
+            ablate_heads(model, tokens, [(1, 1)], method=method, reference=longer)
+        with pytest.raises(ValueError, match=refused):
+            head_ablation_effects(model, tokens, diff(model), method=method, reference=longer)
+    _, cache = model.run_with_cache(same)
+    mean = cache["blocks.1.attn.hook_z"].mean(0)  # [pos head d_head]: every reference position is real
+
+    def with_mean(z, hook):
+        z = z.clone()
+        z[:, :, 1] = mean[None, :, 1]
+        return z
+    close(ablate_heads(model, tokens, [(1, 1)], method="mean", reference=same),
+          run(model, tokens, None, [("blocks.1.attn.hook_z", with_mean)]))
+    effects = head_ablation_effects(model, tokens, diff(model), method="mean", reference=same)
+    close(effects.per_prompt[1, 1], diff_of(run(model, tokens, None, [("blocks.1.attn.hook_z", with_mean)])))
+
+
+@torch.no_grad()
+def test_resample_ablation_draws_from_reference_prompts_of_the_same_length():
+    """Each prompt's sample comes from a reference prompt of its own length (a longer one's activations saw more
+    tokens), the hand-written swap of that prompt's head output; a prompt no reference matches is refused."""
+    model = classifier()
+    tokens, mask = brackets(7, lengths=(9, 9, 7, 7, 5, 5))
+    lengths = mask.sum(1)
+    _, cache = model.run_with_cache(tokens, attention_mask=mask)
+    z = cache["blocks.1.attn.hook_z"]
+    for seed in range(6):
+        got = ablate_heads(model, tokens, [(1, 0)], method="resample", seed=seed, attention_mask=mask)
+        for row in range(len(tokens)):
+            real = mask[row].bool()
+            candidates = []
+            for ref in range(len(tokens)):
+                def swap(act, hook, ref=ref):
+                    act = act.clone()
+                    act[row, :, 0] = z[ref, :, 0]
+                    return act
+                swapped = run(model, tokens, mask, [("blocks.1.attn.hook_z", swap)])[row]
+                if torch.allclose(got[row][real], swapped[real], atol=1e-4, rtol=1e-4):
+                    candidates.append(ref)
+            assert candidates and all(int(lengths[ref]) == int(lengths[row]) for ref in candidates), (seed, row)
+    with pytest.raises(ValueError, match=rf"resample ablation of input prompt\(s\) \[1, 2\]: {BIDIRECTIONAL}.*same "
+                                         r"length.*give reference prompts of the same lengths"):
+        ablate_heads(model, tokens[[0, 2, 4]], [(1, 0)], method="resample", reference=tokens[:2],
+                     attention_mask=mask[[0, 2, 4]])
 
 
 def test_patching_is_a_hand_written_patch_and_its_gradient_estimate():
@@ -458,6 +541,7 @@ def test_an_attribution_graph_explains_the_logits_through_the_bidirectional_patt
     graph = attribution_graph(model, transcoders(model, 14), tokens, batch_size=8)
     with torch.no_grad():
         logits = model(tokens[None])[0, -1]
+        logits_at_0 = model(tokens[None])[0, 0]
     is_logit = graph.kind == LOGIT
     close(graph.value[is_logit], (logits - logits.mean())[graph.token[is_logit]], atol=1e-5)
     targets = (graph.kind == FEATURE) | is_logit
@@ -474,6 +558,16 @@ def test_an_attribution_graph_explains_the_logits_through_the_bidirectional_patt
     close(same.edited, same.clean, atol=1e-4)
     moved = intervene(model, transcoders(model, 14), tokens, [FeatureEdit(0, 6, feature, value=0.0)])
     assert float((moved.edited[0] - moved.clean[0]).abs().max()) > 1e-4
+    # its table lists ten tokens each way by default: both of the two classes here, ranked by the change
+    frame = moved.to_frame(pos=0)
+    change = (moved.edited - moved.clean)[0]
+    for direction, order in (("up", change.argsort(descending=True)), ("down", change.argsort())):
+        rows = frame[frame.direction == direction]
+        assert rows.token_id.tolist() == order.tolist() and rows["rank"].tolist() == [1, 2]
+        close(rows.logit_change.to_numpy(), change[order])
+        close(rows.clean_prob.to_numpy(), logits_at_0.softmax(-1)[order])
+    with pytest.raises(ValueError, match=r"k=3 must be an integer in \[1, d_vocab_out=2\]"):
+        moved.to_frame(k=3)
 
 
 # ---- SAEs, steering, memories ------------------------------------------------------------------------------------
@@ -500,6 +594,29 @@ def test_sae_features_read_the_padded_batch_as_its_mask_says():
         assert torch.equal(result.l0[row, :length], (acts > 0).sum(-1))
         close(result.top_activations[row, :length, 0], acts.max(-1).values.clamp(min=0), atol=1e-5)
     assert bool((result.l0[~real] == 0).all())
+
+
+@torch.no_grad()
+def test_the_feature_token_lists_default_to_what_the_vocabularies_hold():
+    """Ten tokens per feature by default: the classifier has two output tokens (five input ones), and a k between
+    them passed the old check of d_vocab and failed inside topk. The output side ranks the decoder rows through the
+    final norm and W_U, the input side the embeddings through W_enc, by hand from the weights."""
+    model = classifier()
+    sae = sae_at("blocks.1.hook_resid_pre")
+    features = [0, 5]
+    logits = feature_logits(model, sae, features)
+    rows = sae.W_dec[features]
+    want = ((rows - rows.mean(-1, keepdim=True)) * model.ln_final.w @ model.W_U).sort(-1, descending=True)
+    assert torch.equal(logits.top_ids, want.indices) and torch.equal(logits.bottom_ids, want.indices.flip(-1))
+    close(logits.top_logits, want.values, atol=1e-5)
+    inputs = feature_inputs(model, sae, features)
+    scores = (model.W_E @ sae.W_enc[:, features]).T.sort(-1, descending=True)
+    assert torch.equal(inputs.top_ids, scores.indices)
+    close(inputs.top_logits, scores.values, atol=1e-5)
+    with pytest.raises(ValueError, match=r"k=3 must be an integer in \[1, d_vocab_out=2\]: there are only 2"):
+        feature_logits(model, sae, features, k=3)
+    with pytest.raises(ValueError, match=r"k=6 must be an integer in \[1, d_vocab=5\]"):
+        feature_inputs(model, sae, features, k=6)
 
 
 @torch.no_grad()

@@ -497,6 +497,52 @@ def test_version_and_defaults_in_help(capsys):
     assert "(default: float32)" in shown and "(default: 0)" in shown and "(default: None)" not in shown
 
 
+def toy_with_tokenizer(**config):
+    """A random toy model built in-process (transformer-lens's config) reading the bundled model's tokenizer, so
+    commands that take text run on it; `probe lens` is handed it in place of --model."""
+    from probe import DEFAULT_MODEL, HookedDecoder, HookedTransformerConfig
+    from probe.loading import load_tokenizer
+    from toy_helpers import randomised
+
+    cfg = HookedTransformerConfig(n_ctx=64, d_model=32, d_head=16, n_heads=2, n_layers=2, d_vocab=4096, **config)
+    return randomised(HookedDecoder(cfg, tokenizer=load_tokenizer(DEFAULT_MODEL)), seed=5)
+
+
+def test_lens_on_a_two_class_model_keeps_both_classes_and_refuses_a_larger_k(tmp_path, capsys, monkeypatch):
+    """--k defaulted to 5, which a model with two output tokens (ARENA's bracket classifier) refused; the table now
+    ranks both, the top one the model's own prediction, and an explicit --k 3 is a one-line error naming the fix."""
+    import probe.cli.lens as lens_command
+
+    model = toy_with_tokenizer(d_mlp=64, act_fn="relu", d_vocab_out=2, attention_dir="bidirectional")
+    monkeypatch.setattr(lens_command, "load_model", lambda args: model)
+    prompt = "To be, or not"
+    code, _, err = run_cli(capsys, "lens", "--prompt", prompt, "--out", str(tmp_path / "lens"))
+    assert code == 0, err
+    table = pd.read_csv(tmp_path / "lens" / "logit_lens_topk.csv")
+    assert sorted(table["rank"].unique().tolist()) == [1, 2]
+    with torch.no_grad():
+        predicted = model(model.to_tokens(prompt))[0].argmax(-1)
+    final = table[(table.site == "blocks.1.hook_resid_post") & (table["rank"] == 1)].sort_values("position")
+    assert final.top_token_id.tolist() == predicted.tolist()
+    code, _, err = run_cli(capsys, "lens", "--prompt", prompt, "--k", "3", "--out", str(tmp_path / "k3"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--k=3 must be an integer in [1, d_vocab_out=2]: there are only 2; pass --k=2 or less, or leave --k unset" in err
+
+
+def test_lens_mid_on_an_attention_only_model_names_the_missing_mlps(tmp_path, capsys, monkeypatch):
+    """--mid was refused for "parallel blocks" whenever a model had no hook_resid_mid; an attention-only model has
+    none because it has no MLPs."""
+    import probe.cli.lens as lens_command
+
+    model = toy_with_tokenizer(attn_only=True)
+    monkeypatch.setattr(lens_command, "load_model", lambda args: model)
+    code, _, err = run_cli(capsys, "lens", "--model", "attn-only", "--prompt", "To be", "--mid",
+                           "--out", str(tmp_path / "lens"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--mid with --model attn-only: this attention-only model has no MLPs" in err and "drop --mid" in err
+    assert "parallel" not in err
+
+
 def _finished(err: str, desc: str) -> bool:
     """A tqdm bar named `desc` reached its total (its last refresh reads 100%)."""
     return any(part.startswith(desc) and "100%" in part for part in err.replace("\r", "\n").splitlines())

@@ -14,6 +14,7 @@ from probe.analyses.common import escape_token
 from probe import DecoderConfig, HookedDecoder, Norm, NormPlacement, SAEConfig, SparseAutoencoder
 from test_cli import run_cli
 from test_sae import D_SAE, by_hand, random_sae, random_transcoder
+from test_sae import randomised as randomised_sae
 
 HOOK = "blocks.0.hook_resid_post"
 PROMPTS = ["To be, or not to be, that is the question", "The <b>quick</b> & brown"]  # unequal: the second is padded
@@ -85,6 +86,21 @@ def test_sae_features_match_the_formulas_at_every_real_position(tiny_model, arch
     row = frame.iloc[-1]
     assert row.feature == int(got.top_ids[row.prompt, row.position, row["rank"] - 1])  # ranks from 1
     assert row.l0 == int(l0[row.prompt, row.position])
+
+
+def test_an_sae_narrower_than_the_default_k_lists_every_feature(tiny_model):
+    """k defaulted to 10, which an SAE of 6 features refused: the default lists all 6, ranked as the formulas rank
+    them; an explicit k past d_sae is still refused, naming the fix."""
+    sae = randomised_sae(SparseAutoencoder(SAEConfig(d_in=64, d_sae=6, hook_name=HOOK)), 9, lambda name: 0.3, 0.0)
+    tokens = tiny_model.to_tokens(PROMPTS[0])
+    features, _ = by_hand(sae, captured(tiny_model, tokens, HOOK).double())
+    got = sae_features(tiny_model, sae, tokens)
+    assert got.top_ids.shape[-1] == 6
+    best = features.sort(-1, descending=True).values
+    torch.testing.assert_close(got.top_activations.double(), best.clamp(min=0), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"k=7 must be an integer in \[1, d_sae=6\]: there are only 6; pass k=6 or "
+                                         r"less, or leave k unset for min\(10, d_sae\)"):
+        sae_features(tiny_model, sae, tokens, k=7)
 
 
 def test_sae_features_of_a_padded_prompt_are_those_of_the_prompt_alone(tiny_model):
@@ -353,7 +369,7 @@ def test_bad_saes_and_arguments_get_clear_errors(tiny_model, tokens):
     for k in (0, D_SAE + 1, True, 2.0):
         with pytest.raises(ValueError, match=rf"k={k!r} must be an integer in \[1, d_sae=96\]"):
             sae_features(tiny_model, sae, tokens, k=k)
-    with pytest.raises(ValueError, match=r"k=321 must be an integer in \[1, d_vocab=320\]"):
+    with pytest.raises(ValueError, match=r"k=321 must be an integer in \[1, d_vocab_out=320\]"):
         feature_logits(tiny_model, sae, 1, k=321)
     for features, error, match in ((96, ValueError, r"feature 96 is outside the SAE's features \[0, d_sae=96\)"),
                                    ([3, -1], ValueError, "feature -1 is outside"), ([], ValueError, "empty"),

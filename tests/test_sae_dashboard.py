@@ -146,6 +146,32 @@ def test_a_dashboard_of_the_top_features_is_of_those_active_most_often(tiny_mode
             feature_dashboard(tiny_model, sae, CORPUS, progress=False, **bad)
 
 
+def test_the_default_dashboard_of_an_sae_narrower_than_the_default_top_shows_every_feature(tiny_model, tmp_path,
+                                                                                        capsys, tiny_dir):
+    """The default top 20 on an SAE of 6 features: the library noted "only 6 features are active" when all were, and
+    `probe sae dashboard` passed 20 itself and was refused; both now show every feature, most often active first."""
+    from probe import SAEConfig, SparseAutoencoder
+    from test_sae import randomised
+
+    sae = randomised(SparseAutoencoder(SAEConfig(d_in=64, d_sae=6, hook_name="blocks.1.hook_resid_pre")), 3,
+                     lambda name: 0.3, 0.0)
+    with torch.no_grad():
+        sae.b_enc.abs_().add_(1.0)  # every feature fires somewhere
+    dashboard = feature_dashboard(tiny_model, sae, CORPUS, k=3, n_tokens=4, progress=False)
+    values, _ = brute_force(tiny_model, sae, CORPUS, list(range(6)), tiny_model.cfg.n_ctx, 20, 5)
+    counts = {f: sum(v > 0 for v in column) for f, column in values.items()}
+    active = sorted((f for f in counts if counts[f]), key=lambda f: (-counts[f], f))
+    assert len(active) == 6 and dashboard.features.tolist() == active
+    assert not any("only" in note for note in dashboard.notes), dashboard.notes
+    corpus = tmp_path / "plays.txt"
+    corpus.write_text(" ".join(CORPUS), encoding="utf-8")
+    code, _, err = run_cli(capsys, "sae", "dashboard", "--model", str(tiny_dir), "--sae",
+                           str(sae.save_pretrained(tmp_path / "sae")), "--corpus", str(corpus), "--k", "3", "--quiet",
+                           "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    assert pd.read_csv(tmp_path / "out" / "densities.csv").feature.tolist() == active
+
+
 def hostile_dashboard(tiny_model):
     """A transcoder's dashboard whose token strings and document name are markup (the tiny tokenizer has no such
     tokens: they are written into the result, where any tokenizer's strings would be)."""
