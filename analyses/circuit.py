@@ -61,6 +61,7 @@ class Circuit(TableDisplay):
     method: str = "manual"
     metric_name: str = "metric"
     labels: Optional[list[str]] = field(default=None, repr=False)  # the prompt's tokens, raw, for the figure's title
+    labels_are_ids: bool = field(default=False, repr=False)  # token ids (no tokenizer): the title spaces them
 
     def __post_init__(self):
         # an index of -1 would wrap to the graph's last edge without a word, and one past the end fail far from here
@@ -179,8 +180,11 @@ def circuit_from_scores(scores, n_edges: Optional[int] = None, threshold: Option
     kept = prune(graph, chosen)
     ranked = [int(e) for e in chosen_ids.tolist() if kept[e]]  # best first
     ids = torch.tensor(ranked, dtype=torch.long)
+    labels = scores.position_strings
+    # a model without a tokenizer labels its positions with ids, which the figure's title would run together
+    ids_only = labels is not None and scores.tokenizer is None and labels == [str(t) for t in scores.position_tokens]
     return Circuit(graph=graph, edges=ids, scores=scores.scores[ids], requested=int(chosen.sum()), method=method,
-                   metric_name=scores.metric_name, labels=scores.position_strings)
+                   metric_name=scores.metric_name, labels=labels, labels_are_ids=ids_only)
 
 
 def _greedy(graph: CircuitGraph, key: torch.Tensor, limit: int, threshold: Optional[float]) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""An interactive drawing of a circuit: the embedding on top, each layer's heads then its MLP below, the logits at
-the bottom; an edge's width and colour show its score, and its dash (and the side of the head it enters) which
-input it feeds: q solid from the left, k dashed in the middle, v dotted from the right."""
+"""An interactive drawing of a circuit: the embedding on top, each layer's heads then its MLP (if it has one)
+below, the logits at the bottom; an edge's width and colour show its score, and its dash (and the side of the head
+it enters) which input it feeds: q solid from the left, k dashed in the middle, v dotted from the right."""
 from __future__ import annotations
 
 from typing import Optional
@@ -22,15 +22,16 @@ def _positions(graph) -> dict[int, tuple[float, float]]:
     """node index -> (x, row); rows count down the page."""
     width = max(graph.heads) if graph.heads else 1
     centre = (width - 1) / 2
+    per_layer = 2.0 if graph.mlps else 1.0  # rows: the heads, then the MLP (attention-only models: the heads)
     out = {}
     for i, (kind, layer, head) in enumerate(zip(graph.writer_kind, graph.writer_layer, graph.writer_head)):
         if kind == "embed":
             out[i] = (centre, 0.0)
         elif kind == "head":
-            out[i] = (float(head), 2.0 * layer + 1)
+            out[i] = (float(head), per_layer * layer + 1)
         else:
-            out[i] = (centre, 2.0 * layer + 2)
-    out[len(graph.writers)] = (centre, 2.0 * graph.n_layers + 1)
+            out[i] = (centre, per_layer * layer + 2)
+    out[len(graph.writers)] = (centre, per_layer * graph.n_layers + 1)
     return out
 
 
@@ -98,14 +99,15 @@ def circuit_figure(circuit, title: Optional[str] = None) -> go.Figure:
     if title is None:
         prompt = ""
         if circuit.labels:
-            shown = "".join(escape_token(t) for t in circuit.labels[:MAX_TITLE_TOKENS])
+            shown = (" " if circuit.labels_are_ids else "").join(escape_token(t) for t in circuit.labels[:MAX_TITLE_TOKENS])
             prompt = f"<br><sup>corrupted prompt: {shown}{' …' if len(circuit.labels) > MAX_TITLE_TOKENS else ''}</sup>"
         # the circuit's own node count: the drawing always places the logits, an empty circuit has no node
         title = (f"Circuit: {circuit.n_edges} edges, {len(circuit.nodes)} nodes ({circuit.method}; blue raises the "
                  f"{circuit.metric_name}, red lowers it){prompt}")
-    rows = 2 * graph.n_layers + 2
+    parts = ("attn", "mlp") if graph.mlps else ("attn",)
+    rows = len(parts) * graph.n_layers + 2
     width = max(700, 130 * max(graph.heads) + 200)
-    labels = ["embed"] + [f"L{l} {part}" for l in range(graph.n_layers) for part in ("attn", "mlp")] + ["logits"]
+    labels = ["embed"] + [f"L{l} {part}" for l in range(graph.n_layers) for part in parts] + ["logits"]
     fig.update_yaxes(autorange="reversed", tickvals=list(range(rows)), ticktext=labels, showgrid=True, zeroline=False)
     fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False, range=[-0.8, max(graph.heads) + 0.8])
     # plotly never wraps a title: a long prompt ran off the right edge; each line past the usual two gets its height

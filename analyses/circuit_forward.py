@@ -42,7 +42,8 @@ def sparse_supported(graph: CircuitGraph) -> bool:
 
 def qkv_hook_names(graph: CircuitGraph) -> list[str]:
     """The base run's activations `BaseRun` keeps (cache these in the corrupted run under "patch")."""
-    return [act_name(kind, l) for l in range(graph.n_layers) for kind in ("q", "k", "v")]
+    names = [act_name(kind, l) for l in range(graph.n_layers) for kind in ("q", "k", "v")]
+    return names + ["hook_pos_embed"] if graph.qk_positions else names
 
 
 @dataclass
@@ -55,6 +56,7 @@ class BaseRun:
     qkv: list
     out_delta: Optional[torch.Tensor]
     positions: torch.Tensor  # [batch pos]
+    qk_positions: Optional[torch.Tensor]  # [batch pos d_model]: shortformer positions (each q and k input's), else None
     allowed: dict  # window -> [batch 1 query_pos key_pos] bool, or None (the attention's default: causal, or every key)
 
     @classmethod
@@ -65,13 +67,16 @@ class BaseRun:
         else by running the model with every reader's residual set to `base`."""
         names = qkv_hook_names(graph)
         out_delta = None
+        if cache is not None and graph.qk_positions and "hook_pos_embed" not in cache:
+            raise KeyError("the corrupted run's cache must hold hook_pos_embed (qkv_hook_names) for a shortformer model")
         if cache is None:
             hooks = []
             for l in range(graph.n_layers):
                 hooks.append((act_name("resid_pre", l), lambda act, hook, s=2 * l + 1: base[s].to(act.dtype)))
-                if not graph.parallel:
+                if graph.mlps and not graph.parallel:
                     hooks.append((act_name("resid_mid", l), lambda act, hook, s=2 * l + 2: base[s].to(act.dtype)))
-            writers = [act_name("z", l) for l in range(graph.n_layers)] + [act_name("mlp_out", l) for l in range(graph.n_layers)]
+            writers = [act_name("z", l) for l in range(graph.n_layers)]
+            writers += [act_name("mlp_out", l) for l in range(graph.n_layers)] if graph.mlps else []
             _, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=names + writers,
                                             fwd_hooks=hooks, stop_at_layer=graph.n_layers)
             out = torch.zeros_like(ref)  # the embedding is never carried: its kept edges carry the clean one
@@ -80,7 +85,8 @@ class BaseRun:
                 result = einsum(cache[act_name("z", l)], model.blocks[l].attn.W_O,
                                 "batch pos head d_head, head d_head d_model -> batch pos head d_model")
                 out[:, :, heads.start:heads.stop] = head_outputs(model, l, result, None)
-                out[:, :, graph.mlp_writer(l)] = cache[act_name("mlp_out", l)].float()
+                if graph.mlps:
+                    out[:, :, graph.mlp_writer(l)] = cache[act_name("mlp_out", l)].float()
             out_delta = out - ref
             out_delta[:, :, 0] = 0.0
         batch, n_pos = tokens.shape
@@ -91,7 +97,8 @@ class BaseRun:
         allowed = {window: allowed_keys(attention_mask, positions, window, causal) for window in model.windows}
         qkv = [torch.cat([cache[act_name(kind, l)] for kind in ("q", "k", "v")], dim=2).permute(2, 0, 1, 3).contiguous()
                for l in range(graph.n_layers)]
-        return cls(qkv=qkv, out_delta=out_delta, positions=positions, allowed=allowed)
+        qk_positions = cache["hook_pos_embed"] if graph.qk_positions else None
+        return cls(qkv=qkv, out_delta=out_delta, positions=positions, qk_positions=qk_positions, allowed=allowed)
 
 
 @torch.inference_mode()  # less bookkeeping per operation than no_grad: these tensors never meet autograd
@@ -151,6 +158,9 @@ def sparse_final(model: HookedDecoder, graph: CircuitGraph, run: BaseRun, base: 
                 wanted = [needed[i] for i in rebuilt]
                 x = inputs(2 * l + 1, [first + j for j in wanted]).to(dtype)  # [reader copy batch pos d_model]
                 normed = block.ln1(x).reshape(len(wanted), n_rows, d_model)
+                if run.qk_positions is not None:  # shortformer: the positions join the q and k inputs after ln1
+                    is_qk = torch.tensor([j < h + kv for j in wanted], device=device)[:, None, None]
+                    normed = normed + is_qk * run.qk_positions.to(normed.dtype).repeat(k, 1, 1).view(1, n_rows, d_model)
                 w = attn.qkv.weight.view(h + 2 * kv, d_head, d_model)[wanted]
                 got = torch.bmm(normed, w.transpose(1, 2))
                 if attn.qkv.bias is not None:
@@ -172,6 +182,8 @@ def sparse_final(model: HookedDecoder, graph: CircuitGraph, run: BaseRun, base: 
             w_o = attn.out.weight.view(d_model, h, d_head).permute(1, 2, 0)[changed]  # [head d_head d_model]
             out = torch.bmm(z.permute(2, 0, 1, 3).reshape(nq, n_rows, d_head), w_o)
             report(heads.start + torch.tensor(changed), out.view(nq, k, batch, n_pos, d_model))
+        if not graph.mlps:
+            continue
         mlp_reader, mlp_writer = graph.mlp_reader(l), graph.mlp_writer(l)
         if bool(active[mlp_reader]) and int(slot[mlp_writer]) >= 0:
             x = inputs(int(graph.reader_stage[mlp_reader]), [mlp_reader]).reshape(k * batch, n_pos, d_model)

@@ -21,6 +21,11 @@ up to hook_attn_out exactly). The shares depend on the other heads of the layer 
 one scale per position. A LayerNorm sandwich, or one with b_O, has no such exact split and is
 refused; post-norm blocks (GPT-1), whose residual is not a sum of writes, are refused too.
 
+Attention-only models (toy models, transformer-lens's attn_only) have no MLP nodes. Shortformer models add
+their positions to every query and key input after ln1, never to the residual: the positions are not a node, as
+a bias is not, since clean and corrupted prompts share their padding and so their positions; `embed` is the
+token embedding alone, which is all their residual starts with.
+
 Names are accepted on input in this notation or the issue's short one: `a2.0` = `2.0` = `L2H0`,
 `a2.0<q` = `L2H0<q`, `m1` = `L1 mlp`, `input` = `embed`.
 """
@@ -36,23 +41,15 @@ import pandas as pd
 import torch
 
 from probe import HookedDecoder
-from probe.config import Norm, NormPlacement
-from probe.analyses.architecture import refuse_shortformer, require_mlps
+from probe.config import Norm, NormPlacement, Positions
 from probe.analyses.common import TableDisplay
 
 LOGITS = "logits"
 
 
 def check_graph_model(model: HookedDecoder) -> None:
-    """Refuse the families whose residual stream is not an exact sum of writer outputs, and those the graph does not
-    describe: it has an MLP node per layer and an `embed` node that carries the positions."""
+    """Refuse the families whose residual stream is not an exact sum of writer outputs."""
     cfg = model.cfg
-    what = "circuits (edge attribution, faithfulness, path patching)"
-    heads_instead = ("patch(..., sites='heads'), ablate_heads and direct_logit_attribution (probe.analyses) work "
-                     "head by head")
-    require_mlps(model, what, "the graph's MLP nodes (L{l} mlp) and their edges do not exist", heads_instead)
-    refuse_shortformer(model, what, "the graph's `embed` node does not carry them, and every query and key reads "
-                       "them besides the residual, which no edge describes", heads_instead)
     if cfg.norm_placement is NormPlacement.POST:
         raise ValueError("post-norm blocks (GPT-1) normalise the residual itself, so it is not a sum of the writers' "
                          "outputs and an edge has no exact meaning; circuits need pre-norm, parallel or sandwich blocks")
@@ -88,6 +85,8 @@ class CircuitGraph(TableDisplay):
     kv_heads: tuple[int, ...] = ()  # key/value heads per layer
     parallel: bool = False
     sandwich: bool = False
+    mlps: bool = True  # False in attention-only models: no MLP writers or readers
+    qk_positions: bool = False  # shortformer: the positions join each q and k input after ln1
 
     @property
     def grouped(self) -> bool:
@@ -129,18 +128,29 @@ class CircuitGraph(TableDisplay):
 
     def attn_readers(self, layer: int) -> range:
         """Reader indices of layer `layer`'s attention: its q inputs, then k, then v."""
-        start = sum(h + 2 * kv + 1 for h, kv in zip(self.heads[:layer], self.kv_heads[:layer]))
+        start = sum(h + 2 * kv + self.mlps for h, kv in zip(self.heads[:layer], self.kv_heads[:layer]))
         return range(start, start + self.heads[layer] + 2 * self.kv_heads[layer])
 
     def mlp_reader(self, layer: int) -> int:
+        self._need_mlps()
         return self.attn_readers(layer).stop
 
     def head_writers(self, layer: int) -> range:
-        start = 1 + sum(h + 1 for h in self.heads[:layer])
+        start = 1 + sum(h + self.mlps for h in self.heads[:layer])
         return range(start, start + self.heads[layer])
 
     def mlp_writer(self, layer: int) -> int:
+        self._need_mlps()
         return self.head_writers(layer).stop
+
+    def layer_writers(self, layer: int) -> range:
+        """Layer `layer`'s writers: its heads, then its MLP when it has one."""
+        heads = self.head_writers(layer)
+        return range(heads.start, heads.stop + self.mlps)
+
+    def _need_mlps(self) -> None:
+        if not self.mlps:
+            raise ValueError("this attention-only model's graph has no MLP nodes")
 
     def counts(self) -> dict[str, int]:
         kinds = pd.Series(self.reader_kind).value_counts()
@@ -229,25 +239,26 @@ def circuit_graph(model: HookedDecoder) -> CircuitGraph:
 def _graph_of(cfg) -> CircuitGraph:
     L = cfg.n_layers
     parallel = cfg.norm_placement is NormPlacement.PARALLEL
+    mlps = not cfg.attn_only
     heads = tuple(cfg.layer_heads(l) for l in range(L))
     kv_heads = tuple(cfg.layer_kv_heads(l) for l in range(L))
     grouped = any(k != h for k, h in zip(kv_heads, heads))
     writers, w_kind, w_layer, w_head, w_stage = ["embed"], ["embed"], [-1], [-1], [0]
     readers, r_kind, r_layer, r_head, r_stage = [], [], [], [], []
     for l in range(L):
-        writers += [f"L{l}H{h}" for h in range(heads[l])] + [f"L{l} mlp"]
-        w_kind += ["head"] * heads[l] + ["mlp"]
-        w_layer += [l] * (heads[l] + 1)
-        w_head += list(range(heads[l])) + [-1]
-        w_stage += [2 * l + 1] * heads[l] + [2 * l + 2]
+        writers += [f"L{l}H{h}" for h in range(heads[l])] + [f"L{l} mlp"] * mlps
+        w_kind += ["head"] * heads[l] + ["mlp"] * mlps
+        w_layer += [l] * (heads[l] + mlps)
+        w_head += list(range(heads[l])) + [-1] * mlps
+        w_stage += [2 * l + 1] * heads[l] + [2 * l + 2] * mlps
         kv_name = (lambda g, p: f"L{l}KV{g}<{p}") if grouped else (lambda g, p: f"L{l}H{g}<{p}")
         readers += [f"L{l}H{h}<q" for h in range(heads[l])]
         readers += [kv_name(g, "k") for g in range(kv_heads[l])] + [kv_name(g, "v") for g in range(kv_heads[l])]
-        readers.append(f"L{l} mlp")
-        r_kind += ["q"] * heads[l] + ["k"] * kv_heads[l] + ["v"] * kv_heads[l] + ["mlp"]
-        r_layer += [l] * (heads[l] + 2 * kv_heads[l] + 1)
-        r_head += list(range(heads[l])) + list(range(kv_heads[l])) * 2 + [-1]
-        r_stage += [2 * l + 1] * (heads[l] + 2 * kv_heads[l]) + [2 * l + 1 if parallel else 2 * l + 2]
+        readers += [f"L{l} mlp"] * mlps
+        r_kind += ["q"] * heads[l] + ["k"] * kv_heads[l] + ["v"] * kv_heads[l] + ["mlp"] * mlps
+        r_layer += [l] * (heads[l] + 2 * kv_heads[l] + mlps)
+        r_head += list(range(heads[l])) + list(range(kv_heads[l])) * 2 + [-1] * mlps
+        r_stage += [2 * l + 1] * (heads[l] + 2 * kv_heads[l]) + [2 * l + 1 if parallel else 2 * l + 2] * mlps
     readers.append(LOGITS)
     r_kind.append("logits")
     r_layer.append(L)
@@ -272,5 +283,6 @@ def _graph_of(cfg) -> CircuitGraph:
         readers=readers, reader_kind=r_kind, reader_layer=r_layer, reader_head=r_head,
         writer_stage=torch.tensor(w_stage), reader_stage=torch.tensor(r_stage), reader_nodes=reader_nodes,
         n_layers=L, heads=heads, kv_heads=kv_heads, parallel=parallel,
-        sandwich=cfg.norm_placement is NormPlacement.SANDWICH,
+        sandwich=cfg.norm_placement is NormPlacement.SANDWICH, mlps=mlps,
+        qk_positions=cfg.positions is Positions.SHORTFORMER,
     )

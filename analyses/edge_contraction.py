@@ -9,6 +9,7 @@ scale s:
 
     g = (1/s) (w*(dq W) - mean(w*(dq W)) - n mean(n*w*(dq W)))      (RMSNorm has no middle term)
 
+Without norms (transformer-lens's normalization_type=None) g = dq W: no scale, and no rank-one term below.
 g is never formed per run, and there is no pass over [run batch pos reader d_model]. In a model of LayerNorms
 every reader's gradient has zero mean over d_model (each is a LayerNorm's input gradient: ln1's, ln2's or the
 final norm's), so a delta's mean never contributes and the deltas are centred once (writer_deltas); the middle
@@ -23,9 +24,9 @@ rows instead when those are the smaller tensor). The other is rank one at each p
 that replaces several small operations (bundled model: 2.4 ms against 3.4 for this function). Otherwise it is
 subtracted from the scores, not from the gradients (off the rows it costs passes over a tensor of every reader: at
 GPT-2-small's shape, 4 x 128, this function took 605 ms against 426 this way for EAP): W'n is what the run's
-projection computed (hook_q/k/v less the biases), delta . n is one product per prompt for every layer and run on
-the deltas as they lie (writer-major), and the rest is a [writer (run pos)] x [(run pos) reader] product per
-group.
+projection computed (hook_q/k/v less the biases, and a shortformer model's projected positions), delta . n is
+one product per prompt for every layer and run on the deltas as they lie (writer-major), and the rest is a
+[writer (run pos)] x [(run pos) reader] product per group.
 
 Layers are taken in groups of consecutive layers with the same head counts, stacked along a leading layer
 dimension: on a model whose forward costs its per-operation overhead, one group holds every layer, so the
@@ -36,6 +37,8 @@ the last group's product.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from einops import einsum
 
@@ -44,7 +47,7 @@ from probe.analyses.edge_patching import head_outputs
 from probe.analyses.scratch import scratch
 from probe import HookedDecoder
 from probe.names import act_name
-from probe.norm import LayerNorm, RMSNorm
+from probe.norm import LayerNorm, NoNorm, RMSNorm
 
 
 def mlp_in_name(layer: int) -> str:
@@ -56,15 +59,20 @@ def f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def centres(model: HookedDecoder) -> bool:
-    """True when every norm a reader's gradient passes (ln1, ln2, the final norm) is a LayerNorm, False when every
-    one is an RMSNorm; the pull-back of a head's gradient knows only these two."""
-    norms = [n for block in model.blocks for n in (block.ln1, block.ln2)] + [model.ln_final]
-    for kind in (LayerNorm, RMSNorm):
-        if all(isinstance(n, kind) for n in norms):
-            return kind is LayerNorm
-    raise TypeError("edge attribution pulls head gradients back through LayerNorm or RMSNorm, one kind in the whole "
-                    f"model; this model's norms are {sorted({type(n).__name__ for n in norms})}")
+NORM_KINDS = {"layer": (LayerNorm,), "rms": (RMSNorm,), "none": (NoNorm, torch.nn.Identity)}
+
+
+def norm_kind(model: HookedDecoder) -> str:
+    """"layer" when every norm a reader's gradient passes (ln1, ln2, the final norm) is a LayerNorm, "rms" when every
+    one is an RMSNorm, "none" when none normalises (transformer-lens's normalization_type=None); the pull-back of a
+    head's gradient and the centring of the deltas know only these three."""
+    norms = [n for block in model.blocks for n in (block.ln1, getattr(block, "ln2", None)) if n is not None]
+    norms.append(model.ln_final)
+    for kind, classes in NORM_KINDS.items():
+        if all(isinstance(n, classes) for n in norms):
+            return kind
+    raise TypeError("edge attribution pulls head gradients back through LayerNorm, RMSNorm or no norm, one kind in the "
+                    f"whole model; this model's norms are {sorted({type(n).__name__ for n in norms})}")
 
 
 def layer_groups(graph: CircuitGraph, most: int) -> list[range]:
@@ -81,7 +89,7 @@ def layer_groups(graph: CircuitGraph, most: int) -> list[range]:
 @torch.no_grad()
 def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: int, centred: bool) -> torch.Tensor:
     """[batch writer pos d_model] float32, writer-major: every writer's clean output less its corrupted one, centred
-    over d_model when `centred` (a model of LayerNorms: `centres(model)`; see the module's docstring).
+    over d_model when `centred` (a model of LayerNorms: `norm_kind(model) == "layer"`; see the module's docstring).
     `saved`: name -> {"clean": ..., "corrupted": ...} of the embedding, hook_z, hook_mlp_out (and in sandwich blocks
     ln1_post's scale). A head's output is z @ W_O (in a sandwich block, its share of the normalised write)."""
     first = saved["embed"]
@@ -92,9 +100,10 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
     for group in layer_groups(graph, most):
         n_heads = graph.heads[group.start]
         first_writer = graph.head_writers(group.start).start
-        block = out[:, first_writer:graph.mlp_writer(group.stop - 1) + 1].unflatten(1, (len(group), n_heads + 1))
+        per_layer = n_heads + graph.mlps
+        block = out[:, first_writer:graph.layer_writers(group.stop - 1).stop].unflatten(1, (len(group), per_layer))
         for j, l in enumerate(group):
-            z, mlp_out, w_o = saved[act_name("z", l)], saved[act_name("mlp_out", l)], out_weights(blocks[l])
+            z, w_o = saved[act_name("z", l)], out_weights(blocks[l])
             if graph.sandwich:  # each run's write is divided by its own ln1_post scale: head_outputs
                 shares = [head_outputs(model, l, einsum(f32(z[run]), w_o, "batch pos head d_head, head d_head d_model "
                                                         "-> batch pos head d_model"),
@@ -104,7 +113,9 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
                 dz = f32(z["clean"]) - f32(z["corrupted"])  # [batch pos head d_head]
                 for b in range(batch):
                     torch.bmm(dz[b].transpose(0, 1), w_o, out=block[b, j, :n_heads])
-            torch.sub(f32(mlp_out["clean"]), f32(mlp_out["corrupted"]), out=block[:, j, n_heads])
+            if graph.mlps:
+                mlp_out = saved[act_name("mlp_out", l)]
+                torch.sub(f32(mlp_out["clean"]), f32(mlp_out["corrupted"]), out=block[:, j, n_heads])
     if centred:
         out -= out.mean(-1, keepdim=True)
     return out
@@ -123,9 +134,10 @@ def read_weights(blocks: list, n_read: int, fold_scale: bool):
     return projections, scales
 
 
-def qkv_offsets(blocks: list, n_read: int) -> torch.Tensor:
+def qkv_offsets(blocks: list, n_read: int, qk_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[layer reader d_head] float32: what the `blocks`' q, k and v hold beyond W'n (the projection's bias and ln1's
-    bias projected). For callers under no_grad."""
+    bias projected); with shortformer `qk_positions` [batch pos d_model], [batch pos layer reader d_head], the
+    positions projected into the q and k readers added. For callers under no_grad."""
     offsets = []
     for block in blocks:
         qkv, norm = block.attn.qkv, block.ln1
@@ -133,7 +145,16 @@ def qkv_offsets(blocks: list, n_read: int) -> torch.Tensor:
         offset = f32(qkv.bias) if qkv.bias is not None else weight.new_zeros(weight.shape[0])
         shift = getattr(norm, "b", None)
         offsets.append(offset if shift is None else torch.addmv(offset, weight, f32(shift)))
-    return torch.stack(offsets).view(len(blocks), n_read, -1)
+    out = torch.stack(offsets).view(len(blocks), n_read, -1)
+    if qk_positions is None:
+        return out
+    n_qk = n_read - blocks[0].attn.n_kv_heads  # the q and k readers come first, the v readers last
+    weights = torch.stack([f32(block.attn.qkv.weight) for block in blocks]).view(len(blocks), n_read, -1, weight.shape[1])
+    projected = einsum(f32(qk_positions), weights[:, :n_qk],
+                       "batch pos d_model, layer reader d_head d_model -> batch pos layer reader d_head")
+    out = out.expand(*qk_positions.shape[:2], *out.shape).clone()
+    out[:, :, :, :n_qk] += projected
+    return out
 
 
 def out_weights(block) -> torch.Tensor:
@@ -144,13 +165,14 @@ def out_weights(block) -> torch.Tensor:
 @torch.no_grad()
 def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float], hook_grads: dict[str, torch.Tensor],
                   acts: dict[str, torch.Tensor], read: dict[int, torch.Tensor], deltas: torch.Tensor, mask: torch.Tensor, positions: bool,
-                  most: int, centred: bool) -> torch.Tensor:
+                  most: int, norm: str, qk_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[batch (pos) writer reader]: deltas [batch writer pos d_model] . the readers' gradients, weighted over the runs.
 
     `weights`: each stacked run's weight (runs of `batch` rows each; a run of weight 0 is skipped);
     `hook_grads`: the gradients of each layer's hook_q/k/v and hook_mlp_in and of the last hook_resid_post,
     every row; `acts`: the hook_q/k/v activations, every row; `read`: layer -> the residual ln1 read, every row;
-    `most`: layers per group; `centred`: `centres(model)`, as the deltas were made."""
+    `most`: layers per group; `norm`: `norm_kind(model)`, as the deltas were made; `qk_positions` [batch pos d_model]:
+    a shortformer model's positions (what its q and k hold beyond the normalised residual's projection)."""
     batch, n_writers, n_pos, d_model = deltas.shape
     weighted = [i for i, w in enumerate(weights) if w]
     k = len(weighted)
@@ -187,22 +209,26 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         return torch.matmul(flat[:, :n], grads.reshape(grads.shape[0], batch, n_pos * d_model).permute(1, 2, 0))
 
     blocks = list(model.blocks)  # indexed once: a ModuleList's lookups cost more than this call's small products
-    eps = blocks[0].ln1.eps
-    # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and 1/s, its scale's inverse
-    # (in place, and the large buffers from analyses.scratch: on a CPU every fresh large temporary costs its page
-    # faults, often more than its arithmetic)
-    residuals = [pick(read[l]) for l in range(graph.n_layers)]
-    normed = torch.stack(residuals, out=buffer("normed", (len(residuals), *residuals[0].shape), residuals[0].dtype))
-    normed = f32(normed).view(-1, k, batch, n_pos, d_model)
-    if centred:
-        normed -= normed.mean(-1, keepdim=True)
-    # (torch.var_mean is several times slower than this on a CPU; LayerNorm's own kernel, which gives 1/s too, saves
-    # ~30 us on the small model but writes a second tensor of this size)
-    inv_scales = torch.linalg.vector_norm(normed, dim=-1, keepdim=True).square_().div_(d_model).add_(eps).rsqrt_()
-    normed *= inv_scales
+    scaled = norm != "none"  # without a norm, g = dq W: no 1/s and no rank-one term
+    if scaled:
+        eps = blocks[0].ln1.eps
+        # every layer's residual as its ln1 normalised it, n [layer run batch pos d_model], and 1/s, its scale's inverse
+        # (in place, and the large buffers from analyses.scratch: on a CPU every fresh large temporary costs its page
+        # faults, often more than its arithmetic)
+        residuals = [pick(read[l]) for l in range(graph.n_layers)]
+        normed = torch.stack(residuals, out=buffer("normed", (len(residuals), *residuals[0].shape), residuals[0].dtype))
+        normed = f32(normed).view(-1, k, batch, n_pos, d_model)
+        if norm == "layer":
+            normed -= normed.mean(-1, keepdim=True)
+        # (torch.var_mean is several times slower than this on a CPU; LayerNorm's own kernel, which gives 1/s too, saves
+        # ~30 us on the small model but writes a second tensor of this size)
+        inv_scales = torch.linalg.vector_norm(normed, dim=-1, keepdim=True).square_().div_(d_model).add_(eps).rsqrt_()
+        normed *= inv_scales
+    else:
+        inv_scales = deltas.new_ones(graph.n_layers, k, batch, n_pos, 1)
     # one run on a small model on a CPU: the rank-one term comes off the pulled-back rows (see the module's docstring)
-    fold_rank_one = k == 1 and most > 1 and deltas.device.type == "cpu"
-    if not fold_rank_one:
+    fold_rank_one = scaled and k == 1 and most > 1 and deltas.device.type == "cpu"
+    if scaled and not fold_rank_one:
         # delta . n of every writer for every layer and run [batch pos (layer run) writer]: one product per prompt, on
         # the deltas as they lie (writer-major)
         dots = torch.stack([torch.bmm(normed[:, :, b].flatten(0, 1).transpose(0, 1), deltas[b].permute(1, 2, 0))
@@ -211,7 +237,7 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
 
     groups = layer_groups(graph, most)
     n_read_rows = max(len(g) * len(graph.attn_readers(g.start)) for g in groups)
-    n_tail = graph.n_layers + 1  # the MLPs' readers, then the logits'
+    n_tail = graph.n_layers * graph.mlps + 1  # the MLPs' readers, then the logits'
     # [reader batch pos d_model]: a group's pulled-back head gradients end where the MLPs' and the logits' gradients
     # (their hook points', summed over the runs) begin, so the last group's one product covers them all
     # the readers padded to a multiple of 16 (zero rows): MKL's product runs whole blocks of them markedly faster
@@ -219,12 +245,13 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
     n_rows = -(-(n_read_rows + n_tail) // 16) * 16
     rows_buffer = buffer("rows", (n_rows, batch, n_pos, d_model), torch.float32)
     rows_buffer[n_read_rows + n_tail:] = 0
-    summed([mlp_in_name(l) for l in range(graph.n_layers)] + [act_name("resid_post", graph.n_layers - 1)],
+    mlp_layers = range(graph.n_layers) if graph.mlps else range(0)
+    summed([mlp_in_name(l) for l in mlp_layers] + [act_name("resid_post", graph.n_layers - 1)],
            rows_buffer[n_read_rows:n_read_rows + n_tail])
     # [batch (pos) writer column], columns in this function's order: every layer's attention readers, then the MLPs',
     # then the logits'; reordered to the graph's at the end
     columns = [r for l in range(graph.n_layers) for r in graph.attn_readers(l)]
-    columns += [graph.mlp_reader(l) for l in range(graph.n_layers)] + [len(graph.readers) - 1]
+    columns += [graph.mlp_reader(l) for l in mlp_layers] + [len(graph.readers) - 1]
     full = deltas.new_zeros((batch, n_pos, n_writers, len(columns)) if positions else (batch, n_writers, len(columns)))
     def qkv_of(source: dict[str, torch.Tensor], group: range, name: str) -> torch.Tensor:
         """[rows pos (layer reader) d_head]: the group's q, k and v (values or gradients), q then k then v per layer."""
@@ -263,12 +290,12 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         n = n_writers if final else graph.writers_before[2 * last + 1]
         scores = product(n, rows_buffer[start:] if final else rows_buffer[start:n_read_rows])
         width = G * n_read + (n_tail if final else 0)
-        if not fold_rank_one:
+        if scaled and not fold_rank_one:
             attention = scores[..., :G * n_read].unflatten(-1, (G, n_read))
             # the rank-one term, for every run: (delta . n_run)(h_run . W'n_run) / D; W'n is what the run's projection
             # computed less its bias and the projected norm bias, i.e. q, k and v as hooked
             qkv = qkv_of(acts, group, "qkv").view(k, batch, n_pos, G, n_read, d_head)
-            qkv -= qkv_offsets(blocks[group.start:group.stop], n_read)  # W'n, in place of q, k and v (a copy), then times h
+            qkv -= qkv_offsets(blocks[group.start:group.stop], n_read, qk_positions)  # W'n in place of q, k, v (a copy), then times h
             c = qkv.mul_(dq).sum(-1).div_(d_model)  # [run batch pos layer reader]
             e = dots[:, :, group.start * k:group.stop * k, :n].unflatten(2, (G, k))  # [batch pos layer run writer]
             attention -= torch.einsum("bplkw,kbplr->bpwlr" if positions else "bplkw,kbplr->bwlr", e, c)

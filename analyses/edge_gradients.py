@@ -30,7 +30,7 @@ import torch
 
 from probe.analyses.circuit_graph import CircuitGraph
 from probe.analyses.common import evaluate_metric, model_mask
-from probe.analyses.edge_contraction import centres, mlp_in_name, reader_scores, writer_deltas
+from probe.analyses.edge_contraction import mlp_in_name, norm_kind, reader_scores, writer_deltas
 from probe.analyses.metric_reads import evaluate_output, logit_reads
 from probe.hooks.hook_point import Store
 from probe import HookedDecoder
@@ -146,13 +146,17 @@ class _Forward:
                 out.append((name, resid(name, True, reads=l) if moves_all else store_residual))
             if self.grads:
                 out += [(act_name(kind, l), live) for kind in ("q", "k", "v")]
-            out += [(act_name("z", l), store), (act_name("mlp_out", l), store), (mlp_in_name(l), keep_own)]
+            out.append((act_name("z", l), store))
+            if graph.mlps:
+                out += [(act_name("mlp_out", l), store), (mlp_in_name(l), keep_own)]
             if graph.sandwich:
                 out.append((act_name("scale", l, "ln1_post"), store))
-            if not graph.parallel and moves_all:
+            if graph.mlps and not graph.parallel and moves_all:
                 out.append((act_name("resid_mid", l), resid(act_name("resid_mid", l), True)))
         last = act_name("resid_post", L - 1)
         out.append((last, resid(last, moves_all, kept=True)))
+        if graph.qk_positions:  # what a shortformer model's q and k hold beyond the normalised residual's projection
+            out.append(("hook_pos_embed", store))
         return out
 
 
@@ -167,7 +171,7 @@ def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: tor
     small = batch * n_pos * model.cfg.d_model ** 2 <= SMALL_FORWARD or tokens.device.type != "cpu"
     stack_clean = runs[0].weight > 0 or (small and per_forward >= 2)
     layers_at_once = graph.n_layers if small else 1  # see analyses.edge_contraction
-    centred = centres(model)
+    norm = norm_kind(model)
     chunks = []
     rest = runs if stack_clean else runs[1:]
     while rest:
@@ -198,9 +202,10 @@ def gradient_scores(model: HookedDecoder, graph: CircuitGraph, clean_tokens: tor
         # only read afterwards
         with torch.inference_mode():
             if deltas is None:  # writer-major: each stage's product reads its first writers as one block
-                deltas = writer_deltas(model, graph, saved, layers_at_once, centred)
+                deltas = writer_deltas(model, graph, saved, layers_at_once, norm == "layer")
             part = reader_scores(model, graph, [run.weight for run in chunk], hook_grads, fwd.live, fwd.read, deltas, mask,
-                                 positions, layers_at_once, centred)
+                                 positions, layers_at_once, norm,
+                                 saved["hook_pos_embed"]["corrupted"] if graph.qk_positions else None)
         full = part if full is None else full + part
         del fwd, final, hook_grads
     w, r = graph.edge_writer.to(tokens.device), graph.edge_reader.to(tokens.device)

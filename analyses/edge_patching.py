@@ -11,7 +11,8 @@ outputs, or their mean, or zero), `source` is a fixed other value (the clean run
 With carry = every edge and no patch, every input is the run's own and the forward is the plain one.
 
 The model's forward is untouched: a head's q, k and v inputs are rebuilt at `hook_q` / `hook_k` /
-`hook_v` (the block's ln1 applied to each head's own input, then that head's projection), the MLP's at
+`hook_v` (the block's ln1 applied to each head's own input, a shortformer model's positions added to the q and k
+ones, then that head's projection), the MLP's at
 the residual it reads (hook_resid_mid, or hook_resid_pre in parallel blocks) and the logits' at the
 last hook_resid_post. Every reader is rebuilt, so what the residual stream itself carries between
 them never reaches anything. `frozen_readers` read through their norm with the scale taken from
@@ -36,10 +37,12 @@ def graph_hook_names(graph: CircuitGraph) -> list[str]:
     """What a cache needs for `writer_outputs` and `stage_residuals`."""
     names = [act_name("resid_pre", 0)]
     for l in range(graph.n_layers):
-        names += [act_name("result", l), act_name("mlp_out", l)]
+        names.append(act_name("result", l))
+        if graph.mlps:
+            names.append(act_name("mlp_out", l))
         if l > 0:
             names.append(act_name("resid_pre", l))
-        if not graph.parallel:
+        if graph.mlps and not graph.parallel:
             names.append(act_name("resid_mid", l))
         if graph.sandwich:
             names.append(act_name("scale", l, "ln1_post"))
@@ -60,7 +63,9 @@ def writer_outputs(model: HookedDecoder, graph: CircuitGraph, cache: Mapping[str
     parts = [cache[act_name("resid_pre", 0)].float()[:, :, None]]
     for l in range(graph.n_layers):
         scale = cache[act_name("scale", l, "ln1_post")] if graph.sandwich else None
-        parts += [head_outputs(model, l, cache[act_name("result", l)], scale), cache[act_name("mlp_out", l)].float()[:, :, None]]
+        parts.append(head_outputs(model, l, cache[act_name("result", l)], scale))
+        if graph.mlps:
+            parts.append(cache[act_name("mlp_out", l)].float()[:, :, None])
     return torch.cat(parts, dim=2)
 
 
@@ -69,7 +74,7 @@ def stage_residuals(graph: CircuitGraph, cache: Mapping[str, torch.Tensor]) -> d
     out = {}
     for l in range(graph.n_layers):
         out[2 * l + 1] = cache[act_name("resid_pre", l)].float()
-        if not graph.parallel:
+        if graph.mlps and not graph.parallel:
             out[2 * l + 2] = cache[act_name("resid_mid", l)].float()
     out[2 * graph.n_layers + 1] = cache[act_name("resid_post", graph.n_layers - 1)].float()
     return out
@@ -213,7 +218,10 @@ def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, a
             if not picked:
                 continue
             cols, heads = [i for i, _ in picked], [hd for _, hd in picked]
-            out = einsum(normed[:, :, cols], w[heads], "batch pos head d_model, head d_model d_head -> batch pos head d_head")
+            read = normed[:, :, cols]
+            if graph.qk_positions and name != "v":  # shortformer positions join the queries' and keys' inputs
+                read = read + stash["positions"][:, :, None].to(read.dtype)
+            out = einsum(read, w[heads], "batch pos head d_model, head d_model d_head -> batch pos head d_head")
             stash[f"{name}{layer}"] = (heads, out if b is None else out + b[heads])
         return replaced(act, stash.pop(f"q{layer}", None))
 
@@ -268,6 +276,8 @@ def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, a
         return frozen_scale(hook.name).to(act.dtype).expand_as(act)
 
     hooks = [(act_name("resid_pre", 0), embed_hook)]
+    if graph.qk_positions:
+        hooks.insert(0, ("hook_pos_embed", lambda a, h: stash.__setitem__("positions", a)))
     for l in range(graph.n_layers):
         if l > 0:
             hooks.append((act_name("resid_pre", l), mlp_hook if graph.parallel else pre_hook))
@@ -279,6 +289,8 @@ def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, a
                       (act_name("scale", l, "ln1_post"), lambda a, h, l=l: post_scale_hook(a, h, l))]
         else:
             hooks.append((act_name("z", l), lambda a, h, l=l: z_hook(a, h, l)))
+        if not graph.mlps:
+            continue
         if not graph.parallel:
             hooks.append((act_name("resid_mid", l), mlp_hook))
         if bool(frozen_readers[graph.mlp_reader(l)]):

@@ -2,7 +2,9 @@
 
 An FFN layer computes `FF(x) = sum_i m_i(x) v_i + b_out`: the key k_i is the i-th column of W_in,
 the coefficient m_i(x) = act(x . k_i + b_in_i) is `blocks.{l}.mlp.hook_post`, and the value v_i is
-the i-th row of W_out. Each term m_i v_i is a sub-update of the residual stream.
+the i-th row of W_out. Each term m_i v_i is a sub-update of the residual stream. In a SoLU-LN MLP
+(transformer-lens's act_fn="solu_ln") m_i is a LayerNorm over every neuron's SoLU output, so it depends on
+all the keys, not on k_i alone; hook_post is still what W_out reads, so everything here stays exact.
 
 - `value_tokens`: which tokens each value promotes and suppresses (v_i W_U).
 - `memory_lookup`: the memories that fire at one position of one prompt, ranked by |m_i| ||v_i||.

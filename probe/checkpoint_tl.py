@@ -3,6 +3,11 @@
 config keywords (`d_model`, `n_layers`, `act_fn`, `attn_only`, `normalization` or `normalization_type`,
 `shortformer_pos`, `tokenizer_name`, ...) and a `*final.pth` state dict in TL's layout.
 
+Neel Nanda's older SoLU runs (`solu-1l-pile` ... `solu-12l-pile`, hub repositories named `..._old`) saved their
+tensors under other names and orientations; they are converted as TL converts them (`convert_solu_old`), which TL
+decides by the repository's name, and probe by the name loaded or, for a directory, its config's
+`"architecture": "neel-solu-old"`.
+
 The state dict is read with `torch.load(weights_only=True)`, which refuses anything but tensors and plain
 containers, so a hostile file cannot run code. The tokenizer is the directory's own when it has one, else the one
 `tokenizer_name` names (a directory or hub repository, as TL loads it)."""
@@ -30,7 +35,14 @@ def is_tl_format(config: dict) -> bool:
     return "model_type" not in config and all(key in config for key in TL_KEYS)
 
 
-def tl_format_config(config: dict, directory: Path) -> DecoderConfig:
+def tl_architecture(config: dict, source: Optional[str]) -> str:
+    """"neel", or "neel-solu-old" for an older SoLU run: the config's own `architecture`, else TL's rule, a hub
+    repository (`source`, the name the checkpoint was asked for) whose name has `_old` in it."""
+    old = source is not None and not Path(source).exists() and "_old" in source
+    return config.get("architecture", "neel-solu-old" if old else "neel")
+
+
+def tl_format_config(config: dict, directory: Path, architecture: str = "neel") -> DecoderConfig:
     """The DecoderConfig of a TL-format config.json, with TL's defaults for what it leaves out."""
     from probe.tl_config import HookedTransformerConfig
 
@@ -42,7 +54,7 @@ def tl_format_config(config: dict, directory: Path) -> DecoderConfig:
         "normalization_type", "LN")
     settings["positional_embedding_type"] = "shortformer" if config.get("shortformer_pos") else "standard"
     settings["final_rms"] = config.get("final_rms", False)
-    settings["original_architecture"] = config.get("architecture", "neel")
+    settings["original_architecture"] = architecture
     try:
         return HookedTransformerConfig(**settings)
     except (TypeError, ValueError) as err:
@@ -69,6 +81,22 @@ def read_tl_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def convert_solu_old(state: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    """An older SoLU run's state dict in TL's layout, as TL's convert_neel_solu_old_weights makes it: `norm` in a
+    name is `ln` (the final `norm.` is `ln_final.`); models of up to 8 layers stored W_pos [d_model n_ctx], and those
+    of up to 6 every other W_ [out in] (the last two dimensions swapped)."""
+    converted = {}
+    for key, tensor in state.items():
+        key = key.replace("norm", "ln")
+        converted["ln_final." + key[len("ln."):] if key.startswith("ln.") else key] = tensor
+    if cfg.n_layers <= 8 and "pos_embed.W_pos" in converted:
+        converted["pos_embed.W_pos"] = converted["pos_embed.W_pos"].T
+    if cfg.n_layers <= 6:
+        converted = {key: t.transpose(-2, -1) if "W_" in key and "W_pos" not in key else t
+                     for key, t in converted.items()}
+    return converted
+
+
 def tl_format_tokenizer(directory: Path, config: dict, load_tokenizer: Callable) -> Optional[Tokenizer]:
     """The directory's own tokenizer, else the one `tokenizer_name` names (read by `load_tokenizer`), else None."""
     try:
@@ -78,11 +106,23 @@ def tl_format_tokenizer(directory: Path, config: dict, load_tokenizer: Callable)
     return load_tokenizer(config["tokenizer_name"]) if config.get("tokenizer_name") else None
 
 
-def load_tl_format(directory: Path, config: dict, load_tokenizer: Callable, device, dtype, model_class: type):
+def load_tl_format(directory: Path, config: dict, load_tokenizer: Callable, device, dtype, model_class: type,
+                   source: Optional[str] = None):
     """The model of a TL-format checkpoint directory, its weights loaded strictly (TL's layout); `load_tokenizer`
-    (probe.loading's) reads a tokenizer the config names."""
-    cfg = tl_format_config(config, directory)
+    (probe.loading's) reads a tokenizer the config names. `source`: the hub repository it was fetched as, if any."""
+    architecture = tl_architecture(config, source)
+    cfg = tl_format_config(config, directory, architecture)
     state = read_tl_state(final_state_file(directory))
+    if architecture == "neel-solu-old":
+        state = convert_solu_old(state, cfg)
     model = model_class(cfg, tokenizer=tl_format_tokenizer(directory, config, load_tokenizer))
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        if architecture != "neel" or not cfg.activation.normed:
+            raise
+        # the one layout a TL-format SoLU checkpoint may be in without saying so: a local copy of an older run
+        raise TLFormatError(f"{directory}: {err}\nif this is one of Neel Nanda's older SoLU runs (solu-*-pile, a hub "
+                            "repository named ..._old), its tensors are stored transposed and renamed: load it by its "
+                            "name, or add \"architecture\": \"neel-solu-old\" to its config.json") from None
     return model.to(device=device, dtype=dtype)

@@ -16,7 +16,7 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_conf
                                     llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, mistral_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_source import GPT_ACTIVATIONS, Source
-from probe.config import DecoderConfig
+from probe.config import Activation, DecoderConfig
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
 
@@ -65,6 +65,10 @@ def family_for_config(cfg: DecoderConfig) -> Family:
     if cfg.attn_only:
         raise ValueError("no Hugging Face checkpoint format holds attention-only blocks; save model.state_dict() with "
                          "safetensors and load it into HookedDecoder(cfg)")
+    if cfg.activation in (Activation.SOLU, Activation.SOLU_LN):
+        raise ValueError(f"no Hugging Face checkpoint format holds a SoLU MLP (activation={cfg.activation.value!r}: "
+                         "transformers has no SoLU activation, nor a LayerNorm inside the MLP); save model.state_dict() "
+                         "with safetensors (transformer-lens's layout) and load it into HookedDecoder(cfg)")
     if cfg.unembed_bias:
         raise ValueError("no Hugging Face checkpoint format here holds an unembedding bias (a model from "
                          "process_weights has one); save the unprocessed model and process it again after loading")

@@ -8,70 +8,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
+from probe.config_choices import Activation, Norm, NormPlacement, Positions, RotaryScaling
 
-class Activation(enum.Enum):
-    """The MLP non-linearity (values are the names Hugging Face configs use)."""
-
-    GELU_TANH = "gelu_new"  # GPT-2's tanh approximation
-    GELU = "gelu"  # exact, erf-based (GPT-1)
-    RELU = "relu"
-    SILU = "silu"  # with gated_mlp: SwiGLU (Llama, Qwen2)
-
-
-class Norm(enum.Enum):
-    LAYER = "layer"  # subtract the mean, divide by the std, then w * x + b
-    RMS = "rms"  # divide by the root mean square, then w * x (Llama)
-    RMS_FLOAT32 = "rms_float32"  # the same, w kept and applied in float32, rounded once (Gemma; w = 1 + the stored offset)
-    NONE = "none"  # no normalisation at all (transformer-lens's normalization_type=None: toy models, grokking)
-
-
-class NormPlacement(enum.Enum):
-    """Where the norms sit, which decides how the two sublayers meet the residual stream."""
-
-    PRE = "pre"  # x + F(norm(x)): GPT-2, Llama
-    POST = "post"  # norm(x + F(x)): the 2017 original, GPT-1
-    PARALLEL = "parallel"  # x + attn(norm1(x)) + mlp(norm2(x)): both read the same residual (GPT-NeoX, Pythia)
-    SANDWICH = "sandwich"  # x + norm1_post(attn(norm1(x))), then the same for the MLP: each write normalised (Gemma 2)
-
-
-class Positions(enum.Enum):
-    LEARNED = "learned"  # a learned vector per position, added to the embedding (GPT-2, GPT-1)
-    SINUSOIDAL = "sinusoidal"  # fixed sinusoids added to the embedding (Vaswani et al. 2017)
-    ROTARY = "rotary"  # q and k rotated by position inside every attention layer (Llama)
-    # a learned vector per position added to every attention layer's query and key inputs (after ln1), never to the
-    # residual stream or the values (Press et al. 2021; transformer-lens's attn-only toy models, ARENA's induction model)
-    SHORTFORMER = "shortformer"
-
-
-@dataclass(frozen=True)
-class RotaryScaling:
-    """How a long-context checkpoint rescales its rotary frequencies (transformers' `rope_type`).
-
-    "linear": every frequency divided by `factor` (positions interpolated). "llama3" (Llama 3.1,
-    3.2): frequencies whose wavelength exceeds original_n_ctx / low_freq_factor divided by `factor`,
-    those shorter than original_n_ctx / high_freq_factor kept, and the ones between blended linearly
-    in original_n_ctx / wavelength.
-    """
-
-    kind: Literal["linear", "llama3"]
-    factor: float
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_n_ctx: Optional[int] = None  # llama3 only: the context length of pretraining
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3"):
-            raise ValueError(f"rotary scaling kind={self.kind!r} is not supported; choose one of: 'linear', 'llama3'")
-        if not (isinstance(self.factor, (int, float)) and self.factor > 0):
-            raise ValueError(f"rotary scaling factor must be a positive number, got {self.factor!r}")
-        if self.kind == "llama3":
-            if not (isinstance(self.original_n_ctx, int) and self.original_n_ctx > 0):
-                raise ValueError(f"llama3 rotary scaling needs original_n_ctx, a positive int, got {self.original_n_ctx!r}")
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
-                raise ValueError(f"llama3 rotary scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                                 f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
+# the choices live in probe.config_choices and are imported from here as before
+__all__ = ["Activation", "DecoderConfig", "Norm", "NormPlacement", "Positions", "RotaryScaling"]
 
 
 def _enum(cls, value, field):
@@ -97,8 +39,8 @@ class DecoderConfig:
     n_kv_heads: Optional[int] = None  # None: n_heads (multi-head); fewer: grouped-query; 1: multi-query
     heads_per_layer: Optional[tuple[int, ...]] = None  # after structural pruning: each layer's remaining heads
     eps: float = 1e-5  # norm epsilon
-    activation: Activation = Activation.GELU_TANH
-    gated_mlp: bool = False  # act(gate(x)) * up(x) -> down: SwiGLU with SILU
+    activation: Activation = Activation.GELU_TANH  # SOLU_LN: SoLU, then a LayerNorm over d_mlp inside the MLP (mlp.ln)
+    gated_mlp: bool = False  # act(gate(x)) * up(x) -> down: SwiGLU with SILU (not with SOLU_LN)
     norm: Norm = Norm.LAYER
     norm_placement: NormPlacement = NormPlacement.PRE
     attn_only: bool = False  # blocks without an MLP: y = x + attn(ln1(x)) (toy models; pre-norm only)
@@ -201,6 +143,9 @@ class DecoderConfig:
                 raise ValueError("heads_per_layer (pruned heads) needs n_kv_heads == n_heads")
             object.__setattr__(self, "heads_per_layer", heads)
         object.__setattr__(self, "activation", _enum(Activation, self.activation, "activation"))
+        if self.gated_mlp and self.activation.normed:
+            raise ValueError(f"activation={self.activation.value!r} normalises a plain MLP's activations before W_out; "
+                             "a gated MLP with it is not built: set gated_mlp=False, or activation='solu' (no norm)")
         object.__setattr__(self, "norm", _enum(Norm, self.norm, "norm"))
         object.__setattr__(self, "norm_placement", _enum(NormPlacement, self.norm_placement, "norm_placement"))
         object.__setattr__(self, "positions", _enum(Positions, self.positions, "positions"))
@@ -263,6 +208,12 @@ class DecoderConfig:
     def positional_embedding_type(self) -> str:
         return {Positions.LEARNED: "standard", Positions.SINUSOIDAL: "sinusoidal", Positions.ROTARY: "rotary",
                 Positions.SHORTFORMER: "shortformer"}[self.positions]
+
+    @property
+    def mlp_norm_learned(self) -> bool:
+        """Whether a SoLU-LN MLP's LayerNorm over d_mlp (mlp.ln) learns w and b: beside learned LayerNorms only, as
+        transformer-lens builds it (a LayerNorm with normalization_type "LN", an LNPre otherwise)."""
+        return self.activation.normed and self.norm is Norm.LAYER and self.norm_weights
 
     @property
     def positions_in_residual(self) -> bool:

@@ -90,8 +90,15 @@ class DecoderCache(StackMethods, ActivationCache):
             return act_name(kind) + grad, None
         except ValueError as error:
             reason = str(error)
-        if re.fullmatch(r"[a-z_]+\d+[a-z0-9_]*", key):  # only to explain the refusal: no shorthand parser
-            return key, "transformer-lens's shorthand ('k6', 'scale4ln1') is not parsed; write cache['k', 6]"
+        # transformer-lens's shorthand, parsed as its get_act_name does: a word, the layer, then a sublayer or norm
+        # ('k6', 'pattern3', 'k6a', 'scale4ln1'); a kind with an underscore is no word there, so 'resid_pre6' is no
+        # shorthand in TL either, and is told the tuple instead
+        shorthand = re.fullmatch(r"([a-z]+)(\d+)([a-z]?.*)", kind)
+        if shorthand:
+            return self._tuple_name(shorthand[1] + grad, int(shorthand[2]), shorthand[3] or None)
+        spelled = re.fullmatch(r"([a-z_]+?)(\d+)", kind)
+        if spelled:
+            return key, f"transformer-lens reads no shorthand with an underscore; write cache[{spelled[1]!r}, {spelled[2]}]"
         try:
             act_name(kind, 0)
         except ValueError:

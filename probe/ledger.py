@@ -106,6 +106,8 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
             add("mlp.gate.bias", "mlp", m if cfg.mlp_bias else 0, layer)
         add("mlp.in.weight", "mlp", d * m, layer)
         add("mlp.in.bias", "mlp", m if cfg.mlp_bias else 0, layer)
+        # a SoLU-LN MLP's LayerNorm over d_mlp, read by W_out (probe.mlp.NormedMLP)
+        add("mlp.ln", "norm", 2 * m if cfg.mlp_norm_learned else 0, layer)
         add("mlp.out.weight", "mlp", m * d, layer)
         add("mlp.out.bias", "mlp", d if cfg.mlp_bias else 0, layer)
     if cfg.final_norm:

@@ -71,6 +71,15 @@ SHORT_NAMES.update({
     **{f"attn-only-{n}l": f"NeelNanda/Attn_Only_{n}L512W_C4_Code" for n in range(1, 5)},
     **{f"gelu-{n}l": f"NeelNanda/GELU_{n}L512W_C4_Code" for n in range(1, 5)},
     "attn-only-2l-demo": "NeelNanda/Attn-Only-2L512W-Shortformer-6B-big-lr",
+    # SoLU-LN MLPs (act_fn="solu_ln"): the C4 + code runs by width, two Wikipedia fine-tunes, and the older Pile runs
+    # (repositories named _old, whose tensors TL converts on loading: probe.checkpoint_tl.convert_solu_old)
+    **{f"solu-{n}l{alias}": f"NeelNanda/SoLU_{n}L{width}W_C4_Code"
+       for n, width in ((1, 512), (2, 512), (3, 512), (4, 512), (6, 768), (8, 1024), (10, 1280), (12, 1536))
+       for alias in ("", "-new", "-c4-code")},
+    **{f"solu-{n}l-{alias}": f"NeelNanda/SoLU_{n}L512W_Wiki_Finetune" for n in (1, 4)
+       for alias in ("wiki", "wiki-finetune", "finetune")},
+    **{f"solu-{n}l-{alias}": f"NeelNanda/SoLU_{n}L_v{version}_old"
+       for n, version in ((1, 9), (2, 10), (4, 11), (6, 13), (8, 21), (10, 22), (12, 23)) for alias in ("pile", "old")},
 })
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
              "*final.pth",  # a transformer-lens-format checkpoint's state dict (probe.checkpoint_tl)

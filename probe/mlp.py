@@ -1,4 +1,5 @@
-"""The feed-forward sublayer: plain (d_model -> d_mlp -> act -> d_model) or gated (SwiGLU)."""
+"""The feed-forward sublayer: plain (d_model -> d_mlp -> act -> d_model), gated (SwiGLU), or normed (SoLU, then a
+LayerNorm over d_mlp, before W_out)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,12 +9,23 @@ from torch import nn
 
 from probe.hooks import HookPoint
 from probe.config import Activation, DecoderConfig
+from probe.norm import LayerNorm
+
+
+class SoLU(nn.Module):
+    """x * softmax(x) over d_mlp (Elhage et al. 2022): the largest pre-activations pass, the rest are suppressed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.softmax(x, dim=-1)
+
 
 ACTIVATIONS = {
     Activation.GELU_TANH: lambda: nn.GELU(approximate="tanh"),
     Activation.GELU: lambda: nn.GELU(),
     Activation.RELU: lambda: nn.ReLU(),
     Activation.SILU: lambda: nn.SiLU(),
+    Activation.SOLU: SoLU,
+    Activation.SOLU_LN: SoLU,  # its LayerNorm is the MLP's own module (NormedMLP.ln)
 }
 
 
@@ -68,5 +80,26 @@ class GatedMLP(MLP):
         return self.gate.weight.T
 
 
+class NormedMLP(MLP):
+    """act, then a LayerNorm over d_mlp, then W_out (SoLU's MLP: transformer-lens's act_fn="solu_ln").
+
+    hook_mid is act(hook_pre); hook_post, what W_out reads, is ln(hook_mid), so a neuron's write is still
+    hook_post * its row of W_out, but hook_post is no function of its own neuron's pre-activation alone."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__(cfg)
+        self.hook_mid = HookPoint()  # [batch pos d_mlp]
+        # fixed w and b (LNPre) after folding (into W_out and b_out, with the other norms), or beside other norm kinds
+        self.ln = LayerNorm(cfg.d_mlp, cfg.eps, learned=cfg.mlp_norm_learned)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self.hook_pre(self.fc_in(x))
+        mid = self.hook_mid(self.act(pre))
+        post = self.hook_post(self.ln(mid))
+        return self.fc_out(post)
+
+
 def make_mlp(cfg: DecoderConfig) -> nn.Module:
-    return GatedMLP(cfg) if cfg.gated_mlp else MLP(cfg)
+    if cfg.gated_mlp:
+        return GatedMLP(cfg)
+    return NormedMLP(cfg) if cfg.activation.normed else MLP(cfg)

@@ -12,16 +12,17 @@ _BLOCK_KINDS = {
     "attn_in": "", "q_input": "", "k_input": "", "v_input": "", "mlp_in": "",
     "q": "attn", "k": "attn", "v": "attn", "rot_q": "attn", "rot_k": "attn", "attn_scores": "attn",
     "pattern": "attn", "z": "attn", "result": "attn", "q_normed": "attn", "k_normed": "attn",
-    "pre": "mlp", "post": "mlp", "pre_linear": "mlp",
+    "pre": "mlp", "mid": "mlp", "post": "mlp", "pre_linear": "mlp",
 }
 _ALIASES = {"attn": "pattern", "scores": "attn_scores", "attn_logits": "attn_scores", "query": "q", "key": "k",
-            "value": "v", "mlp_pre": "pre", "mlp_post": "post"}
+            "value": "v", "mlp_pre": "pre", "mlp_mid": "mid",
+            "mlp_post": "post"}
 _NORM_KINDS = ("scale", "normalized")
 _TOP_KINDS = ("embed", "pos_embed")
 
 
-BlockNorm = Literal["ln1", "ln2", "ln1_post", "ln2_post"]
-_BLOCK_NORMS = ("ln1", "ln2", "ln1_post", "ln2_post")
+BlockNorm = Literal["ln1", "ln2", "ln1_post", "ln2_post", "mlp.ln"]
+_BLOCK_NORMS = ("ln1", "ln2", "ln1_post", "ln2_post", "mlp.ln")  # mlp.ln: a SoLU MLP's LayerNorm over d_mlp
 
 
 def act_name(kind: str, layer: Optional[int] = None, norm: Optional[BlockNorm] = None) -> str:
@@ -29,9 +30,9 @@ def act_name(kind: str, layer: Optional[int] = None, norm: Optional[BlockNorm] =
 
     kinds: resid_pre resid_mid resid_post attn_out mlp_out; attn_in q_input k_input v_input mlp_in (the
     use_attn_in / use_split_qkv_input / use_hook_mlp_in inputs); q (query) k (key) v (value) rot_q rot_k
-    attn_scores (scores, attn_logits) pattern (attn) z result; pre (mlp_pre) post (mlp_post)
-    pre_linear; q_normed k_normed (Qwen3); scale normalized (of `norm` ln1/ln2/ln1_post/ln2_post in block `layer`, or of ln_final without a
-    layer); embed pos_embed (no layer).
+    attn_scores (scores, attn_logits) pattern (attn) z result; pre (mlp_pre) mid (mlp_mid: SoLU-LN MLPs) post
+    (mlp_post) pre_linear; q_normed k_normed (Qwen3); scale normalized (of `norm` ln1/ln2/ln1_post/ln2_post/mlp.ln in
+    block `layer`, or of ln_final without a layer); embed pos_embed (no layer).
     The name is only built here: the model's `hook_point(name)` says whether this model has it.
     """
     # analyses build the same names thousands of times a call: plain ints and strings are remembered
@@ -56,7 +57,7 @@ def _build_name(kind, layer, norm) -> str:
             return f"ln_final.hook_{kind}"
         if layer is None or norm not in _BLOCK_NORMS:
             raise ValueError(f"{kind!r} of a block's norm needs a layer and norm='ln1' or 'ln2' (or a sandwich block's "
-                             "'ln1_post' / 'ln2_post') "
+                             "'ln1_post' / 'ln2_post', or a SoLU MLP's 'mlp.ln') "
                              f"(got layer={layer!r}, norm={norm!r}); without either it is ln_final's")
         return f"blocks.{_layer(layer)}.{norm}.hook_{kind}"
     if kind not in _BLOCK_KINDS:

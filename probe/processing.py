@@ -181,15 +181,19 @@ def _fold_norms(model: HookedDecoder) -> None:
         _fold_norm_into(block.ln1, [block.attn.qkv], model, "qkv_bias")
         if hasattr(block, "ln2"):
             _fold_norm_into(block.ln2, _mlp_inputs(block), model, "mlp_bias")
+        if model.cfg.mlp_norm_learned:  # a SoLU-LN MLP's LayerNorm, into the W_out that reads it (TL folds it too)
+            _fold_norm_into(block.mlp.ln, [block.mlp.fc_out], model, "mlp_bias")
     if model.cfg.final_norm:
         _fold_norm_into(model.ln_final, [model.unembed], model, "unembed_bias")
     drop_norm_weights(model)  # the folded norms are left with nothing to learn
 
 
 def drop_norm_weights(model: HookedDecoder) -> None:
-    """ln1, ln2 and ln_final keep w = 1 (and b = 0) fixed, learning none: transformer-lens's LNPre / RMSPre, whose
-    state dict has no norm weights (cfg.norm_weights False). For norms whose weights are ones and zeros already."""
+    """ln1, ln2, ln_final (and a SoLU-LN MLP's mlp.ln) keep w = 1 (and b = 0) fixed, learning none: transformer-lens's
+    LNPre / RMSPre, whose state dict has no norm weights (cfg.norm_weights False). For norms whose weights are ones and
+    zeros already."""
     norms = [getattr(block, name) for block in model.blocks for name in ("ln1", "ln2") if hasattr(block, name)]
+    norms += [block.mlp.ln for block in model.blocks if hasattr(getattr(block, "mlp", None), "ln")]  # SoLU-LN's
     for norm in norms + [model.ln_final]:
         if hasattr(norm, "drop_weights"):  # not the Identity of a model without a final norm
             norm.drop_weights()

@@ -75,6 +75,10 @@ def mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int, n
     shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
     if cfg.gated_mlp:
         shapes[f"{b}.mlp.hook_pre_linear"] = (batch, pos, cfg.d_mlp)
+    if cfg.activation.normed:  # act, then a LayerNorm over d_mlp (SoLU-LN)
+        shapes[f"{b}.mlp.hook_mid"] = (batch, pos, cfg.d_mlp)
+        shapes[f"{b}.mlp.ln.hook_scale"] = (batch, pos, 1)
+        shapes[f"{b}.mlp.ln.hook_normalized"] = (batch, pos, cfg.d_mlp)
     shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
     if cfg.norm_placement is NormPlacement.SANDWICH:
         norm(f"{b}.ln2_post")

@@ -21,7 +21,7 @@ import torch
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
 
 ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu": Activation.GELU,
-               "relu": Activation.RELU, "silu": Activation.SILU}
+               "relu": Activation.RELU, "silu": Activation.SILU, "solu": Activation.SOLU, "solu_ln": Activation.SOLU_LN}
 NORMS = {"LN": Norm.LAYER, "RMS": Norm.RMS, "LNPre": Norm.LAYER, "RMSPre": Norm.RMS, None: Norm.NONE}
 POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY, "shortformer": Positions.SHORTFORMER}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -86,7 +86,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         n_heads = d_model // d_head
     act_fn = s.get("act_fn", "relu" if s.get("attn_only") else None)  # no MLP to use it: TL's value, unused
     if s.get("attn_only") and act_fn not in ACTIVATIONS:
-        act_fn = "relu"  # whatever an attention-only model's file names (SoLU in Neel Nanda's), nothing applies it
+        act_fn = "relu"  # whatever an attention-only model's file names that probe lacks: nothing applies it
     if act_fn not in ACTIVATIONS:
         raise ValueError(f"HookedTransformerConfig(act_fn={act_fn!r}) is not supported: {WHY['act_fn']}")
     norm = _choice(s, "normalization_type", "LN", NORMS)

@@ -110,7 +110,8 @@ def load_model(name_or_path, options: LoadingKeywords, model_class: type):
         directory = resolve_checkpoint(name_or_path, options.revision)
         config = read_json_object(directory / "config.json")
         if is_tl_format(config):  # transformer-lens's own format (Neel Nanda's toy models): TL config, *final.pth
-            model = load_tl_format(directory, config, load_tokenizer, options.device, options.load_dtype, model_class)
+            model = load_tl_format(directory, config, load_tokenizer, options.device, options.load_dtype, model_class,
+                                   source=SHORT_NAMES.get(str(name_or_path), str(name_or_path)))
         else:
             model = load_pretrained(directory, device=options.device, dtype=options.load_dtype, model_class=model_class)
         if options.tokenizer is not None:

@@ -15,9 +15,9 @@ import torch
 
 from probe import HookedDecoder, HookedTransformerConfig, SAEConfig, SparseAutoencoder
 from probe.analyses import (
-    Site, ablate_heads, agreement, attention_patterns, attribution_graph, attribution_patch, circuit_graph,
-    direct_logit_attribution, edge_attribution, faithfulness, feature_inputs, feature_logits,
-    head_ablation_effects, intervene, logit_diff_metric, logit_lens, memory_lookup, memory_report, patch, path_patch,
+    Site, ablate_heads, agreement, attention_patterns, attribution_graph, attribution_patch,
+    direct_logit_attribution, feature_inputs, feature_logits,
+    head_ablation_effects, intervene, logit_diff_metric, logit_lens, memory_lookup, memory_report, patch,
     prune_heads, residual_decomposition, sae_features, steer, steering_vector, sub_updates, top_triggers,
     train_tuned_lens, value_tokens,
 )
@@ -316,13 +316,9 @@ REFUSED = {
     "memory_lookup": (lambda m: memory_lookup(m, TOKENS), f"memory_lookup: {NO_MLPS}.*read its heads instead"),
     "sub_updates": (lambda m: sub_updates(m, 0, torch.ones(4)), f"sub_updates: {NO_MLPS}"),
     "top_triggers": (lambda m: top_triggers(m, ["text"], progress=False), f"top_triggers of FFN neurons.*{NO_MLPS}"),
-    # the model is refused before the scan (or the circuit) is read
+    # the model is refused before the scan is read
     "agreement": (lambda m: agreement(m, None), f"agreement: {NO_MLPS}"),
     "memory_report": (lambda m: memory_report(m, None), f"memory_report: {NO_MLPS}"),
-    "circuit_graph": (circuit_graph, f"circuits .*: {NO_MLPS}, so the graph's MLP nodes"),
-    "faithfulness": (lambda m: faithfulness(m, None, TOKENS, OTHER, diff(m)), f"circuits .*{NO_MLPS}"),
-    "edge_attribution": (lambda m: edge_attribution(m, TOKENS, OTHER, diff(m)), f"circuits .*{NO_MLPS}"),
-    "path_patch": (lambda m: path_patch(m, TOKENS, OTHER, diff(m), "L0H0", "L1H0"), f"{NO_MLPS}"),
     "attribution_graph": (lambda m: attribution_graph(m, mlp_transcoder(m), TOKENS[0]),
                           f"attribution graphs .*: {NO_MLPS}, so no MLP for a transcoder to replace"),
     "intervene": (lambda m: intervene(m, mlp_transcoder(m), TOKENS[0], []), f"attribution graphs .*{NO_MLPS}"),
@@ -338,9 +334,6 @@ def test_what_needs_an_mlp_is_refused_up_front_saying_what_to_do(model, what):
 
 def test_shortformer_positions_are_refused_where_they_would_be_wrong():
     model = shortformer_with_mlps("LN")
-    with pytest.raises(ValueError, match="shortformer positions are added to every layer's queries and keys.*the "
-                                         "graph's `embed` node does not carry them"):
-        circuit_graph(model)
     sae = sae_at("hook_pos_embed").double()
     with pytest.raises(ValueError, match="feature_logits of an SAE at 'hook_pos_embed': .*shortformer positions.*never "
                                          "reach the unembedding"):

@@ -382,9 +382,12 @@ def test_to_moves_in_place_and_keeps_the_model_and_the_batch_dim(ours):
 def test_keys_are_strict_and_helpful(ours):
     _, cache = ours.run_with_cache(PROMPT)
     assert ("pattern", 0) in cache and "embed" in cache and ("pattern", 9) not in cache and "k6" not in cache
+    assert "k1" in cache  # transformer-lens's shorthand (test_transformer_lens_shorthand_keys)
     for key, message in ((("pattern", 9), "closest valid names: blocks"),
                          ("resid_pre", "inside a block: give its layer, e.g. cache\\['resid_pre', 0\\]"),
-                         ("k6", "shorthand .* cache\\['k', 6\\]"),
+                         ("k6", "closest valid names"),
+                         ("resid_pre6", "no shorthand with an underscore; write cache\\['resid_pre', 6\\]"),
+                         ("k1m", "'k' is in attn, not in 'm'"),
                          (("resid_pre", 0, "attn"), "in the block itself, not in 'attn'"),
                          (("scale", 1), "needs a layer and norm='ln1' or 'ln2'"),
                          (("pattern", "0"), "layer must be an int"),
@@ -414,3 +417,16 @@ def test_bad_arguments_name_the_fix(ours):
     _, partial = ours.run_with_cache(PROMPT, names_filter=lambda n: "resid" in n)
     with pytest.raises(KeyError, match="apply_ln needs an activation this cache lacks: .*'blocks.2.ln1.hook_scale'.*names_filter"):
         partial.accumulated_resid(layer=2, apply_ln=True)
+
+
+def test_transformer_lens_shorthand_keys(ours):
+    """cache["k1"], cache["scale2ln1"], ...: the name transformer-lens's own get_act_name gives each shorthand."""
+    utilities = pytest.importorskip("transformer_lens.utilities")
+    _, cache = ours.run_with_cache(PROMPT)
+    for key in ("k1", "q0", "pattern2", "attn2", "z3", "pre2", "post0", "scale2ln1", "normalized1ln2",
+                "k1a", "pre2m", "scale0ln2"):
+        name = utilities.get_act_name(key)
+        assert name in cache.keys(), key
+        assert cache[key] is cache[name], key
+    _, grads = ours.run_with_cache(PROMPT, return_type="loss", incl_bwd=True)
+    assert grads["k1_grad"] is grads["blocks.1.attn.hook_k_grad"]

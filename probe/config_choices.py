@@ -1,0 +1,80 @@
+"""The typed choices a DecoderConfig is built from: the MLP's activation, the kind and placement of the norms, the
+positions, and how long-context checkpoints rescale their rotary frequencies."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+class Activation(enum.Enum):
+    """The MLP non-linearity (values are the names Hugging Face configs use, or transformer-lens's where no Hugging
+    Face format has it)."""
+
+    GELU_TANH = "gelu_new"  # GPT-2's tanh approximation
+    GELU = "gelu"  # exact, erf-based (GPT-1)
+    RELU = "relu"
+    SILU = "silu"  # with gated_mlp: SwiGLU (Llama, Qwen2)
+    SOLU = "solu"  # x * softmax(x) over d_mlp (Elhage et al. 2022, "Softmax Linear Units")
+    # SoLU, then a LayerNorm over d_mlp inside the MLP (mlp.ln), which W_out reads: the paper's MLP, Neel Nanda's
+    # solu-* models; transformer-lens's act_fn="solu_ln"
+    SOLU_LN = "solu_ln"
+
+    @property
+    def normed(self) -> bool:
+        """Whether the MLP normalises its activations before W_out (mlp.ln): hook_post is then not act(hook_pre)."""
+        return self is Activation.SOLU_LN
+
+
+class Norm(enum.Enum):
+    LAYER = "layer"  # subtract the mean, divide by the std, then w * x + b
+    RMS = "rms"  # divide by the root mean square, then w * x (Llama)
+    RMS_FLOAT32 = "rms_float32"  # the same, w kept and applied in float32, rounded once (Gemma; w = 1 + the stored offset)
+    NONE = "none"  # no normalisation at all (transformer-lens's normalization_type=None: toy models, grokking)
+
+
+class NormPlacement(enum.Enum):
+    """Where the norms sit, which decides how the two sublayers meet the residual stream."""
+
+    PRE = "pre"  # x + F(norm(x)): GPT-2, Llama
+    POST = "post"  # norm(x + F(x)): the 2017 original, GPT-1
+    PARALLEL = "parallel"  # x + attn(norm1(x)) + mlp(norm2(x)): both read the same residual (GPT-NeoX, Pythia)
+    SANDWICH = "sandwich"  # x + norm1_post(attn(norm1(x))), then the same for the MLP: each write normalised (Gemma 2)
+
+
+class Positions(enum.Enum):
+    LEARNED = "learned"  # a learned vector per position, added to the embedding (GPT-2, GPT-1)
+    SINUSOIDAL = "sinusoidal"  # fixed sinusoids added to the embedding (Vaswani et al. 2017)
+    ROTARY = "rotary"  # q and k rotated by position inside every attention layer (Llama)
+    # a learned vector per position added to every attention layer's query and key inputs (after ln1), never to the
+    # residual stream or the values (Press et al. 2021; transformer-lens's attn-only toy models, ARENA's induction model)
+    SHORTFORMER = "shortformer"
+
+
+@dataclass(frozen=True)
+class RotaryScaling:
+    """How a long-context checkpoint rescales its rotary frequencies (transformers' `rope_type`).
+
+    "linear": every frequency divided by `factor` (positions interpolated). "llama3" (Llama 3.1,
+    3.2): frequencies whose wavelength exceeds original_n_ctx / low_freq_factor divided by `factor`,
+    those shorter than original_n_ctx / high_freq_factor kept, and the ones between blended linearly
+    in original_n_ctx / wavelength.
+    """
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_n_ctx: Optional[int] = None  # llama3 only: the context length of pretraining
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f"rotary scaling kind={self.kind!r} is not supported; choose one of: 'linear', 'llama3'")
+        if not (isinstance(self.factor, (int, float)) and self.factor > 0):
+            raise ValueError(f"rotary scaling factor must be a positive number, got {self.factor!r}")
+        if self.kind == "llama3":
+            if not (isinstance(self.original_n_ctx, int) and self.original_n_ctx > 0):
+                raise ValueError(f"llama3 rotary scaling needs original_n_ctx, a positive int, got {self.original_n_ctx!r}")
+            if not 0 < self.low_freq_factor < self.high_freq_factor:
+                raise ValueError(f"llama3 rotary scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                                 f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
