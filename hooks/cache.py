@@ -35,6 +35,11 @@ class ActivationCache(Mapping[str, torch.Tensor]):
         return f"ActivationCache({len(self)} activations, {self.nbytes / 2**20:.1f} MiB)"
 
     @property
+    def cache_dict(self) -> dict[str, torch.Tensor]:
+        """The name -> tensor dict itself, as transformer-lens's `cache.cache_dict` (an edit shows in the cache)."""
+        return self._acts
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._acts.values())
 

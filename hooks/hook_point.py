@@ -233,6 +233,17 @@ class HookPoint(nn.Module):
         """Every attached hook, forward then backward, in the order they run."""
         return self._fns + self._bwd_fns
 
+    @property
+    def fwd_hooks(self) -> list[HookHandle]:
+        """transformer-lens's `hook_point.fwd_hooks`: the forward hooks this context sees, in the order they run (a
+        copy: remove one with its handle's `remove()`, or `remove_hooks()`)."""
+        return list(_visible(self._fns))
+
+    @property
+    def bwd_hooks(self) -> list[HookHandle]:
+        """The same for backward hooks (transformer-lens's `hook_point.bwd_hooks`)."""
+        return list(_visible(self._bwd_fns))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # nn.Module.__call__'s dispatch costs several times what an unhooked point does: go straight to forward
         # unless torch's own module hooks are attached to this point

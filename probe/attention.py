@@ -11,6 +11,7 @@ from torch import nn
 from probe.hooks import HookPoint
 from probe.config import DecoderConfig, Positions
 from probe.embedding import Rotary
+from probe.factored import FactoredMatrix
 from probe.kv_cache import LayerKV
 from probe.norm import make_norm
 from probe.softcap import make_softcap
@@ -141,6 +142,14 @@ class Attention(nn.Module):
     @property
     def W_O(self) -> torch.Tensor:  # [head d_head d_model]
         return self.out.weight.t().unflatten(0, (-1, self.d_head))  # a view, as rearrange's, without its parsing
+
+    @property
+    def OV(self) -> FactoredMatrix:  # [head d_model d_model]: W_V @ W_O, a key/value head repeated per query head
+        return FactoredMatrix(self.W_V.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0), self.W_O)
+
+    @property
+    def QK(self) -> FactoredMatrix:  # [head d_model d_model]: W_Q @ W_K^T, before the scale, rotary and biases
+        return FactoredMatrix(self.W_Q, self.W_K.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0).mT)
 
     @property
     def b_O(self) -> Optional[torch.Tensor]:  # [d_model], None without an output bias

@@ -173,3 +173,7 @@ class Unembed(nn.Module):
     @property
     def W_U(self) -> torch.Tensor:  # [d_model vocab]
         return self.weight.T
+
+    @property
+    def b_U(self) -> torch.Tensor:  # [vocab]: zeros without an unembedding bias, as transformer-lens's
+        return self.weight.new_zeros(self.weight.shape[0]) if self.bias is None else self.bias

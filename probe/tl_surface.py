@@ -106,6 +106,19 @@ class TransformerLensSurface:
         self._include_by_default(("hook_mlp_in",), use_hook_mlp_in)
         self._record_switch(use_hook_mlp_in=bool(use_hook_mlp_in))
 
+    # ---- transformer-lens's parameters by its own names ---------------------------------------------------
+    def tl_parameters(self) -> dict[str, torch.Tensor]:
+        """transformer-lens's `tl_parameters()` (its bridge's): every weight under TL's name and shape
+        (`blocks.0.attn.W_Q` [head d_model d_head], `mlp.W_in`, `unembed.W_U`, ...), as `state_dict()` gives them
+        but in the autograd graph of probe's own parameters, so a loss on them sends gradients to the fused
+        weights (they are computed from them: an optimiser still takes `model.parameters()`). TL 4's
+        `SVDInterpreter(model)` reads these."""
+        return dict(self.state_dict(keep_vars=True))
+
+    def tl_named_parameters(self):
+        """transformer-lens's `tl_named_parameters()`: `tl_parameters()` as (name, tensor) pairs."""
+        return iter(self.tl_parameters().items())
+
     # ---- transformer-lens's processing and tokenizer methods, on a model already built -----------------------
     def process_weights_(self, fold_ln: Optional[bool] = None, center_writing_weights: Optional[bool] = None,
                          center_unembed: Optional[bool] = None, refactor_factored_attn_matrices: Optional[bool] = None,

@@ -85,8 +85,7 @@ class WeightViews:
 
     @property
     def b_U(self) -> torch.Tensor:  # [vocab]: zeros without an unembedding bias, as transformer-lens's
-        bias = self.unembed.bias
-        return self.W_U.new_zeros(self.W_U.shape[-1]) if bias is None else bias
+        return self.unembed.b_U
 
     @property
     def W_E_pos(self) -> torch.Tensor:  # [vocab + n_ctx, d_model]: the token and position tables, one after the other
