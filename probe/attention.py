@@ -67,6 +67,10 @@ class Attention(nn.Module):
         """x [batch pos d_model]; positions [batch pos] (None: 0, 1, ...); `allowed` [batch 1 query_pos key_pos] says which
         keys each query may see (None: plain causal, or every key in a bidirectional model); `past` holds earlier passes' keys and values; `qk_pos`
         [batch pos d_model], shortformer positions, joins the queries' and keys' inputs but not the values'."""
+        if positions is not None and positions.is_floating_point():
+            raise TypeError("Attention(x, positions, ...) takes one input and integer positions, not transformer-lens's "
+                            "attn(query_input, key_input, value_input): call attn(x) with the normalised residual, or "
+                            "give heads their own inputs with model.set_use_split_qkv_input(True)")
         q, k, v = self.project(x)
         if qk_pos is not None:  # (x + qk_pos) @ W_Q is x @ W_Q + qk_pos @ W_Q: one more matmul, no second q/k/v pass
             n_q, n_kv = self.qkv_sizes[:2]

@@ -217,3 +217,36 @@ def test_a_tokenizerless_models_prompt_in_the_title_keeps_its_ids_apart():
     scores = edge_attribution(model, clean, corrupted, logit_diff_metric(model, ANSWERS, WRONGS))
     title = scores.circuit(n_edges=10).figure().layout.title.text
     assert " ".join(str(t) for t in corrupted[0].tolist()) in title
+
+
+def test_probe_circuit_runs_on_a_transformer_lens_attention_only_checkpoint(tmp_path, capsys):
+    """`probe circuit --model DIR` on a checkpoint in transformer-lens's own format (a TL config.json naming a local
+    tokenizer, a *final.pth state dict), as Neel Nanda's attn-only-Nl are stored: the edge CSV is the graph's 81
+    edges with no MLP inputs, scored as edge_attribution scores them in-process."""
+    import pandas as pd
+
+    import probe
+    from probe.cli import cli
+
+    settings = dict(d_model=32, d_head=8, n_heads=4, n_layers=2, n_ctx=32, d_vocab=4096, attn_only=True,
+                    positional_embedding_type="shortformer", normalization_type=None, act_fn="relu",
+                    tokenizer_name=str(probe.DEFAULT_MODEL), model_name="toy-attn-only-2l", seed=3)
+    directory = tmp_path / "toy"
+    directory.mkdir()
+    model = HookedDecoder(HookedTransformerConfig(**settings))
+    torch.save(model.state_dict(), directory / "model_final.pth")
+    (directory / "config.json").write_text(json.dumps(dict(settings, d_mlp=None)))
+    clean, corrupted = "the dog and the cat", "the the and the cat"
+    argv = ["circuit", "--model", str(directory), "--clean", clean, "--corrupted", corrupted, "--answer", " dog",
+            "--counterfactual", " the", "--method", "eap", "--edges", "10", "--random", "0", "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    edges = pd.read_csv(tmp_path / "out" / "edges.csv")
+    assert len(edges) == 81 and set(edges["input"]) == {"q", "k", "v", "logits"}
+    loaded = HookedDecoder.from_pretrained(directory).eval()
+    answer, wrong = loaded.to_single_token(" dog"), loaded.to_single_token(" the")
+    ours = edge_attribution(loaded, clean, corrupted, logit_diff_metric(loaded, [answer], [wrong]))
+    expected = ours.to_frame().set_index(["source", "target"])["score"]
+    got = edges.set_index(["source", "target"])["score"]
+    torch.testing.assert_close(torch.tensor(got.loc[expected.index].values).float(), torch.tensor(expected.values).float(),
+                               atol=1e-6, rtol=1e-5)
+    assert (tmp_path / "out" / "circuit.html").exists()

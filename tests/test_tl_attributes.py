@@ -117,3 +117,12 @@ def test_tl_parameters_are_tl_names_in_the_graph_of_probes_weights():
     n_q = 4 * 8
     torch.testing.assert_close(grad[:n_q], 2 * model.blocks[0].attn.qkv.weight[:n_q].detach())
     assert not grad[n_q:].any()
+
+
+def test_transformer_lens_three_input_attention_call_is_refused_naming_the_one_input_call():
+    model = HookedDecoder(HookedTransformerConfig(**SETTINGS)).eval()
+    x = torch.randn(1, 5, 32)
+    with pytest.raises(TypeError, match=r"not transformer-lens's attn\(query_input, key_input, value_input\): call "
+                                        r"attn\(x\)"):
+        model.blocks[0].attn(x, x, x)
+    torch.testing.assert_close(model.blocks[0].attn(x), model.blocks[0].attn(x, torch.arange(5)[None]))
