@@ -12,6 +12,8 @@ probe's random models differ. What probe's decoder does not have is refused by n
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import random
 from typing import Any, Optional
@@ -56,9 +58,19 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "use_attn_in", "use_hook_mlp_in", "attn_only", "tokenizer_name", "attention_dir", "use_hook_tokens"}
 
 
+def _config_fields() -> set[str]:
+    """The fields `DecoderConfig.to_dict()` writes: a set of keywords holding them all is such a dict (no
+    transformer-lens call names probe's own fields, `activation`, `norm_placement`, ...)."""
+    return {f.name for f in dataclasses.fields(DecoderConfig) if f.compare}
+
+
 def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: transformer-lens's name, for its code
-    """A DecoderConfig from transformer-lens's HookedTransformerConfig keywords (see the module docstring)."""
+    """A DecoderConfig from transformer-lens's HookedTransformerConfig keywords (see the module docstring), or from
+    every field of a DecoderConfig's `to_dict()`: TL code rebuilds a model's config as
+    `HookedTransformerConfig(**model.cfg.to_dict())`, and a probe config's dict holds probe's own fields."""
     s = dict(settings)
+    if _config_fields() <= set(s):
+        return DecoderConfig.from_dict(s)
     for name in ("n_layers", "d_model", "n_ctx", "d_head"):
         if name not in s:
             raise TypeError(f"HookedTransformerConfig needs {name} (transformer-lens requires it too)")

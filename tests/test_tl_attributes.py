@@ -126,3 +126,24 @@ def test_transformer_lens_three_input_attention_call_is_refused_naming_the_one_i
                                         r"attn\(x\)"):
         model.blocks[0].attn(x, x, x)
     torch.testing.assert_close(model.blocks[0].attn(x), model.blocks[0].attn(x, torch.arange(5)[None]))
+
+
+@pytest.mark.parametrize("source", ["bundled", "toy"])
+def test_a_config_rebuilt_from_its_dict_builds_the_same_model(source):
+    """TL code's `HookedTransformerConfig(**model.cfg.to_dict())` (and the same through JSON, as a training script
+    saves its config): the config rebuilt is the model's, and a model built from it with the same state dict gives
+    the same logits."""
+    import json as json_module
+
+    if source == "bundled":
+        model = HookedDecoder.from_pretrained(probe.DEFAULT_MODEL).eval()
+    else:
+        model = HookedDecoder(HookedTransformerConfig(**SETTINGS, n_key_value_heads=2)).eval()
+    for values in (model.cfg.to_dict(), json_module.loads(json_module.dumps(model.cfg.to_dict()))):
+        rebuilt = HookedTransformerConfig(**values)
+        assert rebuilt == model.cfg
+        copy = HookedDecoder(rebuilt).eval()
+        copy.load_state_dict(model.state_dict(), strict=True)
+        tokens = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(copy(tokens), model(tokens), atol=1e-4, rtol=1e-4)  # GPT-2 weights lie transposed
