@@ -35,6 +35,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
         self.out = nn.Linear(self.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
         self.scale = (cfg.d_head if cfg.attn_scale_dim is None else cfg.attn_scale_dim) ** -0.5
+        if cfg.attn_scale_by_layer:  # GPT-2's scale_attn_by_inverse_layer_idx: deeper layers' scores shrink
+            self.scale /= layer + 1
         self.score_cap = make_softcap(cfg.attn_softcap)
         self.fusable = cfg.attn_softcap is None  # the fused kernel cannot cap scores
         self.causal = not cfg.bidirectional  # what `allowed=None` means: earlier keys only, or every key

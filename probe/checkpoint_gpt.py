@@ -18,14 +18,14 @@ from probe.tokenizer import Tokenizer
 def gpt2_config(hf: dict) -> DecoderConfig:
     if not hf.get("scale_attn_weights", True):
         raise CheckpointError("scale_attn_weights=false is not supported")
-    if hf.get("scale_attn_by_inverse_layer_idx"):
-        raise CheckpointError("scale_attn_by_inverse_layer_idx=true is not supported")
     heads = hf.get("heads_per_layer")  # written by probe for structurally pruned models
     return DecoderConfig(
         n_layers=hf["n_layer"], d_model=hf["n_embd"], n_heads=hf["n_head"], d_mlp=hf.get("n_inner") or 4 * hf["n_embd"],
         d_vocab=hf["vocab_size"], n_ctx=hf["n_positions"], eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=activation_of(hf.get("activation_function", "gelu_new"), GPT_ACTIVATIONS),
         tied_embeddings=hf.get("tie_word_embeddings", True), heads_per_layer=None if heads is None else tuple(heads),
+        # Stanford CRFM's runs (reorder_and_upcast_attn too, which only computes the same scores in float32)
+        attn_scale_by_layer=bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
     )
 
 
@@ -41,6 +41,7 @@ def gpt1_config(hf: dict) -> DecoderConfig:
 
 def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
     require_fields(cfg, "GPT-2", norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True, positions=Positions.LEARNED,
+                   attn_scale_by_layer={False, True},
                    gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads, qkv_bias=True, out_bias=True,
                    mlp_bias=True)
     if cfg.n_heads * cfg.d_head != cfg.d_model:
@@ -51,6 +52,7 @@ def gpt2_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dic
         "n_head": cfg.n_heads, "n_inner": cfg.d_mlp, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx,
         "layer_norm_epsilon": cfg.eps, "activation_function": GPT_ACTIVATION_NAMES[cfg.activation],
         "bos_token_id": special, "eos_token_id": special, "tie_word_embeddings": cfg.tied_embeddings,
+        "scale_attn_by_inverse_layer_idx": cfg.attn_scale_by_layer,
         # transformers cannot load a pruned model (its layers differ in width); probe can
         **({"heads_per_layer": list(cfg.heads_per_layer)} if cfg.heads_per_layer is not None else {}),
     }

@@ -57,6 +57,8 @@ class DecoderConfig:
     sliding_window: Optional[int] = None  # each query sees at most this many keys, itself included (Mistral); None: all earlier ones
     sliding_layers: Optional[tuple[bool, ...]] = None  # which layers use sliding_window (Gemma 2: every other); None: all
     attn_scale_dim: Optional[float] = None  # q.k is divided by sqrt(attn_scale_dim); None: d_head (Gemma 2: query_pre_attn_scalar)
+    # layer l's q.k also divided by l + 1 (GPT-2's scale_attn_by_inverse_layer_idx: Stanford CRFM's GPT-2 runs)
+    attn_scale_by_layer: bool = False
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2: 50)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
     scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
@@ -167,7 +169,7 @@ class DecoderConfig:
             if self.rotary_dim % 2 or self.rotary_dim > self.d_head:
                 raise ValueError(f"positions=rotary rotates pairs of dimensions, so rotary_dim must be even and at most "
                                  f"d_head={self.d_head}, got rotary_dim={self.rotary_dim}")
-        for field in ("attn_only", "bidirectional", "use_hook_tokens"):
+        for field in ("attn_only", "bidirectional", "use_hook_tokens", "attn_scale_by_layer"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         if self.bidirectional and self.sliding_window is not None:
@@ -293,7 +295,7 @@ class DecoderConfig:
 
     @property
     def scale_attn_by_inverse_layer_idx(self) -> bool:
-        return False
+        return self.attn_scale_by_layer
 
     @property
     def ungroup_grouped_query_attention(self) -> bool:

@@ -29,8 +29,7 @@ POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY, "shortfo
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 # TL settings with nothing to build in probe: accepted at these values only
-ONLY = {"scale_attn_by_inverse_layer_idx": False,
-        "post_embedding_ln": False, "rotary_adjacent_pairs": False, "load_in_4bit": False, "num_experts": None,
+ONLY = {"post_embedding_ln": False, "rotary_adjacent_pairs": False, "load_in_4bit": False, "num_experts": None,
         "experts_per_token": None, "n_devices": 1, "init_weights": True,
         "ungroup_grouped_query_attention": False, "trust_remote_code": False,
         "relative_attention_max_distance": None, "relative_attention_num_buckets": None,
@@ -55,7 +54,8 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "NTK_by_parts_high_freq_factor", "NTK_original_ctx_len", "use_attn_scale", "attn_scale",
          "attn_scores_soft_cap", "output_logits_soft_cap", "use_qk_norm", "tie_word_embeddings", "model_name",
          "original_architecture", "device", "default_prepend_bos", "use_attn_result", "use_split_qkv_input",
-         "use_attn_in", "use_hook_mlp_in", "attn_only", "tokenizer_name", "attention_dir", "use_hook_tokens"}
+         "use_attn_in", "use_hook_mlp_in", "attn_only", "tokenizer_name", "attention_dir", "use_hook_tokens",
+         "scale_attn_by_inverse_layer_idx"}
 
 
 def _config_fields() -> set[str]:
@@ -136,6 +136,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         sliding_layers=tuple(t == "local" for t in attn_types) if window is not None and attn_types else None,
         attn_scale_dim=_scale_dim(s), attn_softcap=_cap(s.get("attn_scores_soft_cap", -1.0)),
         logit_softcap=_cap(s.get("output_logits_soft_cap", -1.0)), qk_norm=s.get("use_qk_norm", False),
+        attn_scale_by_layer=s.get("scale_attn_by_inverse_layer_idx", False),
         qkv_bias=True, out_bias=True, mlp_bias=True, unembed_bias=True,
         tied_embeddings=s.get("tie_word_embeddings", False),
         init_std=init if init > 0 else 0.8 / math.sqrt(d_model),  # TL's default for a negative initializer_range
