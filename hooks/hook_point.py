@@ -286,6 +286,10 @@ class HookPoint(nn.Module):
             raise
         if out is None or out is x:  # nothing replaced (an in-place edit is the hook's own, as with None)
             return x
+        if what == "gradient" and isinstance(out, tuple) and len(out) == 1:
+            out = out[0]  # torch's backward-hook convention, (grad,), which transformer-lens's backward hooks accept
+            if out is None or out is x:
+                return x
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"hook on {self.name!r} returned {type(out).__name__}; return a Tensor or None")
         if out.shape != x.shape:

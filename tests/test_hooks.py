@@ -235,6 +235,13 @@ def test_a_backward_hook_can_replace_the_gradient_flowing_on():
     assert torch.equal(x.grad, torch.tensor([2.0, 2.0]))  # the replaced gradient (1) times d mid / d x (2)
     with toy.hooks(bwd_hooks=[("inner.hook_mid", lambda grad, hook: grad[:1])]), pytest.raises(ValueError, match="gradient has shape"):
         toy_value(toy(torch.tensor([1.0, -2.0], requires_grad=True))).backward()
+    # torch's backward-hook convention, a 1-tuple, as transformer-lens's backward hooks accept it: (g * 0,)
+    x = torch.tensor([1.0, -2.0], requires_grad=True)
+    with toy.hooks(bwd_hooks=[("inner.hook_mid", lambda grad, hook: (torch.ones_like(grad),))]):
+        toy_value(toy(x)).backward()
+    assert torch.equal(x.grad, torch.tensor([2.0, 2.0]))
+    with toy.hooks(fwd_hooks=[("inner.hook_mid", lambda act, hook: (act,))]), pytest.raises(TypeError, match="returned tuple"):
+        toy(torch.tensor([1.0]))  # a forward hook returns the activation itself
 
 
 def test_backward_hooks_are_scoped_like_forward_hooks():
