@@ -36,15 +36,19 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         served from DIR (a TL-format config.json; a model_final.pth is first written there, a HookedTransformer of
         that config with its weights moved off their initialisation, if DIR has none): OUTPUTS gets logits on
         INPUTS' tokens and state.KEY (the loaded, processed state dict); stdout the JSON of its cfg's values
-    python saelens_oracle.py circuits CONFIG_JSON SPEC_JSON INPUTS OUTPUTS
-        HookedTransformer(HookedTransformerConfig(**CONFIG)), its weights moved off their initialisation as by
-        tl_build, runs tests/circuits_by_hand.py on INPUTS' clean and corrupted tokens with SPEC (answers, wrongs,
-        paths, circuits); OUTPUTS gets state.KEY and each result by name
+    python saelens_oracle.py circuits CASES_JSON INPUTS OUTPUTS
+        for each case NAME of CASES ({NAME: {"config": ..., "spec": ...}}, one process for them all: its start
+        costs more than a case), HookedTransformer(HookedTransformerConfig(**config)), its weights moved off their
+        initialisation, runs tests/circuits_by_hand.py on INPUTS' NAME/clean and NAME/corrupted tokens with the
+        spec (answers, wrongs, paths, circuits); OUTPUTS gets NAME/state.KEY and NAME/ each result by name
     python saelens_oracle.py tl_cache CONFIG_JSON INPUTS OUTPUTS [PROCESS_JSON]
         HookedTransformer(HookedTransformerConfig(**CONFIG)), its weights moved off their initialisation (seeded, every
         parameter): OUTPUTS gets state.KEY, logits and cache.NAME (every hook run_with_cache caches) on INPUTS'
         tokens; stdout the JSON of its n_params. With PROCESS_JSON, the model then load_and_process_state_dict(state,
         **PROCESS): OUTPUTS also gets processed.KEY, processed_logits and processed_cache.NAME
+    python saelens_oracle.py tl_caches CASES_JSON INPUTS OUTPUTS
+        tl_cache for each case NAME of CASES ({NAME: {"config": ..., "process": PROCESS or null}}) in one process:
+        OUTPUTS gets NAME/ each key; stdout the JSON {NAME: n_params}
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -172,29 +176,47 @@ def tl_build(config_json: str, inputs: str, outputs: str, process_json: str = ""
     print(json.dumps(resolved))
 
 
-def circuits(config_json: str, spec_json: str, inputs: str, outputs: str) -> None:
+def circuits(cases_json: str, inputs: str, outputs: str) -> None:
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     from circuits_by_hand import circuits_by_hand  # beside this file: its folder is on sys.path
 
-    model = HookedTransformer(HookedTransformerConfig(**json.loads(config_json), device="cpu")).eval()
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))  # sharper attention than the initialisation's
-    out = {f"state.{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()}
-    data = load_file(inputs)
-    out.update(circuits_by_hand(model, data["clean"], data["corrupted"], json.loads(spec_json)))
-    save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, outputs)
+    data, out = load_file(inputs), {}
+    for name, case in json.loads(cases_json).items():
+        model = HookedTransformer(HookedTransformerConfig(**case["config"], device="cpu")).eval()
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))  # sharper attention than the initialisation's
+        results = {f"state.{key}": t for key, t in model.state_dict().items()}
+        results.update(circuits_by_hand(model, data[f"{name}/clean"], data[f"{name}/corrupted"], case["spec"]))
+        out.update({f"{name}/{key}": t.detach().clone().contiguous() for key, t in results.items()})
+    save_file(out, outputs)
 
 
 def tl_cache(config_json: str, inputs: str, outputs: str, process_json: str = "") -> None:
+    out, n_params = _tl_cache(json.loads(config_json), load_file(inputs)["tokens"],
+                              json.loads(process_json) if process_json else None)
+    save_file(out, outputs)
+    print(json.dumps({"n_params": n_params}))
+
+
+def tl_caches(cases_json: str, inputs: str, outputs: str) -> None:
+    """tl_cache for several cases in one process: NAME/KEY for each case's keys; stdout {NAME: n_params}."""
+    tokens, out, printed = load_file(inputs)["tokens"], {}, {}
+    for name, case in json.loads(cases_json).items():
+        results, printed[name] = _tl_cache(case["config"], tokens, case.get("process"))
+        out.update({f"{name}/{key}": t for key, t in results.items()})
+    save_file(out, outputs)
+    print(json.dumps(printed))
+
+
+def _tl_cache(config: dict, tokens, process) -> tuple[dict, int]:
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-    cfg = HookedTransformerConfig(**json.loads(config_json), device="cpu")
+    cfg = HookedTransformerConfig(**config, device="cpu")
     model = HookedTransformer(cfg).eval()
     gen = torch.Generator().manual_seed(8)
-    tokens = load_file(inputs)["tokens"]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
@@ -202,16 +224,15 @@ def tl_cache(config_json: str, inputs: str, outputs: str, process_json: str = ""
         logits, cache = model.run_with_cache(tokens)
         out["logits"] = logits.contiguous()
         out.update({f"cache.{name}": t.clone().contiguous() for name, t in cache.items()})
-    if process_json:
+    if process:
         model.load_and_process_state_dict({k.removeprefix("state."): v for k, v in out.items() if k.startswith("state.")},
-                                          **json.loads(process_json))
+                                          **process)
         with torch.no_grad():
             out.update({f"processed.{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()})
             logits, cache = model.run_with_cache(tokens)
             out["processed_logits"] = logits.contiguous()
             out.update({f"processed_cache.{name}": t.clone().contiguous() for name, t in cache.items()})
-    save_file(out, outputs)
-    print(json.dumps({"n_params": cfg.n_params}))
+    return out, cfg.n_params
 
 
 def toy_idioms(model, tokens) -> dict:
@@ -356,5 +377,5 @@ def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict, "tl_build": tl_build,
-     "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel, "tl_cache": tl_cache,
+     "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel, "tl_cache": tl_cache, "tl_caches": tl_caches,
      "circuits": circuits}[command](*args)

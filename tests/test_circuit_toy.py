@@ -50,20 +50,33 @@ def random_circuits(settings: dict) -> list[list[tuple[str, str]]]:
     return [edges, []] + [[edges[i] for i in sorted(p)] for p in picks]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory):
-    """(settings, probe's model with HookedTransformer's weights, the oracle's results, clean, corrupted)."""
-    settings = CASES[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
-    clean, corrupted = prompts(settings["d_vocab"])
-    save_file({"clean": clean, "corrupted": corrupted}, str(tmp / "inputs.safetensors"))
-    spec = {"answers": ANSWERS, "wrongs": WRONGS, "paths": PATHS + (MLP_PATHS if "d_mlp" in settings else []),
+def spec_of(settings: dict) -> dict:
+    return {"answers": ANSWERS, "wrongs": WRONGS, "paths": PATHS + (MLP_PATHS if "d_mlp" in settings else []),
             "circuits": random_circuits(settings)}
-    oracle("circuits", json.dumps(settings), json.dumps(spec), tmp / "inputs.safetensors", tmp / "out.safetensors")
-    out = load_file(str(tmp / "out.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def by_hand(tmp_path_factory) -> dict:
+    """Every case's oracle results, from one oracle process (its start costs more than a case)."""
+    tmp = tmp_path_factory.mktemp("circuits_by_hand")
+    inputs = {}
+    for name, settings in CASES.items():
+        inputs[f"{name}/clean"], inputs[f"{name}/corrupted"] = prompts(settings["d_vocab"])
+    save_file(inputs, str(tmp / "inputs.safetensors"))
+    cases = {name: {"config": settings, "spec": spec_of(settings)} for name, settings in CASES.items()}
+    oracle("circuits", json.dumps(cases), tmp / "inputs.safetensors", tmp / "out.safetensors")
+    return load_file(str(tmp / "out.safetensors"))
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, by_hand):
+    """(settings, probe's model with HookedTransformer's weights, the oracle's results, the spec, clean, corrupted)."""
+    settings, prefix = CASES[request.param], f"{request.param}/"
+    out = {key.removeprefix(prefix): t for key, t in by_hand.items() if key.startswith(prefix)}
     model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
     model.load_state_dict({k.removeprefix("state."): v for k, v in out.items() if k.startswith("state.")}, strict=True)
-    return settings, model, out, spec, clean, corrupted
+    clean, corrupted = prompts(settings["d_vocab"])
+    return settings, model, out, spec_of(settings), clean, corrupted
 
 
 def at_edges(graph, full: torch.Tensor) -> torch.Tensor:

@@ -41,12 +41,16 @@ def tokens(seed: int = 2) -> torch.Tensor:
     return torch.randint(0, SMALL["d_vocab"], (2, 9), generator=torch.Generator().manual_seed(seed))
 
 
-def by_hooked_transformer(settings: dict, toks: torch.Tensor, tmp_path, process: bool) -> tuple[dict, dict]:
-    """HookedTransformer's outputs for `settings` with random weights (tl_cache), and its JSON (n_params)."""
-    save_file({"tokens": toks}, str(tmp_path / "tokens.safetensors"))
-    printed = oracle("tl_cache", json.dumps(settings), tmp_path / "tokens.safetensors", tmp_path / "out.safetensors",
-                     *([json.dumps(TL_DEFAULTS)] if process else []))
-    return load_file(str(tmp_path / "out.safetensors")), json.loads(printed.splitlines()[-1])
+@pytest.fixture(scope="module")
+def hooked_transformers(tmp_path_factory) -> tuple[dict, dict]:
+    """HookedTransformer's outputs for every case with random weights (tl_caches: one oracle process, whose start
+    costs more than a case), "solu-ln" processed with TL's defaults too: (outputs under "CASE/", {case: n_params})."""
+    tmp = tmp_path_factory.mktemp("tl_caches")
+    save_file({"tokens": tokens()}, str(tmp / "tokens.safetensors"))
+    cases = {name: {"config": settings, "process": TL_DEFAULTS if name == "solu-ln" else None}
+             for name, settings in CASES.items()}
+    printed = oracle("tl_caches", json.dumps(cases), tmp / "tokens.safetensors", tmp / "out.safetensors")
+    return load_file(str(tmp / "out.safetensors")), json.loads(printed.splitlines()[-1])
 
 
 def part(out: dict, prefix: str) -> dict:
@@ -68,9 +72,9 @@ def assert_same_cache(model: HookedDecoder, toks: torch.Tensor, theirs: dict, lo
 # ---- the model, hook by hook, against HookedTransformer ----------------------------------------------------------
 @needs_saelens
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_every_hook_agrees_with_hooked_transformer(case, tmp_path):
+def test_every_hook_agrees_with_hooked_transformer(case, hooked_transformers):
     settings, toks = CASES[case], tokens()
-    out, printed = by_hooked_transformer(settings, toks, tmp_path, process=False)
+    out, printed = part(hooked_transformers[0], f"{case}/"), {"n_params": hooked_transformers[1][case]}
     model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
     model.load_state_dict(part(out, "state."), strict=True)
     normed = settings["act_fn"] == "solu_ln"
@@ -87,11 +91,11 @@ def test_every_hook_agrees_with_hooked_transformer(case, tmp_path):
 
 
 @needs_saelens
-def test_tl_default_processing_gives_hooked_transformers_weights_and_activations(tmp_path):
+def test_tl_default_processing_gives_hooked_transformers_weights_and_activations(hooked_transformers):
     """load_and_process_state_dict with TL's defaults: mlp.ln's w and b fold into W_out and b_out, W_out is centred
     over d_mlp (what the LayerNorm's mean-zero output never reads) and then over d_model, mlp.ln keeps no weights."""
     settings, toks = CASES["solu-ln"], tokens()
-    out, _ = by_hooked_transformer(settings, toks, tmp_path, process=True)
+    out = part(hooked_transformers[0], "solu-ln/")
     model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
     model.load_and_process_state_dict(part(out, "state."), **TL_DEFAULTS)
     theirs = part(out, "processed.")
