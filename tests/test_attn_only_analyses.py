@@ -21,9 +21,8 @@ from probe.analyses import (
     prune_heads, residual_decomposition, sae_features, steer, steering_vector, sub_updates, top_triggers,
     train_tuned_lens, value_tokens,
 )
-from probe.analyses.attribution_graph import FEATURE, LOGIT
 from probe.analyses.residual_components import Components, has_pos_embed
-from toy_helpers import attribution_by_hand, copied_from, randomised, zero_head
+from toy_helpers import assert_graph_complete, attribution_by_hand, copied_from, random_transcoders, randomised, zero_head
 
 KINDS = ("shortformer", "layernorm")
 ANSWER, WRONG = 3, 5
@@ -345,22 +344,10 @@ def test_an_attribution_graph_with_shortformer_positions_explains_the_models_log
     """The positions steer only the patterns, which the linearisation freezes: the graph is exact as it stands."""
     model = shortformer_with_mlps(norm)
     gen = torch.Generator().manual_seed(11)
-    transcoders = []
-    for layer in range(2):
-        read = f"blocks.{layer}.ln2.hook_normalized" if norm else f"blocks.{layer}.hook_mlp_in"
-        sae = SparseAutoencoder(SAEConfig(d_in=32, d_sae=24, hook_name=read, architecture="topk", k=6, d_out=32,
-                                          apply_b_dec_to_input=False, hook_name_out=f"blocks.{layer}.hook_mlp_out"))
-        with torch.no_grad():
-            for name, param in sae.named_parameters():
-                param.copy_({"W_enc": 0.3, "b_enc": 0.1, "W_dec": 0.2, "b_dec": 0.05}[name]
-                            * torch.randn(param.shape, generator=gen))
-        transcoders.append(sae.double())
+    reads = "blocks.{layer}.ln2.hook_normalized" if norm else "blocks.{layer}.hook_mlp_in"
+    transcoders = [sae.double() for sae in random_transcoders(model, gen, reads)]
     tokens = torch.randint(0, 60, (9,), generator=gen)
     graph = attribution_graph(model, transcoders, tokens, batch_size=8)  # it takes its gradients itself
     with torch.no_grad():
         logits = model(tokens[None])[0, -1]
-    is_logit = graph.kind == LOGIT
-    assert torch.allclose(graph.value[is_logit], (logits - logits.mean())[graph.token[is_logit]], atol=1e-6)
-    targets = (graph.kind == FEATURE) | is_logit
-    total = graph.adjacency.sum(1) + graph.unvisited + graph.bias
-    assert torch.allclose(total[targets], graph.value[targets], atol=1e-6)
+    assert_graph_complete(graph, logits)

@@ -34,7 +34,7 @@ from probe.analyses.graph_interventions import FeatureEdit
 from brackets_idioms import CONFIG, END, PAD, START
 from test_attention_view import hovered_in_chromium
 from test_circuit_forward import random_circuits
-from toy_helpers import attribution_by_hand, copied_from, randomised, zero_head
+from toy_helpers import attribution_by_hand, copied_from, random_transcoders, randomised, zero_head
 
 OPEN, CLOSE = 3, 4
 BIDIRECTIONAL = "this model's attention is bidirectional"
@@ -521,18 +521,7 @@ def test_a_circuit_of_a_model_with_permanent_hooks_runs_them():
 
 # ---- attribution graphs -------------------------------------------------------------------------------------------
 def transcoders(model: HookedDecoder, seed: int) -> list[SparseAutoencoder]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for layer in range(model.cfg.n_layers):
-        sae = SparseAutoencoder(SAEConfig(d_in=56, d_sae=24, hook_name=f"blocks.{layer}.ln2.hook_normalized",
-                                          architecture="topk", k=6, d_out=56, apply_b_dec_to_input=False,
-                                          hook_name_out=f"blocks.{layer}.hook_mlp_out"))
-        with torch.no_grad():
-            for name, param in sae.named_parameters():
-                param.copy_({"W_enc": 0.3, "b_enc": 0.1, "W_dec": 0.2, "b_dec": 0.05}[name]
-                            * torch.randn(param.shape, generator=gen))
-        out.append(sae)
-    return out
+    return random_transcoders(model, torch.Generator().manual_seed(seed))
 
 
 def test_an_attribution_graph_explains_the_logits_through_the_bidirectional_patterns():

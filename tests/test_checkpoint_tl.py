@@ -40,14 +40,12 @@ def checkpoint_dir(tmp_path: Path, config: dict) -> Path:
     return directory
 
 
-@needs_saelens
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_a_toy_model_loads_by_name_as_transformer_lens_loads_it(name, tmp_path, monkeypatch):
+def loaded_by_both(name: str, directory, processing: dict, tokens: torch.Tensor, tmp_path, monkeypatch):
+    """(probe's from_pretrained(name, **processing), TL's resolved config values, TL's outputs, the hub reads probe
+    asked for as (repo, patterns)): both libraries' hub reads served from `directory`; TL's through the oracle's
+    `neel` command, run on `tokens`."""
     import huggingface_hub
 
-    config, processing = CASES[name]
-    directory = checkpoint_dir(tmp_path, config)
-    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
     save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
     resolved = json.loads(oracle("neel", name, directory, tmp_path / "tokens.safetensors", tmp_path / "out.safetensors",
                                  json.dumps(processing)).splitlines()[-1])
@@ -62,10 +60,11 @@ def test_a_toy_model_loads_by_name_as_transformer_lens_loads_it(name, tmp_path, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the default steps a model cannot take, skipped as TL skips them
         model = HookedDecoder.from_pretrained(name, **processing).eval()
-    assert asked and all(repo == SHORT_NAMES[name] and "*final.pth" in patterns for repo, patterns in asked)
-    for key, value in resolved.items():
-        if key != "act_fn" or not config["attn_only"]:  # no MLP: TL keeps the file's act_fn, which nothing uses
-            assert getattr(model.cfg, key) == (pytest.approx(value) if isinstance(value, float) else value), key
+    return model, resolved, out, asked
+
+
+def assert_state_and_logits_are_tls(model: HookedDecoder, out: dict, tokens: torch.Tensor) -> None:
+    """The model's state dict is TL's loaded one (`out`'s state.KEY, less TL's buffers) and so are its logits."""
     theirs = {key.removeprefix("state."): t for key, t in out.items()
               if key.startswith("state.") and key.rsplit(".", 1)[-1] not in TL_BUFFERS}
     ours = model.state_dict()
@@ -75,6 +74,19 @@ def test_a_toy_model_loads_by_name_as_transformer_lens_loads_it(name, tmp_path, 
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), out["logits"], atol=1e-4, rtol=1e-4)
 
+
+@needs_saelens
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_toy_model_loads_by_name_as_transformer_lens_loads_it(name, tmp_path, monkeypatch):
+    config, processing = CASES[name]
+    directory = checkpoint_dir(tmp_path, config)
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    model, resolved, out, asked = loaded_by_both(name, directory, processing, tokens, tmp_path, monkeypatch)
+    assert asked and all(repo == SHORT_NAMES[name] and "*final.pth" in patterns for repo, patterns in asked)
+    for key, value in resolved.items():
+        if key != "act_fn" or not config["attn_only"]:  # no MLP: TL keeps the file's act_fn, which nothing uses
+            assert getattr(model.cfg, key) == (pytest.approx(value) if isinstance(value, float) else value), key
+    assert_state_and_logits_are_tls(model, out, tokens)
 
 def test_a_tl_format_directory_reads_only_tensors_and_says_what_is_wrong(tmp_path):
     config = dict(CASES["gelu-2l"][0], n_layers=1)

@@ -8,7 +8,6 @@ after TL's default processing; its `neel` command runs TL's own from_pretrained(
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from probe.mlp import NormedMLP
 from probe.names import act_name
 from probe.shapes import hook_shapes
 from probe.tl_state_dict import TL_BUFFERS
-from test_checkpoint_tl import checkpoint_dir
+from test_checkpoint_tl import assert_state_and_logits_are_tls, checkpoint_dir, loaded_by_both
 from test_sae_training import needs_saelens, oracle
 from toy_helpers import randomised
 
@@ -200,8 +199,6 @@ NEEL = dict(d_model=32, n_layers=2, d_mlp=128, d_head=8, n_heads=4, n_ctx=16, d_
 @needs_saelens
 @pytest.mark.parametrize("name", ["solu-2l", "solu-1l-pile"])
 def test_a_solu_model_loads_by_name_as_transformer_lens_loads_it(name, tmp_path, monkeypatch):
-    import huggingface_hub
-
     config = dict(NEEL, n_layers=1) if name == "solu-1l-pile" else NEEL
     directory = checkpoint_dir(tmp_path, config)
     if name.endswith("-pile"):  # the older runs' layout, written here (the oracle writes TL's own otherwise)
@@ -209,31 +206,12 @@ def test_a_solu_model_loads_by_name_as_transformer_lens_loads_it(name, tmp_path,
                                                                     if k != "normalization"})), seed=9)
         torch.save(old_format(fresh.state_dict(), config["n_layers"]), directory / "model_final.pth")
     toks = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(1))
-    save_file({"tokens": toks}, str(tmp_path / "tokens.safetensors"))
-    resolved = json.loads(oracle("neel", name, directory, tmp_path / "tokens.safetensors", tmp_path / "out.safetensors",
-                                 json.dumps(TL_DEFAULTS)).splitlines()[-1])
-    out = load_file(str(tmp_path / "out.safetensors"))
-    asked = []
-
-    def snapshot_download(repo_id, revision=None, allow_patterns=None, local_files_only=False, **_):
-        asked.append(repo_id)
-        return str(directory)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = HookedDecoder.from_pretrained(name, **TL_DEFAULTS).eval()
-    assert asked and set(asked) == {SHORT_NAMES[name]}
+    model, resolved, out, asked = loaded_by_both(name, directory, TL_DEFAULTS, toks, tmp_path, monkeypatch)
+    assert asked and {repo for repo, _ in asked} == {SHORT_NAMES[name]}
     assert resolved["act_fn"] == "solu_ln" and model.cfg.activation is Activation.SOLU_LN
     for key, value in resolved.items():
         assert getattr(model.cfg, key) == (pytest.approx(value) if isinstance(value, float) else value), key
-    theirs = {key: t for key, t in part(out, "state.").items() if key.rsplit(".", 1)[-1] not in TL_BUFFERS}
-    ours = model.state_dict()
-    assert set(ours) == set(theirs)
-    for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5, msg=key)
-    with torch.no_grad():
-        torch.testing.assert_close(model(toks), out["logits"], atol=1e-4, rtol=1e-4)
+    assert_state_and_logits_are_tls(model, out, toks)
 
 
 def test_an_older_solu_run_in_a_directory_says_so_in_its_config(tmp_path):

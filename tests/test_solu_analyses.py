@@ -8,11 +8,10 @@ import functools
 
 import torch
 
-from probe import DEFAULT_MODEL, HookedDecoder, HookedTransformerConfig, SAEConfig, SparseAutoencoder
+from probe import DEFAULT_MODEL, HookedDecoder, HookedTransformerConfig
 from probe.analyses import Site, attribution_graph, logit_diff_metric, memory_lookup, patch, sub_updates, top_triggers
-from probe.analyses.attribution_graph import FEATURE, LOGIT
 from probe.names import act_name
-from toy_helpers import copied_from, randomised
+from toy_helpers import assert_graph_complete, copied_from, random_transcoders, randomised
 
 ANSWER, WRONG = 3, 5
 
@@ -72,23 +71,9 @@ def test_an_attribution_graph_with_transcoders_explains_the_models_logits():
     """Transcoders replace the MLPs whole (the LayerNorm inside them never enters the linearisation): the graph is
     complete, each target's edges adding up to its value."""
     model = solu_model()
-    gen = torch.Generator().manual_seed(11)
-    transcoders = []
-    for layer in range(2):
-        sae = SparseAutoencoder(SAEConfig(d_in=32, d_sae=24, hook_name=f"blocks.{layer}.ln2.hook_normalized",
-                                          architecture="topk", k=6, d_out=32, apply_b_dec_to_input=False,
-                                          hook_name_out=f"blocks.{layer}.hook_mlp_out"))
-        with torch.no_grad():
-            for name, param in sae.named_parameters():
-                param.copy_({"W_enc": 0.3, "b_enc": 0.1, "W_dec": 0.2, "b_dec": 0.05}[name]
-                            * torch.randn(param.shape, generator=gen))
-        transcoders.append(sae.double())
+    transcoders = [sae.double() for sae in random_transcoders(model, torch.Generator().manual_seed(11))]
     toks = tokens(3)
     graph = attribution_graph(model, transcoders, toks, batch_size=8)
     with torch.no_grad():
         logits = model(toks[None])[0, -1]
-    is_logit = graph.kind == LOGIT
-    assert torch.allclose(graph.value[is_logit], (logits - logits.mean())[graph.token[is_logit]], atol=1e-6)
-    targets = (graph.kind == FEATURE) | is_logit
-    total = graph.adjacency.sum(1) + graph.unvisited + graph.bias
-    assert torch.allclose(total[targets], graph.value[targets], atol=1e-6)
+    assert_graph_complete(graph, logits)

@@ -52,3 +52,33 @@ def zero_head(head: int):
         z[:, :, head] = 0.0
         return z
     return hook
+
+
+def random_transcoders(model: HookedDecoder, gen: torch.Generator, reads: str = "blocks.{layer}.ln2.hook_normalized"):
+    """One top-k transcoder per layer from `reads` (formatted with the layer) to hook_mlp_out, random weights drawn
+    from `gen` (left advanced), in float32."""
+    from probe import SAEConfig, SparseAutoencoder
+
+    d_model, out = model.cfg.d_model, []
+    for layer in range(model.cfg.n_layers):
+        sae = SparseAutoencoder(SAEConfig(d_in=d_model, d_sae=24, hook_name=reads.format(layer=layer),
+                                          architecture="topk", k=6, d_out=d_model, apply_b_dec_to_input=False,
+                                          hook_name_out=f"blocks.{layer}.hook_mlp_out"))
+        with torch.no_grad():
+            for name, param in sae.named_parameters():
+                param.copy_({"W_enc": 0.3, "b_enc": 0.1, "W_dec": 0.2, "b_dec": 0.05}[name]
+                            * torch.randn(param.shape, generator=gen))
+        out.append(sae)
+    return out
+
+
+def assert_graph_complete(graph, logits: torch.Tensor) -> None:
+    """An attribution graph explains `logits` [vocab] (the read position's): each logit node's value is its centred
+    logit, and every feature's and logit's edges, unvisited share and bias add up to its value."""
+    from probe.analyses.attribution_graph import FEATURE, LOGIT
+
+    is_logit = graph.kind == LOGIT
+    assert torch.allclose(graph.value[is_logit], (logits - logits.mean())[graph.token[is_logit]], atol=1e-6)
+    targets = (graph.kind == FEATURE) | is_logit
+    total = graph.adjacency.sum(1) + graph.unvisited + graph.bias
+    assert torch.allclose(total[targets], graph.value[targets], atol=1e-6)
