@@ -149,7 +149,8 @@ def qkv_offsets(blocks: list, n_read: int, qk_positions: Optional[torch.Tensor] 
     if qk_positions is None:
         return out
     n_qk = n_read - blocks[0].attn.n_kv_heads  # the q and k readers come first, the v readers last
-    weights = torch.stack([f32(block.attn.qkv.weight) for block in blocks]).view(len(blocks), n_read, -1, weight.shape[1])
+    d_model = qk_positions.shape[-1]
+    weights = torch.stack([f32(block.attn.qkv.weight) for block in blocks]).view(len(blocks), n_read, -1, d_model)
     projected = einsum(f32(qk_positions), weights[:, :n_qk],
                        "batch pos d_model, layer reader d_head d_model -> batch pos layer reader d_head")
     out = out.expand(*qk_positions.shape[:2], *out.shape).clone()
