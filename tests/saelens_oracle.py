@@ -2,6 +2,8 @@
 the main environment cannot have. Reads and writes safetensors only. The tests import one function from it,
 `hooked_sae_idioms`, to run the same idioms on probe; everything that imports SAELens stays inside the commands.
 
+    python saelens_oracle.py serve
+        runs the commands below sent on stdin, one process for them all (tests/oracle_process.py is its client)
     python saelens_oracle.py encode SAE_DIR INPUTS OUTPUTS
         SAE.load_from_disk(SAE_DIR); INPUTS holds x; OUTPUTS gets features, output (SAELens's forward)
     python saelens_oracle.py fold SAE_DIR INPUTS OUTPUTS
@@ -374,8 +376,47 @@ def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
     save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)
 
 
+COMMANDS = {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
+            "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
+            "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits}
+
+
+def serve() -> None:
+    """Run commands sent one JSON line at a time on stdin ({"args": [COMMAND, ...], "stdout": PATH, "stderr": PATH}),
+    each in a child forked after the imports every command needs: importing transformer-lens 3 and SAELens costs ~7 s,
+    more than most commands, and a fresh child per command keeps them as isolated as separate processes. Answers each
+    with the JSON line {"rc": EXIT_CODE} on stdout, the only thing the server itself writes there."""
+    import os
+    import traceback
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever an import prints must not reach the client as an answer
+    import sae_lens  # noqa: F401  (imported for the children)
+    import transformer_lens  # noqa: F401
+    import transformers  # noqa: F401
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                out, err = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT), os.open(request["stderr"], os.O_WRONLY | os.O_CREAT)
+                os.dup2(out, 1)
+                os.dup2(err, 2)
+                command, *args = request["args"]
+                COMMANDS[command](*args)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), file=answers, flush=True)
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict, "tl_build": tl_build,
-     "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel, "tl_cache": tl_cache, "tl_caches": tl_caches,
-     "circuits": circuits}[command](*args)
+    serve() if command == "serve" else COMMANDS[command](*args)

@@ -18,10 +18,9 @@ from probe.activation_store import ActivationStore
 from probe.sae_training import TrainingConfig, TrainingSAE, resample_dead, train_on_store, train_sae
 
 from ddp_worker import CONFIGS as DDP_CONFIGS, D as DDP_D, SplitStore, config as ddp_config
+from oracle_process import SAELENS_PYTHON, oracle
 from test_sae import randomised
 
-SAELENS_PYTHON = Path(os.environ.get("PROBE_SAELENS_VENV", "/tmp/saelens-venv")) / "bin" / "python"
-ORACLE = Path(__file__).with_name("saelens_oracle.py")
 needs_saelens = pytest.mark.skipif(not SAELENS_PYTHON.exists(), reason=f"no SAELens virtualenv at {SAELENS_PYTHON.parent.parent}: "
                                    "create it with `bash scripts/saelens_oracle.sh` (or set PROBE_SAELENS_VENV)")
 TEXTS = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 6,
@@ -471,12 +470,6 @@ def random_inference(architecture, transcoder=False, skip=False, seed=0):
                     apply_b_dec_to_input=not transcoder, hook_name_out="blocks.0.hook_mlp_out" if transcoder else None,
                     d_out=20 if transcoder else None, skip=skip)
     return randomised(SparseAutoencoder(cfg), seed, lambda name: 0.3, threshold=0.3)
-
-
-def oracle(*args):
-    done = subprocess.run([str(SAELENS_PYTHON), str(ORACLE), *map(str, args)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip()
 
 
 @needs_saelens
