@@ -10,7 +10,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from probe.config_choices import Activation, Norm, NormPlacement, Positions, RotaryScaling
+from probe.config_choices import ACTIVATION_SPELLINGS, Activation, Norm, NormPlacement, Positions, RotaryScaling
+from probe.tl_config_fields import HookedTransformerConfigFields
 
 # the choices live in probe.config_choices and are imported from here as before
 __all__ = ["Activation", "DecoderConfig", "Norm", "NormPlacement", "Positions", "RotaryScaling"]
@@ -27,7 +28,7 @@ def _enum(cls, value, field):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecoderConfig:
+class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields beyond the ones below (tl_config_fields)
     n_layers: int
     d_model: int
     n_heads: int
@@ -84,6 +85,17 @@ class DecoderConfig:
     use_split_qkv_input: bool = dataclasses.field(default=False, compare=False)
     use_attn_in: bool = dataclasses.field(default=False, compare=False)
     use_hook_mlp_in: bool = dataclasses.field(default=False, compare=False)
+    # what transformer-lens records of how the model was built or loaded, read back as TL code reads it
+    seed: Optional[int] = dataclasses.field(default=None, compare=False)  # HookedTransformerConfig(seed=)'s
+    # TL's name for the activation where it has several for one function ("gelu_fast", "gelu_pytorch_tanh": the
+    # tanh GELU); None: the activation's own name. model.cfg.act_fn reads it
+    act_fn_name: Optional[str] = dataclasses.field(default=None, compare=False)
+    # whether the model's tokenizer, called on text, puts a token first by itself (a Llama tokenizer.json does,
+    # GPT-2's does not); None without a tokenizer. The model sets it, as TL's set_tokenizer does
+    tokenizer_prepends_bos: Optional[bool] = dataclasses.field(default=None, compare=False)
+    # from_pretrained(checkpoint_value=step): the training step loaded and its index among TL's list of them
+    checkpoint_value: Optional[int] = dataclasses.field(default=None, compare=False)
+    checkpoint_index: Optional[int] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         def positive(field):
@@ -145,6 +157,10 @@ class DecoderConfig:
                 raise ValueError("heads_per_layer (pruned heads) needs n_kv_heads == n_heads")
             object.__setattr__(self, "heads_per_layer", heads)
         object.__setattr__(self, "activation", _enum(Activation, self.activation, "activation"))
+        if self.act_fn_name is not None and ACTIVATION_SPELLINGS.get(self.act_fn_name) is not self.activation:
+            names = sorted(n for n, a in ACTIVATION_SPELLINGS.items() if a is self.activation)
+            raise ValueError(f"act_fn_name={self.act_fn_name!r} does not name activation={self.activation.value!r}; "
+                             f"its names are {names}: use one, or leave act_fn_name None")
         if self.gated_mlp and self.activation.normed:
             raise ValueError(f"activation={self.activation.value!r} normalises a plain MLP's activations before W_out; "
                              "a gated MLP with it is not built: set gated_mlp=False, or activation='solu' (no norm)")
@@ -198,7 +214,7 @@ class DecoderConfig:
     # ---- transformer-lens's names for the same facts (HookedTransformerConfig) -------------------------
     @property
     def act_fn(self) -> str:
-        return self.activation.value
+        return self.act_fn_name or self.activation.value
 
     @property
     def normalization_type(self) -> Optional[str]:  # None: no norms, as TL says
@@ -283,7 +299,11 @@ class DecoderConfig:
 
     @property
     def tokenizer_name(self) -> Optional[str]:
-        return self.tokenizer_source or self.model_name  # a loaded checkpoint's own tokenizer.json is what probe reads
+        if self.tokenizer_source is not None:
+            return self.tokenizer_source
+        # a loaded checkpoint's own tokenizer.json is what probe reads; TL's "custom" names a model built from a
+        # config, which has no tokenizer unless the config names one
+        return None if self.model_name == "custom" else self.model_name
 
     @property
     def initializer_range(self) -> float:
@@ -300,14 +320,6 @@ class DecoderConfig:
     @property
     def ungroup_grouped_query_attention(self) -> bool:
         return False  # model.W_K keeps one entry per key/value head
-
-    @property
-    def num_experts(self) -> None:
-        return None
-
-    @property
-    def seed(self) -> None:
-        return None
 
     @property
     def n_params(self) -> int:
@@ -342,12 +354,28 @@ class DecoderConfig:
 _SWITCHES = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
 
 
-def _refuse_assignment(self: DecoderConfig, name: str, value: Any) -> None:
-    # transformer-lens code turns its switches on by assigning to model.cfg; this config is frozen (and may be shared
-    # by several models), so say what does the same here rather than the bare dataclass error
-    fix = (f"call model.set_{name}({value!r}), which turns it on and updates model.cfg" if name in _SWITCHES else
+def _assign(self: DecoderConfig, name: str, value: Any) -> None:
+    # transformer-lens code turns its switches on by assigning to model.cfg (EAP's setup: model.cfg.use_split_qkv_input
+    # = True, ...) and names a device on a config before building from it. Those are the only assignments taken: a
+    # model's own config passes a switch to the model, which turns it on and records it here; a config no model owns
+    # records it for the model built from it. Everything else describes the architecture and stays frozen.
+    owner = self.__dict__.get("_owner")
+    model = owner() if owner is not None else None
+    if name in _SWITCHES and model is not None:
+        getattr(model, f"set_{name}")(value)
+        return
+    if name in _SWITCHES or (name == "device" and model is None):
+        object.__setattr__(self, name, bool(value) if name in _SWITCHES else str(value))
+        return
+    fix = ("move the model with model.to(device), which updates model.cfg.device" if name == "device" else
            "build a changed copy with dataclasses.replace(cfg, ...) and a model from it")
     raise dataclasses.FrozenInstanceError(f"DecoderConfig is frozen: cannot assign {name}={value!r}; {fix}")
 
 
-DecoderConfig.__setattr__ = _refuse_assignment  # the generated __init__ sets fields through object.__setattr__
+def _state_without_owner(self: DecoderConfig) -> dict[str, Any]:
+    # the owning model is a weak reference (it cannot be pickled, and a copy of the config belongs to no model yet)
+    return {k: v for k, v in self.__dict__.items() if k != "_owner"}
+
+
+DecoderConfig.__setattr__ = _assign  # the generated __init__ sets fields through object.__setattr__
+DecoderConfig.__getstate__ = _state_without_owner

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 import probe.residual_stack as rs
-from probe.config import Positions
+from probe.config import DecoderConfig, Positions
 from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps
 from probe.tokenizer import Tokenizer, check_padding_side, prepends_bos
 
@@ -73,6 +74,17 @@ def check_return_type(return_type) -> None:
         raise ValueError(f"return_type={return_type!r} is not one of 'logits', 'loss', 'both' or None")
 
 
+def with_tokenizer(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> DecoderConfig:
+    """`cfg` with what transformer-lens's set_tokenizer records of a model's tokenizer: BOS is prepended by default only
+    when the tokenizer has one (and the config says so), and `tokenizer_prepends_bos` says whether the tokenizer,
+    called on text, puts a token first by itself (TL's test, `len(tokenizer.encode("")) > 0`; None without one)."""
+    record = {"default_prepend_bos": prepends_bos(cfg.default_prepend_bos, tokenizer),
+              "tokenizer_prepends_bos": None if tokenizer is None else len(tokenizer("")["input_ids"]) > 0}
+    if all(getattr(cfg, name) is value for name, value in record.items()):
+        return cfg
+    return dataclasses.replace(cfg, **record)
+
+
 class TransformerLensSurface:
     """Mixed into HookedDecoder: transformer-lens methods that are not hooks, weights or tokens."""
 
@@ -82,6 +94,26 @@ class TransformerLensSurface:
         return lm_loss(logits, tokens, attention_mask, per_token)
 
     # ---- transformer-lens's use_* switches ----------------------------------------------------------------
+    @property
+    def cfg(self) -> DecoderConfig:
+        return self.__dict__["_cfg"]
+
+    @cfg.setter
+    def cfg(self, cfg: DecoderConfig) -> None:
+        # the model owns its config, so `model.cfg.use_attn_result = True` can reach set_use_attn_result, as it
+        # turns the switch on in transformer-lens; a config another model owns is copied, not taken over
+        owner = cfg.__dict__.get("_owner")
+        if owner is not None and owner() is not None and owner() is not self:
+            cfg = dataclasses.replace(cfg)
+        object.__setattr__(cfg, "_owner", weakref.ref(self))
+        self.__dict__["_cfg"] = cfg
+
+    def __setstate__(self, state: dict) -> None:
+        # a deepcopy or an unpickled model: its config came without an owner (DecoderConfig leaves the weak
+        # reference out of its state), and is this model's own
+        super().__setstate__(state)
+        self.cfg = self.__dict__["_cfg"]
+
     def set_use_attn_result(self, use_attn_result: bool) -> None:
         """Whether a cache of everything includes each head's write, `attn.hook_result` [batch pos head d_model].
         probe computes it whenever it is hooked or cached by name either way; this only changes the default."""
@@ -159,9 +191,7 @@ class TransformerLensSurface:
         if default_padding_side is not None:
             tokenizer.padding_side = check_padding_side(default_padding_side)
         self.tokenizer = tokenizer
-        prepend_bos = prepends_bos(self.cfg.default_prepend_bos, tokenizer)
-        if prepend_bos != self.cfg.default_prepend_bos:
-            self.cfg = dataclasses.replace(self.cfg, default_prepend_bos=prepend_bos)
+        self.cfg = with_tokenizer(self.cfg, tokenizer)
 
     @property
     def n_params_total(self) -> int:
@@ -180,8 +210,9 @@ class TransformerLensSurface:
                 getattr(self, f"set_{switch}")(True)
 
     def _record_switch(self, **switch: bool) -> None:
-        # the config is frozen and may be shared: the model gets its own copy saying what is on
-        self.cfg = dataclasses.replace(self.cfg, **switch)
+        # in place, so every name for model.cfg reads it: the model's config is its own (the cfg setter)
+        for name, on in switch.items():
+            object.__setattr__(self.cfg, name, on)
 
     def _include_by_default(self, names: tuple[str, ...], on: bool) -> None:
         for block in self.blocks:

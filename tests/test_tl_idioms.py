@@ -4,12 +4,14 @@ use_* inputs by short key, the model-level biases and accumulated_bias, and a bl
 bridge is wrong (an edit at hook_resid_mid), transformers' own forward is the oracle instead."""
 from __future__ import annotations
 
+import copy
+import pickle
 from functools import partial
 
 import pytest
 import torch
 
-from probe import DEFAULT_MODEL, HookedDecoder
+from probe import DEFAULT_MODEL, HookedDecoder, HookedTransformerConfig
 from test_tl_compat import PROMPT, PROMPTS, classic, clean_and_corrupted, logit_diff, models  # noqa: F401 (a fixture)
 from tl_oracle import assert_same
 
@@ -88,6 +90,26 @@ def case_switches_show_in_the_config(model):
         seen.append({name: getattr(model.cfg, name) for name in names})
         getattr(model, "set_" + name)(False)
     return seen + [{name: getattr(model.cfg, name) for name in names}]
+
+
+def case_switches_assigned_to_the_config(model):
+    # EAP's setup turns the switches on by assigning to model.cfg, then caches per-head writes and inputs
+    model.cfg.use_split_qkv_input = True
+    model.cfg.use_attn_result = True
+    model.cfg.use_hook_mlp_in = True
+    try:
+        _, cache = model.run_with_cache(PROMPT)
+        seen = [model.cfg.use_attn_result, model.cfg.use_split_qkv_input, model.cfg.use_hook_mlp_in]
+        # the bridge also caches its own aliases of the per-head inputs (attn.hook_q_input): the classic names only
+        names = sorted(k for k in cache.keys() if k.endswith(("attn.hook_result", "hook_mlp_in"))
+                       or k.split(".")[2:] in (["hook_q_input"], ["hook_k_input"], ["hook_v_input"]))
+        out = [seen, names, cache["result", 1], cache["q_input", 0], cache["v_input", 1], cache["mlp_in", 1]]
+    finally:
+        model.cfg.use_split_qkv_input = False
+        model.cfg.use_attn_result = False
+        model.cfg.use_hook_mlp_in = False
+    _, cache = model.run_with_cache(PROMPT)
+    return out + [[k for k in cache.keys() if k.endswith(("hook_result", "hook_q_input", "hook_mlp_in"))]]
 
 
 def case_logits_by_hand_with_b_U(model):
@@ -316,11 +338,41 @@ def test_hook_points_and_mod_dict(models):  # noqa: F811
     assert ours.mod_dict["blocks.0.attn"] is ours.blocks[0].attn
 
 
-def test_assigning_a_switch_to_the_frozen_config_names_the_method(models):  # noqa: F811
-    # EAP-style code writes `model.cfg.use_attn_result = True`; probe's config is frozen and says what to call
+def test_a_switch_assigned_through_any_name_for_the_config_reaches_its_model_alone(models):  # noqa: F811
     ours, _ = models
-    with pytest.raises(AttributeError, match=r"model\.set_use_attn_result\(True\)"):
-        ours.cfg.use_attn_result = True
+    copy_ = copy.deepcopy(ours)
+    cfg = ours.cfg
+    cfg.use_attn_result = True
+    try:
+        assert ours.cfg.use_attn_result is True and copy_.cfg.use_attn_result is False
+        assert "blocks.0.attn.hook_result" in ours.run_with_cache(PROMPT)[1]
+        assert "blocks.0.attn.hook_result" not in copy_.run_with_cache(PROMPT)[1]
+        assert pickle.loads(pickle.dumps(ours.cfg)) == ours.cfg  # the owner is a weak reference, left out
+    finally:
+        cfg.use_attn_result = False
+    assert "blocks.0.attn.hook_result" not in ours.run_with_cache(PROMPT)[1]
+
+
+def test_the_architecture_stays_frozen_and_the_device_follows_the_weights(models):  # noqa: F811
+    ours, _ = models
     with pytest.raises(AttributeError, match=r"dataclasses\.replace"):
         ours.cfg.n_layers = 2
-    assert ours.cfg.use_attn_result is False and ours.cfg.n_layers == 4
+    with pytest.raises(AttributeError, match=r"model\.to\(device\)"):
+        ours.cfg.device = "cuda"
+    assert ours.cfg.n_layers == 4 and ours.cfg.device == "cpu"
+
+
+def test_switches_and_device_named_on_a_config_before_building_turn_on_in_the_model():
+    # TL code loading a trained toy model: cfg = HookedTransformerConfig(...); cfg.device = ...; cfg.use_* = True
+    cfg = HookedTransformerConfig(n_layers=2, d_model=16, d_head=4, n_ctx=8, d_vocab=11, act_fn="relu", seed=0)
+    cfg.device = "cpu"
+    cfg.use_attn_result = True
+    cfg.use_split_qkv_input = True
+    model = HookedDecoder(cfg)
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    _, cache = model.run_with_cache(tokens)
+    assert {"blocks.1.attn.hook_result", "blocks.1.hook_q_input"} <= set(cache.keys())
+    # the oracle: each head's write by hand, z_h W_O[h] (the per-head write omits b_O, as TL's does)
+    by_hand = torch.einsum("bphd,hdm->bphm", cache["z", 1], model.blocks[1].attn.W_O)
+    torch.testing.assert_close(cache["result", 1], by_hand, rtol=0, atol=1e-6)
+    torch.testing.assert_close(cache["result", 1].sum(2) + model.blocks[1].attn.b_O, cache["attn_out", 1], rtol=0, atol=1e-5)
