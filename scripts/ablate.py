@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     out = Output(default_out(args, "ablate"), args.force)
     model = load_model(args)
     check_prompt(model, args.prompt)
-    if not 1 <= args.top <= model.cfg.d_vocab:
-        raise CommandError(f"--top {args.top} is outside [1, {model.cfg.d_vocab}] (the vocabulary size)")
+    if not 1 <= args.top <= model.cfg.d_vocab_out:
+        raise CommandError(f"--top {args.top} is outside [1, {model.cfg.d_vocab_out}] (the output vocabulary's size)")
     heads = None if args.heads is None else parse_heads(args.heads, model)  # checked before any forward pass
     reference = None if args.reference_file is None else read_prompts_file(args.reference_file, "--reference-file")
     tokens, mask = model.to_tokens(args.prompt, return_attention_mask=True)

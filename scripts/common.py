@@ -308,16 +308,19 @@ def check_contrast(model, answer: int, counterfactual: Optional[int]) -> None:
 
 
 def token_id(model, value: str, flag: str) -> int:
-    """A token given on the command line: an integer id, or text that is exactly one token."""
+    """A token given on the command line, naming a logit: an integer id, or text that is exactly one token."""
     if value.isascii() and value.lstrip("-").isdigit():  # not str.isdigit alone: '²' is a digit to it, not to int()
         token = int(value)
-        if not 0 <= token < model.cfg.d_vocab:
-            raise CommandError(f"{flag} {token} is not a token id in [0, {model.cfg.d_vocab})")
+        if not 0 <= token < model.cfg.d_vocab_out:
+            raise CommandError(f"{flag} {token} is not an output token id in [0, {model.cfg.d_vocab_out})")
         return token
     ids = model._require_tokenizer().encode(value)
     if len(ids) != 1:
         pieces = model.tokenizer.token_strings(ids)
         raise CommandError(f"{flag} {value!r} is {len(ids)} tokens {pieces}; give one token (mind the leading space) or its id")
+    if ids[0] >= model.cfg.d_vocab_out:
+        raise CommandError(f"{flag} {value!r} is token {ids[0]}, which the model never predicts (its logits stop at "
+                           f"{model.cfg.d_vocab_out}); give an output token")
     return ids[0]
 
 

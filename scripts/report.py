@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{float(loss.zero_ablated[0]):.3f}: {float(loss.recovered[0]):.2f} of the loss recovered."),
                      figure_html(found.figure(max_features=40))]
             if active:
-                logits = A.feature_logits(model, sae, active, k=min(8, model.cfg.d_vocab))
+                logits = A.feature_logits(model, sae, active, k=min(8, model.cfg.d_vocab_out))
                 part += [note("The tokens the last position's top features write (decoder rows through the final norm and W_U)."),
                          figure_html(logits.figure())]
                 out.write_csv(f"sae{index}_feature_logits.csv", logits.to_frame())

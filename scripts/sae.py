@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
     out = Output(default_out(args, "sae"), args.force)
     model = load_model(args)
     sae = load_sae(model, args.sae)
-    limit = min(sae.cfg.d_sae, model.cfg.d_vocab)  # --k counts features per position and tokens per feature
+    limit = min(sae.cfg.d_sae, model.cfg.d_vocab_out)  # --k counts features per position and output tokens per feature
     if not 0 < args.k <= limit:
-        raise CommandError(f"--k {args.k} must be in [1, {limit}] (d_sae={sae.cfg.d_sae}, d_vocab={model.cfg.d_vocab})")
+        raise CommandError(f"--k {args.k} must be in [1, {limit}] (d_sae={sae.cfg.d_sae}, d_vocab_out={model.cfg.d_vocab_out})")
     if args.features is not None:
         checked("--features", feature_ids, sae, args.features)
     scan = args.triggers or args.corpus is not None  # as in probe memories, naming a corpus asks for the scan

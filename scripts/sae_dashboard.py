@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
         checked("--features", feature_ids, sae, args.features)
     if args.top is not None and not 0 < args.top <= sae.cfg.d_sae:
         raise CommandError(f"--top {args.top} must be in [1, d_sae={sae.cfg.d_sae}]")
-    if not 0 < args.k <= model.cfg.d_vocab:
-        raise CommandError(f"--k {args.k} must be in [1, d_vocab={model.cfg.d_vocab}]")
+    if not 0 < args.k <= model.cfg.d_vocab_out:  # tokens each feature promotes: the output vocabulary's
+        raise CommandError(f"--k {args.k} must be in [1, d_vocab_out={model.cfg.d_vocab_out}]")
     if args.batch_size < 1:
         raise CommandError(f"--batch-size {args.batch_size} must be at least 1")
     low = 1 + (model.tokenizer is not None and model.tokenizer.bos_id is not None)

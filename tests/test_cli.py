@@ -708,3 +708,15 @@ def test_a_text_argument_that_is_not_utf8_is_named_with_its_byte(argv, flag, tmp
     assert cli.main(argv + ["--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{flag} is not UTF-8 text" in err and "byte 0x" in err and "Traceback" not in err and not out.exists()
+
+
+def test_a_token_named_on_the_command_line_must_be_one_the_model_predicts():
+    # answers, targets and logits name logit columns: a classifier's 2 outputs, not its 11 input tokens
+    from probe import HookedDecoder, HookedTransformerConfig
+    from scripts.common import CommandError, token_id
+
+    model = HookedDecoder(HookedTransformerConfig(n_layers=1, d_model=8, d_head=4, n_ctx=4, d_vocab=11, d_vocab_out=2,
+                                                  act_fn="relu"))
+    assert token_id(model, "1", "--answer") == 1
+    with pytest.raises(CommandError, match=r"--answer 7 is not an output token id in \[0, 2\)"):
+        token_id(model, "7", "--answer")
