@@ -26,6 +26,12 @@ class Activation(enum.Enum):
         return self is Activation.SOLU_LN
 
 
+# transformer-lens's act_fn names (Hugging Face's too) for each activation: three name the one tanh GELU
+ACTIVATION_SPELLINGS = {"gelu_new": Activation.GELU_TANH, "gelu_fast": Activation.GELU_TANH,
+                        "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu": Activation.GELU, "relu": Activation.RELU,
+                        "silu": Activation.SILU, "solu": Activation.SOLU, "solu_ln": Activation.SOLU_LN}
+
+
 class Norm(enum.Enum):
     LAYER = "layer"  # subtract the mean, divide by the std, then w * x + b
     RMS = "rms"  # divide by the root mean square, then w * x (Llama)

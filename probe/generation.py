@@ -6,7 +6,11 @@ with two deliberate differences, both to keep probe's callers' results: it is gr
 (`do_sample=True` or a temperature above 0; TL samples by default), and it shows no progress bar unless
 `verbose=True` (TL's default). Greedy continuations, EOS stopping and the returned text and tokens equal TL's
 (tests/test_tl_tokens.py), and so do sampled ones under one `torch.manual_seed`, as both draw from the global
-generator in the same order.
+generator in the same order. Input embeddings [batch pos d_model] are a prompt too, as in TL; there TL 3.9's
+key/value cache (its default) gives a model with learned positions the wrong positions for the new tokens (it offsets
+the whole sequence's by the cache's length), and a shortformer model an error, so probe's continuation is TL's
+without the cache, `use_past_kv_cache=False`, which equals TL's from the same prompt's ids
+(tests/test_tl_config_fields.py).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from probe.tokens import is_text
 if TYPE_CHECKING:
     from probe.model import HookedDecoder, ModelInput
 
-RETURN_TYPES = ("input", "str", "tokens")
+RETURN_TYPES = ("input", "str", "tokens", "embeds")
 
 # transformer-lens generate keywords probe does not take, with what to do instead
 UNSUPPORTED = {
@@ -84,9 +88,16 @@ def generate(
     `padding_side` says, as in TL). Token ids padded by you need `attention_mask` (1 = real token), or
     `padding_side="left"` to read the padding off the pad token, as TL does.
 
+    Input embeddings, a float [batch pos d_model] tensor (what `model.embed(tokens)` gives, positions not added:
+    the model adds them, counting from 0), are a prompt too, as in TL: they enter at `hook_embed` (the prompt's
+    placeholder ids, 0, are what `hook_tokens` sees), and `attention_mask` may mark left padding among them.
+    `prepend_bos` does not apply to them, and `padding_side` and `freq_penalty`, which read token ids, are refused.
+
     Returns, with `return_type="input"`, what it was given: a string for a string, a list of strings for a list
-    (text without special tokens, as TL decodes it), token ids [batch prompt+new] for ids; "str" or "tokens"
-    asks for one. Hooks in `fwd_hooks` fire on every pass (the prompt's, then each new token's). With
+    (text without special tokens, as TL decodes it), token ids [batch prompt+new] for ids, embeddings [batch
+    prompt+new d_model] for embeddings (the new tokens' `model.embed`); "str", "tokens" or "embeds" asks for one.
+    From embeddings, "tokens" and "str" hold the new tokens only (the prompt has no ids), as in TL, and one
+    prompt's "str" is a string. Hooks in `fwd_hooks` fire on every pass (the prompt's, then each new token's). With
     `cache_names`, also returns one ActivationCache per pass. With `steering` (an object whose
     `applied(model)` is a context manager, e.g. analyses.steering's), the whole generation runs inside
     `with steering.applied(model):`. `use_past_kv_cache` is TL's name for `use_cache`.
@@ -119,13 +130,53 @@ def generate(
     use_cache = next((v for v in (use_cache, use_past_kv_cache) if v is not None), True)
     temperature = _effective_temperature(do_sample, temperature)
     stop_ids, fill_id = _stopping(model, stop_at_eos, eos_token_id)
+    embeds = input_embeddings(model, input)
+    if embeds is not None:
+        for name, value, reads in (("padding_side", padding_side, "reads the padding off pad token ids"),
+                                   ("freq_penalty", freq_penalty or None, "counts earlier token ids")):
+            if value is not None:
+                raise ValueError(f"generate: {name}={value!r} {reads}, and input embeddings have none: leave it out "
+                                 "(mark padding with attention_mask= [batch pos], 1 = real)")
+        # the prompt's ids are placeholders: its embeddings replace theirs at hook_embed, on each pass that reads it
+        input = torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        fwd_hooks = [("hook_embed", _EmbeddingsAt(embeds, every_pass=not use_cache)), *fwd_hooks]
 
     with steering.applied(model) if steering is not None else nullcontext():
         tokens, mask, caches = _generate_tokens(
             model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids, fill_id,
             use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names, verbose)
-    output = _output(model, input, tokens, mask, return_type)
+    if embeds is None:
+        output = _output(model, input, tokens, mask, return_type)
+    else:
+        output = _output_from_embeddings(model, embeds, tokens[:, embeds.shape[1]:], return_type)
     return (output, caches) if cache_names is not None else output
+
+
+def input_embeddings(model, input) -> Optional[torch.Tensor]:
+    """A float input as generate's prompt embeddings [batch pos d_model] on the model's device; None for text or ids."""
+    if not (isinstance(input, torch.Tensor) and input.is_floating_point()):
+        return None
+    d_model = model.cfg.d_model
+    if input.dim() != 3 or input.shape[-1] != d_model or input.shape[1] == 0:
+        raise ValueError(f"generate takes input embeddings as a float [batch pos d_model] tensor with d_model={d_model} "
+                         f"and at least one position, got shape {tuple(input.shape)}; token ids are an integer "
+                         "[batch pos] tensor, and model.embed(tokens) gives embeddings of the right shape")
+    return input.to(model.device)
+
+
+class _EmbeddingsAt:
+    """A hook on hook_embed: the prompt's embeddings [batch prompt d_model] in place of its placeholder ids' on each
+    pass that reads the prompt: every pass without a key/value cache, the first only with one (the later passes
+    read the new tokens alone, so they keep their own embeddings)."""
+
+    def __init__(self, embeds: torch.Tensor, every_pass: bool):
+        self.embeds, self.every_pass, self.done = embeds, every_pass, False
+
+    def __call__(self, embed: torch.Tensor, hook) -> Optional[torch.Tensor]:
+        if self.done:
+            return None
+        self.done = not self.every_pass
+        return torch.cat([self.embeds.to(embed.dtype), embed[:, self.embeds.shape[1]:]], dim=1)
 
 
 def _generate_tokens(model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids,
@@ -238,6 +289,8 @@ def _mask_from_padding(model, tokens: torch.Tensor, padding_side: str, prepend_b
 
 
 def _output(model, input, tokens: torch.Tensor, mask: torch.Tensor, return_type: str):
+    if return_type == "embeds":
+        return model.embed(tokens)
     as_text = is_text(input)
     if return_type == "tokens" or (return_type == "input" and not as_text):
         return tokens
@@ -246,6 +299,17 @@ def _output(model, input, tokens: torch.Tensor, mask: torch.Tensor, return_type:
     texts = [tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(tokens, mask)]
     one = isinstance(input, str) or (isinstance(input, torch.Tensor) and input.dim() == 1)
     return texts[0] if one else texts
+
+
+def _output_from_embeddings(model, embeds: torch.Tensor, new_tokens: torch.Tensor, return_type: str):
+    """What a prompt of embeddings gives: them and the new tokens' embeddings, or the new tokens alone (TL's)."""
+    if return_type in ("input", "embeds"):
+        return torch.cat([embeds, model.embed(new_tokens).to(embeds.dtype)], dim=1)
+    if return_type == "tokens":
+        return new_tokens
+    tokenizer = _tokenizer_of(model, f"return_type={return_type!r} decodes text, which")
+    texts = [tokenizer.decode(row.tolist(), skip_special_tokens=True) for row in new_tokens]
+    return texts[0] if len(texts) == 1 else texts
 
 
 def _tokenizer_of(model, what: str):

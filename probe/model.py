@@ -22,8 +22,8 @@ from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.sae_methods import SAEMethods
 from probe.shapes import PER_HEAD_INPUTS, hook_shapes
 from probe.tl_state_dict import use_tl_layout
-from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported
-from probe.tokenizer import Tokenizer, prepends_bos
+from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported, with_tokenizer
+from probe.tokenizer import Tokenizer
 from probe.tokens import TokenMethods, is_text
 from probe.weight_views import WeightViews
 
@@ -39,8 +39,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
             from probe.loading import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.tokenizer_source)
-        prepend_bos = prepends_bos(cfg.default_prepend_bos, tokenizer)
-        self.cfg = cfg if cfg.default_prepend_bos == prepend_bos else dataclasses.replace(cfg, default_prepend_bos=prepend_bos)
+        self.cfg = with_tokenizer(cfg, tokenizer)
         self.tokenizer = tokenizer
         self.hook_tokens = HookPoint() if cfg.use_hook_tokens else nn.Identity()  # [batch pos] token ids
         self.embed = Embed(cfg.d_vocab, cfg.d_model, math.sqrt(cfg.d_model) if cfg.scale_embed else None)

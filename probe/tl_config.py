@@ -20,10 +20,10 @@ from typing import Any, Optional
 
 import torch
 
-from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
+from probe.config import DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
+from probe.config_choices import ACTIVATION_SPELLINGS
 
-ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu": Activation.GELU,
-               "relu": Activation.RELU, "silu": Activation.SILU, "solu": Activation.SOLU, "solu_ln": Activation.SOLU_LN}
+ACTIVATIONS = ACTIVATION_SPELLINGS  # TL's act_fn names; model.cfg.act_fn reads back the one given
 NORMS = {"LN": Norm.LAYER, "RMS": Norm.RMS, "LNPre": Norm.LAYER, "RMSPre": Norm.RMS, None: Norm.NONE}
 POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY, "shortformer": Positions.SHORTFORMER}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -33,7 +33,13 @@ ONLY = {"post_embedding_ln": False, "rotary_adjacent_pairs": False, "load_in_4bi
         "experts_per_token": None, "n_devices": 1, "init_weights": True,
         "ungroup_grouped_query_attention": False, "trust_remote_code": False,
         "relative_attention_max_distance": None, "relative_attention_num_buckets": None,
-        "decoder_start_token_id": None, "default_padding_side": "right"}
+        "decoder_start_token_id": None, "default_padding_side": "right",
+        # TL 3.9's features of other families (Qwen-1, OLMo, GPT-OSS, MoE, quantised checkpoints), at their off values
+        "clip_qkv": None, "use_logn_attn": False, "train_seq_length": None, "use_dynamic_ntk_rope": False,
+        "rotary_base_local": None, "quantization_method": None, "use_attention_sinks": False, "norm_topk_prob": False,
+        "use_yarn_rope": False, "yarn_factor": 1.0, "yarn_attention_factor": 1.0, "yarn_beta_fast": 32.0,
+        "yarn_beta_slow": 1.0, "yarn_original_max_position_embeddings": 4096, "yarn_truncate": True,
+        "yarn_global_attn_only": False}
 WHY = {"attention_dir": "probe's attention is 'causal' or 'bidirectional'",
        "attn_only": "attention-only blocks are pre-norm: x + attn(ln1(x)); leave parallel_attn_mlp and "
                     "use_normalization_before_and_after False",
@@ -42,11 +48,14 @@ WHY = {"attention_dir": "probe's attention is 'causal' or 'bidirectional'",
        "act_fn": f"probe's activations are {sorted(ACTIVATIONS)}",
        "final_rms": "probe's final norm is the kind of the others: final_rms goes with normalization_type='RMS'",
        "rotary_adjacent_pairs": "probe rotates dimension i with i + rotary_dim / 2, as Llama and GPT-NeoX do",
+       "rotary_scaling_factor": "probe rescales every layer's rotary frequencies alike: linear scaling goes without "
+                                "local attention layers and without use_NTK_by_parts_rope",
        "default_padding_side": "probe's config holds no tokenizer: give the side with the tokenizer, "
                                "model.set_tokenizer(tokenizer, default_padding_side='left')"}
-# TL settings that only describe where a checkpoint came from, or that probe computes (or draws) itself
+# TL settings that only describe where a checkpoint came from, or that probe computes (or draws) itself; and two
+# a HookedTransformer never reads (TL 4's bridge sets them)
 IGNORED = {"from_checkpoint", "checkpoint_index", "checkpoint_label_type", "checkpoint_value", "init_mode", "n_params",
-           "tokenizer_prepends_bos"}
+           "tokenizer_prepends_bos", "uses_rms_norm", "layer_norm_folding"}
 KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab", "d_vocab_out", "act_fn", "eps", "normalization_type",
          "positional_embedding_type", "final_rms", "parallel_attn_mlp", "use_normalization_before_and_after", "seed",
          "use_local_attn", "window_size", "attn_types", "initializer_range", "dtype", "n_key_value_heads", "gated_mlp",
@@ -55,7 +64,7 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "attn_scores_soft_cap", "output_logits_soft_cap", "use_qk_norm", "tie_word_embeddings", "model_name",
          "original_architecture", "device", "default_prepend_bos", "use_attn_result", "use_split_qkv_input",
          "use_attn_in", "use_hook_mlp_in", "attn_only", "tokenizer_name", "attention_dir", "use_hook_tokens",
-         "scale_attn_by_inverse_layer_idx"}
+         "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor"}
 
 
 def _config_fields() -> set[str]:
@@ -128,11 +137,12 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         n_layers=s["n_layers"], d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=s["n_ctx"], d_head=d_head,
         d_vocab_out=None if s.get("d_vocab_out", -1) == -1 else s["d_vocab_out"],
         d_mlp=s.get("d_mlp"), n_kv_heads=s.get("n_key_value_heads"), eps=s.get("eps", 1e-5),
-        activation=ACTIVATIONS[act_fn], gated_mlp=s.get("gated_mlp", False), norm=norm, norm_placement=placement,
+        activation=ACTIVATIONS[act_fn], act_fn_name=act_fn if act_fn != ACTIVATIONS[act_fn].value else None,
+        gated_mlp=s.get("gated_mlp", False), norm=norm, norm_placement=placement,
         attn_only=attn_only, bidirectional=attention_dir == "bidirectional", use_hook_tokens=s.get("use_hook_tokens", False),
         norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"), final_norm=norm is not Norm.NONE,
         positions=positions, rotary_base=float(s.get("rotary_base", 10000)), rotary_dim=s.get("rotary_dim") if positions is Positions.ROTARY else None,
-        rotary_scaling=_ntk_scaling(s), sliding_window=window,
+        rotary_scaling=_rotary_scaling(s, window is not None), sliding_window=window,
         sliding_layers=tuple(t == "local" for t in attn_types) if window is not None and attn_types else None,
         attn_scale_dim=_scale_dim(s), attn_softcap=_cap(s.get("attn_scores_soft_cap", -1.0)),
         logit_softcap=_cap(s.get("output_logits_soft_cap", -1.0)), qk_norm=s.get("use_qk_norm", False),
@@ -143,7 +153,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         model_name=s.get("model_name", "custom"), original_architecture=s.get("original_architecture"),
         tokenizer_source=s.get("tokenizer_name"),
         device=str(s.get("device") or "cpu"), dtype=DTYPES.get(dtype, dtype),
-        default_prepend_bos=s.get("default_prepend_bos", True),
+        default_prepend_bos=s.get("default_prepend_bos", True), seed=s.get("seed"),
         **{name: s.get(name, False) for name in ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")})
 
 
@@ -166,15 +176,23 @@ def _scale_dim(s: dict) -> Optional[float]:
     if not s.get("use_attn_scale", True):
         return 1.0
     scale = s.get("attn_scale", -1.0)
-    return None if scale == -1.0 else float(scale) ** 2
+    # TL's resolved default, sqrt(d_head), squares back to d_head only up to rounding: it is the default all the same
+    return None if scale == -1.0 or math.isclose(float(scale) ** 2, s["d_head"], rel_tol=1e-9) else float(scale) ** 2
 
 
 def _cap(value: float) -> Optional[float]:
     return None if value is None or value < 0 else float(value)
 
 
-def _ntk_scaling(s: dict) -> Optional[RotaryScaling]:
-    """TL's NTK-by-parts rope (Llama 3.1) is transformers' "llama3" rope scaling."""
+def _rotary_scaling(s: dict, local_layers: bool) -> Optional[RotaryScaling]:
+    """TL's NTK-by-parts rope (Llama 3.1) is transformers' "llama3" rope scaling; its rotary_scaling_factor the
+    "linear" one (TL skips it on local attention layers, which probe's one scaling for all layers cannot)."""
+    linear = s.get("rotary_scaling_factor", 1.0)
+    if linear != 1.0:
+        if local_layers or s.get("use_NTK_by_parts_rope", False):
+            raise ValueError(f"HookedTransformerConfig(rotary_scaling_factor={linear!r}) is not supported here: "
+                             f"{WHY['rotary_scaling_factor']}")
+        return RotaryScaling(kind="linear", factor=linear)
     if not s.get("use_NTK_by_parts_rope", False):
         return None
     return RotaryScaling(kind="llama3", factor=s.get("NTK_by_parts_factor", 8.0),

@@ -43,6 +43,7 @@ class LoadingKeywords:
     processing: Optional[dict[str, bool]]  # None: the checkpoint's own weights
     default_prepend_bos: Optional[bool]
     default_padding_side: Optional[str]
+    checkpoint: Optional[tuple[int, int]] = None  # checkpoint_value=: (the step, its index among TL's list of them)
 
     @property
     def load_dtype(self) -> Optional[torch.dtype]:
@@ -56,10 +57,13 @@ def parse_loading_keywords(name_or_path, dtype: Any, device: Any, revision: Opti
                            keywords: dict[str, Any]) -> LoadingKeywords:
     """Read TL's keywords out of `keywords` (from_pretrained's **kwargs); a TypeError for any probe does not take."""
     keywords = dict(keywords)
+    checkpoint = None
     if "checkpoint_value" in keywords:
         if revision is not None:
             raise TypeError("pass revision= or checkpoint_value=, not both")
-        revision = checkpoint_revision(name_or_path, keywords.pop("checkpoint_value"))
+        step = keywords.pop("checkpoint_value")
+        revision = checkpoint_revision(name_or_path, step)
+        checkpoint = (step, checkpoint_steps(name_or_path).index(step))
     if "torch_dtype" in keywords:  # TL's older spelling of dtype
         if dtype is not None:
             raise TypeError("pass dtype= or torch_dtype=, not both")
@@ -86,19 +90,33 @@ def parse_loading_keywords(name_or_path, dtype: Any, device: Any, revision: Opti
     return LoadingKeywords(dtype=dtype, device=device, revision=revision, hf_model=hf_model,
                            tokenizer=None if tokenizer is None else Tokenizer.from_transformers(tokenizer),
                            processing=given or None,
-                           default_prepend_bos=prepend_bos, default_padding_side=padding_side)
+                           default_prepend_bos=prepend_bos, default_padding_side=padding_side, checkpoint=checkpoint)
 
 
 def checkpoint_revision(name_or_path, step) -> str:
     """The hub revision of TL's `checkpoint_value=step`: Pythia's branches are `step<N>`, Stanford CRFM's GPT-2 runs'
     `checkpoint-<N>`."""
-    repo = SHORT_NAMES.get(str(name_or_path), str(name_or_path))
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise TypeError(f"checkpoint_value must be a training step (an int), got {step!r}")
+    steps = checkpoint_steps(name_or_path)
+    if step not in steps:
+        later = [s for s in steps if s > step]
+        raise ValueError(f"{name_or_path!r} has no checkpoint at step {step}; the nearest are "
+                         f"{max((s for s in steps if s < step), default=None)} and {later[0] if later else None}")
+    repo = SHORT_NAMES.get(str(name_or_path), str(name_or_path))
+    return f"step{step}" if repo.startswith("EleutherAI/pythia-") else f"checkpoint-{step}"
+
+
+def checkpoint_steps(name_or_path) -> list[int]:
+    """The training steps saved for a Pythia model or a Stanford CRFM GPT-2 run, as transformer-lens lists them (its
+    checkpoint_index counts along this list)."""
+    repo = SHORT_NAMES.get(str(name_or_path), str(name_or_path))
     if repo.startswith("EleutherAI/pythia-"):
-        return f"step{step}"
+        later = list(range(1000, 143000 + 1, 1000))
+        return later if "v0" in repo else [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512] + later  # v0: no early steps
     if repo.startswith("stanford-crfm/"):
-        return f"checkpoint-{step}"
+        return (list(range(0, 100, 10)) + list(range(100, 2000, 50)) + list(range(2000, 20000, 100))
+                + list(range(20000, 400000 + 1, 1000)))
     raise TypeError(f"checkpoint_value= picks a training checkpoint of Pythia or Stanford CRFM's GPT-2 runs, and "
                     f"{name_or_path!r} is neither; pass revision= (a hub branch, tag or commit) instead")
 
@@ -115,7 +133,7 @@ def load_model(name_or_path, options: LoadingKeywords, model_class: type):
         else:
             model = load_pretrained(directory, device=options.device, dtype=options.load_dtype, model_class=model_class)
         if options.tokenizer is not None:
-            model.tokenizer = options.tokenizer
+            model.set_tokenizer(options.tokenizer)
         return model
     tokenizer = options.tokenizer if options.tokenizer is not None else load_tokenizer(name_or_path, options.revision)
     return load_hf_model(options.hf_model, tokenizer, options.device, options.load_dtype, model_class=model_class)
@@ -129,6 +147,9 @@ def finish_loading(model, options: LoadingKeywords):
             model.to(options.dtype)
     if options.default_prepend_bos is not None:
         model.cfg = dataclasses.replace(model.cfg, default_prepend_bos=bool(options.default_prepend_bos))
+    if options.checkpoint is not None:
+        step, index = options.checkpoint
+        model.cfg = dataclasses.replace(model.cfg, checkpoint_value=step, checkpoint_index=index)
     if options.default_padding_side is not None:
         if model.tokenizer is None:
             raise ValueError("default_padding_side= needs a tokenizer, and this checkpoint has none")

@@ -51,6 +51,14 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
     python saelens_oracle.py tl_caches CASES_JSON INPUTS OUTPUTS
         tl_cache for each case NAME of CASES ({NAME: {"config": ..., "process": PROCESS or null}}) in one process:
         OUTPUTS gets NAME/ each key; stdout the JSON {NAME: n_params}
+    python saelens_oracle.py tl_config_cases CASES_JSON INPUTS OUTPUTS
+        for each case NAME of CASES ({NAME: {"config": ..., "generate": [KEYWORDS, ...]}}, one process for them all),
+        HookedTransformer(HookedTransformerConfig(**config)) (its tokenizer_name's tokenizer loaded, as TL loads it),
+        its weights moved off their initialisation as tl_build moves them: OUTPUTS gets NAME/state.KEY, NAME/logits on
+        INPUTS' tokens and NAME/generate.I, the model's greedy generate(PROMPT, **KEYWORDS) for each KEYWORDS (PROMPT:
+        model.embed(tokens), or with "from": "tokens" the token ids), and gelu_fast, TL's gelu_fast(INPUTS' x); stdout
+        the JSON {"fields": HookedTransformerConfig's field names, NAME: {field: the model's cfg value (a dtype as
+        its name)}, "text": {NAME/generate.I: a str output}}
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -376,9 +384,41 @@ def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
     save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)
 
 
+def tl_config_cases(cases_json: str, inputs: str, outputs: str) -> None:
+    import dataclasses
+
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.utilities.activation_functions import gelu_fast
+
+    data = load_file(inputs)
+    tokens, out = data["tokens"], {"gelu_fast": gelu_fast(data["x"]).contiguous()}
+    printed = {"fields": [f.name for f in dataclasses.fields(HookedTransformerConfig)], "text": {}}
+    for name, case in json.loads(cases_json).items():
+        cfg = HookedTransformerConfig(**case["config"], device="cpu")
+        model = HookedTransformer(cfg).eval()
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                if not (cfg.gated_mlp and key.endswith("mlp.b_in")):  # probe has no bias after the gate's product
+                    p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            out.update({f"{name}/state.{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()})
+            out[f"{name}/logits"] = model(tokens).contiguous()
+            for i, keywords in enumerate(case.get("generate", [])):
+                keywords = dict(keywords)
+                prompt = tokens if keywords.pop("from", "embeds") == "tokens" else model.embed(tokens)
+                result = model.generate(prompt, do_sample=False, verbose=False, **keywords)
+                if isinstance(result, torch.Tensor):
+                    out[f"{name}/generate.{i}"] = result.clone().contiguous()
+                else:
+                    printed["text"][f"{name}/generate.{i}"] = result
+        printed[name] = {key: str(v) if isinstance(v, torch.dtype) else v for key, v in model.cfg.to_dict().items()}
+    save_file(out, outputs)
+    print(json.dumps(printed))
+
+
 COMMANDS = {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
-            "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits}
+            "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases}
 
 
 def serve() -> None:

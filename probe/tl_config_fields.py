@@ -1,0 +1,184 @@
+"""The rest of transformer-lens's HookedTransformerConfig fields, read off a DecoderConfig (a mixin of it).
+
+TL code reads any of its config's fields on `model.cfg`: `cfg.n_devices`, `cfg.tokenizer_prepends_bos`,
+`cfg.use_NTK_by_parts_rope`, ... config.py gives TL's names for the facts probe's decoder builds (`act_fn`,
+`normalization_type`, `attn_scale`, ...); these are the fields left over. Each reads what a HookedTransformer of the
+same model reads: probe's value where probe has the feature (NTK-by-parts rope is its llama3 rotary scaling, tied
+embeddings its `tied_embeddings`), and TL's default for a model without it where probe has no such feature
+(mixture of experts, YaRN rope, attention sinks, quantisation, several devices, encoder-decoder models).
+tests/test_tl_config_fields.py holds every field TL 3.9 has, the list taken from TL, to HookedTransformer's values.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from probe.config_choices import Norm, RotaryScaling
+
+
+class HookedTransformerConfigFields:
+    """Properties only: the fields they read (norm, rotary_scaling, ...) are DecoderConfig's."""
+
+    norm: Norm
+    rotary_scaling: Optional[RotaryScaling]
+    tied_embeddings: bool
+    checkpoint_value: Optional[int]
+
+    # ---- what probe builds, under TL's names ----------------------------------------------------------------
+    @property
+    def uses_rms_norm(self) -> bool:
+        # TL 4's bridge sets it for RMSNorm models; a HookedTransformer never sets it (its normalization_type says it)
+        return self.norm in (Norm.RMS, Norm.RMS_FLOAT32)
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.tied_embeddings
+
+    @property
+    def use_NTK_by_parts_rope(self) -> bool:  # noqa: N802: TL's name
+        return self._llama3 is not None
+
+    @property
+    def NTK_by_parts_factor(self) -> float:  # noqa: N802
+        return 8.0 if self._llama3 is None else float(self._llama3.factor)
+
+    @property
+    def NTK_by_parts_low_freq_factor(self) -> float:  # noqa: N802
+        return 1.0 if self._llama3 is None else float(self._llama3.low_freq_factor)
+
+    @property
+    def NTK_by_parts_high_freq_factor(self) -> float:  # noqa: N802
+        return 4.0 if self._llama3 is None else float(self._llama3.high_freq_factor)
+
+    @property
+    def NTK_original_ctx_len(self) -> int:  # noqa: N802
+        return 8192 if self._llama3 is None else self._llama3.original_n_ctx
+
+    @property
+    def rotary_scaling_factor(self) -> float:
+        """TL's linear rope scaling (every frequency divided by it); 1.0 for none."""
+        linear = self.rotary_scaling is not None and self.rotary_scaling.kind == "linear"
+        return float(self.rotary_scaling.factor) if linear else 1.0
+
+    @property
+    def _llama3(self) -> Optional[RotaryScaling]:
+        scaling = self.rotary_scaling
+        return scaling if scaling is not None and scaling.kind == "llama3" else None
+
+    # ---- where the model came from ---------------------------------------------------------------------------
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether from_pretrained loaded a training checkpoint (`checkpoint_value=`, Pythia's or Stanford CRFM's)."""
+        return self.checkpoint_value is not None
+
+    @property
+    def checkpoint_label_type(self) -> Optional[str]:
+        return "step" if self.from_checkpoint else None  # Pythia's and Stanford CRFM's are labelled by step
+
+    @property
+    def init_mode(self) -> str:
+        return "gpt2"  # probe initialises every model as GPT-2 does: a normal draw of std initializer_range
+
+    @property
+    def init_weights(self) -> bool:
+        return True
+
+    @property
+    def layer_norm_folding(self) -> bool:
+        return False  # TL 4's switch for its bridge's norm forward; a folded model's normalization_type says "LNPre"
+
+    @property
+    def n_devices(self) -> int:
+        return 1  # device_map= places blocks itself; TL's pipeline split over n_devices is not how probe does it
+
+    # ---- features probe does not have: TL's value for a model without them ----------------------------------
+    @property
+    def num_experts(self) -> None:
+        return None
+
+    @property
+    def experts_per_token(self) -> None:
+        return None
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        return False
+
+    @property
+    def clip_qkv(self) -> None:
+        return None
+
+    @property
+    def use_logn_attn(self) -> bool:
+        return False
+
+    @property
+    def train_seq_length(self) -> None:
+        return None
+
+    @property
+    def use_dynamic_ntk_rope(self) -> bool:
+        return False
+
+    @property
+    def rotary_base_local(self) -> None:
+        return None
+
+    @property
+    def use_yarn_rope(self) -> bool:
+        return False
+
+    @property
+    def yarn_factor(self) -> float:
+        return 1.0
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        return 1.0
+
+    @property
+    def yarn_beta_fast(self) -> float:
+        return 32.0
+
+    @property
+    def yarn_beta_slow(self) -> float:
+        return 1.0
+
+    @property
+    def yarn_original_max_position_embeddings(self) -> int:
+        return 4096
+
+    @property
+    def yarn_truncate(self) -> bool:
+        return True
+
+    @property
+    def yarn_global_attn_only(self) -> bool:
+        return False
+
+    @property
+    def use_attention_sinks(self) -> bool:
+        return False
+
+    @property
+    def trust_remote_code(self) -> bool:
+        return False
+
+    @property
+    def load_in_4bit(self) -> bool:
+        return False
+
+    @property
+    def quantization_method(self) -> None:
+        return None
+
+    @property
+    def relative_attention_max_distance(self) -> None:  # encoder-decoder (T5) models only
+        return None
+
+    @property
+    def relative_attention_num_buckets(self) -> None:
+        return None
+
+    @property
+    def decoder_start_token_id(self) -> None:
+        return None
