@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from probe.config import DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
+from probe.config import SWITCHES, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
 from probe.config_choices import ACTIVATION_SPELLINGS
 
 ACTIVATIONS = ACTIVATION_SPELLINGS  # TL's act_fn names; model.cfg.act_fn reads back the one given
@@ -30,8 +30,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # TL settings with nothing to build in probe: accepted at these values only
 ONLY = {"post_embedding_ln": False, "rotary_adjacent_pairs": False, "load_in_4bit": False, "num_experts": None,
-        "experts_per_token": None, "n_devices": 1, "init_weights": True,
-        "ungroup_grouped_query_attention": False, "trust_remote_code": False,
+        "experts_per_token": None, "n_devices": 1, "init_weights": True, "trust_remote_code": False,
         "relative_attention_max_distance": None, "relative_attention_num_buckets": None,
         "decoder_start_token_id": None, "default_padding_side": "right",
         # TL 3.9's features of other families (Qwen-1, OLMo, GPT-OSS, MoE, quantised checkpoints), at their off values
@@ -63,8 +62,8 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "NTK_by_parts_high_freq_factor", "NTK_original_ctx_len", "use_attn_scale", "attn_scale",
          "attn_scores_soft_cap", "output_logits_soft_cap", "use_qk_norm", "tie_word_embeddings", "model_name",
          "original_architecture", "device", "default_prepend_bos", "use_attn_result", "use_split_qkv_input",
-         "use_attn_in", "use_hook_mlp_in", "attn_only", "tokenizer_name", "attention_dir", "use_hook_tokens",
-         "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor"}
+         "use_attn_in", "use_hook_mlp_in", "ungroup_grouped_query_attention", "attn_only", "tokenizer_name",
+         "attention_dir", "use_hook_tokens", "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor"}
 
 
 def _config_fields() -> set[str]:
@@ -154,7 +153,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         tokenizer_source=s.get("tokenizer_name"),
         device=str(s.get("device") or "cpu"), dtype=DTYPES.get(dtype, dtype),
         default_prepend_bos=s.get("default_prepend_bos", True), seed=s.get("seed"),
-        **{name: s.get(name, False) for name in ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")})
+        **{name: s.get(name, False) for name in SWITCHES})
 
 
 def _vocab_size(tokenizer_name: str) -> int:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import probe.residual_stack as rs
-from probe.config import DecoderConfig, Positions
+from probe.config import SWITCHES, DecoderConfig, Positions, check_ungroupable
 from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps
 from probe.tokenizer import Tokenizer, check_padding_side, prepends_bos
 
@@ -138,6 +138,14 @@ class TransformerLensSurface:
         self._include_by_default(("hook_mlp_in",), use_hook_mlp_in)
         self._record_switch(use_hook_mlp_in=bool(use_hook_mlp_in))
 
+    def set_ungroup_grouped_query_attention(self, ungroup_grouped_query_attention: bool) -> None:
+        """transformer-lens's switch to compute keys and values per query head. It changes nothing where every
+        key/value head serves one query head, and is refused on a grouped-query model: probe's keys and values, and
+        their hooks, stay one per key/value head."""
+        if ungroup_grouped_query_attention:
+            check_ungroupable(self.cfg)
+        self._record_switch(ungroup_grouped_query_attention=bool(ungroup_grouped_query_attention))
+
     # ---- transformer-lens's parameters by its own names ---------------------------------------------------
     def tl_parameters(self) -> dict[str, torch.Tensor]:
         """transformer-lens's `tl_parameters()` (its bridge's): every weight under TL's name and shape
@@ -205,7 +213,7 @@ class TransformerLensSurface:
     def follow_config_switches(self) -> None:
         """Turn on the use_* switches the config says are on (a config built by HookedTransformerConfig(...,
         use_attn_result=True), or copied from a model that set them)."""
-        for switch in ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in"):
+        for switch in SWITCHES:
             if getattr(self.cfg, switch):
                 getattr(self, f"set_{switch}")(True)
 

@@ -97,9 +97,11 @@ def case_switches_assigned_to_the_config(model):
     model.cfg.use_split_qkv_input = True
     model.cfg.use_attn_result = True
     model.cfg.use_hook_mlp_in = True
+    model.cfg.ungroup_grouped_query_attention = True  # set for every model: nothing to ungroup in GPT-2
     try:
         _, cache = model.run_with_cache(PROMPT)
-        seen = [model.cfg.use_attn_result, model.cfg.use_split_qkv_input, model.cfg.use_hook_mlp_in]
+        seen = [model.cfg.use_attn_result, model.cfg.use_split_qkv_input, model.cfg.use_hook_mlp_in,
+                model.cfg.ungroup_grouped_query_attention]
         # the bridge also caches its own aliases of the per-head inputs (attn.hook_q_input): the classic names only
         names = sorted(k for k in cache.keys() if k.endswith(("attn.hook_result", "hook_mlp_in"))
                        or k.split(".")[2:] in (["hook_q_input"], ["hook_k_input"], ["hook_v_input"]))
@@ -108,6 +110,7 @@ def case_switches_assigned_to_the_config(model):
         model.cfg.use_split_qkv_input = False
         model.cfg.use_attn_result = False
         model.cfg.use_hook_mlp_in = False
+        model.cfg.ungroup_grouped_query_attention = False
     _, cache = model.run_with_cache(PROMPT)
     return out + [[k for k in cache.keys() if k.endswith(("hook_result", "hook_q_input", "hook_mlp_in"))]]
 
@@ -360,6 +363,22 @@ def test_the_architecture_stays_frozen_and_the_device_follows_the_weights(models
     with pytest.raises(AttributeError, match=r"model\.to\(device\)"):
         ours.cfg.device = "cuda"
     assert ours.cfg.n_layers == 4 and ours.cfg.device == "cpu"
+
+
+def test_ungrouping_a_grouped_query_model_is_refused_naming_the_key_value_head_to_read():
+    # TL ungroups by computing keys and values per query head; probe keeps them per key/value head
+    cfg = HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_key_value_heads=2, n_ctx=8, d_vocab=11, act_fn="relu")
+    model = HookedDecoder(cfg)
+    with pytest.raises(ValueError, match=r"key/value head h // 2"):
+        model.cfg.ungroup_grouped_query_attention = True
+    assert model.cfg.ungroup_grouped_query_attention is False
+    with pytest.raises(ValueError, match="ungroup_grouped_query_attention=True is not built"):
+        HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_key_value_heads=2, n_ctx=8, d_vocab=11,
+                                act_fn="relu", ungroup_grouped_query_attention=True)
+    free = HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_key_value_heads=2, n_ctx=8, d_vocab=11, act_fn="relu")
+    free.ungroup_grouped_query_attention = True
+    with pytest.raises(ValueError, match="is not built"):
+        HookedDecoder(free)
 
 
 def test_switches_and_device_named_on_a_config_before_building_turn_on_in_the_model():
