@@ -163,11 +163,15 @@ class HookPoint(nn.Module):
     model computes them only while something is attached, and a cache of "everything" skips them.
     `by_name` opt-in points also change how the model computes (per-head inputs give each head its own norm):
     while opt-in, only their exact name selects them, never a predicate.
+    `copies` points hand their forward hooks a copy of the activation, so an edit made in place reaches only
+    what reads the point, not the tensor it was copied from (transformer-lens hooks a copy at hook_mlp_in, whose
+    input is also the residual stream that flows on).
     """
 
-    def __init__(self, opt_in: bool = False, by_name: bool = False):
+    def __init__(self, opt_in: bool = False, by_name: bool = False, copies: bool = False):
         super().__init__()
         self.by_name = by_name
+        self.copies = copies
         self.name: str = "<unnamed>"  # set by HookedRootModule.setup_hooks
         self.ctx: dict = {}  # scratch space for hook functions (transformer-lens's hook.ctx); cleared by reset_hooks
         self.opt_in = opt_in
@@ -253,6 +257,8 @@ class HookPoint(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fns:
+            if self.copies:
+                x = x.clone()
             owner = _owner()
             for handle in [h for h in self._fns if h.owner is None or h.owner is owner]:  # a snapshot: hooks may add hooks
                 fn = handle.fn

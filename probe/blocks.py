@@ -32,7 +32,9 @@ class PreNormBlock(nn.Module):
         self.hook_v_input = HookPoint(opt_in=True, by_name=True)  # [batch pos kv_head d_model]
         self.hook_attn_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_mid = HookPoint()  # [batch pos d_model]
-        self.hook_mlp_in = HookPoint(opt_in=True)  # [batch pos d_model]: what the MLP reads, before its norm
+        # [batch pos d_model]: what the MLP reads, before its norm; a copy of the residual, as in transformer-lens,
+        # so an edit made in place here reaches the MLP alone
+        self.hook_mlp_in = HookPoint(opt_in=True, copies=True)
         self.hook_mlp_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_post = HookPoint()  # [batch pos d_model]
 

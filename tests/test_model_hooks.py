@@ -336,3 +336,40 @@ def test_cached_gradient_of_mlp_in_is_the_mlps_share_as_transformers_autograd_ha
             torch.testing.assert_close(cache[f"{name}_grad"], seen[name], atol=1e-5 * scale, rtol=1e-4, msg=name)
         torch.testing.assert_close(cache[f"blocks.{l}.hook_mlp_in_grad"], expected[l], atol=1e-5 * scale, rtol=1e-4)
     assert all(p.grad is None for p in tiny_model.parameters())
+
+
+# where each family's MLP reads its input in transformers: a pre-hook there edits the MLP's input alone
+MLP_INPUT_MODULE = {"gpt2": lambda hf, l: hf.transformer.h[l].ln_2, "neox": lambda hf, l: hf.gpt_neox.layers[l].post_attention_layernorm,
+                    "gemma2": lambda hf, l: hf.model.layers[l].pre_feedforward_layernorm, "gpt1": lambda hf, l: hf.transformer.h[l].mlp}
+
+
+@pytest.mark.parametrize("kind", sorted(MLP_INPUT_MODULE))
+def test_an_in_place_edit_at_mlp_in_reaches_the_mlp_alone(kind, tiny_dir, tiny_hf, tmp_path):
+    # transformer-lens hooks a copy at hook_mlp_in, and EAP-IG's circuit evaluation adds to it in place: the
+    # residual stream that flows past the MLP must keep its value (pre-norm, parallel, sandwich and post-norm blocks)
+    from probe import HookedDecoder
+    from test_variants import build
+
+    hf = tiny_hf if kind == "gpt2" else build(kind, tmp_path)
+    ours = HookedDecoder.from_pretrained(tiny_dir if kind == "gpt2" else tmp_path).eval()
+    tokens = torch.tensor([[5, 17, 3, 42, 8, 11]])
+    delta = torch.linspace(-1, 1, ours.cfg.d_model) * 10.0  # not constant: a norm would remove a constant shift
+
+    def edit_ours(activation, hook):
+        activation[:, -2:] += delta  # in place, returning None
+
+    def edit_theirs(module, args):
+        x = args[0].clone()
+        x[:, -2:] += delta
+        return (x,)
+
+    handle = MLP_INPUT_MODULE[kind](hf, 0).register_forward_pre_hook(edit_theirs)
+    try:
+        with torch.no_grad():
+            expected = hf(tokens).logits
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        got = ours.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_mlp_in", edit_ours)])
+        assert (got - ours(tokens)).abs().max() > 1e-2  # the edit matters (GPT-1's random MLP answers weakly)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)

@@ -252,7 +252,7 @@ def test_probe_sae_dashboard_writes_what_feature_dashboard_finds(tiny_dir, tiny_
 
     for extra, message in ((["--features", "96"], "--features: feature 96 is outside"),
                            (["--top", "0"], "--top 0 must be in [1, d_sae=96]"),
-                           (["--k", "0"], "--k 0 must be in [1, d_vocab="),
+                           (["--k", "0"], "--k 0 must be in [1, d_vocab_out="),
                            (["--window", "1"], "--window 1 must be in [2, n_ctx=48]"),
                            (["--corpus", str(tmp_path / "nowhere")], "does not exist")):
         out = tmp_path / f"bad{len(message)}"
