@@ -367,19 +367,24 @@ def check_ungroupable(cfg: DecoderConfig) -> None:
 
 def _assign(self: DecoderConfig, name: str, value: Any) -> None:
     # transformer-lens code turns its switches on by assigning to model.cfg (EAP's setup: model.cfg.use_split_qkv_input
-    # = True, ...) and names a device on a config before building from it. Those are the only assignments taken: a
-    # model's own config passes a switch to the model, which turns it on and records it here; a config no model owns
-    # records it for the model built from it. Everything else describes the architecture and stays frozen.
+    # = True, ...), narrows n_ctx, and names a device on a config before building from it. Those are the only
+    # assignments taken: a model's own config passes a switch or n_ctx to the model, which records it; a config no
+    # model owns records a switch for the model built from it. Everything else describes the architecture and stays
+    # frozen.
     owner = self.__dict__.get("_owner")
     model = owner() if owner is not None else None
     if name in SWITCHES and model is not None:
         getattr(model, f"set_{name}")(value)
         return
+    if name == "n_ctx" and model is not None:  # EAP-IG narrows it around a to_tokens(truncate=True) call
+        model.limit_context(value)
+        return
     if name in SWITCHES or (name == "device" and model is None):
         object.__setattr__(self, name, bool(value) if name in SWITCHES else str(value))
         return
     fix = ("move the model with model.to(device), which updates model.cfg.device" if name == "device" else
-           "build a changed copy with dataclasses.replace(cfg, ...) and a model from it")
+           "build a changed copy with dataclasses.replace(cfg, ...) and a model from it"
+           + (" (a model's own config takes n_ctx: model.cfg.n_ctx = n)" if name == "n_ctx" else ""))
     raise dataclasses.FrozenInstanceError(f"DecoderConfig is frozen: cannot assign {name}={value!r}; {fix}")
 
 

@@ -138,6 +138,19 @@ class TransformerLensSurface:
         self._include_by_default(("hook_mlp_in",), use_hook_mlp_in)
         self._record_switch(use_hook_mlp_in=bool(use_hook_mlp_in))
 
+    def limit_context(self, n_ctx: int) -> None:
+        """What `model.cfg.n_ctx = n` does (transformer-lens code assigns it: EAP-IG narrows it around a
+        `to_tokens(truncate=True)` call, then puts it back): the longest input the model takes and the length
+        `to_tokens` cuts to. A model with a table of learned positions takes at most the table's length; the
+        weights do not change, so `save_pretrained` refuses a model whose n_ctx is not its table's."""
+        if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
+            raise ValueError(f"n_ctx must be a positive int, got {n_ctx!r}")
+        table = None if self.pos_embed is None else self.pos_embed.W_pos.shape[0]
+        if table is not None and n_ctx > table:
+            raise ValueError(f"n_ctx={n_ctx} is longer than this model's {table} positions (pos_embed.W_pos): "
+                             f"give at most {table}")
+        self.cfg = dataclasses.replace(self.cfg, n_ctx=n_ctx)
+
     def set_ungroup_grouped_query_attention(self, ungroup_grouped_query_attention: bool) -> None:
         """transformer-lens's switch to compute keys and values per query head. It changes nothing where every
         key/value head serves one query head, and is refused on a grouped-query model: probe's keys and values, and

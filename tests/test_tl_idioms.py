@@ -5,6 +5,7 @@ bridge is wrong (an edit at hook_resid_mid), transformers' own forward is the or
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 from functools import partial
 
@@ -113,6 +114,18 @@ def case_switches_assigned_to_the_config(model):
         model.cfg.ungroup_grouped_query_attention = False
     _, cache = model.run_with_cache(PROMPT)
     return out + [[k for k in cache.keys() if k.endswith(("hook_result", "hook_q_input", "hook_mlp_in"))]]
+
+
+def case_n_ctx_narrowed_around_to_tokens(model):
+    # EAP-IG's tokenisation: n_ctx set to the longest it wants, to_tokens(truncate=True), n_ctx put back
+    old = model.cfg.n_ctx
+    model.cfg.n_ctx = 4
+    try:
+        tokens = model.to_tokens(["When Mary and John went to the store", "hi"], truncate=True)
+        narrowed = model.cfg.n_ctx
+    finally:
+        model.cfg.n_ctx = old
+    return [tokens, narrowed, model.cfg.n_ctx, model(tokens)]
 
 
 def case_logits_by_hand_with_b_U(model):
@@ -379,6 +392,24 @@ def test_ungrouping_a_grouped_query_model_is_refused_naming_the_key_value_head_t
     free.ungroup_grouped_query_attention = True
     with pytest.raises(ValueError, match="is not built"):
         HookedDecoder(free)
+
+
+def test_n_ctx_narrows_the_inputs_within_the_positions_the_model_holds(tmp_path):
+    model = HookedDecoder.from_pretrained(DEFAULT_MODEL)
+    table = model.W_pos.shape[0]
+    with pytest.raises(ValueError, match=f"give at most {table}"):
+        model.cfg.n_ctx = table + 1
+    model.cfg.n_ctx = 6
+    with pytest.raises(ValueError, match="n_ctx=6; truncate it"):
+        model(torch.arange(7)[None])
+    with pytest.raises(ValueError, match=f"set model.cfg.n_ctx = {table} before saving"):
+        model.save_pretrained(tmp_path / "narrowed")
+    assert not (tmp_path / "narrowed").exists()
+    with pytest.raises(AttributeError, match=r"model\.cfg\.n_ctx = n"):
+        dataclasses.replace(model.cfg).n_ctx = 3  # a config no model owns describes weights yet to be built
+    model.cfg.n_ctx = table
+    model.save_pretrained(tmp_path / "restored")
+    assert HookedDecoder.from_pretrained(tmp_path / "restored").cfg == model.cfg
 
 
 def test_switches_and_device_named_on_a_config_before_building_turn_on_in_the_model():
