@@ -15,6 +15,7 @@ from probe.factored import FactoredMatrix
 from probe.kv_cache import LayerKV
 from probe.norm import make_norm
 from probe.softcap import make_softcap
+from probe.tl_weights import WritableWeights, weight_view
 
 
 class PerHeadInputs(NamedTuple):
@@ -26,7 +27,7 @@ class PerHeadInputs(NamedTuple):
     v: torch.Tensor
 
 
-class Attention(nn.Module):
+class Attention(WritableWeights, nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = cfg.layer_heads(layer), cfg.layer_kv_heads(layer), cfg.d_head
@@ -133,19 +134,19 @@ class Attention(nn.Module):
     def _split_qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.qkv.weight.split(self.qkv_sizes, dim=0)
 
-    @property
+    @weight_view
     def W_Q(self) -> torch.Tensor:  # [head d_model d_head]
         return rearrange(self._split_qkv_weight()[0], "(head d_head) d_model -> head d_model d_head", d_head=self.d_head)
 
-    @property
+    @weight_view
     def W_K(self) -> torch.Tensor:  # [kv_head d_model d_head]
         return rearrange(self._split_qkv_weight()[1], "(head d_head) d_model -> head d_model d_head", d_head=self.d_head)
 
-    @property
+    @weight_view
     def W_V(self) -> torch.Tensor:  # [kv_head d_model d_head]
         return rearrange(self._split_qkv_weight()[2], "(head d_head) d_model -> head d_model d_head", d_head=self.d_head)
 
-    @property
+    @weight_view
     def W_O(self) -> torch.Tensor:  # [head d_head d_model]
         return self.out.weight.t().unflatten(0, (-1, self.d_head))  # a view, as rearrange's, without its parsing
 
@@ -157,7 +158,7 @@ class Attention(nn.Module):
     def QK(self) -> FactoredMatrix:  # [head d_model d_model]: W_Q @ W_K^T, before the scale, rotary and biases
         return FactoredMatrix(self.W_Q, self.W_K.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0).mT)
 
-    @property
+    @weight_view
     def b_O(self) -> Optional[torch.Tensor]:  # [d_model], None without an output bias
         return self.out.bias
 
@@ -167,14 +168,14 @@ class Attention(nn.Module):
             return None
         return self.qkv.bias.split(self.qkv_sizes)[part].view(-1, self.d_head)
 
-    @property
+    @weight_view
     def b_Q(self) -> Optional[torch.Tensor]:  # [head d_head], None without q/k/v biases
         return self._qkv_bias(0)
 
-    @property
+    @weight_view
     def b_K(self) -> Optional[torch.Tensor]:  # [kv_head d_head]
         return self._qkv_bias(1)
 
-    @property
+    @weight_view
     def b_V(self) -> Optional[torch.Tensor]:  # [kv_head d_head]
         return self._qkv_bias(2)

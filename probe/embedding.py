@@ -10,6 +10,7 @@ from torch import nn
 
 from probe.config import DecoderConfig, Positions, RotaryScaling
 from probe.softcap import make_softcap
+from probe.tl_weights import WritableWeights, weight_view
 
 
 class Embed(nn.Module):
@@ -154,7 +155,7 @@ def make_pos_embed(cfg: DecoderConfig) -> nn.Module | None:
     }[cfg.positions]()
 
 
-class Unembed(nn.Module):
+class Unembed(WritableWeights, nn.Module):
     """Logits = x @ W_U. Stores W_U transposed ([vocab d_model]) so it can share the embedding's tensor."""
 
     def __init__(self, d_vocab: int, d_model: int, bias: bool = False, softcap: Optional[float] = None):
@@ -170,7 +171,7 @@ class Unembed(nn.Module):
         """The logits before a soft cap: linear in x, what direct attributions add up to."""
         return F.linear(x, self.weight, self.bias)
 
-    @property
+    @weight_view
     def W_U(self) -> torch.Tensor:  # [d_model vocab]
         return self.weight.T
 

@@ -10,6 +10,7 @@ from torch import nn
 from probe.hooks import HookPoint
 from probe.config import Activation, DecoderConfig
 from probe.norm import LayerNorm
+from probe.tl_weights import WritableWeights, weight_view
 
 
 class SoLU(nn.Module):
@@ -29,7 +30,7 @@ ACTIVATIONS = {
 }
 
 
-class MLP(nn.Module):
+class MLP(WritableWeights, nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)  # rows are the FFN "keys"
@@ -43,19 +44,19 @@ class MLP(nn.Module):
         post = self.hook_post(self.act(pre))
         return self.fc_out(post)
 
-    @property
+    @weight_view
     def W_in(self) -> torch.Tensor:  # [d_model d_mlp]
         return self.fc_in.weight.T
 
-    @property
+    @weight_view
     def W_out(self) -> torch.Tensor:  # [d_mlp d_model]
         return self.fc_out.weight.T
 
-    @property
+    @weight_view
     def b_in(self) -> Optional[torch.Tensor]:  # [d_mlp], None without MLP biases
         return self.fc_in.bias
 
-    @property
+    @weight_view
     def b_out(self) -> Optional[torch.Tensor]:  # [d_model]
         return self.fc_out.bias
 
@@ -75,7 +76,7 @@ class GatedMLP(MLP):
         post = self.hook_post(self.act(pre) * pre_linear)
         return self.fc_out(post)
 
-    @property
+    @weight_view
     def W_gate(self) -> torch.Tensor:  # [d_model d_mlp]
         return self.gate.weight.T
 

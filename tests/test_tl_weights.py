@@ -1,0 +1,81 @@
+"""Weights edited by transformer-lens's names (probe/tl_weights.py), as abliteration, model editing and weight
+surgery write them, against transformers' GPT-2 with the same edit made to its own parameters."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+P = torch.tensor([[5, 17, 3, 42, 8, 11, 2, 30]])
+
+
+def orthogonalized(W: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    # the refusal-direction edit: remove each row's component along the direction (written as Arditi et al.'s)
+    return W - (W @ direction)[..., None] * direction
+
+
+@pytest.fixture
+def pair(tiny_model, tiny_hf):
+    return copy.deepcopy(tiny_model), copy.deepcopy(tiny_hf)
+
+
+def logits_agree(ours, hf):
+    with torch.no_grad():
+        torch.testing.assert_close(ours(P), hf(P).logits, rtol=0, atol=1e-4)
+
+
+def test_assigning_data_writes_through_as_abliteration_does(pair):
+    ours, hf = pair
+    d = torch.randn(ours.cfg.d_model, generator=torch.Generator().manual_seed(0))
+    d /= d.norm()
+    before = ours(P).detach()
+    for l, block in enumerate(ours.blocks):
+        block.attn.W_O.data = orthogonalized(block.attn.W_O, d)  # [head d_head d_model]
+        block.mlp.W_out.data = orthogonalized(block.mlp.W_out, d)  # [d_mlp d_model]
+        theirs = hf.transformer.h[l]
+        with torch.no_grad():  # GPT-2's Conv1D weights are [in out]: the writes to the residual are its rows
+            theirs.attn.c_proj.weight.copy_(orthogonalized(theirs.attn.c_proj.weight, d))
+            theirs.mlp.c_proj.weight.copy_(orthogonalized(theirs.mlp.c_proj.weight, d))
+    assert float((ours.blocks[0].attn.W_O @ d).detach().abs().max()) < 1e-6
+    assert float((ours(P).detach() - before).abs().max()) > 1e-3
+    logits_agree(ours, hf)
+
+
+def test_an_augmented_assignment_and_a_new_parameter_write_into_the_fused_weights(pair):
+    ours, hf = pair
+    gen = torch.Generator().manual_seed(1)
+    u, v = torch.randn(ours.cfg.d_mlp, generator=gen), torch.randn(ours.cfg.d_model, generator=gen)
+    W_Q = torch.randn(ours.blocks[1].attn.W_Q.shape, generator=gen) * 0.1  # [head d_model d_head]
+    with torch.no_grad():
+        ours.blocks[0].mlp.W_out += 0.5 * torch.outer(u, v)  # ROME's rank-one edit
+        ours.blocks[1].attn.W_O = torch.nn.Parameter(torch.zeros_like(ours.blocks[1].attn.W_O))
+        ours.blocks[1].attn.W_Q = W_Q
+        ours.blocks[0].mlp.W_in.data = ours.blocks[0].mlp.W_in * 2
+        hf.transformer.h[0].mlp.c_proj.weight += 0.5 * torch.outer(u, v)
+        hf.transformer.h[1].attn.c_proj.weight.zero_()
+        d_model = ours.cfg.d_model  # c_attn's columns: q of every head (head-major), then k, then v
+        hf.transformer.h[1].attn.c_attn.weight[:, :d_model] = W_Q.permute(1, 0, 2).reshape(d_model, d_model)
+        hf.transformer.h[0].mlp.c_fc.weight *= 2
+    logits_agree(ours, hf)
+    assert "W_O" not in dict(ours.blocks[1].attn.named_parameters())  # no stray parameter registered beside it
+
+
+def test_views_still_carry_gradients_and_give_plain_tensors(tiny_model):
+    attn = tiny_model.blocks[0].attn
+    written = torch.einsum("hdm,m->hd", attn.W_O, torch.ones(tiny_model.cfg.d_model))
+    assert type(written) is torch.Tensor
+    written.sum().backward()
+    by_hand = torch.ones_like(attn.out.weight)  # d/d out.weight of the sum of every entry of W_O @ 1
+    torch.testing.assert_close(attn.out.weight.grad, by_hand)
+    attn.out.weight.grad = None
+
+
+def test_a_wrong_shape_is_refused_and_changes_nothing(tiny_model):
+    attn = tiny_model.blocks[0].attn
+    before = attn.qkv.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"W_Q is \(4, 64, 16\) and the new value is \(3,\)"):
+        attn.W_Q = torch.zeros(3)
+    with pytest.raises(ValueError, match="same shape"):
+        attn.W_K.data = torch.zeros(2, 2)
+    assert torch.equal(attn.qkv.weight, before)
