@@ -35,7 +35,7 @@ def test_an_answer_outside_the_vocabulary(tiny_model, tokens):
     (["ablate", "--heads", "0.99"], "head 99 is outside"),
     (["ablate", "--heads", "-20.0"], "--heads '-20.0': write heads as L3H1 (or 3.1)"),  # no negative layers
     (["ablate", "--heads", "zero"], "write heads as L3H1 (or 3.1)"),
-    (["contributions", "--answer", "100000"], "not a token id"),
+    (["contributions", "--answer", "100000"], "not an output token id"),
 ])
 def test_command_line_bad_heads_and_answers(tiny_dir, tmp_path, capsys, args, message):
     code = cli.main([args[0], "--model", str(tiny_dir), "--prompt", "To be, or not", "--out", str(tmp_path / "o"), *args[1:]])
