@@ -160,7 +160,7 @@ def logit_targets_of(model: HookedDecoder, logits: torch.Tensor, targets) -> tup
         elif isinstance(item, str):
             if model.tokenizer is None:
                 raise ValueError(f"logit target {item!r} is text but the model has no tokenizer: give token ids")
-            encoded = model.tokenizer.encode(item)
+            encoded = model.tokenizer.encode(item, add_special_tokens=False)
             if len(encoded) != 1:
                 raise ValueError(f"logit target {item!r} is {len(encoded)} tokens; give one token (mind the leading space) "
                                  "or its id")

@@ -169,7 +169,7 @@ def single_token_id(model: HookedDecoder, text: str, what: str = "answer") -> in
     """The id of a string that is exactly one token; a multi-token string is an error, not its first token."""
     if model.tokenizer is None:
         raise ValueError(f"this model has no tokenizer: give the {what} as a token id")
-    ids = model.tokenizer.encode(text)
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
     if len(ids) != 1:
         shown = model.tokenizer.token_strings(ids)
         raise ValueError(

@@ -138,7 +138,8 @@ def _splits_at(tokenizer, text: str, cut: int) -> bool:
     the tokens of its two sides. Byte-level BPE pre-tokenizes with a regex that looks at most a
     few characters past a boundary, so this local test stands for the whole document."""
     left, right = text[max(0, cut - _CUT_CHECK):cut], text[cut:cut + _CUT_CHECK]
-    return tokenizer.encode(left + right) == tokenizer.encode(left) + tokenizer.encode(right)
+    ids = lambda part: tokenizer.encode(part, add_special_tokens=False)
+    return ids(left + right) == ids(left) + ids(right)
 
 
 def _cut(tokenizer, text: str, start: int, end: int) -> int:
@@ -170,7 +171,7 @@ def encode_document(tokenizer, pieces: Iterable[str]) -> Iterator[list[int]]:
         lookahead = 0 if piece is None else _CUT_CHECK  # so `_splits_at` sees what follows every cut
         while len(text) - start > limit + lookahead:
             cut = _cut(tokenizer, text, start, start + limit)
-            yield tokenizer.encode(text[start:cut])
+            yield tokenizer.encode(text[start:cut], add_special_tokens=False)
             start = cut
     if start < len(text):
-        yield tokenizer.encode(text[start:])
+        yield tokenizer.encode(text[start:], add_special_tokens=False)

@@ -147,10 +147,10 @@ def _document_ids(tokenizer, text: str, limit: int) -> list[int]:
     agree with the whole text's except near the cut, so a prefix yielding plenty more than `limit` suffices."""
     cut = 8 * limit + 4096
     if len(text) > cut:
-        ids = tokenizer.encode(text[:cut])
+        ids = tokenizer.encode(text[:cut], add_special_tokens=False)
         if len(ids) > limit + 64:
             return ids[:limit]
-    return tokenizer.encode(text)[:limit]
+    return tokenizer.encode(text, add_special_tokens=False)[:limit]
 
 
 def overlap_of(window: int, before: int, bos: bool) -> int:

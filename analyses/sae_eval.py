@@ -64,7 +64,7 @@ def eval_windows(model: HookedDecoder, corpus: Corpus, max_tokens: int, context_
         raise ValueError(f"context_size={context_size} must be in [2, n_ctx={model.cfg.n_ctx}]")
     body, pending, windows = context_size - 1, [], []
     for _, text in iter_documents(corpus):
-        pending += [tokenizer.bos_id] + tokenizer.encode(text)
+        pending += [tokenizer.bos_id] + tokenizer.encode(text, add_special_tokens=False)
         while len(pending) >= body and len(windows) * context_size < max_tokens:
             windows.append([tokenizer.bos_id] + pending[:body])
             pending = pending[body:]

@@ -31,7 +31,7 @@ def lens_windows(model: HookedDecoder, text: str, max_tokens: int, n_ctx: Option
     if n_ctx is not None and not (isinstance(n_ctx, int) and n_ctx >= 2):
         raise ValueError(f"n_ctx={n_ctx!r}: a window holds BOS plus at least one token, so give an int >= 2 (or None "
                          f"for the model's n_ctx={model.cfg.n_ctx})")
-    ids = torch.tensor(model.tokenizer.encode(text)[:max_tokens], dtype=torch.long)
+    ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False)[:max_tokens], dtype=torch.long)
     if len(ids) < 2:
         raise ValueError(f"the text has {len(ids)} tokens; the lens needs at least 2")
     n = min(n_ctx or model.cfg.n_ctx, model.cfg.n_ctx)

@@ -157,7 +157,7 @@ class ActivationStore:
                     raise ValueError(f"corpus document {i} is {type(text).__name__} {str(text)[:40]!r}; documents must be "
                                      "non-empty strings")
                 documents += 1
-                pending += [bos] + tokenizer.encode(text)
+                pending += [bos] + tokenizer.encode(text, add_special_tokens=False)
                 # a window cut where a document begins starts with that document's own BOS, not BOS BOS (rare in
                 # a model's training, and a second attention-sink row in the dictionary's data); SAELens does the same
                 while pending and len(pending) >= (take := body + (pending[0] == bos)):

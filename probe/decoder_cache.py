@@ -6,6 +6,7 @@ probe.cache_stacks, over the arithmetic of probe.residual_stack.
 """
 from __future__ import annotations
 
+import copy
 import re
 import weakref
 from collections.abc import Mapping
@@ -46,7 +47,30 @@ class DecoderCache(StackMethods, ActivationCache):
     def _like(self, activations: Mapping[str, torch.Tensor], has_batch_dim: bool) -> "DecoderCache":
         new = DecoderCache(activations, has_batch_dim=has_batch_dim)
         new._model, new._cfg = self._model, self._cfg
+        new._from_file = self._from_file
         return new
+
+    _from_file = False  # True once unpickled: the cache then has no model, and says why
+
+    # ---- saving: torch.save(cache, f) as transformer-lens users write it --------------------------------------
+    def __getstate__(self) -> dict:
+        # a weak reference cannot be pickled, and a file is no place for the model: the activations, the config and
+        # has_batch_dim are saved, and the methods that need the weights say so after torch.load
+        return {**self.__dict__, "_model": None, "_from_file": True}
+
+    def __deepcopy__(self, memo: dict) -> "DecoderCache":
+        # a copy in memory still knows its model (weakly, as the original); only a file loses it
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({k: v if k == "_model" else copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
+    def _live_model(self, method: str):
+        if self._from_file:
+            raise ModelGoneError(f"{method} needs the model's weights, but this cache was loaded from a file "
+                                 f"(torch.save keeps the activations, not the model); run the prompt again with "
+                                 f"model.run_with_cache(...) for a cache whose methods can read the weights")
+        return super()._live_model(method)
 
     def __repr__(self) -> str:
         return f"DecoderCache({len(self)} activations, {self.nbytes / 2**20:.1f} MiB, has_batch_dim={self.has_batch_dim})"

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 import torch
 
 from probe.hooks import ActivationCache, HookFn, NameFilter
+from probe.inputs import mask_from_padding
 from probe.kv_cache import KVCache
 from probe.tl_surface import refuse_unsupported
 from probe.tokenizer import check_padding_side
@@ -85,20 +86,21 @@ def generate(
 
     Prompts of different lengths are left-padded so they all end at the same position; positions count real
     tokens, so a padded prompt continues exactly as it would alone (text is always left-padded, whatever
-    `padding_side` says, as in TL). Token ids padded by you need `attention_mask` (1 = real token), or
-    `padding_side="left"` to read the padding off the pad token, as TL does.
+    `padding_side` says, as in TL). Token ids padded by you need `attention_mask` (1 = real token), or a left
+    padding side (`padding_side="left"`, else the tokenizer's `padding_side`) to read the padding off the pad
+    token, as TL does.
 
     Input embeddings, a float [batch pos d_model] tensor (what `model.embed(tokens)` gives, positions not added:
     the model adds them, counting from 0), are a prompt too, as in TL: they enter at `hook_embed` (the prompt's
     placeholder ids, 0, are what `hook_tokens` sees), and `attention_mask` may mark left padding among them.
     `prepend_bos` does not apply to them, and `padding_side` and `freq_penalty`, which read token ids, are refused.
 
-    Returns, with `return_type="input"`, what it was given: a string for a string, a list of strings for a list
-    (text without special tokens, as TL decodes it), token ids [batch prompt+new] for ids, embeddings [batch
-    prompt+new d_model] for embeddings (the new tokens' `model.embed`); "str", "tokens" or "embeds" asks for one.
-    From embeddings, "tokens" and "str" hold the new tokens only (the prompt has no ids), as in TL, and one
-    prompt's "str" is a string. Hooks in `fwd_hooks` fire on every pass (the prompt's, then each new token's). With
-    `cache_names`, also returns one ActivationCache per pass. With `steering` (an object whose
+    Returns, with `return_type="input"`, what it was given: text for text (without special tokens, as TL
+    decodes it), token ids [batch prompt+new] for ids, embeddings [batch prompt+new d_model] for embeddings (the
+    new tokens' `model.embed`); "str", "tokens" or "embeds" asks for one. Text is TL's: a string for one sequence
+    (a list of one prompt, or ids [1 pos], too), a list for several. From embeddings, "tokens" and "str" hold the
+    new tokens only (the prompt has no ids), as in TL. Hooks in `fwd_hooks` fire on every pass (the prompt's,
+    then each new token's). With `cache_names`, also returns one ActivationCache per pass. With `steering` (an object whose
     `applied(model)` is a context manager, e.g. analyses.steering's), the whole generation runs inside
     `with steering.applied(model):`. `use_past_kv_cache` is TL's name for `use_cache`.
     """
@@ -144,7 +146,8 @@ def generate(
     with steering.applied(model) if steering is not None else nullcontext():
         tokens, mask, caches = _generate_tokens(
             model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids, fill_id,
-            use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names, verbose)
+            use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names, verbose,
+            embeds is not None)
     if embeds is None:
         output = _output(model, input, tokens, mask, return_type)
     else:
@@ -180,13 +183,21 @@ class _EmbeddingsAt:
 
 
 def _generate_tokens(model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids,
-                     fill_id, use_cache, prepend_bos, padding_side, attention_mask, fwd_hooks, cache_names, verbose):
+                     fill_id, use_cache, prepend_bos, padding_side, attention_mask, fwd_hooks, cache_names, verbose,
+                     from_embeddings):
     """The loop: (tokens [batch prompt+new], their mask, the per-pass caches)."""
     # text is padded on the left: every prompt then ends at the last position, where generation continues
     # (transformer-lens forces the same whatever padding_side says)
-    tokens, attention_mask = model.tokens_and_mask(input, attention_mask, padding_side="left", prepend_bos=prepend_bos)
-    if attention_mask is None and padding_side is not None and isinstance(input, torch.Tensor):
-        attention_mask = _mask_from_padding(model, tokens, padding_side, prepend_bos)
+    # token ids are read as the forward reads them (left padding off the pad id, when this call's or the
+    # tokenizer's padding side is left); an explicit padding_side="right" also reads trailing pads, as TL's does,
+    # and is refused below (generation continues from the last position); embeddings' placeholder ids are no tokens
+    as_text = is_text(input)
+    tokens, attention_mask = model.tokens_and_mask(
+        input, attention_mask, padding_side="left" if as_text else padding_side, prepend_bos=prepend_bos,
+        infer_padding=not from_embeddings)
+    if attention_mask is None and padding_side == "right" and not as_text:
+        tokenizer = _tokenizer_of(model, "padding_side= reads the padding off the pad token, which")
+        attention_mask = mask_from_padding(tokens, tokenizer.pad_id, tokenizer.bos_id, "right", False)
     if tokens.shape[1] + max_new_tokens > model.cfg.n_ctx:
         raise ValueError(
             f"the prompt has {tokens.shape[1]} tokens; {max_new_tokens} more would exceed n_ctx={model.cfg.n_ctx}"
@@ -271,23 +282,6 @@ def _stopping(model, stop_at_eos: Optional[bool], eos_token_id) -> tuple[Optiona
     return torch.tensor(ids, dtype=torch.long), fill
 
 
-def _mask_from_padding(model, tokens: torch.Tensor, padding_side: str, prepend_bos: Optional[bool]) -> Optional[torch.Tensor]:
-    """transformer-lens's reading of pre-padded ids: the leading (left) or trailing (right) run of pad ids is
-    padding; with left padding and a BOS that is also the pad id, the last pad of the run is the BOS."""
-    tokenizer = _tokenizer_of(model, "padding_side= reads the padding off the pad token, which")
-    real = tokens != tokenizer.pad_id
-    if padding_side == "right":
-        padding = real.flip(-1).cumsum(-1).flip(-1) == 0
-    else:
-        padding = real.cumsum(-1) == 0
-        prepend_bos = model.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        if prepend_bos and tokenizer.bos_id == tokenizer.pad_id:
-            rows = padding.any(-1).nonzero().flatten()
-            padding[rows, padding[rows].sum(-1) - 1] = False
-    mask = (~padding).long()
-    return None if bool(mask.all()) else mask
-
-
 def _output(model, input, tokens: torch.Tensor, mask: torch.Tensor, return_type: str):
     if return_type == "embeds":
         return model.embed(tokens)
@@ -297,8 +291,9 @@ def _output(model, input, tokens: torch.Tensor, mask: torch.Tensor, return_type:
     # special tokens are dropped, as transformer-lens decodes: the BOS, and the EOS that ended a sequence
     tokenizer = _tokenizer_of(model, f"return_type={return_type!r} decodes text, which")
     texts = [tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(tokens, mask)]
-    one = isinstance(input, str) or (isinstance(input, torch.Tensor) and input.dim() == 1)
-    return texts[0] if one else texts
+    # transformer-lens's rule, whatever the input: one sequence is a string, several a list (a list of one prompt
+    # gives a string too)
+    return texts[0] if len(texts) == 1 else texts
 
 
 def _output_from_embeddings(model, embeds: torch.Tensor, new_tokens: torch.Tensor, return_type: str):

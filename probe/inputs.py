@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from probe.tokenizer import check_padding_side
 from probe.tokens import is_text
 
 ModelInput = Union[str, Sequence[str], torch.Tensor]
@@ -15,8 +16,11 @@ class InputChecks:
     """The checks of a forward's inputs, a mixin of HookedDecoder (it reads self.cfg, self.device, the tokenizer)."""
 
     def tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor],
-                         padding_side: Optional[str] = None, prepend_bos: Optional[bool] = None):
-        """Token ids on the model's device and their [batch pos] long mask (None: nothing padded)."""
+                         padding_side: Optional[str] = None, prepend_bos: Optional[bool] = None,
+                         infer_padding: bool = True):
+        """Token ids on the model's device and their [batch pos] long mask (None: nothing padded). Token ids given
+        without a mask have their left padding read off the pad id, as transformer-lens does (`padding_of`), unless
+        `infer_padding=False` (ids that are no prompt's start: a KV cache's continuation, generate's placeholders)."""
         if is_text(input):
             if attention_mask is not None:
                 raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
@@ -36,7 +40,27 @@ class InputChecks:
         else:
             raise TypeError(f"input must be a string, a list of strings or a tensor of token ids, got {type(input).__name__}")
         tokens = self.validate_tokens(tokens)
+        if attention_mask is None and infer_padding and isinstance(input, torch.Tensor):
+            return tokens, self.padding_of(tokens, padding_side, prepend_bos)
         return tokens, check_mask(attention_mask, tuple(tokens.shape), "the tokens'", tokens.device)
+
+    def padding_of(self, tokens: torch.Tensor, padding_side: Optional[str] = None,
+                   prepend_bos: Optional[bool] = None) -> Optional[torch.Tensor]:
+        """transformer-lens 3's mask for token ids [batch pos] given without one (HookedTransformer.forward with
+        utils.get_attention_mask): when the padding side, this call's or else the tokenizer's (`default_padding_side=`
+        sets it), is left, each row's leading run of pad ids is padding, except its last one when BOS is prepended
+        and is the pad id (it is that row's BOS). Right padding is not read: the pads come after every real token,
+        which causal attention never lets see them. None when nothing is padding."""
+        tokenizer = self.tokenizer
+        if padding_side is not None:
+            check_padding_side(padding_side)
+            if tokenizer is None and padding_side == "left":
+                raise ValueError("padding_side='left' reads the padding off the pad token id, which needs a tokenizer "
+                                 "and this model has none: pass attention_mask= [batch pos] (1 = real token)")
+        if tokenizer is None or (padding_side or tokenizer.padding_side) != "left":
+            return None
+        prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        return mask_from_padding(tokens, tokenizer.pad_id, tokenizer.bos_id, "left", prepend_bos)
 
     def validate_attention_mask(self, attention_mask: Optional[torch.Tensor], tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """A [pos] or [batch pos] mask of 1s (real tokens) and 0s (padding) for `tokens`, as [batch pos] long on
@@ -98,6 +122,23 @@ def check_mask(attention_mask: Optional[torch.Tensor], shape: tuple[int, int], w
         raise ValueError(f"attention_mask must hold 1 (real token) and 0 (padding) only, got {bad:.6g}; for an additive "
                          "mask (0 = keep, negative = hide) pass (mask == 0).long(), for weights pass (mask > 0).long()")
     return attention_mask.to(device, torch.long)
+
+
+def mask_from_padding(tokens: torch.Tensor, pad_id: int, bos_id: Optional[int], padding_side: str,
+                      prepend_bos: bool) -> Optional[torch.Tensor]:
+    """transformer-lens's get_attention_mask: [batch pos] long, 0 on the leading (left) or trailing (right) run of
+    `pad_id` in each row (a pad id between real tokens is a token); with left padding and a prepended BOS that is
+    the pad id, the run's last one is the BOS, and real. None when every position is real."""
+    real = tokens != pad_id
+    if padding_side == "right":
+        padding = real.flip(-1).cumsum(-1).flip(-1) == 0
+    else:
+        padding = real.cumsum(-1) == 0
+        if prepend_bos and bos_id == pad_id:
+            rows = padding.any(-1).nonzero().flatten()
+            padding[rows, padding[rows].sum(-1) - 1] = False
+    mask = (~padding).long()
+    return None if bool(mask.all()) else mask
 
 
 def token_positions(attention_mask: Optional[torch.Tensor], batch: int, n_new: int, device) -> torch.Tensor:

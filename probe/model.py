@@ -83,11 +83,14 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         A list of strings is padded on `padding_side` ("right" by default; "left" puts every prompt's last token
         at the last position). `attention_mask` [batch pos] (1 = real token) handles padding you did yourself,
         left or right: padded keys are hidden and positions count real tokens only, so a prompt's activations do
-        not depend on what it was batched with. `prepend_bos=None` prepends BOS when the tokenizer has one.
+        not depend on what it was batched with. Token ids without a mask are read as transformer-lens reads them:
+        left-padded when `padding_side` (else `model.tokenizer.padding_side`) is "left", the leading pad ids then
+        masked (see `padding_of`). `prepend_bos=None` prepends BOS when the tokenizer has one.
 
         `return_type` is transformer-lens's: "logits", "loss" (the mean next-token cross-entropy, or [batch pos-1]
-        with `loss_per_token=True`), "both" ((logits, loss)) or None. The loss counts every position of
-        right-padded text, as transformer-lens does; left padding or an `attention_mask` leaves padding out.
+        with `loss_per_token=True`), "both" (`Output(logits, loss)`, a named tuple) or None. The loss counts every
+        position of right-padded text, as transformer-lens does; left padding or an `attention_mask` leaves padding
+        out.
 
         `start_at_layer=l` (0 too, as in transformer-lens) takes the residual stream [batch pos d_model] entering
         block l instead of tokens (give `tokens=` to score a loss); `stop_at_layer=l` returns the residual stream
@@ -105,7 +108,9 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         from_tokens = start_at_layer is None  # as in transformer-lens: any layer, 0 too, takes a residual
         start_at_layer = 0 if from_tokens else start_at_layer
         if from_tokens:
-            tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos)
+            # new tokens after a KV cache's continue a prompt: a pad id among them is a token, not padding
+            fresh = kv_cache is None or kv_cache.length == 0
+            tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos, fresh)
             batch, n_new = tokens.shape
         else:
             resid = self._validate_residual(input, start_at_layer)
@@ -198,7 +203,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
             if self.tokenizer is None:
                 return None  # the forward pass will say what is missing
             texts = [input] if isinstance(input, str) else list(input)
-            batch, pos = len(texts), (self.tokenizer.bos_id is not None) + max(len(self.tokenizer.encode(t)) for t in texts)
+            longest = max(len(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+            batch, pos = len(texts), (self.tokenizer.bos_id is not None) + longest
         else:
             return None
         key_pos = pos + (kv_cache.length if kv_cache is not None else 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,14 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: Optional
     return -predicted if per_token else -predicted.sum() / counted.sum()
 
 
+class Output(NamedTuple):
+    """forward's return_type="both", transformer-lens's `Output`: `out.logits` [batch pos vocab] and `out.loss`, and
+    a tuple, so `logits, loss = model(x, return_type="both")` works as well."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor
+
+
 def finish_output(return_type: Optional[str], logits: torch.Tensor, tokens: Optional[torch.Tensor],
                   attention_mask: Optional[torch.Tensor], loss_per_token: bool):
     """What forward returns for transformer-lens's `return_type`."""
@@ -66,7 +74,7 @@ def finish_output(return_type: Optional[str], logits: torch.Tensor, tokens: Opti
     if tokens is None:
         raise ValueError(f"return_type={return_type!r} needs the tokens to score: with start_at_layer, pass tokens=")
     loss = lm_loss(logits, tokens, attention_mask, per_token=loss_per_token)
-    return loss if return_type == "loss" else (logits, loss)
+    return loss if return_type == "loss" else Output(logits, loss)
 
 
 def check_return_type(return_type) -> None:
@@ -263,7 +271,8 @@ class TransformerLensSurface:
         if past_kv_cache is not None:
             refuse_unsupported({"past_kv_cache": past_kv_cache}, "input_to_embed()")
         tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos)
-        residual = self(tokens, attention_mask=attention_mask, stop_at_layer=0)
+        # the padding is read once, above: padding_side="right" keeps the forward from reading the ids again
+        residual = self(tokens, attention_mask=attention_mask, padding_side="right", stop_at_layer=0)
         shortformer = self.cfg.positions is Positions.SHORTFORMER
         positions = self.pos_embed(tokens, attention_mask=attention_mask) if shortformer else None
         return residual, tokens, positions, attention_mask

@@ -55,7 +55,7 @@ class TokenMethods:
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"to_tokens takes a string or a non-empty list of strings, got {input!r:.80}; "
                              "token ids need no tokenizing")
-        rows = [([tokenizer.bos_id] if prepend_bos else []) + tokenizer.encode(t) for t in texts]
+        rows = [([tokenizer.bos_id] if prepend_bos else []) + tokenizer.encode(t, add_special_tokens=False) for t in texts]
         for i, row in enumerate(rows):
             if not row:
                 raise ValueError(f"prompt {i} is empty and no BOS is prepended, so it has no tokens")
@@ -89,7 +89,7 @@ class TokenMethods:
 
     def to_single_token(self, string: str) -> int:
         """The id of `string` when it is exactly one token (e.g. " love"); otherwise an error listing its tokens."""
-        ids = self._require_tokenizer().encode(string)
+        ids = self._require_tokenizer().encode(string, add_special_tokens=False)
         if len(ids) != 1:
             pieces = self.tokenizer.token_strings(ids)
             raise ValueError(f"{string!r} is {len(ids)} tokens {pieces}, not one; choose a string that is a single token")

@@ -101,7 +101,7 @@ def trigger_scan(ctx: Context) -> list[Case]:
         raise SkipWorkload("needs a model with a tokenizer: the bundled model was not found")
     texts, tok, window, batch_size = corpus(80 * ctx.batch * ctx.seq), probe.tokenizer, probe.cfg.n_ctx, 8
     windows = [[tok.bos_id] + ids[start:start + window - 1]
-               for ids in (tok.encode(text) for text in texts) for start in range(0, len(ids), window - 1)]
+               for ids in (tok.encode(text, add_special_tokens=False) for text in texts) for start in range(0, len(ids), window - 1)]
     batches = []
     for first in range(0, len(windows), batch_size):
         rows = windows[first:first + batch_size]

@@ -314,7 +314,7 @@ def token_id(model, value: str, flag: str) -> int:
         if not 0 <= token < model.cfg.d_vocab_out:
             raise CommandError(f"{flag} {token} is not an output token id in [0, {model.cfg.d_vocab_out})")
         return token
-    ids = model._require_tokenizer().encode(value)
+    ids = model._require_tokenizer().encode(value, add_special_tokens=False)
     if len(ids) != 1:
         pieces = model.tokenizer.token_strings(ids)
         raise CommandError(f"{flag} {value!r} is {len(ids)} tokens {pieces}; give one token (mind the leading space) or its id")

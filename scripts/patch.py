@@ -45,7 +45,7 @@ def one_token(model, value: str, flag: str) -> int:
     from probe.cli.tokens import describe
 
     if model.tokenizer is not None and not (value.isascii() and value.lstrip("-").isdigit()):
-        ids = model.tokenizer.encode(value)
+        ids = model.tokenizer.encode(value, add_special_tokens=False)
         if len(ids) != 1:
             raise CommandError(f"{flag} {value!r} is {describe(model, value, bos=False)}; the metric compares two "
                                f"single tokens: give one token (mind the leading space; probe tokens --prompt TEXT "

@@ -73,7 +73,7 @@ def token_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
     ids: list[int] = []
     for text in texts:
         ids.append(tokenizer.bos_id)
-        ids.extend(tokenizer.encode(text))
+        ids.extend(tokenizer.encode(text, add_special_tokens=False))
     return torch.tensor(ids, dtype=torch.long)
 
 

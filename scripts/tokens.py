@@ -32,7 +32,7 @@ def token_table(model, prompts, *, bos: bool = True):
     tokenizer = model._require_tokenizer()
     rows = []
     for index, prompt in enumerate(prompts):
-        ids = model.to_tokens(prompt)[0].tolist() if bos else tokenizer.encode(prompt)
+        ids = model.to_tokens(prompt)[0].tolist() if bos else tokenizer.encode(prompt, add_special_tokens=False)
         for position, (token_id, text) in enumerate(zip(ids, token_texts(tokenizer, ids))):
             rows.append(dict(prompt=index, position=position, id=token_id, token=text, shown=shown_token(text)))
     return pd.DataFrame(rows, columns=["prompt", "position", "id", "token", "shown"])

@@ -176,7 +176,7 @@ def main(argv=None) -> None:
     else:
         tokenizer = Tokenizer(train_tokenizer(list(train_texts.values()), args.vocab_size))
     sample = "KING.\nWhat, ho! — thou art\n  a villain; résumé\t<|endoftext|>\n"
-    assert tokenizer.decode(tokenizer.encode(sample)) == sample, "tokenizer does not round-trip"
+    assert tokenizer.decode(tokenizer.encode(sample, add_special_tokens=False)) == sample, "tokenizer does not round-trip"
     train_ids = token_stream(tokenizer, list(train_texts.values()))
     val_ids = token_stream(tokenizer, list(val_texts.values()))
     print(f"tokenizer: {tokenizer.vocab_size} tokens ({time.time() - t0:.1f}s); "

@@ -12,6 +12,9 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         HookedSAETransformer (transformer-lens 3's HookedTransformer, built offline from a GPT-2 directory's
         weights, unprocessed) runs hooked_sae_idioms with the SAE in SAE_DIR on INPUTS' tokens; OUTPUTS gets each
         idiom's results by name
+    python saelens_oracle.py probe_with_saelens_sae MODEL_DIR SAE_DIR INPUTS OUTPUTS
+        the same idioms on probe (imported from this repository) with SAELens's own SAE object for SAE_DIR: what
+        SAELens code does when only the model's loading line changes
     python saelens_oracle.py tl_state_dict KIND MODEL_DIR CONFIG_JSON STATE INPUTS OUTPUTS
         transformer-lens 3's HookedTransformer(HookedTransformerConfig(**CONFIG)) for the transformers checkpoint
         in MODEL_DIR (KIND: gpt2, llama, neox, qwen3 or gemma: TL's converter for it). OUTPUTS gets tl.KEY, TL's
@@ -59,6 +62,12 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         model.embed(tokens), or with "from": "tokens" the token ids), and gelu_fast, TL's gelu_fast(INPUTS' x); stdout
         the JSON {"fields": HookedTransformerConfig's field names, NAME: {field: the model's cfg value (a dtype as
         its name)}, "text": {NAME/generate.I: a str output}}
+    python saelens_oracle.py padding MODEL_DIR INPUTS OUTPUTS
+        transformer-lens 3's HookedTransformer for a GPT-2 directory (unprocessed, its tokenizer set by set_tokenizer)
+        runs padding_cases on INPUTS' padded token ids (left, left_nobos, left_pad1, right): OUTPUTS gets each case's
+        logits, last-position resid (the last block's resid_post), loss and last-position logits with a hook; stdout
+        the JSON of return_type="both"'s type name and fields and generate(..., return_type="str") of one row of
+        ids, two rows, and a list of one string
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -377,6 +386,38 @@ def hooked_sae_idioms(model, sae, tokens) -> dict:
     return out
 
 
+def import_probe_from_the_repository() -> None:
+    """probe's folders mapped to its packages as its editable install maps them (pyproject's package-dir), so this
+    environment imports the repository's probe beside SAELens and transformer-lens 3."""
+    import importlib.abc
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    folders = {"probe": "probe", "probe.hooks": "hooks", "probe.analyses": "analyses", "probe.cli": "scripts"}
+
+    class RepositoryPackages(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname not in folders:
+                return None  # modules inside the packages: found along each package's __path__
+            folder = repo / folders[fullname]
+            return importlib.util.spec_from_file_location(fullname, folder / "__init__.py",
+                                                          submodule_search_locations=[str(folder)])
+
+    sys.meta_path.insert(0, RepositoryPackages())
+
+
+def probe_with_saelens_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
+    from sae_lens import SAE
+
+    import_probe_from_the_repository()
+    from probe import HookedDecoder
+
+    model = HookedDecoder.from_pretrained(model_dir).eval()
+    out = hooked_sae_idioms(model, SAE.load_from_disk(sae_dir, device="cpu"), load_file(inputs)["tokens"])
+    save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)
+
+
 def hooked_sae(model_dir: str, sae_dir: str, inputs: str, outputs: str) -> None:
     from sae_lens import SAE
 
@@ -416,9 +457,100 @@ def tl_config_cases(cases_json: str, inputs: str, outputs: str) -> None:
     print(json.dumps(printed))
 
 
-COMMANDS = {"encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
+def padding(model_dir: str, inputs: str, outputs: str) -> None:
+    from transformers import AutoTokenizer
+
+    model = hooked_gpt2(model_dir)
+    model.set_tokenizer(AutoTokenizer.from_pretrained(model_dir))
+    data = load_file(inputs)
+    last = f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+    out = {}
+
+    def record(case, tokens, **keywords):
+        with torch.no_grad():
+            logits, cache = model.run_with_cache(tokens, names_filter=last, **keywords)
+            out[f"{case}/logits"] = model(tokens, **keywords).contiguous()
+            out[f"{case}/resid"] = cache[last][:, -1].contiguous()
+            out[f"{case}/loss"] = model(tokens, return_type="loss", **keywords).reshape(1)
+            halved = [("blocks.0.hook_attn_out", lambda x, hook: x * 0.5)]
+            out[f"{case}/hooked"] = model.run_with_hooks(tokens, fwd_hooks=halved, **keywords)[:, -1].contiguous()
+        assert torch.equal(logits, out[f"{case}/logits"])
+
+    # refusal-direction code: the tokenizer's padding side set, then the ids run with no keyword
+    model.tokenizer.padding_side = "left"
+    record("attribute", data["left"])
+    record("right_kw_over_left_tokenizer", data["right"], padding_side="right")
+    model.tokenizer.padding_side = "right"
+    record("kw", data["left"], padding_side="left")
+    record("kw_no_bos", data["left_nobos"], padding_side="left", prepend_bos=False)
+    record("kw_bos_not_prepended", data["left"], padding_side="left", prepend_bos=False)
+    record("right", data["right"])
+    model.set_tokenizer(model.tokenizer, default_padding_side="left")
+    record("set_tokenizer", data["left"])
+    model.tokenizer.pad_token = model.tokenizer.convert_ids_to_tokens(1)
+    record("pad_not_bos", data["left_pad1"])
+    both = model(data["left"], return_type="both")
+    model.tokenizer.padding_side, model.tokenizer.pad_token = "right", model.tokenizer.eos_token
+    generated = {name: model.generate(prompt, max_new_tokens=3, do_sample=False, verbose=False, return_type="str")
+                 for name, prompt in (("one_row", data["right"][1:]), ("two_rows", data["left"]), ("one_text", ["KING"]))}
+    save_file(out, outputs)
+    print(json.dumps({"both_type": type(both).__name__, "both_fields": list(both._fields), "generate": generated}))
+
+
+TOKENIZER_TEXTS = ["Hello world", " Paris", "the cat sat on the mat, the cat"]
+
+
+def tokenizer_idioms(model, padded: bool) -> dict:
+    """What TL users' code reads off `model.tokenizer` and the model's token methods, written once: the oracle runs
+    it on HookedTransformer, the tests on probe (tests/test_tokenizer_surface.py). `padded` adds the padded calls
+    (for tokenizers whose pad token both libraries choose alike)."""
+    tok, texts = model.tokenizer, TOKENIZER_TEXTS
+    out = {"encode": [tok.encode(t) for t in texts], "encode_plain": [tok.encode(t, add_special_tokens=False) for t in texts],
+           "encode_empty": tok.encode(""), "encode_pt": tok.encode(texts[0], return_tensors="pt").tolist(),
+           "call_one": tok(texts[0])["input_ids"], "call_list": tok(texts)["input_ids"],
+           "call_plain": tok(texts, add_special_tokens=False)["input_ids"],
+           "call_truncated": tok(texts, truncation=True, max_length=3)["input_ids"],
+           "decode": tok.decode(tok.encode(texts[0])), "decode_skip": tok.decode(tok.encode(texts[0]), skip_special_tokens=True),
+           "batch_decode": tok.batch_decode([tok.encode(t) for t in texts], skip_special_tokens=True),
+           "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+           "tokenizer_prepends_bos": model.cfg.tokenizer_prepends_bos,
+           "to_tokens": model.to_tokens(texts[2]).tolist(), "to_tokens_no_bos": model.to_tokens(texts[2], prepend_bos=False).tolist(),
+           "to_single_token": model.to_single_token(" Paris") if len(tok.encode(" Paris", add_special_tokens=False)) == 1 else None,
+           "to_str_tokens": model.to_str_tokens(texts[0])}
+    if padded:
+        batch = tok(texts, padding=True, return_tensors="pt")
+        out["call_padded"] = [batch["input_ids"].tolist(), batch["attention_mask"].tolist()]
+        tok.padding_side = "left"
+        try:
+            out["call_left"] = tok(texts, padding=True, return_tensors="pt").input_ids.tolist()
+            out["to_tokens_left"] = model.to_tokens(texts).tolist()
+        finally:
+            tok.padding_side = "right"
+        tok.pad_token = tok.eos_token  # refusal-direction scripts' first line
+        out["pad_token_id"] = tok.pad_token_id
+    return out
+
+
+def tl_tokenizer(cases_json: str) -> None:
+    """tokenizer_idioms on HookedTransformer(cfg, tokenizer=AutoTokenizer.from_pretrained(dir)) per case
+    ({"dir", "architecture", "d_vocab", "padded"}), as JSON on stdout."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformers import AutoTokenizer
+
+    printed = {}
+    for name, case in json.loads(cases_json).items():
+        cfg = HookedTransformerConfig(n_layers=1, d_model=8, n_ctx=64, d_head=4, n_heads=2, d_vocab=case["d_vocab"],
+                                      act_fn="relu", attn_only=True, original_architecture=case["architecture"],
+                                      device="cpu")
+        model = HookedTransformer(cfg, tokenizer=AutoTokenizer.from_pretrained(case["dir"]))
+        printed[name] = tokenizer_idioms(model, case["padded"])
+    print(json.dumps(printed))
+
+
+COMMANDS = {"probe_with_saelens_sae": probe_with_saelens_sae, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
-            "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases}
+            "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
+            "padding": padding, "tl_tokenizer": tl_tokenizer}
 
 
 def serve() -> None:

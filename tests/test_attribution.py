@@ -123,7 +123,7 @@ def test_dla_rows_by_hand(tiny_model, tiny_hf, tokens):
 def test_dla_padded_batch_uses_each_prompts_last_token(tiny_model, tiny_hf):
     prompts = ["To be, or not to be, that is the question", "The quick brown fox"]
     result = direct_logit_attribution(tiny_model, prompts, " the", " dog")
-    a, c = tiny_model.tokenizer.encode(" the"), tiny_model.tokenizer.encode(" dog")
+    a, c = tiny_model.tokenizer.encode(" the", add_special_tokens=False), tiny_model.tokenizer.encode(" dog", add_special_tokens=False)
     assert len(a) == len(c) == 1
     for i, prompt in enumerate(prompts):
         ids = tiny_model.to_tokens(prompt)
@@ -136,7 +136,7 @@ def test_dla_padded_batch_uses_each_prompts_last_token(tiny_model, tiny_hf):
 
 
 def test_answers_as_strings_or_ids_and_errors(tiny_model, tokens):
-    the = tiny_model.tokenizer.encode(" the")[0]
+    the = tiny_model.tokenizer.encode(" the", add_special_tokens=False)[0]
     by_string = direct_logit_attribution(tiny_model, tokens, " the")
     by_id = direct_logit_attribution(tiny_model, tokens, torch.tensor([the] * 3))
     assert torch.equal(by_string.contributions, by_id.contributions)
@@ -166,7 +166,7 @@ def test_dla_frame_and_figures(tiny_model, tokens):
 
 
 def test_figure_titles_escape_answers(tiny_model):
-    answer = tiny_model.tokenizer.encode("<")
+    answer = tiny_model.tokenizer.encode("<", add_special_tokens=False)
     assert len(answer) == 1
     fig = direct_logit_attribution(tiny_model, "To be", "<").figure()
     assert "logit(&lt;)" in fig.layout.title.text

@@ -41,7 +41,7 @@ def heldout() -> str:
 
 @pytest.fixture(scope="module")
 def heldout_ids(model, heldout) -> torch.Tensor:
-    return torch.tensor(model.tokenizer.encode(heldout), dtype=torch.long)
+    return torch.tensor(model.tokenizer.encode(heldout, add_special_tokens=False), dtype=torch.long)
 
 
 def bos_windows(ids: torch.Tensor, bos: int, n_ctx: int, max_rows: int) -> torch.Tensor:
@@ -91,8 +91,8 @@ def test_loads_offline_with_the_documented_shape(model, monkeypatch):
 
 def test_tokenizer_round_trips_heldout_text(model, heldout):
     for text in (heldout[:20000], "Odd  spacing,\ttabs\n\n and é — ünïcode <|endoftext|>!"):
-        assert model.tokenizer.decode(model.tokenizer.encode(text)) == text
-    chars_per_token = 20000 / len(model.tokenizer.encode(heldout[:20000]))
+        assert model.tokenizer.decode(model.tokenizer.encode(text, add_special_tokens=False)) == text
+    chars_per_token = 20000 / len(model.tokenizer.encode(heldout[:20000], add_special_tokens=False))
     assert chars_per_token > 2.5, "a BPE trained on this corpus should compress its own language"
 
 

@@ -567,7 +567,7 @@ def test_long_steps_show_progress_with_totals_and_quiet_silences_them(tiny_dir, 
         assert _finished(err, desc), (desc, err)
 
     # the trigger scan's bar has a total: every token of the corpus, counted by the tokenizer itself
-    n = len(tiny_model.tokenizer.encode(text.read_text()))
+    n = len(tiny_model.tokenizer.encode(text.read_text(), add_special_tokens=False))
     code, _, err = run_cli(capsys, "memories", "--model", str(tiny_dir), "--triggers", "--corpus", str(text),
                            "--layers", "0", "--neurons", "1", "2", "--k", "3", "--out", str(tmp_path / "memories"))
     assert code == 0, err
@@ -622,7 +622,7 @@ def test_patch_says_how_each_prompt_and_answer_tokenises(tiny_dir, tiny_model, t
     assert "probe tokens --prompt" in err and not any((tmp_path / "patch").glob("*"))
 
     answer = " question"
-    pieces = tiny_model.tokenizer.encode(answer)
+    pieces = tiny_model.tokenizer.encode(answer, add_special_tokens=False)
     assert len(pieces) > 1  # the tiny vocabulary splits it
     code, _, err = run_cli(capsys, "patch", "--model", str(tiny_dir), "--clean", "To be, or not", "--corrupted",
                            "To be, or not", "--answer", answer, "--counterfactual", " not", "--out", str(tmp_path / "patch"),

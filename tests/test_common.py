@@ -50,6 +50,6 @@ def test_text_gets_a_bos_only_when_the_tokenizer_has_one(tiny_model, no_bos_mode
     from probe.analyses.common import as_tokens
 
     text = "To be, or not"
-    ids = tiny_model.tokenizer.encode(text)
+    ids = tiny_model.tokenizer.encode(text, add_special_tokens=False)
     assert as_tokens(tiny_model, text).tolist() == [[tiny_model.tokenizer.bos_id] + ids]
     assert as_tokens(no_bos_model, text).tolist() == [ids]

@@ -76,9 +76,9 @@ def test_a_file_read_in_pieces_tokenises_as_a_whole(tiny_model, tmp_path, monkey
         assert len(spans) > 10
         ids = [i for span in spans for i in span]
         if exact:
-            assert ids == tokenizer.encode(text)
+            assert ids == tokenizer.encode(text, add_special_tokens=False)
         else:  # different tokens at the blind cuts, but nothing lost or doubled
-            assert ids != tokenizer.encode(text) and tokenizer.decode(ids) == text
+            assert ids != tokenizer.encode(text, add_special_tokens=False) and tokenizer.decode(ids) == text
 
 
 @pytest.mark.parametrize("char", ["é", "日", "😀"])
@@ -124,11 +124,11 @@ def test_the_tokenising_stage_never_sees_more_than_a_span(tiny_model, tmp_path, 
     text = ("ROMEO. But soft, what light through yonder window breaks? 日本 😀\n" * 4000)  # ~260k characters
     path = tmp_path / "part.txt"
     path.write_text(text, encoding="utf-8")
-    ids = tiny_model.tokenizer.encode(text)
+    ids = tiny_model.tokenizer.encode(text, add_special_tokens=False)
     monkeypatch.setattr(corpus, "CORPUS_SPAN_CHARS", 4096)
     seen = []
     encode = tiny_model.tokenizer.encode
-    monkeypatch.setattr(tiny_model.tokenizer, "encode", lambda t: seen.append(len(t)) or encode(t))
+    monkeypatch.setattr(tiny_model.tokenizer, "encode", lambda t, **kw: seen.append(len(t)) or encode(t, **kw))
     windows = list(memories.scan_windows(tiny_model, path, tiny_model.cfg.n_ctx, True, (0, 0), 0, 1))
     assert max(seen) <= 4096 and len(seen) > 50
     assert [i for w in windows for i in w[3]] == ids  # the memory scan's windows are the whole file's
@@ -155,7 +155,7 @@ def test_pruning_windows_of_a_file_equal_those_of_reading_it_whole(tiny_model, t
     path = tmp_path / "long.txt"
     path.write_bytes(text.encode("utf-8"))
     # decoded, not read_text(): universal newlines would turn the CRLF lines into LF ones
-    expected = bos_windows([[tok.bos_id] + tok.encode(path.read_bytes().decode("utf-8"))], tok.bos_id, seq_len)
+    expected = bos_windows([[tok.bos_id] + tok.encode(path.read_bytes().decode("utf-8"), add_special_tokens=False)], tok.bos_id, seq_len)
     _tiny_chunks(monkeypatch)
     batches = token_batches(tiny_model, path, batch_size=5, seq_len=seq_len)
     assert [len(b) for b in batches[:-1]] == [5] * (len(batches) - 1)
@@ -175,7 +175,7 @@ def test_pruning_reads_a_folder_as_one_document_per_file(tiny_model, tmp_path, m
     (folder / "notes.md").write_text("not part of the corpus")
     _tiny_chunks(monkeypatch)
     rows = torch.cat(token_batches(tiny_model, folder, seq_len=9))
-    assert rows.tolist() == bos_windows([[tok.bos_id] + tok.encode(t) for t in texts], tok.bos_id, 9)
+    assert rows.tolist() == bos_windows([[tok.bos_id] + tok.encode(t, add_special_tokens=False) for t in texts], tok.bos_id, 9)
 
 
 def test_pruning_stops_reading_once_max_windows_are_full(tiny_model, tmp_path, monkeypatch):
@@ -187,7 +187,7 @@ def test_pruning_stops_reading_once_max_windows_are_full(tiny_model, tmp_path, m
     reads = spy_on_reads(monkeypatch)
     rows = torch.cat(token_batches(tiny_model, path, seq_len=16, max_windows=2))
     tok = tiny_model.tokenizer
-    assert rows.tolist() == bos_windows([[tok.bos_id] + tok.encode(line * 10)], tok.bos_id, 16)[:2]
+    assert rows.tolist() == bos_windows([[tok.bos_id] + tok.encode(line * 10, add_special_tokens=False)], tok.bos_id, 16)[:2]
     assert 0 < len(reads) <= 2, f"{len(reads)} reads of 64 KiB for two windows of 15 tokens"
 
 

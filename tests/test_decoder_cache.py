@@ -3,7 +3,9 @@ attribution by layer and by head, decompositions, gradient caches), each a funct
 probe and on transformer-lens's bridge over the same checkpoint: the results must agree to 1e-4."""
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 
 import pytest
 import torch
@@ -349,6 +351,42 @@ def test_methods_that_need_weights_say_so_once_the_model_is_gone():
         with pytest.raises(ModelGoneError, match="model this cache came from has been deleted.*keep the model alive"):
             call()
     assert expected.shape == (5, 1, 13, 192)
+
+
+def test_a_cache_saved_with_torch_save_loads_its_activations_and_no_model(ours, tmp_path):
+    # transformer-lens's ActivationCache pickles (with its model); users write torch.save(cache, f)
+    _, cache = ours.run_with_cache(PROMPTS)
+    sliced = cache.apply_slice_to_batch_dim(slice(0, 1))
+    torch.save({"cache": cache, "sliced": sliced}, tmp_path / "cache.pt")
+    loaded = torch.load(tmp_path / "cache.pt", weights_only=False)
+    for original, back in ((cache, loaded["cache"]), (sliced, loaded["sliced"])):
+        assert type(back) is DecoderCache and list(back) == list(original)
+        assert back.has_batch_dim == original.has_batch_dim
+        for name in original:
+            assert torch.equal(back[name], original[name])
+    back = loaded["cache"]
+    # the config came along: what the activations alone give still works, TL's keys too
+    assert torch.equal(back["pattern", 1], cache["pattern", 1])
+    torch.testing.assert_close(back.decompose_resid(apply_ln=True), cache.decompose_resid(apply_ln=True))
+    for call in (lambda: back.accumulated_resid(apply_ln=True), back.stack_head_results,
+                 lambda: back.apply_slice_to_batch_dim(0).get_neuron_results(0)):
+        with pytest.raises(ModelGoneError, match="loaded from a file.*run the prompt again"):
+            call()
+    # torch.load's default (weights_only=True) unpickles tensors and containers only, and says what it met
+    with pytest.raises(pickle.UnpicklingError, match="DecoderCache"):
+        torch.load(tmp_path / "cache.pt")
+    torch.save(dict(cache.items()), tmp_path / "tensors.pt")  # the activations alone load with weights_only=True
+    assert torch.equal(torch.load(tmp_path / "tensors.pt", weights_only=True)[PROMPT_NAME], cache[PROMPT_NAME])
+
+
+def test_a_deep_copy_keeps_its_model(ours):
+    _, cache = ours.run_with_cache(PROMPT)
+    copied = copy.deepcopy(cache)
+    assert copied._model() is ours and copied[PROMPT_NAME] is not cache[PROMPT_NAME]
+    torch.testing.assert_close(copied.stack_head_results(), cache.stack_head_results())
+
+
+PROMPT_NAME = "blocks.1.hook_resid_post"
 
 
 def test_remove_batch_dim_needs_one_prompt_and_happens_once(ours):

@@ -473,7 +473,7 @@ def brute_force_sae_triggers(model, sae, docs, features, k, window, context):
     tokenizer, hook, per_window = model.tokenizer, sae.cfg.hook_name, window - 1
     found = {f: [] for f in features}
     for d, text in enumerate(docs):
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         for start in range(0, len(ids), per_window):
             chunk = ids[start:start + per_window]
             with torch.no_grad():
@@ -525,7 +525,7 @@ def test_sae_triggers_equal_brute_force(tiny_model, architecture, hook, layer, f
                                    dtype=torch.float64), atol=1e-5, rtol=0)
         assert result.next_tokens[0, fi].tolist() == [e[4] for e in rows]
         assert result.contexts[0, fi].tolist() == [[-1] * (context - len(e[3])) + e[3] for e in rows]
-    n_tokens = sum(len(tiny_model.tokenizer.encode(t)) for t in SAE_CORPUS)
+    n_tokens = sum(len(tiny_model.tokenizer.encode(t, add_special_tokens=False)) for t in SAE_CORPUS)
     assert result.complete and result.n_tokens == n_tokens and result.n_docs == len(SAE_CORPUS)
     if architecture == "topk":
         assert (result.activations == 0).sum() > 5  # there were ties to break

@@ -83,7 +83,7 @@ def test_figures_show_a_hostile_prompt_as_written(tiny_model):
 def test_tokens_show_their_whitespace_and_partial_utf8_bytes(tiny_model):
     assert shown_token(" ") == "␣" and shown_token(" the\n") == "␣the⏎" and shown_token("\t\x07") == "⇥<0x07>"
     assert bytes_text("é".encode()[:1]) == "<0xC3>" and bytes_text("café".encode()) == "café"
-    ids = tiny_model.tokenizer.encode("é")  # not in the tiny vocabulary's merges: one token per byte
+    ids = tiny_model.tokenizer.encode("é", add_special_tokens=False)  # not in the tiny vocabulary's merges: one token per byte
     assert len(ids) == 2 and all("\ufffd" in s for s in tiny_model.tokenizer.token_strings(ids))
     assert A.attention_patterns(tiny_model, torch.tensor([ids])).strings == [f"<0x{b:02X}>" for b in "é".encode()]
     lens = A.logit_lens(tiny_model, tiny_model.to_tokens(" é  x"))

@@ -142,7 +142,7 @@ def padded_batch(d_vocab: int, n_pos: int, seed: int = 0):
 def heldout_tokens(model: HookedDecoder, rows: int, n_pos: int) -> torch.Tensor:
     """[rows n_pos] consecutive windows of the bundled held-out text (CPU)."""
     text = Path(HELDOUT_TEXT).read_text(encoding="utf-8")[10_000:40_000]
-    ids = torch.tensor(model.tokenizer.encode(text)[: rows * n_pos])
+    ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False)[: rows * n_pos])
     return ids.view(rows, n_pos)
 
 

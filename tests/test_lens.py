@@ -245,7 +245,7 @@ def test_training_lowers_kl_and_leaves_model_alone(tiny_model):
     assert float(comparison.logit_kl[-1]) == 0.0 == float(comparison.tuned_kl[-1])
     # compare_lenses's logit-lens numbers are logit_lens's, averaged over the same (non-BOS) tokens
     short = TOKENIZER_TEXT[1]
-    ids = torch.tensor([[tiny_model.tokenizer.bos_id] + tiny_model.tokenizer.encode(short)])
+    ids = torch.tensor([[tiny_model.tokenizer.bos_id] + tiny_model.tokenizer.encode(short, add_special_tokens=False)])
     assert ids.shape[1] <= tiny_model.cfg.n_ctx
     by_lens = logit_lens(tiny_model, ids, include_mid=True)
     torch.testing.assert_close(compare_lenses(tiny_model, lens, short).logit_kl, by_lens.kl[0, :, 1:].mean(-1),
@@ -306,7 +306,7 @@ def test_tuned_lens_trains_on_text_without_a_bos(no_bos_model):
     from probe.analyses.tuned_lens_training import collect_residuals
 
     text = "To be, or not to be, that is the question. " * 4
-    n_tokens = len(no_bos_model.tokenizer.encode(text))
+    n_tokens = len(no_bos_model.tokenizer.encode(text, add_special_tokens=False))
     sites = lens_sites(no_bos_model.cfg.n_layers)
     resid = collect_residuals(no_bos_model, text, sites, max_tokens=10_000, n_ctx=16)
     assert resid.shape == (n_tokens, len(sites), no_bos_model.cfg.d_model)

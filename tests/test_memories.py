@@ -56,7 +56,7 @@ def brute_force_triggers(hf, tokenizer, docs, layers, neurons, k, window, contex
     per_window = window - 1
     found = {(l, n): [] for l in layers for n in neurons}
     for d, text in enumerate(docs):
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         for start in range(0, len(ids), per_window):
             chunk = ids[start:start + per_window]
             acts, _, _, _ = hf_mlp_activations(hf, [tokenizer.bos_id] + chunk, layers)
@@ -213,11 +213,11 @@ def test_top_triggers_equal_brute_force(tiny_model, tiny_hf, window, n_docs):
     expected = brute_force_triggers(tiny_hf, tiny_model.tokenizer, corpus, layers, neurons, k,
                                     window or tiny_model.cfg.n_ctx, context)
     _check_against_brute_force(result, expected, layers, neurons, context)
-    n_tokens = sum(len(tiny_model.tokenizer.encode(t)) for t in corpus)
+    n_tokens = sum(len(tiny_model.tokenizer.encode(t, add_special_tokens=False)) for t in corpus)
     assert result.complete and result.n_tokens == n_tokens and result.n_docs == len(corpus)
     # a corpus with fewer positions than k leaves empty slots, marked and ordered last
     short = top_triggers(tiny_model, ["to be"], 1, [3], k=5, progress=False)
-    n_short = len(tiny_model.tokenizer.encode("to be"))
+    n_short = len(tiny_model.tokenizer.encode("to be", add_special_tokens=False))
     assert short.docs[0, 0].tolist() == [0] * n_short + [-1] * (5 - n_short)
     assert torch.isinf(short.activations[0, 0, n_short:]).all()
 
@@ -351,7 +351,7 @@ def test_a_file_scanned_in_pieces_equals_brute_force(tiny_model, tiny_hf, tmp_pa
     expected = brute_force_triggers(tiny_hf, tiny_model.tokenizer, [text], [0, 1], [3, 40, 200], 5,
                                     tiny_model.cfg.n_ctx, 6)
     _check_against_brute_force(result, expected, [0, 1], [3, 40, 200], 6)
-    assert result.complete and result.n_tokens == len(tiny_model.tokenizer.encode(text))
+    assert result.complete and result.n_tokens == len(tiny_model.tokenizer.encode(text, add_special_tokens=False))
     assert result.doc_names == {0: "long.txt"}
     monkeypatch.undo()  # the same text as a string, in one span: the same result
     whole = top_triggers(tiny_model, [text], **args)
@@ -487,9 +487,9 @@ def test_bundled_model_triggers_and_lookup(bundled_model):
     hf = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL, attn_implementation="eager").eval()
     n_layers = bundled_model.cfg.n_layers
     triggers = top_triggers(bundled_model, None, None, [0, 1, 2], k=3, batch_size=4, progress=False)
-    assert triggers.complete and triggers.n_tokens == len(bundled_model.tokenizer.encode(HELDOUT_TEXT.read_text()))
+    assert triggers.complete and triggers.n_tokens == len(bundled_model.tokenizer.encode(HELDOUT_TEXT.read_text(), add_special_tokens=False))
     # the top trigger of each neuron, recomputed by transformers on its window alone
-    ids = bundled_model.tokenizer.encode(HELDOUT_TEXT.read_text())
+    ids = bundled_model.tokenizer.encode(HELDOUT_TEXT.read_text(), add_special_tokens=False)
     per_window = bundled_model.cfg.n_ctx - 1
     for li in range(n_layers):
         for ni, neuron in enumerate([0, 1, 2]):

@@ -220,7 +220,7 @@ def test_padded_token_ids_with_their_mask_match_each_pair_alone(tiny_model, tiny
     (clean, corrupted) pair patched alone, the pairs checked against transformers."""
     pairs = [("To be, or not to be, that is the dog", "To be, or not to be, that is the the"),
              ("The quick brown the", "The quick brown dog")]
-    dog, the = tiny_model.tokenizer.encode(" dog")[0], tiny_model.tokenizer.encode(" the")[0]
+    dog, the = tiny_model.tokenizer.encode(" dog", add_special_tokens=False)[0], tiny_model.tokenizer.encode(" the", add_special_tokens=False)[0]
     clean, mask = tiny_model.to_tokens([c for c, _ in pairs], return_attention_mask=True, padding_side="left")
     corrupted, mask2 = tiny_model.to_tokens([x for _, x in pairs], return_attention_mask=True, padding_side="left")
     assert torch.equal(mask, mask2) and not bool(mask.all())

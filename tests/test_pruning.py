@@ -132,7 +132,7 @@ def test_texts_become_bos_windows_of_the_token_stream(tiny_model):
     tok = tiny_model.tokenizer
     stream = []
     for text in texts:
-        stream += [tok.bos_id] + tok.encode(text)
+        stream += [tok.bos_id] + tok.encode(text, add_special_tokens=False)
     seq_len = 6
     batches = token_batches(tiny_model, texts, batch_size=3, seq_len=seq_len)
     rows = torch.cat(batches)
@@ -414,7 +414,7 @@ def test_one_token_sequences_are_refused_not_scored_zero(tiny_model, tokens):
 def test_windows_without_a_bos_are_the_text_alone(no_bos_model):
     """GPT-1's vocabulary has no BOS: windows are seq_len ids of the documents run together."""
     texts = ["To be, or not to be, that is the question.", "Whether 'tis nobler in the mind to suffer"]
-    ids = [i for text in texts for i in no_bos_model.tokenizer.encode(text)]
+    ids = [i for text in texts for i in no_bos_model.tokenizer.encode(text, add_special_tokens=False)]
     (rows,) = token_batches(no_bos_model, texts, seq_len=5, batch_size=100)
     n = len(ids) // 5
     assert rows.tolist() == torch.tensor(ids[: n * 5]).view(n, 5).tolist()

@@ -39,7 +39,7 @@ def brute_force(model, sae, docs, features, window, before, after, max_tokens=No
     active = {f: [] for f in features}
     left = math.inf if max_tokens is None else max_tokens
     for d, text in enumerate(docs):
-        ids = tokenizer.encode(text)[:max(left, 0)] if left < math.inf else tokenizer.encode(text)
+        ids = tokenizer.encode(text, add_special_tokens=False)[:max(left, 0)] if left < math.inf else tokenizer.encode(text, add_special_tokens=False)
         left -= len(ids)
         counted_from = [0] + list(range(per_window, len(ids), per_window - overlap))
         for first in counted_from:

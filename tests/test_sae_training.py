@@ -314,7 +314,7 @@ def windows_by_hand(tokenizer, texts, context_size: int, n: int) -> torch.Tensor
     and the context_size - 1 tokens after it."""
     bos, stream = tokenizer.bos_id, []
     for text in texts:
-        stream += [bos] + tokenizer.encode(text)
+        stream += [bos] + tokenizer.encode(text, add_special_tokens=False)
     windows, at = [], 0
     while len(windows) < n:
         if stream[at] == bos:
@@ -333,9 +333,9 @@ def test_a_window_cut_where_a_document_begins_starts_with_its_bos_alone(tiny_mod
     texts = []
     for start in ("To be, or not", "The quick brown fox", "When in the course"):
         text = start
-        while len(tokenizer.encode(text)) < 15:
+        while len(tokenizer.encode(text, add_special_tokens=False)) < 15:
             text += " and"
-        assert len(tokenizer.encode(text)) == 15
+        assert len(tokenizer.encode(text, add_special_tokens=False)) == 15
         texts.append(text)
     store = ActivationStore(tiny_model, texts, ["hook_embed", "hook_pos_embed"], batch_tokens=24, buffer_tokens=48,
                             context_size=16, batch_prompts=3)
@@ -345,7 +345,7 @@ def test_a_window_cut_where_a_document_begins_starts_with_its_bos_alone(tiny_mod
     position = (pos_embed[:, None] - tiny_model.pos_embed.W_pos[None]).abs().amax(-1).argmin(-1)
     bos = tokenizer.bos_id
     assert not bool(((token == bos) & (position == 1)).any())
-    expected = torch.tensor([[bos] + tokenizer.encode(t) for t in texts])
+    expected = torch.tensor([[bos] + tokenizer.encode(t, add_special_tokens=False) for t in texts])
     assert torch.equal(windows_by_hand(tokenizer, texts, 16, 3), expected)
     rows = sorted(zip(position.tolist(), token.tolist()))
     assert rows == sorted((p, t) for window in expected.tolist() for p, t in enumerate(window))

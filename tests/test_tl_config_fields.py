@@ -114,13 +114,6 @@ def deliberate_exception(case: str, field: str, configs: dict, model: HookedDeco
     if field == "uses_rms_norm" and str(config.get("normalization_type")).startswith("RMS"):
         # a HookedTransformer never sets it (its normalization_type says RMS); TL 4's bridge sets it for RMSNorm
         return True, "the bridge's meaning: the model's norms are RMSNorms"
-    if field == "tokenizer_prepends_bos" and config.get("tokenizer_name") == str(DEFAULT_MODEL):
-        # TL reloads the tokenizer with add_bos_token=True, after which GPT-2's puts BOS first; probe's
-        # model.tokenizer is transformers' tokenizer as the checkpoint ships it, which does not
-        import transformers
-
-        shipped = transformers.AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
-        return len(shipped("")["input_ids"]) > 0, "the field describes model.tokenizer, which is not TL's reloaded one"
     return None
 
 
@@ -252,19 +245,20 @@ def test_left_padded_embeddings_continue_as_each_prompt_alone():
 
 def test_a_tokenizer_records_whether_it_puts_bos_first(tmp_path):
     """cfg.tokenizer_prepends_bos follows the model's tokenizer, as TL's set_tokenizer sets it: transformers'
-    tokenizer of the same files, called on "", says whether one is put first by itself."""
+    tokenizer of the same files, reloaded with add_bos_token=True as TL reloads it, called on "", says whether one is
+    put first by itself."""
     import transformers
 
     bos_dir = bos_tokenizer(tmp_path / "bos")
     model = HookedDecoder(HookedTransformerConfig(**SMALL, act_fn="relu"))
     assert model.cfg.tokenizer_prepends_bos is None  # no tokenizer, as TL's None
     for directory in (bos_dir, str(DEFAULT_MODEL)):
-        expected = len(transformers.AutoTokenizer.from_pretrained(directory)("")["input_ids"]) > 0
+        expected = len(transformers.AutoTokenizer.from_pretrained(directory, add_bos_token=True)("")["input_ids"]) > 0
         model.set_tokenizer(transformers.AutoTokenizer.from_pretrained(directory))
         assert model.cfg.tokenizer_prepends_bos is expected
         built = HookedDecoder(HookedTransformerConfig(**dict(SMALL, d_vocab=4096), act_fn="relu", tokenizer_name=directory))
         assert built.cfg.tokenizer_prepends_bos is expected
-    assert HookedDecoder.from_pretrained(DEFAULT_MODEL).cfg.tokenizer_prepends_bos is False
+    assert HookedDecoder.from_pretrained(DEFAULT_MODEL).cfg.tokenizer_prepends_bos is True  # as TL's GPT-2
 
 
 def test_checkpoint_fields_follow_checkpoint_value(monkeypatch, tmp_path):

@@ -269,9 +269,9 @@ def test_token_errors_name_the_fix(probe_model):
 def hf_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    special = "<|endoftext|>"
+    special = "<|endoftext|>"  # add_bos_token=True: TL 3.9 reloads model.tokenizer so (get_tokenizer_with_bos)
     return PreTrainedTokenizerFast(tokenizer_file=f"{DEFAULT_MODEL}/tokenizer.json", bos_token=special,
-                                   eos_token=special, pad_token=special)
+                                   eos_token=special, pad_token=special, add_bos_token=True)
 
 
 def numpy_out(arrays):

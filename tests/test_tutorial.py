@@ -35,7 +35,7 @@ def test_the_tutorial_runs_and_prints_what_transformers_computes():
     printed = next(_text(cell) for cell in code if "next token:" in _text(cell))
     shown = re.search(r"next token: '(.*)'", printed).group(1)
     tokenizer = HookedDecoder.from_pretrained(DEFAULT_MODEL).tokenizer
-    ids = torch.tensor([tokenizer.encode("ROMEO. But soft, what light through yonder window")])
+    ids = torch.tensor([tokenizer.encode("ROMEO. But soft, what light through yonder window", add_special_tokens=False)])
     ids = torch.cat([torch.tensor([[tokenizer.bos_id]]), ids], dim=1)
     with torch.no_grad():
         logits = GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL).eval()(ids).logits
