@@ -212,11 +212,30 @@ class SparseAutoencoder(HookedRootModule):
             raise ValueError(f"{config_path} is not valid JSON: {err}") from err
         except RecursionError:
             raise ValueError(f"{config_path} is nested too deeply to be an SAE configuration") from None
-        cfg = config_from_saelens(raw, config_path)
         try:
             state = load_file(str(weights_path))
         except (SafetensorError, OSError) as err:
             raise ValueError(f"could not read the SAE weights in {weights_path}: {err}") from err
+        return cls.from_saelens_state(raw, state, config_path, weights_path).to(device=device, dtype=dtype)
+
+    @classmethod
+    def from_saelens(cls, sae: torch.nn.Module) -> "SparseAutoencoder":
+        """probe's copy of an SAE object of SAELens (`sae_lens.SAE.from_pretrained(...)`'s), on its device and in its
+        dtype, its `use_error_term` too: SAELens code hands its SAEs to HookedSAETransformer's methods, and probe's
+        take them so (tests/test_sae_methods.py runs SAELens's objects on probe against HookedSAETransformer)."""
+        params = dict(sae.named_parameters())
+        state = {name: tensor.detach() for name, tensor in sae.state_dict().items()}
+        where = Path(f"<{type(sae).__name__} object>")
+        ours = cls.from_saelens_state(sae.cfg.to_dict(), state, where, where)
+        ours.use_error_term = bool(getattr(sae, "use_error_term", False))
+        some = next(iter(params.values()))
+        return ours.to(device=some.device, dtype=some.dtype)
+
+    @classmethod
+    def from_saelens_state(cls, raw: dict, state: dict[str, torch.Tensor], config_path: Path,
+                           weights_path: Path) -> "SparseAutoencoder":
+        """An SAE from SAELens's settings (cfg.json's dict) and weights; the paths name them in errors."""
+        cfg = config_from_saelens(raw, config_path)
         check_weights(state, weights_path)
         if "log_threshold" in state and cfg.architecture == "jumprelu":  # a training checkpoint's parametrisation
             state["threshold"] = state.pop("log_threshold").exp()
@@ -238,7 +257,7 @@ class SparseAutoencoder(HookedRootModule):
                                                        unexpected and f"unexpected {', '.join(unexpected)}",
                                                        wrong and f"misshapen {', '.join(wrong)}"])))
         sae.load_state_dict(state)
-        return sae.to(device=device, dtype=dtype)
+        return sae
 
     def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
         """Write cfg.json and sae_weights.safetensors (loadable here and by SAELens); written whole or not at all."""

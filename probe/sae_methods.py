@@ -1,11 +1,14 @@
 """SAELens's HookedSAETransformer methods on HookedDecoder, so SAE code written for it runs unchanged:
 `run_with_saes`, `run_with_cache_with_saes`, `run_with_hooks_with_saes` and the `saes()` block splice SAEs in for
 one call; `add_sae` keeps one spliced in until `reset_saes()` (visible in `acts_to_saes`). A face over
-probe.sae.spliced and probe.sae.attach."""
+probe.sae.spliced and probe.sae.attach. They take SAELens's own SAE objects too, as probe's copies of them: what
+`acts_to_saes` holds, and what a later change to the SAELens object does not reach."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
+
+from torch.nn import Module
 
 from probe.sae import SparseAutoencoder, attach, spliced
 
@@ -16,6 +19,19 @@ class Attached(NamedTuple):
     sae: SparseAutoencoder
     use_error_term: Optional[bool]
     detach: Callable[[], None]
+
+
+def as_probes(saes) -> list[SparseAutoencoder]:
+    """One SAE or several, each probe's own or SAELens's (`sae_lens.SAE` objects, which SAELens code passes to
+    HookedSAETransformer's methods): SAELens's become probe's copies, read when they are passed."""
+    def ours(sae) -> SparseAutoencoder:
+        if isinstance(sae, SparseAutoencoder):
+            return sae
+        if type(sae).__module__.split(".")[0] == "sae_lens":
+            return SparseAutoencoder.from_saelens(sae)
+        raise TypeError(f"expected probe's SparseAutoencoder or an SAE of SAELens, got {type(sae).__name__}")
+
+    return [ours(sae) for sae in ([saes] if isinstance(saes, Module) else saes)]
 
 
 def _refuse_exclusion(exclude_special_tokens) -> None:
@@ -45,6 +61,7 @@ class SAEMethods:
         """Splice `sae` in until `reset_saes()`, replacing one attached at the same hook point (as SAELens does).
         `use_error_term=None`: the SAE's own `sae.use_error_term`."""
         _refuse_exclusion(exclude_special_tokens)
+        [sae] = as_probes(sae)
         attached = self._sae_attachments()
         if sae.cfg.hook_name in attached:
             self.reset_saes(sae.cfg.hook_name)
@@ -79,7 +96,7 @@ class SAEMethods:
         """`saes` spliced in for the block; an SAE attached at the same hook point steps aside and comes back after.
         `reset_saes_end=False` leaves them attached, as `add_sae` does."""
         _refuse_exclusion(exclude_special_tokens)
-        saes = [saes] if isinstance(saes, SparseAutoencoder) else list(saes)
+        saes = as_probes(saes)
         if not reset_saes_end:
             for sae in saes:
                 self.add_sae(sae, use_error_term)

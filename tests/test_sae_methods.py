@@ -58,6 +58,29 @@ def test_hooked_sae_transformer_idioms_give_saelens_numbers(kind, tmp_path):
 
 
 @needs_saelens
+@pytest.mark.parametrize("kind", ["topk-sae", "transcoder"])
+def test_saelens_own_sae_objects_run_on_probe_as_on_hooked_sae_transformer(kind, tmp_path):
+    # SAELens code loads its SAEs with sae_lens and hands them to the model's methods; both sides run in the SAELens
+    # environment, HookedSAETransformer and probe (from this repository) with the same SAELens object
+    sae_dir = BUNDLED_SAE if kind == "topk-sae" else standard_transcoder(tmp_path / "transcoder")
+    tokens = HookedDecoder.from_pretrained(DEFAULT_MODEL).to_tokens(PROMPTS)
+    save_file({"tokens": tokens}, tmp_path / "tokens.safetensors")
+    oracle("hooked_sae", DEFAULT_MODEL, sae_dir, tmp_path / "tokens.safetensors", tmp_path / "theirs.safetensors")
+    oracle("probe_with_saelens_sae", DEFAULT_MODEL, sae_dir, tmp_path / "tokens.safetensors", tmp_path / "ours.safetensors")
+    theirs, ours = load_file(tmp_path / "theirs.safetensors"), load_file(tmp_path / "ours.safetensors")
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert_same(ours[name], theirs[name], atol=1e-4, what=f"{kind}: {name}")
+    assert not torch.allclose(theirs["ablated.logits"], theirs["cached.logits"], atol=1e-5)  # the edit bites
+
+
+def test_anything_else_in_place_of_an_sae_is_refused_by_name():
+    model = HookedDecoder.from_pretrained(DEFAULT_MODEL)
+    with pytest.raises(TypeError, match="an SAE of SAELens, got Linear"):
+        model.run_with_saes("hi", saes=[torch.nn.Linear(2, 2)])
+
+
+@needs_saelens
 def test_fold_W_dec_norm_is_saelens(tmp_path):
     from test_sae_training import random_inference
 
