@@ -75,7 +75,8 @@ def generate(
     """Continue each prompt by up to `max_new_tokens` tokens.
 
     Choosing: greedy unless `do_sample=True` (then at `temperature`, 1.0 by default, as TL) or, with
-    `do_sample` left None, a `temperature` above 0 (probe's switch); `do_sample=False` is greedy whatever the
+    `do_sample` left None, a `temperature` above 0 (probe's switch) or `top_k` / `top_p` (which only sampling reads:
+    at temperature 1.0 unless given, as TL samples them); `do_sample=False` is greedy whatever the
     temperature, and temperature 0 is greedy either way. Sampling draws from softmax(logits / temperature -
     freq_penalty x each token's count so far), restricted to the `top_k` most likely tokens and to the smallest
     set whose probability reaches `top_p`, with a generator seeded by `seed` (else torch's global one).
@@ -130,7 +131,7 @@ def generate(
         raise ValueError(f"use_cache={use_cache} and use_past_kv_cache={use_past_kv_cache} disagree; "
                          "they are one switch (use_past_kv_cache is transformer-lens's name)")
     use_cache = next((v for v in (use_cache, use_past_kv_cache) if v is not None), True)
-    temperature = _effective_temperature(do_sample, temperature)
+    temperature = _effective_temperature(do_sample, temperature, top_k is not None or top_p is not None)
     stop_ids, fill_id = _stopping(model, stop_at_eos, eos_token_id)
     embeds = input_embeddings(model, input)
     if embeds is not None:
@@ -253,9 +254,13 @@ def _generate_tokens(model, input, max_new_tokens, temperature, top_k, top_p, fr
     return tokens, mask, caches
 
 
-def _effective_temperature(do_sample: Optional[bool], temperature: Optional[float]) -> float:
-    """0.0 for greedy, else the sampling temperature (see `generate`)."""
+def _effective_temperature(do_sample: Optional[bool], temperature: Optional[float],
+                           sampling_only: bool = False) -> float:
+    """0.0 for greedy, else the sampling temperature (see `generate`). `sampling_only`: a keyword that means
+    nothing to greedy decoding was given (top_k, top_p), which asks to sample as TL's default does."""
     if do_sample is None:
+        if sampling_only and temperature is None:
+            return 1.0
         return temperature or 0.0
     if not do_sample:
         return 0.0

@@ -127,6 +127,11 @@ CASES = {
         use_past_kv_cache=False)),
     "generate sampled top_p": lambda model: _seeded(5, lambda: model.generate(
         PROMPTS[1], max_new_tokens=8, do_sample=True, top_p=0.9, verbose=False, use_past_kv_cache=False)),
+    # TL code that names top_k or top_p alone samples (its do_sample=True default); probe samples them too
+    "generate top_k alone samples": lambda model: _seeded(6, lambda: model.generate(
+        PROMPTS[0], max_new_tokens=8, top_k=20, verbose=False, use_past_kv_cache=False)),
+    "generate top_p alone samples": lambda model: _seeded(7, lambda: model.generate(
+        PROMPTS[1], max_new_tokens=8, top_p=0.9, verbose=False, use_past_kv_cache=False)),
     "generate do_sample=True temperature 0 is greedy": lambda model: model.generate(
         PROMPTS[0], max_new_tokens=8, do_sample=True, temperature=0.0, verbose=False, use_past_kv_cache=False),
     # ---- TL's dataset helper given model.tokenizer (it calls tokenizer(texts, return_tensors="np", padding=True)) ----
