@@ -6,6 +6,8 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         runs the commands below sent on stdin, one process for them all (tests/oracle_process.py is its client)
     python saelens_oracle.py encode SAE_DIR INPUTS OUTPUTS
         SAE.load_from_disk(SAE_DIR); INPUTS holds x; OUTPUTS gets features, output (SAELens's forward)
+    python saelens_oracle.py schedules STEPS
+        SAELens's learning-rate and coefficient schedules over STEPS steps (see the function): stdout their JSON
     python saelens_oracle.py fold SAE_DIR INPUTS OUTPUTS
         the SAE after its fold_W_dec_norm(): OUTPUTS gets features, output and its W_enc, W_dec, b_enc (threshold)
     python saelens_oracle.py hooked_sae MODEL_DIR SAE_DIR INPUTS OUTPUTS
@@ -114,6 +116,26 @@ def loss(arch: str, settings_json: str, state: str, inputs: str, outputs: str) -
     written["loss"] = result.loss.detach().contiguous()
     written.update({f"grad.{n}": p.grad.contiguous() for n, p in sae.named_parameters() if p.grad is not None})
     save_file(written, outputs)
+
+
+def schedules(steps: str) -> None:
+    """SAELens's learning-rate schedule (constant, 3 warm-up and 4 decay steps, lr 0.1) and its coefficient's warm-up
+    (5 steps to 0.7) over STEPS steps: stdout the JSON {"lr": [...], "coefficient": [...]}."""
+    from sae_lens.training.optim import CoefficientScheduler, get_lr_scheduler
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([p], lr=0.1)
+    sched = get_lr_scheduler("constant", opt, training_steps=int(steps), lr=0.1, warm_up_steps=3, decay_steps=4,
+                             lr_end=0.1, num_cycles=1)
+    coef = CoefficientScheduler(warm_up_steps=5, final_value=0.7)
+    lrs, coefficients = [], []
+    for _ in range(int(steps)):
+        lrs.append(opt.param_groups[0]["lr"])
+        coefficients.append(coef.value)
+        opt.step()
+        sched.step()
+        coef.step()
+    print(json.dumps({"lr": lrs, "coefficient": coefficients}))
 
 
 def fold(sae_dir: str, inputs: str, outputs: str) -> None:
@@ -547,7 +569,7 @@ def tl_tokenizer(cases_json: str) -> None:
     print(json.dumps(printed))
 
 
-COMMANDS = {"probe_with_saelens_sae": probe_with_saelens_sae, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
+COMMANDS = {"probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer}

@@ -570,22 +570,7 @@ def test_training_steps_are_adam_on_the_loss_with_saelens_schedules_by_hand():
 
 @needs_saelens
 def test_the_lr_and_coefficient_schedules_are_saelens():
-    code = """
-import json, torch
-from sae_lens.training.optim import CoefficientScheduler, get_lr_scheduler
-p = torch.nn.Parameter(torch.zeros(1))
-opt = torch.optim.Adam([p], lr=0.1)
-sched = get_lr_scheduler("constant", opt, training_steps=12, lr=0.1, warm_up_steps=3, decay_steps=4, lr_end=0.1, num_cycles=1)
-coef = CoefficientScheduler(warm_up_steps=5, final_value=0.7)
-lrs, coefs = [], []
-for _ in range(12):
-    lrs.append(opt.param_groups[0]["lr"]); coefs.append(coef.value)
-    opt.step(); sched.step(); coef.step()
-print(json.dumps({"lr": lrs, "coefficient": coefs}))
-"""
-    done = subprocess.run([str(SAELENS_PYTHON), "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    theirs = json.loads(oracle("schedules", 12).splitlines()[-1])
     from probe.training_config import coefficient_at, lr_factor
     cfg = TrainingConfig(hook_name="blocks.0.hook_resid_post", d_sae=8, training_tokens=12 * 32, batch_tokens=32,
                          architecture="standard", lr=0.1, lr_warm_up_steps=3, lr_decay_steps=4, l1_coefficient=0.7,
