@@ -141,7 +141,7 @@ def process_weights_in_place(model: HookedDecoder, *, fold_ln: bool = True, cent
     check_processing(model.cfg, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                      center_unembed=center_unembed, fold_value_biases=fold_value_biases,
                      refactor_factored_attn_matrices=refactor_factored_attn_matrices)
-    _untie(model)
+    untie_embeddings(model)
     if fold_ln and model.cfg.norm_weights:  # norms without weights (folded already, or LNPre) have nothing to fold
         _fold_norms(model)
     if center_writing_weights:
@@ -159,7 +159,8 @@ def process_weights_in_place(model: HookedDecoder, *, fold_ln: bool = True, cent
     return model
 
 
-def _untie(model: HookedDecoder) -> None:
+def untie_embeddings(model: HookedDecoder) -> None:
+    """Give the unembedding a copy of a tied embedding of its own (processing changes one and not the other)."""
     if model.cfg.tied_embeddings:
         model.unembed.weight = nn.Parameter(model.unembed.weight.detach().clone())
         model.cfg = dataclasses.replace(model.cfg, tied_embeddings=False)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import probe.residual_stack as rs
 from probe.config import SWITCHES, DecoderConfig, Positions, check_ungroupable
-from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps
+from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps, untie_embeddings
 from probe.tokenizer import Tokenizer, check_padding_side, prepends_bos
 
 GUIDE = "docs/from_transformer_lens.md"
@@ -166,6 +166,13 @@ class TransformerLensSurface:
         if ungroup_grouped_query_attention:
             check_ungroupable(self.cfg)
         self._record_switch(ungroup_grouped_query_attention=bool(ungroup_grouped_query_attention))
+
+    def untie_embeddings(self) -> None:
+        """Give `W_U` its own copy of a tied `W_E`, as transformer-lens's HookedTransformer always has them. A tied
+        checkpoint (GPT-2, Gemma) holds one matrix for both, as transformers does, so an edit of one is an edit of
+        the other: abliteration's `model.W_E.data = orthogonalized` then changes the unembedding too, where TL's
+        leaves it. Loading with TL's processing (fold_ln, center_unembed, ...) unties them already."""
+        untie_embeddings(self)
 
     # ---- transformer-lens's parameters by its own names ---------------------------------------------------
     def tl_parameters(self) -> dict[str, torch.Tensor]:

@@ -79,3 +79,25 @@ def test_a_wrong_shape_is_refused_and_changes_nothing(tiny_model):
     with pytest.raises(ValueError, match="same shape"):
         attn.W_K.data = torch.zeros(2, 2)
     assert torch.equal(attn.qkv.weight, before)
+
+
+def test_a_tied_embedding_is_edited_with_its_unembedding_until_untied(pair):
+    # transformers and probe hold one matrix for a tied checkpoint; TL's HookedTransformer keeps W_U apart, and
+    # abliteration's `model.W_E.data = ...` on it leaves the unembedding: untie_embeddings() gives that
+    ours, hf = pair
+    assert ours.cfg.tied_embeddings and hf.lm_head.weight is hf.transformer.wte.weight
+    d = torch.randn(ours.cfg.d_model, generator=torch.Generator().manual_seed(2))
+    d /= d.norm()
+    tied = copy.deepcopy(ours)
+    tied.W_E.data = orthogonalized(tied.W_E, d)
+    with torch.no_grad():
+        edited = copy.deepcopy(hf)
+        edited.transformer.wte.weight.copy_(orthogonalized(edited.transformer.wte.weight, d))  # the unembedding too
+    logits_agree(tied, edited)
+    ours.untie_embeddings()
+    ours.W_E.data = orthogonalized(ours.W_E, d)
+    hf.lm_head.weight = torch.nn.Parameter(hf.transformer.wte.weight.detach().clone())  # TL's separate W_U
+    with torch.no_grad():
+        hf.transformer.wte.weight.copy_(orthogonalized(hf.transformer.wte.weight, d))
+    assert not ours.cfg.tied_embeddings
+    logits_agree(ours, hf)
