@@ -10,6 +10,8 @@ from typing import Optional
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import processors
 
+from probe.io import atomic_file
+
 
 def read_backend(path: Path, build, other: Optional[Path] = None) -> _HFTokenizer:
     """`tokenizers`' reading of a file (it raises a bare Exception, some without the file), as a ValueError that
@@ -71,11 +73,15 @@ def write_pretrained(tokenizer, directory: Path) -> tuple[str, str]:
     if bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tokenizer.bos_id)])
-    backend.save(str(directory / "tokenizer.json"))
+    # transformers' save_pretrained replaces the tokenizer's files in a model's directory (probe's model writes its
+    # tokenizer.json there first): replaced whole, never left half-written
+    with atomic_file(directory / "tokenizer.json", overwrite=True) as tmp:
+        backend.save(str(tmp))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": tokenizer.eos_token,
               "pad_token": tokenizer.pad_token, "model_max_length": tokenizer.model_max_length,
               "padding_side": tokenizer.padding_side}
     if tokenizer.chat_template is not None:
         config["chat_template"] = tokenizer.chat_template
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    with atomic_file(directory / "tokenizer_config.json", overwrite=True) as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return str(directory / "tokenizer_config.json"), str(directory / "tokenizer.json")
