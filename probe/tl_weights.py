@@ -29,6 +29,13 @@ class WeightView(torch.Tensor):
     def data(self, value: torch.Tensor) -> None:
         write_into(self, value, "this weight")
 
+    def requires_grad_(self, requires_grad: bool = True) -> "WeightView":
+        # torch refuses it on a view ("only ... leaf variables"); say which parameter holds these weights
+        raise RuntimeError("this TL-named weight is a view of one of probe's fused parameters, so it cannot be frozen "
+                           "or trained apart: freeze or optimise the parameter it views, by its name in "
+                           "model.named_parameters() (attn.qkv.weight holds W_Q, W_K and W_V; attn.out.weight W_O; "
+                           "mlp.fc_in.weight W_in; mlp.fc_out.weight W_out; unembed.weight W_U)")
+
 
 def write_into(view: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if not isinstance(value, torch.Tensor):

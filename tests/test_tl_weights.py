@@ -71,6 +71,12 @@ def test_views_still_carry_gradients_and_give_plain_tensors(tiny_model):
     attn.out.weight.grad = None
 
 
+def test_freezing_a_view_names_the_fused_parameter_to_freeze(tiny_model):
+    with pytest.raises(RuntimeError, match=r"attn\.qkv\.weight holds W_Q, W_K and W_V"):
+        tiny_model.blocks[0].attn.W_Q.requires_grad_(False)
+    assert tiny_model.blocks[0].attn.qkv.weight.requires_grad
+
+
 def test_a_wrong_shape_is_refused_and_changes_nothing(tiny_model):
     attn = tiny_model.blocks[0].attn
     before = attn.qkv.weight.detach().clone()
