@@ -257,7 +257,7 @@ class HookPoint(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fns:
-            if self.copies:
+            if self.copies and any(type(h.fn) is not Store for h in self._fns):  # a cache's store edits nothing
                 x = x.clone()
             owner = _owner()
             for handle in [h for h in self._fns if h.owner is None or h.owner is owner]:  # a snapshot: hooks may add hooks

@@ -299,10 +299,6 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         return float(self.d_head if self.attn_scale_dim is None else self.attn_scale_dim) ** 0.5
 
     @property
-    def rotary_adjacent_pairs(self) -> bool:
-        return False  # the half-split layout (dimension i with i + rotary_dim / 2), as Llama and GPT-NeoX
-
-    @property
     def tokenizer_name(self) -> Optional[str]:
         if self.tokenizer_source is not None:
             return self.tokenizer_source
@@ -313,10 +309,6 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     @property
     def initializer_range(self) -> float:
         return self.init_std
-
-    @property
-    def post_embedding_ln(self) -> bool:
-        return False
 
     @property
     def scale_attn_by_inverse_layer_idx(self) -> bool:

@@ -322,7 +322,7 @@ def save_pretrained(model: HookedDecoder, directory: Union[str, Path], overwrite
     overwrite=True.
     """
     cfg = model.cfg
-    table = None if model.pos_embed is None else model.pos_embed.W_pos.shape[0]
+    table = model.positions_held
     if table is not None and table != cfg.n_ctx:  # `model.cfg.n_ctx = n` narrowed the inputs, not the weights
         raise ValueError(f"model.cfg.n_ctx={cfg.n_ctx} is not the {table} positions the model holds (pos_embed.W_pos), "
                          f"and a checkpoint must say what its weights are: set model.cfg.n_ctx = {table} before saving")

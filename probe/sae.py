@@ -223,13 +223,12 @@ class SparseAutoencoder(HookedRootModule):
         """probe's copy of an SAE object of SAELens (`sae_lens.SAE.from_pretrained(...)`'s), on its device and in its
         dtype, its `use_error_term` too: SAELens code hands its SAEs to HookedSAETransformer's methods, and probe's
         take them so (tests/test_sae_methods.py runs SAELens's objects on probe against HookedSAETransformer)."""
-        params = dict(sae.named_parameters())
         state = {name: tensor.detach() for name, tensor in sae.state_dict().items()}
         where = Path(f"<{type(sae).__name__} object>")
         ours = cls.from_saelens_state(sae.cfg.to_dict(), state, where, where)
         ours.use_error_term = bool(getattr(sae, "use_error_term", False))
-        some = next(iter(params.values()))
-        return ours.to(device=some.device, dtype=some.dtype)
+        weight = next(sae.parameters())
+        return ours.to(device=weight.device, dtype=weight.dtype)
 
     @classmethod
     def from_saelens_state(cls, raw: dict, state: dict[str, torch.Tensor], config_path: Path,

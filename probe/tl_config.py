@@ -22,29 +22,20 @@ import torch
 
 from probe.config import SWITCHES, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
 from probe.config_choices import ACTIVATION_SPELLINGS
+from probe.tl_config_fields import ABSENT_FEATURES
 
-ACTIVATIONS = ACTIVATION_SPELLINGS  # TL's act_fn names; model.cfg.act_fn reads back the one given
 NORMS = {"LN": Norm.LAYER, "RMS": Norm.RMS, "LNPre": Norm.LAYER, "RMSPre": Norm.RMS, None: Norm.NONE}
 POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY, "shortformer": Positions.SHORTFORMER}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 # TL settings with nothing to build in probe: accepted at these values only
-ONLY = {"post_embedding_ln": False, "rotary_adjacent_pairs": False, "load_in_4bit": False, "num_experts": None,
-        "experts_per_token": None, "n_devices": 1, "init_weights": True, "trust_remote_code": False,
-        "relative_attention_max_distance": None, "relative_attention_num_buckets": None,
-        "decoder_start_token_id": None, "default_padding_side": "right",
-        # TL 3.9's features of other families (Qwen-1, OLMo, GPT-OSS, MoE, quantised checkpoints), at their off values
-        "clip_qkv": None, "use_logn_attn": False, "train_seq_length": None, "use_dynamic_ntk_rope": False,
-        "rotary_base_local": None, "quantization_method": None, "use_attention_sinks": False, "norm_topk_prob": False,
-        "use_yarn_rope": False, "yarn_factor": 1.0, "yarn_attention_factor": 1.0, "yarn_beta_fast": 32.0,
-        "yarn_beta_slow": 1.0, "yarn_original_max_position_embeddings": 4096, "yarn_truncate": True,
-        "yarn_global_attn_only": False}
+ONLY = {**ABSENT_FEATURES, "n_devices": 1, "init_weights": True, "default_padding_side": "right"}
 WHY = {"attention_dir": "probe's attention is 'causal' or 'bidirectional'",
        "attn_only": "attention-only blocks are pre-norm: x + attn(ln1(x)); leave parallel_attn_mlp and "
                     "use_normalization_before_and_after False",
        "normalization_type": "probe's norms are 'LN', 'LNPre', 'RMS', 'RMSPre' and None",
        "positional_embedding_type": "probe's positions are 'standard' (learned), 'shortformer' and 'rotary'",
-       "act_fn": f"probe's activations are {sorted(ACTIVATIONS)}",
+       "act_fn": f"probe's activations are {sorted(ACTIVATION_SPELLINGS)}",
        "final_rms": "probe's final norm is the kind of the others: final_rms goes with normalization_type='RMS'",
        "rotary_adjacent_pairs": "probe rotates dimension i with i + rotary_dim / 2, as Llama and GPT-NeoX do",
        "rotary_scaling_factor": "probe rescales every layer's rotary frequencies alike: linear scaling goes without "
@@ -105,9 +96,9 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
                              f"d_head={d_head}: give n_heads")
         n_heads = d_model // d_head
     act_fn = s.get("act_fn", "relu" if s.get("attn_only") else None)  # no MLP to use it: TL's value, unused
-    if s.get("attn_only") and act_fn not in ACTIVATIONS:
+    if s.get("attn_only") and act_fn not in ACTIVATION_SPELLINGS:
         act_fn = "relu"  # whatever an attention-only model's file names that probe lacks: nothing applies it
-    if act_fn not in ACTIVATIONS:
+    if act_fn not in ACTIVATION_SPELLINGS:
         raise ValueError(f"HookedTransformerConfig(act_fn={act_fn!r}) is not supported: {WHY['act_fn']}")
     norm = _choice(s, "normalization_type", "LN", NORMS)
     positions = _choice(s, "positional_embedding_type", "standard", POSITIONS)
@@ -136,7 +127,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         n_layers=s["n_layers"], d_model=d_model, n_heads=n_heads, d_vocab=d_vocab, n_ctx=s["n_ctx"], d_head=d_head,
         d_vocab_out=None if s.get("d_vocab_out", -1) == -1 else s["d_vocab_out"],
         d_mlp=s.get("d_mlp"), n_kv_heads=s.get("n_key_value_heads"), eps=s.get("eps", 1e-5),
-        activation=ACTIVATIONS[act_fn], act_fn_name=act_fn if act_fn != ACTIVATIONS[act_fn].value else None,
+        activation=ACTIVATION_SPELLINGS[act_fn], act_fn_name=act_fn if act_fn != ACTIVATION_SPELLINGS[act_fn].value else None,
         gated_mlp=s.get("gated_mlp", False), norm=norm, norm_placement=placement,
         attn_only=attn_only, bidirectional=attention_dir == "bidirectional", use_hook_tokens=s.get("use_hook_tokens", False),
         norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"), final_norm=norm is not Norm.NONE,

@@ -90,95 +90,18 @@ class HookedTransformerConfigFields:
     def n_devices(self) -> int:
         return 1  # device_map= places blocks itself; TL's pipeline split over n_devices is not how probe does it
 
-    # ---- features probe does not have: TL's value for a model without them ----------------------------------
-    @property
-    def num_experts(self) -> None:
-        return None
 
-    @property
-    def experts_per_token(self) -> None:
-        return None
-
-    @property
-    def norm_topk_prob(self) -> bool:
-        return False
-
-    @property
-    def clip_qkv(self) -> None:
-        return None
-
-    @property
-    def use_logn_attn(self) -> bool:
-        return False
-
-    @property
-    def train_seq_length(self) -> None:
-        return None
-
-    @property
-    def use_dynamic_ntk_rope(self) -> bool:
-        return False
-
-    @property
-    def rotary_base_local(self) -> None:
-        return None
-
-    @property
-    def use_yarn_rope(self) -> bool:
-        return False
-
-    @property
-    def yarn_factor(self) -> float:
-        return 1.0
-
-    @property
-    def yarn_attention_factor(self) -> float:
-        return 1.0
-
-    @property
-    def yarn_beta_fast(self) -> float:
-        return 32.0
-
-    @property
-    def yarn_beta_slow(self) -> float:
-        return 1.0
-
-    @property
-    def yarn_original_max_position_embeddings(self) -> int:
-        return 4096
-
-    @property
-    def yarn_truncate(self) -> bool:
-        return True
-
-    @property
-    def yarn_global_attn_only(self) -> bool:
-        return False
-
-    @property
-    def use_attention_sinks(self) -> bool:
-        return False
-
-    @property
-    def trust_remote_code(self) -> bool:
-        return False
-
-    @property
-    def load_in_4bit(self) -> bool:
-        return False
-
-    @property
-    def quantization_method(self) -> None:
-        return None
-
-    @property
-    def relative_attention_max_distance(self) -> None:  # encoder-decoder (T5) models only
-        return None
-
-    @property
-    def relative_attention_num_buckets(self) -> None:
-        return None
-
-    @property
-    def decoder_start_token_id(self) -> None:
-        return None
+# TL 3.9's fields for features probe does not build (post-embedding norm, adjacent-pair rotary, experts, YaRN rope,
+# attention sinks, quantisation, remote code, T5's relative attention): the value a HookedTransformer without them
+# reads, which `model.cfg` reads too and `HookedTransformerConfig(...)` takes them at (probe/tl_config.py)
+ABSENT_FEATURES = {
+    "post_embedding_ln": False, "rotary_adjacent_pairs": False, "num_experts": None, "experts_per_token": None,
+    "norm_topk_prob": False, "clip_qkv": None, "use_logn_attn": False, "train_seq_length": None,
+    "use_dynamic_ntk_rope": False, "rotary_base_local": None, "use_yarn_rope": False, "yarn_factor": 1.0,
+    "yarn_attention_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
+    "yarn_original_max_position_embeddings": 4096, "yarn_truncate": True, "yarn_global_attn_only": False,
+    "use_attention_sinks": False, "trust_remote_code": False, "load_in_4bit": False, "quantization_method": None,
+    "relative_attention_max_distance": None, "relative_attention_num_buckets": None, "decoder_start_token_id": None,
+}
+for _name, _value in ABSENT_FEATURES.items():
+    setattr(HookedTransformerConfigFields, _name, property(lambda self, value=_value: value))

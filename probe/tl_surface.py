@@ -111,7 +111,7 @@ class TransformerLensSurface:
         # the model owns its config, so `model.cfg.use_attn_result = True` can reach set_use_attn_result, as it
         # turns the switch on in transformer-lens; a config another model owns is copied, not taken over
         owner = cfg.__dict__.get("_owner")
-        if owner is not None and owner() is not None and owner() is not self:
+        if owner is not None and owner() not in (None, self):
             cfg = dataclasses.replace(cfg)
         object.__setattr__(cfg, "_owner", weakref.ref(self))
         self.__dict__["_cfg"] = cfg
@@ -153,11 +153,17 @@ class TransformerLensSurface:
         weights do not change, so `save_pretrained` refuses a model whose n_ctx is not its table's."""
         if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx <= 0:
             raise ValueError(f"n_ctx must be a positive int, got {n_ctx!r}")
-        table = None if self.pos_embed is None else self.pos_embed.W_pos.shape[0]
+        table = self.positions_held
         if table is not None and n_ctx > table:
             raise ValueError(f"n_ctx={n_ctx} is longer than this model's {table} positions (pos_embed.W_pos): "
                              f"give at most {table}")
         self.cfg = dataclasses.replace(self.cfg, n_ctx=n_ctx)
+
+    @property
+    def positions_held(self) -> Optional[int]:
+        """How many positions the model's table holds (learned, sinusoidal or shortformer), the most `n_ctx` can
+        be; None for rotary positions, which need no table."""
+        return None if self.pos_embed is None else self.pos_embed.W_pos.shape[0]
 
     def set_ungroup_grouped_query_attention(self, ungroup_grouped_query_attention: bool) -> None:
         """transformer-lens's switch to compute keys and values per query head. It changes nothing where every
