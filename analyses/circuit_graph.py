@@ -6,7 +6,9 @@ head `L{l}H{h}` (its write without the output bias b_O, which is the same in eve
 inputs `L{l}H{h}<k` / `<v`, each MLP's input `L{l} mlp` and the `logits` (the final norm's input).
 Grouped-query models read keys and values once per key/value head, so their key and value inputs
 are per key/value head, `L{l}KV{g}<k` / `<v`, each feeding the query heads that share it: that is
-what the model computes, so patching one of them is exact (a per-query-head key input would not be).
+what the model computes, so patching one of them is exact (a per-query-head key input would not be). This holds
+with transformer-lens's `ungroup_grouped_query_attention` on too: the analyses taking this graph
+(`with_grouped_key_values`) run with keys and values hooked per key/value head, and leave the switch as it was.
 
 There is an edge from a writer to every reader that reads the residual after the writer wrote to
 it: a head of layer l reaches the MLP of layer l and everything from layer l + 1 on. Parallel
@@ -233,6 +235,16 @@ def circuit_graph(model: HookedDecoder) -> CircuitGraph:
     config alone, so models of one config share one graph: treat it as read-only."""
     check_graph_model(model)
     return _graph_of(model.cfg)
+
+
+def with_grouped_key_values(analysis):
+    """`analysis(model, ...)` run inside model.grouped_key_values(): the graph's key and value inputs are one per
+    key/value head whatever transformer-lens's `ungroup_grouped_query_attention` says."""
+    @functools.wraps(analysis)
+    def run(model, *args, **kwargs):
+        with model.grouped_key_values():
+            return analysis(model, *args, **kwargs)
+    return run
 
 
 @functools.lru_cache(maxsize=32)

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from probe.analyses.ablation import Metric, metric_name
 from probe.analyses.architecture import refuse_next_token_metric
-from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
+from probe.analyses.circuit_graph import CircuitGraph, circuit_graph, with_grouped_key_values
 from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, tokens_and_mask
 from probe.analyses.edge_gradients import gradient_scores
 from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
@@ -159,6 +159,7 @@ def paired_tokens(model: HookedDecoder, clean: AnalysisInput, corrupted: Analysi
     return clean_tokens, tokens, mask
 
 
+@with_grouped_key_values
 def edge_attribution(
     model: HookedDecoder,
     clean: AnalysisInput,

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from probe.analyses.ablation import Metric, metric_name
 from probe.analyses.architecture import refuse_next_token_metric
 from probe.analyses.circuit import Circuit
-from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
+from probe.analyses.circuit_graph import CircuitGraph, circuit_graph, with_grouped_key_values
 from probe.analyses.common import AnalysisInput, TableDisplay, check_int, is_int, model_mask
 from probe.analyses.edge_attribution import EdgeScores, paired_tokens
 from probe.analyses.circuit_forward import BaseRun, qkv_hook_names, sparse_final, sparse_supported
@@ -222,6 +222,7 @@ def _check_circuit(graph: CircuitGraph, circuit: Circuit) -> None:
         raise ValueError("the circuit was built on another model's graph; build it from this model's edge scores")
 
 
+@with_grouped_key_values
 def faithfulness(model: HookedDecoder, circuit: Circuit, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
                  ablation: Ablation = "patch", *, attention_mask: Optional[torch.Tensor] = None,
                  engine: Engine = "auto") -> Faithfulness:
@@ -299,6 +300,7 @@ def default_sizes(n_edges: int, points: int = 12) -> list[int]:
     return sorted(sizes)
 
 
+@with_grouped_key_values
 def faithfulness_curve(model: HookedDecoder, scores: EdgeScores, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
                        sizes: Optional[Sequence[int]] = None, ablation: Ablation = "patch",
                        method: Literal["topn", "greedy"] = "topn", n_random: int = 3, seed: int = 0, *,

@@ -19,7 +19,7 @@ import torch
 
 from probe.analyses.ablation import Metric, metric_name
 from probe.analyses.architecture import refuse_next_token_metric
-from probe.analyses.circuit_graph import CircuitGraph, circuit_graph
+from probe.analyses.circuit_graph import CircuitGraph, circuit_graph, with_grouped_key_values
 from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask
 from probe.analyses.edge_attribution import paired_tokens
 from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
@@ -104,6 +104,7 @@ def _names(value: NodeNames) -> list:
     return items
 
 
+@with_grouped_key_values
 def path_patch(model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
                senders: Union[NodeNames, Sequence[NodeNames]], receivers: NodeNames, *, sweep: bool = False,
                attention_mask: Optional[torch.Tensor] = None, max_rows: Optional[int] = None) -> PathPatching:

@@ -27,6 +27,12 @@ class PerHeadInputs(NamedTuple):
     v: torch.Tensor
 
 
+def per_head(t: torch.Tensor, heads: int, dim: int = 2) -> torch.Tensor:
+    """t with `heads` entries along dim: as it is, or each key/value head repeated for the adjacent query heads of
+    its group."""
+    return t if t.shape[dim] == heads else t.repeat_interleave(heads // t.shape[dim], dim=dim)
+
+
 class Attention(WritableWeights, nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
@@ -41,6 +47,9 @@ class Attention(WritableWeights, nn.Module):
         self.score_cap = make_softcap(cfg.attn_softcap)
         self.fusable = cfg.attn_softcap is None  # the fused kernel cannot cap scores
         self.causal = not cfg.bidirectional  # what `allowed=None` means: earlier keys only, or every key
+        # how many key/value heads the hooks see: one per key/value head, or one per query head once
+        # transformer-lens's ungroup_grouped_query_attention is on (HookedDecoder.set_ungroup_grouped_query_attention)
+        self.hooked_kv_heads = self.n_kv_heads
         self.hook_q = HookPoint()  # [batch pos head d_head]
         self.hook_k = HookPoint()  # [batch pos kv_head d_head]
         self.hook_v = HookPoint()  # [batch pos kv_head d_head]
@@ -80,15 +89,14 @@ class Attention(WritableWeights, nn.Module):
             pos_qk = F.linear(qk_pos, self.qkv.weight[: n_q + n_kv])
             q = q + rearrange(pos_qk[..., :n_q], "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
             k = k + rearrange(pos_qk[..., n_q:], "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
+        k, v = per_head(k, self.hooked_kv_heads), per_head(v, self.hooked_kv_heads)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         if self.rotary is not None:
             q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))
         if past is not None:
             k, v = past.append(k, v)
-        if self.n_kv_heads != self.n_heads:  # each key/value head serves a group of adjacent query heads
-            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
-            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
+        k, v = per_head(k, self.n_heads), per_head(v, self.n_heads)
         if not self.fusable or self.hook_attn_scores.active or self.hook_pattern.active:
             z = self._attend_explicitly(q, k, v, allowed)
         else:  # nothing observes the pattern: let the fused kernel avoid materialising it
@@ -106,7 +114,7 @@ class Attention(WritableWeights, nn.Module):
 
     def project(self, x: Union[torch.Tensor, PerHeadInputs]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [batch pos head d_head], k and v [batch pos kv_head d_head] from x [batch pos d_model] in one matmul,
-        or from each head's own input."""
+        or from each head's own input (keys' and values' inputs may be one per query head: then so are k and v)."""
         if isinstance(x, torch.Tensor):
             qkv = self.qkv(x)
             n_q, n_kv = self.qkv_sizes[:2]
@@ -117,7 +125,8 @@ class Attention(WritableWeights, nn.Module):
                          for t in parts)
         biases = (self.b_Q, self.b_K, self.b_V)
         return tuple(
-            einsum(inp, w, "batch pos head d_model, head d_model d_head -> batch pos head d_head") + (0.0 if b is None else b)
+            einsum(inp, per_head(w, inp.shape[2], dim=0), "batch pos head d_model, head d_model d_head -> batch pos head d_head")
+            + (0.0 if b is None else per_head(b, inp.shape[2], dim=0))
             for inp, w, b in zip(x, (self.W_Q, self.W_K, self.W_V), biases))
 
     def _attend_explicitly(self, q, k, v, allowed):

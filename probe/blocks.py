@@ -48,17 +48,20 @@ class PreNormBlock(nn.Module):
     def attention_input(self, resid: torch.Tensor, norm: nn.Module):
         """norm(resid) [batch pos d_model], what attention reads. While a per-head input point is hooked, each head
         reads its own copy instead, normed separately: PerHeadInputs of [batch pos head d_model] queries' and
-        [batch pos kv_head d_model] keys' and values' inputs, so an edit reaches one head's q, k or v alone."""
+        [batch pos kv_head d_model] keys' and values' inputs (one per query head once ungrouped), so an edit reaches one
+        head's q, k or v alone."""
         points = (self.hook_attn_in, self.hook_q_input, self.hook_k_input, self.hook_v_input)
         if not any(point.active for point in points):
             return norm(resid)
         # repeat may return a broadcast view of resid: a real copy, so an in-place edit stays in its head
         attn_in = self.hook_attn_in(repeat(resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_heads).clone())
-        if self.attn.n_kv_heads != self.attn.n_heads and self.hook_attn_in.active:
+        kv_heads = self.attn.hooked_kv_heads  # one per query head once ungrouped
+        if kv_heads != self.attn.n_heads and self.hook_attn_in.active:
             raise ValueError("hook_attn_in has one copy per query head, but this model's keys and values have fewer "
-                             "heads (grouped-query attention); hook hook_k_input / hook_v_input instead")
-        kv_in = attn_in if self.attn.n_kv_heads == self.attn.n_heads else repeat(
-            resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_kv_heads)
+                             "heads (grouped-query attention); hook hook_k_input / hook_v_input instead, or compute "
+                             "keys and values per query head: model.set_ungroup_grouped_query_attention(True)")
+        kv_in = attn_in if kv_heads == self.attn.n_heads else repeat(
+            resid, "batch pos d_model -> batch pos head d_model", head=kv_heads)
         # copies made before any hook runs, so an in-place edit of a query input never reaches a key or value
         k_in, v_in = kv_in.clone(), kv_in.clone()
         q_in = self.hook_q_input(attn_in)

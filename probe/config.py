@@ -85,8 +85,7 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     use_split_qkv_input: bool = dataclasses.field(default=False, compare=False)
     use_attn_in: bool = dataclasses.field(default=False, compare=False)
     use_hook_mlp_in: bool = dataclasses.field(default=False, compare=False)
-    # TL's switch to compute keys and values per query head; probe computes them per key/value head, so it can be on
-    # only where each group is one head (nothing to ungroup), as EAP setups turn it on for every model
+    # TL's switch to compute (and hook) keys and values once per query head on a grouped-query model
     ungroup_grouped_query_attention: bool = dataclasses.field(default=False, compare=False)
     # what transformer-lens records of how the model was built or loaded, read back as TL code reads it
     seed: Optional[int] = dataclasses.field(default=None, compare=False)  # HookedTransformerConfig(seed=)'s
@@ -160,8 +159,6 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
                 raise ValueError("heads_per_layer (pruned heads) needs n_kv_heads == n_heads")
             object.__setattr__(self, "heads_per_layer", heads)
         object.__setattr__(self, "activation", _enum(Activation, self.activation, "activation"))
-        if self.ungroup_grouped_query_attention:
-            check_ungroupable(self)
         if self.act_fn_name is not None and ACTIVATION_SPELLINGS.get(self.act_fn_name) is not self.activation:
             names = sorted(n for n, a in ACTIVATION_SPELLINGS.items() if a is self.activation)
             raise ValueError(f"act_fn_name={self.act_fn_name!r} does not name activation={self.activation.value!r}; "
@@ -346,15 +343,6 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
 
 # transformer-lens's use_* switches: code turns them on by assigning to model.cfg, and the model follows
 SWITCHES = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in", "ungroup_grouped_query_attention")
-
-
-def check_ungroupable(cfg: DecoderConfig) -> None:
-    if cfg.n_kv_heads != cfg.n_heads:
-        raise ValueError(
-            f"ungroup_grouped_query_attention=True is not built: probe computes and hooks keys and values once per "
-            f"key/value head (hook_k, hook_v, hook_k_input, hook_v_input: [batch pos kv_head ...], {cfg.n_kv_heads} of "
-            f"them for {cfg.n_heads} query heads); leave it False, and read query head h's key and value at key/value "
-            f"head h // {cfg.n_heads // cfg.n_kv_heads} (probe's edge attribution scores grouped-query models as they are)")
 
 
 def _assign(self: DecoderConfig, name: str, value: Any) -> None:

@@ -2,6 +2,7 @@
 positions, and clear refusals for the keywords probe does not take. A face over probe's one implementation."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 import weakref
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import probe.residual_stack as rs
-from probe.config import SWITCHES, DecoderConfig, Positions, check_ungroupable
+from probe.config import SWITCHES, DecoderConfig, Positions
 from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps, untie_embeddings
 from probe.tokenizer import Tokenizer, check_padding_side, prepends_bos
 
@@ -166,12 +167,29 @@ class TransformerLensSurface:
         return None if self.pos_embed is None else self.pos_embed.W_pos.shape[0]
 
     def set_ungroup_grouped_query_attention(self, ungroup_grouped_query_attention: bool) -> None:
-        """transformer-lens's switch to compute keys and values per query head. It changes nothing where every
-        key/value head serves one query head, and is refused on a grouped-query model: probe's keys and values, and
-        their hooks, stay one per key/value head."""
-        if ungroup_grouped_query_attention:
-            check_ungroupable(self.cfg)
-        self._record_switch(ungroup_grouped_query_attention=bool(ungroup_grouped_query_attention))
+        """transformer-lens's switch to compute keys and values per query head on a grouped-query model: hook_k,
+        hook_v (and rotary's and Qwen3's norms' k hooks) then hold [batch pos head d_head], and hook_k_input /
+        hook_v_input [batch pos head d_model], so an edit reaches one query head's key or value alone (EAP-IG scores
+        Llama's edges so). The weights stay grouped (W_K [kv_head d_model d_head]); the forward's values do not
+        change. probe's circuit analyses score a grouped model per key/value head either way."""
+        on = bool(ungroup_grouped_query_attention)
+        for block in self.blocks:
+            block.attn.hooked_kv_heads = block.attn.n_heads if on else block.attn.n_kv_heads
+        self._record_switch(ungroup_grouped_query_attention=on)
+
+    @contextlib.contextmanager
+    def grouped_key_values(self):
+        """Inside the block, keys and values are hooked once per key/value head whatever
+        `ungroup_grouped_query_attention` says, and the switch's effect is back after: probe's circuit analyses
+        read them so, with EAP-IG's setup (the switch on) left as the user made it."""
+        held = [block.attn.hooked_kv_heads for block in self.blocks]
+        for block in self.blocks:
+            block.attn.hooked_kv_heads = block.attn.n_kv_heads
+        try:
+            yield self
+        finally:
+            for block, heads in zip(self.blocks, held):
+                block.attn.hooked_kv_heads = heads
 
     def untie_embeddings(self) -> None:
         """Give `W_U` its own copy of a tied `W_E`, as transformer-lens's HookedTransformer always has them. A tied

@@ -70,6 +70,10 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         logits, last-position resid (the last block's resid_post), loss and last-position logits with a hook; stdout
         the JSON of return_type="both"'s type name and fields and generate(..., return_type="str") of one row of
         ids, two rows, and a list of one string
+    python saelens_oracle.py ungrouped CASES_JSON INPUTS OUTPUTS
+        for each case NAME of CASES ({NAME: config}), HookedTransformer(HookedTransformerConfig(**config)), its weights
+        moved off their initialisation as tl_build moves them, runs tests/ungrouped_idioms.py on INPUTS' tokens:
+        OUTPUTS gets NAME/state.KEY and NAME/ each result by name
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -569,10 +573,28 @@ def tl_tokenizer(cases_json: str) -> None:
     print(json.dumps(printed))
 
 
+def ungrouped(cases_json: str, inputs: str, outputs: str) -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from ungrouped_idioms import ungrouped_idioms  # beside this file: its folder is on sys.path
+
+    tokens, out = load_file(inputs)["tokens"], {}
+    for name, config in json.loads(cases_json).items():
+        model = HookedTransformer(HookedTransformerConfig(**config, device="cpu")).eval()
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                if not (model.cfg.gated_mlp and key.endswith("mlp.b_in")):  # probe has no bias after the gate's product
+                    p.add_(0.3 * torch.randn(p.shape, generator=gen))
+        out.update({f"{name}/state.{key}": t.detach().clone() for key, t in model.state_dict().items()})
+        out.update({f"{name}/{key}": t for key, t in ungrouped_idioms(model, tokens).items()})
+    save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, outputs)
+
+
 COMMANDS = {"probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
-            "padding": padding, "tl_tokenizer": tl_tokenizer}
+            "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped}
 
 
 def serve() -> None:

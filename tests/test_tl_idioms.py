@@ -378,20 +378,21 @@ def test_the_architecture_stays_frozen_and_the_device_follows_the_weights(models
     assert ours.cfg.n_layers == 4 and ours.cfg.device == "cpu"
 
 
-def test_ungrouping_a_grouped_query_model_is_refused_naming_the_key_value_head_to_read():
-    # TL ungroups by computing keys and values per query head; probe keeps them per key/value head
-    cfg = HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_key_value_heads=2, n_ctx=8, d_vocab=11, act_fn="relu")
-    model = HookedDecoder(cfg)
-    with pytest.raises(ValueError, match=r"key/value head h // 2"):
-        model.cfg.ungroup_grouped_query_attention = True
-    assert model.cfg.ungroup_grouped_query_attention is False
-    with pytest.raises(ValueError, match="ungroup_grouped_query_attention=True is not built"):
-        HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_key_value_heads=2, n_ctx=8, d_vocab=11,
-                                act_fn="relu", ungroup_grouped_query_attention=True)
-    free = HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_key_value_heads=2, n_ctx=8, d_vocab=11, act_fn="relu")
+def test_a_config_built_ungrouped_gives_a_model_that_hooks_keys_per_query_head():
+    # HookedTransformerConfig(ungroup_grouped_query_attention=True), or the switch assigned to a config no model owns
+    # yet: the model built from it follows; its key for query head h is key/value head h // 2's
+    settings = dict(n_layers=1, d_model=16, d_head=4, n_key_value_heads=2, n_ctx=8, d_vocab=11, act_fn="relu")
+    grouped = HookedDecoder(HookedTransformerConfig(**settings))
+    free = HookedTransformerConfig(**settings)
     free.ungroup_grouped_query_attention = True
-    with pytest.raises(ValueError, match="is not built"):
-        HookedDecoder(free)
+    tokens = torch.tensor([[1, 2, 3]])
+    k = grouped.run_with_cache(tokens)[1]["k", 0]
+    assert k.shape[2] == 2
+    for model in (HookedDecoder(HookedTransformerConfig(**settings, ungroup_grouped_query_attention=True)), HookedDecoder(free)):
+        model.load_state_dict(grouped.state_dict())
+        assert model.cfg.ungroup_grouped_query_attention
+        torch.testing.assert_close(model.run_with_cache(tokens)[1]["k", 0], k[:, :, [0, 0, 1, 1]])
+
 
 
 def test_n_ctx_narrows_the_inputs_within_the_positions_the_model_holds(tmp_path):
