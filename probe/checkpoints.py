@@ -20,7 +20,8 @@ from probe.config import Activation, DecoderConfig
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "Family", "FAMILIES", "GEMMA_ACTIVATIONS", "GPT_ACTIVATIONS", "Source", "family_for_config"]
+__all__ = ["CheckpointError", "Family", "FAMILIES", "GEMMA_ACTIVATIONS", "GPT_ACTIVATIONS", "Source", "family_for_config",
+           "prepends_bos_by_default"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class Family:
     config_to_hf: Callable[[DecoderConfig, Optional[Tokenizer]], dict]
     to_probe: Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]
     to_hf: Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]
+    # whether text gets BOS first by default (cfg.default_prepend_bos): transformer-lens's per-family choice, False
+    # for GPT-NeoX/Pythia and Qwen, trained without one (TL 3.9's convert_hf_model_config, TL 4's bridge)
+    prepends_bos: bool = True
 
 
 FAMILIES = {
@@ -43,18 +47,24 @@ FAMILIES = {
                gpt_to_probe(gpt1_names), gpt_to_hf(gpt1_names)),
         Family("llama", "LlamaForCausalLM", ("model.",), llama_config, llama_config_to_hf, llama_to_probe, llama_to_hf),
         Family("qwen2", "Qwen2ForCausalLM", ("model.",), qwen2_config,
-               lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen2"), llama_to_probe, llama_to_hf),
+               lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen2"), llama_to_probe, llama_to_hf, prepends_bos=False),
         Family("qwen3", "Qwen3ForCausalLM", ("model.",), qwen3_config,
-               lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen3"), llama_to_probe, llama_to_hf),
+               lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen3"), llama_to_probe, llama_to_hf, prepends_bos=False),
         Family("mistral", "MistralForCausalLM", ("model.",), mistral_config,
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "mistral"), llama_to_probe, llama_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma"), gemma_to_probe, gemma_to_hf),
         Family("gemma2", "Gemma2ForCausalLM", ("model.",), gemma2_config,
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma2"), gemma_to_probe, gemma_to_hf),
-        Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf),
+        Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf,
+               prepends_bos=False),
     )
 }
+
+
+def prepends_bos_by_default(architecture: Optional[str]) -> bool:
+    """The family's default for putting BOS before text (True for an architecture not listed, as for GPT-2)."""
+    return next((f.prepends_bos for f in FAMILIES.values() if f.architecture == architecture), True)
 
 
 def family_for_config(cfg: DecoderConfig) -> Family:

@@ -275,13 +275,16 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         transformer-lens's keywords (`fold_ln=`, `center_writing_weights=`, `center_unembed=`,
         `refactor_factored_attn_matrices=`, `default_prepend_bos=`, `default_padding_side=`, dtype names, ...) do
         what they do there; without a processing keyword the weights are the checkpoint's own (probe/tl_loading.py)."""
+        from probe.checkpoints import prepends_bos_by_default
         from probe.tl_loading import finish_loading, load_model, parse_loading_keywords
 
         options = parse_loading_keywords(name_or_path, dtype, device, revision, transformer_lens_keywords)
         if device_map is not None and device is not None:
             raise ValueError("pass device= (one device) or device_map= (several), not both")
         model = load_model(name_or_path, options, cls)
-        prepend_bos = model.tokenizer is None or model.tokenizer.bos_id is not None
+        # TL's default: BOS first where the tokenizer has one and the family was trained with it
+        prepend_bos = ((model.tokenizer is None or model.tokenizer.bos_id is not None)
+                       and prepends_bos_by_default(model.cfg.original_architecture))
         model.cfg = dataclasses.replace(model.cfg, model_name=str(name_or_path), default_prepend_bos=prepend_bos)
         finish_loading(model, options)
         if device_map is not None:

@@ -77,22 +77,27 @@ TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's (and process_w
 }
 
 
+# the steps transformer-lens skips with a warning where a model cannot take them, even when asked for
+TL_SKIPS = ("fold_ln", "center_writing_weights", "center_unembed")
+
+
 def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, stacklevel: int = 4) -> dict[str, bool]:
-    """TL's processing for a model of `cfg`: the steps given, TL's defaults for the rest where they apply (a default
-    that does not apply is skipped with a warning naming `where`, as TL skips it; a step given is checked later)."""
+    """TL's processing for a model of `cfg`: the steps given, TL's defaults for the rest. A fold or centring that
+    does not apply is skipped with a warning naming `where`, given or by default, as TL skips it (TL code spells out
+    `fold_ln=True, center_writing_weights=True, center_unembed=True` for every model, a Llama too); a refactoring
+    given is checked later, and refused where it cannot be done, as TL refuses it."""
     applies = {"fold_ln": can_fold_ln, "center_writing_weights": can_center_writing_weights,
                "center_unembed": can_center_unembed, "fold_value_biases": lambda cfg: True,
                "refactor_factored_attn_matrices": can_refactor_factored_attn_matrices}
     steps = {}
     for step, default in TL_PROCESSING_DEFAULTS.items():
-        if step in given:
-            steps[step] = given[step]
-        elif default and not applies[step](cfg):
-            warnings.warn(f"{where}: skipping {step} (transformer-lens's default), which this model's blocks "
-                          f"do not allow; pass {step}=False to say so", stacklevel=stacklevel)  # the user's call
-            steps[step] = False
-        else:
-            steps[step] = default
+        value = given.get(step, default)
+        if value and not applies[step](cfg) and (step not in given or step in TL_SKIPS):
+            how = "given" if step in given else "transformer-lens's default"
+            warnings.warn(f"{where}: skipping {step}=True ({how}), which this model's blocks do not allow, as "
+                          f"transformer-lens skips it; pass {step}=False to say so", stacklevel=stacklevel)  # the user's call
+            value = False
+        steps[step] = value
     return steps
 
 

@@ -3,8 +3,9 @@
 probe loads a checkpoint's own weights. Code that passes any of TL's processing keywords (`fold_ln=`,
 `center_writing_weights=`, `center_unembed=`, `fold_value_biases=`, `refactor_factored_attn_matrices=`) gets TL's
 processing instead: the keywords it gives, and TL's defaults for the ones it leaves out, as
-`HookedTransformer.from_pretrained` would (a default that does not apply to the model, such as centring the writers of
-an RMSNorm model, is skipped with a warning, as TL skips it; one asked for explicitly is refused with the reason).
+`HookedTransformer.from_pretrained` would (a fold or centring that does not apply to the model, such as centring the
+writers of an RMSNorm model, is skipped with a warning, by default or asked for, as TL skips it; a refactoring that
+cannot be done is refused with the reason, as TL refuses it).
 """
 from __future__ import annotations
 

@@ -45,9 +45,9 @@ class Encoding(dict):
 class Tokenizer:
     """Text <-> token ids. GPT-2 uses one special token, `<|endoftext|>`, as BOS, EOS and padding.
 
-    `bos_token=None` is for vocabularies without one (GPT-1): `bos_id` is then None, nothing is
-    prepended, and padding uses id 0 (padded positions are masked, so any valid id serves).
-    `eos_token` defaults to the BOS token, GPT-2's convention.
+    `bos_token=None` is for vocabularies without one (GPT-1): `bos_id` is then None and nothing is prepended.
+    `eos_token` defaults to the BOS token, GPT-2's convention. Padding uses `pad_token`, else EOS, as transformer-lens
+    pads (HookedTransformer.set_tokenizer; a Llama tokenizer pads with `</s>`), else BOS, else id 0.
 
     `add_bos_token`: whether `encode` and `tokenizer(...)` put BOS first (with `add_special_tokens=True`, their
     default). None means TL 3.9's choice: it reloads every tokenizer that names a BOS token with add_bos_token=True
@@ -56,12 +56,13 @@ class Tokenizer:
     """
 
     def __init__(self, backend: _HFTokenizer, bos_token: Optional[str] = ENDOFTEXT, eos_token: Optional[str] = None,
-                 *, add_bos_token: Optional[bool] = None, name_or_path: str = "",
+                 *, pad_token: Optional[str] = None, add_bos_token: Optional[bool] = None, name_or_path: str = "",
                  model_max_length: int = NO_MAX_LENGTH, chat_template: Optional[str] = None):
         self.backend = backend
-        self.bos_id = self._special_id(bos_token, "BOS and padding", "bos_token")
+        self.bos_id = self._special_id(bos_token, "BOS", "bos_token")
         self.eos_id = self._special_id(eos_token or bos_token, "EOS", "eos_token")
-        self.pad_id = 0 if self.bos_id is None else self.bos_id
+        named_pad = self._special_id(pad_token, "padding", "pad_token")
+        self.pad_id = next((i for i in (named_pad, self.eos_id, self.bos_id) if i is not None), 0)
         self.padding_side = "right"
         self.add_bos_token = (bos_token is not None and ":" not in bos_token) if add_bos_token is None else add_bos_token
         self.name_or_path, self.model_max_length, self.chat_template = name_or_path, model_max_length, chat_template
@@ -79,13 +80,14 @@ class Tokenizer:
         """Read `tokenizer.json`, or the older `vocab.json` + `merges.txt` pair, from a checkpoint directory.
 
         The BOS token is `bos_token`, else tokenizer_config.json's, else `<|endoftext|>` if the vocabulary
-        has it, else none (GPT-1's vocabulary has no BOS). The EOS token is tokenizer_config.json's, else BOS.
+        has it, else none (GPT-1's vocabulary has no BOS). The EOS token is tokenizer_config.json's, else BOS; the
+        padding token tokenizer_config.json's, else EOS (transformer-lens's rule).
         `encode` and `tokenizer(...)` put BOS first unless tokenizer_config.json says `"bos_token": null` (Qwen's):
         transformers' tokenizer then has none, and TL 3.9 adds none, though `to_tokens` prepends `<|endoftext|>`."""
         directory = Path(directory)
         config = read_config(directory)
         named = bos_token or token_from_config(config, directory, "bos_token")
-        eos = token_from_config(config, directory, "eos_token")
+        eos, pad = token_from_config(config, directory, "eos_token"), token_from_config(config, directory, "pad_token")
         if (directory / "tokenizer.json").is_file():
             path = directory / "tokenizer.json"
             backend = read_backend(path, lambda: _HFTokenizer.from_file(str(path)))
@@ -102,7 +104,8 @@ class Tokenizer:
         add_bos = None if named or "bos_token" not in config else False
         max_length = config.get("model_max_length")
         try:
-            return cls(backend, bos, _known(backend, eos), add_bos_token=add_bos, name_or_path=str(directory),
+            return cls(backend, bos, _known(backend, eos), pad_token=_known(backend, pad), add_bos_token=add_bos,
+                       name_or_path=str(directory),
                        model_max_length=max_length if is_int(max_length) else NO_MAX_LENGTH,
                        chat_template=chat_template_from(config, directory))
         except ValueError as err:
@@ -110,7 +113,7 @@ class Tokenizer:
 
     @classmethod
     def from_transformers(cls, tokenizer) -> "Tokenizer":
-        """A transformers tokenizer (transformer-lens's `tokenizer=`): its fast backend, BOS and EOS tokens."""
+        """A transformers tokenizer (transformer-lens's `tokenizer=`): its fast backend, BOS, EOS and padding tokens."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if not isinstance(backend, _HFTokenizer):
             raise TypeError(f"tokenizer must be a fast transformers tokenizer (AutoTokenizer.from_pretrained(..., "
@@ -120,6 +123,7 @@ class Tokenizer:
         backend.no_truncation()
         bos = tokenizer.bos_token
         return cls(backend, _known(backend, bos) or _default_bos(backend), _known(backend, tokenizer.eos_token),
+                   pad_token=_known(backend, tokenizer.pad_token),
                    add_bos_token=bos is not None and ":" not in bos and backend.token_to_id(bos) is not None,
                    name_or_path=getattr(tokenizer, "name_or_path", ""),
                    model_max_length=getattr(tokenizer, "model_max_length", NO_MAX_LENGTH),

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import probe
 from probe import DEFAULT_MODEL, HookedDecoder
 from probe.checkpoints import CheckpointError
 from probe.loading import SHORT_NAMES
@@ -142,7 +143,7 @@ def test_without_processing_keywords_the_weights_are_the_checkpoints_own(bundled
     assert HookedDecoder.from_pretrained_no_processing(DEFAULT_MODEL, fold_ln=True).ln_final.w.eq(1).all()
 
 
-def test_defaults_that_do_not_apply_are_skipped_and_explicit_ones_refused(tmp_path):
+def test_steps_that_do_not_apply_are_skipped_as_in_transformer_lens_and_refused_by_process_weights(tmp_path):
     import transformers
 
     from test_variants import build
@@ -154,8 +155,13 @@ def test_defaults_that_do_not_apply_are_skipped_and_explicit_ones_refused(tmp_pa
     assert all(block.ln1.w.eq(1).all() for block in model.blocks)  # folded
     with torch.no_grad():
         assert_same(model(tokens).log_softmax(-1), hf(tokens).logits.log_softmax(-1), what="llama, processed")
+    # TL's loading line spelled out, as tutorials write it for any model: the centring TL skips is skipped here too
+    with pytest.warns(UserWarning, match=r"skipping center_writing_weights=True \(given\)"):
+        spelled = HookedDecoder.from_pretrained(tmp_path, fold_ln=True, center_writing_weights=True, center_unembed=True)
+    for name in ("W_in", "W_Q", "W_U"):  # the model TL's defaults give
+        assert_same(getattr(spelled, name), getattr(model, name), what=f"spelled out: {name}")
     with pytest.raises(ValueError, match="center_writing_weights needs every reader .* LayerNorm"):
-        HookedDecoder.from_pretrained(tmp_path, center_writing_weights=True)
+        probe.process_weights(HookedDecoder.from_pretrained(tmp_path), center_writing_weights=True)
     with pytest.raises(ValueError, match="refactor_factored_attn_matrices needs positions that do not rotate"):
         HookedDecoder.from_pretrained(tmp_path, fold_ln=True, center_writing_weights=False,
                                       refactor_factored_attn_matrices=True)

@@ -29,7 +29,7 @@ def tokenizer_dir(directory: Path, specials: list[str], config: dict, bos_and_eo
     tok = train_tokenizer()
     tok.add_special_tokens([s for s in specials if tok.token_to_id(s) is None])
     if bos_and_eos_processor:  # a Llama tokenizer.json's post-processor, with an EOS after, as some ship it
-        bos, eos = specials
+        bos, eos = specials[:2]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A {eos}", special_tokens=[(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))])
     tok.save(str(directory / "tokenizer.json"))
@@ -46,15 +46,17 @@ FAMILIES = {
     "qwen": (["<|endoftext|>", "<|im_end|>"], {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None,
               "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, False, "Qwen2ForCausalLM", True),
     "llama": (["<s>", "</s>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"},
-              True, "LlamaForCausalLM", False),
+              True, "LlamaForCausalLM", True),
+    "llama-pad": (["<s>", "</s>", "<pad>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                                            "eos_token": "</s>", "pad_token": "<pad>"}, True, "LlamaForCausalLM", True),
 }
 
 
 @needs_saelens
 def test_bos_and_token_methods_as_tl_per_family(tmp_path):
     """TL 3.9 (HookedTransformer(cfg, tokenizer=AutoTokenizer(dir))) and probe (the same config, tokenizer_name=dir)
-    give the same encode / call / decode / to_tokens results. Padded idioms run where both pad with the same token
-    (TL pads a Llama tokenizer with EOS, probe with BOS: masked positions either way)."""
+    give the same encode / call / decode / to_tokens results, padded ones too: both pad with the tokenizer's pad
+    token, else EOS (a Llama tokenizer with `</s>`)."""
     cases, ours = {}, {}
     for name, (specials, config, processor, architecture, padded) in FAMILIES.items():
         directory = tokenizer_dir(tmp_path / name, specials, config, processor)

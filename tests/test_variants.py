@@ -31,9 +31,10 @@ def build(kind, directory, **overrides):
         cfg = tf.LlamaConfig(**{**settings, **overrides})
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = tf.Qwen2Config(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                             num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=40,
-                             tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **overrides)
+        settings = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                        num_key_value_heads=3, max_position_embeddings=40, tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cfg = tf.Qwen2Config(**{**settings, **overrides})
         model = tf.Qwen2ForCausalLM(cfg)
     elif kind == "neox":  # Pythia's layout: parallel sublayers, a quarter of each head rotated, an untied head
         settings = dict(vocab_size=103, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -1,0 +1,42 @@
+"""Each family's text defaults as transformer-lens sets them (probe/checkpoints.py `Family.prepends_bos`,
+probe/tokenizer.py's padding token): BOS first by default except for GPT-NeoX/Pythia and Qwen, trained without one,
+and padding with the tokenizer's pad token, else EOS. The oracle: transformer-lens 4's bridge over the same
+checkpoint directory (TL 3.9's from_pretrained makes the same choices: tests/test_tokenizer_surface.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probe import HookedDecoder
+from probe.tokenizer import Tokenizer
+from test_tokenizer_surface import tokenizer_dir
+from test_variants import build
+from tl_oracle import assert_same, booted
+
+TEXT, TEXTS = "the cat sat on the mat", ["Hello world", "the cat sat on the mat, the cat", " Paris"]
+LLAMA_FILES = (["<s>", "</s>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}, True)
+GPT_FILES = (["<|endoftext|>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+                                 "eos_token": "<|endoftext|>"}, False)
+QWEN_FILES = (["<|endoftext|>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+                                  "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, False)
+FAMILIES = {"llama": LLAMA_FILES, "mistral": LLAMA_FILES, "gemma": LLAMA_FILES, "neox": GPT_FILES,
+            "qwen2": QWEN_FILES, "qwen3": QWEN_FILES,
+            "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_text_defaults_are_transformer_lens_per_family(family, tmp_path):
+    specials, config, processor = FAMILIES[family]
+    directory = tokenizer_dir(tmp_path / family, specials, config, processor)
+    build(family.removesuffix("-pad"), directory, vocab_size=len(Tokenizer.from_directory(directory)))
+    ours, theirs = HookedDecoder.from_pretrained(directory).eval(), booted(directory, no_processing=True)
+    assert ours.cfg.default_prepend_bos == theirs.cfg.default_prepend_bos == (family not in ("neox", "qwen2", "qwen3"))
+    assert ours.tokenizer.pad_token_id == theirs.tokenizer.pad_token_id
+    assert_same(ours.to_tokens(TEXTS), theirs.to_tokens(TEXTS), what=f"{family}: to_tokens")
+    assert ours.to_str_tokens(TEXT) == theirs.to_str_tokens(TEXT)
+    with torch.no_grad():
+        assert_same(ours(TEXT), theirs(TEXT), what=f"{family}: logits of text")
+        # right-padded text: the pad targets are scored, so the pad id shows in the loss
+        assert_same(ours(TEXTS, return_type="loss"), theirs(TEXTS, return_type="loss"), what=f"{family}: loss")
+    last = int(theirs.to_tokens(TEXT)[0, -1])
+    assert ours.get_token_position(last, TEXT) == theirs.get_token_position(last, TEXT)
