@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from induction_idioms import induction_idioms
+import probe
 from probe import DEFAULT_MODEL, DecoderConfig, HookedDecoder, HookedTransformerConfig
 from probe.shapes import hook_shapes
 from test_sae_training import needs_saelens, oracle
@@ -162,8 +163,8 @@ def test_generation_and_left_padding_count_shortformer_positions_along_real_toke
 
 
 def test_processing_leaves_shortformer_positions_where_they_act():
-    """fold_ln cannot move ln1's weight into W_Q and W_K past the positions: refused when asked, skipped by default
-    (as transformer-lens's from_pretrained skips it). Centring the writers leaves W_pos alone (transformer-lens
+    """fold_ln cannot move ln1's weight into W_Q and W_K past the positions: refused by probe.process_weights, skipped
+    by TL's methods, asked for or by default (as transformer-lens skips it). Centring the writers leaves W_pos alone (transformer-lens
     centres it, which changes the queries and keys); the log-probabilities stay the model's own."""
     model = trained(CASES["shortformer-ln"])
     tokens = repeated_tokens(batch=2)
@@ -171,7 +172,9 @@ def test_processing_leaves_shortformer_positions_where_they_act():
         before = model(tokens).log_softmax(-1)
     W_pos = model.W_pos.detach().clone()
     with pytest.raises(ValueError, match="fold_ln: shortformer positions.*pass fold_ln=False"):
-        model.process_weights_(fold_ln=True)
+        probe.process_weights(model, fold_ln=True)
+    with pytest.warns(UserWarning, match=r"skipping fold_ln=True \(given\)"):  # TL's own method skips it too
+        model.process_weights_(fold_ln=True, center_writing_weights=False, center_unembed=False)
     with pytest.warns(UserWarning, match="skipping fold_ln"):
         model.process_weights_()
     assert torch.equal(model.W_pos, W_pos)
