@@ -82,7 +82,8 @@ class Tokenizer:
         The BOS token is `bos_token`, else tokenizer_config.json's, else `<|endoftext|>` if the vocabulary
         has it, else none (GPT-1's vocabulary has no BOS). The EOS token is tokenizer_config.json's, else BOS; the
         padding token tokenizer_config.json's, else EOS (transformer-lens's rule).
-        `encode` and `tokenizer(...)` put BOS first unless tokenizer_config.json says `"bos_token": null` (Qwen's):
+        `encode` and `tokenizer(...)` put BOS first unless tokenizer_config.json says `"bos_token": null` (Qwen's), or
+        names an EOS token and no BOS (Qwen's saved by transformers 5, which drops null keys):
         transformers' tokenizer then has none, and TL 3.9 adds none, though `to_tokens` prepends `<|endoftext|>`."""
         directory = Path(directory)
         config = read_config(directory)
@@ -101,7 +102,9 @@ class Tokenizer:
                 f"no tokenizer in {directory}: expected tokenizer.json, or vocab.json and merges.txt"
             )
         bos = named or _default_bos(backend)
-        add_bos = None if named or "bos_token" not in config else False
+        # no BOS named where the config names the others (Qwen's, saved by transformers 5, which drops the null
+        # "bos_token"): none added, as transformers' tokenizer and TL's add none
+        add_bos = None if named or not ({"bos_token", "eos_token"} & config.keys()) else False
         max_length = config.get("model_max_length")
         try:
             return cls(backend, bos, _known(backend, eos), pad_token=_known(backend, pad), add_bos_token=add_bos,

@@ -45,6 +45,9 @@ FAMILIES = {
                                  "eos_token": "<|endoftext|>"}, False, "GPTNeoXForCausalLM", False),
     "qwen": (["<|endoftext|>", "<|im_end|>"], {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None,
               "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, False, "Qwen2ForCausalLM", True),
+    # as transformers 5 saves Qwen's files: the null "bos_token" dropped
+    "qwen-saved": (["<|endoftext|>", "<|im_end|>"], {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>",
+                   "pad_token": "<|endoftext|>"}, False, "Qwen2ForCausalLM", True),
     "llama": (["<s>", "</s>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"},
               True, "LlamaForCausalLM", True),
     "llama-pad": (["<s>", "</s>", "<pad>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
