@@ -2,6 +2,7 @@
 from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
 from probe.factored import FactoredMatrix
+from probe.kv_cache import KVCache
 from probe.blocks import AttnOnlyBlock, Block, ParallelBlock, PostNormBlock, PreNormBlock, SandwichBlock
 from probe.model import HookedDecoder
 from probe.names import act_name
@@ -11,9 +12,13 @@ from probe.sae_training import TrainingConfig, train_sae
 from probe.tl_config import HookedTransformerConfig
 from probe.tokenizer import Tokenizer
 
+# transformer-lens's names for its key/value cache class (TL 3.9's, and the earlier HookedTransformerKeyValueCache)
+TransformerLensKeyValueCache = HookedTransformerKeyValueCache = KVCache
+
 __all__ = [
-    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "AttnOnlyBlock", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedTransformerConfig", "Norm",
+    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "AttnOnlyBlock", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedTransformerConfig",
+    "HookedTransformerKeyValueCache", "KVCache", "Norm",
     "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig",
-    "SandwichBlock", "SparseAutoencoder", "Tokenizer", "TrainingConfig", "act_name", "process_weights", "spliced",
+    "SandwichBlock", "SparseAutoencoder", "Tokenizer", "TrainingConfig", "TransformerLensKeyValueCache", "act_name", "process_weights", "spliced",
     "train_sae",
 ]

@@ -1,4 +1,8 @@
-"""Keys and values kept between passes, so generation processes each new token once."""
+"""Keys and values kept between passes, so generation processes each new token once.
+
+`KVCache` is also transformer-lens's key/value cache for code that runs its own loop (`model(tokens,
+past_kv_cache=cache)`, then one token at a time): `init_cache(cfg, device, batch_size)` makes one, and a frozen cache
+(`freeze()`) reads its keys and values without keeping the new ones, so several continuations share one prefix."""
 from __future__ import annotations
 
 from typing import Optional
@@ -12,11 +16,14 @@ class LayerKV:
     def __init__(self) -> None:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
+        self.frozen = False
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of every position so far and the new ones; kept for the next pass unless frozen."""
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
-        self.k, self.v = k, v
+        if not self.frozen:
+            self.k, self.v = k, v
         return k, v
 
 
@@ -26,6 +33,13 @@ class KVCache:
     def __init__(self, n_layers: int) -> None:
         self.layers = [LayerKV() for _ in range(n_layers)]
         self.attention_mask: Optional[torch.Tensor] = None  # [batch pos]: 1 = real token
+        self.frozen = False
+
+    @classmethod
+    def init_cache(cls, cfg, device=None, batch_size: int = 1) -> "KVCache":
+        """transformer-lens's constructor, `init_cache(model.cfg, model.cfg.device, batch_size)`: an empty cache for a
+        model of `cfg` (its device and batch are those of the first tokens it is given)."""
+        return cls(cfg.n_layers)
 
     @property
     def length(self) -> int:
@@ -33,8 +47,22 @@ class KVCache:
         return 0 if k is None else k.shape[1]
 
     def extend_mask(self, new_mask: torch.Tensor) -> torch.Tensor:
-        """Append the new tokens' mask; returns the mask of every position, old and new."""
+        """Append the new tokens' mask (kept unless frozen); returns the mask of every position, old and new."""
         if self.attention_mask is not None:
             new_mask = torch.cat([self.attention_mask, new_mask], dim=1)
-        self.attention_mask = new_mask
+        if not self.frozen:
+            self.attention_mask = new_mask
         return new_mask
+
+    def freeze(self) -> None:
+        """Passes read the cache but add nothing to it, as transformer-lens's `freeze()`: one cached prefix serves
+        several continuations."""
+        self._set_frozen(True)
+
+    def unfreeze(self) -> None:
+        self._set_frozen(False)
+
+    def _set_frozen(self, frozen: bool) -> None:
+        self.frozen = frozen
+        for layer in self.layers:
+            layer.frozen = frozen

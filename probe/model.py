@@ -76,6 +76,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         tokens: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
         shortformer_pos_embed: Optional[torch.Tensor] = None,
+        past_kv_cache: Optional[KVCache] = None,
         **unsupported,
     ) -> torch.Tensor:
         """Logits [batch pos vocab] for token ids [batch pos] (or [pos]), a string, or a list of strings.
@@ -97,13 +98,22 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         entering block l instead of logits. Together they rerun part of the model, e.g. from a cached residual.
 
         `kv_cache` (see `generate`) keeps every layer's keys and values: the input is then only the
-        new tokens, and their positions continue where the cache ends.
+        new tokens, and their positions continue where the cache ends. `past_kv_cache` is transformer-lens's name for
+        it (`KVCache.init_cache(model.cfg, device, batch_size)`, as TL's cache class makes one).
 
         Shortformer models (positions added to every layer's queries and keys, not to the residual stream) compute
         their positions on a `start_at_layer` run too; `shortformer_pos_embed` [batch pos d_model] (transformer-lens's
         keyword, e.g. from `input_to_embed`) gives them instead.
         """
         refuse_unsupported(unsupported, "HookedDecoder.forward")
+        if past_kv_cache is not None:
+            if kv_cache is not None and kv_cache is not past_kv_cache:
+                raise ValueError("kv_cache= and past_kv_cache= name two caches; they are one keyword (past_kv_cache "
+                                 "is transformer-lens's name): pass one")
+            kv_cache = past_kv_cache
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            raise TypeError(f"a key/value cache must be probe's KVCache (probe.TransformerLensKeyValueCache.init_cache("
+                            f"model.cfg, device, batch_size)), got {type(kv_cache).__name__}")
         check_return_type(return_type)
         from_tokens = start_at_layer is None  # as in transformer-lens: any layer, 0 too, takes a residual
         start_at_layer = 0 if from_tokens else start_at_layer
@@ -195,8 +205,9 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         return self(tokens, stop_at_layer=0)
 
     def estimate_cache_bytes(self, names, dtype, input=None, attention_mask=None, *, start_at_layer=None,
-                             stop_at_layer=None, kv_cache=None, **_) -> Optional[int]:
+                             stop_at_layer=None, kv_cache=None, past_kv_cache=None, **_) -> Optional[int]:
         """Bytes a cache of `names` takes for this input, from the hook shapes (see probe.shapes)."""
+        kv_cache = kv_cache if kv_cache is not None else past_kv_cache
         if isinstance(input, torch.Tensor):
             batch, pos = (1, input.shape[0]) if input.dim() == 1 else tuple(input.shape[:2])
         elif is_text(input):

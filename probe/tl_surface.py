@@ -22,7 +22,7 @@ PATTERN_HOOKS = ("hook_pattern", "hook_attn_scores")  # [batch head query_pos ke
 
 # transformer-lens keywords probe does not take, with what to do instead
 UNSUPPORTED = {
-    "past_kv_cache": "pass kv_cache=probe.kv_cache.KVCache(...) (model.generate builds one for you)",
+    "past_kv_cache": "run the model itself with it, model(tokens, past_kv_cache=cache), as the first step of a loop",
     "pos_slice": "it is run_with_cache's keyword (the positions to store)",
     "left_attention_mask": "pass attention_mask= (1 = real token)",
     "one_zero_attention_mask": "pass attention_mask= (1 = real token)",

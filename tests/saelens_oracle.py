@@ -74,6 +74,10 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         for each case NAME of CASES ({NAME: config}), HookedTransformer(HookedTransformerConfig(**config)), its weights
         moved off their initialisation as tl_build moves them, runs tests/ungrouped_idioms.py on INPUTS' tokens:
         OUTPUTS gets NAME/state.KEY and NAME/ each result by name
+    python saelens_oracle.py kv_cache_loop CONFIG_JSON STATE INPUTS OUTPUTS TOKENIZER_DIR
+        HookedTransformer(HookedTransformerConfig(**CONFIG), tokenizer=TOKENIZER_DIR's) with the state dict STATE runs
+        tests/kv_cache_idioms.py
+        with transformer-lens 3.9's TransformerLensKeyValueCache on INPUTS' tokens; OUTPUTS gets each result by name
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -591,10 +595,25 @@ def ungrouped(cases_json: str, inputs: str, outputs: str) -> None:
     save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, outputs)
 
 
+def kv_cache_loop(config_json: str, state: str, inputs: str, outputs: str, tokenizer_dir: str) -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+    from transformers import AutoTokenizer
+
+    from kv_cache_idioms import kv_cache_idioms  # beside this file: its folder is on sys.path
+
+    # TL reads the padding off the ids with a cache, so it needs a tokenizer even for token ids
+    model = HookedTransformer(HookedTransformerConfig(**json.loads(config_json), device="cpu"),
+                              tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir)).eval()
+    model.load_state_dict(load_file(state), strict=False)
+    out = kv_cache_idioms(model, TransformerLensKeyValueCache, load_file(inputs)["tokens"])
+    save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, outputs)
+
+
 COMMANDS = {"probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
-            "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped}
+            "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop}
 
 
 def serve() -> None:
