@@ -215,12 +215,21 @@ class HookPoint(nn.Module):
 
     def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False, level=None) -> None:
         """Remove this point's hooks in direction `dir` ("fwd", "bwd" or "both"), keeping permanent ones unless asked."""
+        for registry in self._registries(dir):
+            for handle in [h for h in registry if including_permanent or not h.permanent]:
+                handle.remove()
+
+    def has_hooks(self, dir: str = "both", including_permanent: bool = True, level=None) -> bool:
+        """transformer-lens 3.9's `has_hooks`: whether hooks this context sees are attached in direction `dir` ("fwd",
+        "bwd" or "both"), permanent ones counted unless `including_permanent=False`. `level` is ignored, as in
+        `add_hook`."""
+        return any(including_permanent or not h.permanent for registry in self._registries(dir) for h in _visible(registry))
+
+    def _registries(self, dir: str) -> list[list[HookHandle]]:
         registries = {"fwd": [self._fns], "bwd": [self._bwd_fns], "both": [self._fns, self._bwd_fns]}
         if dir not in registries:
             raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', got {dir!r}")
-        for registry in registries[dir]:
-            for handle in [h for h in registry if including_permanent or not h.permanent]:
-                handle.remove()
+        return registries[dir]
 
     def clear_context(self) -> None:
         self.ctx = {}

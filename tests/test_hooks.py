@@ -415,6 +415,22 @@ def test_hook_point_add_hook_remove_hooks_layer_and_ctx():
         point.add_hook(lambda t, hook: None, dir="forward")
 
 
+def test_has_hooks_answers_as_transformer_lens_3_9_documents(tiny_model):
+    # TL 3.9: any attached hook in the direction asked, permanent ones counted unless including_permanent=False
+    point = tiny_model.hook_point("blocks.0.attn.hook_z")
+    assert not point.has_hooks()
+    point.add_perma_hook(lambda z, hook: None)
+    assert point.has_hooks() and point.has_hooks("fwd") and not point.has_hooks("bwd")
+    assert not point.has_hooks(including_permanent=False)
+    with tiny_model.hooks(bwd_hooks=[("blocks.0.attn.hook_z", lambda g, hook: None)]):
+        assert point.has_hooks("bwd") and point.has_hooks("both", including_permanent=False)
+    assert not point.has_hooks("bwd")
+    tiny_model.reset_hooks(including_permanent=True)
+    assert not point.has_hooks()
+    with pytest.raises(ValueError, match="'fwd', 'bwd' or 'both'"):
+        point.has_hooks("forward")
+
+
 def test_hook_layer_reads_the_block_index(tiny_model):
     layers = []
     tiny_model.run_with_hooks(torch.tensor([[1, 2, 3]]), fwd_hooks=[
