@@ -10,7 +10,7 @@ generator in the same order. Input embeddings [batch pos d_model] are a prompt t
 key/value cache (its default) gives a model with learned positions the wrong positions for the new tokens (it offsets
 the whole sequence's by the cache's length), and a shortformer model an error, so probe's continuation is TL's
 without the cache, `use_past_kv_cache=False`, which equals TL's from the same prompt's ids
-(tests/test_tl_config_fields.py).
+(tests/test_tl_config_fields.py). `generate_stream` is TL 3.9's streaming form of the same loop.
 """
 from __future__ import annotations
 
@@ -47,31 +47,7 @@ UNSUPPORTED = {
 
 
 @torch.no_grad()
-def generate(
-    model: "HookedDecoder",
-    input: "ModelInput" = "",
-    max_new_tokens: int = 10,
-    *,
-    temperature: Optional[float] = None,
-    do_sample: Optional[bool] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    freq_penalty: float = 0.0,
-    seed: Optional[int] = None,
-    stop_at_eos: Optional[bool] = None,
-    eos_token_id: Optional[Union[int, Sequence[int]]] = None,
-    use_cache: Optional[bool] = None,
-    use_past_kv_cache: Optional[bool] = None,
-    prepend_bos: Optional[bool] = None,
-    padding_side: Optional[str] = None,
-    attention_mask: Optional[torch.Tensor] = None,
-    return_type: str = "input",
-    verbose: bool = False,
-    fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
-    cache_names: Optional[NameFilter] = None,
-    steering=None,
-    **unsupported,
-):
+def generate(model: "HookedDecoder", input: "ModelInput" = "", max_new_tokens: int = 10, **keywords):
     """Continue each prompt by up to `max_new_tokens` tokens.
 
     Choosing: greedy unless `do_sample=True` (then at `temperature`, 1.0 by default, as TL) or, with
@@ -105,6 +81,67 @@ def generate(
     `applied(model)` is a context manager, e.g. analyses.steering's), the whole generation runs inside
     `with steering.applied(model):`. `use_past_kv_cache` is TL's name for `use_cache`.
     """
+    return _finished(_generation(model, input, max_new_tokens, **keywords))
+
+
+@torch.no_grad()
+def generate_stream(model: "HookedDecoder", input: "ModelInput" = "", max_new_tokens: int = 10,
+                    max_tokens_per_yield: int = 25, **keywords):
+    """transformer-lens 3.9's `generate_stream`: `generate`, yielding token ids as they come, in chunks of
+    `max_tokens_per_yield` new tokens [batch n] (the first chunk the prompt's ids and the first new tokens, as TL
+    counts it), the last chunk what is left when generation ends. The keywords are `generate`'s (greedy unless asked
+    to sample, as there); text and ids are prompts, embeddings are not (TL's takes neither)."""
+    if not (isinstance(max_tokens_per_yield, int) and max_tokens_per_yield > 0):
+        raise ValueError(f"max_tokens_per_yield must be a positive int, got {max_tokens_per_yield!r}")
+    if input_embeddings(model, input) is not None:
+        raise ValueError("generate_stream takes text or token ids, as transformer-lens's; use generate() for embeddings")
+    keywords.pop("return_type", None)  # TL yields token ids whatever it says
+    sent, prompt_length, tokens = 0, None, None
+    for tokens, _ in _generation(model, input, max_new_tokens, return_type="tokens", **keywords):
+        if prompt_length is None:
+            prompt_length = tokens.shape[1]  # the first state is the prompt's
+        elif tokens.shape[1] - sent >= max_tokens_per_yield:  # the first chunk counts the prompt's ids too, as TL's
+            yield tokens[:, sent:]
+            sent = tokens.shape[1]
+    if tokens is not None and tokens.shape[1] > max(sent, prompt_length):
+        yield tokens[:, sent:]
+
+
+def _finished(steps):
+    """Run a generation to its end; its output."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def _generation(
+    model: "HookedDecoder",
+    input: "ModelInput" = "",
+    max_new_tokens: int = 10,
+    *,
+    temperature: Optional[float] = None,
+    do_sample: Optional[bool] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    freq_penalty: float = 0.0,
+    seed: Optional[int] = None,
+    stop_at_eos: Optional[bool] = None,
+    eos_token_id: Optional[Union[int, Sequence[int]]] = None,
+    use_cache: Optional[bool] = None,
+    use_past_kv_cache: Optional[bool] = None,
+    prepend_bos: Optional[bool] = None,
+    padding_side: Optional[str] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    return_type: str = "input",
+    verbose: bool = False,
+    fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
+    cache_names: Optional[NameFilter] = None,
+    steering=None,
+    **unsupported,
+):
+    """generate's body, yielding (tokens, mask) for the prompt and after each new token; returns the output."""
     refuse_unsupported(unsupported, "HookedDecoder.generate", UNSUPPORTED)
     if model.cfg.bidirectional:
         raise ValueError("generate: this model's attention is bidirectional, so every position already sees the "
@@ -145,7 +182,7 @@ def generate(
         fwd_hooks = [("hook_embed", _EmbeddingsAt(embeds, every_pass=not use_cache)), *fwd_hooks]
 
     with steering.applied(model) if steering is not None else nullcontext():
-        tokens, mask, caches = _generate_tokens(
+        tokens, mask, caches = yield from _token_steps(
             model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids, fill_id,
             use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names, verbose,
             embeds is not None)
@@ -183,10 +220,11 @@ class _EmbeddingsAt:
         return torch.cat([self.embeds.to(embed.dtype), embed[:, self.embeds.shape[1]:]], dim=1)
 
 
-def _generate_tokens(model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids,
-                     fill_id, use_cache, prepend_bos, padding_side, attention_mask, fwd_hooks, cache_names, verbose,
-                     from_embeddings):
-    """The loop: (tokens [batch prompt+new], their mask, the per-pass caches)."""
+def _token_steps(model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids,
+                 fill_id, use_cache, prepend_bos, padding_side, attention_mask, fwd_hooks, cache_names, verbose,
+                 from_embeddings):
+    """The loop, yielding (tokens [batch prompt+new], their mask) for the prompt and after each new token; returns
+    them with the per-pass caches."""
     # text is padded on the left: every prompt then ends at the last position, where generation continues
     # (transformer-lens forces the same whatever padding_side says)
     # token ids are read as the forward reads them (left padding off the pad id, when this call's or the
@@ -236,6 +274,7 @@ def _generate_tokens(model, input, max_new_tokens, temperature, top_k, top_p, fr
 
         steps = tqdm(steps, total=max_new_tokens, desc="generate", unit="tok")
     finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    yield tokens, mask
     logits = forward(tokens, mask) if max_new_tokens else None
     for step in steps:
         penalty = None
@@ -248,6 +287,7 @@ def _generate_tokens(model, input, max_new_tokens, temperature, top_k, top_p, fr
             finished |= torch.isin(next_token, stop_ids)
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(next_token[:, None])], dim=1)
+        yield tokens, mask
         if step == max_new_tokens - 1 or (stop_ids is not None and bool(finished.all())):
             break
         logits = forward(next_token[:, None], torch.ones_like(next_token[:, None])) if use_cache else forward(tokens, mask)

@@ -243,6 +243,12 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
 
         return generate(self, input, max_new_tokens, **kwargs)
 
+    def generate_stream(self, input: ModelInput = "", max_new_tokens: int = 10, max_tokens_per_yield: int = 25, **kwargs):
+        """transformer-lens 3.9's streaming `generate`; see `probe.generation.generate_stream`."""
+        from probe.generation import generate_stream
+
+        return generate_stream(self, input, max_new_tokens, max_tokens_per_yield, **kwargs)
+
     def ledger(self, n_ctx: Optional[int] = None, dtype: torch.dtype = torch.float32):
         """Parameters, FLOPs per token and KV-cache bytes by component; see `probe.ledger.ledger`."""
         from probe.ledger import ledger

@@ -1,4 +1,5 @@
-"""transformer-lens code that runs its own generation loop on the key/value cache, written once: the oracle
+"""transformer-lens code that runs its own generation loop on the key/value cache, and TL 3.9's generate_stream,
+written once: the oracle
 (tests/saelens_oracle.py `kv_cache_loop`, HookedTransformer of transformer-lens 3 with its TransformerLensKeyValueCache)
 and tests/test_kv_cache.py (probe, with probe.TransformerLensKeyValueCache) each run `kv_cache_idioms` on a model
 built from the same config with the same weights. Attribute access only; the cache class is passed in."""
@@ -47,4 +48,15 @@ def kv_cache_idioms(model, cache_class, tokens: torch.Tensor) -> dict:
 
         out["hooked_step"] = model.run_with_hooks(tokens[:, 6:7], past_kv_cache=held,
                                                   fwd_hooks=[("blocks.0.attn.hook_z", zero_head_0)])
+
+        # TL 3.9's streaming generate: token ids in chunks as they come (greedy, which both sides can agree on)
+        chunks = list(model.generate_stream(tokens[:1, :5], max_new_tokens=7, max_tokens_per_yield=3, do_sample=False,
+                                            stop_at_eos=False, verbose=False))
+        out["stream_chunk_lengths"] = torch.tensor([chunk.shape[1] for chunk in chunks])
+        out["stream"] = torch.cat(chunks, dim=1)
+        stop = int(out["stream"][0, 8])  # a token the greedy run emits: a run stopping there ends early
+        chunks = list(model.generate_stream(tokens[:1, :2], max_new_tokens=9, max_tokens_per_yield=4, do_sample=False,
+                                            eos_token_id=stop, verbose=False))
+        out["stream_stopped_lengths"] = torch.tensor([chunk.shape[1] for chunk in chunks])
+        out["stream_stopped"] = torch.cat(chunks, dim=1)
     return out

@@ -1,6 +1,7 @@
 """transformer-lens's own key/value cache loops (probe/kv_cache.py: `KVCache.init_cache`, `freeze` / `unfreeze`, the
 forward's `past_kv_cache=`): greedy decoding by hand, a frozen prefix shared by continuations, hooks and caches on
-cached runs. The oracle: HookedTransformer of transformer-lens 3.9 with its TransformerLensKeyValueCache
+cached runs; and TL 3.9's `generate_stream` (probe/generation.py). The oracle: HookedTransformer of transformer-lens
+3.9 with its TransformerLensKeyValueCache
 (tests/saelens_oracle.py `kv_cache_loop` runs tests/kv_cache_idioms.py) on the same config and weights."""
 from __future__ import annotations
 
@@ -59,3 +60,11 @@ def test_one_cache_under_two_names_is_taken_and_two_are_refused():
     assert cache.length == 3
     with pytest.raises(ValueError, match="past_kv_cache is transformer-lens's name"):
         model(TOKENS[:1, 3:4], kv_cache=cache, past_kv_cache=probe.KVCache(model.cfg.n_layers))
+
+
+def test_generate_stream_refuses_what_it_cannot_stream_naming_the_fix():
+    model = HookedDecoder(HookedTransformerConfig(**CASES["learned-positions"]))
+    with pytest.raises(ValueError, match="max_tokens_per_yield must be a positive int"):
+        next(model.generate_stream(TOKENS[:1], 2, max_tokens_per_yield=0))
+    with pytest.raises(ValueError, match="use generate\\(\\) for embeddings"):
+        next(model.generate_stream(model.embed(TOKENS[:1]), 2))
