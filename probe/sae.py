@@ -97,8 +97,12 @@ class SparseAutoencoder(HookedRootModule):
 
     def decode(self, features: torch.Tensor) -> torch.Tensor:
         """Reconstruction [... d_in] of features [... d_sae] (a transcoder's prediction [... d_out], without
-        a skip-transcoder's linear path, which reads the input: see `forward`)."""
-        return self.hook_sae_recons(features @ self.W_dec + self.b_dec)
+        a skip-transcoder's linear path, which reads the input: see `forward`). A hook_z SAE's comes back per head,
+        [... head d_head], as SAELens's does, once it has encoded an activation (which tells it d_head);
+        `hook_sae_recons` holds it flattened either way."""
+        recons = self.hook_sae_recons(features @ self.W_dec + self.b_dec)
+        d_head = getattr(self, "d_head", None)
+        return recons if d_head is None else rearrange(recons, "... (head d_head) -> ... head d_head", d_head=d_head)
 
     def forward(self, x: torch.Tensor, use_error_term: bool = False, target: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The SAE's output for activations x, in x's shape (a hook_z SAE's error and output keep the heads,
@@ -131,6 +135,7 @@ class SparseAutoencoder(HookedRootModule):
 
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.hook_name.endswith("hook_z"):  # [... head d_head] -> [... (head d_head)]
+            self.d_head = x.shape[-1]  # SAELens's attribute: what decode unflattens to
             x = rearrange(x, "... head d_head -> ... (head d_head)")
         if x.shape[-1] != self.cfg.d_in:
             raise ValueError(f"the SAE reads {self.cfg.d_in} dimensions, but the activation at {self.cfg.hook_name!r} "
@@ -160,12 +165,41 @@ class SparseAutoencoder(HookedRootModule):
     def digest(self) -> str:
         """A short fingerprint of the config and every weight: two SAEs at one hook point (Gemma Scope ships several
         widths and sparsities per layer) have different digests, so their results are never mixed."""
-        fingerprint = hashlib.sha256(json.dumps(dataclasses.asdict(self.cfg), sort_keys=True).encode())
+        settings = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in ("file_metadata", "dtype", "device")}
+        fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
         for name, param in sorted(self.named_parameters()):
             data = param.detach().cpu().contiguous()
             fingerprint.update(f"{name} {data.dtype} {tuple(data.shape)}".encode())
             fingerprint.update(memoryview(data.view(torch.uint8).numpy()))  # the bytes as they are, without a copy
         return fingerprint.hexdigest()[:16]
+
+    # ---- SAELens 6's surface ------------------------------------------------------------------------------
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .half(): cfg.dtype and cfg.device follow the weights, as SAELens code reads them off the config
+        out = super()._apply(fn, *args, **kwargs)
+        dtype, device = str(self.W_enc.dtype).removeprefix("torch."), str(self.W_enc.device)
+        if (dtype, device) != (self.cfg.dtype, self.cfg.device):
+            self.cfg = dataclasses.replace(self.cfg, dtype=dtype, device=device)
+        return out
+
+    def get_W_dec_norm(self) -> torch.Tensor:
+        """[d_sae]: each feature's decoder norm (SAELens's)."""
+        return self.W_dec.norm(dim=-1).clamp(min=1e-8)
+
+    def get_name(self) -> str:
+        """SAELens's name for the SAE: sae_<model>_<hook>_<d_sae>."""
+        return f"sae_{self.cfg.model_name}_{self.cfg.hook_name}_{self.cfg.d_sae}"
+
+    def save_model(self, path: Union[str, Path]) -> tuple[Path, Path]:
+        """SAELens's `save_model(path)`: `save_pretrained(path)` (a new directory: an existing one is refused, never
+        overwritten silently; `save_pretrained(path, overwrite=True)` replaces it); (weights path, cfg.json path)."""
+        directory = self.save_pretrained(path)
+        return directory / WEIGHTS_FILE, directory / CONFIG_FILE
+
+    def turn_on_forward_pass_hook_z_reshaping(self) -> None:
+        """SAELens's switch for hook_z SAEs: probe reshapes their heads always, so this only checks the hook."""
+        if not self.cfg.hook_name.endswith("_z"):
+            raise ValueError(f"hook_z reshaping is for SAEs on attention's hook_z; this one reads {self.cfg.hook_name!r}")
 
     @property
     def device(self) -> torch.device:  # SAELens's sae.device and sae.dtype
@@ -181,8 +215,8 @@ class SparseAutoencoder(HookedRootModule):
         column, b_enc entry and JumpReLU threshold), so the output is unchanged and each feature reads in units of
         its decoder norm. Refused for TopK, where scaling the pre-activations changes which k win (as SAELens's)."""
         if self.cfg.architecture == "topk":
-            raise ValueError("fold_W_dec_norm would change which k features a TopK SAE keeps (the pre-activations are "
-                             "rescaled per feature); it folds standard and jumprelu SAEs only")
+            raise NotFoldable("fold_W_dec_norm would change which k features a TopK SAE keeps (the pre-activations are "
+                              "rescaled per feature); it folds standard and jumprelu SAEs only")
         norms = self.W_dec.norm(dim=-1).clamp(min=1e-8)  # [d_sae]
         self.W_dec.div_(norms[:, None])
         self.W_enc.mul_(norms)
@@ -193,9 +227,22 @@ class SparseAutoencoder(HookedRootModule):
     # ---- files -----------------------------------------------------------------------------------------
     @classmethod
     def load_from_disk(cls, path: Union[str, Path], device: Optional[Union[str, torch.device]] = None,
-                       dtype: Optional[torch.dtype] = None) -> "SparseAutoencoder":
-        """SAELens's name for `from_pretrained(directory)`, so `SAE.load_from_disk(path)` needs only the class changed."""
-        return cls.from_pretrained(path, device=device, dtype=dtype)
+                       dtype: Optional[Union[str, torch.dtype]] = None, converter=None,
+                       fold_W_dec_norm: bool = False) -> "SparseAutoencoder":
+        """SAELens 6's `SAE.load_from_disk(path, device, dtype, fold_W_dec_norm=)`: `from_pretrained(directory)`,
+        `dtype` a torch dtype or SAELens's name for one ("float32", "bfloat16", ...)."""
+        if converter is not None:
+            raise TypeError("converter= is SAELens's hook for other file formats; probe reads SAELens's directory format "
+                            "(cfg.json, sae_weights.safetensors): convert with SAELens and save_model() there")
+        if isinstance(dtype, str):
+            named = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(named, torch.dtype):
+                raise ValueError(f"dtype={dtype!r} names no torch dtype; give e.g. 'float32' or 'bfloat16'")
+            dtype = named
+        sae = cls.from_pretrained(path, device=device, dtype=dtype)
+        if fold_W_dec_norm:
+            sae.fold_W_dec_norm()
+        return sae
 
     @classmethod
     def from_pretrained(cls, directory: Union[str, Path], device: Optional[Union[str, torch.device]] = None,
@@ -260,22 +307,17 @@ class SparseAutoencoder(HookedRootModule):
 
     def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
         """Write cfg.json and sae_weights.safetensors (loadable here and by SAELens); written whole or not at all."""
-        cfg = self.cfg
-        architecture = TRANSCODER_NAMES[cfg.architecture, cfg.skip] if cfg.is_transcoder else cfg.architecture
-        metadata = {"hook_name": cfg.hook_name, "model_name": cfg.model_name}
-        config = {"architecture": architecture, "d_in": cfg.d_in, "d_sae": cfg.d_sae,
-                  "dtype": str(self.W_enc.dtype).removeprefix("torch."), "apply_b_dec_to_input": cfg.apply_b_dec_to_input,
-                  "normalize_activations": "none", "hook_name": cfg.hook_name, "metadata": metadata,
-                  **({"k": cfg.k} if cfg.k is not None else {})}
-        if cfg.is_transcoder:  # SAELens reads d_out at the top level and keeps hook_name_out in its metadata
-            config.update(d_out=cfg.d_out, hook_name_out=cfg.hook_name_out)
-            metadata["hook_name_out"] = cfg.hook_name_out
+        config = {**self.cfg.to_dict(), "device": "cpu"}  # the weights are written from the CPU
         state = {name: p.detach().cpu().contiguous() for name, p in self.named_parameters()}
         with atomic_directory(directory, overwrite=overwrite) as tmp:
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             save_file(state, str(tmp / WEIGHTS_FILE))
         return Path(directory).expanduser()
 
+
+
+class NotFoldable(ValueError, NotImplementedError):
+    """fold_W_dec_norm refused: a ValueError, and the NotImplementedError SAELens raises there."""
 
 
 @contextmanager

@@ -2,9 +2,10 @@
 `cfg.json` into an `SAEConfig` (`config_from_saelens`), and the weights' checks (`check_weights`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -17,11 +18,60 @@ TRANSCODER_NAMES = {("standard", False): "transcoder", ("standard", True): "skip
                     ("topk", False): "topk_transcoder", ("topk", True): "topk_skip_transcoder"}
 
 
-@dataclass(frozen=True)
+class ArchitectureName(str):
+    """probe's architecture name ("standard", "jumprelu", "topk"), also callable as SAELens 6's
+    `cfg.architecture()`, which gives SAELens's name (a transcoder's: "jumprelu_skip_transcoder", ...)."""
+
+    saelens_name: str
+
+    def __new__(cls, name: str, saelens_name: Optional[str] = None) -> "ArchitectureName":
+        made = super().__new__(cls, name)
+        made.saelens_name = saelens_name or name
+        return made
+
+    def __call__(self) -> str:
+        return self.saelens_name
+
+    def __reduce__(self):
+        return ArchitectureName, (str(self), self.saelens_name)
+
+
 class SAEMetadata:
-    model_name: Optional[str]
-    hook_name: str
-    hook_name_out: Optional[str]
+    """SAELens 6's `cfg.metadata`: what the SAE's file says of how it was made (hook_name, model_name, hook_layer,
+    prepend_bos, context_size, dataset_path, ...), by attribute or key; a name it does not hold reads None, as
+    SAELens's does (so SAELens's ActivationsStore and evals read probe's SAEs)."""
+
+    def __init__(self, **fields: Any):
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str) -> None:
+        if name.startswith("__"):  # copy and pickle look up protocol methods: those are really absent
+            raise AttributeError(name)
+        return None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.__dict__.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.__dict__
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.__dict__.get(key, default)
+
+    def keys(self):
+        return self.__dict__.keys()
+
+    def items(self):
+        return self.__dict__.items()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SAEMetadata) and self.__dict__ == other.__dict__
+
+    def __repr__(self) -> str:
+        return f"SAEMetadata({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,15 +86,44 @@ class SAEConfig:
     hook_name_out: Optional[str] = None  # a transcoder: the hook point it predicts, e.g. "blocks.2.hook_mlp_out"
     d_out: Optional[int] = None  # a transcoder: the width of hook_name_out
     skip: bool = False  # a skip-transcoder: adds x W_skip^T
+    # the rest of the file's metadata (hook_layer, prepend_bos, context_size, ...), kept for cfg.metadata and for
+    # saving; (key, value) pairs, left out of equality and hashing
+    file_metadata: tuple = dataclasses.field(default=(), compare=False, hash=False)
+    # SAELens 6's cfg.dtype and cfg.device: the weights' (SparseAutoencoder keeps them current)
+    dtype: str = dataclasses.field(default="float32", compare=False)
+    device: str = dataclasses.field(default="cpu", compare=False)
 
     @property
     def is_transcoder(self) -> bool:
         return self.hook_name_out is not None
 
     @property
-    def metadata(self) -> "SAEMetadata":
-        """SAELens 6's `cfg.metadata` (code reads `sae.cfg.metadata.hook_name`): the same facts under its names."""
-        return SAEMetadata(model_name=self.model_name, hook_name=self.hook_name, hook_name_out=self.hook_name_out)
+    def metadata(self) -> SAEMetadata:
+        """SAELens 6's `cfg.metadata` (code reads `sae.cfg.metadata.hook_name`, SAELens's ActivationsStore
+        `metadata.prepend_bos`): the file's metadata, with probe's own fields under their names."""
+        own = {"model_name": self.model_name, "hook_name": self.hook_name, "hook_name_out": self.hook_name_out}
+        return SAEMetadata(**{**dict(self.file_metadata), **own})
+
+    @property
+    def normalize_activations(self) -> str:  # SAELens 6's field: probe runs activations as they come
+        return "none"
+
+    @property
+    def reshape_activations(self) -> str:
+        """SAELens 6's: "hook_z" for an SAE on attention's hook_z (it reads the heads flattened), else "none"."""
+        return "hook_z" if "hook_z" in self.hook_name else "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as SAELens's cfg.json holds them (what save_pretrained writes)."""
+        metadata = {**dict(self.file_metadata), "hook_name": self.hook_name, "model_name": self.model_name}
+        config = {"architecture": self.architecture(), "d_in": self.d_in, "d_sae": self.d_sae, "dtype": self.dtype,
+                  "device": self.device, "apply_b_dec_to_input": self.apply_b_dec_to_input,
+                  "normalize_activations": "none", "reshape_activations": self.reshape_activations,
+                  "hook_name": self.hook_name, "metadata": metadata, **({"k": self.k} if self.k is not None else {})}
+        if self.is_transcoder:  # SAELens reads d_out at the top level and keeps hook_name_out in its metadata
+            config.update(d_out=self.d_out, hook_name_out=self.hook_name_out)
+            metadata["hook_name_out"] = self.hook_name_out
+        return config
 
     @property
     def written_hook_name(self) -> str:
@@ -64,6 +143,8 @@ class SAEConfig:
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"SAE architecture {self.architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        saelens_name = TRANSCODER_NAMES[self.architecture, self.skip] if self.hook_name_out is not None else None
+        object.__setattr__(self, "architecture", ArchitectureName(str(self.architecture), saelens_name))
         if self.architecture == "topk":
             if not (isinstance(self.k, int) and 0 < self.k <= self.d_sae):
                 raise ValueError(f"a topk SAE needs k, an int in [1, d_sae={self.d_sae}], got {self.k!r}")
@@ -137,9 +218,11 @@ def config_from_saelens(raw: dict, path: Path) -> SAEConfig:
                              "predicts is unknown; add \"hook_name_out\" to its cfg.json")
         architecture = transcoder[0]
     normalize = raw.get("normalize_activations") or "none"
-    if normalize != "none":
-        raise ValueError(f"{path}: normalize_activations={normalize!r} is not supported (only 'none'); SAELens folds "
-                         "'expected_average_only_in' into the weights when it downloads such an SAE: save it from there")
+    # SAELens's load_from_disk runs "expected_average_only_in" files as they are (from_pretrained folds the scale into
+    # the weights on download, and saves it so): the same as "none"
+    if normalize not in ("none", "expected_average_only_in"):
+        raise ValueError(f"{path}: normalize_activations={normalize!r} is not supported (only 'none', and "
+                         "'expected_average_only_in', which SAELens's load_from_disk also runs as it is)")
     if raw.get("rescale_acts_by_decoder_norm"):
         raise ValueError(f"{path}: rescale_acts_by_decoder_norm=true is not supported")
     kwargs = raw.get("activation_fn_kwargs") or {}
@@ -154,7 +237,9 @@ def config_from_saelens(raw: dict, path: Path) -> SAEConfig:
                          apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", transcoder is None)),  # a bool or null, checked above
                          model_name=raw.get("model_name") or meta.get("model_name"),
                          hook_name_out=hook_name_out if transcoder else None,
-                         d_out=raw["d_out"] if transcoder else None, skip=bool(transcoder and transcoder[1]))
+                         d_out=raw["d_out"] if transcoder else None, skip=bool(transcoder and transcoder[1]),
+                         file_metadata=tuple((k, v) for k, v in meta.items()
+                                             if k not in ("model_name", "hook_name", "hook_name_out")))
     except KeyError as err:
         raise ValueError(f"{path} lacks the field {err.args[0]!r}") from None
     except ValueError as err:

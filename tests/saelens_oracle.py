@@ -78,6 +78,15 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         HookedTransformer(HookedTransformerConfig(**CONFIG), tokenizer=TOKENIZER_DIR's) with the state dict STATE runs
         tests/kv_cache_idioms.py
         with transformer-lens 3.9's TransformerLensKeyValueCache on INPUTS' tokens; OUTPUTS gets each result by name
+    python saelens_oracle.py sae_surface WORK_DIR INPUTS OUTPUTS
+        SAELens writes a standard SAE on blocks.1.attn.hook_z (metadata with hook_layer, prepend_bos, context_size) and
+        a TopK SAE into WORK_DIR/z and WORK_DIR/topk (SAE.save_model), then runs tests/sae_surface_idioms.py with its
+        SAE class on INPUTS' z: OUTPUTS gets the tensors by name; stdout the JSON of the plain values
+    python saelens_oracle.py saelens_tools MODEL_DIR SAE_DIR OUTPUTS
+        SAELens's own tools given probe's SparseAutoencoder and given SAELens's SAE, both loaded from SAE_DIR, on
+        probe's model of MODEL_DIR (probe imported from this repository): ActivationsStore.from_sae's token batch and
+        activations, and run_evals' metrics under one seed; OUTPUTS gets {CLASS}/activations; stdout the JSON of
+        {CLASS: {"tokens": ..., "metrics": ...}}
     python saelens_oracle.py loss ARCH SETTINGS_JSON STATE INPUTS OUTPUTS
         a SAELens training SAE of ARCH with the settings, the weights in STATE; INPUTS holds x and dead_mask;
         OUTPUTS gets each loss term, and the gradient of the total loss to every parameter (grad.NAME)
@@ -610,10 +619,63 @@ def kv_cache_loop(config_json: str, state: str, inputs: str, outputs: str, token
     save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, outputs)
 
 
+def sae_surface(work_dir: str, inputs: str, outputs: str) -> None:
+    from sae_lens import SAE, StandardSAE, StandardSAEConfig, TopKSAE, TopKSAEConfig
+    from sae_lens.saes.sae import SAEMetadata
+
+    from sae_surface_idioms import sae_surface_idioms  # beside this file: its folder is on sys.path
+
+    z = load_file(inputs)["z"]  # [batch pos head d_head]
+    d_in = z.shape[-2] * z.shape[-1]
+    gen = torch.Generator().manual_seed(7)
+    for name, config_class, sae_class, extra in (("z", StandardSAEConfig, StandardSAE, {"reshape_activations": "hook_z"}),
+                                                ("topk", TopKSAEConfig, TopKSAE, {"k": 8})):
+        hook = "blocks.1.attn.hook_z" if name == "z" else "blocks.1.hook_resid_post"
+        sae = sae_class(config_class(d_in=d_in, d_sae=4 * d_in, metadata=SAEMetadata(
+            hook_name=hook, model_name="tiny", hook_layer=1, prepend_bos=True, context_size=32), **extra))
+        with torch.no_grad():
+            for p in sae.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        sae.save_model(f"{work_dir}/{name}")
+    tensors, values = sae_surface_idioms(SAE, {"z": f"{work_dir}/z", "topk": f"{work_dir}/topk"}, z, f"{work_dir}/saved")
+    save_file({k: v.detach().clone().contiguous() for k, v in tensors.items()}, outputs)
+    print(json.dumps(values))
+
+
+def saelens_tools(model_dir: str, sae_dir: str, outputs: str) -> None:
+    from datasets import Dataset
+    from sae_lens import SAE, ActivationsStore
+    from sae_lens.evals import EvalConfig, run_evals
+    from sae_lens.training.activation_scaler import ActivationScaler
+
+    import_probe_from_the_repository()
+    from probe import HookedDecoder, SparseAutoencoder
+
+    model = HookedDecoder.from_pretrained(model_dir).eval()
+    dataset = Dataset.from_dict({"text": ["The quick brown fox jumps over the lazy dog. " * 10] * 4})
+    printed, out = {}, {}
+    for sae_class in (SAE, SparseAutoencoder):
+        sae = sae_class.load_from_disk(sae_dir)
+        store = ActivationsStore.from_sae(model=model, sae=sae, dataset=dataset, streaming=False, context_size=16,
+                                          store_batch_size_prompts=2, n_batches_in_buffer=2, train_batch_size_tokens=16,
+                                          device="cpu")
+        tokens = store.get_batch_tokens()
+        out[f"{sae_class.__name__}/activations"] = store.get_activations(tokens).detach().clone().contiguous()
+        torch.manual_seed(0)
+        config = EvalConfig(n_eval_reconstruction_batches=1, n_eval_sparsity_variance_batches=1, compute_ce_loss=True,
+                            compute_l2_norms=True, compute_sparsity_metrics=True, compute_variance_metrics=True)
+        metrics, _ = run_evals(sae=sae, activation_store=store, model=model, activation_scaler=ActivationScaler(),
+                               eval_config=config)
+        printed[sae_class.__name__] = {"tokens": tokens.tolist(), "metrics": {
+            f"{group}/{name}": float(value) for group, values in metrics.items() for name, value in values.items()}}
+    save_file(out, outputs)
+    print(json.dumps(printed))
+
+
 COMMANDS = {"probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
-            "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop}
+            "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}
 
 
 def serve() -> None:
