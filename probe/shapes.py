@@ -28,7 +28,9 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{prefix}.hook_normalized"] = resid
 
     for layer in range(cfg.n_layers):
-        b, heads, kv = f"blocks.{layer}", cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
+        b, heads = f"blocks.{layer}", cfg.layer_heads(layer)
+        # keys and values are hooked once per query head once transformer-lens's switch ungroups them
+        kv = heads if cfg.ungroup_grouped_query_attention else cfg.layer_kv_heads(layer)
         shapes[f"{b}.hook_resid_pre"] = resid
         shapes[f"{b}.hook_attn_in"] = (batch, pos, heads, cfg.d_model)
         shapes[f"{b}.hook_q_input"] = (batch, pos, heads, cfg.d_model)

@@ -80,3 +80,17 @@ def test_circuit_analyses_score_a_grouped_model_the_same_with_the_switch_on(thei
     assert model.cfg.ungroup_grouped_query_attention and model.blocks[0].attn.hooked_kv_heads == 4
     for got, expected in zip(ungrouped, grouped):
         torch.testing.assert_close(got, expected)
+
+
+def test_hook_shapes_predict_an_ungrouped_models_cache():
+    from probe.shapes import hook_shapes
+
+    model = HookedDecoder(HookedTransformerConfig(**CASES["llama-gqa"]))
+    model.cfg.ungroup_grouped_query_attention = True
+    model.set_use_split_qkv_input(True)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(TOKENS, names=lambda n: True)
+    predicted = hook_shapes(model.cfg, *TOKENS.shape, per_head_input_layers=range(model.cfg.n_layers))
+    assert {n: tuple(t.shape) for n, t in cache.items()} == {n: s for n, s in predicted.items() if n in cache}
+    assert cache["k", 0].shape[2] == 4 and cache["blocks.1.hook_v_input"].shape[2] == 4
+    assert model.estimate_cache_bytes(list(cache), None, TOKENS) == sum(t.numel() * t.element_size() for t in cache.values())
