@@ -307,7 +307,8 @@ class SparseAutoencoder(HookedRootModule):
 
     def save_pretrained(self, directory: Union[str, Path], overwrite: bool = False) -> Path:
         """Write cfg.json and sae_weights.safetensors (loadable here and by SAELens); written whole or not at all."""
-        config = {**self.cfg.to_dict(), "device": "cpu"}  # the weights are written from the CPU
+        # the weights' own dtype (a parameter replaced by hand bypasses .to()), written from the CPU
+        config = {**self.cfg.to_dict(), "dtype": str(self.W_enc.dtype).removeprefix("torch."), "device": "cpu"}
         state = {name: p.detach().cpu().contiguous() for name, p in self.named_parameters()}
         with atomic_directory(directory, overwrite=overwrite) as tmp:
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
