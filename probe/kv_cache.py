@@ -66,3 +66,16 @@ class KVCache:
         self.frozen = frozen
         for layer in self.layers:
             layer.frozen = frozen
+
+
+def one_cache(kv_cache: Optional[KVCache], past_kv_cache: Optional[KVCache]) -> Optional[KVCache]:
+    """The cache a forward is given, under probe's keyword or transformer-lens's (`past_kv_cache`), checked."""
+    if past_kv_cache is not None:
+        if kv_cache is not None and kv_cache is not past_kv_cache:
+            raise ValueError("kv_cache= and past_kv_cache= name two caches; they are one keyword (past_kv_cache "
+                             "is transformer-lens's name): pass one")
+        kv_cache = past_kv_cache
+    if kv_cache is not None and not isinstance(kv_cache, KVCache):
+        raise TypeError(f"a key/value cache must be probe's KVCache (probe.TransformerLensKeyValueCache.init_cache("
+                        f"model.cfg, device, batch_size)), got {type(kv_cache).__name__}")
+    return kv_cache

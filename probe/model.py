@@ -16,7 +16,7 @@ from probe.config import DecoderConfig, Positions
 from probe.decoder_cache import DecoderCache
 from probe.embedding import Embed, Unembed, make_pos_embed
 from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
-from probe.kv_cache import KVCache
+from probe.kv_cache import KVCache, one_cache
 from probe.names import bridge_aliases
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.sae_methods import SAEMethods
@@ -106,14 +106,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         keyword, e.g. from `input_to_embed`) gives them instead.
         """
         refuse_unsupported(unsupported, "HookedDecoder.forward")
-        if past_kv_cache is not None:
-            if kv_cache is not None and kv_cache is not past_kv_cache:
-                raise ValueError("kv_cache= and past_kv_cache= name two caches; they are one keyword (past_kv_cache "
-                                 "is transformer-lens's name): pass one")
-            kv_cache = past_kv_cache
-        if kv_cache is not None and not isinstance(kv_cache, KVCache):
-            raise TypeError(f"a key/value cache must be probe's KVCache (probe.TransformerLensKeyValueCache.init_cache("
-                            f"model.cfg, device, batch_size)), got {type(kv_cache).__name__}")
+        kv_cache = one_cache(kv_cache, past_kv_cache)
         check_return_type(return_type)
         from_tokens = start_at_layer is None  # as in transformer-lens: any layer, 0 too, takes a residual
         start_at_layer = 0 if from_tokens else start_at_layer
@@ -207,7 +200,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
     def estimate_cache_bytes(self, names, dtype, input=None, attention_mask=None, *, start_at_layer=None,
                              stop_at_layer=None, kv_cache=None, past_kv_cache=None, **_) -> Optional[int]:
         """Bytes a cache of `names` takes for this input, from the hook shapes (see probe.shapes)."""
-        kv_cache = kv_cache if kv_cache is not None else past_kv_cache
+        kv_cache = one_cache(kv_cache, past_kv_cache)
         if isinstance(input, torch.Tensor):
             batch, pos = (1, input.shape[0]) if input.dim() == 1 else tuple(input.shape[:2])
         elif is_text(input):

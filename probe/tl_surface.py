@@ -173,8 +173,7 @@ class TransformerLensSurface:
         Llama's edges so). The weights stay grouped (W_K [kv_head d_model d_head]); the forward's values do not
         change. probe's circuit analyses score a grouped model per key/value head either way."""
         on = bool(ungroup_grouped_query_attention)
-        for block in self.blocks:
-            block.attn.hooked_kv_heads = block.attn.n_heads if on else block.attn.n_kv_heads
+        self._hook_key_values(per_query_head=on)
         self._record_switch(ungroup_grouped_query_attention=on)
 
     @contextlib.contextmanager
@@ -182,14 +181,17 @@ class TransformerLensSurface:
         """Inside the block, keys and values are hooked once per key/value head whatever
         `ungroup_grouped_query_attention` says, and the switch's effect is back after: probe's circuit analyses
         read them so, with EAP-IG's setup (the switch on) left as the user made it."""
-        held = [block.attn.hooked_kv_heads for block in self.blocks]
-        for block in self.blocks:
-            block.attn.hooked_kv_heads = block.attn.n_kv_heads
+        held = [block.attn.hooked_kv_heads for block in self.blocks]  # a block inside another's puts back the outer's
+        self._hook_key_values(per_query_head=False)
         try:
             yield self
         finally:
             for block, heads in zip(self.blocks, held):
                 block.attn.hooked_kv_heads = heads
+
+    def _hook_key_values(self, per_query_head: bool) -> None:
+        for block in self.blocks:
+            block.attn.hooked_kv_heads = block.attn.n_heads if per_query_head else block.attn.n_kv_heads
 
     def untie_embeddings(self) -> None:
         """Give `W_U` its own copy of a tied `W_E`, as transformer-lens's HookedTransformer always has them. A tied

@@ -210,16 +210,23 @@ RESOLVED = ("n_heads", "d_mlp", "d_vocab_out", "initializer_range", "attn_scale"
             "use_attn_result", "parallel_attn_mlp", "gated_mlp", "final_rms", "attn_only", "attention_dir")
 
 
+def moved_off_initialisation(model, scale: float) -> None:
+    """Every parameter plus scale N(0, 1) (seeded), except a gated MLP's b_in: TL adds it after the gate's product,
+    where probe has no bias, so it stays zero."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if not (model.cfg.gated_mlp and key.endswith("mlp.b_in")):
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
 def tl_build(config_json: str, inputs: str, outputs: str, process_json: str = "") -> None:
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     cfg = HookedTransformerConfig(**json.loads(config_json), device="cpu")
     model = HookedTransformer(cfg).eval()
-    gen = torch.Generator().manual_seed(5)
+    moved_off_initialisation(model, 0.1)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not (cfg.gated_mlp and name.endswith("mlp.b_in")):  # after the gate's product: probe has no such bias
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
         out = {f"state.{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()}
         tokens = load_file(inputs)["tokens"]
         out["logits"] = model(tokens).contiguous()
@@ -476,11 +483,8 @@ def tl_config_cases(cases_json: str, inputs: str, outputs: str) -> None:
     for name, case in json.loads(cases_json).items():
         cfg = HookedTransformerConfig(**case["config"], device="cpu")
         model = HookedTransformer(cfg).eval()
-        gen = torch.Generator().manual_seed(5)
+        moved_off_initialisation(model, 0.1)
         with torch.no_grad():
-            for key, p in model.named_parameters():
-                if not (cfg.gated_mlp and key.endswith("mlp.b_in")):  # probe has no bias after the gate's product
-                    p.add_(0.1 * torch.randn(p.shape, generator=gen))
             out.update({f"{name}/state.{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()})
             out[f"{name}/logits"] = model(tokens).contiguous()
             for i, keywords in enumerate(case.get("generate", [])):
@@ -594,11 +598,7 @@ def ungrouped(cases_json: str, inputs: str, outputs: str) -> None:
     tokens, out = load_file(inputs)["tokens"], {}
     for name, config in json.loads(cases_json).items():
         model = HookedTransformer(HookedTransformerConfig(**config, device="cpu")).eval()
-        gen = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for key, p in model.named_parameters():
-                if not (model.cfg.gated_mlp and key.endswith("mlp.b_in")):  # probe has no bias after the gate's product
-                    p.add_(0.3 * torch.randn(p.shape, generator=gen))
+        moved_off_initialisation(model, 0.3)
         out.update({f"{name}/state.{key}": t.detach().clone() for key, t in model.state_dict().items()})
         out.update({f"{name}/{key}": t for key, t in ungrouped_idioms(model, tokens).items()})
     save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, outputs)
