@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Optional, Union
 
 import torch
@@ -16,20 +17,33 @@ class ActivationCache(Mapping[str, torch.Tensor]):
     keeps the model (or its autograd graph) alive.
     """
 
-    def __init__(self, activations: Mapping[str, torch.Tensor]):
+    _aliases: Mapping[str, str] = MappingProxyType({})  # (class defaults: caches pickled before aliases had none)
+    _lists_aliases = False
+
+    def __init__(self, activations: Mapping[str, torch.Tensor], aliases: Optional[Mapping[str, str]] = None,
+                 lists_aliases: bool = False):
         self._acts = dict(activations)
+        # {alias: name}: another library's names for the cached points answer too (transformer-lens 4's bridge names);
+        # `lists_aliases` also lists them among the keys, once per alias of a cached point, as the bridge's cache does
+        self._aliases = aliases or {}
+        self._lists_aliases = lists_aliases
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
             return self._acts[name]
         except KeyError:
-            raise unknown_name_error(name, list(self._acts), what="cached activation") from None
+            pass
+        if self._aliases.get(name) in self._acts:
+            return self._acts[self._aliases[name]]
+        raise unknown_name_error(name, list(self._acts), what="cached activation") from None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._acts)
+        yield from self._acts
+        if self._lists_aliases:
+            yield from (alias for alias, name in self._aliases.items() if name in self._acts)
 
     def __len__(self) -> int:
-        return len(self._acts)
+        return len(self._acts) + (sum(name in self._acts for name in self._aliases.values()) if self._lists_aliases else 0)
 
     def __repr__(self) -> str:
         return f"ActivationCache({len(self)} activations, {self.nbytes / 2**20:.1f} MiB)"

@@ -166,12 +166,16 @@ class HookPoint(nn.Module):
     `copies` points hand their forward hooks a copy of the activation, so an edit made in place reaches only
     what reads the point, not the tensor it was copied from (transformer-lens hooks a copy at hook_mlp_in, whose
     input is also the residual stream that flows on).
+    `bridge_only` points are named only by transformer-lens 4's TransformerBridge (a norm's input and output, the
+    logits), not by HookedTransformer: a cache of everything and name predicates leave them out, so HookedTransformer
+    code sees the points it knows, unless the model names its hooks as the bridge does (`bridge_names`).
     """
 
-    def __init__(self, opt_in: bool = False, by_name: bool = False, copies: bool = False):
+    def __init__(self, opt_in: bool = False, by_name: bool = False, copies: bool = False, bridge_only: bool = False):
         super().__init__()
         self.by_name = by_name
         self.copies = copies
+        self.bridge_only = bridge_only
         self.name: str = "<unnamed>"  # set by HookedRootModule.setup_hooks
         self.ctx: dict = {}  # scratch space for hook functions (transformer-lens's hook.ctx); cleared by reset_hooks
         self.opt_in = opt_in

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from probe.hooks.cache import ActivationCache, stored_tensor
+from probe.hooks.caching_hooks import CachingHooks
 from probe.hooks.hook_point import HookFn, HookHandle, HookPoint, Store
-from probe.hooks.names import unknown_name_error
+from probe.hooks.names import UnknownNameError, unknown_name_error
 
 NameFilter = Union[str, Sequence[str], Callable[[str], bool]]
 
@@ -24,7 +25,7 @@ class CacheTooLargeError(MemoryError):
     """A cache that would exceed the allowed size; raised before the forward pass starts."""
 
 
-class HookedRootModule(nn.Module):
+class HookedRootModule(CachingHooks, nn.Module):
     """Base class for a model whose intermediates pass through HookPoints.
 
     Call `setup_hooks()` at the end of `__init__`: it names every HookPoint by its module path.
@@ -39,18 +40,35 @@ class HookedRootModule(nn.Module):
         """Bytes a cache of `names` would take for this input, or None if unknown (models override this)."""
         return None
 
-    def setup_hooks(self, aliases: Optional[dict[str, str]] = None) -> None:
+    # transformer-lens 4's TransformerBridge lets name predicates and a cache of everything see its own names beside the
+    # classic ones; HookedTransformer code expects the classic ones alone. True: the bridge's way (see select_hook_names)
+    bridge_names: bool = False
+
+    def setup_hooks(self, aliases: Optional[dict[str, str]] = None, left_out: Optional[dict[str, str]] = None) -> None:
         """Name every HookPoint submodule. `aliases` ({other name: point name}) are names that hooks may also
-        use for a point (another library's spelling); caches and name filters know the point by its own name."""
+        use for a point (another library's spelling); caches and name filters know the point by its own name.
+        `left_out` ({name: why}) are another library's names this model has no point for: asking for one says why."""
         self._hook_points: dict[str, HookPoint] = {}
         self._lent_points: dict[str, HookPoint] = {}  # another module's, for a `lent_hook_points` block
         self._aliases: dict[str, str] = dict(aliases or {})
+        self._aliases_of: dict[str, tuple[str, ...]] = {}
+        for alias, name in self._aliases.items():
+            self._aliases_of[name] = (*self._aliases_of.get(name, ()), alias)
+        self._left_out: dict[str, str] = dict(left_out or {})
         for name, module in self.named_modules():
             if not name or not isinstance(getattr(module, "name", None), (str, type(None))):
                 continue  # the root has no path; a module whose own attribute is called `name` keeps it
             module.name = name  # every module's path, as transformer-lens code reads it (model.ln_final.name)
             if isinstance(module, HookPoint):
                 self._hook_points[name] = module
+        clashes = sorted(set(self._aliases) & set(self._hook_points))
+        if clashes:  # a name must mean one point
+            raise ValueError(f"aliases that are also hook points' own names: {', '.join(clashes)}")
+
+    @property
+    def hook_aliases(self) -> dict[str, str]:
+        """{alias: point name} for every other name a point answers to (read it; `setup_hooks` sets it)."""
+        return self._aliases
 
     def __getstate__(self) -> dict:
         # a copy made inside a lent_hook_points block (deepcopy, process_weights) must not keep the lent points:
@@ -72,18 +90,27 @@ class HookedRootModule(nn.Module):
         name = self._aliases.get(name, name)
         point = self._hook_points.get(name) or self._lent_points.get(name)
         if point is None:
+            if name in self._left_out:
+                raise UnknownNameError(f"no hook point {name!r}: {self._left_out[name]}")
             raise unknown_name_error(name, self._all_points) from None
         return point
 
     def select_hook_names(self, names: Optional[NameFilter] = None) -> list[str]:
-        """Resolve a name filter: None = every point except opt-in ones, a name, a list of names, or a predicate
-        (which skips opt-in points that only their name selects)."""
+        """Resolve a name filter: None = every point except opt-in ones, a name (or alias), a list of them, or a
+        predicate (which skips opt-in points that only their name selects).
+
+        None and predicates leave out `bridge_only` points, and predicates see each point's own name only, unless
+        the model's `bridge_names` is True: then, as on transformer-lens 4's bridge, they include those points and a
+        predicate selects a point when it accepts any of its names (once, however many it accepts)."""
         if names is None:
-            return [n for n, p in self._all_points.items() if not p.opt_in]
+            return [n for n, p in self._all_points.items() if not p.opt_in and (self.bridge_names or not p.bridge_only)]
         if isinstance(names, str):
             return [self.hook_point(names).name]
         if callable(names):
-            return [n for n, p in self._all_points.items() if names(n) and not (p.opt_in and p.by_name)]
+            if not self.bridge_names:
+                return [n for n, p in self._all_points.items() if names(n) and not (p.opt_in and p.by_name or p.bridge_only)]
+            return [n for n, p in self._all_points.items() if not (p.opt_in and p.by_name)
+                    and any(names(known) for known in (n, *self._aliases_of.get(n, ())))]
         return [self.hook_point(name).name for name in names]
 
     @contextmanager
@@ -186,10 +213,13 @@ class HookedRootModule(nn.Module):
 
     @property
     def hook_dict(self) -> dict[str, HookPoint]:
-        """Every hook point by name (transformer-lens's `hook_dict`), and again under each alias `setup_hooks` was
-        given (as transformer-lens 4's bridge lists its own names beside the classic ones)."""
+        """Every hook point by name (transformer-lens's `hook_dict`), and again under its aliases: all of them when
+        `bridge_names` is on (as transformer-lens 4's bridge lists its own names beside the classic ones), otherwise
+        only those of points that only their name selects (the per-head inputs, which TL 4's analysis tools look up
+        by the bridge's spelling), so that HookedTransformer code attaching a hook to every entry attaches it once."""
         points = self._all_points
-        return {**points, **{alias: points[name] for alias, name in self._aliases.items() if name in points}}
+        return {**points, **{alias: points[name] for alias, name in self._aliases.items() if name in points
+                             and (self.bridge_names or points[name].by_name)}}
 
     def hook_points(self) -> list[HookPoint]:
         """Every hook point (transformer-lens's `hook_points()`, the values of `hook_dict`)."""
@@ -326,46 +356,6 @@ class HookedRootModule(nn.Module):
             store = {name: t[0] for name, t in store.items()}
         cache = self.make_cache(store, has_batch_dim=not remove_batch_dim)
         return out, (cache if return_cache_object else dict(cache.items()))
-
-    def get_caching_hooks(self, names_filter: Optional[NameFilter] = None, incl_bwd: bool = False,
-                          device: Optional[Union[str, torch.device]] = None, remove_batch_dim: bool = False,
-                          cache: Optional[dict] = None, pos_slice: Any = None) -> tuple[dict, list, list]:
-        """transformer-lens's `(cache, fwd_hooks, bwd_hooks)`, for the caller to attach (`with model.hooks(fwd, bwd)`,
-        or `run_with_hooks`): each forward hook stores its point's activation in `cache` under its name, each
-        backward hook the gradient there under name + "_grad", detached (on `device`, at `pos_slice`, without the
-        batch dimension when asked). Nothing is attached here."""
-        cache = {} if cache is None else cache
-
-        def storing(suffix: str) -> HookFn:
-            def store(tensor: torch.Tensor, hook: HookPoint) -> None:
-                kept = {hook.name: tensor.detach()}
-                if pos_slice is not None:
-                    kept = self.slice_cached_positions(kept, pos_slice)
-                value = kept[hook.name][0] if remove_batch_dim else kept[hook.name]
-                cache[hook.name + suffix] = value if device is None else value.to(device)
-            return store
-
-        names = self.select_hook_names(names_filter)
-        return (cache, [(name, storing("")) for name in names],
-                [(name, storing("_grad")) for name in names] if incl_bwd else [])
-
-    def add_caching_hooks(self, names_filter: Optional[NameFilter] = None, incl_bwd: bool = False,
-                          device: Optional[Union[str, torch.device]] = None, remove_batch_dim: bool = False,
-                          cache: Optional[dict] = None) -> dict:
-        """transformer-lens's: `get_caching_hooks`' hooks attached as persistent ones (`persistent_hooks()` lists them,
-        `reset_hooks()` removes them), filling the returned dict on every pass until then."""
-        cache, fwd, bwd = self.get_caching_hooks(names_filter, incl_bwd, device, remove_batch_dim, cache)
-        for direction, hooks in (("fwd", fwd), ("bwd", bwd)):
-            for name, fn in hooks:
-                self.add_hook(name, fn, dir=direction)
-        return cache
-
-    def cache_all(self, cache: Optional[dict], incl_bwd: bool = False, device=None, remove_batch_dim: bool = False):
-        self.add_caching_hooks(None, incl_bwd, device, remove_batch_dim, cache)
-
-    def cache_some(self, cache: Optional[dict], names: NameFilter, incl_bwd: bool = False, device=None,
-                   remove_batch_dim: bool = False):
-        self.add_caching_hooks(names, incl_bwd, device, remove_batch_dim, cache)
 
     def slice_cached_positions(self, store: dict[str, torch.Tensor], pos_slice: Any) -> dict[str, torch.Tensor]:
         """run_with_cache(pos_slice=...): the model knows where each activation's position axis is."""

@@ -19,9 +19,9 @@ class PreNormBlock(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
-        self.ln1 = make_norm(cfg, foldable=True)
+        self.ln1 = make_norm(cfg, foldable=True, ends=True)
         self.attn = Attention(cfg, layer)
-        self.ln2 = make_norm(cfg, foldable=True)
+        self.ln2 = make_norm(cfg, foldable=True, ends=True)
         self.mlp = make_mlp(cfg)
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
         # per-head copies of what attention reads, before its norm (transformer-lens's use_attn_in and
@@ -104,8 +104,8 @@ class SandwichBlock(PreNormBlock):
 
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__(cfg, layer)
-        self.ln1_post = make_norm(cfg)
-        self.ln2_post = make_norm(cfg)
+        self.ln1_post = make_norm(cfg, ends=True)
+        self.ln2_post = make_norm(cfg, ends=True)
 
     def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
         resid_pre = self.hook_resid_pre(resid_pre)

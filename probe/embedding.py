@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from probe.config import DecoderConfig, Positions, RotaryScaling
+from probe.hooks import HookPoint
 from probe.softcap import make_softcap
 from probe.tl_weights import WritableWeights, weight_view
 
@@ -163,9 +164,11 @@ class Unembed(WritableWeights, nn.Module):
         self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
         self.bias = nn.Parameter(torch.zeros(d_vocab)) if bias else None  # [vocab]
         self.cap = make_softcap(softcap)  # Gemma 2 caps its logits; everything that unembeds gets the same logits
+        # [batch pos vocab]: the logits before a soft cap (transformer-lens 4's bridge name; HookedTransformer has none)
+        self.hook_out = HookPoint(bridge_only=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch pos d_model] -> [batch pos vocab]
-        return self.cap(self.uncapped(x))
+        return self.cap(self.hook_out(self.uncapped(x)))
 
     def uncapped(self, x: torch.Tensor) -> torch.Tensor:
         """The logits before a soft cap: linear in x, what direct attributions add up to."""

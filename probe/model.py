@@ -12,15 +12,16 @@ from torch import nn
 from probe.hooks import HookedRootModule, HookPoint
 
 from probe.blocks import BLOCKS, AttnOnlyBlock
+from probe.bridge_names import bridge_names
 from probe.config import DecoderConfig, Positions
 from probe.decoder_cache import DecoderCache
 from probe.embedding import Embed, Unembed, make_pos_embed
 from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
 from probe.kv_cache import KVCache, one_cache
-from probe.names import bridge_aliases
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.sae_methods import SAEMethods
 from probe.shapes import PER_HEAD_INPUTS, hook_shapes
+from probe.tl_bridge import BridgeSurface
 from probe.tl_state_dict import use_tl_layout
 from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported, with_tokenizer
 from probe.tokenizer import Tokenizer
@@ -30,7 +31,8 @@ from probe.weight_views import WeightViews
 NORM_HOOKS = (".hook_scale", ".hook_normalized")
 
 
-class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethods, InputChecks, HookedRootModule):
+class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSurface, SAEMethods, InputChecks,
+                    HookedRootModule):
     """Token (+ position) embedding -> n_layers blocks -> final norm -> unembedding."""
 
     def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
@@ -50,12 +52,12 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         block = AttnOnlyBlock if cfg.attn_only else BLOCKS[cfg.norm_placement]  # the config allows attn_only pre-norm only
         self.blocks = nn.ModuleList([block(cfg, layer) for layer in range(cfg.n_layers)])
         self.windows = {cfg.layer_window(layer) for layer in range(cfg.n_layers)}
-        self.ln_final = make_norm(cfg, foldable=True) if cfg.final_norm else nn.Identity()
+        self.ln_final = make_norm(cfg, foldable=True, ends=True) if cfg.final_norm else nn.Identity()
         self.unembed = Unembed(cfg.d_vocab_out, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
         self.init_weights()
-        self.setup_hooks(aliases=bridge_aliases(cfg.n_layers))
+        self.setup_hooks(*bridge_names(cfg))
         use_tl_layout(self)  # state_dict() in transformer-lens's names and shapes; load_state_dict takes both layouts
         self.follow_config_switches()
         if cfg.device != "cpu" or cfg.dtype not in (None, torch.float32):  # a config that names them, as TL's can
@@ -212,6 +214,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, SAEMethod
         else:
             return None
         key_pos = pos + (kv_cache.length if kv_cache is not None else 0)
+        names = list(dict.fromkeys(self.hook_aliases.get(n, n) for n in names))  # a point named twice is stored once
         split = {int(n.split(".")[1]) for n in names if n.startswith("blocks.") and n.endswith(PER_HEAD_INPUTS)}
         shapes = hook_shapes(self.cfg, batch, pos, key_pos, per_head_input_layers=split)
         item = torch.empty((), dtype=dtype or self.embed.W_E.dtype).element_size()

@@ -82,10 +82,3 @@ def _layer(layer) -> int:
         raise ValueError(f"layer must be a non-negative int, got {layer!r}")
     return index
 
-
-def bridge_aliases(n_layers: int) -> dict[str, str]:
-    """transformer-lens 4's TransformerBridge spells the per-head inputs inside attention
-    (`blocks.l.attn.hook_q_input`, as its own patching code hooks them); HookedTransformer's, and probe's, live on the
-    block (`blocks.l.hook_q_input`). {bridge's name: probe's}, for hooks only."""
-    return {f"blocks.{layer}.attn.hook_{part}_input": f"blocks.{layer}.hook_{part}_input"
-            for layer in range(n_layers) for part in "qkv"}

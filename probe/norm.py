@@ -36,9 +36,29 @@ class FixedWeights:
             setattr(self, name, torch.full(getattr(self, name).shape, value, device=getattr(self, name).device))
 
 
-class LayerNorm(FixedWeights, nn.Module):
-    def __init__(self, d_model: int, eps: float, learned: bool = True):
+class HookedEnds:
+    """A norm's input and output as hook points too, `ln1.hook_in` / `ln1.hook_out` (transformer-lens 4's bridge names;
+    HookedTransformer has neither, so caches of everything and predicates leave them out: HookPoint.bridge_only).
+    Per-head q and k norms (Qwen3) have none: the bridge's points there hold [batch head pos d_head]."""
+
+    ends = False
+
+    def add_ends(self, ends: bool) -> None:
+        if ends:
+            self.ends = True
+            # not a copy: ln1's and ln2's input is the residual stream that flows past them, and an edit made there in
+            # place reaches it too, as on the bridge (hook_mlp_in, HookedTransformer's point, hooks a copy)
+            self.hook_in = HookPoint(bridge_only=True)  # [batch pos d_model]
+            self.hook_out = HookPoint(bridge_only=True)  # [batch pos d_model]: after w (and b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hook_out(self.normalize(self.hook_in(x))) if self.ends else self.normalize(x)
+
+
+class LayerNorm(FixedWeights, HookedEnds, nn.Module):
+    def __init__(self, d_model: int, eps: float, learned: bool = True, ends: bool = False):
         super().__init__()
+        self.add_ends(ends)
         self.eps = eps
         if learned:
             self.w = nn.Parameter(torch.ones(d_model))
@@ -48,7 +68,7 @@ class LayerNorm(FixedWeights, nn.Module):
         self.hook_scale = HookPoint()  # [batch pos 1]: sqrt(var + eps), what the centred input is divided by
         self.hook_normalized = HookPoint()  # [batch pos d_model]: centred / scale, before w and b (as TransformerLens)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.hook_scale.active or self.hook_normalized.active):
             return F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)  # fused: nothing to observe
         # in float32 whatever the model's dtype, as the fused kernel computes: float16 squares overflow
@@ -61,9 +81,10 @@ class LayerNorm(FixedWeights, nn.Module):
         return (normalized.float() * self.w.float() + self.b.float()).to(x.dtype)
 
 
-class RMSNorm(FixedWeights, nn.Module):
-    def __init__(self, d_model: int, eps: float, learned: bool = True):
+class RMSNorm(FixedWeights, HookedEnds, nn.Module):
+    def __init__(self, d_model: int, eps: float, learned: bool = True, ends: bool = False):
         super().__init__()
+        self.add_ends(ends)
         self.eps = eps
         if learned:
             self.w = nn.Parameter(torch.ones(d_model))
@@ -72,7 +93,7 @@ class RMSNorm(FixedWeights, nn.Module):
         self.hook_scale = HookPoint()  # [batch pos 1] float32: sqrt(mean(x^2) + eps)
         self.hook_normalized = HookPoint()  # [batch pos d_model] float32: x / scale, before w
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         # in float32 whatever the model's dtype, as Llama does: low-precision squares overflow or lose digits
         x32 = x.float()
         scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
@@ -83,7 +104,7 @@ class RMSNormFloat32(RMSNorm):
     """Gemma's RMSNorm: w multiplies in float32 and the product is rounded once (Llama rounds first), and w itself
     stays float32 in a bfloat16 model: Gemma stores w - 1, and 1 + w rounded to 8 bits would lose its digits."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         scale = self.hook_scale((x32.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return (self.hook_normalized(x32 / scale) * self.w.float()).to(x.dtype)
@@ -95,19 +116,20 @@ class RMSNormFloat32(RMSNorm):
         return self
 
 
-class NoNorm(FixedWeights, nn.Module):
+class NoNorm(FixedWeights, HookedEnds, nn.Module):
     """No normalisation (transformer-lens's normalization_type=None): the output is the input. Its scale is 1, kept
     as a hook point (and w, b as fixed ones and zeros) so that what reads a norm's scale or weights (the cache's
     apply_ln_to_stack, the lenses, processing) reads the identity rather than needing a case of its own."""
 
-    def __init__(self, d_model: int, eps: float, learned: bool = True):
+    def __init__(self, d_model: int, eps: float, learned: bool = True, ends: bool = False):
         super().__init__()
+        self.add_ends(ends)
         self.eps = eps
         self.fix_weights(d_model, ("w", "b"))
         self.hook_scale = HookPoint()  # [batch pos 1]: ones
         self.hook_normalized = HookPoint()  # [batch pos d_model]: the input
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.hook_scale.active or self.hook_normalized.active):
             return x
         scale = self.hook_scale(x.new_ones(*x.shape[:-1], 1))  # a hook may replace it (a frozen scale)
@@ -118,8 +140,9 @@ class NoNorm(FixedWeights, nn.Module):
 FLOAT32_HOOK_NORMS = frozenset({Norm.RMS, Norm.RMS_FLOAT32})
 
 
-def make_norm(cfg: DecoderConfig, dim: Optional[int] = None, foldable: bool = False) -> nn.Module:
+def make_norm(cfg: DecoderConfig, dim: Optional[int] = None, foldable: bool = False, ends: bool = False) -> nn.Module:
     """The config's norm over the last `dim` (default d_model) dimensions. `foldable`: one whose output a linear
-    layer reads (ln1, ln2, ln_final), which learns no weights when cfg.norm_weights is False."""
+    layer reads (ln1, ln2, ln_final), which learns no weights when cfg.norm_weights is False. `ends`: its input and
+    output are hook points too (the residual stream's norms; see HookedEnds)."""
     kind = {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32, Norm.NONE: NoNorm}[cfg.norm]
-    return kind(dim or cfg.d_model, cfg.eps, learned=cfg.norm_weights or not foldable)
+    return kind(dim or cfg.d_model, cfg.eps, learned=cfg.norm_weights or not foldable, ends=ends)

@@ -25,7 +25,7 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
 
     def norm(prefix: str) -> None:
         shapes[f"{prefix}.hook_scale"] = (batch, pos, 1)
-        shapes[f"{prefix}.hook_normalized"] = resid
+        shapes[f"{prefix}.hook_normalized"] = shapes[f"{prefix}.hook_in"] = shapes[f"{prefix}.hook_out"] = resid
 
     for layer in range(cfg.n_layers):
         b, heads = f"blocks.{layer}", cfg.layer_heads(layer)
@@ -39,7 +39,8 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         norm(f"{b}.ln1")
         if layer in per_head_input_layers and cfg.norm_placement is not NormPlacement.POST:
             shapes[f"{b}.ln1.hook_scale"] = (batch, pos, kv, 1)
-            shapes[f"{b}.ln1.hook_normalized"] = (batch, pos, kv, cfg.d_model)
+            for end in ("normalized", "in", "out"):
+                shapes[f"{b}.ln1.hook_{end}"] = (batch, pos, kv, cfg.d_model)
         shapes[f"{b}.attn.hook_q"] = (batch, pos, heads, cfg.d_head)
         shapes[f"{b}.attn.hook_k"] = (batch, pos, kv, cfg.d_head)
         shapes[f"{b}.attn.hook_v"] = (batch, pos, kv, cfg.d_head)
@@ -64,6 +65,7 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.hook_resid_post"] = resid
     if cfg.final_norm:
         norm("ln_final")
+    shapes["unembed.hook_out"] = (batch, pos, cfg.d_vocab_out)
     return shapes
 
 

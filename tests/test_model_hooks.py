@@ -27,6 +27,10 @@ def expected_shapes(cfg, batch, pos):
         shapes[f"{b}.attn.hook_result"] = (batch, pos, cfg.n_heads, cfg.d_model)
         shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
         shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
+        for end in (f"{b}.ln1.hook_in", f"{b}.ln1.hook_out", f"{b}.ln2.hook_in", f"{b}.ln2.hook_out"):
+            shapes[end] = (batch, pos, cfg.d_model)  # the norms' ends: transformer-lens 4's bridge names them
+    shapes["ln_final.hook_in"] = shapes["ln_final.hook_out"] = (batch, pos, cfg.d_model)
+    shapes["unembed.hook_out"] = (batch, pos, cfg.d_vocab)
     return shapes
 
 
@@ -35,13 +39,22 @@ def test_every_documented_hook_exists_with_its_shape(tiny_model, tokens):
     assert sorted(tiny_model.hook_names) == sorted(shapes)
     with torch.no_grad():
         _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
-    # a predicate never selects the per-head inputs (they give each head its own norm): only their names do
+    # a predicate never selects the per-head inputs (they give each head its own norm): only their names do; nor the
+    # points only transformer-lens 4's bridge names, unless the model names its hooks as the bridge does
     per_head = {n: shapes.pop(n) for n in list(shapes) if n.endswith(("_input", "hook_attn_in"))}
+    bridge_only = {n: shapes.pop(n) for n in list(shapes) if n.endswith((".hook_in", ".hook_out"))}
     assert {name: tuple(t.shape) for name, t in cache.items()} == shapes
     with torch.no_grad():
         _, cache = tiny_model.run_with_cache(tokens, names=list(per_head) + ["blocks.0.ln1.hook_scale"])
     assert {n: tuple(cache[n].shape) for n in per_head} == per_head
     assert cache["blocks.0.ln1.hook_scale"].shape == (*tokens.shape, tiny_model.cfg.n_heads, 1)  # as in TL
+    try:
+        tiny_model.bridge_names = True
+        with torch.no_grad():
+            _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
+    finally:
+        tiny_model.bridge_names = False
+    assert {n: tuple(cache[n].shape) for n in bridge_only} == bridge_only
 
 
 def test_residual_identities(tiny_model, tokens):
@@ -233,12 +246,21 @@ def test_hook_shapes_predict_the_cache(tiny_model, tokens):
         _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
     predicted = hook_shapes(tiny_model.cfg, *tokens.shape)
     assert {n: tuple(t.shape) for n, t in cache.items()} == {n: s for n, s in predicted.items() if n in cache}
-    assert set(predicted) - set(cache) == {n for n in predicted if n.endswith(("_input", "hook_attn_in"))}
+    assert set(predicted) - set(cache) == {n for n in predicted if n.endswith(("_input", "hook_attn_in"))
+                                           or tiny_model.hook_point(n).bridge_only}
+    try:
+        tiny_model.bridge_names = True  # the bridge's own points too
+        with torch.no_grad():
+            _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
+    finally:
+        tiny_model.bridge_names = False
+    assert {n: tuple(cache[n].shape) for n in predicted if tiny_model.hook_point(n).bridge_only} == {
+        n: s for n, s in predicted.items() if tiny_model.hook_point(n).bridge_only}
     per_head = hook_shapes(tiny_model.cfg, *tokens.shape, per_head_input_layers=[1])
     assert per_head["blocks.1.ln1.hook_scale"] == (*tokens.shape, tiny_model.cfg.n_heads, 1)
     assert per_head["blocks.0.ln1.hook_scale"] == (*tokens.shape, 1)
-    estimate = tiny_model.estimate_cache_bytes(list(cache), None, tokens)
-    assert estimate == sum(t.numel() * t.element_size() for t in cache.values())
+    estimate = tiny_model.estimate_cache_bytes(list(cache), None, tokens)  # the bridge's names too: each point once
+    assert estimate == cache.nbytes == sum(t.numel() * t.element_size() for t in cache.cache_dict.values())
 
 
 def test_oversized_cache_is_refused_before_running(tiny_model, tokens):

@@ -345,7 +345,8 @@ def test_hook_points_and_mod_dict(models):  # noqa: F811
     # every point of probe's is one of the bridge's (its hook_dict names some under aliases of its own naming)
     ours, theirs = models
     names = [point.name for point in ours.hook_points()]
-    aliases = {f"blocks.{layer}.attn.hook_{part}_input" for layer in range(ours.cfg.n_layers) for part in "qkv"}
+    aliases = {f"blocks.{layer}.attn.hook_{part}" for layer in range(ours.cfg.n_layers)
+               for part in ("q_input", "k_input", "v_input", "attn_in")}
     assert set(ours.hook_dict) == set(names) | aliases and len(names) == len(set(names)) == len(ours.hook_names)
     assert set(names) <= set(theirs.hook_dict) and len(theirs.hook_points()) > 0
     assert all(ours.mod_dict[name] is ours.hook_dict[name] for name in names)

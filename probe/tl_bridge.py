@@ -1,0 +1,114 @@
+"""transformer-lens 4's loading line, `TransformerBridge.boot_transformers(name)` then optionally
+`enable_compatibility_mode()`, on HookedDecoder: TL 4 code runs with only the class on that line changed.
+
+A booted model is the checkpoint's own weights (as the bridge's) and names its hooks as the bridge does
+(`bridge_names`): its own names (`blocks.0.hook_out`, `blocks.0.attn.q.hook_out`, probe/bridge_names.py) beside the
+classic ones, in name predicates and in a cache of everything too. `enable_compatibility_mode()` processes the
+weights as HookedTransformer would (the bridge's defaults), and the names stay as they are."""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+from probe.hooks import HookPoint, UnknownNameError
+from probe.tl_surface import refuse_unsupported
+
+BOOT_HINTS = {
+    "hf_config_overrides": "probe reads the checkpoint's config.json as saved; edit a copy of the directory's "
+                           "config.json, or build the model from a DecoderConfig",
+    "load_weights": "to build a model without loading weights, use HookedDecoder(DecoderConfig(...))",
+    "model_class": "probe builds its own decoder for each family it loads; leave model_class out",
+    "n_ctx": "probe uses the checkpoint's context length; run shorter inputs, or edit a copy of its config.json",
+    "checkpoint_index": "pass checkpoint_value=<step> or revision='step<N>'",
+}
+
+
+class BridgeSurface:
+    """transformer-lens 4's TransformerBridge entry points, mixed into HookedDecoder."""
+
+    @classmethod
+    def boot_transformers(cls, model_name, hf_config_overrides: Optional[dict] = None,
+                          device: Optional[Union[str, torch.device]] = None, dtype: torch.dtype = torch.float32,
+                          tokenizer: Any = None, load_weights: bool = True, trust_remote_code: bool = False,
+                          model_class: Optional[type] = None, hf_model: Any = None, device_map=None,
+                          n_devices: Optional[int] = None, max_memory=None, n_ctx: Optional[int] = None,
+                          revision: Optional[str] = None, checkpoint_index: Optional[int] = None,
+                          checkpoint_value: Optional[int] = None):
+        """transformer-lens 4's `TransformerBridge.boot_transformers`: the checkpoint's own weights, unprocessed, with
+        the bridge's hook names beside the classic ones (`bridge_names` is True). `trust_remote_code` changes
+        nothing: probe runs its own code for every family it loads. Keywords that would load something other than the
+        checkpoint as saved (`hf_config_overrides`, `load_weights=False`, `model_class`, `n_ctx`) are refused with
+        what to do instead."""
+        asked = {"hf_config_overrides": hf_config_overrides or None, "load_weights": None if load_weights else False,
+                 "model_class": model_class, "n_ctx": n_ctx, "checkpoint_index": checkpoint_index}
+        refuse_unsupported({name: value for name, value in asked.items() if value is not None},
+                           "HookedDecoder.boot_transformers()", BOOT_HINTS)
+        optional = {"tokenizer": tokenizer, "hf_model": hf_model, "checkpoint_value": checkpoint_value,
+                    "n_devices": n_devices}
+        model = cls.from_pretrained_no_processing(
+            model_name, device=device, dtype=dtype, revision=revision, device_map=device_map, max_memory=max_memory,
+            **{name: value for name, value in optional.items() if value is not None})
+        model.bridge_names = True
+        return model
+
+    def enable_compatibility_mode(self, disable_warnings: bool = False, no_processing: bool = False,
+                                  fold_ln: bool = True, center_writing_weights: bool = True, center_unembed: bool = True,
+                                  fold_value_biases: bool = True, refactor_factored_attn_matrices: bool = False) -> None:
+        """transformer-lens 4's `enable_compatibility_mode`: the weights processed in place as HookedTransformer
+        processes them (these defaults are the bridge's), or left alone with `no_processing=True`. A step this model
+        cannot take (centring an RMSNorm model's writers) is skipped with a warning, as the bridge skips it. The
+        classic names work with or without it; the bridge's stay too. `disable_warnings` is accepted: probe has no
+        deprecation warnings for either set of names."""
+        if no_processing:
+            return
+        self.process_weights_(fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+                              center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+                              refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+
+    def process_weights(self, verbose: bool = False, fold_ln: bool = True, center_writing_weights: bool = True,
+                        center_unembed: bool = True, fold_value_biases: bool = True,
+                        refactor_factored_attn_matrices: bool = False) -> None:
+        """The bridge's `process_weights`: these steps applied in place (`process_weights_`; `verbose` is accepted).
+        `probe.process_weights(model)` returns a processed copy instead."""
+        self.process_weights_(fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+                              center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+                              refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+
+    def get_hook_point(self, hook_name: str) -> Optional[HookPoint]:
+        """The bridge's `get_hook_point`: the point a name (or alias) names, or None where there is none."""
+        try:
+            return self.hook_point(hook_name)
+        except UnknownNameError:
+            return None
+
+    def get_params(self) -> dict[str, torch.Tensor]:
+        """The bridge's `get_params` (what its SVDInterpreter reads): `tl_parameters()`."""
+        return self.tl_parameters()
+
+    def block_hooks(self, layer_idx: int) -> list[str]:
+        """The bridge's `block_hooks`: every name a hook in block `layer_idx` answers to, relative to the block, sorted."""
+        prefix = f"blocks.{layer_idx}."
+        names = [*self.hook_names, *self.hook_aliases]
+        return sorted({name[len(prefix):] for name in names if name.startswith(prefix)})
+
+    def blocks_with(self, submodule: str) -> list[tuple[int, Any]]:
+        """The bridge's `blocks_with`: (index, block) for the blocks that have `submodule` (`"mlp"`, `"ln1_post"`)."""
+        return [(index, block) for index, block in enumerate(self.blocks) if hasattr(block, submodule)]
+
+    @property
+    def attn_head_labels(self) -> list[str]:
+        """The bridge's head labels, "L{layer}H{head}" in layer order (every probe block has attention)."""
+        return [f"L{layer}H{head}" for layer in range(self.cfg.n_layers) for head in range(self.cfg.layer_heads(layer))]
+
+    def composition_layer_indices(self) -> list[int]:
+        """The bridge's layers with attention, along `all_composition_scores`' layer axes: every layer here."""
+        return list(range(self.cfg.n_layers))
+
+    def OV_for_attn_layers(self):
+        """The bridge's (layers with attention, their OV circuits): every layer's, `model.OV`."""
+        return self.composition_layer_indices(), self.OV
+
+    def QK_for_attn_layers(self):
+        """The bridge's (layers with attention, their QK circuits): every layer's, `model.QK`."""
+        return self.composition_layer_indices(), self.QK

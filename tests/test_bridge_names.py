@@ -1,0 +1,159 @@
+"""transformer-lens 4's own hook names, as TL 4 code writes them without compatibility mode (`blocks.0.hook_out`,
+`blocks.0.attn.q.hook_out`, `blocks.0.ln1.hook_out`, `unembed.hook_out`, ...), on a model loaded with TL 4's loading
+line, `HookedDecoder.boot_transformers` (probe/bridge_names.py, probe/tl_bridge.py). The oracle: TL 4's
+TransformerBridge booted over the same checkpoint, also without compatibility mode, on six block arrangements."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import probe
+from probe import HookedDecoder
+from probe.hooks import UnknownNameError
+from probe.tokenizer import Tokenizer
+from test_family_defaults import LLAMA_FILES
+from test_tokenizer_surface import tokenizer_dir
+from test_variants import build
+from tl_oracle import assert_same, booted
+
+FAMILIES = ("gpt2", "gpt1", "llama", "neox", "gemma2", "qwen3")  # learned/post-norm/GQA gated/parallel/sandwich/q-k norms
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    dirs = {"gpt2": probe.DEFAULT_MODEL}
+    for family in FAMILIES[1:]:
+        directory = tmp_path_factory.mktemp(family)
+        if family == "llama":  # the bridge needs a tokenizer it can load for Llama
+            directory = tokenizer_dir(directory / "checkpoint", *LLAMA_FILES)
+            build(family, directory, vocab_size=len(Tokenizer.from_directory(directory)))
+        else:
+            build(family, directory)
+        dirs[family] = directory
+    return dirs
+
+
+def native_bridge(directory):
+    from transformer_lens.model_bridge import TransformerBridge
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its deprecation warnings for the classic names
+        model = TransformerBridge.boot_transformers(str(directory), device="cpu")
+    return model.eval()
+
+
+def both(directory):
+    return HookedDecoder.boot_transformers(directory).eval(), native_bridge(directory)
+
+
+def tokens(model) -> torch.Tensor:
+    return torch.randint(3, min(model.cfg.d_vocab, 90), (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def classic_names(model) -> set[str]:
+    """probe's own point names that HookedTransformer has too (compared with the bridge in compatibility mode by the
+    other TL tests; some the bridge lays out otherwise without it)."""
+    return {name for name in model.hook_names if not model.hook_point(name).bridge_only}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_bridge_name_holds_the_bridges_value_or_says_what_to_hook(family, family_dirs):
+    ours, theirs = both(family_dirs[family])
+    toks = tokens(ours)
+    with torch.no_grad():
+        _, our_cache = ours.run_with_cache(toks)  # a cache of everything, as the bridge's lists its own names
+        _, their_cache = theirs.run_with_cache(toks)
+    compared = 0
+    for name in sorted(set(their_cache.keys()) - classic_names(ours)):
+        if name not in our_cache:
+            with pytest.raises(UnknownNameError, match=f"no hook point {name!r}: .*hook"):
+                ours.hook_point(name)  # left out, saying what to hook instead
+            continue
+        assert_same(our_cache[name], their_cache[name], what=f"{family}: {name}")
+        compared += 1
+    assert compared >= 22 * (family != "gpt1") + 12, f"{family}: only {compared} names compared"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_edits_at_bridge_names_do_what_they_do_on_the_bridge(family, family_dirs):
+    ours, theirs = both(family_dirs[family])
+    toks, last = tokens(ours), ours.cfg.n_layers - 1
+    names = ["embed.hook_out", "blocks.0.hook_out", f"blocks.{last}.hook_in", "blocks.0.ln1.hook_in",
+             "blocks.0.ln1.hook_out", "blocks.0.attn.hook_in", "blocks.0.attn.hook_out", "blocks.0.attn.q.hook_out",
+             "blocks.0.attn.v.hook_out", "blocks.0.attn.o.hook_in", "blocks.1.ln2.hook_in", "blocks.1.ln2.hook_out",
+             "blocks.1.mlp.hook_in", "blocks.1.mlp.in.hook_out", "blocks.1.mlp.out.hook_in", "blocks.1.mlp.hook_out",
+             "unembed.hook_in", "unembed.hook_out"]
+    names += {"gpt2": ["pos_embed.hook_out", "ln_final.hook_in", "ln_final.hook_out"],
+              "llama": ["blocks.1.mlp.gate.hook_out", "ln_final.hook_out"], "qwen3": ["blocks.0.mlp.gate.hook_out"],
+              "gemma2": ["blocks.0.ln1_post.hook_in", "blocks.1.ln2_post.hook_in", "blocks.1.ln2_post.hook_out"],
+              "gpt1": ["pos_embed.hook_out"], "neox": ["ln_final.hook_in"]}[family]
+    if family == "gpt1":
+        # the bridge's GPT-1 blocks never fire hook_out (nor cache it): probe's is hook_resid_post. Post-norm sublayers
+        # read the residual itself, so probe leaves their inputs out (test above: it says what to hook instead)
+        for name in ("blocks.0.hook_out", "blocks.0.attn.hook_in", "blocks.1.mlp.hook_in"):
+            names.remove(name)
+
+    def replace(x, hook):
+        return x * 1.25 + 0.05
+
+    def in_place(x, hook):
+        x[..., 1] += 0.5
+
+    with torch.no_grad():
+        for name in names:
+            # the bridge's position embeddings are one row per position broadcast over the batch: no in-place edit there
+            for edit in (replace,) if name == "pos_embed.hook_out" else (replace, in_place):
+                assert_same(ours.run_with_hooks(toks, fwd_hooks=[(name, edit)]),
+                            theirs.run_with_hooks(toks, fwd_hooks=[(name, edit)]), what=f"{family}: {edit.__name__} {name}")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma2"])
+def test_predicates_and_gradients_over_bridge_names(family, family_dirs):
+    ours, theirs = both(family_dirs[family])
+    toks = tokens(ours)
+    ends = lambda name: name.endswith(".hook_out")  # noqa: E731
+    with torch.no_grad():
+        _, our_cache = ours.run_with_cache(toks, names_filter=ends)
+        _, their_cache = theirs.run_with_cache(toks, names_filter=ends)
+    names = {name for name in their_cache.keys() if ends(name) and name in our_cache}
+    assert len(names) >= 20 and {name for name in our_cache.keys() if ends(name)} <= set(their_cache.keys())
+    for name in names:
+        assert_same(our_cache[name], their_cache[name], what=f"{family}: {name} by predicate")
+    grads = {}
+    for model, side in ((ours, "ours"), (theirs, "theirs")):
+        def keep(grad, hook, side=side):
+            grads[side, hook.name] = grad.detach().clone()
+
+        with model.hooks(bwd_hooks=[("blocks.0.hook_out", keep), ("blocks.1.ln1.hook_out", keep)]):
+            model(toks, return_type="loss").backward()
+    assert_same(sorted(v.sum().item() for (side, _), v in grads.items() if side == "ours"),
+                sorted(v.sum().item() for (side, _), v in grads.items() if side == "theirs"), what="gradients")
+
+
+def test_transformer_lens_4s_loading_line_and_compatibility_mode(family_dirs):
+    directory = family_dirs["gpt2"]
+    ours = HookedDecoder.boot_transformers(directory, device="cpu", dtype=torch.float32).eval()
+    classic = HookedDecoder.from_pretrained(directory).eval()
+    toks = tokens(ours)
+    with torch.no_grad():
+        assert_same(ours(toks), classic(toks), what="booted: the checkpoint's own weights")
+        _, plain = classic.run_with_cache(toks)
+        assert not any(name.endswith(("hook_in", "hook_out")) for name in plain)  # HookedTransformer's names alone
+        assert plain["blocks.0.hook_out"] is plain["blocks.0.hook_resid_post"]  # but they answer to the bridge's
+        named = classic.run_with_cache(toks, names_filter=["blocks.0.ln1.hook_out", "unembed.hook_in"])[1]  # by name
+        assert_same(named["blocks.0.ln1.hook_out"], ours.run_with_cache(toks)[1]["blocks.0.attn.hook_in"])
+        assert_same(named["unembed.hook_in"], plain["ln_final.hook_normalized"] * classic.ln_final.w + classic.ln_final.b)
+    # HookedTransformer code attaching a hook to every hook_dict entry attaches it once per point; the bridge lists both
+    assert "blocks.0.hook_out" not in classic.hook_dict and "blocks.0.hook_out" in ours.hook_dict
+    assert ours.hook_dict["blocks.0.hook_out"] is ours.hook_dict["blocks.0.hook_resid_post"]
+    ours.enable_compatibility_mode()
+    processed = booted(directory)  # the bridge's compatibility mode with its defaults: HookedTransformer's processing
+    with torch.no_grad():
+        assert_same(ours(toks), processed(toks), what="compatibility mode")
+        assert_same(ours.run_with_cache(toks)[1]["blocks.1.hook_out"],
+                    processed.run_with_cache(toks)[1]["blocks.1.hook_out"], what="processed cache by the bridge's name")
+    for keyword, value in (("hf_config_overrides", {"n_ctx": 8}), ("load_weights", False), ("n_ctx", 8)):
+        with pytest.raises(TypeError, match=f"does not take {keyword}="):
+            HookedDecoder.boot_transformers(directory, **{keyword: value})
