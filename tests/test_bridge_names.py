@@ -157,3 +157,33 @@ def test_transformer_lens_4s_loading_line_and_compatibility_mode(family_dirs):
     for keyword, value in (("hf_config_overrides", {"n_ctx": 8}), ("load_weights", False), ("n_ctx", 8)):
         with pytest.raises(TypeError, match=f"does not take {keyword}="):
             HookedDecoder.boot_transformers(directory, **{keyword: value})
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma2"])
+def test_the_bridges_model_methods(family, family_dirs):
+    """The bridge's own conveniences over names and weights, as TL 4's composition-score and SVD tools call them."""
+    ours, theirs = both(family_dirs[family])
+    left_out = set(theirs.block_hooks(0)) - set(ours.block_hooks(0))
+    assert left_out and all(ours.get_hook_point(f"blocks.0.{name}") is None for name in left_out)
+    with pytest.raises(UnknownNameError, match="no hook point"):
+        ours.hook_point(f"blocks.0.{sorted(left_out)[0]}")  # each left out with its reason
+    assert set(ours.block_hooks(0)) <= set(theirs.block_hooks(0))
+    assert ours.get_hook_point("blocks.0.hook_out") is ours.get_hook_point("blocks.0.hook_resid_post")
+    assert ours.get_hook_point("blocks.0.no_such_point") is theirs.get_hook_point("blocks.0.no_such_point") is None
+    our_params, their_params = ours.get_params(), theirs.get_params()
+    assert {name.split(".")[-2] for name in set(our_params) - set(their_params)} <= {"ln1_post", "ln2_post"}
+    # Gemma's norms multiply by 1 + w and store w: probe's (and HookedTransformer's) weight is the 1 + w they multiply by
+    stored = {name: our_params[name] - float(name.endswith(".w") and family == "gemma2") for name in their_params}
+    assert_same(stored, their_params, what="get_params")
+    assert ours.attn_head_labels == theirs.attn_head_labels
+    assert ours.composition_layer_indices() == theirs.composition_layer_indices()
+    for which in ("OV_for_attn_layers", "QK_for_attn_layers"):
+        (our_layers, our_circuit), (their_layers, their_circuit) = getattr(ours, which)(), getattr(theirs, which)()
+        assert our_layers == their_layers
+        assert_same(our_circuit.AB, their_circuit.AB, what=which)
+    for submodule in ("mlp", "ln1_post"):
+        assert [i for i, _ in ours.blocks_with(submodule)] == [i for i, _ in theirs.blocks_with(submodule)]
+    ours.process_weights(), theirs.process_weights()
+    toks = tokens(ours)
+    with torch.no_grad():
+        assert_same(ours(toks), theirs(toks), what="process_weights")
