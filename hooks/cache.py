@@ -1,7 +1,7 @@
 """ActivationCache: a read-only mapping from hook name to a detached activation."""
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Optional, Union
 
@@ -18,40 +18,52 @@ class ActivationCache(Mapping[str, torch.Tensor]):
     """
 
     _aliases: Mapping[str, str] = MappingProxyType({})  # (class defaults: caches pickled before aliases had none)
-    _lists_aliases = False
+    _listed: Optional[tuple[str, ...]] = None
 
     def __init__(self, activations: Mapping[str, torch.Tensor], aliases: Optional[Mapping[str, str]] = None,
-                 lists_aliases: bool = False):
+                 listed: Optional[Sequence[str]] = None):
         self._acts = dict(activations)
-        # {alias: name}: another library's names for the cached points answer too (transformer-lens 4's bridge names);
-        # `lists_aliases` also lists them among the keys, once per alias of a cached point, as the bridge's cache does
+        # {alias: name}: another library's names for the cached points (transformer-lens 4's bridge names) answer too
         self._aliases = aliases or {}
-        self._lists_aliases = lists_aliases
+        # the names the cache lists, as its caller selected the points by them (aliases among them); None: their own
+        self._listed = None if listed is None else tuple(listed)
+
+    def own_name(self, name: str) -> Optional[str]:
+        """The stored name `name` stands for (itself, or the point an alias names; `<alias>_grad` its gradient's), or
+        None when nothing under it is stored."""
+        if name in self._acts:
+            return name
+        target = self._aliases.get(name)
+        if target is None and isinstance(name, str) and name.endswith("_grad"):
+            target = self._aliases.get(name[:-len("_grad")])
+            target = None if target is None else target + "_grad"
+        return target if target in self._acts else None
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        try:
-            return self._acts[name]
-        except KeyError:
-            pass
-        if self._aliases.get(name) in self._acts:
-            return self._acts[self._aliases[name]]
-        raise unknown_name_error(name, list(self._acts), what="cached activation") from None
+        own = self.own_name(name)
+        if own is None:
+            raise unknown_name_error(name, list(self), what="cached activation")
+        return self._acts[own]
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._acts
-        if self._lists_aliases:
-            yield from (alias for alias, name in self._aliases.items() if name in self._acts)
+        if self._listed is None:
+            yield from self._acts
+            return
+        listed = [name for name in self._listed if self.own_name(name) is not None]
+        yield from listed
+        yield from (name + "_grad" for name in listed if self.own_name(name + "_grad") is not None)
 
     def __len__(self) -> int:
-        return len(self._acts) + (sum(name in self._acts for name in self._aliases.values()) if self._lists_aliases else 0)
+        return len(self._acts) if self._listed is None else sum(1 for _ in self)
 
     def __repr__(self) -> str:
         return f"ActivationCache({len(self)} activations, {self.nbytes / 2**20:.1f} MiB)"
 
     @property
     def cache_dict(self) -> dict[str, torch.Tensor]:
-        """The name -> tensor dict itself, as transformer-lens's `cache.cache_dict` (an edit shows in the cache)."""
-        return self._acts
+        """The name -> tensor dict itself, as transformer-lens's `cache.cache_dict` (an edit shows in the cache); for
+        a cache that lists other names than the points' own (bridge names), a dict of what it lists."""
+        return self._acts if self._listed is None else dict(self.items())
 
     @property
     def nbytes(self) -> int:

@@ -86,6 +86,7 @@ class HookHandle:
         # a scoped hook runs only in the context (thread) that attached it; a persistent one everywhere
         self.owner = None if self.persistent else current_owner()
         self.removed = False  # a backward pass after the block ended must not run it
+        self.seen_as: Optional[PointUnderName] = None  # what the hook gets as `hook` when attached by an alias
 
     @property
     def direction(self) -> str:
@@ -97,6 +98,33 @@ class HookHandle:
             self.registry.remove(self)  # by identity: handles define no equality
         except ValueError:  # removed already
             pass
+
+
+class PointUnderName:
+    """A hook point under another of its names (an alias, such as transformer-lens 4's bridge names): what a hook
+    attached by that name sees, and what the name reaches as an attribute (`model.blocks[0].hook_out`). `name` is the
+    alias, so a hook that stores what it sees under `hook.name` stores it where its caller will look, and hooks added
+    through it see the alias too. Everything else (`ctx`, `layer()`, `remove_hooks`, ...) is the point's own."""
+
+    __slots__ = ("point", "name")
+
+    def __init__(self, point: "HookPoint", name: str):
+        self.point, self.name = point, name
+
+    def __getattr__(self, attribute: str):
+        if attribute in PointUnderName.__slots__ or attribute.startswith("__"):  # unset while copying or unpickling
+            raise AttributeError(attribute)
+        return getattr(self.point, attribute)
+
+    def add(self, fn: HookFn, backward: bool = False, **keywords) -> "HookHandle":
+        return self.point.add(fn, backward, **{"as_name": self.name, **keywords})
+
+    def add_hook(self, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level=None,
+                 prepend: bool = False) -> "HookHandle":
+        return self.point.add_hook(hook, dir, is_permanent, level, prepend, as_name=self.name)
+
+    def __repr__(self) -> str:
+        return f"HookPoint(name={self.name!r}, also {self.point.name!r})"
 
 
 def takes_hook_by_keyword(fn: Callable) -> bool:
@@ -194,23 +222,27 @@ class HookPoint(nn.Module):
         return bool(_visible(self._fns) or _visible(self._bwd_fns))
 
     def add(self, fn: HookFn, backward: bool = False, *, persistent: bool = False, permanent: bool = False,
-            prepend: bool = False) -> HookHandle:
+            prepend: bool = False, as_name: Optional[str] = None) -> HookHandle:
         """Attach `fn` and return its handle; it runs until `handle.remove()` (what `hooks()` blocks do on exit)
         or, for any hook but a permanent one, the owning model's `reset_hooks()`. Prefer `model.hooks(...)`,
-        which removes it for you; `persistent=True` marks a hook meant to stay (listed by `model.persistent_hooks()`)."""
+        which removes it for you; `persistent=True` marks a hook meant to stay (listed by `model.persistent_hooks()`).
+        `as_name`: another name of this point (an alias) the hook was attached by, which it then sees as `hook.name`."""
         if not callable(fn):
             what = "grad" if backward else "activation"
             raise TypeError(f"hook for {self.name!r} must be callable as fn({what}, hook), got {type(fn).__name__}")
         handle = HookHandle(self._bwd_fns if backward else self._fns, fn, backward, persistent, permanent)
+        if as_name is not None and as_name != self.name:
+            handle.seen_as = PointUnderName(self, as_name)
         handle.registry.insert(0 if prepend else len(handle.registry), handle)
         return handle
 
     # ---- transformer-lens's hook-point surface ------------------------------------------------
     def add_hook(self, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level=None,
-                 prepend: bool = False) -> HookHandle:
+                 prepend: bool = False, as_name: Optional[str] = None) -> HookHandle:
         """transformer-lens's `HookPoint.add_hook`: attach `hook(tensor, hook)` until `remove_hooks()` or the model's
         `reset_hooks()` (permanent hooks: until `including_permanent=True`). `level` (TL's context level) is ignored."""
-        return self.add(hook, backward=_backward(dir), persistent=True, permanent=is_permanent, prepend=prepend)
+        return self.add(hook, backward=_backward(dir), persistent=True, permanent=is_permanent, prepend=prepend,
+                        as_name=as_name)
 
     def add_perma_hook(self, hook: HookFn, dir: str = "fwd") -> HookHandle:
         """transformer-lens's `HookPoint.add_perma_hook`: `add_hook(hook, dir, is_permanent=True)`, a hook that
@@ -296,9 +328,9 @@ class HookPoint(nn.Module):
 
     def _apply_hook(self, handle: HookHandle, x: torch.Tensor, what: str) -> torch.Tensor:
         """The hook's replacement for x, checked, or x itself when it returns None."""
-        fn = handle.fn
+        fn, point = handle.fn, handle.seen_as or self
         try:
-            out = fn(x, hook=self) if handle.by_keyword else fn(x, self)
+            out = fn(x, hook=point) if handle.by_keyword else fn(x, point)
         except Exception as err:
             if hasattr(err, "add_note"):  # Python 3.11+: say where the user's hook failed, keep its type
                 err.add_note(f"raised by the hook {getattr(fn, '__name__', fn)!r} on {self.name!r}")

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Union
+
+# what selects hook points: a name, a list of names, or a predicate on names
+NameFilter = Union[str, Sequence[str], Callable[[str], bool]]
 
 
 class UnknownNameError(KeyError):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Optional, Union
 
@@ -10,11 +10,9 @@ import torch
 from torch import nn
 
 from probe.hooks.cache import ActivationCache, stored_tensor
-from probe.hooks.caching_hooks import CachingHooks
-from probe.hooks.hook_point import HookFn, HookHandle, HookPoint, Store
-from probe.hooks.names import UnknownNameError, unknown_name_error
-
-NameFilter = Union[str, Sequence[str], Callable[[str], bool]]
+from probe.hooks.hook_point import HookFn, HookPoint, Store
+from probe.hooks.names import NameFilter, UnknownNameError, unknown_name_error
+from probe.hooks.persistent_hooks import PersistentHooks
 
 
 def _the_output(out: torch.Tensor) -> torch.Tensor:
@@ -25,7 +23,7 @@ class CacheTooLargeError(MemoryError):
     """A cache that would exceed the allowed size; raised before the forward pass starts."""
 
 
-class HookedRootModule(CachingHooks, nn.Module):
+class HookedRootModule(PersistentHooks, nn.Module):
     """Base class for a model whose intermediates pass through HookPoints.
 
     Call `setup_hooks()` at the end of `__init__`: it names every HookPoint by its module path.
@@ -150,8 +148,9 @@ class HookedRootModule(CachingHooks, nn.Module):
         try:
             for hook_list, backward in ((fwd_hooks, False), (bwd_hooks, True)):
                 for names, fn in hook_list:
-                    for name in self.select_hook_names(names):
-                        handles.append(self.hook_point(name).add(fn, backward=backward, persistent=not reset_hooks_end))
+                    for name in self.names_to_attach(names):
+                        handles.append(self.hook_point(name).add(fn, backward=backward, persistent=not reset_hooks_end,
+                                                                 as_name=name))
             yield self
             succeeded = True
         finally:
@@ -163,53 +162,45 @@ class HookedRootModule(CachingHooks, nn.Module):
             if clear_contexts:
                 self.clear_contexts()
 
-    # ---- persistent hooks, as transformer-lens has them ----------------------------------------
-    def add_hook(self, name: NameFilter, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level=None,
-                 prepend: bool = False) -> None:
-        """transformer-lens's `add_hook`: attach `hook` to a point (a name, a list of names or a predicate) until
-        `reset_hooks()`; `is_permanent=True` keeps it through `reset_hooks()` too. Unlike `hooks()` and
-        `run_with_hooks`, nothing removes it for you: `persistent_hooks()` lists what is attached."""
-        for point_name in self.select_hook_names(name):
-            self.hook_point(point_name).add_hook(hook, dir=dir, is_permanent=is_permanent, prepend=prepend)
+    # with bridge_names on, which name a hook that a predicate attaches sees as hook.name: the bridge's own (as its
+    # hooks do) or, in its compatibility mode, the classic one
+    bridge_names_first: bool = True
 
-    def add_perma_hook(self, name: NameFilter, hook: HookFn, dir: str = "fwd") -> None:
-        self.add_hook(name, hook, dir=dir, is_permanent=True)
+    def names_to_attach(self, names: Optional[NameFilter]) -> list[str]:
+        """The names a filter attaches hooks by, one per point, which each hook sees as `hook.name`: as written where
+        the filter names points (an alias stays an alias), each point's own name where a predicate selects it; with
+        `bridge_names` on, the first name of the point's the predicate accepts, its bridge names first unless
+        `bridge_names_first` is off."""
+        if names is None or callable(names):
+            selected = self.select_hook_names(names)
+            if not self.bridge_names:
+                return selected
+            accepts = names or (lambda name: True)
+            return [next(name for name in self._names_of(own) if accepts(name)) for own in selected]
+        written = [names] if isinstance(names, str) else list(names)
+        for name in written:
+            self.hook_point(name)  # an unknown name fails here, before anything is attached
+        return written
 
-    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
-                    level=None) -> None:
-        """Remove every hook (forward, backward or both) but permanent ones, including those of `with` blocks
-        still open (they would be removed at the block's end anyway), as transformer-lens's `reset_hooks`."""
-        for point in self._all_points.values():
-            point.remove_hooks(direction, including_permanent=including_permanent)
-        if clear_contexts:
-            self.clear_contexts()
+    def names_to_list(self, names: Optional[NameFilter], selected: list[str]) -> Optional[list[str]]:
+        """The names a cache of the `selected` points lists, given the filter that selected them: the names a filter
+        gave, as given; those a predicate accepted; every name of every point for a cache of everything. None: the
+        points' own names (all there are without `bridge_names`, for predicates and caches of everything)."""
+        if isinstance(names, str):
+            return [names]
+        if names is not None and not callable(names):
+            return list(dict.fromkeys(names))
+        if not self.bridge_names:
+            return None
+        return [name for own in selected for name in self._names_of(own) if names is None or names(name)]
 
-    def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False, level=None) -> None:
-        self.reset_hooks(clear_contexts=False, direction=direction, including_permanent=including_permanent)
+    def _names_of(self, own: str) -> tuple[str, ...]:
+        """Every name of the point called `own`, in the order a hook would see them (names_to_attach)."""
+        aliases = self._aliases_of.get(own, ())
+        # a point only the bridge has is already called by the bridge's name
+        first = self.bridge_names_first and not self.hook_point(own).bridge_only
+        return (*aliases, own) if first else (own, *aliases)
 
-    def clear_contexts(self) -> None:
-        for point in self._all_points.values():
-            point.clear_context()
-
-    def persistent_hooks(self) -> list[tuple[str, str, HookFn, bool]]:
-        """(point name, "fwd" or "bwd", fn, permanent) for every hook attached with `add_hook` (or kept by
-        `reset_hooks_end=False`): what stays attached after the call that added it."""
-        return [(name, handle.direction, handle.fn, handle.permanent)
-                for name, point in self._all_points.items() for handle in point.handles if handle.persistent]
-
-    def list_hooks(self, name_filter: Optional[NameFilter] = None, dir: str = "both",
-                   including_permanent: bool = True) -> dict[str, list[HookHandle]]:
-        """transformer-lens's `list_hooks`: the hooks attached now (scoped, persistent and permanent ones), by point
-        name, points without any left out; `dir` "fwd", "bwd" or "both"; `name_filter` as run_with_cache's names."""
-        if dir not in ("fwd", "bwd", "both"):
-            raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', got {dir!r}")
-        if name_filter is None or callable(name_filter):
-            names = [n for n in self._all_points if name_filter is None or name_filter(n)]
-        else:
-            names = [self.hook_point(n).name for n in ([name_filter] if isinstance(name_filter, str) else name_filter)]
-        listed = {name: [h for h in self._all_points[name].handles if dir in ("both", h.direction)
-                         and (including_permanent or not h.permanent)] for name in names}
-        return {name: handles for name, handles in listed.items() if handles}
 
     @property
     def hook_dict(self) -> dict[str, HookPoint]:
@@ -354,7 +345,7 @@ class HookedRootModule(CachingHooks, nn.Module):
             if batches - {1}:
                 raise ValueError(f"remove_batch_dim=True needs a batch of one prompt, got batch sizes {sorted(batches)}")
             store = {name: t[0] for name, t in store.items()}
-        cache = self.make_cache(store, has_batch_dim=not remove_batch_dim)
+        cache = self.make_cache(store, has_batch_dim=not remove_batch_dim, listed=self.names_to_list(names, selected))
         return out, (cache if return_cache_object else dict(cache.items()))
 
     def slice_cached_positions(self, store: dict[str, torch.Tensor], pos_slice: Any) -> dict[str, torch.Tensor]:
@@ -362,9 +353,11 @@ class HookedRootModule(CachingHooks, nn.Module):
         raise TypeError(f"{type(self).__name__}.run_with_cache does not take pos_slice=: this model does not say where "
                         "its activations' position axes are; slice the cached tensors afterwards")
 
-    def make_cache(self, activations: dict[str, torch.Tensor], has_batch_dim: bool = True) -> ActivationCache:
-        """The cache object run_with_cache returns (models override this to give theirs more methods)."""
-        return ActivationCache(activations)
+    def make_cache(self, activations: dict[str, torch.Tensor], has_batch_dim: bool = True,
+                   listed: Optional[list[str]] = None) -> ActivationCache:
+        """The cache object run_with_cache returns (models override this to give theirs more methods); `listed`: the
+        names it lists (see `names_to_list`)."""
+        return ActivationCache(activations, self._aliases, listed)
 
     @staticmethod
     def _cache_gradients(out: Any, grads_of: Callable[[Any], torch.Tensor], live: dict[str, torch.Tensor],

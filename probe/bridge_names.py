@@ -9,7 +9,10 @@ HookedTransformer never hooked, are points of their own (`bridge_only`). The bri
 for are listed with what to hook instead, so asking for one says so rather than "unknown name"."""
 from __future__ import annotations
 
+from torch import nn
+
 from probe.config import DecoderConfig, NormPlacement, Positions
+from probe.hooks import PointUnderName
 
 _ROTARY = ("the rotary angles depend on the positions alone, and probe does not hook them; the rotated queries and "
            "keys are blocks.{l}.attn.hook_rot_q / hook_rot_k")
@@ -95,3 +98,53 @@ def _block_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, 
     else:
         aliases[f"{b}.mlp.in.hook_out"] = f"{b}.mlp.hook_pre"
     return aliases, left_out
+
+
+class BridgeSubmodule:
+    """A submodule the bridge has and probe does not (`attn.q`, `mlp.out`), holding the hook points its names name as
+    attributes, so that `model.blocks[0].attn.q.hook_out` is `model.blocks[0].attn.hook_q`, as TL 4 code reaches it.
+    A name probe leaves out raises an AttributeError saying what to hook instead."""
+
+    def __init__(self, path: str, left_out: dict[str, str]):
+        self._path, self._left_out = path, left_out
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        why = self._left_out.get(f"{self._path}.{name}", "the bridge has no such point either")
+        raise AttributeError(f"no hook point {self._path}.{name}: {why}")
+
+    def __repr__(self) -> str:
+        return f"BridgeSubmodule({self._path!r})"
+
+
+def describe_blocks_as_the_bridge(model: nn.Module) -> None:
+    """What transformer-lens 4's analysis tools read off the bridge's blocks before trusting a decomposition: every
+    probe block's output is one residual stream (its `logit_lens` and `logit_readout` need that), and a sandwich
+    block's attention write passes ln1_post after the head sum (its direct-path and edge tools then refuse the block,
+    as probe's own per-head decompositions refuse it)."""
+    for block in model.blocks:
+        object.__setattr__(block, "hook_out_is_single_residual_stream", True)
+        if hasattr(block, "ln1_post"):
+            object.__setattr__(block, "submodules", {"ln1": block.ln1, "attn": block.attn, "ln1_post": block.ln1_post})
+            object.__setattr__(block, "hook_aliases", {"hook_attn_out": "ln1_post.hook_out"})
+
+
+def attach_bridge_attributes(model: nn.Module, aliases: dict[str, str], left_out: dict[str, str]) -> None:
+    """Each alias as an attribute path too (`model.blocks[0].hook_out`), as TL 4 code writes them: plain attributes,
+    not submodules, so the module tree, the state dict and `named_modules()` stay probe's. A path through one of
+    torch's own modules (the gated MLP's `gate` Linear) is left to the string name."""
+    for alias, target in aliases.items():
+        *path, last = alias.split(".")
+        owner = model
+        for depth, part in enumerate(path):
+            child = owner[int(part)] if part.isdigit() else getattr(owner, part, None)
+            if child is None:
+                child = BridgeSubmodule(".".join(path[:depth + 1]), left_out)
+                object.__setattr__(owner, part, child)
+            elif not (isinstance(child, (BridgeSubmodule, nn.ModuleList)) or type(child).__module__.startswith("probe.")):
+                break  # never decorate torch's own layers
+            owner = child
+        else:
+            if not hasattr(owner, last):
+                object.__setattr__(owner, last, PointUnderName(model.hook_point(target), alias))

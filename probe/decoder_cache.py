@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import re
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -38,11 +38,9 @@ class DecoderCache(StackMethods, ActivationCache):
     gradients `cache["resid_pre_grad", 0]` as well as `cache["blocks.0.hook_resid_pre_grad"]`.
     """
 
-    def __init__(self, activations: Mapping[str, torch.Tensor], model=None, has_batch_dim: bool = True):
-        if model is None:
-            super().__init__(activations)
-        else:
-            super().__init__(activations, model.hook_aliases, lists_aliases=model.bridge_names)
+    def __init__(self, activations: Mapping[str, torch.Tensor], model=None, has_batch_dim: bool = True,
+                 listed: Optional[Sequence[str]] = None):
+        super().__init__(activations, None if model is None else model.hook_aliases, listed)
         self._model = None if model is None else weakref.ref(model)
         self.has_batch_dim = has_batch_dim
         self._cfg = None if model is None else model.cfg  # frozen and tensor-free: the architecture, not the model
@@ -50,7 +48,7 @@ class DecoderCache(StackMethods, ActivationCache):
     def _like(self, activations: Mapping[str, torch.Tensor], has_batch_dim: bool) -> "DecoderCache":
         new = DecoderCache(activations, has_batch_dim=has_batch_dim)
         new._model, new._cfg = self._model, self._cfg
-        new._from_file, new._aliases, new._lists_aliases = self._from_file, self._aliases, self._lists_aliases
+        new._from_file, new._aliases, new._listed = self._from_file, self._aliases, self._listed
         return new
 
     _from_file = False  # True once unpickled: the cache then has no model, and says why
@@ -91,10 +89,8 @@ class DecoderCache(StackMethods, ActivationCache):
 
     def _name(self, key) -> str:
         """The full hook name a key stands for, or an UnknownNameError saying what is wrong with it."""
-        if isinstance(key, str) and key in self._acts:
-            return key
-        if isinstance(key, str) and self._aliases.get(key) in self._acts:
-            return self._aliases[key]
+        if isinstance(key, str) and self.own_name(key) is not None:
+            return self.own_name(key)
         if isinstance(key, str):
             name, problem = self._short_name(key)
         elif isinstance(key, tuple) and 1 <= len(key) <= 3 and isinstance(key[0], str):

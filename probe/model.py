@@ -12,7 +12,7 @@ from torch import nn
 from probe.hooks import HookedRootModule, HookPoint
 
 from probe.blocks import BLOCKS, AttnOnlyBlock
-from probe.bridge_names import bridge_names
+from probe.bridge_names import attach_bridge_attributes, bridge_names, describe_blocks_as_the_bridge
 from probe.config import DecoderConfig, Positions
 from probe.decoder_cache import DecoderCache
 from probe.embedding import Embed, Unembed, make_pos_embed
@@ -57,7 +57,10 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSur
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
         self.init_weights()
-        self.setup_hooks(*bridge_names(cfg))
+        aliases, left_out = bridge_names(cfg)  # transformer-lens 4's own names for the points
+        self.setup_hooks(aliases, left_out)
+        attach_bridge_attributes(self, aliases, left_out)
+        describe_blocks_as_the_bridge(self)
         use_tl_layout(self)  # state_dict() in transformer-lens's names and shapes; load_state_dict takes both layouts
         self.follow_config_switches()
         if cfg.device != "cpu" or cfg.dtype not in (None, torch.float32):  # a config that names them, as TL's can
@@ -181,8 +184,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSur
                              f"[batch pos d_model]")
         return given
 
-    def make_cache(self, activations, has_batch_dim: bool = True) -> DecoderCache:
-        return DecoderCache(activations, self, has_batch_dim)
+    def make_cache(self, activations, has_batch_dim: bool = True, listed=None) -> DecoderCache:
+        return DecoderCache(activations, self, has_batch_dim, listed)
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() / .half(): cfg.device follows the weights, as transformer-lens code expects of model.cfg.device

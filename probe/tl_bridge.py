@@ -61,6 +61,7 @@ class BridgeSurface:
         cannot take (centring an RMSNorm model's writers) is skipped with a warning, as the bridge skips it. The
         classic names work with or without it; the bridge's stay too. `disable_warnings` is accepted: probe has no
         deprecation warnings for either set of names."""
+        self.bridge_names_first = False  # the bridge's hooks see the classic names from here on, where there are any
         if no_processing:
             return
         self.process_weights_(fold_ln=fold_ln, center_writing_weights=center_writing_weights,

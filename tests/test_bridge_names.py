@@ -187,3 +187,116 @@ def test_the_bridges_model_methods(family, family_dirs):
     toks = tokens(ours)
     with torch.no_grad():
         assert_same(ours(toks), theirs(toks), what="process_weights")
+
+
+def test_a_hook_attached_by_a_bridge_name_sees_that_name(family_dirs):
+    """TL 4 code keeps what a hook sees under `hook.name` and reads it back by the name it hooked."""
+    ours, theirs = both(family_dirs["gpt2"])
+    toks = tokens(ours)
+    names = ["blocks.0.hook_out", "blocks.1.attn.q.hook_out", "blocks.0.ln1.hook_out", "unembed.hook_out"]
+    kept = []
+    for model in (ours, theirs):
+        store, layers = {}, {}
+
+        def keep(x, hook, store=store, layers=layers):
+            store[hook.name] = x.detach().clone()
+            layers[hook.name] = hook.layer() if hook.name.startswith("blocks.") else None
+            hook.ctx["seen"] = True
+
+        with torch.no_grad():
+            model.run_with_hooks(toks, fwd_hooks=[(name, keep) for name in names])
+            model.add_hook("blocks.1.hook_in", keep)
+            model(toks)
+        model.reset_hooks(clear_contexts=False)
+        kept.append((store, layers))
+    assert_same(kept[0], kept[1], what="kept by hook.name")
+    assert set(kept[0][0]) == {*names, "blocks.1.hook_in"}
+    assert ours.hook_point("blocks.0.hook_resid_post").ctx == {"seen": True}  # the point's own ctx
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
+def test_bridge_names_as_attributes_and_transformer_lens_4s_own_tools(family, family_dirs):
+    """TL 4 code reaching points as attributes (`model.blocks[0].hook_out.add_hook(...)`) and TL 4's analysis tools,
+    which read the bridge's description of its blocks."""
+    from transformer_lens.tools.analysis import get_act_patch_direct_path, logit_lens, logit_readout
+
+    ours, theirs = both(family_dirs[family])
+    toks = tokens(ours)
+    seen = []
+    for model in (ours, theirs):
+        store = {}
+
+        def keep(x, hook, store=store):
+            store[hook.name] = x.detach().clone()
+
+        block = model.blocks[1]
+        for point in (block.hook_out, block.attn.hook_out, block.attn.q.hook_out, block.attn.o.hook_in,
+                      block.mlp.out.hook_in, model.embed.hook_out, model.unembed.hook_out):
+            point.add_hook(keep)
+        with torch.no_grad():
+            model(toks)
+        model.reset_hooks()
+        seen.append(store)
+    assert_same(seen[0], seen[1], what="kept through attributes")
+    with pytest.raises(AttributeError, match="reads one input for q, k and v"):
+        ours.blocks[0].attn.q.hook_in  # left out, saying what to hook
+    if family == "gemma2":  # ln1_post between the head sum and the residual: both refuse direct paths
+        for model in (ours, theirs):
+            model.enable_compatibility_mode(no_processing=True)
+            with torch.no_grad():
+                _, clean = model.run_with_cache(toks)
+            with pytest.raises(ValueError, match="ln1_post"):
+                get_act_patch_direct_path(model, toks, clean, clean, lambda logits: logits[:, -1, 0].mean(), 0, 0, "q")
+        return
+    with torch.no_grad():
+        assert_same(logit_lens(ours, toks[:1]).readout.values, logit_lens(theirs, toks[:1]).readout.values,
+                    what="TL 4's logit_lens")
+        directions = torch.randn(3, ours.cfg.d_model, generator=torch.Generator().manual_seed(0))
+        assert_same(logit_readout(ours, directions).values, logit_readout(theirs, directions).values,
+                    what="TL 4's logit_readout")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "neox"])
+def test_filtered_caches_list_and_hooks_see_the_names_the_filter_accepted(family, family_dirs):
+    """A cache lists the names its filter accepted (bridge names among them), gradients included, and a hook a
+    predicate attaches sees the name it accepted: the bridge's own names, or after compatibility mode the classic
+    ones, as on the bridge."""
+    ours, theirs = both(family_dirs[family])
+    toks = tokens(ours)
+    filters = ["blocks.0.hook_out", ["blocks.1.attn.hook_out", "blocks.0.hook_resid_post", "unembed.hook_in"],
+               lambda name: name.endswith(("blocks.0.mlp.hook_out", "attn.q.hook_out")),
+               # (hook_result left out: a predicate selects it on probe, and TL fires it only with its switch on)
+               # masked scores are -inf here, the dtype's minimum there; TL 3's rotated q and k are probe's alone
+               lambda name: name.startswith("blocks.1.") and "attn" in name and not name.endswith(
+                   ("hook_result", "hook_attn_scores", "hook_rot_q", "hook_rot_k"))]
+    for names in filters:
+        caches = [model.run_with_cache(toks, names_filter=names)[1] for model in (ours, theirs)]
+        if callable(names):  # the bridge lists the names its predicate accepted (of the points both have)
+            assert (sorted(name for name in caches[0].keys() if theirs.get_hook_point(name))
+                    == sorted(name for name in caches[1].keys() if ours.get_hook_point(name)))
+        else:  # and those given (with a classic name, its own as well: probe lists the names given alone)
+            assert sorted(caches[0].keys()) == sorted([names] if isinstance(names, str) else names)
+            assert set(caches[0].keys()) <= set(caches[1].keys())
+        assert len(caches[0]) == len(caches[0].keys())
+        assert_same(dict(caches[0].items()), {name: caches[1][name] for name in caches[0].keys()}, what=str(names))
+    with_grads = [model.run_with_cache(toks, return_type="loss", incl_bwd=True, names_filter=["blocks.0.hook_out"])[1]
+                  for model in (ours, theirs)]
+    assert sorted(with_grads[0].keys()) == sorted(with_grads[1].keys()) == ["blocks.0.hook_out", "blocks.0.hook_out_grad"]
+    assert_same(with_grads[0]["blocks.0.hook_out_grad"], with_grads[1]["blocks.0.hook_out_grad"], what="gradient")
+    everything = lambda name: True  # noqa: E731
+    for compatibility in (False, True):
+        kept = []
+        for model in (ours, theirs):
+            if compatibility:
+                model.enable_compatibility_mode(no_processing=True)
+            store = {}
+            model.add_hook(everything, lambda x, hook, store=store: store.__setitem__(hook.name, x.detach().clone()))
+            with torch.no_grad():
+                model(toks)
+            model.reset_hooks()
+            kept.append(store)
+        # (the bridge's compatibility mode shows most points by their classic names, but not blocks.l.hook_in / _out)
+        read = (["blocks.0.hook_attn_out", "blocks.1.attn.hook_z", "blocks.1.attn.hook_q", "hook_embed"] if compatibility else
+                ["blocks.0.hook_out", "blocks.1.attn.o.hook_in", "embed.hook_out", "blocks.0.ln1.hook_out"])
+        assert_same({name: kept[0][name] for name in read}, {name: kept[1][name] for name in read},
+                    what=f"kept by hook.name, compatibility mode {compatibility}")

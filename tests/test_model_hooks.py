@@ -260,7 +260,8 @@ def test_hook_shapes_predict_the_cache(tiny_model, tokens):
     assert per_head["blocks.1.ln1.hook_scale"] == (*tokens.shape, tiny_model.cfg.n_heads, 1)
     assert per_head["blocks.0.ln1.hook_scale"] == (*tokens.shape, 1)
     estimate = tiny_model.estimate_cache_bytes(list(cache), None, tokens)  # the bridge's names too: each point once
-    assert estimate == cache.nbytes == sum(t.numel() * t.element_size() for t in cache.cache_dict.values())
+    assert estimate == cache.nbytes == sum(t.numel() * t.element_size() for name, t in cache.items()
+                                           if cache.own_name(name) == name)
 
 
 def test_oversized_cache_is_refused_before_running(tiny_model, tokens):

@@ -258,9 +258,10 @@ def test_the_bridges_names_for_the_per_head_inputs_reach_the_block_points(models
     ours, _ = models
     seen = []
     ours.run_with_hooks(PROMPT, fwd_hooks=[("blocks.1.attn.hook_k_input", lambda x, hook: seen.append(hook.name))])
-    assert seen == ["blocks.1.hook_k_input"]  # hooks take the alias; the point keeps its own name, in caches too
+    assert seen == ["blocks.1.attn.hook_k_input"]  # a hook sees the name it was attached by, and a cache lists it
     _, cache = ours.run_with_cache(PROMPT, names=["blocks.2.attn.hook_v_input"])
-    assert list(cache.keys()) == ["blocks.2.hook_v_input"]
+    assert list(cache.keys()) == ["blocks.2.attn.hook_v_input"]
+    assert cache["blocks.2.hook_v_input"] is cache["blocks.2.attn.hook_v_input"]  # the point's own name answers too
     assert ours.hook_dict["blocks.1.attn.hook_k_input"] is ours.hook_dict["blocks.1.hook_k_input"]  # as the bridge's
 
 
