@@ -7,6 +7,8 @@ classic ones, in name predicates and in a cache of everything too. `enable_compa
 weights as HookedTransformer would (the bridge's defaults), and the names stay as they are."""
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
@@ -104,6 +106,22 @@ class BridgeSurface:
     def blocks_with(self, submodule: str) -> list[tuple[int, Any]]:
         """The bridge's `blocks_with`: (index, block) for the blocks that have `submodule` (`"mlp"`, `"ln1_post"`)."""
         return [(index, block) for index, block in enumerate(self.blocks) if hasattr(block, submodule)]
+
+    def stack_params_for(self, submodule: str, attr_path: str, reshape_fn: Optional[Callable] = None):
+        """The bridge's `stack_params_for`: (the layers whose blocks have `submodule`, the weight at `attr_path` in each
+        of those blocks, stacked), e.g. `stack_params_for("attn", "attn.W_Q")`; `reshape_fn` maps each weight first."""
+        found = self.blocks_with(submodule)
+        if not found:
+            raise ValueError(f"no block has a submodule {submodule!r}; blocks_with(name) lists the blocks that have one")
+        layers, weights = [], []
+        for layer, block in found:
+            weight = operator.attrgetter(attr_path)(block)
+            if weight is None:
+                raise AttributeError(f"blocks[{layer}].{attr_path} is None: this checkpoint has no such weight "
+                                     f"(a bias-free projection)")
+            layers.append(layer)
+            weights.append(weight if reshape_fn is None else reshape_fn(weight))
+        return layers, torch.stack(weights)
 
     @property
     def attn_head_labels(self) -> list[str]:

@@ -183,6 +183,9 @@ def test_the_bridges_model_methods(family, family_dirs):
         assert_same(our_circuit.AB, their_circuit.AB, what=which)
     for submodule in ("mlp", "ln1_post"):
         assert [i for i, _ in ours.blocks_with(submodule)] == [i for i, _ in theirs.blocks_with(submodule)]
+    for submodule, path in (("attn", "attn.W_Q"), ("attn", "attn.W_O"), ("mlp", "mlp.W_in")):
+        assert_same(ours.stack_params_for(submodule, path, reshape_fn=lambda w: w * 2),
+                    theirs.stack_params_for(submodule, path, reshape_fn=lambda w: w * 2), what=path)
     ours.process_weights(), theirs.process_weights()
     toks = tokens(ours)
     with torch.no_grad():
