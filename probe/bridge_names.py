@@ -109,7 +109,7 @@ class BridgeSubmodule:
         self._path, self._left_out = path, left_out
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):
+        if name.startswith("_"):  # its own fields, unset while it is copied or unpickled
             raise AttributeError(name)
         why = self._left_out.get(f"{self._path}.{name}", "the bridge has no such point either")
         raise AttributeError(f"no hook point {self._path}.{name}: {why}")

@@ -4,6 +4,7 @@ line, `HookedDecoder.boot_transformers` (probe/bridge_names.py, probe/tl_bridge.
 TransformerBridge booted over the same checkpoint, also without compatibility mode, on six block arrangements."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -148,6 +149,8 @@ def test_transformer_lens_4s_loading_line_and_compatibility_mode(family_dirs):
     # HookedTransformer code attaching a hook to every hook_dict entry attaches it once per point; the bridge lists both
     assert "blocks.0.hook_out" not in classic.hook_dict and "blocks.0.hook_out" in ours.hook_dict
     assert ours.hook_dict["blocks.0.hook_out"] is ours.hook_dict["blocks.0.hook_resid_post"]
+    copied = copy.deepcopy(ours)  # (probe.process_weights copies): the attributes reach the copy's own points
+    assert copied.blocks[1].attn.q.hook_out.point is copied.blocks[1].attn.hook_q is not ours.blocks[1].attn.hook_q
     ours.enable_compatibility_mode()
     processed = booted(directory)  # the bridge's compatibility mode with its defaults: HookedTransformer's processing
     with torch.no_grad():
