@@ -14,6 +14,7 @@ without the cache, `use_past_kv_cache=False`, which equals TL's from the same pr
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
@@ -22,6 +23,7 @@ import torch
 from probe.hooks import ActivationCache, HookFn, NameFilter
 from probe.inputs import mask_from_padding
 from probe.kv_cache import KVCache
+from probe.sampling import choose_tokens, effective_temperature, penalise_repeats, stop_ids_and_fill
 from probe.tl_surface import refuse_unsupported
 from probe.tokenizer import check_padding_side
 from probe.tokens import is_text
@@ -33,14 +35,8 @@ RETURN_TYPES = ("input", "str", "tokens", "embeds")
 
 # transformer-lens generate keywords probe does not take, with what to do instead
 UNSUPPORTED = {
-    "repetition_penalty": "use freq_penalty= (subtracted from the tempered logits once per earlier occurrence)",
-    "output_logits": "run the model on the output, model(out), for every position's logits",
-    "return_cache": "pass cache_names= for one ActivationCache per pass, or call run_with_cache(out)",
-    "names_filter": "pass cache_names= (a name, a list or a predicate)",
-    "return_input_tokens": "call model.to_tokens(prompt) for the tokens generation starts from",
     "stop_strings": "stop at token ids with eos_token_id= (an id or a list of ids)",
     "stopping_criteria": "stop at token ids with eos_token_id= (an id or a list of ids)",
-    "device": "generation runs on the model's device (model.to(device)); move the output afterwards",
     "pixel_values": "probe's models are text-only",
     "forced_bos_token_id": "probe's models are decoder-only",
 }
@@ -80,6 +76,14 @@ def generate(model: "HookedDecoder", input: "ModelInput" = "", max_new_tokens: i
     then each new token's). With `cache_names`, also returns one ActivationCache per pass. With `steering` (an object whose
     `applied(model)` is a context manager, e.g. analyses.steering's), the whole generation runs inside
     `with steering.applied(model):`. `use_past_kv_cache` is TL's name for `use_cache`.
+
+    transformer-lens 4's keywords: `repetition_penalty` (transformers': each token already in the sequence has its
+    logit divided by it where positive, multiplied where negative, before the temperature, greedy too; real tokens
+    only, where TL also counts a batch's left padding); `output_logits=True` returns a `GenerateOutput` (`sequences`,
+    and `logits`: one [batch vocab] per new token, as the model gave them); `return_cache=True` adds the cache of one
+    pass over the output (`names_filter=`, `device=` as run_with_cache's; the prompt's padding stays masked);
+    `return_input_tokens=True` adds the prompt's ids as fed (BOS and left padding included). Extras come after the
+    output in the order per-pass caches, cache, input tokens.
     """
     return _finished(_generation(model, input, max_new_tokens, **keywords))
 
@@ -96,6 +100,9 @@ def generate_stream(model: "HookedDecoder", input: "ModelInput" = "", max_new_to
     if input_embeddings(model, input) is not None:
         raise ValueError("generate_stream takes text or token ids, as transformer-lens's; use generate() for embeddings")
     keywords.pop("return_type", None)  # TL yields token ids whatever it says
+    for name in ("output_logits", "return_cache", "names_filter", "device", "return_input_tokens", "cache_names"):
+        if name in keywords:  # what generate returns beside its output: a stream has nothing to return it with
+            raise TypeError(f"generate_stream does not take {name}= (it yields token ids only); use generate()")
     sent, prompt_length, tokens = 0, None, None
     for tokens, _ in _generation(model, input, max_new_tokens, return_type="tokens", **keywords):
         if prompt_length is None:
@@ -139,10 +146,22 @@ def _generation(
     fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),
     cache_names: Optional[NameFilter] = None,
     steering=None,
+    repetition_penalty: float = 1.0,
+    output_logits: bool = False,
+    return_cache: bool = False,
+    names_filter: Optional[NameFilter] = None,
+    device=None,
+    return_input_tokens: bool = False,
     **unsupported,
 ):
     """generate's body, yielding (tokens, mask) for the prompt and after each new token; returns the output."""
     refuse_unsupported(unsupported, "HookedDecoder.generate", UNSUPPORTED)
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1.0: none), got {repetition_penalty}")
+    for name, value in (("names_filter", names_filter), ("device", device)):
+        if value is not None and not return_cache:  # TL ignores them then; a silent no-op would hide a typo
+            raise ValueError(f"generate: {name}= says what return_cache=True caches, and return_cache is off: pass "
+                             f"return_cache=True (or cache_names= for one cache per pass), or leave {name} out")
     if model.cfg.bidirectional:
         raise ValueError("generate: this model's attention is bidirectional, so every position already sees the "
                          "tokens after it and none predicts a next token to continue with; run the model on whole "
@@ -168,8 +187,8 @@ def _generation(
         raise ValueError(f"use_cache={use_cache} and use_past_kv_cache={use_past_kv_cache} disagree; "
                          "they are one switch (use_past_kv_cache is transformer-lens's name)")
     use_cache = next((v for v in (use_cache, use_past_kv_cache) if v is not None), True)
-    temperature = _effective_temperature(do_sample, temperature, top_k is not None or top_p is not None)
-    stop_ids, fill_id = _stopping(model, stop_at_eos, eos_token_id)
+    temperature = effective_temperature(do_sample, temperature, top_k is not None or top_p is not None)
+    stop_ids, fill_id = stop_ids_and_fill(model, stop_at_eos, eos_token_id)
     embeds = input_embeddings(model, input)
     if embeds is not None:
         for name, value, reads in (("padding_side", padding_side, "reads the padding off pad token ids"),
@@ -178,19 +197,59 @@ def _generation(
                 raise ValueError(f"generate: {name}={value!r} {reads}, and input embeddings have none: leave it out "
                                  "(mark padding with attention_mask= [batch pos], 1 = real)")
         # the prompt's ids are placeholders: its embeddings replace theirs at hook_embed, on each pass that reads it
+        for name, value in (("return_cache", return_cache), ("return_input_tokens", return_input_tokens)):
+            if value:
+                raise ValueError(f"generate: {name}=True reads the prompt's token ids, and input embeddings have none")
         input = torch.zeros(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         fwd_hooks = [("hook_embed", _EmbeddingsAt(embeds, every_pass=not use_cache)), *fwd_hooks]
 
+    step_logits: Optional[list[torch.Tensor]] = [] if output_logits else None
     with steering.applied(model) if steering is not None else nullcontext():
-        tokens, mask, caches = yield from _token_steps(
-            model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids, fill_id,
-            use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names, verbose,
-            embeds is not None)
-    if embeds is None:
+        tokens, mask, caches, prompt_length = yield from _token_steps(
+            model, input, max_new_tokens, Choice(temperature, top_k, top_p, freq_penalty, repetition_penalty, seed),
+            stop_ids, fill_id, use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names,
+            verbose, embeds is not None, step_logits)
+    if output_logits:  # transformers' output, as TL 4 returns it, whatever return_type says
+        sequences = tokens if embeds is None else tokens[:, embeds.shape[1]:]
+        output = GenerateOutput(sequences, tuple(step_logits))
+    elif embeds is None:
         output = _output(model, input, tokens, mask, return_type)
     else:
         output = _output_from_embeddings(model, embeds, tokens[:, embeds.shape[1]:], return_type)
-    return (output, caches) if cache_names is not None else output
+    extras = []
+    if cache_names is not None:
+        extras.append(caches)
+    if return_cache:  # TL 4's: one pass over the output, the prompt's padding still masked
+        with model.hooks(fwd_hooks):
+            extras.append(model.run_with_cache(tokens, attention_mask=mask, names=names_filter, device=device)[1])
+    if return_input_tokens:
+        extras.append(tokens[:, :prompt_length])  # as fed: BOS and left padding included
+    return (output, *extras) if extras else output
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """How each new token is chosen (see `generate`): greedy at temperature 0, else sampled."""
+
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+    freq_penalty: float
+    repetition_penalty: float
+    seed: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """`generate(output_logits=True)`, as transformer-lens 4 returns it (transformers' GenerateDecoderOnlyOutput):
+    `sequences` [batch prompt+new] token ids, and `logits`, one [batch vocab] per new token, as the model gave them
+    (before any penalty or temperature). Read by attribute, key (`out["logits"]`) or position (`out[0]`)."""
+
+    sequences: torch.Tensor
+    logits: tuple[torch.Tensor, ...]
+
+    def __getitem__(self, key):
+        return (self.sequences, self.logits)[key] if isinstance(key, int) else getattr(self, key)
 
 
 def input_embeddings(model, input) -> Optional[torch.Tensor]:
@@ -220,11 +279,11 @@ class _EmbeddingsAt:
         return torch.cat([self.embeds.to(embed.dtype), embed[:, self.embeds.shape[1]:]], dim=1)
 
 
-def _token_steps(model, input, max_new_tokens, temperature, top_k, top_p, freq_penalty, seed, stop_ids,
-                 fill_id, use_cache, prepend_bos, padding_side, attention_mask, fwd_hooks, cache_names, verbose,
-                 from_embeddings):
+def _token_steps(model, input, max_new_tokens, choice: Choice, stop_ids, fill_id, use_cache, prepend_bos,
+                 padding_side, attention_mask, fwd_hooks, cache_names, verbose, from_embeddings, step_logits):
     """The loop, yielding (tokens [batch prompt+new], their mask) for the prompt and after each new token; returns
-    them with the per-pass caches."""
+    them with the per-pass caches and the prompt's length. `step_logits` (a list, or None) collects each step's
+    last-position logits."""
     # text is padded on the left: every prompt then ends at the last position, where generation continues
     # (transformer-lens forces the same whatever padding_side says)
     # token ids are read as the forward reads them (left padding off the pad id, when this call's or the
@@ -250,8 +309,8 @@ def _token_steps(model, input, max_new_tokens, temperature, top_k, top_p, freq_p
             "from the last position, so pad on the left (model.to_tokens(..., padding_side='left'))"
         )
     generator = None
-    if seed is not None:
-        generator = torch.Generator(device=tokens.device).manual_seed(seed)
+    if choice.seed is not None:
+        generator = torch.Generator(device=tokens.device).manual_seed(choice.seed)
     if stop_ids is not None:
         stop_ids = stop_ids.to(tokens.device)
 
@@ -274,14 +333,21 @@ def _token_steps(model, input, max_new_tokens, temperature, top_k, top_p, freq_p
 
         steps = tqdm(steps, total=max_new_tokens, desc="generate", unit="tok")
     finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    prompt_length = tokens.shape[1]
     yield tokens, mask
     logits = forward(tokens, mask) if max_new_tokens else None
     for step in steps:
+        last = logits[:, -1]
+        if step_logits is not None:
+            step_logits.append(last)
         penalty = None
-        if freq_penalty and temperature:  # greedy ignores the penalty, as in transformer-lens
+        if choice.freq_penalty and choice.temperature:  # greedy ignores the penalty, as in transformer-lens
             counts = torch.zeros(logits.shape[0], logits.shape[-1], device=tokens.device)
-            penalty = freq_penalty * counts.scatter_add_(1, tokens, mask.to(counts.dtype))  # real tokens only
-        next_token = _choose(logits[:, -1].float(), temperature, top_k, top_p, generator, penalty)
+            penalty = choice.freq_penalty * counts.scatter_add_(1, tokens, mask.to(counts.dtype))  # real tokens only
+        last = last.float()
+        if choice.repetition_penalty != 1.0:
+            last = penalise_repeats(last, tokens, mask, choice.repetition_penalty)
+        next_token = choose_tokens(last, choice.temperature, choice.top_k, choice.top_p, generator, penalty)
         if stop_ids is not None:
             next_token[finished] = fill_id
             finished |= torch.isin(next_token, stop_ids)
@@ -291,40 +357,7 @@ def _token_steps(model, input, max_new_tokens, temperature, top_k, top_p, freq_p
         if step == max_new_tokens - 1 or (stop_ids is not None and bool(finished.all())):
             break
         logits = forward(next_token[:, None], torch.ones_like(next_token[:, None])) if use_cache else forward(tokens, mask)
-    return tokens, mask, caches
-
-
-def _effective_temperature(do_sample: Optional[bool], temperature: Optional[float],
-                           sampling_only: bool = False) -> float:
-    """0.0 for greedy, else the sampling temperature (see `generate`). `sampling_only`: a keyword that means
-    nothing to greedy decoding was given (top_k, top_p), which asks to sample as TL's default does."""
-    if do_sample is None:
-        if sampling_only and temperature is None:
-            return 1.0
-        return temperature or 0.0
-    if not do_sample:
-        return 0.0
-    return 1.0 if temperature is None else temperature
-
-
-def _stopping(model, stop_at_eos: Optional[bool], eos_token_id) -> tuple[Optional[torch.Tensor], int]:
-    """The ids that end a sequence (None: never stop) and the id a finished sequence is padded with."""
-    if stop_at_eos is False:
-        return None, 0
-    tokenizer_eos = None if model.tokenizer is None else model.tokenizer.eos_token_id
-    if eos_token_id is None:
-        eos_token_id = tokenizer_eos
-    if eos_token_id is None:
-        if stop_at_eos:
-            raise ValueError("stop_at_eos=True needs an EOS id and this model's tokenizer has none: pass "
-                             "eos_token_id= (an id or a list of ids), or stop_at_eos=False")
-        return None, 0  # stop_at_eos=None: nothing to stop at, so run max_new_tokens as probe always has
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else [int(i) for i in eos_token_id]
-    if not ids or not all(0 <= i < model.cfg.d_vocab for i in ids):
-        raise ValueError(f"eos_token_id={eos_token_id!r}: give token ids in [0, {model.cfg.d_vocab})")
-    # TL pads with the tokenizer's EOS when given several stop ids, with the one id otherwise
-    fill = ids[0] if len(ids) == 1 or tokenizer_eos is None else tokenizer_eos
-    return torch.tensor(ids, dtype=torch.long), fill
+    return tokens, mask, caches, prompt_length
 
 
 def _output(model, input, tokens: torch.Tensor, mask: torch.Tensor, return_type: str):
@@ -357,25 +390,3 @@ def _tokenizer_of(model, what: str):
         raise ValueError(f"{what} needs a tokenizer and this model has none: pass attention_mask= and "
                          "return_type='tokens', or load a directory with tokenizer.json")
     return model.tokenizer
-
-
-def _choose(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float], generator,
-            penalty: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """logits [batch vocab] -> token ids [batch]."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if penalty is not None:
-        logits = logits - penalty
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the tokens before it already reach top_p; the most likely always stays
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

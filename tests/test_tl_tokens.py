@@ -134,6 +134,16 @@ CASES = {
         PROMPTS[1], max_new_tokens=8, top_p=0.9, verbose=False, use_past_kv_cache=False)),
     "generate do_sample=True temperature 0 is greedy": lambda model: model.generate(
         PROMPTS[0], max_new_tokens=8, do_sample=True, temperature=0.0, verbose=False, use_past_kv_cache=False),
+    # ---- transformer-lens 4's generate keywords ----
+    "generate repetition_penalty greedy": lambda model: model.generate(  # (this prompt repeats itself without it)
+        PROMPTS[2], max_new_tokens=10, do_sample=False, verbose=False, use_past_kv_cache=False, repetition_penalty=1.8,
+        return_type="tokens"),
+    "generate repetition_penalty sampled": lambda model: _seeded(8, lambda: model.generate(
+        PROMPTS[1], max_new_tokens=8, do_sample=True, temperature=0.8, top_k=40, freq_penalty=0.5,
+        repetition_penalty=1.3, verbose=False, use_past_kv_cache=False)),
+    "generate return_input_tokens": lambda model: model.generate(
+        PROMPTS[2], max_new_tokens=4, do_sample=False, verbose=False, use_past_kv_cache=False, return_input_tokens=True,
+        return_type="tokens"),
     # ---- TL's dataset helper given model.tokenizer (it calls tokenizer(texts, return_tensors="np", padding=True)) ----
     "tokenize_and_concatenate": lambda model: tokenized_dataset(model.tokenizer),
 }
@@ -164,6 +174,36 @@ def _seeded(seed, fn):
 @pytest.mark.parametrize("case", list(CASES))
 def test_case_equals_transformer_lens(case, probe_model, tl_model):
     assert_same(CASES[case](probe_model), CASES[case](tl_model), atol=0, what=case)
+
+
+def test_generate_returns_logits_and_a_cache_as_transformer_lens_4s(probe_model, tl_model):
+    """`output_logits=True` (transformers' GenerateDecoderOnlyOutput, as TL 4 returns it) and `return_cache=True`
+    (one pass over the output), against TL 4's bridge (without its key/value cache, which continues wrongly here)."""
+    greedy = dict(max_new_tokens=6, do_sample=False, verbose=False, use_past_kv_cache=False)
+    ours, theirs = (model.generate(PROMPTS[2], output_logits=True, repetition_penalty=1.4, **greedy)
+                    for model in (probe_model, tl_model))
+    assert torch.equal(ours.sequences, theirs.sequences) and torch.equal(ours["sequences"], ours[0])
+    assert_same(list(ours.logits), list(theirs.logits), what="each step's logits")
+    names = ["blocks.1.attn.hook_pattern", "blocks.2.hook_resid_post", "ln_final.hook_scale"]
+    (our_out, our_cache, our_input), (their_out, their_cache, their_input) = (
+        model.generate(PROMPTS[1], return_cache=True, names_filter=names, return_input_tokens=True, **greedy)
+        for model in (probe_model, tl_model))
+    assert our_out == their_out and torch.equal(our_input, their_input)
+    assert_same({name: our_cache[name] for name in names}, {name: their_cache[name] for name in names}, what="cache")
+    with pytest.raises(TypeError, match="yields token ids only"):
+        next(probe_model.generate_stream(PROMPTS[0], max_new_tokens=2, output_logits=True))
+
+
+def test_the_repetition_penalty_is_transformer_lens_4s():
+    """On logits of both signs, against the function TL 4's sampler applies (a batch without padding)."""
+    from transformer_lens.utilities.logits_utils import _apply_repetition_penalty
+
+    from probe.sampling import penalise_repeats
+
+    generator = torch.Generator().manual_seed(0)
+    logits, tokens = torch.randn(3, 50, generator=generator), torch.randint(0, 50, (3, 12), generator=generator)
+    assert_same(penalise_repeats(logits, tokens, torch.ones_like(tokens), 1.7),
+                _apply_repetition_penalty(logits, tokens, 1.7), atol=0, what="repetition penalty")
 
 
 # ---- probe only: what TL does not have, or where probe deliberately differs ---------------------------------
@@ -237,8 +277,8 @@ def test_steering_wraps_the_whole_generation(probe_model):
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(repetition_penalty=1.2), TypeError, "freq_penalty="),
-    (dict(return_cache=True), TypeError, "cache_names="),
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be > 0"),
+    (dict(names_filter="hook_embed"), ValueError, "return_cache=True"),
     (dict(stop_strings=["."]), TypeError, "eos_token_id="),
     (dict(not_a_keyword=1), TypeError, "not_a_keyword"),
     (dict(return_type="logits"), ValueError, "'input', 'str', 'tokens'"),
