@@ -23,7 +23,8 @@ import torch
 from probe.hooks import ActivationCache, HookFn, NameFilter
 from probe.inputs import mask_from_padding
 from probe.kv_cache import KVCache
-from probe.sampling import choose_tokens, effective_temperature, penalise_repeats, stop_ids_and_fill
+from probe.sampling import (Stopping, choose_tokens, completes_a_stop_string, effective_temperature,
+                            penalise_repeats, stopping)
 from probe.tl_surface import refuse_unsupported
 from probe.tokenizer import check_padding_side
 from probe.tokens import is_text
@@ -35,8 +36,7 @@ RETURN_TYPES = ("input", "str", "tokens", "embeds")
 
 # transformer-lens generate keywords probe does not take, with what to do instead
 UNSUPPORTED = {
-    "stop_strings": "stop at token ids with eos_token_id= (an id or a list of ids)",
-    "stopping_criteria": "stop at token ids with eos_token_id= (an id or a list of ids)",
+    "stopping_criteria": "stop at token ids with eos_token_id= (an id or a list of ids), or at text with stop_strings=",
     "pixel_values": "probe's models are text-only",
     "forced_bos_token_id": "probe's models are decoder-only",
 }
@@ -83,7 +83,9 @@ def generate(model: "HookedDecoder", input: "ModelInput" = "", max_new_tokens: i
     and `logits`: one [batch vocab] per new token, as the model gave them); `return_cache=True` adds the cache of one
     pass over the output (`names_filter=`, `device=` as run_with_cache's; the prompt's padding stays masked);
     `return_input_tokens=True` adds the prompt's ids as fed (BOS and left padding included). Extras come after the
-    output in the order per-pass caches, cache, input tokens.
+    output in the order per-pass caches, cache, input tokens. `stop_strings` (a string or a list) ends a sequence
+    once a new token completes one in its text, as transformers' StopStringCriteria reads it (the occurrence ends
+    inside that token, wherever it starts); it is then padded as at EOS (with the pad token if EOS does not stop).
     """
     return _finished(_generation(model, input, max_new_tokens, **keywords))
 
@@ -152,6 +154,7 @@ def _generation(
     names_filter: Optional[NameFilter] = None,
     device=None,
     return_input_tokens: bool = False,
+    stop_strings: Optional[Union[str, Sequence[str]]] = None,
     **unsupported,
 ):
     """generate's body, yielding (tokens, mask) for the prompt and after each new token; returns the output."""
@@ -188,7 +191,7 @@ def _generation(
                          "they are one switch (use_past_kv_cache is transformer-lens's name)")
     use_cache = next((v for v in (use_cache, use_past_kv_cache) if v is not None), True)
     temperature = effective_temperature(do_sample, temperature, top_k is not None or top_p is not None)
-    stop_ids, fill_id = stop_ids_and_fill(model, stop_at_eos, eos_token_id)
+    stops = stopping(model, stop_at_eos, eos_token_id, stop_strings)
     embeds = input_embeddings(model, input)
     if embeds is not None:
         for name, value, reads in (("padding_side", padding_side, "reads the padding off pad token ids"),
@@ -207,7 +210,7 @@ def _generation(
     with steering.applied(model) if steering is not None else nullcontext():
         tokens, mask, caches, prompt_length = yield from _token_steps(
             model, input, max_new_tokens, Choice(temperature, top_k, top_p, freq_penalty, repetition_penalty, seed),
-            stop_ids, fill_id, use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names,
+            stops, use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names,
             verbose, embeds is not None, step_logits)
     if output_logits:  # transformers' output, as TL 4 returns it, whatever return_type says
         sequences = tokens if embeds is None else tokens[:, embeds.shape[1]:]
@@ -279,7 +282,7 @@ class _EmbeddingsAt:
         return torch.cat([self.embeds.to(embed.dtype), embed[:, self.embeds.shape[1]:]], dim=1)
 
 
-def _token_steps(model, input, max_new_tokens, choice: Choice, stop_ids, fill_id, use_cache, prepend_bos,
+def _token_steps(model, input, max_new_tokens, choice: Choice, stops: Stopping, use_cache, prepend_bos,
                  padding_side, attention_mask, fwd_hooks, cache_names, verbose, from_embeddings, step_logits):
     """The loop, yielding (tokens [batch prompt+new], their mask) for the prompt and after each new token; returns
     them with the per-pass caches and the prompt's length. `step_logits` (a list, or None) collects each step's
@@ -311,8 +314,7 @@ def _token_steps(model, input, max_new_tokens, choice: Choice, stop_ids, fill_id
     generator = None
     if choice.seed is not None:
         generator = torch.Generator(device=tokens.device).manual_seed(choice.seed)
-    if stop_ids is not None:
-        stop_ids = stop_ids.to(tokens.device)
+    stop_ids = None if stops.ids is None else stops.ids.to(tokens.device)
 
     kv_cache = KVCache(model.cfg.n_layers) if use_cache else None
     caches: list[ActivationCache] = []
@@ -348,13 +350,16 @@ def _token_steps(model, input, max_new_tokens, choice: Choice, stop_ids, fill_id
         if choice.repetition_penalty != 1.0:
             last = penalise_repeats(last, tokens, mask, choice.repetition_penalty)
         next_token = choose_tokens(last, choice.temperature, choice.top_k, choice.top_p, generator, penalty)
+        if stops.active:
+            next_token[finished] = stops.fill
         if stop_ids is not None:
-            next_token[finished] = fill_id
             finished |= torch.isin(next_token, stop_ids)
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(next_token[:, None])], dim=1)
+        if stops.strings:
+            finished |= completes_a_stop_string(model.tokenizer, tokens, mask, stops.strings)
         yield tokens, mask
-        if step == max_new_tokens - 1 or (stop_ids is not None and bool(finished.all())):
+        if step == max_new_tokens - 1 or (stops.active and bool(finished.all())):
             break
         logits = forward(next_token[:, None], torch.ones_like(next_token[:, None])) if use_cache else forward(tokens, mask)
     return tokens, mask, caches, prompt_length

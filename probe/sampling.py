@@ -2,6 +2,7 @@
 at a temperature, with its frequency and repetition penalties, top-k and top-p, and its EOS rules."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -18,6 +19,47 @@ def effective_temperature(do_sample: Optional[bool], temperature: Optional[float
     if not do_sample:
         return 0.0
     return 1.0 if temperature is None else temperature
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopping:
+    """When a sequence ends: at one of `ids` (None: none), or once its text completes one of `strings`; a finished
+    sequence is padded with `fill` until every sequence has finished."""
+
+    ids: Optional[torch.Tensor]
+    fill: int
+    strings: tuple[str, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self.ids is not None or bool(self.strings)
+
+
+def stopping(model, stop_at_eos: Optional[bool], eos_token_id, stop_strings) -> Stopping:
+    """generate's stopping rules: EOS ids (see stop_ids_and_fill) and transformer-lens 4's `stop_strings`."""
+    ids, fill = stop_ids_and_fill(model, stop_at_eos, eos_token_id)
+    if stop_strings is None:
+        return Stopping(ids, fill)
+    strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    if not strings or not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(f"stop_strings takes a non-empty string or a list of them, got {stop_strings!r}")
+    if model.tokenizer is None:
+        raise ValueError("stop_strings needs a tokenizer to read the text generated, and this model has none; stop "
+                         "at token ids with eos_token_id= instead")
+    # without EOS stopping, finished sequences are padded with the pad token (else EOS), as transformer-lens 4 does
+    return Stopping(ids, fill if ids is not None else model.tokenizer.pad_id, strings)
+
+
+def completes_a_stop_string(tokenizer, tokens: torch.Tensor, mask: torch.Tensor, strings: tuple[str, ...]) -> torch.Tensor:
+    """[batch] bool: whether each sequence's last token completes one of `strings` in its text, as transformers'
+    StopStringCriteria (which transformer-lens 4 applies) reads it: an occurrence that ends inside the last token,
+    wherever it starts (in the prompt too) and whatever the token holds after it."""
+    hits = []
+    for row, real in zip(tokens.tolist(), mask.bool().tolist()):
+        ids = [token for token, keep in zip(row, real) if keep]
+        text, before = tokenizer.decode(ids), tokenizer.decode(ids[:-1])
+        hits.append(any(text.rfind(s) >= 0 and text.rfind(s) + len(s) > len(before) for s in strings))
+    return torch.tensor(hits, dtype=torch.bool, device=tokens.device)
 
 
 def stop_ids_and_fill(model, stop_at_eos: Optional[bool], eos_token_id) -> tuple[Optional[torch.Tensor], int]:

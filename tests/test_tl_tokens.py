@@ -144,6 +144,16 @@ CASES = {
     "generate return_input_tokens": lambda model: model.generate(
         PROMPTS[2], max_new_tokens=4, do_sample=False, verbose=False, use_past_kv_cache=False, return_input_tokens=True,
         return_type="tokens"),
+    # stop strings, as transformers' StopStringCriteria reads them: one spanning tokens ("e world"), one ending inside
+    # a token ("th" of " that"), one reaching back into the prompt ("question.\n"), rows that never stop
+    "generate stop_strings": lambda model: model.generate(
+        PROMPTS, max_new_tokens=12, do_sample=False, verbose=False, use_past_kv_cache=False,
+        stop_strings=["e world", " th", "question.\n"], return_type="tokens"),
+    "generate stop_strings text": lambda model: model.generate(
+        PROMPTS[0], max_new_tokens=12, do_sample=False, verbose=False, use_past_kv_cache=False, stop_strings="I hav"),
+    "generate stop_strings without eos": lambda model: model.generate(
+        PROMPTS, max_new_tokens=10, do_sample=False, verbose=False, use_past_kv_cache=False, stop_strings="What",
+        stop_at_eos=False, return_type="tokens"),
     # ---- TL's dataset helper given model.tokenizer (it calls tokenizer(texts, return_tensors="np", padding=True)) ----
     "tokenize_and_concatenate": lambda model: tokenized_dataset(model.tokenizer),
 }
@@ -279,7 +289,8 @@ def test_steering_wraps_the_whole_generation(probe_model):
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be > 0"),
     (dict(names_filter="hook_embed"), ValueError, "return_cache=True"),
-    (dict(stop_strings=["."]), TypeError, "eos_token_id="),
+    (dict(stopping_criteria=[]), TypeError, "stop_strings="),
+    (dict(stop_strings=[""]), ValueError, "non-empty string"),
     (dict(not_a_keyword=1), TypeError, "not_a_keyword"),
     (dict(return_type="logits"), ValueError, "'input', 'str', 'tokens'"),
     (dict(freq_penalty=-1.0), ValueError, "freq_penalty"),
