@@ -212,6 +212,9 @@ def _generation(
             model, input, max_new_tokens, Choice(temperature, top_k, top_p, freq_penalty, repetition_penalty, seed),
             stops, use_cache, prepend_bos, padding_side, attention_mask, list(fwd_hooks), cache_names,
             verbose, embeds is not None, step_logits)
+        if return_cache:  # TL 4's: one pass over the output (steered and hooked as generation was), padding masked
+            with model.hooks(fwd_hooks):
+                cache = model.run_with_cache(tokens, attention_mask=mask, names=names_filter, device=device)[1]
     if output_logits:  # transformers' output, as TL 4 returns it, whatever return_type says
         sequences = tokens if embeds is None else tokens[:, embeds.shape[1]:]
         output = GenerateOutput(sequences, tuple(step_logits))
@@ -222,9 +225,8 @@ def _generation(
     extras = []
     if cache_names is not None:
         extras.append(caches)
-    if return_cache:  # TL 4's: one pass over the output, the prompt's padding still masked
-        with model.hooks(fwd_hooks):
-            extras.append(model.run_with_cache(tokens, attention_mask=mask, names=names_filter, device=device)[1])
+    if return_cache:
+        extras.append(cache)
     if return_input_tokens:
         extras.append(tokens[:, :prompt_length])  # as fed: BOS and left padding included
     return (output, *extras) if extras else output

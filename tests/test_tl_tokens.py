@@ -282,6 +282,10 @@ def test_steering_wraps_the_whole_generation(probe_model):
     probe_model.generate(PROMPTS[0], max_new_tokens=3, verbose=False, steering=Recorder(),
                          fwd_hooks=[("hook_embed", note)])
     assert events == ["enter", "pass", "pass", "pass", "exit"]
+    events.clear()  # return_cache's pass over the output is steered and hooked too
+    probe_model.generate(PROMPTS[0], max_new_tokens=2, verbose=False, steering=Recorder(),
+                         fwd_hooks=[("hook_embed", note)], return_cache=True, names_filter="hook_embed")
+    assert events == ["enter", "pass", "pass", "pass", "exit"]
     with pytest.raises(TypeError, match=r"applied\(model\)"):
         probe_model.generate(PROMPTS[0], max_new_tokens=2, steering=object())
 
