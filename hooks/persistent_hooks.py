@@ -84,7 +84,7 @@ class PersistentHooks:
                 cache[hook.name + suffix] = value if device is None else value.to(device)
             return store
 
-        names = self.select_hook_names(names_filter)
+        names = self.names_to_attach(names_filter)  # each stored under the name its hook sees
         return (cache, [(name, storing("")) for name in names],
                 [(name, storing("_grad")) for name in names] if incl_bwd else [])
 

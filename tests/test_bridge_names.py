@@ -306,3 +306,25 @@ def test_filtered_caches_list_and_hooks_see_the_names_the_filter_accepted(family
                 ["blocks.0.hook_out", "blocks.1.attn.o.hook_in", "embed.hook_out", "blocks.0.ln1.hook_out"])
         assert_same({name: kept[0][name] for name in read}, {name: kept[1][name] for name in read},
                     what=f"kept by hook.name, compatibility mode {compatibility}")
+
+
+def test_transformer_lens_caching_hooks_store_under_the_bridges_names(family_dirs):
+    """`get_caching_hooks` / `cache_some` with bridge names and predicates store what the bridge stores, where it
+    stores it (a point the bridge holds twice in a row, attn.o.hook_out then attn.hook_out, is stored once here)."""
+    ours, theirs = both(family_dirs["gpt2"])
+    toks = tokens(ours)
+    kept = []
+    for model in (ours, theirs):
+        cache, fwd, _ = model.get_caching_hooks(lambda name: name.startswith("blocks.1.") and name.endswith("hook_out"))
+        some = {}
+        model.cache_some(some, ["blocks.0.hook_out", "blocks.1.attn.q.hook_out", "unembed.hook_in"])
+        with torch.no_grad():
+            model.run_with_hooks(toks, fwd_hooks=fwd)
+        model.reset_hooks()
+        kept.append((cache, some))
+    (ours_cache, our_some), (their_cache, their_some) = kept
+    assert_same(our_some, their_some, what="cache_some")
+    assert set(ours_cache) <= set(their_cache)
+    stored_points = {ours.hook_point(name).name for name in ours_cache}
+    assert all(ours.hook_point(name).name in stored_points for name in set(their_cache) - set(ours_cache))
+    assert_same(ours_cache, {name: their_cache[name] for name in ours_cache}, what="get_caching_hooks")
