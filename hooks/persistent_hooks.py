@@ -47,8 +47,8 @@ class PersistentHooks:
     def persistent_hooks(self) -> list[tuple[str, str, HookFn, bool]]:
         """(point name, "fwd" or "bwd", fn, permanent) for every hook attached with `add_hook` (or kept by
         `reset_hooks_end=False`): what stays attached after the call that added it."""
-        return [(name, handle.direction, handle.fn, handle.permanent)
-                for point in self.hook_points() for name in [point.name] for handle in point.handles if handle.persistent]
+        return [(point.name, handle.direction, handle.fn, handle.permanent)
+                for point in self.hook_points() for handle in point.handles if handle.persistent]
 
     def list_hooks(self, name_filter: Optional[NameFilter] = None, dir: str = "both",
                    including_permanent: bool = True) -> dict[str, list[HookHandle]]:

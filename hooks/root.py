@@ -108,7 +108,7 @@ class HookedRootModule(PersistentHooks, nn.Module):
             if not self.bridge_names:
                 return [n for n, p in self._all_points.items() if names(n) and not (p.opt_in and p.by_name or p.bridge_only)]
             return [n for n, p in self._all_points.items() if not (p.opt_in and p.by_name)
-                    and any(names(known) for known in (n, *self._aliases_of.get(n, ())))]
+                    and any(names(known) for known in self._names_of(n))]
         return [self.hook_point(name).name for name in names]
 
     @contextmanager

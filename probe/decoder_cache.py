@@ -89,8 +89,9 @@ class DecoderCache(StackMethods, ActivationCache):
 
     def _name(self, key) -> str:
         """The full hook name a key stands for, or an UnknownNameError saying what is wrong with it."""
-        if isinstance(key, str) and self.own_name(key) is not None:
-            return self.own_name(key)
+        own = self.own_name(key) if isinstance(key, str) else None
+        if own is not None:
+            return own
         if isinstance(key, str):
             name, problem = self._short_name(key)
         elif isinstance(key, tuple) and 1 <= len(key) <= 3 and isinstance(key[0], str):

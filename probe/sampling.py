@@ -58,7 +58,8 @@ def completes_a_stop_string(tokenizer, tokens: torch.Tensor, mask: torch.Tensor,
     for row, real in zip(tokens.tolist(), mask.bool().tolist()):
         ids = [token for token, keep in zip(row, real) if keep]
         text, before = tokenizer.decode(ids), tokenizer.decode(ids[:-1])
-        hits.append(any(text.rfind(s) >= 0 and text.rfind(s) + len(s) > len(before) for s in strings))
+        # the last occurrence ends past the text before the last token
+        hits.append(any((at := text.rfind(s)) >= 0 and at + len(s) > len(before) for s in strings))
     return torch.tensor(hits, dtype=torch.bool, device=tokens.device)
 
 

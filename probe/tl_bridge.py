@@ -64,11 +64,10 @@ class BridgeSurface:
         classic names work with or without it; the bridge's stay too. `disable_warnings` is accepted: probe has no
         deprecation warnings for either set of names."""
         self.bridge_names_first = False  # the bridge's hooks see the classic names from here on, where there are any
-        if no_processing:
-            return
-        self.process_weights_(fold_ln=fold_ln, center_writing_weights=center_writing_weights,
-                              center_unembed=center_unembed, fold_value_biases=fold_value_biases,
-                              refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+        if not no_processing:
+            self.process_weights(fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+                                 center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+                                 refactor_factored_attn_matrices=refactor_factored_attn_matrices)
 
     def process_weights(self, verbose: bool = False, fold_ln: bool = True, center_writing_weights: bool = True,
                         center_unembed: bool = True, fold_value_biases: bool = True,
