@@ -13,7 +13,7 @@ from probe.hooks.names import NameFilter
 
 
 class PersistentHooks:
-    """Mixed into HookedRootModule, whose `names_to_attach`, `select_hook_names`, `hook_point`, `hook_points` and
+    """Mixed into HookedRootModule, whose `names_to_attach`, `select_hook_names`, `hook_point`, `all_hook_points` and
     `slice_cached_positions` it uses."""
 
     def add_hook(self, name: NameFilter, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level=None,
@@ -32,7 +32,7 @@ class PersistentHooks:
                     level=None) -> None:
         """Remove every hook (forward, backward or both) but permanent ones, including those of `with` blocks
         still open (they would be removed at the block's end anyway), as transformer-lens's `reset_hooks`."""
-        for point in self.hook_points():
+        for point in self.all_hook_points():
             point.remove_hooks(direction, including_permanent=including_permanent)
         if clear_contexts:
             self.clear_contexts()
@@ -41,14 +41,14 @@ class PersistentHooks:
         self.reset_hooks(clear_contexts=False, direction=direction, including_permanent=including_permanent)
 
     def clear_contexts(self) -> None:
-        for point in self.hook_points():
+        for point in self.all_hook_points():
             point.clear_context()
 
     def persistent_hooks(self) -> list[tuple[str, str, HookFn, bool]]:
         """(point name, "fwd" or "bwd", fn, permanent) for every hook attached with `add_hook` (or kept by
         `reset_hooks_end=False`): what stays attached after the call that added it."""
         return [(point.name, handle.direction, handle.fn, handle.permanent)
-                for point in self.hook_points() for handle in point.handles if handle.persistent]
+                for point in self.all_hook_points() for handle in point.handles if handle.persistent]
 
     def list_hooks(self, name_filter: Optional[NameFilter] = None, dir: str = "both",
                    including_permanent: bool = True) -> dict[str, list[HookHandle]]:

@@ -80,6 +80,14 @@ class HookedRootModule(PersistentHooks, nn.Module):
         return {**self._hook_points, **self._lent_points} if self._lent_points else self._hook_points
 
     @property
+    def _listed_points(self) -> dict[str, HookPoint]:
+        # HookedTransformer never had the bridge's own points (a norm's ends): TL 3 code that lists every point
+        # (hook_dict, mod_dict, a cache of everything) and hooks each must not meet them unless booted as the bridge
+        if self.bridge_names:
+            return self._all_points
+        return {name: point for name, point in self._all_points.items() if not point.bridge_only}
+
+    @property
     def hook_names(self) -> list[str]:
         return list(self._all_points)
 
@@ -90,7 +98,7 @@ class HookedRootModule(PersistentHooks, nn.Module):
         if point is None:
             if name in self._left_out:
                 raise UnknownNameError(f"no hook point {name!r}: {self._left_out[name]}")
-            raise unknown_name_error(name, self._all_points) from None
+            raise unknown_name_error(name, self._listed_points) from None
         return point
 
     def select_hook_names(self, names: Optional[NameFilter] = None) -> list[str]:
@@ -101,7 +109,7 @@ class HookedRootModule(PersistentHooks, nn.Module):
         the model's `bridge_names` is True: then, as on transformer-lens 4's bridge, they include those points and a
         predicate selects a point when it accepts any of its names (once, however many it accepts)."""
         if names is None:
-            return [n for n, p in self._all_points.items() if not p.opt_in and (self.bridge_names or not p.bridge_only)]
+            return [n for n, p in self._listed_points.items() if not p.opt_in]
         if isinstance(names, str):
             return [self.hook_point(names).name]
         if callable(names):
@@ -208,18 +216,24 @@ class HookedRootModule(PersistentHooks, nn.Module):
         `bridge_names` is on (as transformer-lens 4's bridge lists its own names beside the classic ones), otherwise
         only those of points that only their name selects (the per-head inputs, which TL 4's analysis tools look up
         by the bridge's spelling), so that HookedTransformer code attaching a hook to every entry attaches it once."""
-        points = self._all_points
+        points = self._listed_points
         return {**points, **{alias: points[name] for alias, name in self._aliases.items() if name in points
                              and (self.bridge_names or points[name].by_name)}}
 
     def hook_points(self) -> list[HookPoint]:
         """Every hook point (transformer-lens's `hook_points()`, the values of `hook_dict`)."""
+        return list(self._listed_points.values())
+
+    def all_hook_points(self) -> list[HookPoint]:
+        """Every hook point, the bridge's own ones included whatever `bridge_names` says: what may hold a hook."""
         return list(self._all_points.values())
 
     @property
     def mod_dict(self) -> dict[str, nn.Module]:
-        """Every submodule by name, hook points included (transformer-lens's `mod_dict`)."""
-        return {name: module for name, module in self.named_modules() if name}
+        """Every submodule by name, hook points included (transformer-lens's `mod_dict`): the bridge's own points
+        only when `bridge_names` is on, as in hook_dict."""
+        return {name: module for name, module in self.named_modules() if name and not (
+            isinstance(module, HookPoint) and module.bridge_only and not self.bridge_names)}
 
     def run_with_hooks(
         self, *args: Any, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),

@@ -672,7 +672,20 @@ def saelens_tools(model_dir: str, sae_dir: str, outputs: str) -> None:
     print(json.dumps(printed))
 
 
-COMMANDS = {"probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
+def hook_listing(model_dir: str) -> None:
+    """What HookedTransformer lists (hook_dict, mod_dict) and which names a hook on every hook_dict entry sees."""
+    model = hooked_gpt2(model_dir)
+    seen = []
+    for point in model.hook_dict.values():
+        point.add_hook(lambda x, hook: seen.append(hook.name))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    model.reset_hooks()
+    print(json.dumps({"hook_dict": sorted(model.hook_dict), "mod_dict": sorted(name for name in model.mod_dict if name),
+                      "seen": sorted(seen)}))
+
+
+COMMANDS = {"hook_listing": hook_listing, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}

@@ -5,6 +5,7 @@ TransformerBridge booted over the same checkpoint, also without compatibility mo
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -12,11 +13,12 @@ import torch
 
 import probe
 from probe import HookedDecoder
-from probe.hooks import UnknownNameError
+from probe.hooks import HookPoint, UnknownNameError
 from probe.tokenizer import Tokenizer
 from test_family_defaults import LLAMA_FILES
 from test_tokenizer_surface import tokenizer_dir
 from test_variants import build
+from oracle_process import oracle
 from tl_oracle import assert_same, booted
 
 FAMILIES = ("gpt2", "gpt1", "llama", "neox", "gemma2", "qwen3")  # learned/post-norm/GQA gated/parallel/sandwich/q-k norms
@@ -131,6 +133,36 @@ def test_predicates_and_gradients_over_bridge_names(family, family_dirs):
             model(toks, return_type="loss").backward()
     assert_same(sorted(v.sum().item() for (side, _), v in grads.items() if side == "ours"),
                 sorted(v.sum().item() for (side, _), v in grads.items() if side == "theirs"), what="gradients")
+
+
+def test_a_model_loaded_as_hookedtransformer_lists_its_points_without_the_bridges_own():
+    # TL 3 code lists hook_dict or mod_dict and hooks every entry (activation dumpers): a norm's ends, points only the
+    # bridge has, must not join them. The oracle: HookedTransformer (transformer-lens 3.9) on the same weights
+    theirs = json.loads(oracle("hook_listing", probe.DEFAULT_MODEL))
+    ours = HookedDecoder.from_pretrained(probe.DEFAULT_MODEL).eval()
+    layers = range(ours.cfg.n_layers)
+    # documented: TL 3.9 added three of the bridge's names as points; probe lists the bridge's per-head input names
+    added_by_tl_3_9 = {*(f"blocks.{layer}.mlp.hook_in" for layer in layers), "unembed.hook_in", "unembed.hook_out"}
+    per_head_inputs = {f"blocks.{layer}.attn.hook_{part}" for layer in layers
+                       for part in ("q_input", "k_input", "v_input", "attn_in")}
+    assert set(ours.hook_dict) == set(theirs["hook_dict"]) - added_by_tl_3_9 | per_head_inputs
+    listed_points = {name for name, module in ours.mod_dict.items() if isinstance(module, HookPoint)}
+    assert listed_points == {name for name in theirs["mod_dict"] if "hook_" in name.rsplit(".", 1)[-1]} - added_by_tl_3_9
+    assert len(ours.hook_points()) == len(listed_points)
+    seen = []
+    for point in ours.hook_dict.values():
+        point.add_hook(lambda x, hook: seen.append(hook.name))
+    with torch.no_grad():
+        ours(torch.tensor([[1, 2, 3]]))
+    ours.reset_hooks()
+    # the per-head inputs, per-head results and hook_mlp_in fire when hooked (documented); nothing else is extra
+    per_head = {f"blocks.{layer}.{name}" for layer in layers for name in (
+        "hook_q_input", "hook_k_input", "hook_v_input", "hook_attn_in", "attn.hook_result", "hook_mlp_in")}
+    assert set(seen) == set(theirs["seen"]) - added_by_tl_3_9 | per_head
+    # a hook on a bridge-only point by its exact name still works, and reset_hooks removes it
+    ours.add_hook("blocks.0.ln1.hook_out", lambda x, hook: seen.append(hook.name))
+    ours.reset_hooks()
+    assert not ours.blocks[0].ln1.hook_out.handles
 
 
 def test_transformer_lens_4s_loading_line_and_compatibility_mode(family_dirs):
