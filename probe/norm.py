@@ -76,9 +76,21 @@ class LayerNorm(FixedWeights, HookedEnds, nn.Module):
         # hooks still see (and may replace) tensors in the model's dtype.
         x32 = x.float()
         centred = x32 - x32.mean(-1, keepdim=True)
-        scale = self.hook_scale((centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt().to(x.dtype))
-        normalized = self.hook_normalized((centred / scale.float()).to(x.dtype))
-        return (normalized.float() * self.w.float() + self.b.float()).to(x.dtype)
+        scale_seen = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt().to(x.dtype)
+        versions = scale_seen._version
+        scale = self.hook_scale(scale_seen)
+        normalized_seen = (centred / scale.float()).to(x.dtype)
+        versions += normalized_seen._version
+        normalized = self.hook_normalized(normalized_seen)
+        out = (normalized.float() * self.w.float() + self.b.float()).to(x.dtype)
+        if scale is not scale_seen or normalized is not normalized_seen or x.dtype != self.w.dtype or \
+                versions != scale_seen._version + normalized_seen._version:
+            return out  # a hook replaced or edited one: the output follows it
+        # hooks that only read give the unhooked forward's very numbers, so what a cache holds does not depend on
+        # what else it caches (TL's demo asserts a filtered cache's pattern equal to a full cache's), while
+        # gradients still flow through the hooked tensors (backward hooks, retain_grad)
+        fused = F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)
+        return fused.detach() + (out - out.detach()) if out.requires_grad else fused
 
 
 class RMSNorm(FixedWeights, HookedEnds, nn.Module):

@@ -116,6 +116,50 @@ def test_scale_hook_path_equals_fused_layernorm(tiny_model, tokens):
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
 
 
+def test_hooks_that_only_read_a_norm_leave_every_later_number_bit_for_bit(tiny_model, tokens):
+    # TL's Main_Demo asserts (torch.equal) that layer 0's pattern cached alone is the one in a cache of everything,
+    # where every norm's scale is hooked too: reading a norm must not move the numbers after it, gradients on or off
+    patterns = [f"blocks.{layer}.attn.hook_pattern" for layer in range(tiny_model.cfg.n_layers)]
+    norms = [name for name in tiny_model.hook_names if name.endswith(("hook_scale", "hook_normalized"))]
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            _, everything = tiny_model.run_with_cache(tokens)
+            _, alone = tiny_model.run_with_cache(tokens, names_filter=[patterns[0]], stop_at_layer=1)
+            logits, plain = tiny_model.run_with_cache(tokens, names_filter=patterns)
+            read, _ = tiny_model.run_with_cache(tokens, names_filter=patterns + norms)
+        assert torch.equal(everything[patterns[0]], alone[patterns[0]])
+        assert all(torch.equal(everything[name], plain[name]) for name in patterns)
+        assert torch.equal(logits, read)
+
+
+def test_a_norm_follows_hooks_that_edit_or_replace_its_scale_and_differentiates_through_them(tiny_model):
+    ln = tiny_model.blocks[0].ln1
+    x = torch.randn(2, 5, tiny_model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+    w, b = ln.w.detach(), ln.b.detach()
+    centred = x - x.mean(-1, keepdim=True)
+    std = (centred.pow(2).mean(-1, keepdim=True) + ln.eps).sqrt()
+    edits = {"scale, in place": ("hook_scale", lambda s, hook: s.mul_(2), centred / (2 * std) * w + b),
+             "scale, replaced": ("hook_scale", lambda s, hook: s * 2, centred / (2 * std) * w + b),
+             "normalized, in place": ("hook_normalized", lambda n, hook: n.add_(1), (centred / std + 1) * w + b)}
+    for what, (point, edit, by_hand) in edits.items():
+        with torch.no_grad(), tiny_model.hooks([(f"blocks.0.ln1.{point}", edit)]):
+            torch.testing.assert_close(ln(x), by_hand, atol=1e-5, rtol=0, msg=lambda m: f"{what}: {m}")
+    # a hook that keeps the normalized input for its gradient gets d(loss)/d(normalized) = r * w, and the input's
+    # gradient is the unhooked norm's
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    kept, inputs = {}, [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    (ln(inputs[0]) * r).sum().backward()
+    def keep(normalized, hook):
+        normalized.retain_grad()
+        kept["n"] = normalized
+
+    with tiny_model.hooks([("blocks.0.ln1.hook_normalized", keep)]):
+        (ln(inputs[1]) * r).sum().backward()
+    tiny_model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(kept["n"].grad, r * w, atol=1e-6, rtol=0)
+    torch.testing.assert_close(inputs[1].grad, inputs[0].grad, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_scale_hook_path_keeps_half_precision_norms_exact(tiny_dir, dtype):
     from probe import HookedDecoder
