@@ -115,7 +115,8 @@ def load_tl_format(directory: Path, config: dict, load_tokenizer: Callable, devi
     state = read_tl_state(final_state_file(directory))
     if architecture == "neel-solu-old":
         state = convert_solu_old(state, cfg)
-    model = model_class(cfg, tokenizer=tl_format_tokenizer(directory, config, load_tokenizer))
+    with torch.random.fork_rng(devices=[]):  # initial weights overwritten at once: TL's loading draws nothing
+        model = model_class(cfg, tokenizer=tl_format_tokenizer(directory, config, load_tokenizer))
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:

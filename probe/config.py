@@ -89,6 +89,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     ungroup_grouped_query_attention: bool = dataclasses.field(default=False, compare=False)
     # what transformer-lens records of how the model was built or loaded, read back as TL code reads it
     seed: Optional[int] = dataclasses.field(default=None, compare=False)  # HookedTransformerConfig(seed=)'s
+    # HookedTransformerConfig's models draw their initial weights as HookedTransformer does (its "gpt2" init_mode): the
+    # same weights under one seed, and torch's generator left where TL leaves it for the draws that follow
+    transformer_lens_init: bool = dataclasses.field(default=False, compare=False)
     # TL's name for the activation where it has several for one function ("gelu_fast", "gelu_pytorch_tanh": the
     # tanh GELU); None: the activation's own name. model.cfg.act_fn reads it
     act_fn_name: Optional[str] = dataclasses.field(default=None, compare=False)

@@ -37,6 +37,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSur
 
     def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
         super().__init__()
+        generator = torch.get_rng_state() if cfg.transformer_lens_init else None
         if tokenizer is None and cfg.tokenizer_source is not None:
             from probe.loading import load_tokenizer
 
@@ -56,12 +57,14 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSur
         self.unembed = Unembed(cfg.d_vocab_out, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
-        self.init_weights()
         aliases, left_out = bridge_names(cfg)  # transformer-lens 4's own names for the points
         self.setup_hooks(aliases, left_out)
         attach_bridge_attributes(self, aliases, left_out)
         describe_blocks_as_the_bridge(self)
         use_tl_layout(self)  # state_dict() in transformer-lens's names and shapes; load_state_dict takes both layouts
+        if generator is not None:  # TL's modules start empty: building them draws nothing, only its init does
+            torch.set_rng_state(generator)
+        self.init_weights()  # after the layout: a HookedTransformerConfig's model draws in TL's
         self.follow_config_switches()
         if cfg.device != "cpu" or cfg.dtype not in (None, torch.float32):  # a config that names them, as TL's can
             self.to(device=cfg.device, dtype=cfg.dtype)
@@ -257,19 +260,39 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSur
     # ---- construction -------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2's initialisation, for training from scratch (loading overwrites all of it)."""
-        std = self.cfg.init_std
+        """GPT-2's initialisation, for training from scratch (loading overwrites all of it); HookedTransformer's
+        draw for a model built from HookedTransformerConfig (`cfg.transformer_lens_init`)."""
+        std, like_tl = self.cfg.init_std, self.cfg.transformer_lens_init
         for name, param in self.named_parameters():
             if param.is_meta:  # shapes only (a model built to plan its placement): nothing to fill
                 continue
             if name.endswith((".w",)):
                 param.fill_(1.0)
-            elif name.endswith((".b", ".bias")):
+            elif name.endswith((".b", ".bias")) or like_tl:
                 param.zero_()
             elif name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
                 param.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))  # keeps the residual's variance flat in depth
             else:
                 param.normal_(0.0, std)
+        if like_tl and not self.embed.W_E.is_meta:
+            self.draw_like_transformer_lens()
+
+    def draw_like_transformer_lens(self) -> None:
+        """HookedTransformer's "gpt2" init: torch reseeded with cfg.seed (if any), then every weight matrix (a name with
+        "W_") drawn from N(0, initializer_range) in TL's layout and parameter order (an attention's W_Q, W_O, then its
+        keys and values), so the weights and torch's generator afterwards are TL's."""
+        if self.cfg.seed is not None:
+            torch.manual_seed(self.cfg.seed)
+        layout = self.state_dict()
+        names = [name for name in layout if "W_" in name]
+        for at, name in enumerate(names):  # TL's attention registers W_O before its key and value weights
+            if name.endswith("attn.W_Q") and name[:-1] + "O" in names:
+                names.insert(at + 1, names.pop(names.index(name[:-1] + "O")))
+        for name in names:
+            layout[name] = torch.empty(layout[name].shape, dtype=layout[name].dtype).normal_(0.0, self.cfg.init_std)
+        if self.cfg.tied_embeddings:  # TL draws W_U all the same (its HookedTransformer never ties them)
+            layout["unembed.W_U"] = layout["embed.W_E"].T
+        self.load_state_dict(layout)
 
     @classmethod
     def from_pretrained(

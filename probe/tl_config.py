@@ -6,9 +6,9 @@
 
 It takes TL's keywords, with TL's defaults, and returns probe's `DecoderConfig`. A HookedTransformer always has
 q/k/v, output, MLP and unembedding biases and untied embeddings, so the config has them too: its state dict then loads
-strictly (probe.tl_state_dict). The initial weights are probe's (normal, `initializer_range`), not TL's draw:
-`seed=` seeds torch's, numpy's and random's generators as TL's config does, so a seeded run repeats, but TL's and
-probe's random models differ. What probe's decoder does not have is refused by name, with what to use instead.
+strictly (probe.tl_state_dict). `seed=` seeds torch's, numpy's and random's generators as TL's config does, and
+the model draws its initial weights as HookedTransformer's "gpt2" init does (`transformer_lens_init`): the same
+weights, and the generator left where TL's leaves it (TL's other init modes get probe's normal draw). What probe's decoder does not have is refused by name, with what to use instead.
 """
 from __future__ import annotations
 
@@ -144,6 +144,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         tokenizer_source=s.get("tokenizer_name"),
         device=str(s.get("device") or "cpu"), dtype=DTYPES.get(dtype, dtype),
         default_prepend_bos=s.get("default_prepend_bos", True), seed=s.get("seed"),
+        transformer_lens_init=s.get("init_mode", "gpt2") == "gpt2",  # TL's other init modes: probe's normal draw
         **{name: s.get(name, False) for name in SWITCHES})
 
 

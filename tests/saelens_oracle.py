@@ -390,9 +390,11 @@ def neel(name: str, directory: str, inputs: str, outputs: str, process_json: str
             for p in fresh.parameters():
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
         torch.save(fresh.state_dict(), folder / "model_final.pth")
+    generator = torch.get_rng_state()
     model = HookedTransformer.from_pretrained(name, device="cpu", **json.loads(process_json)).eval()
+    out = {"generator_moved": torch.tensor(not torch.equal(torch.get_rng_state(), generator))}
     with torch.no_grad():
-        out = {"logits": model(load_file(inputs)["tokens"]).contiguous()}
+        out["logits"] = model(load_file(inputs)["tokens"]).contiguous()
     out.update({f"state.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()})
     save_file(out, outputs)
     print(json.dumps({key: getattr(model.cfg, key) for key in RESOLVED + ("original_architecture",)}))
@@ -685,7 +687,21 @@ def hook_listing(model_dir: str) -> None:
                       "seen": sorted(seen)}))
 
 
-COMMANDS = {"hook_listing": hook_listing, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
+def tl_init(cases_json: str, outputs: str) -> None:
+    """HookedTransformer(cfg) for each config, torch seeded with 11 between the two: its state dict and next draws."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    out = {}
+    for name, config in json.loads(cases_json).items():
+        cfg = HookedTransformerConfig(**config, device="cpu")  # seeds torch when it has a seed
+        torch.manual_seed(11)  # init_weights seeds it again
+        model = HookedTransformer(cfg)
+        out[f"{name}/next"] = torch.randint(0, 1000, (8,))
+        out.update({f"{name}/{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()})
+    save_file(out, outputs)
+
+
+COMMANDS = {"hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}

@@ -57,9 +57,12 @@ def loaded_by_both(name: str, directory, processing: dict, tokens: torch.Tensor,
         return str(directory)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    generator = torch.get_rng_state()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the default steps a model cannot take, skipped as TL skips them
         model = HookedDecoder.from_pretrained(name, **processing).eval()
+    # a notebook's random tokens after the loading line are TL's only if loading draws what TL's draws (nothing)
+    assert (not torch.equal(torch.get_rng_state(), generator)) == bool(out.pop("generator_moved"))
     return model, resolved, out, asked
 
 

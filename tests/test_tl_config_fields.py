@@ -301,3 +301,35 @@ def test_tl_features_probe_lacks_are_refused_by_name(settings, match):
     so a config never reads back a feature the model lacks."""
     with pytest.raises(ValueError, match=match):
         HookedTransformerConfig(**dict(SMALL, act_fn="relu", positional_embedding_type="rotary"), **settings)
+
+
+INIT_CASES = {  # TL's "gpt2" init on learned, shortformer attention-only, rotary GQA gated, SoLU-LN and parallel toys
+    "learned": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="gelu"),
+    "shortformer": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="relu", attn_only=True,
+                        normalization_type=None, positional_embedding_type="shortformer", seed=398),
+    "gqa": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="silu", normalization_type="RMS",
+                gated_mlp=True, n_key_value_heads=2, positional_embedding_type="rotary", rotary_dim=8, seed=3),
+    "solu_ln": dict(n_layers=1, d_model=32, d_head=8, n_ctx=16, d_vocab=50, d_vocab_out=20, act_fn="solu_ln",
+                    normalization_type="LNPre", initializer_range=0.05),
+    "parallel": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="gelu", parallel_attn_mlp=True,
+                     positional_embedding_type="rotary", rotary_dim=4, seed=0),
+}
+
+
+@needs_saelens
+def test_a_model_built_from_a_tl_config_draws_hookedtransformers_weights_and_leaves_its_generator_state(tmp_path):
+    # ARENA's notebooks seed, build HookedTransformer(cfg), then draw random tokens: the same tokens need the same
+    # draws in the same order. The oracle: HookedTransformer (transformer-lens 3.9) built from each config
+    oracle("tl_init", json.dumps(INIT_CASES), tmp_path / "tl.safetensors")
+    theirs = load_file(tmp_path / "tl.safetensors")
+    for name, config in INIT_CASES.items():
+        cfg = HookedTransformerConfig(**config)
+        torch.manual_seed(11)
+        model = HookedDecoder(cfg)
+        assert torch.equal(torch.randint(0, 1000, (8,)), theirs[f"{name}/next"]), name
+        ours = model.state_dict()
+        keys = [key.split("/", 1)[1] for key in theirs if key.startswith(f"{name}/") and not key.endswith("/next")]
+        weights = [key for key in keys if key in ours]  # TL's buffers (mask, IGNORE, rotary tables) are not weights
+        assert sorted(weights) == sorted(ours), name
+        for key in weights:
+            assert torch.equal(ours[key], theirs[f"{name}/{key}"]), f"{name}: {key}"
