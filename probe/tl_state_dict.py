@@ -11,7 +11,8 @@ module (`model.blocks[0].attn.state_dict()`), and a HookedTransformer's saved st
 Saving writes TL's layout: the reorganised tensors are contiguous copies (so `safetensors` saves them), and a bias the
 model lacks is written as zeros, as TL has it. Loading takes either layout: TL's tensors are put back into the fused
 ones, a zero bias the model has no room for is dropped (a non-zero one is an error naming the key), and TL's derived
-buffers (`mask`, `IGNORE`, `rotary_sin`, `rotary_cos`) are dropped. The parameters themselves keep probe's names
+buffers (`mask`, `IGNORE`, `rotary_sin`, `rotary_cos`) are dropped; saving writes TL 3.9's `mask` and `IGNORE` (an
+empty mask and -inf) so that code editing them in a state dict finds them. The parameters themselves keep probe's names
 (`named_parameters()` lists `attn.qkv.weight`).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from probe.embedding import Unembed
 from probe.mlp import MLP
 
 TL_BUFFERS = ("mask", "IGNORE", "rotary_sin", "rotary_cos")  # recomputed from the config: nothing to load
+TL_UNWRITTEN = ("rotary_sin", "rotary_cos")  # of those, the ones state_dict() does not write (mask, IGNORE are)
 
 
 def use_tl_layout(model: nn.Module) -> None:
@@ -73,6 +75,10 @@ def _save_attention(module: Attention, state: dict, prefix: str, local_metadata)
         state[prefix + name.replace("W", "b")] = part.reshape(-1, d_head).contiguous()
     state[prefix + "W_O"] = rearrange(out_weight, "d_model (head d_head) -> head d_head d_model", d_head=d_head).contiguous()
     state[prefix + "b_O"] = _or_zeros(out_bias, out_weight.shape[0], out_weight)
+    # TL 3.9's attention buffers as its state dict holds them, for code that edits them there (ARENA's grokking loader
+    # sets IGNORE before loading); loading drops them again, since probe's attention computes its own mask
+    state[prefix + "mask"] = torch.empty((0, 0), dtype=torch.bool, device=out_weight.device)
+    state[prefix + "IGNORE"] = torch.tensor(-torch.inf, device=out_weight.device)
 
 
 def _mlp_weights(module: MLP) -> list[tuple[str, str]]:

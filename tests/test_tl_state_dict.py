@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from probe import DEFAULT_MODEL, HookedDecoder
-from probe.tl_state_dict import TL_BUFFERS
+from probe.tl_state_dict import TL_BUFFERS, TL_UNWRITTEN
 from saelens_oracle import toy_idioms
 from test_sae_training import needs_saelens, oracle
 from test_variants import build
@@ -68,12 +68,13 @@ def test_the_state_dict_is_hooked_transformers_and_loads_both_ways(case, tmp_pat
         expected = hf(tokens).logits
 
     # names and shapes: a HookedTransformer's, less the buffers it recomputes from its config
-    tl_shapes = {key: shape for key, shape in report["shapes"].items() if key.rsplit(".", 1)[-1] not in TL_BUFFERS}
+    tl_shapes = {key: shape for key, shape in report["shapes"].items() if key.rsplit(".", 1)[-1] not in TL_UNWRITTEN}
     assert {key: list(t.shape) for key, t in exported.items()} == tl_shapes
     # values: TL's own converter's, for the same checkpoint
     tl_weights = {key.removeprefix("tl."): t for key, t in out.items() if key.startswith("tl.")}
     assert set(tl_weights) <= set(exported)
-    for key, value in exported.items():  # a bias the converter leaves out stays at TL's zero initialisation
+    weights = {key: value for key, value in exported.items() if key.rsplit(".", 1)[-1] not in TL_BUFFERS}
+    for key, value in weights.items():  # a bias the converter leaves out stays at TL's zero initialisation
         torch.testing.assert_close(value, tl_weights.get(key, torch.zeros_like(value)), atol=1e-6, rtol=0, msg=key)
     torch.testing.assert_close(out["tl_logits"], expected, atol=1e-4, rtol=1e-4)  # the oracle's own check
     # TL's forward on what probe exports
@@ -194,7 +195,9 @@ def test_arena_modules_load_from_probe_by_state_dict_and_agree():
 
     def load_gpt2_test(student: nn.Module, reference_module: nn.Module, input):
         loaded = student.load_state_dict(reference_module.state_dict(), strict=False)
-        assert loaded.unexpected_keys == [] and all(key.endswith("IGNORE") for key in loaded.missing_keys), loaded
+        # as from a HookedTransformer's module: TL's attention state dict has a mask buffer ARENA's classes lack
+        assert all(key.endswith("mask") for key in loaded.unexpected_keys), loaded
+        assert all(key.endswith("IGNORE") for key in loaded.missing_keys), loaded
         with torch.no_grad():
             torch.testing.assert_close(student(input), reference_module(input), atol=1e-4, rtol=1e-3)
 
@@ -208,7 +211,8 @@ def test_arena_modules_load_from_probe_by_state_dict_and_agree():
 
     demo = DemoTransformer(cfg)
     loaded = demo.load_state_dict(reference.state_dict(), strict=False)
-    assert loaded.unexpected_keys == [] and all(key.endswith("IGNORE") for key in loaded.missing_keys)
+    assert all(key.endswith("attn.mask") for key in loaded.unexpected_keys)
+    assert all(key.endswith("IGNORE") for key in loaded.missing_keys)
     hf = transformers.GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL).eval()
     with torch.no_grad():
         torch.testing.assert_close(demo(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
@@ -231,7 +235,7 @@ def test_a_module_state_dict_round_trips_and_biases_the_model_lacks_are_zeros(tm
     model = HookedDecoder.from_pretrained(tmp_path).eval()
     attn = model.blocks[1].attn
     state = attn.state_dict()
-    assert sorted(state) == ["W_O", "W_Q", "_W_K", "_W_V", "_b_K", "_b_V", "b_O", "b_Q"]
+    assert sorted(state) == ["IGNORE", "W_O", "W_Q", "_W_K", "_W_V", "_b_K", "_b_V", "b_O", "b_Q", "mask"]
     assert all(state[name].count_nonzero() == 0 for name in ("b_Q", "_b_K", "_b_V", "b_O"))
     # W_Q[h] is transformers' q_proj rows for head h, transposed (the weights by hand)
     q_proj = hf.model.layers[1].self_attn.q_proj.weight.detach()
@@ -432,8 +436,8 @@ def test_load_and_process_state_dict_is_hooked_transformers(case, steps, tmp_pat
         model.load_and_process_state_dict(raw, **steps)
     assert model.cfg.normalization_type == resolved["processed_normalization_type"]
     ours = model.state_dict()
-    tl_keys = {key for key in theirs if key.rsplit(".", 1)[-1] not in TL_BUFFERS}
-    assert set(ours) == tl_keys
+    assert set(ours) == {key for key in theirs if key.rsplit(".", 1)[-1] not in TL_UNWRITTEN}
+    tl_keys = {key for key in theirs if key.rsplit(".", 1)[-1] not in TL_BUFFERS}  # TL fills its mask as it runs
     for key in tl_keys:
         torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5, msg=key)
     with torch.no_grad():
@@ -554,3 +558,15 @@ def test_toy_model_analyses_written_for_hooked_transformer_agree(case, tmp_path)
     assert set(ours) == set(theirs)
     for name, value in ours.items():
         torch.testing.assert_close(value.float(), theirs[name].float(), atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_arena_grokking_loader_edits_ignore_in_the_state_dict_and_loads_it(tiny_model, tokens):
+    # ARENA 1.5's load_in_state_dict starts from model.state_dict(), sets each attention's IGNORE and loads it back:
+    # the buffers are there as in a HookedTransformer's state dict (an empty mask, IGNORE -inf), and change nothing
+    state = tiny_model.state_dict()
+    assert state["blocks.0.attn.IGNORE"].item() == float("-inf") and state["blocks.0.attn.mask"].shape == (0, 0)
+    state["blocks.0.attn.IGNORE"] = torch.full_like(state["blocks.0.attn.IGNORE"], -1e10)
+    fresh = HookedDecoder(tiny_model.cfg).eval()
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(fresh(tokens), tiny_model(tokens))
