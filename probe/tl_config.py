@@ -8,7 +8,8 @@ It takes TL's keywords, with TL's defaults, and returns probe's `DecoderConfig`.
 q/k/v, output, MLP and unembedding biases and untied embeddings, so the config has them too: its state dict then loads
 strictly (probe.tl_state_dict). `seed=` seeds torch's, numpy's and random's generators as TL's config does, and
 the model draws its initial weights as HookedTransformer's "gpt2" init does (`transformer_lens_init`): the same
-weights, and the generator left where TL's leaves it (TL's other init modes get probe's normal draw). What probe's decoder does not have is refused by name, with what to use instead.
+weights, and the generator left where TL's leaves it (TL's other init modes get probe's normal draw). What probe's
+decoder does not have is refused by name, with what to use instead.
 """
 from __future__ import annotations
 
