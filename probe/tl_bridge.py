@@ -53,7 +53,7 @@ class BridgeSurface:
             model_name, device=device, dtype=dtype, revision=revision, device_map=device_map, max_memory=max_memory,
             **{name: value for name, value in optional.items() if value is not None})
         model.bridge_names = True
-        return model
+        return model.eval()  # as the bridge boots (TL 4's patching tools refuse a model in training mode)
 
     def enable_compatibility_mode(self, disable_warnings: bool = False, no_processing: bool = False,
                                   fold_ln: bool = True, center_writing_weights: bool = True, center_unembed: bool = True,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import probe.residual_stack as rs
 from probe.config import SWITCHES, DecoderConfig, Positions
 from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps, untie_embeddings
+from probe.tl_state_dict import TL_BUFFERS
 from probe.tokenizer import Tokenizer, check_padding_side, prepends_bos
 
 GUIDE = "docs/from_transformer_lens.md"
@@ -207,7 +208,8 @@ class TransformerLensSurface:
         but in the autograd graph of probe's own parameters, so a loss on them sends gradients to the fused
         weights (they are computed from them: an optimiser still takes `model.parameters()`). TL 4's
         `SVDInterpreter(model)` reads these."""
-        return dict(self.state_dict(keep_vars=True))
+        return {name: tensor for name, tensor in self.state_dict(keep_vars=True).items()
+                if name.rsplit(".", 1)[-1] not in TL_BUFFERS}  # weights only: not TL's mask and IGNORE
 
     def tl_named_parameters(self):
         """transformer-lens's `tl_named_parameters()`: `tl_parameters()` as (name, tensor) pairs."""

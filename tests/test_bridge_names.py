@@ -167,7 +167,12 @@ def test_a_model_loaded_as_hookedtransformer_lists_its_points_without_the_bridge
 
 def test_transformer_lens_4s_loading_line_and_compatibility_mode(family_dirs):
     directory = family_dirs["gpt2"]
-    ours = HookedDecoder.boot_transformers(directory, device="cpu", dtype=torch.float32).eval()
+    ours = HookedDecoder.boot_transformers(directory, device="cpu", dtype=torch.float32)
+    from transformer_lens.model_bridge import TransformerBridge
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TL 4's notebooks never call eval(): booted, both are in eval mode
+        assert ours.training is TransformerBridge.boot_transformers(str(directory)).training is False
     classic = HookedDecoder.from_pretrained(directory).eval()
     toks = tokens(ours)
     with torch.no_grad():

