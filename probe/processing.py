@@ -89,13 +89,19 @@ def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, 
     applies = {"fold_ln": can_fold_ln, "center_writing_weights": can_center_writing_weights,
                "center_unembed": can_center_unembed, "fold_value_biases": lambda cfg: True,
                "refactor_factored_attn_matrices": can_refactor_factored_attn_matrices}
+    # TL's from_pretrained leaves a shortformer model's weights unfolded and uncentred, though centring would be
+    # exact: its numbers (Neel Nanda's attn-only models) are those of weights left as trained
+    unprocessed_when_loaded = where == "from_pretrained" and cfg.positions is Positions.SHORTFORMER
     steps = {}
     for step, default in TL_PROCESSING_DEFAULTS.items():
         value = given.get(step, default)
-        if value and not applies[step](cfg) and (step not in given or step in TL_SKIPS):
+        skipped = step in TL_SKIPS and unprocessed_when_loaded
+        if value and (skipped or not applies[step](cfg)) and (step not in given or step in TL_SKIPS):
             how = "given" if step in given else "transformer-lens's default"
-            warnings.warn(f"{where}: skipping {step}=True ({how}), which this model's blocks do not allow, as "
-                          f"transformer-lens skips it; pass {step}=False to say so", stacklevel=stacklevel)  # the user's call
+            why = ("transformer-lens's from_pretrained processes no shortformer model" if skipped else
+                   "which this model's blocks do not allow, as transformer-lens skips it")
+            warnings.warn(f"{where}: skipping {step}=True ({how}), {why}; pass {step}=False to say so",
+                          stacklevel=stacklevel)  # the user's call
             value = False
         steps[step] = value
     return steps

@@ -24,13 +24,14 @@ NO_PROCESSING = dict(fold_ln=False, center_writing_weights=False, center_unembed
 # TL's from_pretrained processes by default; probe's only when asked, so both are asked explicitly
 TL_DEFAULTS = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True)
 CASES = {  # Neel Nanda's config.json keys, at a small size
-    "gelu-2l": (dict(d_model=64, n_layers=2, d_mlp=256, d_head=16, n_heads=4, n_ctx=32, d_vocab=100, act_fn="gelu",
-                     attn_only=False, normalization="LN", shortformer_pos=False), TL_DEFAULTS),
-    # TL centres a shortformer model's W_pos when it centres the writers, which changes its queries and keys
-    # (probe leaves them: docs/from_transformer_lens.md), so the attention-only model is compared unprocessed
-    "attn-only-2l": (dict(d_model=64, n_layers=2, d_mlp=256, d_head=16, n_heads=4, n_ctx=32, d_vocab=100,
-                          act_fn="solu_ln", attn_only=True, normalization="LN", shortformer_pos=True), NO_PROCESSING),
+    "gelu-2l": dict(d_model=64, n_layers=2, d_mlp=256, d_head=16, n_heads=4, n_ctx=32, d_vocab=100, act_fn="gelu",
+                    attn_only=False, normalization="LN", shortformer_pos=False),
+    "attn-only-2l": dict(d_model=64, n_layers=2, d_mlp=256, d_head=16, n_heads=4, n_ctx=32, d_vocab=100,
+                         act_fn="solu_ln", attn_only=True, normalization="LN", shortformer_pos=True),
 }
+# asked for TL's default processing, TL's from_pretrained folds and centres nothing in a shortformer model (it folds
+# only the value biases), so the attention-only model's weights are the file's but for b_O
+LOADINGS = [("gelu-2l", TL_DEFAULTS), ("attn-only-2l", TL_DEFAULTS), ("attn-only-2l", NO_PROCESSING)]
 
 
 def checkpoint_dir(tmp_path: Path, config: dict) -> Path:
@@ -79,9 +80,9 @@ def assert_state_and_logits_are_tls(model: HookedDecoder, out: dict, tokens: tor
 
 
 @needs_saelens
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_a_toy_model_loads_by_name_as_transformer_lens_loads_it(name, tmp_path, monkeypatch):
-    config, processing = CASES[name]
+@pytest.mark.parametrize("name, processing", LOADINGS, ids=[f"{name}-{bool(steps['fold_ln'])}" for name, steps in LOADINGS])
+def test_a_toy_model_loads_by_name_as_transformer_lens_loads_it(name, processing, tmp_path, monkeypatch):
+    config = CASES[name]
     directory = checkpoint_dir(tmp_path, config)
     tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
     model, resolved, out, asked = loaded_by_both(name, directory, processing, tokens, tmp_path, monkeypatch)
@@ -92,7 +93,7 @@ def test_a_toy_model_loads_by_name_as_transformer_lens_loads_it(name, tmp_path, 
     assert_state_and_logits_are_tls(model, out, tokens)
 
 def test_a_tl_format_directory_reads_only_tensors_and_says_what_is_wrong(tmp_path):
-    config = dict(CASES["gelu-2l"][0], n_layers=1)
+    config = dict(CASES["gelu-2l"], n_layers=1)
     directory = checkpoint_dir(tmp_path, config)
     with pytest.raises(TLFormatError, match=r"one \*final\.pth state dict; found no file"):
         HookedDecoder.from_pretrained(directory)
@@ -121,7 +122,7 @@ def test_a_tl_format_directory_reads_only_tensors_and_says_what_is_wrong(tmp_pat
 def test_the_tokenizer_is_the_directorys_or_the_one_its_config_names(tmp_path):
     from probe import HookedTransformerConfig
 
-    config = dict(CASES["gelu-2l"][0], n_layers=1, d_vocab=4096)
+    config = dict(CASES["gelu-2l"], n_layers=1, d_vocab=4096)
     directory = checkpoint_dir(tmp_path, config)
     weights = HookedDecoder(HookedTransformerConfig(**{k: v for k, v in config.items() if k not in
                                                       ("normalization", "shortformer_pos")})).state_dict()
