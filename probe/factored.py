@@ -119,8 +119,8 @@ class FactoredMatrix:
     def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.A, self.B
 
-    def __repr__(self) -> str:
-        return f"FactoredMatrix(shape={tuple(self.shape)}, mdim={self.mdim}, dtype={self.A.dtype})"
+    def __repr__(self) -> str:  # transformer-lens's words, which its demos print
+        return f"FactoredMatrix: Shape({self.shape}), Hidden Dim({self.mdim})"
 
     # ---- products ---------------------------------------------------------------------------------------
     @property

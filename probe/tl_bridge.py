@@ -16,6 +16,7 @@ import torch
 from probe.attention import per_head
 from probe.hooks import HookPoint, UnknownNameError
 from probe.tl_surface import refuse_unsupported
+from probe.transformers_model import to_transformers
 
 BOOT_HINTS = {
     "hf_config_overrides": "probe reads the checkpoint's config.json as saved; edit a copy of the directory's "
@@ -77,6 +78,17 @@ class BridgeSurface:
         self.process_weights_(fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                               center_unembed=center_unembed, fold_value_biases=fold_value_biases,
                               refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+
+    @property
+    def original_model(self):
+        """The bridge's `original_model`: this model as a `transformers` model of its checkpoint's family, with its
+        weights as they are now (processed ones too), for code that takes a Hugging Face model (lm-eval's HFLM).
+        Each access builds a new one, which probe's hooks do not reach and whose weights are its own: keep the
+        reference (`hf_model = model.original_model`) and read it again after editing the weights."""
+        try:
+            return to_transformers(self)
+        except AttributeError as err:  # nn.Module would report it as "no attribute 'original_model'"
+            raise RuntimeError(f"original_model: {err}") from err
 
     def get_hook_point(self, hook_name: str) -> Optional[HookPoint]:
         """The bridge's `get_hook_point`: the point a name (or alias) names, or None where there is none."""
