@@ -36,6 +36,14 @@ class FixedWeights:
             setattr(self, name, torch.full(getattr(self, name).shape, value, device=getattr(self, name).device))
 
 
+def folded_norm_weights(norm: Optional[nn.Module], name: str) -> dict[str, torch.Tensor]:
+    """A LayerNorm's or RMSNorm's fixed w = 1 (and b = 0) by `name`.w / .b, where folding (or LNPre) left it none to
+    learn; nothing for a norm with learned weights, for no norm, or for the identity of normalization_type=None."""
+    if not isinstance(norm, (LayerNorm, RMSNorm)):
+        return {}
+    return {f"{name}.{weight}": getattr(norm, weight) for weight in getattr(norm, "fixed", {})}
+
+
 class HookedEnds:
     """A norm's input and output as hook points too, `ln1.hook_in` / `ln1.hook_out` (transformer-lens 4's bridge names;
     HookedTransformer has neither, so caches of everything and predicates leave them out: HookPoint.bridge_only).

@@ -13,7 +13,6 @@ from typing import Any, Optional, Union
 
 import torch
 
-from probe.attention import per_head
 from probe.hooks import HookPoint, UnknownNameError
 from probe.tl_surface import refuse_unsupported
 from probe.transformers_model import to_transformers
@@ -98,15 +97,8 @@ class BridgeSurface:
             return None
 
     def get_params(self) -> dict[str, torch.Tensor]:
-        """The bridge's `get_params` (what its SVDInterpreter reads): `tl_parameters()`, with a grouped-query model's
-        key and value weights repeated per query head under `W_K` / `W_V` / `b_K` / `b_V`, as the bridge gives them
-        (`tl_parameters` keeps them per key/value head as `_W_K`, ..., TL 3's state-dict names)."""
-        params = {}
-        for name, tensor in self.tl_parameters().items():
-            if ".attn._" in name:  # blocks.{l}.attn._W_K: [kv_head ...]
-                name, tensor = name.replace(".attn._", ".attn."), per_head(tensor, self.cfg.layer_heads(int(name.split(".")[1])), 0)
-            params[name] = tensor
-        return params
+        """The bridge's `get_params` (what its SVDInterpreter reads), which is `tl_parameters()` there and here."""
+        return self.tl_parameters()
 
     def block_hooks(self, layer_idx: int) -> list[str]:
         """The bridge's `block_hooks`: every name a hook in block `layer_idx` answers to, relative to the block, sorted."""

@@ -31,6 +31,26 @@ TL_BUFFERS = ("mask", "IGNORE", "rotary_sin", "rotary_cos")  # recomputed from t
 TL_UNWRITTEN = ("rotary_sin", "rotary_cos")  # of those, the ones state_dict() does not write (mask, IGNORE are)
 
 
+# the order of transformer-lens 4's get_params() / tl_parameters() within a block; other names follow these
+BRIDGE_BLOCK_ORDER = ("attn.W_Q", "attn.W_K", "attn.W_V", "attn.W_O", "attn.b_Q", "attn.b_K", "attn.b_V", "attn.b_O",
+                      "mlp.W_in", "mlp.W_out", "mlp.b_in", "mlp.b_out", "mlp.W_gate", "mlp.b_gate",
+                      "ln1.w", "ln1.b", "ln2.w", "ln2.b")
+BRIDGE_OUTER_ORDER = ("embed.W_E", "pos_embed.W_pos", "ln_final.w", "ln_final.b", "unembed.W_U", "unembed.b_U")
+
+
+def bridge_rank(name: str) -> tuple:
+    """A sort key putting TL-layout weight names in the order of the bridge's get_params(): the embeddings, each
+    block in turn (its attention, MLP, then norms), the final norm and the unembedding; names it does not list
+    (Gemma 2's ln1_post, per-head q/k norms) come after the ones it does, in their block."""
+    parts = name.split(".")
+    if parts[0] == "blocks":
+        rest = ".".join(parts[2:])
+        order = BRIDGE_BLOCK_ORDER.index(rest) if rest in BRIDGE_BLOCK_ORDER else len(BRIDGE_BLOCK_ORDER)
+        return (1, int(parts[1]), order)
+    order = BRIDGE_OUTER_ORDER.index(name) if name in BRIDGE_OUTER_ORDER else len(BRIDGE_OUTER_ORDER)
+    return (0 if order < 2 else 2, order, 0)
+
+
 def use_tl_layout(model: nn.Module) -> None:
     """Give every attention, MLP and unembedding module of `model` transformer-lens's state_dict layout, and the
     model the check that a tied unembedding loads what its embedding does."""

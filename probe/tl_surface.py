@@ -14,7 +14,9 @@ import torch.nn.functional as F
 import probe.residual_stack as rs
 from probe.config import SWITCHES, DecoderConfig, Positions
 from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps, untie_embeddings
-from probe.tl_state_dict import TL_BUFFERS
+from probe.attention import per_head
+from probe.norm import folded_norm_weights
+from probe.tl_state_dict import TL_BUFFERS, bridge_rank
 from probe.tokenizer import Tokenizer, check_padding_side, prepends_bos
 
 GUIDE = "docs/from_transformer_lens.md"
@@ -203,13 +205,26 @@ class TransformerLensSurface:
 
     # ---- transformer-lens's parameters by its own names ---------------------------------------------------
     def tl_parameters(self) -> dict[str, torch.Tensor]:
-        """transformer-lens's `tl_parameters()` (its bridge's): every weight under TL's name and shape
-        (`blocks.0.attn.W_Q` [head d_model d_head], `mlp.W_in`, `unembed.W_U`, ...), as `state_dict()` gives them
-        but in the autograd graph of probe's own parameters, so a loss on them sends gradients to the fused
-        weights (they are computed from them: an optimiser still takes `model.parameters()`). TL 4's
-        `SVDInterpreter(model)` reads these."""
-        return {name: tensor for name, tensor in self.state_dict(keep_vars=True).items()
-                if name.rsplit(".", 1)[-1] not in TL_BUFFERS}  # weights only: not TL's mask and IGNORE
+        """transformer-lens 4's `tl_parameters()`, which is its bridge's `get_params()` (what its SVDInterpreter
+        reads): every weight under TL's name and shape (`blocks.0.attn.W_Q` [head d_model d_head], `mlp.W_in`,
+        `unembed.W_U`, ...) in the bridge's order, a grouped-query model's key and value weights repeated per query
+        head (`W_K`, `b_K`, ...; `state_dict()` keeps them per key/value head as `_W_K`, TL 3's names), and a folded
+        norm's w = 1 (and b = 0), as the bridge keeps them. In the autograd graph of probe's own parameters, so a loss
+        on them sends gradients to the fused weights (they are computed from them: an optimiser still takes
+        `model.parameters()`)."""
+        params = {}
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            if name.rsplit(".", 1)[-1] in TL_BUFFERS:  # weights only: not TL's mask and IGNORE
+                continue
+            if ".attn._" in name:  # blocks.{l}.attn._W_K: [kv_head ...]
+                heads = self.cfg.layer_heads(int(name.split(".")[1]))
+                name, tensor = name.replace(".attn._", ".attn."), per_head(tensor, heads, 0)
+            params[name] = tensor
+        for name in ("ln1", "ln2"):
+            for layer, block in enumerate(self.blocks):
+                params.update(folded_norm_weights(getattr(block, name, None), f"blocks.{layer}.{name}"))
+        params.update(folded_norm_weights(self.ln_final, "ln_final"))
+        return dict(sorted(params.items(), key=lambda item: bridge_rank(item[0])))
 
     def tl_named_parameters(self):
         """transformer-lens's `tl_named_parameters()`: `tl_parameters()` as (name, tensor) pairs."""
