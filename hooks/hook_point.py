@@ -197,13 +197,17 @@ class HookPoint(nn.Module):
     `bridge_only` points are named only by transformer-lens 4's TransformerBridge (a norm's input and output, the
     logits), not by HookedTransformer: a cache of everything and name predicates leave them out, so HookedTransformer
     code sees the points it knows, unless the model names its hooks as the bridge does (`bridge_names`).
+    `unlisted` points are named by neither (a model without norms keeps its identity norms' `hook_scale`, which
+    probe's analyses read): only their exact name reaches them.
     """
 
-    def __init__(self, opt_in: bool = False, by_name: bool = False, copies: bool = False, bridge_only: bool = False):
+    def __init__(self, opt_in: bool = False, by_name: bool = False, copies: bool = False, bridge_only: bool = False,
+                 unlisted: bool = False):
         super().__init__()
         self.by_name = by_name
         self.copies = copies
         self.bridge_only = bridge_only
+        self.unlisted = unlisted
         self.name: str = "<unnamed>"  # set by HookedRootModule.setup_hooks
         self.ctx: dict = {}  # scratch space for hook functions (transformer-lens's hook.ctx); cleared by reset_hooks
         self.opt_in = opt_in
@@ -237,6 +241,10 @@ class HookPoint(nn.Module):
         return handle
 
     # ---- transformer-lens's hook-point surface ------------------------------------------------
+    def listed(self, bridge_names: bool) -> bool:
+        """Whether listings (hook_dict, mod_dict), caches of everything and name predicates include this point."""
+        return not self.unlisted and (bridge_names or not self.bridge_only)
+
     def add_hook(self, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level=None,
                  prepend: bool = False, as_name: Optional[str] = None) -> HookHandle:
         """transformer-lens's `HookPoint.add_hook`: attach `hook(tensor, hook)` until `remove_hooks()` or the model's

@@ -83,9 +83,7 @@ class HookedRootModule(PersistentHooks, nn.Module):
     def _listed_points(self) -> dict[str, HookPoint]:
         # HookedTransformer never had the bridge's own points (a norm's ends): TL 3 code that lists every point
         # (hook_dict, mod_dict, a cache of everything) and hooks each must not meet them unless booted as the bridge
-        if self.bridge_names:
-            return self._all_points
-        return {name: point for name, point in self._all_points.items() if not point.bridge_only}
+        return {name: point for name, point in self._all_points.items() if point.listed(self.bridge_names)}
 
     @property
     def hook_names(self) -> list[str]:
@@ -114,8 +112,8 @@ class HookedRootModule(PersistentHooks, nn.Module):
             return [self.hook_point(names).name]
         if callable(names):
             if not self.bridge_names:
-                return [n for n, p in self._all_points.items() if names(n) and not (p.opt_in and p.by_name or p.bridge_only)]
-            return [n for n, p in self._all_points.items() if not (p.opt_in and p.by_name)
+                return [n for n, p in self._listed_points.items() if names(n) and not (p.opt_in and p.by_name)]
+            return [n for n, p in self._listed_points.items() if not (p.opt_in and p.by_name)
                     and any(names(known) for known in self._names_of(n))]
         return [self.hook_point(name).name for name in names]
 
@@ -232,8 +230,8 @@ class HookedRootModule(PersistentHooks, nn.Module):
     def mod_dict(self) -> dict[str, nn.Module]:
         """Every submodule by name, hook points included (transformer-lens's `mod_dict`): the bridge's own points
         only when `bridge_names` is on, as in hook_dict."""
-        return {name: module for name, module in self.named_modules() if name and not (
-            isinstance(module, HookPoint) and module.bridge_only and not self.bridge_names)}
+        return {name: module for name, module in self.named_modules()
+                if name and not (isinstance(module, HookPoint) and not module.listed(self.bridge_names))}
 
     def run_with_hooks(
         self, *args: Any, fwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (),

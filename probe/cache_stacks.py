@@ -111,6 +111,8 @@ class StackMethods:
 
     def _scale(self, layer: int, mlp_input: bool, pos, batch) -> Optional[torch.Tensor]:
         cfg = self._config
+        if cfg.norm is Norm.NONE:
+            return None  # no norm divides anything (a cache of everything holds no scale of 1 here, as TL's holds none)
         if layer == cfg.n_layers:
             if not cfg.final_norm:
                 return None  # the unembedding reads the residual itself

@@ -138,16 +138,17 @@ class RMSNormFloat32(RMSNorm):
 
 class NoNorm(FixedWeights, HookedEnds, nn.Module):
     """No normalisation (transformer-lens's normalization_type=None): the output is the input. Its scale is 1, kept
-    as a hook point (and w, b as fixed ones and zeros) so that what reads a norm's scale or weights (the cache's
-    apply_ln_to_stack, the lenses, processing) reads the identity rather than needing a case of its own."""
+    as a hook point reached by name (and w, b as fixed ones and zeros) so that what hooks a norm's scale or reads its
+    weights (the lenses, attribution graphs, processing) reads the identity rather than needing a case of its own."""
 
     def __init__(self, d_model: int, eps: float, learned: bool = True, ends: bool = False):
         super().__init__()
         self.add_ends(ends)
         self.eps = eps
         self.fix_weights(d_model, ("w", "b"))
-        self.hook_scale = HookPoint()  # [batch pos 1]: ones
-        self.hook_normalized = HookPoint()  # [batch pos d_model]: the input
+        # TL's model without norms has no such points: listings, caches of everything and predicates leave them out
+        self.hook_scale = HookPoint(unlisted=True)  # [batch pos 1]: ones
+        self.hook_normalized = HookPoint(unlisted=True)  # [batch pos d_model]: the input
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.hook_scale.active or self.hook_normalized.active):

@@ -120,6 +120,17 @@ def induction_idioms(model, tokens: torch.Tensor, seq_len: int) -> dict:
         out["accumulated_resid"] = stack
         out["accumulated_resid_n"] = torch.tensor([len(labels)])
         out["stack_head_results"] = full_cache.stack_head_results(layer=-1)
+        out["stack_through_ln_final"] = full_cache.apply_ln_to_stack(stack, layer=-1)
+        out["stack_through_ln1_of_1"] = full_cache.apply_ln_to_stack(stack[:3], layer=1)
+        # what a cache of everything holds, and an edit at every point a predicate reaches (TL 3.9's unembed points,
+        # which probe has not, documented, left out): the same points, so the same logits
+        out["n_cached"] = torch.tensor([len([name for name in full_cache.keys() if not name.startswith("unembed.")])])
+
+        def nudge(activation, hook):
+            return activation * 1.01 if activation.is_floating_point() else activation
+
+        out["edited_everywhere"] = model.run_with_hooks(tokens, fwd_hooks=[(lambda name: not name.startswith("unembed."),
+                                                                            nudge)])
 
         # the forward written out: input_to_embed, then the blocks from a residual with the positions given
         residual, toks, shortformer_pos_embed, mask = model.input_to_embed(tokens)
