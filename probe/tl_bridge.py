@@ -7,6 +7,7 @@ classic ones, in name predicates and in a cache of everything too. `enable_compa
 weights as HookedTransformer would (the bridge's defaults), and the names stay as they are."""
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable
 from typing import Any, Optional, Union
@@ -15,6 +16,7 @@ import torch
 
 from probe.hooks import HookPoint, UnknownNameError
 from probe.tl_surface import refuse_unsupported
+from probe.tl_native import draw_like_native, native_config, native_settings
 from probe.transformers_model import to_transformers
 
 BOOT_HINTS = {
@@ -54,6 +56,26 @@ class BridgeSurface:
             **{name: value for name, value in optional.items() if value is not None})
         model.bridge_names = True
         return model.eval()  # as the bridge boots (TL 4's patching tools refuse a model in training mode)
+
+    @classmethod
+    def boot_native(cls, config, tokenizer: Any = None, device: Optional[Union[str, torch.device]] = None,
+                    dtype: Optional[torch.dtype] = None, model_name: Optional[str] = None):
+        """transformer-lens 4's `TransformerBridge.boot_native`: the toy model TL 4 builds from a
+        `TransformerBridgeConfig` (TL's own object, or a dict of its fields), with TL 4's initial weights and its
+        use of torch's random stream (probe/tl_native.py), named as the bridge names it, in training mode as TL 4
+        returns it. `tokenizer` becomes the model's; `model_name` names it."""
+        fields = native_settings(config)
+        cfg = native_config(fields)
+        if model_name is not None:
+            cfg = dataclasses.replace(cfg, model_name=model_name)
+        with torch.random.fork_rng(devices=[]):  # building draws nothing from the caller's stream; TL's draw below does
+            model = cls(cfg)
+        draw_like_native(model, fields)
+        if tokenizer is not None:
+            model.set_tokenizer(tokenizer)
+        model.to(device=device, dtype=dtype)
+        model.bridge_names = True
+        return model
 
     def enable_compatibility_mode(self, disable_warnings: bool = False, no_processing: bool = False,
                                   fold_ln: bool = True, center_writing_weights: bool = True, center_unembed: bool = True,
