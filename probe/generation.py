@@ -10,7 +10,7 @@ generator in the same order. Input embeddings [batch pos d_model] are a prompt t
 key/value cache (its default) gives a model with learned positions the wrong positions for the new tokens (it offsets
 the whole sequence's by the cache's length), and a shortformer model an error, so probe's continuation is TL's
 without the cache, `use_past_kv_cache=False`, which equals TL's from the same prompt's ids
-(tests/test_tl_config_fields.py). `generate_stream` is TL 3.9's streaming form of the same loop.
+(tests/test_tl_config_fields.py). `generate_stream` (probe/generation_stream.py) is the streaming form of the same loop.
 """
 from __future__ import annotations
 
@@ -87,35 +87,10 @@ def generate(model: "HookedDecoder", input: "ModelInput" = "", max_new_tokens: i
     once a new token completes one in its text, as transformers' StopStringCriteria reads it (the occurrence ends
     inside that token, wherever it starts); it is then padded as at EOS (with the pad token if EOS does not stop).
     """
-    return _finished(_generation(model, input, max_new_tokens, **keywords))
+    return _finished(generation_states(model, input, max_new_tokens, **keywords))
 
 
 @torch.no_grad()
-def generate_stream(model: "HookedDecoder", input: "ModelInput" = "", max_new_tokens: int = 10,
-                    max_tokens_per_yield: int = 25, **keywords):
-    """transformer-lens 3.9's `generate_stream`: `generate`, yielding token ids as they come, in chunks of
-    `max_tokens_per_yield` new tokens [batch n] (the first chunk the prompt's ids and the first new tokens, as TL
-    counts it), the last chunk what is left when generation ends. The keywords are `generate`'s (greedy unless asked
-    to sample, as there); text and ids are prompts, embeddings are not (TL's takes neither)."""
-    if not (isinstance(max_tokens_per_yield, int) and max_tokens_per_yield > 0):
-        raise ValueError(f"max_tokens_per_yield must be a positive int, got {max_tokens_per_yield!r}")
-    if input_embeddings(model, input) is not None:
-        raise ValueError("generate_stream takes text or token ids, as transformer-lens's; use generate() for embeddings")
-    keywords.pop("return_type", None)  # TL yields token ids whatever it says
-    for name in ("output_logits", "return_cache", "names_filter", "device", "return_input_tokens", "cache_names"):
-        if name in keywords:  # what generate returns beside its output: a stream has nothing to return it with
-            raise TypeError(f"generate_stream does not take {name}= (it yields token ids only); use generate()")
-    sent, prompt_length, tokens = 0, None, None
-    for tokens, _ in _generation(model, input, max_new_tokens, return_type="tokens", **keywords):
-        if prompt_length is None:
-            prompt_length = tokens.shape[1]  # the first state is the prompt's
-        elif tokens.shape[1] - sent >= max_tokens_per_yield:  # the first chunk counts the prompt's ids too, as TL's
-            yield tokens[:, sent:]
-            sent = tokens.shape[1]
-    if tokens is not None and tokens.shape[1] > max(sent, prompt_length):
-        yield tokens[:, sent:]
-
-
 def _finished(steps):
     """Run a generation to its end; its output."""
     while True:
@@ -125,7 +100,7 @@ def _finished(steps):
             return done.value
 
 
-def _generation(
+def generation_states(
     model: "HookedDecoder",
     input: "ModelInput" = "",
     max_new_tokens: int = 10,

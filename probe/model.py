@@ -246,8 +246,9 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSur
         return generate(self, input, max_new_tokens, **kwargs)
 
     def generate_stream(self, input: ModelInput = "", max_new_tokens: int = 10, max_tokens_per_yield: int = 25, **kwargs):
-        """transformer-lens 3.9's streaming `generate`; see `probe.generation.generate_stream`."""
-        from probe.generation import generate_stream
+        """transformer-lens's streaming `generate` (TL 3.9's ids, or TL 4's text on a booted model); see
+        `probe.generation_stream.generate_stream`."""
+        from probe.generation_stream import generate_stream
 
         return generate_stream(self, input, max_new_tokens, max_tokens_per_yield, **kwargs)
 

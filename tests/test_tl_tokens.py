@@ -200,7 +200,7 @@ def test_generate_returns_logits_and_a_cache_as_transformer_lens_4s(probe_model,
         for model in (probe_model, tl_model))
     assert our_out == their_out and torch.equal(our_input, their_input)
     assert_same({name: our_cache[name] for name in names}, {name: their_cache[name] for name in names}, what="cache")
-    with pytest.raises(TypeError, match="yields token ids only"):
+    with pytest.raises(TypeError, match="yields its output only"):
         next(probe_model.generate_stream(PROMPTS[0], max_new_tokens=2, output_logits=True))
 
 
@@ -395,3 +395,29 @@ def test_tokenizer_errors_name_the_fix(probe_model):
         tok(5)
     with pytest.raises(AttributeError, match="input_ids"):
         tok("x").token_type_ids
+
+
+def test_generate_stream_yields_tl_4s_text_on_a_booted_model(probe_model):
+    """TL 4's bridge streams text for a text prompt (`return_type="input"`, its default) and ids for ids; TL 3.9's
+    HookedTransformer ids whatever (tests/test_kv_cache.py). Against the bridge, greedy, without its key/value cache."""
+    from test_bridge_names import native_bridge
+
+    ours, theirs = HookedDecoder.boot_transformers(DEFAULT_MODEL), native_bridge(DEFAULT_MODEL)
+    kw = dict(max_new_tokens=11, max_tokens_per_yield=4, do_sample=False, verbose=False, use_past_kv_cache=False)
+    for prompt, extra in ((PROMPTS[0], {}), (PROMPTS[:2], {}), (PROMPTS[2], {"return_type": "tokens"}),
+                          (ours.to_tokens(PROMPTS[2]), {}), (ours.to_tokens(PROMPTS[1]), {"return_type": "str"})):
+        got, want = (list(model.generate_stream(prompt, **kw, **extra)) for model in (ours, theirs))
+        assert_same(got, want, atol=0, what=f"{prompt!r} {extra}")
+    assert all(isinstance(chunk, torch.Tensor) for chunk in probe_model.generate_stream(PROMPTS[0], **kw))
+
+
+def test_streamed_text_holds_back_a_character_split_across_chunks(probe_model):
+    """Each chunk's text is what it adds to the whole stream's: a character whose bytes straddle two chunks comes
+    whole, in the chunk that completes it. By hand: the text of all the ids, decoded at once."""
+    from probe.generation_stream import text_deltas
+
+    ids = probe_model.to_tokens("naïve café — 東京", prepend_bos=False)
+    assert ids.shape[1] > len("naïve café — 東京") - 4  # byte-level pieces: some characters span several ids
+    deltas = list(text_deltas(probe_model, (ids[:, i:i + 1] for i in range(ids.shape[1]))))
+    assert "".join(deltas) == "naïve café — 東京" and not any("\ufffd" in delta for delta in deltas)
+    assert "" in deltas  # a chunk that ended inside a character added nothing yet
