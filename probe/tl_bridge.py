@@ -32,6 +32,8 @@ BOOT_HINTS = {
 class BridgeSurface:
     """transformer-lens 4's TransformerBridge entry points, mixed into HookedDecoder."""
 
+    compatibility_mode = False  # the bridge's flag: True once enable_compatibility_mode() has run
+
     @classmethod
     def boot_transformers(cls, model_name, hf_config_overrides: Optional[dict] = None,
                           device: Optional[Union[str, torch.device]] = None, dtype: torch.dtype = torch.float32,
@@ -86,6 +88,7 @@ class BridgeSurface:
         classic names work with or without it; the bridge's stay too. `disable_warnings` is accepted: probe has no
         deprecation warnings for either set of names."""
         self.bridge_names_first = False  # the bridge's hooks see the classic names from here on, where there are any
+        self.compatibility_mode = True
         if not no_processing:
             self.process_weights(fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                                  center_unembed=center_unembed, fold_value_biases=fold_value_biases,

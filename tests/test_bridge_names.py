@@ -188,8 +188,10 @@ def test_transformer_lens_4s_loading_line_and_compatibility_mode(family_dirs):
     assert ours.hook_dict["blocks.0.hook_out"] is ours.hook_dict["blocks.0.hook_resid_post"]
     copied = copy.deepcopy(ours)  # (probe.process_weights copies): the attributes reach the copy's own points
     assert copied.blocks[1].attn.q.hook_out.point is copied.blocks[1].attn.hook_q is not ours.blocks[1].attn.hook_q
+    assert ours.compatibility_mode is native_bridge(directory).compatibility_mode is False
     ours.enable_compatibility_mode()
     processed = booted(directory)  # the bridge's compatibility mode with its defaults: HookedTransformer's processing
+    assert ours.compatibility_mode is processed.compatibility_mode is True
     with torch.no_grad():
         assert_same(ours(toks), processed(toks), what="compatibility mode")
         assert_same(ours.run_with_cache(toks)[1]["blocks.1.hook_out"],
