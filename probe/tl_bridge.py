@@ -17,12 +17,11 @@ import torch
 from probe.hooks import HookPoint, UnknownNameError
 from probe.tl_surface import refuse_unsupported
 from probe.tl_native import draw_like_native, native_config, native_settings
-from probe.transformers_model import to_transformers
+from probe.transformers_model import initialised_like_transformers, to_transformers
 
 BOOT_HINTS = {
     "hf_config_overrides": "probe reads the checkpoint's config.json as saved; edit a copy of the directory's "
                            "config.json, or build the model from a DecoderConfig",
-    "load_weights": "to build a model without loading weights, use HookedDecoder(DecoderConfig(...))",
     "model_class": "probe builds its own decoder for each family it loads; leave model_class out",
     "n_ctx": "probe uses the checkpoint's context length; run shorter inputs, or edit a copy of its config.json",
     "checkpoint_index": "pass checkpoint_value=<step> or revision='step<N>'",
@@ -44,13 +43,17 @@ class BridgeSurface:
                           checkpoint_value: Optional[int] = None):
         """transformer-lens 4's `TransformerBridge.boot_transformers`: the checkpoint's own weights, unprocessed, with
         the bridge's hook names beside the classic ones (`bridge_names` is True). `trust_remote_code` changes
-        nothing: probe runs its own code for every family it loads. Keywords that would load something other than the
-        checkpoint as saved (`hf_config_overrides`, `load_weights=False`, `model_class`, `n_ctx`) are refused with
-        what to do instead."""
-        asked = {"hf_config_overrides": hf_config_overrides or None, "load_weights": None if load_weights else False,
-                 "model_class": model_class, "n_ctx": n_ctx, "checkpoint_index": checkpoint_index}
+        nothing: probe runs its own code for every family it loads. `load_weights=False` gives the checkpoint's
+        architecture with the weights `transformers` initialises it with (its `from_config`, drawing from torch's
+        global stream as the bridge's does), and needs `transformers`. Keywords that would load something other than
+        the checkpoint as saved (`hf_config_overrides`, `model_class`, `n_ctx`) are refused with what to do
+        instead."""
+        asked = {"hf_config_overrides": hf_config_overrides or None, "model_class": model_class, "n_ctx": n_ctx,
+                 "checkpoint_index": checkpoint_index}
         refuse_unsupported({name: value for name, value in asked.items() if value is not None},
                            "HookedDecoder.boot_transformers()", BOOT_HINTS)
+        if not load_weights:
+            hf_model = initialised_like_transformers(model_name, revision)
         optional = {"tokenizer": tokenizer, "hf_model": hf_model, "checkpoint_value": checkpoint_value,
                     "n_devices": n_devices}
         model = cls.from_pretrained_no_processing(

@@ -1,6 +1,7 @@
 """A model as a `transformers` model of its checkpoint's family, holding its weights as they are now: what
 transformer-lens 4's `bridge.original_model` gives the code that reads it (lm-eval's HFLM, a notebook checking its
-logits against `transformers`).
+logits against `transformers`). And a checkpoint's architecture with `transformers`' own initial weights, what the
+bridge boots with `load_weights=False`.
 
 The copy computes what the model computes, processed weights included: a folded norm is written with w = 1 and
 b = 0, and a folded final-norm bias (an unembedding bias, which no Hugging Face format holds) becomes the bias of
@@ -18,17 +19,31 @@ from safetensors.torch import save_file
 from torch import nn
 
 from probe.checkpoints import family_for_config
+from probe.loading import resolve_checkpoint
 from probe.norm import FixedWeights
+
+
+def initialised_like_transformers(name_or_path, revision=None) -> nn.Module:
+    """The checkpoint's `transformers` model built from its config alone (`from_config`: transformers' initial
+    weights, drawn from torch's global stream), as transformer-lens 4 boots with `load_weights=False`."""
+    transformers = _transformers("load_weights=False")
+    directory = resolve_checkpoint(name_or_path, revision)
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+
+
+def _transformers(what: str):
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(f"{what} builds a transformers model, and transformers is not installed: "
+                          "pip install transformers") from err
+    return transformers
 
 
 def to_transformers(model: nn.Module) -> nn.Module:
     """A `transformers` causal LM (the checkpoint's class where it can hold the weights, in eval mode, on the model's
     embedding device and dtype) whose logits are the model's."""
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError("original_model builds a transformers model, and transformers is not installed: "
-                          "pip install transformers") from err
+    transformers = _transformers("original_model")
     cfg = dataclasses.replace(model.cfg, norm_weights=True, unembed_bias=False)  # as written: both filled in below
     family = _family(cfg)
     tensors = {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}

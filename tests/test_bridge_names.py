@@ -196,9 +196,32 @@ def test_transformer_lens_4s_loading_line_and_compatibility_mode(family_dirs):
         assert_same(ours(toks), processed(toks), what="compatibility mode")
         assert_same(ours.run_with_cache(toks)[1]["blocks.1.hook_out"],
                     processed.run_with_cache(toks)[1]["blocks.1.hook_out"], what="processed cache by the bridge's name")
-    for keyword, value in (("hf_config_overrides", {"n_ctx": 8}), ("load_weights", False), ("n_ctx", 8)):
+    for keyword, value in (("hf_config_overrides", {"n_ctx": 8}), ("n_ctx", 8)):
         with pytest.raises(TypeError, match=f"does not take {keyword}="):
             HookedDecoder.boot_transformers(directory, **{keyword: value})
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "neox"])
+def test_booting_without_weights_gives_transformers_initial_weights_as_the_bridge(family, family_dirs):
+    """`boot_transformers(name, load_weights=False)`: the architecture with transformers' own initial draw, under
+    the same seed the bridge's weights (which come in training mode, with transformers' dropout: compared in eval)."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    models = []
+    for boot in (HookedDecoder.boot_transformers, TransformerBridge.boot_transformers):
+        torch.manual_seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            models.append(boot(str(family_dirs[family]), load_weights=False).eval())
+    ours, theirs = models
+    their_params = theirs.get_params()
+    assert list(ours.get_params()) == list(their_params)
+    for name, value in ours.get_params().items():
+        assert torch.equal(value.detach(), their_params[name].detach()), name
+    toks = tokens(ours)
+    with torch.no_grad():
+        assert_same(ours(toks), theirs(toks), atol=1e-5, what="logits")
+    assert not torch.equal(ours.W_E, HookedDecoder.boot_transformers(family_dirs[family]).W_E)  # not the checkpoint's
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
