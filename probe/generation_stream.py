@@ -43,6 +43,7 @@ def generate_stream(model: "HookedDecoder", input: "ModelInput" = "", max_new_to
 
 
 def token_chunks(model, input, max_new_tokens: int, max_tokens_per_yield: int, **keywords):
+    """The ids [batch n] in the chunks transformer-lens yields them: every `max_tokens_per_yield` new tokens."""
     sent, prompt_length, tokens = 0, None, None
     for tokens, _ in generation_states(model, input, max_new_tokens, return_type="tokens", **keywords):
         if prompt_length is None:

@@ -52,7 +52,7 @@ class BridgeSurface:
                  "checkpoint_index": checkpoint_index}
         refuse_unsupported({name: value for name, value in asked.items() if value is not None},
                            "HookedDecoder.boot_transformers()", BOOT_HINTS)
-        if not load_weights:
+        if not load_weights and hf_model is None:  # a model given is booted as it is, as the bridge boots it
             hf_model = initialised_like_transformers(model_name, revision)
         optional = {"tokenizer": tokenizer, "hf_model": hf_model, "checkpoint_value": checkpoint_value,
                     "n_devices": n_devices}
