@@ -29,6 +29,19 @@ class WeightView(torch.Tensor):
     def data(self, value: torch.Tensor) -> None:
         write_into(self, value, "this weight")
 
+    @property
+    def grad(self) -> Optional[torch.Tensor]:
+        """The gradient the parameter it views holds, read through the same view, as TL code reads `attn.W_Q.grad`
+        after a backward (a view's own .grad is always None); None where the parameter has none yet."""
+        base = self._base
+        grad = getattr(base, "grad", None)
+        if grad is None:
+            return None
+        if grad.stride() != base.stride():  # laid out as the parameter is, so the view's strides and offset apply
+            grad = torch.empty_strided(base.shape, base.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+        offset = grad.storage_offset() + self.storage_offset() - base.storage_offset()
+        return grad.as_strided(self.shape, self.stride(), offset)
+
     def requires_grad_(self, requires_grad: bool = True) -> "WeightView":
         # torch refuses it on a view ("only ... leaf variables"); say which parameter holds these weights
         raise RuntimeError("this TL-named weight is a view of one of probe's fused parameters, so it cannot be frozen "

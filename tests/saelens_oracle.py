@@ -241,6 +241,19 @@ def tl_build(config_json: str, inputs: str, outputs: str, process_json: str = ""
     print(json.dumps(resolved))
 
 
+def weight_grads(config_json: str, inputs: str, outputs: str) -> None:
+    """HookedTransformer's weights (moved off their initialisation) and, after loss.backward() on `inputs`' tokens,
+    the .grad of every weight TL code reads by name."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    model = HookedTransformer(HookedTransformerConfig(**json.loads(config_json), device="cpu")).eval()
+    moved_off_initialisation(model, 0.1)
+    out = {f"state.{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()}
+    model(load_file(inputs)["tokens"], return_type="loss").backward()
+    out.update({f"grad.{key}": p.grad.clone().contiguous() for key, p in model.named_parameters() if p.grad is not None})
+    save_file(out, outputs)
+
+
 def circuits(cases_json: str, inputs: str, outputs: str) -> None:
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
@@ -701,7 +714,7 @@ def tl_init(cases_json: str, outputs: str) -> None:
     save_file(out, outputs)
 
 
-COMMANDS = {"hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
+COMMANDS = {"weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}

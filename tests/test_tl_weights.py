@@ -107,3 +107,33 @@ def test_a_tied_embedding_is_edited_with_its_unembedding_until_untied(pair):
         hf.transformer.wte.weight.copy_(orthogonalized(hf.transformer.wte.weight, d))
     assert not ours.cfg.tied_embeddings
     logits_agree(ours, hf)
+
+
+def test_a_weights_grad_by_tl_name_is_hooked_transformers(tmp_path):
+    """After `loss.backward()`, TL code reads `model.blocks[0].attn.W_Q.grad`, `mlp.W_out.grad`, `model.W_U.grad`:
+    views of probe's fused parameters, whose .grad reads the parameter's gradient through the view. The oracle:
+    HookedTransformer (transformer-lens 3.9), the same weights and tokens, its own per-name parameters' .grad."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from probe import HookedDecoder, HookedTransformerConfig
+    from test_sae_training import oracle
+
+    settings = dict(n_layers=2, d_model=32, d_head=8, n_heads=4, n_ctx=16, d_vocab=50, d_mlp=64, act_fn="gelu")
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
+    oracle("weight_grads", json.dumps(settings), tmp_path / "tokens.safetensors", tmp_path / "out.safetensors")
+    out = load_file(str(tmp_path / "out.safetensors"))
+    model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
+    model.load_state_dict({k.removeprefix("state."): v for k, v in out.items() if k.startswith("state.")})
+    assert model.blocks[0].attn.W_Q.grad is None  # before any backward, as TL's
+    model(tokens, return_type="loss").backward()
+    named = {"blocks.1.attn.W_Q": model.blocks[1].attn.W_Q, "blocks.1.attn.W_K": model.blocks[1].attn.W_K,
+             "blocks.0.attn.W_V": model.blocks[0].attn.W_V, "blocks.0.attn.W_O": model.blocks[0].attn.W_O,
+             "blocks.0.attn.b_Q": model.blocks[0].attn.b_Q, "blocks.1.attn.b_O": model.blocks[1].attn.b_O,
+             "blocks.0.mlp.W_in": model.blocks[0].mlp.W_in, "blocks.1.mlp.W_out": model.blocks[1].mlp.W_out,
+             "blocks.0.mlp.b_in": model.blocks[0].mlp.b_in, "unembed.W_U": model.W_U, "embed.W_E": model.W_E,
+             "pos_embed.W_pos": model.W_pos}
+    for name, weight in named.items():
+        torch.testing.assert_close(weight.grad, out[f"grad.{name}"], atol=1e-5, rtol=1e-4, msg=name)
