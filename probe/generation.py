@@ -36,7 +36,6 @@ RETURN_TYPES = ("input", "str", "tokens", "embeds")
 
 # transformer-lens generate keywords probe does not take, with what to do instead
 UNSUPPORTED = {
-    "stopping_criteria": "stop at token ids with eos_token_id= (an id or a list of ids), or at text with stop_strings=",
     "pixel_values": "probe's models are text-only",
     "forced_bos_token_id": "probe's models are decoder-only",
 }
@@ -86,6 +85,8 @@ def generate(model: "HookedDecoder", input: "ModelInput" = "", max_new_tokens: i
     output in the order per-pass caches, cache, input tokens. `stop_strings` (a string or a list) ends a sequence
     once a new token completes one in its text, as transformers' StopStringCriteria reads it (the occurrence ends
     inside that token, wherever it starts); it is then padded as at EOS (with the pad token if EOS does not stop).
+    `stopping_criteria` (transformers' StoppingCriteria: one, a list, or a StoppingCriteriaList) ends a sequence when
+    a criterion, called with every id so far and the step's logits, says so; it is padded in the same way.
     """
     return _finished(generation_states(model, input, max_new_tokens, **keywords))
 
@@ -130,6 +131,7 @@ def generation_states(
     device=None,
     return_input_tokens: bool = False,
     stop_strings: Optional[Union[str, Sequence[str]]] = None,
+    stopping_criteria=None,
     **unsupported,
 ):
     """generate's body, yielding (tokens, mask) for the prompt and after each new token; returns the output."""
@@ -166,7 +168,7 @@ def generation_states(
                          "they are one switch (use_past_kv_cache is transformer-lens's name)")
     use_cache = next((v for v in (use_cache, use_past_kv_cache) if v is not None), True)
     temperature = effective_temperature(do_sample, temperature, top_k is not None or top_p is not None)
-    stops = stopping(model, stop_at_eos, eos_token_id, stop_strings)
+    stops = stopping(model, stop_at_eos, eos_token_id, stop_strings, stopping_criteria)
     embeds = input_embeddings(model, input)
     if embeds is not None:
         for name, value, reads in (("padding_side", padding_side, "reads the padding off pad token ids"),
@@ -335,6 +337,8 @@ def _token_steps(model, input, max_new_tokens, choice: Choice, stops: Stopping, 
         mask = torch.cat([mask, torch.ones_like(next_token[:, None])], dim=1)
         if stops.strings:
             finished |= completes_a_stop_string(model.tokenizer, tokens, mask, stops.strings)
+        if stops.criteria:
+            finished |= stops.criteria_met(tokens, logits[:, -1])
         yield tokens, mask
         if step == max_new_tokens - 1 or (stops.active and bool(finished.all())):
             break

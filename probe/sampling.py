@@ -23,23 +23,45 @@ def effective_temperature(do_sample: Optional[bool], temperature: Optional[float
 
 @dataclasses.dataclass(frozen=True)
 class Stopping:
-    """When a sequence ends: at one of `ids` (None: none), or once its text completes one of `strings`; a finished
-    sequence is padded with `fill` until every sequence has finished."""
+    """When a sequence ends: at one of `ids` (None: none), once its text completes one of `strings`, or once one of
+    `criteria` (transformers' StoppingCriteria, or any callable of (input_ids, scores)) says so; a finished sequence
+    is padded with `fill` until every sequence has finished."""
 
     ids: Optional[torch.Tensor]
     fill: int
     strings: tuple[str, ...] = ()
+    criteria: tuple = ()
 
     @property
     def active(self) -> bool:
-        return self.ids is not None or bool(self.strings)
+        return self.ids is not None or bool(self.strings) or bool(self.criteria)
+
+    def criteria_met(self, tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """[batch] bool: the sequences one of `criteria` ends, each called as transformers' StoppingCriteria are
+        (every id so far, the new one included; this step's logits [batch vocab])."""
+        met = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for criterion in self.criteria:
+            said = torch.as_tensor(criterion(tokens, scores), device=tokens.device).bool()
+            if said.shape not in ((), met.shape):
+                raise ValueError(f"a stopping criterion returned shape {tuple(said.shape)}; it must return a bool "
+                                 f"per sequence, shape {tuple(met.shape)} (or one bool for all)")
+            met |= said
+        return met
 
 
-def stopping(model, stop_at_eos: Optional[bool], eos_token_id, stop_strings) -> Stopping:
-    """generate's stopping rules: EOS ids (see stop_ids_and_fill) and transformer-lens 4's `stop_strings`."""
+def stopping(model, stop_at_eos: Optional[bool], eos_token_id, stop_strings, stopping_criteria=None) -> Stopping:
+    """generate's stopping rules: EOS ids (see stop_ids_and_fill) and transformer-lens 4's `stop_strings` and
+    `stopping_criteria` (one criterion, a list of them, or transformers' StoppingCriteriaList)."""
     ids, fill = stop_ids_and_fill(model, stop_at_eos, eos_token_id)
+    criteria = () if stopping_criteria is None else \
+        tuple(stopping_criteria) if isinstance(stopping_criteria, (list, tuple)) else (stopping_criteria,)
+    if not all(callable(criterion) for criterion in criteria):
+        raise TypeError("stopping_criteria takes transformers' StoppingCriteria (or callables of (input_ids, scores) "
+                        "returning a bool per sequence), one, a list of them or a StoppingCriteriaList")
+    if criteria and ids is None and model.tokenizer is not None:
+        fill = model.tokenizer.pad_id  # finished sequences are padded with the pad token, as transformer-lens 4 does
     if stop_strings is None:
-        return Stopping(ids, fill)
+        return Stopping(ids, fill, (), criteria)
     strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
     if not strings or not all(isinstance(s, str) and s for s in strings):
         raise ValueError(f"stop_strings takes a non-empty string or a list of them, got {stop_strings!r}")
@@ -47,7 +69,7 @@ def stopping(model, stop_at_eos: Optional[bool], eos_token_id, stop_strings) -> 
         raise ValueError("stop_strings needs a tokenizer to read the text generated, and this model has none; stop "
                          "at token ids with eos_token_id= instead")
     # without EOS stopping, finished sequences are padded with the pad token (else EOS), as transformer-lens 4 does
-    return Stopping(ids, fill if ids is not None else model.tokenizer.pad_id, strings)
+    return Stopping(ids, fill if ids is not None else model.tokenizer.pad_id, strings, criteria)
 
 
 def completes_a_stop_string(tokenizer, tokens: torch.Tensor, mask: torch.Tensor, strings: tuple[str, ...]) -> torch.Tensor:

@@ -421,3 +421,40 @@ def test_streamed_text_holds_back_a_character_split_across_chunks(probe_model):
     deltas = list(text_deltas(probe_model, (ids[:, i:i + 1] for i in range(ids.shape[1]))))
     assert "".join(deltas) == "naïve café — 東京" and not any("\ufffd" in delta for delta in deltas)
     assert "" in deltas  # a chunk that ended inside a character added nothing yet
+
+
+def test_stopping_criteria_stop_as_on_transformer_lens_4(probe_model, tl_model):
+    """TL 4's `stopping_criteria=`: transformers' StoppingCriteria (one, a list, a StoppingCriteriaList), each called
+    with every id so far and the step's logits; a sequence a criterion ends is padded from then on. Against the
+    bridge, greedy, without its key/value cache."""
+    from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
+
+    greedy = dict(max_new_tokens=8, do_sample=False, verbose=False, use_past_kv_cache=False, return_type="tokens")
+    free = probe_model.generate(PROMPTS[0], **greedy)
+    stop_id = int(free[0, -5])  # a token the free run emits part-way
+
+    class AtToken(StoppingCriteria):
+        def __init__(self):
+            self.scores = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.scores.append(scores.clone())
+            return input_ids[:, -1] == stop_id
+
+    for criteria in (lambda: AtToken(), lambda: [MaxLengthCriteria(max_length=free.shape[1] - 3)],
+                     lambda: StoppingCriteriaList([AtToken(), MaxLengthCriteria(max_length=free.shape[1] - 1)])):
+        runs = []
+        for model in (probe_model, tl_model):
+            given = criteria()
+            out = model.generate(PROMPTS[0], stopping_criteria=given, **greedy)
+            recorders = [c for c in (given if isinstance(given, list) else [given]) if isinstance(c, AtToken)]
+            runs.append((out, [torch.stack(r.scores) for r in recorders]))
+        (ours, our_scores), (theirs, their_scores) = runs
+        assert torch.equal(ours, theirs) and ours.shape[1] < free.shape[1]
+        assert_same(our_scores, their_scores, atol=1e-4, what="the scores each criterion saw")
+    # a batch: the sequence the criterion ends is padded while the other goes on
+    batch = [PROMPTS[0], PROMPTS[2]]
+    ours, theirs = (model.generate(batch, stopping_criteria=[AtToken()], **greedy) for model in (probe_model, tl_model))
+    assert torch.equal(ours, theirs)
+    with pytest.raises(TypeError, match="stopping_criteria takes transformers' StoppingCriteria"):
+        probe_model.generate(PROMPTS[0], stopping_criteria="eos", **greedy)
