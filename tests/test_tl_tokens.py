@@ -293,7 +293,7 @@ def test_steering_wraps_the_whole_generation(probe_model):
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be > 0"),
     (dict(names_filter="hook_embed"), ValueError, "return_cache=True"),
-    (dict(stopping_criteria=[]), TypeError, "stop_strings="),
+    (dict(stopping_criteria=[3]), TypeError, "stopping_criteria takes transformers. StoppingCriteria"),
     (dict(stop_strings=[""]), ValueError, "non-empty string"),
     (dict(not_a_keyword=1), TypeError, "not_a_keyword"),
     (dict(return_type="logits"), ValueError, "'input', 'str', 'tokens'"),
