@@ -90,15 +90,20 @@ class LayerNorm(FixedWeights, HookedEnds, nn.Module):
         normalized_seen = (centred / scale.float()).to(x.dtype)
         versions += normalized_seen._version
         normalized = self.hook_normalized(normalized_seen)
-        out = (normalized.float() * self.w.float() + self.b.float()).to(x.dtype)
         if scale is not scale_seen or normalized is not normalized_seen or x.dtype != self.w.dtype or \
                 versions != scale_seen._version + normalized_seen._version:
-            return out  # a hook replaced or edited one: the output follows it
+            return self._apply_weights(normalized, x.dtype)  # a hook replaced or edited one: the output follows it
         # hooks that only read give the unhooked forward's very numbers, so what a cache holds does not depend on
         # what else it caches (TL's demo asserts a filtered cache's pattern equal to a full cache's), while
         # gradients still flow through the hooked tensors (backward hooks, retain_grad)
         fused = F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)
-        return fused.detach() + (out - out.detach()) if out.requires_grad else fused
+        if not (torch.is_grad_enabled() and (normalized.requires_grad or self.w.requires_grad or self.b.requires_grad)):
+            return fused
+        out = self._apply_weights(normalized, x.dtype)
+        return fused.detach() + (out - out.detach())
+
+    def _apply_weights(self, normalized: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (normalized.float() * self.w.float() + self.b.float()).to(dtype)
 
 
 class RMSNorm(FixedWeights, HookedEnds, nn.Module):

@@ -81,7 +81,8 @@ TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's (and process_w
 TL_SKIPS = ("fold_ln", "center_writing_weights", "center_unembed")
 
 
-def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, stacklevel: int = 4) -> dict[str, bool]:
+def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, stacklevel: int = 4,
+                        loading: bool = False) -> dict[str, bool]:
     """TL's processing for a model of `cfg`: the steps given, TL's defaults for the rest. A fold or centring that
     does not apply is skipped with a warning naming `where`, given or by default, as TL skips it (TL code spells out
     `fold_ln=True, center_writing_weights=True, center_unembed=True` for every model, a Llama too); a refactoring
@@ -91,7 +92,7 @@ def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, 
                "refactor_factored_attn_matrices": can_refactor_factored_attn_matrices}
     # TL's from_pretrained leaves a shortformer model's weights unfolded and uncentred, though centring would be
     # exact: its numbers (Neel Nanda's attn-only models) are those of weights left as trained
-    unprocessed_when_loaded = where == "from_pretrained" and cfg.positions is Positions.SHORTFORMER
+    unprocessed_when_loaded = loading and cfg.positions is Positions.SHORTFORMER
     steps = {}
     for step, default in TL_PROCESSING_DEFAULTS.items():
         value = given.get(step, default)

@@ -58,18 +58,17 @@ def stopping(model, stop_at_eos: Optional[bool], eos_token_id, stop_strings, sto
     if not all(callable(criterion) for criterion in criteria):
         raise TypeError("stopping_criteria takes transformers' StoppingCriteria (or callables of (input_ids, scores) "
                         "returning a bool per sequence), one, a list of them or a StoppingCriteriaList")
-    if criteria and ids is None and model.tokenizer is not None:
-        fill = model.tokenizer.pad_id  # finished sequences are padded with the pad token, as transformer-lens 4 does
-    if stop_strings is None:
-        return Stopping(ids, fill, (), criteria)
-    strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
-    if not strings or not all(isinstance(s, str) and s for s in strings):
-        raise ValueError(f"stop_strings takes a non-empty string or a list of them, got {stop_strings!r}")
-    if model.tokenizer is None:
-        raise ValueError("stop_strings needs a tokenizer to read the text generated, and this model has none; stop "
-                         "at token ids with eos_token_id= instead")
-    # without EOS stopping, finished sequences are padded with the pad token (else EOS), as transformer-lens 4 does
-    return Stopping(ids, fill if ids is not None else model.tokenizer.pad_id, strings, criteria)
+    strings = ()
+    if stop_strings is not None:
+        strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+        if not strings or not all(isinstance(s, str) and s for s in strings):
+            raise ValueError(f"stop_strings takes a non-empty string or a list of them, got {stop_strings!r}")
+        if model.tokenizer is None:
+            raise ValueError("stop_strings needs a tokenizer to read the text generated, and this model has none; "
+                             "stop at token ids with eos_token_id= instead")
+    if (strings or criteria) and ids is None and model.tokenizer is not None:
+        fill = model.tokenizer.pad_id  # without EOS stopping, finished sequences get the pad token, as in TL 4
+    return Stopping(ids, fill, strings, criteria)
 
 
 def completes_a_stop_string(tokenizer, tokens: torch.Tensor, mask: torch.Tensor, strings: tuple[str, ...]) -> torch.Tensor:

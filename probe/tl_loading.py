@@ -143,7 +143,8 @@ def load_model(name_or_path, options: LoadingKeywords, model_class: type):
 def finish_loading(model, options: LoadingKeywords):
     """Apply the processing and defaults `options` ask for to a freshly loaded model (nothing else holds it)."""
     if options.processing is not None:
-        process_weights_in_place(model, **tl_processing_steps(model.cfg, options.processing, "from_pretrained"))
+        process_weights_in_place(model, **tl_processing_steps(model.cfg, options.processing, "from_pretrained",
+                                                              loading=True))
         if options.load_dtype != options.dtype:
             model.to(options.dtype)
     if options.default_prepend_bos is not None:

@@ -220,10 +220,9 @@ class TransformerLensSurface:
                 heads = self.cfg.layer_heads(int(name.split(".")[1]))
                 name, tensor = name.replace(".attn._", ".attn."), per_head(tensor, heads, 0)
             params[name] = tensor
-        for name in ("ln1", "ln2"):
-            for layer, block in enumerate(self.blocks):
-                params.update(folded_norm_weights(getattr(block, name, None), f"blocks.{layer}.{name}"))
-        params.update(folded_norm_weights(self.ln_final, "ln_final"))
+        for name, module in self.named_modules():  # the norms the bridge lists (not Gemma 2's ln*_post, q/k norms)
+            if name.rsplit(".", 1)[-1] in ("ln1", "ln2", "ln_final"):
+                params.update(folded_norm_weights(module, name))
         return dict(sorted(params.items(), key=lambda item: bridge_rank(item[0])))
 
     def tl_named_parameters(self):

@@ -20,7 +20,7 @@ from torch import nn
 
 from probe.checkpoints import family_for_config
 from probe.loading import resolve_checkpoint
-from probe.norm import FixedWeights
+from probe.norm import folded_norm_weights
 
 
 def initialised_like_transformers(name_or_path, revision=None) -> nn.Module:
@@ -47,9 +47,8 @@ def to_transformers(model: nn.Module) -> nn.Module:
     cfg = dataclasses.replace(model.cfg, norm_weights=True, unembed_bias=False)  # as written: both filled in below
     family = _family(cfg)
     tensors = {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}
-    for name, module in model.named_modules():
-        if isinstance(module, FixedWeights):  # a folded norm's w = 1 and b = 0, as buffers
-            tensors.update({f"{name}.{weight}": getattr(module, weight) for weight in getattr(module, "fixed", {})})
+    for name, module in model.named_modules():  # a folded norm's w = 1 and b = 0, kept as buffers
+        tensors.update(folded_norm_weights(module, name))
     # through a checkpoint, so transformers' own loader applies its names, prefixes and tying
     with tempfile.TemporaryDirectory(prefix="probe-original-model-") as directory:
         (Path(directory) / "config.json").write_text(json.dumps(family.config_to_hf(cfg, model.tokenizer)))
