@@ -357,7 +357,9 @@ class HookedRootModule(PersistentHooks, nn.Module):
             if batches - {1}:
                 raise ValueError(f"remove_batch_dim=True needs a batch of one prompt, got batch sizes {sorted(batches)}")
             store = {name: t[0] for name, t in store.items()}
-        cache = self.make_cache(store, has_batch_dim=not remove_batch_dim, listed=self.names_to_list(names, selected))
+        chosen = set(selected)  # listed in the order the activations arrived, as transformer-lens's caches list them
+        fired = [name for name in store if name in chosen]
+        cache = self.make_cache(store, has_batch_dim=not remove_batch_dim, listed=self.names_to_list(names, fired))
         return out, (cache if return_cache_object else dict(cache.items()))
 
     def slice_cached_positions(self, store: dict[str, torch.Tensor], pos_slice: Any) -> dict[str, torch.Tensor]:

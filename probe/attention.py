@@ -27,6 +27,16 @@ class PerHeadInputs(NamedTuple):
     v: torch.Tensor
 
 
+class ProjectionInput(nn.Module):
+    """What one of q, k and v reads, hooked apart from the other two (transformer-lens 4's `attn.q.hook_in`): an edit
+    there reaches that projection alone. A point of the bridge's naming only (HookedTransformer hooks per-head copies
+    instead, `hook_q_input`), so caches of everything list it only on a model named as the bridge names."""
+
+    def __init__(self):
+        super().__init__()
+        self.hook_in = HookPoint(bridge_only=True)  # [batch pos d_model]
+
+
 def per_head(t: torch.Tensor, heads: int, dim: int = 2) -> torch.Tensor:
     """t with `heads` entries along dim: as it is, or each key/value head repeated for the adjacent query heads of
     its group."""
@@ -50,6 +60,7 @@ class Attention(WritableWeights, nn.Module):
         # how many key/value heads the hooks see: one per key/value head, or one per query head once
         # transformer-lens's ungroup_grouped_query_attention is on (HookedDecoder.set_ungroup_grouped_query_attention)
         self.hooked_kv_heads = self.n_kv_heads
+        self.q, self.k, self.v = ProjectionInput(), ProjectionInput(), ProjectionInput()
         self.hook_q = HookPoint()  # [batch pos head d_head]
         self.hook_k = HookPoint()  # [batch pos kv_head d_head]
         self.hook_v = HookPoint()  # [batch pos kv_head d_head]
@@ -113,10 +124,19 @@ class Attention(WritableWeights, nn.Module):
         return self.out(rearrange(z, "batch pos head d_head -> batch pos (head d_head)"))
 
     def project(self, x: Union[torch.Tensor, PerHeadInputs]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [batch pos head d_head], k and v [batch pos kv_head d_head] from x [batch pos d_model] in one matmul,
-        or from each head's own input (keys' and values' inputs may be one per query head: then so are k and v)."""
+        """q [batch pos head d_head], k and v [batch pos kv_head d_head] from x [batch pos d_model] in one matmul
+        (three while one of their own inputs is hooked), or from each head's own input (keys' and values' inputs
+        may be one per query head: then so are k and v)."""
         if isinstance(x, torch.Tensor):
-            qkv = self.qkv(x)
+            parts = self.q, self.k, self.v
+            if any(part.hook_in.active for part in parts):
+                # each projection reads its own input, q's first, as on the bridge: an edit in place at one input
+                # reaches the projections after it, not those before
+                biases = (None,) * 3 if self.qkv.bias is None else self.qkv.bias.split(self.qkv_sizes)
+                qkv = torch.cat([F.linear(part.hook_in(x), weight, bias) for part, weight, bias
+                                 in zip(parts, self.qkv.weight.split(self.qkv_sizes), biases)], dim=-1)
+            else:
+                qkv = self.qkv(x)
             n_q, n_kv = self.qkv_sizes[:2]
             # slices, not split(): autograd lets a hook edit one slice in place (`v[:, :, head] = 0`, as
             # transformer-lens code does), but not one of split's several outputs

@@ -4,8 +4,9 @@ The bridge names each point after the module it sits on (`blocks.0.hook_in`, `bl
 `blocks.0.mlp.out.hook_in`, `unembed.hook_out`) and calls the classic HookedTransformer names aliases, kept for
 old code and deprecated. probe keeps the classic names and answers to the bridge's: most are aliases of a classic
 point, worked out per block arrangement from what the bridge hooks on each family (tests/test_bridge_names.py
-compares every one with the bridge's value); the norms' inputs and outputs and the logits before a soft cap, which
-HookedTransformer never hooked, are points of their own (`bridge_only`). The bridge names that probe has no point
+compares every one with the bridge's value); the norms' inputs and outputs, the logits before a soft cap, the token
+and position ids and each of q, k and v's own input, which HookedTransformer never hooked, are points of their own
+(`bridge_only`). The bridge names that probe has no point
 for are listed with what to hook instead, so asking for one says so rather than "unknown name"."""
 from __future__ import annotations
 
@@ -24,14 +25,8 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
                                "unembed.hook_in": "ln_final.hook_out" if cfg.final_norm
                                else f"blocks.{cfg.n_layers - 1}.hook_resid_post"}
     left_out = {}
-    if cfg.use_hook_tokens:
-        aliases["embed.hook_in"] = "hook_tokens"
-    else:
-        left_out["embed.hook_in"] = ("the token ids are the model's input (model.to_tokens(text)); a model built with "
-                                     "use_hook_tokens=True hooks them as hook_tokens")
     if cfg.positions in (Positions.LEARNED, Positions.SINUSOIDAL, Positions.SHORTFORMER):
         aliases["pos_embed.hook_out"] = "hook_pos_embed"
-        left_out["pos_embed.hook_in"] = "the positions 0, 1, ... (counting real tokens only) are not hooked"
     else:
         left_out.update({f"rotary_emb.hook_{end}": _ROTARY.format(l=0) for end in ("in", "out", "cos", "sin")})
     for layer in range(cfg.n_layers):
@@ -48,9 +43,10 @@ def _block_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, 
     # bridge's attn.hook_in and mlp.hook_in there are left out, since an edit at hook_resid_pre reaches the residual too
     attn_in = None if post else f"{b}.ln1.hook_out"
     attn_out = f"{b}.ln1_post.hook_in" if sandwich else f"{b}.hook_attn_out"
+    # a point's names in the order the bridge's cache lists them
     aliases = {f"{b}.hook_in": f"{b}.hook_resid_pre", f"{b}.hook_out": f"{b}.hook_resid_post",
-               f"{b}.attn.hook_out": attn_out, f"{b}.attn.o.hook_out": attn_out,
-               f"{b}.attn.hook_hidden_states": attn_out, f"{b}.attn.o.hook_in": f"{b}.attn.hook_z",
+               f"{b}.attn.o.hook_out": attn_out, f"{b}.attn.hook_hidden_states": attn_out,
+               f"{b}.attn.hook_out": attn_out, f"{b}.attn.o.hook_in": f"{b}.attn.hook_z",
                # the bridge also spells the per-head inputs inside attention, as its own patching code hooks them
                f"{b}.attn.hook_attn_in": f"{b}.hook_attn_in"}
     left_out = {}
@@ -60,13 +56,9 @@ def _block_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, 
             f"reaches the residual; hook {b}.hook_attn_in (a copy per head) for attention alone")
     else:
         aliases[f"{b}.attn.hook_in"] = attn_in
-    shared = "" if post else f"hook {attn_in} (the bridge's {b}.attn.hook_in) to read or edit all three, or "
     for part in "qkv":
         aliases[f"{b}.attn.{part}.hook_out"] = f"{b}.attn.hook_{part}"
         aliases[f"{b}.attn.hook_{part}_input"] = f"{b}.hook_{part}_input"
-        left_out[f"{b}.attn.{part}.hook_in"] = (
-            f"the bridge hooks one projection's input alone there, but probe's attention reads one input for q, k and "
-            f"v: {shared}hook {b}.hook_{part}_input for each head's own copy of the {part} input, before the norm")
     fused = (f"the bridge's fused q/k/v projection: its input is {attn_in or b + '.hook_resid_pre'}, and its outputs "
              f"are {b}.attn.hook_q, hook_k and hook_v ([batch pos head d_head] each)")
     left_out.update({f"{b}.attn.qkv.hook_in": fused, f"{b}.attn.qkv.hook_out": fused})
@@ -81,7 +73,7 @@ def _block_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, 
         return aliases, left_out
     mlp_in = f"{b}.hook_mlp_in" if post else f"{b}.ln2.hook_out"
     mlp_out = f"{b}.ln2_post.hook_in" if sandwich else f"{b}.hook_mlp_out"
-    aliases.update({f"{b}.mlp.hook_out": mlp_out, f"{b}.mlp.out.hook_out": mlp_out,
+    aliases.update({f"{b}.mlp.out.hook_out": mlp_out, f"{b}.mlp.hook_out": mlp_out,
                     f"{b}.mlp.out.hook_in": f"{b}.mlp.hook_post"})
     mlp_reads = [f"{b}.mlp.hook_in"] + ([] if cfg.gated_mlp else [f"{b}.mlp.in.hook_in"])
     if post:

@@ -21,9 +21,10 @@ class Embed(nn.Module):
         super().__init__()
         self.W_E = nn.Parameter(torch.empty(d_vocab, d_model))
         self.scale = scale
+        self.hook_in = HookPoint(bridge_only=True)  # [batch pos] token ids, as transformer-lens 4's embed.hook_in
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [batch pos] -> [batch pos d_model]
-        embedded = F.embedding(tokens, self.W_E)
+        embedded = F.embedding(self.hook_in(tokens), self.W_E)
         if self.scale is None:
             return embedded
         return embedded * torch.tensor(self.scale, dtype=embedded.dtype, device=embedded.device)
@@ -31,6 +32,11 @@ class Embed(nn.Module):
 
 class AbsolutePositions(nn.Module):
     """What the absolute schemes share: each token adds W_pos [n_ctx d_model] at its position."""
+
+    def __init__(self):
+        super().__init__()
+        # [batch pos] position ids, as transformer-lens 4's pos_embed.hook_in ([1 pos] there when nothing is padded)
+        self.hook_in = HookPoint(bridge_only=True)
 
     def place(self, resid: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(the residual entering block 0, what every layer adds to its queries' and keys' inputs): these schemes
@@ -43,16 +49,16 @@ class AbsolutePositions(nn.Module):
         code calls it (`model.pos_embed(tokens)`), positions count from `past_kv_pos_offset`, or along the real tokens
         of `attention_mask` ([batch past+pos], 1 = real), and padding gets zeros, as TL's PosEmbed gives."""
         if positions is not None:
-            return F.embedding(positions, self.W_pos)
+            return F.embedding(self.hook_in(positions), self.W_pos)
         batch, n = tokens.shape[:2]
         window = slice(past_kv_pos_offset, past_kv_pos_offset + n)
         if attention_mask is None:  # a lookup, not a slice of W_pos: the caller may edit what it gets
-            at = torch.arange(window.start, window.stop, device=self.W_pos.device)
-            return F.embedding(at, self.W_pos).expand(batch, n, -1)
+            at = torch.arange(window.start, window.stop, device=self.W_pos.device).expand(batch, n)
+            return F.embedding(self.hook_in(at), self.W_pos)
         attention_mask = attention_mask.to(self.W_pos.device)
         at = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)[:, window]
         real = attention_mask[:, window].bool()[..., None]
-        return torch.where(real, F.embedding(at, self.W_pos), 0.0)
+        return torch.where(real, F.embedding(self.hook_in(at), self.W_pos), 0.0)
 
 
 class PosEmbed(AbsolutePositions):

@@ -7,6 +7,7 @@ from typing import Optional
 from probe.config import DecoderConfig, NormPlacement, Positions
 
 
+ID_HOOKS = ("hook_tokens", "embed.hook_in", "pos_embed.hook_in")  # int64 ids, whatever the model's dtype
 PER_HEAD_INPUTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input")
 
 
@@ -19,8 +20,10 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
     key_pos = pos if key_pos is None else key_pos
     resid = (batch, pos, cfg.d_model)
     shapes = {"hook_tokens": (batch, pos)} if cfg.use_hook_tokens else {}
+    shapes["embed.hook_in"] = (batch, pos)
     shapes["hook_embed"] = resid
     if cfg.positions is not Positions.ROTARY:
+        shapes["pos_embed.hook_in"] = (batch, pos)
         shapes["hook_pos_embed"] = resid
 
     def norm(prefix: str) -> None:
@@ -37,6 +40,8 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.hook_k_input"] = (batch, pos, kv, cfg.d_model)
         shapes[f"{b}.hook_v_input"] = (batch, pos, kv, cfg.d_model)
         norm(f"{b}.ln1")
+        for part in "qkv":
+            shapes[f"{b}.attn.{part}.hook_in"] = resid
         if layer in per_head_input_layers and cfg.norm_placement is not NormPlacement.POST:
             shapes[f"{b}.ln1.hook_scale"] = (batch, pos, kv, 1)
             for end in ("normalized", "in", "out"):

@@ -27,9 +27,12 @@ def expected_shapes(cfg, batch, pos):
         shapes[f"{b}.attn.hook_result"] = (batch, pos, cfg.n_heads, cfg.d_model)
         shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
         shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
-        for end in (f"{b}.ln1.hook_in", f"{b}.ln1.hook_out", f"{b}.ln2.hook_in", f"{b}.ln2.hook_out"):
-            shapes[end] = (batch, pos, cfg.d_model)  # the norms' ends: transformer-lens 4's bridge names them
+        # the norms' ends and each projection's own input: transformer-lens 4's bridge names them
+        for end in (f"{b}.ln1.hook_in", f"{b}.ln1.hook_out", f"{b}.ln2.hook_in", f"{b}.ln2.hook_out",
+                    f"{b}.attn.q.hook_in", f"{b}.attn.k.hook_in", f"{b}.attn.v.hook_in"):
+            shapes[end] = (batch, pos, cfg.d_model)
     shapes["ln_final.hook_in"] = shapes["ln_final.hook_out"] = (batch, pos, cfg.d_model)
+    shapes["embed.hook_in"] = shapes["pos_embed.hook_in"] = (batch, pos)  # token and position ids
     shapes["unembed.hook_out"] = (batch, pos, cfg.d_vocab)
     return shapes
 
