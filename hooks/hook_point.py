@@ -13,6 +13,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from probe.hooks.lens_handle import TorchHandleView, module_hook
+
 HookFn = Callable[[torch.Tensor, "HookPoint"], Optional[torch.Tensor]]
 
 
@@ -91,6 +93,25 @@ class HookHandle:
     @property
     def direction(self) -> str:
         return "bwd" if self.backward else "fwd"
+
+    # what transformer-lens code reads off its LensHandle (hooks/lens_handle.py)
+    @property
+    def hook(self) -> TorchHandleView:
+        return TorchHandleView(self)
+
+    @functools.cached_property
+    def module_hook(self) -> Callable:
+        return module_hook(self.fn)
+
+    @property
+    def is_permanent(self) -> bool:
+        return self.permanent
+
+    @property
+    def user_hook(self) -> HookFn:
+        return self.fn
+
+    context_level = None  # TL's level of nested hook contexts; probe's scoped hooks need none
 
     def remove(self) -> None:
         self.removed = True

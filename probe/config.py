@@ -70,7 +70,8 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     tied_embeddings: bool = True  # unembedding = embedding transposed, as in GPT-2
     unembed_bias: bool = False  # a bias on the logits (none of the supported checkpoints; a processed model's folded norm bias)
     init_std: float = 0.02  # weight init for models trained from scratch
-    # Which loaded model this describes, not its architecture: kept off comparisons and to_dict. The model sets
+    # Which loaded model this describes, not its architecture: kept off comparisons and (but for TL's switches)
+    # to_dict. The model sets
     # them (transformer-lens code reads model.cfg.device and model.cfg.model_name).
     model_name: Optional[str] = dataclasses.field(default=None, compare=False)
     original_architecture: Optional[str] = dataclasses.field(default=None, compare=False)  # config.json's, "GPT2LMHeadModel"
@@ -324,7 +325,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         return per_layer
 
     def to_dict(self) -> dict[str, Any]:
-        instance = {f.name for f in dataclasses.fields(self) if not f.compare}
+        """The architecture's fields and transformer-lens's use_* switches, whose presence TL code tests (ACDC turns
+        hook_mlp_in on only where `"use_hook_mlp_in" in model.cfg.to_dict()`); not which loaded model it is."""
+        instance = {f.name for f in dataclasses.fields(self) if not f.compare} - set(SWITCHES)
         out = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items() if k not in instance}
         for field in ("heads_per_layer", "sliding_layers"):
             if out[field] is not None:

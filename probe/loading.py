@@ -71,6 +71,7 @@ SHORT_NAMES.update({
     **{f"attn-only-{n}l": f"NeelNanda/Attn_Only_{n}L512W_C4_Code" for n in range(1, 5)},
     **{f"gelu-{n}l": f"NeelNanda/GELU_{n}L512W_C4_Code" for n in range(1, 5)},
     "attn-only-2l-demo": "NeelNanda/Attn-Only-2L512W-Shortformer-6B-big-lr",
+    "redwood_attn_2l": "ArthurConmy/redwood_attn_2l",  # Redwood's attention-only model, the same format (ACDC's)
     # SoLU-LN MLPs (act_fn="solu_ln"): the C4 + code runs by width, two Wikipedia fine-tunes, and the older Pile runs
     # (repositories named _old, whose tensors TL converts on loading: probe.checkpoint_tl.convert_solu_old)
     **{f"solu-{n}l{alias}": f"NeelNanda/SoLU_{n}L{width}W_C4_Code"

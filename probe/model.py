@@ -20,8 +20,9 @@ from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, toke
 from probe.kv_cache import KVCache, one_cache
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.sae_methods import SAEMethods
-from probe.shapes import PER_HEAD_INPUTS, hook_shapes
+from probe.shapes import ID_HOOKS, PER_HEAD_INPUTS, hook_shapes
 from probe.tl_bridge import BridgeSurface
+from probe.tl_config import decoder_config
 from probe.tl_state_dict import use_tl_layout
 from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported, with_tokenizer
 from probe.tokenizer import Tokenizer
@@ -35,8 +36,9 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSur
                     HookedRootModule):
     """Token (+ position) embedding -> n_layers blocks -> final norm -> unembedding."""
 
-    def __init__(self, cfg: DecoderConfig, tokenizer: Optional[Tokenizer] = None):
+    def __init__(self, cfg: Union[DecoderConfig, dict], tokenizer: Optional[Tokenizer] = None):
         super().__init__()
+        cfg = decoder_config(cfg)  # transformer-lens code passes its HookedTransformerConfig, or a dict of it
         generator = torch.get_rng_state() if cfg.transformer_lens_init else None
         if tokenizer is None and cfg.tokenizer_source is not None:
             from probe.loading import load_tokenizer
@@ -228,7 +230,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSur
         total = 0
         for name in names:
             if name in shapes:
-                size = 8 if name == "hook_tokens" else norm_item if name.endswith(NORM_HOOKS) else item  # int64 ids
+                size = 8 if name in ID_HOOKS else norm_item if name.endswith(NORM_HOOKS) else item
                 total += math.prod(shapes[name]) * size
                 continue
             # a lent point (a spliced SAE's) says its width; [batch pos width] whatever it reads

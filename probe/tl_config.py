@@ -149,6 +149,22 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         **{name: s.get(name, False) for name in SWITCHES})
 
 
+def decoder_config(cfg: Any) -> DecoderConfig:
+    """What `HookedDecoder(cfg)` builds from: a DecoderConfig as it is, or what TL code hands HookedTransformer(cfg):
+    a dict of HookedTransformerConfig's keywords (read as above), or transformer-lens's own HookedTransformerConfig
+    (its to_dict(); its seed already drew when it was made, as TL's draws, so it does not draw again here)."""
+    if isinstance(cfg, DecoderConfig):
+        return cfg
+    if isinstance(cfg, dict):
+        return HookedTransformerConfig(**cfg)
+    if type(cfg).__name__ == "HookedTransformerConfig" and callable(getattr(cfg, "to_dict", None)):
+        fields = cfg.to_dict()
+        seed = fields.pop("seed", None)
+        return dataclasses.replace(HookedTransformerConfig(**fields), seed=seed)
+    raise TypeError(f"HookedDecoder(cfg) takes a DecoderConfig, transformer-lens's HookedTransformerConfig or a dict "
+                    f"of its keywords, got {type(cfg).__name__}")
+
+
 def _vocab_size(tokenizer_name: str) -> int:
     """d_vocab as transformer-lens reads it from a tokenizer: its largest id + 1."""
     from probe.loading import load_tokenizer

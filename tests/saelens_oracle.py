@@ -1,6 +1,6 @@
 """Run by the SAELens virtualenv's Python (scripts/saelens_oracle.sh): SAELens 6 needs transformer-lens < 4, which
-the main environment cannot have. Reads and writes safetensors only. The tests import one function from it,
-`hooked_sae_idioms`, to run the same idioms on probe; everything that imports SAELens stays inside the commands.
+the main environment cannot have. Reads and writes safetensors only. The tests import two functions from it,
+`hooked_sae_idioms` and `lens_handle_idioms`, to run the same idioms on probe; everything that imports SAELens stays inside the commands.
 
     python saelens_oracle.py serve
         runs the commands below sent on stdin, one process for them all (tests/oracle_process.py is its client)
@@ -714,7 +714,73 @@ def tl_init(cases_json: str, outputs: str) -> None:
     save_file(out, outputs)
 
 
-COMMANDS = {"weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
+def lens_handle_idioms(model) -> dict:
+    """ACDC's reads of a hook point's handles (TLACDCExperiment.add_sender_hook): which functions a point carries,
+    through torch's handle TL keeps for each (`fwd_hooks[i].hook.hooks_dict_ref()`, each module hook named after its
+    function), then removing one through it; memory addresses left out of the names."""
+    import re
+    from functools import partial
+
+    def sender_hook(x, hook, verbose=False):
+        return x
+
+    def receiver_hook(x, hook):
+        return None
+
+    name = "blocks.0.hook_resid_pre"
+    model.add_hook(name, partial(sender_hook, verbose=True))
+    model.add_hook(name, receiver_hook, is_permanent=True)
+    handles = model.hook_dict[name].fwd_hooks
+    dicts = [handle.hook.hooks_dict_ref() for handle in handles]
+    out = {"same_dict": all(d == dicts[0] for d in dicts), "partials": [isinstance(f, partial) for f in dicts[0].values()],
+           "names": [re.sub(r" at 0x[0-9a-f]+", "", f.__name__) for f in dicts[0].values()],
+           "is_permanent": [handle.is_permanent for handle in handles],
+           "context_level": [handle.context_level for handle in handles],
+           "user_hook": [getattr(handle.user_hook, "__name__", "partial") for handle in handles],
+           "ids": len({handle.hook.id for handle in handles})}
+    handles[0].hook.remove()
+    out["after_remove"] = [re.sub(r" at 0x[0-9a-f]+", "", f.__name__)
+                           for f in model.hook_dict[name].fwd_hooks[0].hook.hooks_dict_ref().values()]
+    model.reset_hooks(including_permanent=True)
+    out["after_reset"] = len(model.hook_dict[name].fwd_hooks)
+    return out
+
+
+def lens_handles(config_json: str) -> None:
+    """lens_handle_idioms on HookedTransformer(HookedTransformerConfig(**CONFIG)): stdout their JSON."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    print(json.dumps(lens_handle_idioms(HookedTransformer(HookedTransformerConfig(**json.loads(config_json))))))
+
+
+def tl_config_routes(cases_json: str, outputs: str) -> None:
+    """For each config, HookedTransformer(config dict) and HookedTransformer(HookedTransformerConfig object), and
+    probe's HookedDecoder given TL's object (only this environment has one): each one's state dict, and the draw
+    after it, torch seeded with 11 just before the model (a config's seed draws again when the model initialises).
+    Stdout: the JSON {NAME: the use_* and ungroup_* keys of TL's cfg.to_dict() and their values}."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    import_probe_from_the_repository()
+    from probe import HookedDecoder
+
+    out, switches = {}, {}
+    for name, config in json.loads(cases_json).items():
+        routes = {"tl_dict": (HookedTransformer, lambda: dict(config, device="cpu")),
+                  "tl_object": (HookedTransformer, lambda: HookedTransformerConfig(**config, device="cpu")),
+                  "probe_object": (HookedDecoder, lambda: HookedTransformerConfig(**config, device="cpu"))}
+        for route, (model_class, cfg) in routes.items():
+            cfg = cfg()
+            torch.manual_seed(11)
+            model = model_class(cfg)
+            out[f"{name}/{route}/next"] = torch.randint(0, 1000, (8,))
+            out.update({f"{name}/{route}/{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()})
+        tl_cfg = HookedTransformerConfig(**config, device="cpu")
+        switches[name] = {key: value for key, value in tl_cfg.to_dict().items() if key.startswith(("use_", "ungroup_"))}
+    save_file(out, outputs)
+    print(json.dumps(switches))
+
+
+COMMANDS = {"lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}

@@ -28,10 +28,14 @@ CASES = {  # Neel Nanda's config.json keys, at a small size
                     attn_only=False, normalization="LN", shortformer_pos=False),
     "attn-only-2l": dict(d_model=64, n_layers=2, d_mlp=256, d_head=16, n_heads=4, n_ctx=32, d_vocab=100,
                          act_fn="solu_ln", attn_only=True, normalization="LN", shortformer_pos=True),
+    # Redwood's two-layer attention-only model, in the same format (ArthurConmy/redwood_attn_2l): ACDC's induction task
+    "redwood_attn_2l": dict(d_model=64, n_layers=2, d_mlp=256, d_head=8, n_heads=8, n_ctx=32, d_vocab=100, act_fn="gelu",
+                            attn_only=True, normalization="LN", shortformer_pos=True),
 }
 # asked for TL's default processing, TL's from_pretrained folds and centres nothing in a shortformer model (it folds
 # only the value biases), so the attention-only model's weights are the file's but for b_O
-LOADINGS = [("gelu-2l", TL_DEFAULTS), ("attn-only-2l", TL_DEFAULTS), ("attn-only-2l", NO_PROCESSING)]
+LOADINGS = [("gelu-2l", TL_DEFAULTS), ("attn-only-2l", TL_DEFAULTS), ("attn-only-2l", NO_PROCESSING),
+            ("redwood_attn_2l", dict(fold_ln=False, center_writing_weights=False, center_unembed=False))]  # ACDC's
 
 
 def checkpoint_dir(tmp_path: Path, config: dict) -> Path:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, processors
 
 from probe import DEFAULT_MODEL, HookedDecoder, HookedTransformerConfig
+from probe.config import SWITCHES
 from test_sae_training import needs_saelens, oracle
 
 SMALL = dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50)
@@ -333,3 +334,35 @@ def test_a_model_built_from_a_tl_config_draws_hookedtransformers_weights_and_lea
         assert sorted(weights) == sorted(ours), name
         for key in weights:
             assert torch.equal(ours[key], theirs[f"{name}/{key}"]), f"{name}: {key}"
+
+
+@needs_saelens
+def test_a_model_built_from_a_config_dict_or_tls_config_object_is_hookedtransformers(tmp_path):
+    """TL code hands HookedTransformer(cfg) a dict of HookedTransformerConfig's keywords, or TL's own config object
+    (ACDC builds its models both ways): probe's HookedDecoder takes both and draws TL's weights. The oracle:
+    HookedTransformer (transformer-lens 3.9) given each; TL's object exists only in its environment, so probe is given
+    it there (`tl_config_routes`). TL's cfg.to_dict() lists the use_* switches, whose keys TL code tests (ACDC turns
+    hook_mlp_in on only where "use_hook_mlp_in" is in it), and probe's lists them with their values too."""
+    cases = {name: INIT_CASES[name] for name in ("learned", "gqa")}
+    switches = json.loads(oracle("tl_config_routes", json.dumps(cases), tmp_path / "tl.safetensors"))
+    theirs = load_file(tmp_path / "tl.safetensors")
+    for name, config in cases.items():
+        torch.manual_seed(11)
+        model = HookedDecoder(dict(config))
+        next_draw = torch.randint(0, 1000, (8,))
+        ours = {"probe_dict": (model.state_dict(), next_draw)}
+        ours["probe_object"] = ({key.split("/", 2)[2]: t for key, t in theirs.items()
+                                 if key.startswith(f"{name}/probe_object/") and not key.endswith("/next")},
+                                theirs[f"{name}/probe_object/next"])
+        for route, tl_route in (("probe_dict", "tl_dict"), ("probe_object", "tl_object")):
+            state, draw = ours[route]
+            assert torch.equal(draw, theirs[f"{name}/{tl_route}/next"]), (name, route)
+            assert state and all(torch.equal(t, theirs[f"{name}/{tl_route}/{key}"]) for key, t in state.items()), (name, route)
+        assert set(switches[name]) >= set(SWITCHES)
+        listed = model.cfg.to_dict()
+        assert {key: listed[key] for key in SWITCHES} == {key: switches[name][key] for key in SWITCHES}
+        model.set_use_hook_mlp_in(True)
+        assert model.cfg.to_dict()["use_hook_mlp_in"] is True
+        assert HookedTransformerConfig(**model.cfg.to_dict()).use_hook_mlp_in  # TL code's clone keeps the switch
+    with pytest.raises(TypeError, match="takes a DecoderConfig, transformer-lens's HookedTransformerConfig or a dict"):
+        HookedDecoder(["n_layers", 2])
