@@ -9,6 +9,7 @@ from probe.names import act_name
 from probe.processing import process_weights
 from probe.sae import SAEConfig, SparseAutoencoder, spliced
 from probe.sae_training import TrainingConfig, train_sae
+from probe.tl_class import HookedSAETransformer, HookedTransformer
 from probe.tl_config import HookedTransformerConfig
 from probe.tokenizer import Tokenizer
 
@@ -16,7 +17,8 @@ from probe.tokenizer import Tokenizer
 TransformerLensKeyValueCache = HookedTransformerKeyValueCache = KVCache
 
 __all__ = [
-    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "AttnOnlyBlock", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedTransformerConfig",
+    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "AttnOnlyBlock", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedSAETransformer",
+    "HookedTransformer", "HookedTransformerConfig",
     "HookedTransformerKeyValueCache", "KVCache", "Norm",
     "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig",
     "SandwichBlock", "SparseAutoencoder", "Tokenizer", "TrainingConfig", "TransformerLensKeyValueCache", "act_name", "process_weights", "spliced",

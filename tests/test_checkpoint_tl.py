@@ -45,10 +45,11 @@ def checkpoint_dir(tmp_path: Path, config: dict) -> Path:
     return directory
 
 
-def loaded_by_both(name: str, directory, processing: dict, tokens: torch.Tensor, tmp_path, monkeypatch):
-    """(probe's from_pretrained(name, **processing), TL's resolved config values, TL's outputs, the hub reads probe
-    asked for as (repo, patterns)): both libraries' hub reads served from `directory`; TL's through the oracle's
-    `neel` command, run on `tokens`."""
+def loaded_by_both(name: str, directory, processing: dict, tokens: torch.Tensor, tmp_path, monkeypatch,
+                   model_class: type = HookedDecoder):
+    """(probe's `model_class.from_pretrained(name, **processing)`, TL's resolved config values, TL's outputs, the hub
+    reads probe asked for as (repo, patterns)): both libraries' hub reads served from `directory`; TL's through the
+    oracle's `neel` command, run on `tokens`."""
     import huggingface_hub
 
     save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
@@ -65,7 +66,7 @@ def loaded_by_both(name: str, directory, processing: dict, tokens: torch.Tensor,
     generator = torch.get_rng_state()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the default steps a model cannot take, skipped as TL skips them
-        model = HookedDecoder.from_pretrained(name, **processing).eval()
+        model = model_class.from_pretrained(name, **processing).eval()
     # a notebook's random tokens after the loading line are TL's only if loading draws what TL's draws (nothing)
     assert (not torch.equal(torch.get_rng_state(), generator)) == bool(out.pop("generator_moved"))
     return model, resolved, out, asked

@@ -1,0 +1,54 @@
+"""`from probe import HookedTransformer` (probe/tl_class.py): transformer-lens 3 code with only its import changed loads
+as TL's class loads. The oracles: transformer-lens 3.9's own bare `HookedTransformer.from_pretrained(name)` (its
+default processing) on one of Neel Nanda's toy models, and TL 4's bridge processing the bundled GPT-2 with TL's
+defaults (as `test_tl_loading.py` checks HookedDecoder's explicit keywords against)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from probe import DEFAULT_MODEL, HookedDecoder, HookedSAETransformer, HookedTransformer
+from test_checkpoint_tl import CASES, assert_state_and_logits_are_tls, checkpoint_dir, loaded_by_both
+from test_sae_training import needs_saelens
+from test_tl_compat import PROMPT, classic
+from test_tl_loading import TL_DEFAULTS, WEIGHTS, processed_bridge
+from tl_oracle import assert_same
+
+
+@needs_saelens
+def test_a_bare_from_pretrained_processes_as_transformer_lens_3s(tmp_path, monkeypatch):
+    directory = checkpoint_dir(tmp_path, CASES["gelu-2l"])
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    # both sides: from_pretrained(name) with no processing keyword
+    model, _, out, _ = loaded_by_both("gelu-2l", directory, {}, tokens, tmp_path, monkeypatch, model_class=HookedTransformer)
+    assert type(model) is HookedTransformer and model.cfg.normalization_type == "LNPre"
+    assert_state_and_logits_are_tls(model, out, tokens)
+
+
+def test_the_bundled_gpt2_loads_as_transformer_lens_processes_it():
+    ours = HookedTransformer.from_pretrained(DEFAULT_MODEL).eval()
+    theirs = processed_bridge(tuple(TL_DEFAULTS.items()))
+    for name in WEIGHTS:
+        assert_same(getattr(ours, name), getattr(theirs, name), atol=1e-5, what=name)
+    tokens = ours.to_tokens(PROMPT)
+    with torch.no_grad():
+        logits, cache = ours.run_with_cache(tokens)
+        their_logits, their_cache = theirs.run_with_cache(tokens)
+    assert_same(logits, their_logits, what="logits")
+    theirs_by_name = classic(dict(their_cache.items()))
+    for name in ("blocks.0.hook_resid_pre", "blocks.1.hook_resid_mid", "blocks.1.attn.hook_z", "ln_final.hook_normalized"):
+        assert_same(cache[name], theirs_by_name[name], what=name)
+    # a processing keyword given wins; TL's no-processing load keeps the checkpoint's weights, as HookedDecoder's
+    plain = HookedDecoder.from_pretrained(DEFAULT_MODEL)
+    for model in (HookedTransformer.from_pretrained_no_processing(DEFAULT_MODEL),
+                  HookedSAETransformer.from_pretrained(DEFAULT_MODEL, fold_ln=False, center_writing_weights=False,
+                                                       center_unembed=False, fold_value_biases=False)):
+        assert_same(model.W_U, plain.W_U, atol=0.0, what="unprocessed W_U")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # GPT-2 takes every default step: nothing skipped, nothing to warn of
+        HookedTransformer.from_pretrained(DEFAULT_MODEL)
+    assert not torch.allclose(ours.W_U, plain.W_U)  # centred
+    with pytest.raises(TypeError):
+        HookedTransformer.from_pretrained(DEFAULT_MODEL, "cpu")  # TL's keywords only, by name
