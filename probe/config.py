@@ -70,9 +70,8 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     tied_embeddings: bool = True  # unembedding = embedding transposed, as in GPT-2
     unembed_bias: bool = False  # a bias on the logits (none of the supported checkpoints; a processed model's folded norm bias)
     init_std: float = 0.02  # weight init for models trained from scratch
-    # Which loaded model this describes, not its architecture: kept off comparisons and (but for TL's switches)
-    # to_dict. The model sets
-    # them (transformer-lens code reads model.cfg.device and model.cfg.model_name).
+    # Which loaded model this describes, not its architecture: kept off comparisons and (but for TL's switches) off
+    # to_dict. The model sets them (transformer-lens code reads model.cfg.device and model.cfg.model_name).
     model_name: Optional[str] = dataclasses.field(default=None, compare=False)
     original_architecture: Optional[str] = dataclasses.field(default=None, compare=False)  # config.json's, "GPT2LMHeadModel"
     # a tokenizer (directory, short name or hub repository) that a model built from this config without one loads,
