@@ -320,7 +320,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSur
         from probe.checkpoints import prepends_bos_by_default
         from probe.tl_loading import finish_loading, load_model, parse_loading_keywords
 
-        options = parse_loading_keywords(name_or_path, dtype, device, revision, transformer_lens_keywords)
+        options = parse_loading_keywords(name_or_path, dtype, device, revision, transformer_lens_keywords, cls.__name__)
         if device_map is not None and device is not None:
             raise ValueError("pass device= (one device) or device_map= (several), not both")
         model = load_model(name_or_path, options, cls)

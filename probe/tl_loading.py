@@ -55,8 +55,9 @@ class LoadingKeywords:
 
 
 def parse_loading_keywords(name_or_path, dtype: Any, device: Any, revision: Optional[str],
-                           keywords: dict[str, Any]) -> LoadingKeywords:
-    """Read TL's keywords out of `keywords` (from_pretrained's **kwargs); a TypeError for any probe does not take."""
+                           keywords: dict[str, Any], caller: str = "HookedDecoder") -> LoadingKeywords:
+    """Read TL's keywords out of `keywords` (from_pretrained's **kwargs); a TypeError for any probe does not take,
+    naming the class it was called on (`caller`)."""
     keywords = dict(keywords)
     checkpoint = None
     if "checkpoint_value" in keywords:
@@ -87,7 +88,7 @@ def parse_loading_keywords(name_or_path, dtype: Any, device: Any, revision: Opti
     if padding_side not in (None, "left", "right"):
         raise ValueError(f"default_padding_side={padding_side!r} must be 'left' or 'right'")
     hf_model, tokenizer = keywords.pop("hf_model", None), keywords.pop("tokenizer", None)
-    refuse_unsupported(keywords, "HookedDecoder.from_pretrained()", LOADING_HINTS)
+    refuse_unsupported(keywords, f"{caller}.from_pretrained()", LOADING_HINTS)
     return LoadingKeywords(dtype=dtype, device=device, revision=revision, hf_model=hf_model,
                            tokenizer=None if tokenizer is None else Tokenizer.from_transformers(tokenizer),
                            processing=given or None,

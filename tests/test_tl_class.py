@@ -52,3 +52,5 @@ def test_the_bundled_gpt2_loads_as_transformer_lens_processes_it():
     assert not torch.allclose(ours.W_U, plain.W_U)  # centred
     with pytest.raises(TypeError):
         HookedTransformer.from_pretrained(DEFAULT_MODEL, "cpu")  # TL's keywords only, by name
+    with pytest.raises(TypeError, match=r"HookedTransformer\.from_pretrained\(\)"):  # named as the caller wrote it
+        HookedTransformer.from_pretrained(DEFAULT_MODEL, first_n_layers=1)
