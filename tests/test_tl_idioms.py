@@ -220,6 +220,26 @@ def case_faithfulness_of_transformer_lens_4(model):
     return result.recovered, result.full_metric, result.corrupt_metric, result.circuit_size, result.total_edges
 
 
+def case_interchange_intervention_of_transformer_lens_4(model):
+    # TL 4's causal-abstraction tools: activations at one position, then a rank-4 subspace of them swapped in
+    from transformer_lens.tools.analysis.interchange import (SubspaceInterchange, collect_activations,
+                                                             intervened_logits, random_basis)
+
+    tokens = model.to_tokens(PROMPTS)
+    at = torch.full((tokens.shape[0],), 3)
+    task = lambda batch: model(batch)[:, -1, :10]  # noqa: E731
+    source = collect_activations(model, "blocks.1.hook_resid_post", tokens.flip(0), task, positions=at)
+    swap = SubspaceInterchange(random_basis(model.cfg.d_model, 4, seed=0))
+    return source, intervened_logits(model, "blocks.1.hook_resid_post", swap, tokens, source, task, positions=at)
+
+
+def case_head_subspace_affinity_of_transformer_lens_4(model):
+    from transformer_lens.tools.analysis.projection_kernel import attention_head_subspace_affinity
+
+    results = [attention_head_subspace_affinity(model, target_role=role) for role in "QKV"]
+    return [(result.scores, result.normalized, result.source_ranks, result.target_ranks) for result in results]
+
+
 def case_caching_hooks_kept_until_reset(model):
     cache = model.add_caching_hooks(lambda name: name.endswith("hook_resid_pre"))
     everything = {}

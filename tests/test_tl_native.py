@@ -91,6 +91,27 @@ def test_the_telemetry_demos_training_loop_runs_as_on_tl_4():
     assert their_losses[-1] < their_losses[0]  # it trained
 
 
+def test_tl_4s_own_training_loop_trains_it_as_tl_4s_model():
+    """transformer_lens.tools.training.train (its TrainConfig: AdamW with weight decay, clipping, warm-up) on
+    `{"tokens": ...}` rows: the trained models' losses agree."""
+    from transformer_lens.tools.training import TrainConfig, train
+
+    settings = CASES["demo"]
+    rows = torch.randint(0, settings["d_vocab"], (24, 16), generator=torch.Generator().manual_seed(3))
+    dataset = [{"tokens": row} for row in rows]
+    config = TrainConfig(num_epochs=2, batch_size=8, lr=1e-2, seed=1, device="cpu", print_every=None,
+                         optimizer_name="AdamW", weight_decay=0.01, max_grad_norm=1.0, warmup_steps=2)
+    losses = []
+    for model in both(settings)[:2]:
+        trained = train(model, config, dataset).eval()
+        with torch.no_grad():
+            losses.append(trained(rows, return_type="loss"))
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=0)
+    untrained = both(settings)[1]
+    with torch.no_grad():
+        assert untrained(rows, return_type="loss") > losses[1] + 0.1  # it trained
+
+
 def test_what_tl_4s_native_model_cannot_be_is_refused_by_name():
     with pytest.raises(ValueError, match="boot_native\\(positional_embedding_type='rotary'\\) is not supported"):
         HookedDecoder.boot_native(dict(SMALL, act_fn="gelu", positional_embedding_type="rotary"))
