@@ -188,17 +188,19 @@ class HookedRootModule(PersistentHooks, nn.Module):
             self.hook_point(name)  # an unknown name fails here, before anything is attached
         return written
 
-    def names_to_list(self, names: Optional[NameFilter], selected: list[str]) -> Optional[list[str]]:
+    def names_to_list(self, names: Optional[NameFilter], selected: list[str], stored: Iterable[str]) -> Optional[list[str]]:
         """The names a cache of the `selected` points lists, given the filter that selected them: the names a filter
-        gave, as given; those a predicate accepted; every name of every point for a cache of everything. None: the
-        points' own names (all there are without `bridge_names`, for predicates and caches of everything)."""
+        gave, as given; those a predicate accepted; every name of every point for a cache of everything, in the
+        order their activations arrived in `stored`, as transformer-lens's caches list them. None: the points' own
+        names (all there are without `bridge_names`, for predicates and caches of everything)."""
         if isinstance(names, str):
             return [names]
         if names is not None and not callable(names):
             return list(dict.fromkeys(names))
         if not self.bridge_names:
             return None
-        return [name for own in selected for name in self._names_of(own) if names is None or names(name)]
+        chosen = set(selected)
+        return [name for own in stored if own in chosen for name in self._names_of(own) if names is None or names(name)]
 
     def _names_of(self, own: str) -> tuple[str, ...]:
         """Every name of the point called `own`, in the order a hook would see them (names_to_attach)."""
@@ -357,9 +359,7 @@ class HookedRootModule(PersistentHooks, nn.Module):
             if batches - {1}:
                 raise ValueError(f"remove_batch_dim=True needs a batch of one prompt, got batch sizes {sorted(batches)}")
             store = {name: t[0] for name, t in store.items()}
-        chosen = set(selected)  # listed in the order the activations arrived, as transformer-lens's caches list them
-        fired = [name for name in store if name in chosen]
-        cache = self.make_cache(store, has_batch_dim=not remove_batch_dim, listed=self.names_to_list(names, fired))
+        cache = self.make_cache(store, has_batch_dim=not remove_batch_dim, listed=self.names_to_list(names, selected, store))
         return out, (cache if return_cache_object else dict(cache.items()))
 
     def slice_cached_positions(self, store: dict[str, torch.Tensor], pos_slice: Any) -> dict[str, torch.Tensor]:

@@ -128,13 +128,12 @@ class Attention(WritableWeights, nn.Module):
         (three while one of their own inputs is hooked), or from each head's own input (keys' and values' inputs
         may be one per query head: then so are k and v)."""
         if isinstance(x, torch.Tensor):
-            parts = self.q, self.k, self.v
-            if any(part.hook_in.active for part in parts):
+            if self.q.hook_in.active or self.k.hook_in.active or self.v.hook_in.active:
                 # each projection reads its own input, q's first, as on the bridge: an edit in place at one input
                 # reaches the projections after it, not those before
                 biases = (None,) * 3 if self.qkv.bias is None else self.qkv.bias.split(self.qkv_sizes)
                 qkv = torch.cat([F.linear(part.hook_in(x), weight, bias) for part, weight, bias
-                                 in zip(parts, self.qkv.weight.split(self.qkv_sizes), biases)], dim=-1)
+                                 in zip((self.q, self.k, self.v), self.qkv.weight.split(self.qkv_sizes), biases)], dim=-1)
             else:
                 qkv = self.qkv(x)
             n_q, n_kv = self.qkv_sizes[:2]
