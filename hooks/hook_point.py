@@ -216,7 +216,7 @@ class HookPoint(nn.Module):
     what reads the point, not the tensor it was copied from (transformer-lens hooks a copy at hook_mlp_in, whose
     input is also the residual stream that flows on).
     `bridge_only` points are named only by transformer-lens 4's TransformerBridge (a norm's input and output, the
-    logits), not by HookedTransformer: a cache of everything and name predicates leave them out, so HookedTransformer
+    token ids), not by HookedTransformer: a cache of everything and name predicates leave them out, so HookedTransformer
     code sees the points it knows, unless the model names its hooks as the bridge does (`bridge_names`).
     `unlisted` points are named by neither (a model without norms keeps its identity norms' `hook_scale`, which
     probe's analyses read): only their exact name reaches them.

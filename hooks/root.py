@@ -205,8 +205,9 @@ class HookedRootModule(PersistentHooks, nn.Module):
     def _names_of(self, own: str) -> tuple[str, ...]:
         """Every name of the point called `own`, in the order a hook would see them (names_to_attach)."""
         aliases = self._aliases_of.get(own, ())
-        # a point only the bridge has is already called by the bridge's name
-        first = self.bridge_names_first and not self.hook_point(own).bridge_only
+        # a point already called by the bridge's name (after its module: `ln1.hook_out`, `unembed.hook_in`) lists
+        # that name before its classic aliases (`hook_unembed`)
+        first = self.bridge_names_first and not own.endswith((".hook_in", ".hook_out"))
         return (*aliases, own) if first else (own, *aliases)
 
 

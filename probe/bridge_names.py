@@ -4,9 +4,9 @@ The bridge names each point after the module it sits on (`blocks.0.hook_in`, `bl
 `blocks.0.mlp.out.hook_in`, `unembed.hook_out`) and calls the classic HookedTransformer names aliases, kept for
 old code and deprecated. probe keeps the classic names and answers to the bridge's: most are aliases of a classic
 point, worked out per block arrangement from what the bridge hooks on each family (tests/test_bridge_names.py
-compares every one with the bridge's value); the norms' inputs and outputs, the logits before a soft cap, the token
-and position ids and each of q, k and v's own input, which HookedTransformer never hooked, are points of their own
-(`bridge_only`). The bridge names that probe has no point for are listed with what to hook instead, so asking for
+compares every one with the bridge's value); the norms' inputs and outputs, the token and position ids and each of
+q, k and v's own input, which HookedTransformer never hooked, are points of their own (`bridge_only`), and so are
+the unembedding's input and output, which transformer-lens 3.9 took from the bridge (listed everywhere). The bridge names that probe has no point for are listed with what to hook instead, so asking for
 one says so rather than "unknown name"."""
 from __future__ import annotations
 
@@ -21,9 +21,7 @@ _ROTARY = ("the rotary angles depend on the positions alone, and probe does not 
 
 def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
     """({bridge name: probe point}, {bridge name probe has no point for: what to hook instead}) for a model of `cfg`."""
-    aliases: dict[str, str] = {"embed.hook_out": "hook_embed", "hook_unembed": "unembed.hook_out",
-                               "unembed.hook_in": "ln_final.hook_out" if cfg.final_norm
-                               else f"blocks.{cfg.n_layers - 1}.hook_resid_post"}
+    aliases: dict[str, str] = {"embed.hook_out": "hook_embed", "hook_unembed": "unembed.hook_out"}
     left_out = {}
     if cfg.positions in (Positions.LEARNED, Positions.SINUSOIDAL, Positions.SHORTFORMER):
         aliases["pos_embed.hook_out"] = "hook_pos_embed"

@@ -170,11 +170,12 @@ class Unembed(WritableWeights, nn.Module):
         self.weight = nn.Parameter(torch.empty(d_vocab, d_model))
         self.bias = nn.Parameter(torch.zeros(d_vocab)) if bias else None  # [vocab]
         self.cap = make_softcap(softcap)  # Gemma 2 caps its logits; everything that unembeds gets the same logits
-        # [batch pos vocab]: the logits before a soft cap (transformer-lens 4's bridge name; HookedTransformer has none)
-        self.hook_out = HookPoint(bridge_only=True)
+        # transformer-lens 3.9's and the bridge's points (a cache of everything holds them there too)
+        self.hook_in = HookPoint()  # [batch pos d_model]: what the unembedding reads, after the final norm
+        self.hook_out = HookPoint()  # [batch pos vocab]: the logits before a soft cap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch pos d_model] -> [batch pos vocab]
-        return self.cap(self.hook_out(self.uncapped(x)))
+        return self.cap(self.hook_out(self.uncapped(self.hook_in(x))))
 
     def uncapped(self, x: torch.Tensor) -> torch.Tensor:
         """The logits before a soft cap: linear in x, what direct attributions add up to."""

@@ -70,6 +70,7 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.hook_resid_post"] = resid
     if cfg.final_norm:
         norm("ln_final")
+    shapes["unembed.hook_in"] = resid
     shapes["unembed.hook_out"] = (batch, pos, cfg.d_vocab_out)
     return shapes
 

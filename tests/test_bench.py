@@ -90,11 +90,13 @@ def test_cache_bytes_match_a_count_from_the_shapes(bench, tiny_model, tokens):
         + 2 * b * h * p * p  # attn_scores, pattern
         + 2 * b * p * m  # mlp pre, post
     )
-    outside = 2 * b * p * d + b * p + b * p * d  # hook_embed, hook_pos_embed; ln_final scale, normalized
+    # hook_embed, hook_pos_embed; ln_final scale, normalized; unembed.hook_in (the final norm's output); the logits
+    # (unembed.hook_out) are the returned tensor itself, which costs the cache nothing
+    outside = 2 * b * p * d + b * p + b * p * d + b * p * d
     elements = n * per_layer + outside - (n - 1) * b * p * d
     with torch.no_grad():
         held, entries = bench.cache_stats(tiny_model.run_with_cache(tokens))
-    assert entries == n * 17 + 4
+    assert entries == n * 17 + 6
     assert held == 4 * elements
 
 

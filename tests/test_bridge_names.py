@@ -188,13 +188,14 @@ def test_a_model_loaded_as_hookedtransformer_lists_its_points_without_the_bridge
     theirs = json.loads(oracle("hook_listing", probe.DEFAULT_MODEL))
     ours = HookedDecoder.from_pretrained(probe.DEFAULT_MODEL).eval()
     layers = range(ours.cfg.n_layers)
-    # documented: TL 3.9 added three of the bridge's names as points; probe lists the bridge's per-head input names
-    added_by_tl_3_9 = {*(f"blocks.{layer}.mlp.hook_in" for layer in layers), "unembed.hook_in", "unembed.hook_out"}
+    # documented: the oracle's class, SAELens's HookedSAETransformer, adds an mlp.hook_in point to every block (TL 3.9
+    # itself lists unembed.hook_in / hook_out, as probe does); probe lists the bridge's per-head input names
+    added_by_saelens = {f"blocks.{layer}.mlp.hook_in" for layer in layers}
     per_head_inputs = {f"blocks.{layer}.attn.hook_{part}" for layer in layers
                        for part in ("q_input", "k_input", "v_input", "attn_in")}
-    assert set(ours.hook_dict) == set(theirs["hook_dict"]) - added_by_tl_3_9 | per_head_inputs
+    assert set(ours.hook_dict) == set(theirs["hook_dict"]) - added_by_saelens | per_head_inputs
     listed_points = {name for name, module in ours.mod_dict.items() if isinstance(module, HookPoint)}
-    assert listed_points == {name for name in theirs["mod_dict"] if "hook_" in name.rsplit(".", 1)[-1]} - added_by_tl_3_9
+    assert listed_points == {name for name in theirs["mod_dict"] if "hook_" in name.rsplit(".", 1)[-1]} - added_by_saelens
     assert len(ours.hook_points()) == len(listed_points)
     seen = []
     for point in ours.hook_dict.values():
@@ -205,7 +206,7 @@ def test_a_model_loaded_as_hookedtransformer_lists_its_points_without_the_bridge
     # the per-head inputs, per-head results and hook_mlp_in fire when hooked (documented); nothing else is extra
     per_head = {f"blocks.{layer}.{name}" for layer in layers for name in (
         "hook_q_input", "hook_k_input", "hook_v_input", "hook_attn_in", "attn.hook_result", "hook_mlp_in")}
-    assert set(seen) == set(theirs["seen"]) - added_by_tl_3_9 | per_head
+    assert set(seen) == set(theirs["seen"]) - added_by_saelens | per_head
     # a hook on a bridge-only point by its exact name still works, and reset_hooks removes it
     ours.add_hook("blocks.0.ln1.hook_out", lambda x, hook: seen.append(hook.name))
     ours.reset_hooks()
@@ -225,7 +226,8 @@ def test_transformer_lens_4s_loading_line_and_compatibility_mode(family_dirs):
     with torch.no_grad():
         assert_same(ours(toks), classic(toks), what="booted: the checkpoint's own weights")
         _, plain = classic.run_with_cache(toks)
-        assert not any(name.endswith(("hook_in", "hook_out")) for name in plain)  # HookedTransformer's names alone
+        # HookedTransformer's names alone (transformer-lens 3.9's among them: the unembedding's input and output)
+        assert [name for name in plain if name.endswith(("hook_in", "hook_out"))] == ["unembed.hook_in", "unembed.hook_out"]
         assert plain["blocks.0.hook_out"] is plain["blocks.0.hook_resid_post"]  # but they answer to the bridge's
         named = classic.run_with_cache(toks, names_filter=["blocks.0.ln1.hook_out", "unembed.hook_in"])[1]  # by name
         assert_same(named["blocks.0.ln1.hook_out"], ours.run_with_cache(toks)[1]["blocks.0.attn.hook_in"])

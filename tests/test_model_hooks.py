@@ -33,6 +33,7 @@ def expected_shapes(cfg, batch, pos):
             shapes[end] = (batch, pos, cfg.d_model)
     shapes["ln_final.hook_in"] = shapes["ln_final.hook_out"] = (batch, pos, cfg.d_model)
     shapes["embed.hook_in"] = shapes["pos_embed.hook_in"] = (batch, pos)  # token and position ids
+    shapes["unembed.hook_in"] = (batch, pos, cfg.d_model)
     shapes["unembed.hook_out"] = (batch, pos, cfg.d_vocab)
     return shapes
 
@@ -43,9 +44,11 @@ def test_every_documented_hook_exists_with_its_shape(tiny_model, tokens):
     with torch.no_grad():
         _, cache = tiny_model.run_with_cache(tokens, names=lambda n: True)
     # a predicate never selects the per-head inputs (they give each head its own norm): only their names do; nor the
-    # points only transformer-lens 4's bridge names, unless the model names its hooks as the bridge does
+    # points only transformer-lens 4's bridge names, unless the model names its hooks as the bridge does (the
+    # unembedding's two, transformer-lens 3.9's too, are always there)
     per_head = {n: shapes.pop(n) for n in list(shapes) if n.endswith(("_input", "hook_attn_in"))}
-    bridge_only = {n: shapes.pop(n) for n in list(shapes) if n.endswith((".hook_in", ".hook_out"))}
+    bridge_only = {n: shapes.pop(n) for n in list(shapes)
+                   if n.endswith((".hook_in", ".hook_out")) and not n.startswith("unembed.")}
     assert {name: tuple(t.shape) for name, t in cache.items()} == shapes
     with torch.no_grad():
         _, cache = tiny_model.run_with_cache(tokens, names=list(per_head) + ["blocks.0.ln1.hook_scale"])

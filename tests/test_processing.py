@@ -46,6 +46,10 @@ def test_activations_change_as_the_algebra_says(tiny_model, tokens):
         elif name.endswith(("hook_normalized", "hook_scale", "hook_q", "hook_k", "hook_attn_scores", "hook_pattern",
                             "hook_pre", "hook_post")):
             expected = old[name]
+        elif name == "unembed.hook_in":  # ln_final's w and b now live in the unembedding: it reads the normalised input
+            expected = old["ln_final.hook_normalized"]
+        elif name == "unembed.hook_out":  # centred unembedding: logits less their mean over the vocabulary
+            expected = old[name] - old[name].mean(-1, keepdim=True)
         else:  # embeddings and sublayer outputs: centred writers
             expected = old[name] - old[name].mean(-1, keepdim=True)
         torch.testing.assert_close(new[name], expected, atol=ATOL, rtol=0, msg=lambda s: f"{name}: {s}")

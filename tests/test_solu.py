@@ -31,8 +31,6 @@ CASES = {
     "solu-ln-no-norms": dict(SMALL, act_fn="solu_ln", normalization_type=None),  # mlp.ln without weights (TL's LNPre)
     "solu-ln-lnpre": dict(SMALL, act_fn="solu_ln", normalization_type="LNPre"),
 }
-# transformer-lens 3.9's points around the unembedding, which probe's logits need no hook for (not the MLP's business)
-UNEMBED_POINTS = {"unembed.hook_in", "unembed.hook_out"}
 TL_DEFAULTS = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True)
 
 
@@ -60,7 +58,6 @@ def assert_same_cache(model: HookedDecoder, toks: torch.Tensor, theirs: dict, lo
     with torch.no_grad():
         ours_logits, cache = model.run_with_cache(toks)
     torch.testing.assert_close(ours_logits, logits, atol=1e-4, rtol=1e-4)
-    theirs = {name: t for name, t in theirs.items() if name not in UNEMBED_POINTS}
     # a model without norms keeps its identity norms' points for probe's analyses, by name only: not in the cache
     assert set(cache.keys()) == set(theirs)
     for name, activation in theirs.items():
@@ -85,7 +82,7 @@ def test_every_hook_agrees_with_hooked_transformer(case, hooked_transformers):
     # mlp.ln.w / .b exactly where TL has them (and none in an LNPre one)
     assert set(model.state_dict()) == {key for key in part(out, "state.") if key.rsplit(".", 1)[-1] not in TL_UNWRITTEN}
     shapes = hook_shapes(model.cfg, *toks.shape)
-    assert all(shapes[name] == tuple(t.shape) for name, t in theirs.items() if name not in UNEMBED_POINTS)
+    assert all(shapes[name] == tuple(t.shape) for name, t in theirs.items())
 
 
 @needs_saelens

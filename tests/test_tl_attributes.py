@@ -39,10 +39,8 @@ def test_cache_dict_holds_hooked_transformers_activations_by_name(hooked_transfo
     model, out, tokens = hooked_transformer
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens)
-    # transformer-lens 3.9's unembed.hook_in / hook_out (new there, in no tutorial) are points probe does not have
-    theirs = {k.removeprefix("cache."): v for k, v in out.items() if k.startswith("cache.") and ".hook_" in k
-              and not k.startswith("cache.unembed.")}
-    assert set(theirs) <= set(cache.cache_dict)
+    theirs = {k.removeprefix("cache."): v for k, v in out.items() if k.startswith("cache.") and ".hook_" in k}
+    assert set(theirs) == set(cache.cache_dict) and "unembed.hook_in" in theirs
     for name, value in theirs.items():
         torch.testing.assert_close(cache.cache_dict[name], value, atol=1e-4, rtol=1e-4, msg=name)
     z_only = {name: t for name, t in cache.cache_dict.items() if name.endswith("hook_z")}
