@@ -24,6 +24,7 @@ from probe.shapes import ID_HOOKS, PER_HEAD_INPUTS, hook_shapes
 from probe.tl_bridge import BridgeSurface
 from probe.tl_config import decoder_config
 from probe.tl_state_dict import use_tl_layout
+from probe.tl_state_processing import StateDictProcessing
 from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported, with_tokenizer
 from probe.tokenizer import Tokenizer
 from probe.tokens import TokenMethods, is_text
@@ -32,8 +33,8 @@ from probe.weight_views import WeightViews
 NORM_HOOKS = (".hook_scale", ".hook_normalized")
 
 
-class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, BridgeSurface, SAEMethods, InputChecks,
-                    HookedRootModule):
+class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDictProcessing, BridgeSurface, SAEMethods,
+                    InputChecks, HookedRootModule):
     """Token (+ position) embedding -> n_layers blocks -> final norm -> unembedding."""
 
     def __init__(self, cfg: Union[DecoderConfig, dict], tokenizer: Optional[Tokenizer] = None):

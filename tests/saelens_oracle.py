@@ -32,6 +32,10 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
     python saelens_oracle.py toy_idioms CONFIG_JSON STATE INPUTS OUTPUTS
         HookedTransformer(HookedTransformerConfig(**CONFIG)) with the state dict STATE runs toy_idioms on INPUTS'
         tokens; OUTPUTS gets each idiom's result by name
+    python saelens_oracle.py state_steps CONFIG_JSON STATE INPUTS OUTPUTS STEPS_JSON FOLD_JSON
+        a fresh HookedTransformer(HookedTransformerConfig(**CONFIG)) runs tests/state_processing_idioms.py on the
+        state dict STATE (the steps STEPS, fold_layer_norm with the keywords FOLD) and INPUTS' tokens; OUTPUTS gets
+        each result by name
     python saelens_oracle.py induction CONFIG_JSON STATE INPUTS SEQ_LEN OUTPUTS
         HookedTransformer(HookedTransformerConfig(**CONFIG)) with the state dict STATE runs
         tests/induction_idioms.py's induction_idioms on INPUTS' tokens; OUTPUTS gets each result by name
@@ -351,6 +355,17 @@ def toy(config_json: str, state: str, inputs: str, outputs: str) -> None:
     model.load_state_dict(load_file(state), strict=False)
     out = toy_idioms(model, load_file(inputs)["tokens"])
     save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, outputs)
+
+
+def state_steps(config_json: str, state: str, inputs: str, outputs: str, steps_json: str, fold_json: str) -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from state_processing_idioms import state_processing_idioms  # beside this file: its folder is on sys.path
+
+    model = HookedTransformer(HookedTransformerConfig(**json.loads(config_json), device="cpu")).eval()
+    out = state_processing_idioms(model, load_file(state), load_file(inputs)["tokens"], json.loads(steps_json),
+                                  json.loads(fold_json))
+    save_file(out, outputs)
 
 
 def induction(config_json: str, state: str, inputs: str, seq_len: str, outputs: str) -> None:
@@ -781,7 +796,7 @@ def tl_config_routes(cases_json: str, outputs: str) -> None:
 
 
 COMMANDS = {"lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
-            "tl_build": tl_build, "toy_idioms": toy, "induction": induction, "brackets": brackets, "neel": neel,
+            "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}
 

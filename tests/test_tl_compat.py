@@ -452,9 +452,9 @@ def case_tl_activation_cache_of_probe_hooks(model):
 
 def classic(value):
     """transformer-lens's classic names only: the bridge also reports its components' own hooks (`.hook_in`,
-    `.hook_out`) beside them, which HookedTransformer never had."""
+    `.hook_out`) beside them, which HookedTransformer never had (but the unembedding's two, TL 3.9's too)."""
     def keep(name):
-        return not name.removesuffix("_grad").endswith((".hook_in", ".hook_out"))
+        return name.startswith("unembed.") or not name.removesuffix("_grad").endswith((".hook_in", ".hook_out"))
 
     if isinstance(value, dict):
         return {k: v for k, v in value.items() if keep(k)}

@@ -1,0 +1,82 @@
+"""transformer-lens's state-dict processing methods on a model: `fold_layer_norm(state_dict)`,
+`center_writing_weights`, `center_unembed`, `fold_value_biases`, `refactor_factored_attn_matrices`.
+
+TL code processes a checkpoint before loading it, one step at a time, in the order it likes (ARENA's monthly
+problems centre the writers first, then fold), and loads the result with `load_state_dict(..., strict=False)`.
+Each method takes a state dict in TL's layout and returns a new one, leaving the input as it was, as TL 3.9's do
+(but `center_writing_weights`, which writes its result into the given dict too, as TL's says and does): the dict
+is loaded into a scratch copy of the model, that one step of probe.processing runs there, and the
+copy's state dict is read back. The result has the input's keys: a folded norm's weights become ones (its biases
+zeros), as transformer-lens 3.9 leaves them, and a key the model has no use for (TL's `mask` / `IGNORE` buffers)
+passes through unchanged."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from probe.config import Norm
+from probe.processing import check_processing, process_weights_in_place
+
+_STEPS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices")
+
+
+class StateDictProcessing:
+    """Mixed into HookedDecoder (see the module docstring)."""
+
+    def fold_layer_norm(self, state_dict: dict, fold_biases: bool = True, center_weights: bool = True) -> dict:
+        """Each norm's weight (and bias) folded into the layers that read it, leaving it ones (and zeros).
+        A LayerNorm folds with its bias and centres its readers (TL's defaults); an RMSNorm has neither, so TL
+        folds it with `fold_biases=False, center_weights=False`."""
+        layer_norm = self.cfg.norm is Norm.LAYER
+        if (fold_biases, center_weights) != (layer_norm, layer_norm):
+            how = "fold_biases=True, center_weights=True" if layer_norm else "fold_biases=False, center_weights=False"
+            raise ValueError(f"fold_layer_norm(fold_biases={fold_biases}, center_weights={center_weights}): this "
+                             f"model's norms are {self.cfg.norm.value}, which fold with {how} (as transformer-lens's "
+                             f"process_weights folds them)")
+        norms = [key for key in self.state_dict() if key.endswith((".w", ".b")) and ".ln" in f".{key}"]
+        missing = [key for key in norms if key not in state_dict]
+        if missing:
+            raise KeyError(f"fold_layer_norm: the state dict has no {missing[0]} (and {len(missing) - 1} more norm "
+                           f"weights): it was folded already, or is not this model's; pass the unfolded state dict")
+        return self._process_state_dict(state_dict, "fold_ln")
+
+    def center_writing_weights(self, state_dict: dict) -> dict:
+        """Every vector written into the residual stream (W_E, W_pos, W_O, b_O, W_out, b_out) less its mean; the
+        given dict holds the result too."""
+        state_dict.update(self._process_state_dict(state_dict, "center_writing_weights"))
+        return state_dict
+
+    def center_unembed(self, state_dict: dict) -> dict:
+        """W_U (and b_U) less their mean over the vocabulary."""
+        return self._process_state_dict(state_dict, "center_unembed")
+
+    def fold_value_biases(self, state_dict: dict) -> dict:
+        """b_O += the sum over heads of b_V W_O; b_V = 0."""
+        return self._process_state_dict(state_dict, "fold_value_biases")
+
+    def refactor_factored_attn_matrices(self, state_dict: dict) -> dict:
+        """Each head's W_Q W_K^T and W_V W_O rewritten from their SVD (see probe.processing)."""
+        return self._process_state_dict(state_dict, "refactor_factored_attn_matrices")
+
+    def _process_state_dict(self, state_dict: dict, step: str) -> dict:
+        steps = dict.fromkeys(_STEPS, False) | {step: True}
+        check_processing(self.cfg, **steps)
+        scratch = copy.deepcopy(self)
+        known = set(scratch.state_dict())
+        unexpected = scratch.load_state_dict(state_dict, strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"{step.replace('fold_ln', 'fold_layer_norm')}: the state dict's {unexpected[0]} (and "
+                           f"{len(unexpected) - 1} more) is not a weight of this model")
+        with torch.no_grad():
+            process_weights_in_place(scratch, **steps)
+        processed = scratch.state_dict()
+
+        def after_step(key: str, value: torch.Tensor) -> torch.Tensor:
+            if key in processed:
+                return processed[key]
+            if key in known:  # a norm the fold left without weights: the identity, as TL writes it
+                return torch.ones_like(value) if key.endswith(".w") else torch.zeros_like(value)
+            return value
+
+        return {key: after_step(key, value) for key, value in state_dict.items()}
