@@ -13,6 +13,7 @@ from probe.hooks.cache import ActivationCache, stored_tensor
 from probe.hooks.hook_point import HookFn, HookPoint, Store
 from probe.hooks.names import NameFilter, UnknownNameError, unknown_name_error
 from probe.hooks.persistent_hooks import PersistentHooks
+from probe.hooks.tree_setup import TreeSetup
 
 
 def _the_output(out: torch.Tensor) -> torch.Tensor:
@@ -23,7 +24,7 @@ class CacheTooLargeError(MemoryError):
     """A cache that would exceed the allowed size; raised before the forward pass starts."""
 
 
-class HookedRootModule(PersistentHooks, nn.Module):
+class HookedRootModule(PersistentHooks, TreeSetup, nn.Module):
     """Base class for a model whose intermediates pass through HookPoints.
 
     Call `setup_hooks()` at the end of `__init__`: it names every HookPoint by its module path.

@@ -3,6 +3,8 @@ from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
 from probe.factored import FactoredMatrix
 from probe.kv_cache import KVCache
+from probe.decoder_cache import DecoderCache
+from probe.hooks import HookedRootModule, HookPoint
 from probe.blocks import AttnOnlyBlock, Block, ParallelBlock, PostNormBlock, PreNormBlock, SandwichBlock
 from probe.model import HookedDecoder
 from probe.names import act_name
@@ -15,9 +17,11 @@ from probe.tokenizer import Tokenizer
 
 # transformer-lens's names for its key/value cache class (TL 3.9's, and the earlier HookedTransformerKeyValueCache)
 TransformerLensKeyValueCache = HookedTransformerKeyValueCache = KVCache
+# and for its activation cache: `ActivationCache(cache_dict, model, has_batch_dim=True)`, as TL code builds one
+ActivationCache = DecoderCache
 
 __all__ = [
-    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "AttnOnlyBlock", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedSAETransformer",
+    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "ActivationCache", "DecoderCache", "HookPoint", "HookedRootModule", "AttnOnlyBlock", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedSAETransformer",
     "HookedTransformer", "HookedTransformerConfig",
     "HookedTransformerKeyValueCache", "KVCache", "Norm",
     "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig",

@@ -52,9 +52,20 @@ class SAEMethods:
         return state
 
     @property
-    def acts_to_saes(self) -> dict[str, SparseAutoencoder]:
-        """{hook name: SAE} for the SAEs `add_sae` attached."""
+    def acts_to_saes(self) -> dict:
+        """{hook name: SAE} for the SAEs `add_sae` attached; or the dict assigned to it, by a subclass that keeps its
+        own (transformer-lens's pre-SAELens HookedSAETransformer sets `self.acts_to_saes = {}` and splices SAE
+        modules into the tree itself: see `setup()`)."""
+        own = self.__dict__.get("_own_acts_to_saes")
+        if own is not None:
+            return own
         return {name: attached.sae for name, attached in self._sae_attachments().items()}
+
+    @acts_to_saes.setter
+    def acts_to_saes(self, value: dict) -> None:
+        if not isinstance(value, dict):
+            raise TypeError(f"acts_to_saes takes a dict of hook name -> SAE, got {type(value).__name__}")
+        self.__dict__["_own_acts_to_saes"] = value
 
     def add_sae(self, sae: SparseAutoencoder, use_error_term: Optional[bool] = None,
                 exclude_special_tokens=False) -> None:

@@ -36,6 +36,9 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         a fresh HookedTransformer(HookedTransformerConfig(**CONFIG)) runs tests/state_processing_idioms.py on the
         state dict STATE (the steps STEPS, fold_layer_norm with the keywords FOLD) and INPUTS' tokens; OUTPUTS gets
         each result by name
+    python saelens_oracle.py sae_splice MODEL_DIR INPUTS OUTPUTS
+        a subclass of HookedTransformer (tests/sae_splice_idioms.py) with a GPT-2 directory's weights, unprocessed,
+        runs sae_splice_idioms on INPUTS' tokens: OUTPUTS gets each result by name; stdout the JSON of its listings
     python saelens_oracle.py induction CONFIG_JSON STATE INPUTS SEQ_LEN OUTPUTS
         HookedTransformer(HookedTransformerConfig(**CONFIG)) with the state dict STATE runs
         tests/induction_idioms.py's induction_idioms on INPUTS' tokens; OUTPUTS gets each result by name
@@ -366,6 +369,20 @@ def state_steps(config_json: str, state: str, inputs: str, outputs: str, steps_j
     out = state_processing_idioms(model, load_file(state), load_file(inputs)["tokens"], json.loads(steps_json),
                                   json.loads(fold_json))
     save_file(out, outputs)
+
+
+def sae_splice(model_dir: str, inputs: str, outputs: str) -> None:
+    from transformer_lens import HookedTransformer
+    from transformer_lens.hook_points import HookedRootModule, HookPoint
+
+    from sae_splice_idioms import sae_splice_idioms, subclass_of  # beside this file: its folder is on sys.path
+
+    plain = hooked_gpt2(model_dir)
+    model = subclass_of(HookedTransformer)(plain.cfg).eval()
+    model.load_state_dict(plain.state_dict(), strict=True)
+    out, names = sae_splice_idioms(model, HookedRootModule, HookPoint, load_file(inputs)["tokens"])
+    save_file(out, outputs)
+    print(json.dumps({**names, "acts_to_saes": sorted(model.acts_to_saes)}))
 
 
 def induction(config_json: str, state: str, inputs: str, seq_len: str, outputs: str) -> None:
@@ -796,7 +813,7 @@ def tl_config_routes(cases_json: str, outputs: str) -> None:
 
 
 COMMANDS = {"lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
-            "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "induction": induction, "brackets": brackets, "neel": neel,
+            "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}
 

@@ -1,0 +1,64 @@
+"""`setup()` after the module tree changed (hooks/tree_setup.py), and a subclass's own `acts_to_saes`: transformer-lens's
+pre-SAELens HookedSAETransformer pattern (tests/sae_splice_idioms.py), against HookedTransformer (transformer-lens
+3.9) running the same code with its own classes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import probe
+from probe import HookedTransformer, SAEConfig, SparseAutoencoder
+from sae_splice_idioms import NAME, make_sae, sae_splice_idioms, set_deep_attr, subclass_of
+from test_sae_training import needs_saelens, oracle
+from tl_oracle import assert_same
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(7))
+
+
+@needs_saelens
+def test_an_sae_module_spliced_in_and_out_as_transformer_lens_code_does_it(tmp_path):
+    from transformer_lens import HookedRootModule  # transformer-lens's classes (4.x's import path)
+    from transformer_lens.hook_points import HookPoint
+
+    save_file({"tokens": tokens()}, str(tmp_path / "tokens.safetensors"))
+    printed = oracle("sae_splice", probe.DEFAULT_MODEL, tmp_path / "tokens.safetensors", tmp_path / "theirs.safetensors")
+    their_names = json.loads(printed.splitlines()[-1])
+    theirs = load_file(str(tmp_path / "theirs.safetensors"))
+    model = subclass_of(HookedTransformer).from_pretrained_no_processing(probe.DEFAULT_MODEL).eval()
+    assert model.acts_to_saes == {}  # the subclass's own dict, assigned in its __init__
+    ours, names = sae_splice_idioms(model, HookedRootModule, HookPoint, tokens())
+    assert {**names, "acts_to_saes": sorted(model.acts_to_saes)} == their_names
+    assert names["spliced"] and not names["off"]
+    assert set(ours) == set(theirs)
+    for key in theirs:
+        assert_same(ours[key], theirs[key], atol=1e-4, what=key)
+    assert not torch.allclose(ours["spliced"], ours["plain"])
+    assert_same(ours["off"], ours["plain"], what="turned off")
+
+
+def test_setup_puts_probes_own_point_back_and_refuses_a_hooked_foreign_one():
+    from transformer_lens import HookedRootModule
+    from transformer_lens.hook_points import HookPoint
+
+    model = HookedTransformer.from_pretrained_no_processing(probe.DEFAULT_MODEL).eval()
+    model.add_sae(SparseAutoencoder(SAEConfig(d_in=192, d_sae=16, hook_name="blocks.0.hook_resid_pre")))
+    result = model.blocks[1].attn.hook_result  # computed only while hooked (opt-in)
+    set_deep_attr(model, "blocks.1.attn.hook_result", make_sae(HookedRootModule, HookPoint, 6 * 192, 8))
+    model.setup()
+    assert "blocks.1.attn.hook_result" not in model.hook_names
+    set_deep_attr(model, "blocks.1.attn.hook_result", HookPoint())
+    model.setup()
+    assert model.blocks[1].attn.hook_result is result and model.hook_point("blocks.1.attn.hook_result") is result
+    assert result.opt_in and "blocks.1.attn.hook_result" not in model.run_with_cache(tokens())[1]
+    # an SAE add_sae spliced in (by hooks, its points lent to the model) is still there
+    assert "blocks.0.hook_resid_pre.hook_sae_acts_post" in model.run_with_cache(tokens())[1]
+    hooked = HookPoint()
+    hooked.add_hook(lambda x, hook: x * 2)
+    set_deep_attr(model, NAME, hooked)
+    with pytest.raises(ValueError, match=r"HookPoint at blocks\.1\.attn\.hook_z carries hooks"):
+        model.setup()
