@@ -1,7 +1,8 @@
 """transformer-lens's pre-SAELens HookedSAETransformer pattern, as research code copied it (Kissane et al.'s
 attention-output SAEs): a subclass of HookedTransformer that keeps its own `acts_to_saes` dict, an SAE module built
 on transformer-lens's HookedRootModule and HookPoint put where a hook point was, `setup()`, and a fresh `HookPoint()`
-put back to turn it off. Run on HookedTransformer by the oracle (tests/saelens_oracle.py: sae_splice) and on
+put back to turn it off; and a layer wrapped in a module with transformer-lens HookPoints around it, one of them hooked
+directly (circuit-tracer's ReplacementMLP). Run on HookedTransformer by the oracle (tests/saelens_oracle.py: sae_splice) and on
 probe by tests/test_tree_setup.py, with transformer-lens's classes for the SAE on both sides."""
 from __future__ import annotations
 
@@ -70,4 +71,33 @@ def sae_splice_idioms(model, root: type, point: type, tokens: torch.Tensor) -> t
         names["off"] = sorted(name for name in model.hook_dict if "hook_sae" in name)
         out["off"], cache = model.run_with_cache(tokens)
         out["z_off"] = cache[NAME]
+    return {key: t.detach().clone().contiguous() for key, t in out.items()}, names
+
+
+class WrappedMLP(nn.Module):
+    def __init__(self, old_mlp: nn.Module, point: type):
+        super().__init__()
+        self.old_mlp, self.hook_in, self.hook_out = old_mlp, point(), point()
+
+    def forward(self, x):
+        return self.hook_out(self.old_mlp(self.hook_in(x)))
+
+
+def wrapper_idioms(model, point: type, tokens: torch.Tensor) -> tuple[dict, dict]:
+    """({result name: tensor}, {listing name: hook names}) with block 0's MLP wrapped."""
+    out = {}
+    block = model.blocks[0]
+    block.mlp = WrappedMLP(block.mlp, point)
+    block.mlp.hook_in.add_hook(lambda x, hook: x * 0.5, is_permanent=True)  # the wrapper's own, on its point
+    model.setup()
+    names = {"wrapped": sorted(name for name in model.hook_dict if name.startswith("blocks.0.mlp."))}
+    with torch.no_grad():
+        out["wrapped"], cache = model.run_with_cache(tokens)
+        out["mlp_in"], out["mlp_out"] = cache["blocks.0.mlp.hook_in"], cache["blocks.0.mlp.hook_out"]
+        out["zeroed"] = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.hook_out", lambda x, hook: x * 0)])
+        held = block.mlp.hook_out  # code holding the point calls it directly
+        seen = []
+        with model.hooks(fwd_hooks=[("blocks.0.mlp.hook_out", lambda x, hook: seen.append(hook.name) or x + 1)]):
+            out["held"] = held(torch.zeros(3))
+        names["seen"] = seen
     return {key: t.detach().clone().contiguous() for key, t in out.items()}, names

@@ -38,7 +38,7 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         each result by name
     python saelens_oracle.py sae_splice MODEL_DIR INPUTS OUTPUTS
         a subclass of HookedTransformer (tests/sae_splice_idioms.py) with a GPT-2 directory's weights, unprocessed,
-        runs sae_splice_idioms on INPUTS' tokens: OUTPUTS gets each result by name; stdout the JSON of its listings
+        runs sae_splice_idioms, then wrapper_idioms, on INPUTS' tokens: OUTPUTS gets each result by name; stdout the JSON of its listings
     python saelens_oracle.py induction CONFIG_JSON STATE INPUTS SEQ_LEN OUTPUTS
         HookedTransformer(HookedTransformerConfig(**CONFIG)) with the state dict STATE runs
         tests/induction_idioms.py's induction_idioms on INPUTS' tokens; OUTPUTS gets each result by name
@@ -375,14 +375,15 @@ def sae_splice(model_dir: str, inputs: str, outputs: str) -> None:
     from transformer_lens import HookedTransformer
     from transformer_lens.hook_points import HookedRootModule, HookPoint
 
-    from sae_splice_idioms import sae_splice_idioms, subclass_of  # beside this file: its folder is on sys.path
+    from sae_splice_idioms import sae_splice_idioms, subclass_of, wrapper_idioms  # beside this file: its folder is on sys.path
 
     plain = hooked_gpt2(model_dir)
     model = subclass_of(HookedTransformer)(plain.cfg).eval()
     model.load_state_dict(plain.state_dict(), strict=True)
     out, names = sae_splice_idioms(model, HookedRootModule, HookPoint, load_file(inputs)["tokens"])
-    save_file(out, outputs)
-    print(json.dumps({**names, "acts_to_saes": sorted(model.acts_to_saes)}))
+    wrapped, wrapped_names = wrapper_idioms(model, HookPoint, load_file(inputs)["tokens"])
+    save_file({**out, **{f"wrapper.{key}": t for key, t in wrapped.items()}}, outputs)
+    print(json.dumps({**names, **wrapped_names, "acts_to_saes": sorted(model.acts_to_saes)}))
 
 
 def induction(config_json: str, state: str, inputs: str, seq_len: str, outputs: str) -> None:

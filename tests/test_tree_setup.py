@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import probe
 from probe import HookedTransformer, SAEConfig, SparseAutoencoder
-from sae_splice_idioms import NAME, make_sae, sae_splice_idioms, set_deep_attr, subclass_of
+from sae_splice_idioms import NAME, make_sae, sae_splice_idioms, set_deep_attr, subclass_of, wrapper_idioms
 from test_sae_training import needs_saelens, oracle
 from tl_oracle import assert_same
 
@@ -32,7 +32,9 @@ def test_an_sae_module_spliced_in_and_out_as_transformer_lens_code_does_it(tmp_p
     model = subclass_of(HookedTransformer).from_pretrained_no_processing(probe.DEFAULT_MODEL).eval()
     assert model.acts_to_saes == {}  # the subclass's own dict, assigned in its __init__
     ours, names = sae_splice_idioms(model, HookedRootModule, HookPoint, tokens())
-    assert {**names, "acts_to_saes": sorted(model.acts_to_saes)} == their_names
+    wrapped, wrapped_names = wrapper_idioms(model, HookPoint, tokens())
+    ours.update({f"wrapper.{key}": t for key, t in wrapped.items()})
+    assert {**names, **wrapped_names, "acts_to_saes": sorted(model.acts_to_saes)} == their_names
     assert names["spliced"] and not names["off"]
     assert set(ours) == set(theirs)
     for key in theirs:
@@ -59,6 +61,6 @@ def test_setup_puts_probes_own_point_back_and_refuses_a_hooked_foreign_one():
     assert "blocks.0.hook_resid_pre.hook_sae_acts_post" in model.run_with_cache(tokens())[1]
     hooked = HookPoint()
     hooked.add_hook(lambda x, hook: x * 2)
-    set_deep_attr(model, NAME, hooked)
-    with pytest.raises(ValueError, match=r"HookPoint at blocks\.1\.attn\.hook_z carries hooks"):
+    set_deep_attr(model, "blocks.1.attn.hook_result", hooked)
+    with pytest.raises(ValueError, match=r"HookPoint put back at blocks\.1\.attn\.hook_result carries hooks"):
         model.setup()
