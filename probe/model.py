@@ -172,8 +172,10 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
             resid = block(resid, positions, allowed[self.cfg.layer_window(index)], past, qk_pos)
         if stop_at_layer is not None:
             return resid
-        logits = self.unembed(self.ln_final(resid))
-        return finish_output(return_type, logits, tokens, logits_mask, loss_per_token)
+        resid = self.ln_final(resid)
+        if return_type is None:  # nothing to return: the unembedding is skipped, as HookedTransformer skips it
+            return None
+        return finish_output(return_type, self.unembed(resid), tokens, logits_mask, loss_per_token)
 
     def _check_shortformer_pos_embed(self, given: Optional[torch.Tensor], from_tokens: bool, batch_pos) -> Optional[torch.Tensor]:
         if given is None:

@@ -17,6 +17,7 @@ import torch
 
 from probe.config import Norm
 from probe.processing import check_processing, process_weights_in_place
+from probe.tl_state_dict import TL_BUFFERS
 
 _STEPS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices")
 
@@ -73,6 +74,8 @@ class StateDictProcessing:
         processed = scratch.state_dict()
 
         def after_step(key: str, value: torch.Tensor) -> torch.Tensor:
+            if key.rsplit(".", 1)[-1] in TL_BUFFERS:  # the dict's own (an older TL saved the whole causal mask)
+                return value
             if key in processed:
                 return processed[key]
             if key in known:  # a norm the fold left without weights: the identity, as TL writes it

@@ -729,8 +729,11 @@ def hook_listing(model_dir: str) -> None:
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
     model.reset_hooks()
+    with torch.no_grad():  # a cache of everything lists in the order activations arrive; without a return, no logits
+        cached = {str(return_type): list(model.run_with_cache(torch.tensor([[1, 2, 3]]), return_type=return_type)[1].keys())
+                  for return_type in ("logits", None)}
     print(json.dumps({"hook_dict": sorted(model.hook_dict), "mod_dict": sorted(name for name in model.mod_dict if name),
-                      "seen": sorted(seen)}))
+                      "seen": sorted(seen), "cached": cached}))
 
 
 def tl_init(cases_json: str, outputs: str) -> None:

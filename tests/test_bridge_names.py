@@ -207,6 +207,13 @@ def test_a_model_loaded_as_hookedtransformer_lists_its_points_without_the_bridge
     per_head = {f"blocks.{layer}.{name}" for layer in layers for name in (
         "hook_q_input", "hook_k_input", "hook_v_input", "hook_attn_in", "attn.hook_result", "hook_mlp_in")}
     assert set(seen) == set(theirs["seen"]) - added_by_saelens | per_head
+    # a cache of everything: HookedTransformer's names in its order, and without a return value (return_type=None) no
+    # unembedding, which HookedTransformer skips then
+    for return_type in ("logits", None):
+        with torch.no_grad():
+            listed = list(ours.run_with_cache(torch.tensor([[1, 2, 3]]), return_type=return_type)[1].keys())
+        assert listed == [name for name in theirs["cached"][str(return_type)] if name not in added_by_saelens]
+        assert ("unembed.hook_out" in listed) == (return_type is not None)
     # a hook on a bridge-only point by its exact name still works, and reset_hooks removes it
     ours.add_hook("blocks.0.ln1.hook_out", lambda x, hook: seen.append(hook.name))
     ours.reset_hooks()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from probe import HookedDecoder, HookedTransformer, HookedTransformerConfig
 from state_processing_idioms import STEPS, state_processing_idioms
@@ -39,6 +39,10 @@ def test_state_dict_steps_give_hooked_transformers_dicts(case, tmp_path):
     settings, steps, fold = CASES[case]
     tokens = torch.randint(0, settings["d_vocab"], (3, settings["n_ctx"]), generator=torch.Generator().manual_seed(4))
     state = built_by_hooked_transformer(settings, tokens, tmp_path)  # trained-looking weights, TL's layout
+    # as an older transformer-lens saved it (ARENA's checkpoints): the whole causal mask, which passes through
+    state.update({key: torch.ones(settings["n_ctx"], settings["n_ctx"], dtype=torch.bool).tril()
+                  for key in state if key.endswith(".attn.mask")})
+    save_file(state, str(tmp_path / "state.safetensors"))
     oracle("state_steps", json.dumps(settings), tmp_path / "state.safetensors", tmp_path / "tokens.safetensors",
            tmp_path / "theirs.safetensors", json.dumps(steps), json.dumps(fold))
     theirs = load_file(str(tmp_path / "theirs.safetensors"))
