@@ -87,7 +87,6 @@ class HookHandle:
         self.by_keyword = type(fn) is not Store and takes_hook_by_keyword(fn)
         # a scoped hook runs only in the context (thread) that attached it; a persistent one everywhere
         self.owner = None if self.persistent else current_owner()
-        self.removed = False  # a backward pass after the block ended must not run it
         self.seen_as: Optional[PointUnderName] = None  # what the hook gets as `hook` when attached by an alias
 
     @property
@@ -114,7 +113,6 @@ class HookHandle:
     context_level = None  # TL's level of nested hook contexts; probe's scoped hooks need none
 
     def remove(self) -> None:
-        self.removed = True
         try:
             self.registry.remove(self)  # by identity: handles define no equality
         except ValueError:  # removed already
@@ -345,14 +343,16 @@ class HookPoint(nn.Module):
             # (resid_post of block l is resid_pre of block l+1), and hooks on one tensor run in the
             # order they were registered, so the earlier point would see the gradient before the
             # later point's hook could replace it. It also keeps hooks off the caller's leaf tensors.
+            # The hooks attached now belong to this forward's graph: a backward pass through it runs them, also
+            # after their block ended, as transformer-lens's do (torch binds a module's backward hooks when it
+            # runs forward); a forward after the block carries none.
             x = x.view_as(x)
             x.register_hook(partial(self._backward, _visible(self._bwd_fns)))
         return x
 
     def _backward(self, handles: list[HookHandle], grad: torch.Tensor) -> torch.Tensor:
         for handle in handles:
-            if not handle.removed:
-                grad = self._apply_hook(handle, grad, "gradient")
+            grad = self._apply_hook(handle, grad, "gradient")
         return grad
 
     def _apply_hook(self, handle: HookHandle, x: torch.Tensor, what: str) -> torch.Tensor:

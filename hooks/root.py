@@ -144,8 +144,9 @@ class HookedRootModule(PersistentHooks, TreeSetup, nn.Module):
     ) -> Iterator["HookedRootModule"]:
         """Attach hooks for the duration of the block; they are removed on exit, whatever happens.
 
-        Backward hooks `fn(grad, hook)` see the gradient at their point during a backward pass made
-        inside the block, of a forward made inside it: call `.backward()` before the block ends.
+        Backward hooks `fn(grad, hook)` see the gradient at their point in a backward pass through a
+        forward made inside the block, inside it or after it (they belong to that forward's graph, as in
+        transformer-lens); a forward after the block carries none.
 
         `reset_hooks_end=False` (transformer-lens's keyword) keeps them after the block, as persistent hooks
         that `reset_hooks()` removes and `persistent_hooks()` lists; `clear_contexts` empties every hook's
@@ -242,15 +243,9 @@ class HookedRootModule(PersistentHooks, TreeSetup, nn.Module):
         bwd_hooks: Iterable[tuple[NameFilter, HookFn]] = (), reset_hooks_end: bool = True,
         clear_contexts: bool = False, **kwargs: Any,
     ) -> Any:
-        """Run the model with `fwd_hooks` attached for this call only. With `reset_hooks_end=False` (transformer-lens's
-        way to run a backward pass through `bwd_hooks`) the hooks stay attached until `reset_hooks()`."""
-        bwd_hooks = list(bwd_hooks)
-        if bwd_hooks and reset_hooks_end:
-            # the hooks are gone when this returns, before anyone can call backward on the output
-            raise ValueError("run_with_hooks removes its hooks before a backward pass can run, so bwd_hooks would never "
-                             "fire; use `with model.hooks(bwd_hooks=...):` and call .backward() inside the block, pass "
-                             "reset_hooks_end=False and call model.reset_hooks() after the backward, or "
-                             "run_with_cache(..., grads_of=...) to cache gradients")
+        """Run the model with the hooks attached for this call only: `bwd_hooks` run in a backward pass through this
+        call's output, after the call too (they belong to its graph, as in transformer-lens). With
+        `reset_hooks_end=False` the hooks stay attached until `reset_hooks()`."""
         with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end, clear_contexts=clear_contexts):
             return self(*args, **kwargs)
 

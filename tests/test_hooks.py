@@ -244,19 +244,23 @@ def test_a_backward_hook_can_replace_the_gradient_flowing_on():
         toy(torch.tensor([1.0]))  # a forward hook returns the activation itself
 
 
-def test_backward_hooks_are_scoped_like_forward_hooks():
+def test_backward_hooks_belong_to_the_graph_of_a_forward_made_inside_the_block():
     toy, calls = Toy(), []
     with toy.hooks(bwd_hooks=[("hook_out", lambda grad, hook: calls.append(hook.name))]):
         assert toy.hook_point("hook_out").active  # attached hooks make the point materialise its activation
         out = toy(torch.tensor([1.0], requires_grad=True))
-    toy_value(out).backward()  # after the block: the hook was removed, so it must not run
-    assert calls == [] and not toy.hook_point("hook_out").active
+    assert not toy.hook_point("hook_out").active  # the model keeps nothing after the block
+    toy_value(out).backward()  # through the block's forward, after it: the hook runs (transformer-lens's way)
+    assert calls == ["hook_out"]
+    toy_value(toy(torch.tensor([1.0], requires_grad=True))).backward()  # a forward after the block: nothing
+    assert calls == ["hook_out"]
     with pytest.raises(RuntimeError, match="inside"):
         with toy.hooks(bwd_hooks=[("hook_out", lambda grad, hook: None)]):
             raise RuntimeError("inside")
     assert not toy.hook_point("hook_out")._bwd_fns
-    with pytest.raises(ValueError, match="bwd_hooks would never fire"):
-        toy.run_with_hooks(torch.ones(1), bwd_hooks=[("hook_out", lambda grad, hook: None)])
+    toy_value(toy.run_with_hooks(torch.ones(1, requires_grad=True), bwd_hooks=[
+        ("hook_out", lambda grad, hook: calls.append("run_with_hooks"))])).backward()
+    assert calls == ["hook_out", "run_with_hooks"] and not toy.hook_point("hook_out")._bwd_fns
 
 
 def test_run_with_cache_caches_gradients_without_touching_parameters():

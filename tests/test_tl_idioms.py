@@ -240,6 +240,24 @@ def case_head_subspace_affinity_of_transformer_lens_4(model):
     return [(result.scores, result.normalized, result.source_ranks, result.target_ranks) for result in results]
 
 
+def case_backward_hooks_run_through_the_graph_after_their_block(model):
+    # circuit-tracer's way: the forward inside the block, the backward passes after it; and run_with_hooks's output
+    grads = {}
+
+    def keep(grad, hook, name):  # (the bridge's hook.name is its own spelling of the point)
+        grads.setdefault(name, []).append(grad.detach().clone())
+
+    names = ("blocks.0.hook_resid_pre", "blocks.2.attn.hook_z", "blocks.1.hook_mlp_out")
+    with model.hooks(bwd_hooks=[(name, partial(keep, name=name)) for name in names[:2]]):
+        logits = model(PROMPT)
+    logits[0, -1, 5].backward(retain_graph=True)
+    logits[0, -2, 9].backward()
+    model.run_with_hooks(PROMPT, bwd_hooks=[(names[2], partial(keep, name=names[2]))])[0, -1].logsumexp(-1).backward()
+    model(PROMPT)[0, -1, 5].backward()  # a forward after the blocks: none of the hooks
+    model.zero_grad()
+    return grads
+
+
 def case_caching_hooks_kept_until_reset(model):
     cache = model.add_caching_hooks(lambda name: name.endswith("hook_resid_pre"))
     everything = {}
