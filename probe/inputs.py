@@ -15,6 +15,11 @@ ModelInput = Union[str, Sequence[str], torch.Tensor]
 class InputChecks:
     """The checks of a forward's inputs, a mixin of HookedDecoder (it reads self.cfg, self.device, the tokenizer)."""
 
+    # transformer-lens 3 embeds with `W_E[tokens]`, which reads a negative id from the end of the vocabulary, as
+    # Python indexes a list; probe.HookedTransformer reads them so too (ARENA's cumulative-sum problem embeds the
+    # numbers -5 .. 5 as themselves, and its checkpoint was trained on that), HookedDecoder refuses them
+    negative_ids_from_the_end: bool = False
+
     def tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor],
                          padding_side: Optional[str] = None, prepend_bos: Optional[bool] = None,
                          infer_padding: bool = True):
@@ -84,6 +89,8 @@ class InputChecks:
         if n > self.cfg.n_ctx:
             raise ValueError(f"input has {n} tokens but the model's context is n_ctx={self.cfg.n_ctx}; truncate it")
         low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one read-back, not two: each waits for a GPU
+        if self.negative_ids_from_the_end and -self.cfg.d_vocab <= low < 0:
+            tokens, low = tokens.remainder(self.cfg.d_vocab), 0
         if low < 0 or high >= self.cfg.d_vocab:
             bad = low if low < 0 else high
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.d_vocab})")

@@ -157,7 +157,7 @@ def process_weights_in_place(model: HookedDecoder, *, fold_ln: bool = True, cent
     if fold_ln and model.cfg.norm_weights:  # norms without weights (folded already, or LNPre) have nothing to fold
         _fold_norms(model)
     if center_writing_weights:
-        _center_writers(model)
+        center_writers(model)
     if center_unembed:
         unembed = model.unembed  # weight [vocab d_model]: each logit's mean over the vocabulary goes
         unembed.weight -= unembed.weight.mean(dim=0, keepdim=True)
@@ -258,7 +258,16 @@ def _add_biases(model: HookedDecoder, bias_field: str) -> None:
     model.cfg = dataclasses.replace(model.cfg, **{bias_field: True})
 
 
-def _center_writers(model: HookedDecoder) -> None:
+def center_readers(model: HookedDecoder) -> None:
+    """Subtract from every weight that reads the residual stream (W_Q, W_K, W_V, W_in, W_gate) its mean over d_model:
+    what folding a LayerNorm does to them, and what transformer-lens's fold_layer_norm does to a model whose norms
+    have no weights (nothing changes after a LayerNorm, whose output has mean zero)."""
+    for block in model.blocks:
+        for reader in [block.attn.qkv] + _mlp_inputs(block):
+            reader.weight -= reader.weight.mean(dim=1, keepdim=True)  # weight [out d_model]
+
+
+def center_writers(model: HookedDecoder) -> None:
     """Subtract, from every vector written into the residual stream, its mean over d_model."""
     model.embed.W_E -= model.embed.W_E.mean(dim=-1, keepdim=True)
     # sinusoids are fixed, not weights; shortformer positions join ln1's output, not the residual stream, so

@@ -22,7 +22,10 @@ from probe.processing import TL_PROCESSING_DEFAULTS
 
 class HookedTransformer(HookedDecoder):
     """HookedDecoder whose `from_pretrained(name)` processes the weights as transformer-lens 3's does by default;
-    a processing keyword given wins, and `from_pretrained_no_processing` keeps the checkpoint's weights."""
+    a processing keyword given wins, and `from_pretrained_no_processing` keeps the checkpoint's weights. A negative
+    token id counts from the end of the vocabulary, as TL 3's embedding reads it (probe/inputs.py)."""
+
+    negative_ids_from_the_end = True
 
     @classmethod
     def from_pretrained(cls, name_or_path: Union[str, Path], **keywords) -> "HookedTransformer":

@@ -8,12 +8,15 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from probe import DEFAULT_MODEL, HookedDecoder, HookedSAETransformer, HookedTransformer
+from probe import DEFAULT_MODEL, HookedDecoder, HookedSAETransformer, HookedTransformer, HookedTransformerConfig
 from test_checkpoint_tl import CASES, assert_state_and_logits_are_tls, checkpoint_dir, loaded_by_both
 from test_sae_training import needs_saelens
 from test_tl_compat import PROMPT, classic
 from test_tl_loading import TL_DEFAULTS, WEIGHTS, processed_bridge
+from test_tl_state_dict import built_by_hooked_transformer
+from test_tl_state_processing import ARENA_NO_NORMS
 from tl_oracle import assert_same
 
 
@@ -54,3 +57,23 @@ def test_the_bundled_gpt2_loads_as_transformer_lens_processes_it():
         HookedTransformer.from_pretrained(DEFAULT_MODEL, "cpu")  # TL's keywords only, by name
     with pytest.raises(TypeError, match=r"HookedTransformer\.from_pretrained\(\)"):  # named as the caller wrote it
         HookedTransformer.from_pretrained(DEFAULT_MODEL, first_n_layers=1)
+
+
+
+@needs_saelens
+def test_negative_token_ids_count_from_the_end_of_the_vocabulary_as_transformer_lens_3_embeds_them(tmp_path):
+    # ARENA's cumulative-sum problem feeds the numbers -5 .. 5 as token ids into an 11-token vocabulary
+    tokens = torch.randint(-5, 6, (3, 10), generator=torch.Generator().manual_seed(2))
+    assert bool((tokens < 0).any())
+    state = built_by_hooked_transformer(ARENA_NO_NORMS, tokens, tmp_path)  # TL's logits on these very ids
+    theirs = load_file(str(tmp_path / "built.safetensors"))["logits"]
+    model = HookedTransformer(HookedTransformerConfig(**ARENA_NO_NORMS)).eval()
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        assert_same(model(tokens), theirs, what="negative ids")
+        assert_same(model(tokens), model(tokens % 11), atol=0.0, what="read from the end")
+    plain = HookedDecoder(HookedTransformerConfig(**ARENA_NO_NORMS))
+    with pytest.raises(ValueError, match=r"token id -\d is outside the vocabulary \[0, 11\)"):
+        plain(tokens)  # probe's own class: most likely a mistake (-100 labels), refused by name
+    with pytest.raises(ValueError, match="token id -12 is outside"):
+        model(torch.tensor([[-12, 1]]))  # beyond the vocabulary's length: refused by both

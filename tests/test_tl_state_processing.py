@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -16,12 +17,16 @@ from test_tl_state_dict import TOY_CONFIGS, built_by_hooked_transformer
 # ARENA's July 2023 problem (palindromes), smaller: attention only, two output classes; every step applies
 ARENA_LIKE = dict(n_layers=2, n_ctx=12, d_model=28, d_head=14, n_heads=2, d_mlp=None, attn_only=True, act_fn="relu",
                   d_vocab=33, d_vocab_out=2, normalization_type="LN", seed=42)
+# ARENA's November 2023 problem (cumulative sums), smaller: no norms, so centring writers and readers changes the model
+ARENA_NO_NORMS = dict(n_layers=1, n_ctx=10, d_model=24, d_head=12, n_heads=1, d_mlp=8, act_fn="relu", d_vocab=11,
+                      d_vocab_out=3, normalization_type=None, seed=42)
 CASES = {
     "arena-attn-only": (ARENA_LIKE, STEPS, {}),
+    "arena-no-norms": (ARENA_NO_NORMS, STEPS[:4], {}),
     "ln-mlp": (TOY_CONFIGS["ln-defaults"], STEPS, {}),
-    # an RMSNorm folds without bias or centring (what TL's process_weights passes); its writers cannot be centred
-    "rms-gqa": (TOY_CONFIGS["rms-rotary-gqa-gated"], ("center_unembed", "fold_layer_norm", "fold_value_biases"),
-                dict(fold_biases=False, center_weights=False)),
+    "lnpre": (TOY_CONFIGS["lnpre-othello-like"], STEPS[:4], {}),  # nothing to fold: the readers are centred
+    # an RMSNorm folds without bias or centring (what TL's process_weights passes)
+    "rms-gqa": (TOY_CONFIGS["rms-rotary-gqa-gated"], STEPS[:4], dict(fold_biases=False, center_weights=False)),
 }
 
 
@@ -48,7 +53,13 @@ def test_state_dict_steps_give_hooked_transformers_dicts(case, tmp_path):
     theirs = load_file(str(tmp_path / "theirs.safetensors"))
     model = HookedTransformer(HookedTransformerConfig(**settings)).eval()  # fresh, as ARENA's cell builds it
     built = {key: t.clone() for key, t in state.items()}
-    ours = state_processing_idioms(model, state, tokens, steps, fold)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = state_processing_idioms(model, state, tokens, steps, fold)
+    # a step that changes what the model computes says so, as it does it
+    changes = {str(w.message).split(":")[0] for w in caught if "changes what this model computes" in str(w.message)}
+    assert changes == ({"center_writing_weights", "fold_layer_norm"} if case == "arena-no-norms" else
+                       {"center_writing_weights"} if case == "rms-gqa" else set())
     assert set(ours) == set(theirs)  # the same keys after every step: a folded norm's weights stay, as the identity
     assert all(torch.all(t == (1.0 if key.endswith(".w") else 0.0)) for key, t in ours.items()
                if key.startswith("fold_layer_norm.") and ".ln" in key)
@@ -80,5 +91,5 @@ def test_folding_refuses_a_folded_dict_and_the_wrong_norm_keywords():
     rms = HookedDecoder(HookedTransformerConfig(**TOY_CONFIGS["rms-rotary-gqa-gated"]))
     with pytest.raises(ValueError, match="fold_biases=False, center_weights=False"):
         rms.fold_layer_norm(rms.state_dict())
-    with pytest.raises(ValueError, match="center_writing_weights needs every reader"):
-        rms.center_writing_weights(rms.state_dict())
+    with pytest.raises(ValueError, match="center_unembed shifts"):  # a logit soft cap: refused, as in processing
+        HookedDecoder(HookedTransformerConfig(**TOY_CONFIGS["local-windows-softcaps"])).center_unembed({})
