@@ -15,6 +15,7 @@ from probe.factored import FactoredMatrix
 from probe.kv_cache import LayerKV
 from probe.norm import make_norm
 from probe.softcap import make_softcap
+from probe.tl_attention_buffers import TLAttentionBuffers
 from probe.tl_weights import WritableWeights, weight_view
 
 
@@ -43,9 +44,10 @@ def per_head(t: torch.Tensor, heads: int, dim: int = 2) -> torch.Tensor:
     return t if t.shape[dim] == heads else t.repeat_interleave(heads // t.shape[dim], dim=dim)
 
 
-class Attention(WritableWeights, nn.Module):
+class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
+        self.n_ctx, self.window = cfg.n_ctx, cfg.layer_window(layer)  # what TL's mask buffer reads (the model masks)
         self.n_heads, self.n_kv_heads, self.d_head = cfg.layer_heads(layer), cfg.layer_kv_heads(layer), cfg.d_head
         self.qkv_sizes = [self.n_heads * cfg.d_head, self.n_kv_heads * cfg.d_head, self.n_kv_heads * cfg.d_head]
         # q of every head, then k and v of every key/value head, in one matmul

@@ -36,6 +36,8 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
         a fresh HookedTransformer(HookedTransformerConfig(**CONFIG)) runs tests/state_processing_idioms.py on the
         state dict STATE (the steps STEPS, fold_layer_norm with the keywords FOLD) and INPUTS' tokens; OUTPUTS gets
         each result by name
+    python saelens_oracle.py attention_buffers CONFIG_JSON OUTPUTS
+        HookedTransformer(HookedTransformerConfig(**CONFIG))'s attention buffers (see the function)
     python saelens_oracle.py sae_splice MODEL_DIR INPUTS OUTPUTS
         a subclass of HookedTransformer (tests/sae_splice_idioms.py) with a GPT-2 directory's weights, unprocessed,
         runs sae_splice_idioms, then wrapper_idioms, on INPUTS' tokens: OUTPUTS gets each result by name; stdout the JSON of its listings
@@ -369,6 +371,17 @@ def state_steps(config_json: str, state: str, inputs: str, outputs: str, steps_j
     out = state_processing_idioms(model, load_file(state), load_file(inputs)["tokens"], json.loads(steps_json),
                                   json.loads(fold_json))
     save_file(out, outputs)
+
+
+def attention_buffers(config_json: str, outputs: str) -> None:
+    """HookedTransformer(HookedTransformerConfig(**CONFIG))'s attention buffers: OUTPUTS gets L.mask, L.rotary_sin,
+    L.rotary_cos per layer; stdout the JSON of the layers' attn_type."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    model = HookedTransformer(HookedTransformerConfig(**json.loads(config_json), device="cpu"))
+    save_file({f"{layer}.{name}": getattr(block.attn, name).contiguous() for layer, block in enumerate(model.blocks)
+               for name in ("mask", "rotary_sin", "rotary_cos")}, outputs)
+    print(json.dumps([block.attn.attn_type for block in model.blocks]))
 
 
 def sae_splice(model_dir: str, inputs: str, outputs: str) -> None:
@@ -817,7 +830,7 @@ def tl_config_routes(cases_json: str, outputs: str) -> None:
 
 
 COMMANDS = {"lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
-            "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "induction": induction, "brackets": brackets, "neel": neel,
+            "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "attention_buffers": attention_buffers, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}
 

@@ -64,3 +64,26 @@ def test_setup_puts_probes_own_point_back_and_refuses_a_hooked_foreign_one():
     set_deep_attr(model, "blocks.1.attn.hook_result", hooked)
     with pytest.raises(ValueError, match=r"HookPoint put back at blocks\.1\.attn\.hook_result carries hooks"):
         model.setup()
+
+
+ROTARY_LOCAL = dict(n_layers=2, d_model=16, d_head=4, n_ctx=8, d_vocab=10, act_fn="silu", normalization_type="RMS",
+                    positional_embedding_type="rotary", rotary_dim=4, rotary_base=500, use_local_attn=True,
+                    window_size=3, attn_types=["global", "local"])
+
+
+@needs_saelens
+def test_attention_buffers_read_as_transformer_lens_3_9s_and_shared_as_circuit_tracer_shares_them(tmp_path):
+    printed = oracle("attention_buffers", json.dumps(ROTARY_LOCAL), tmp_path / "theirs.safetensors")
+    theirs = load_file(str(tmp_path / "theirs.safetensors"))
+    model = HookedTransformer(probe.HookedTransformerConfig(**ROTARY_LOCAL))
+    assert [block.attn.attn_type for block in model.blocks] == json.loads(printed.splitlines()[-1])
+    for layer, block in enumerate(model.blocks):
+        for name in ("mask", "rotary_sin", "rotary_cos"):
+            ours = getattr(block.attn, name)
+            assert ours.shape == theirs[f"{layer}.{name}"].shape and ours.dtype == theirs[f"{layer}.{name}"].dtype
+            assert_same(ours, theirs[f"{layer}.{name}"], atol=1e-6, what=f"{layer}.{name}")
+    # circuit-tracer's _deduplicate_attention_buffers: every layer given the first layer's tensors
+    for block in model.blocks:
+        block.attn.mask, block.attn.rotary_sin = model.blocks[0].attn.mask, model.blocks[0].attn.rotary_sin
+    with pytest.raises(ValueError, match="attn.rotary_cos: probe computes it from the config"):
+        model.blocks[1].attn.rotary_cos = model.blocks[0].attn.rotary_cos * 2  # a value probe would not read
