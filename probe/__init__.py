@@ -21,10 +21,10 @@ TransformerLensKeyValueCache = HookedTransformerKeyValueCache = KVCache
 ActivationCache = DecoderCache
 
 __all__ = [
-    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "ActivationCache", "DecoderCache", "HookPoint", "HookedRootModule", "AttnOnlyBlock", "Block", "DecoderConfig", "FactoredMatrix", "HookedDecoder", "HookedSAETransformer",
-    "HookedTransformer", "HookedTransformerConfig",
-    "HookedTransformerKeyValueCache", "KVCache", "Norm",
-    "NormPlacement", "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig",
-    "SandwichBlock", "SparseAutoencoder", "Tokenizer", "TrainingConfig", "TransformerLensKeyValueCache", "act_name", "process_weights", "spliced",
-    "train_sae",
+    "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "ActivationCache", "AttnOnlyBlock", "Block", "DecoderCache",
+    "DecoderConfig", "FactoredMatrix", "HookPoint", "HookedDecoder", "HookedRootModule", "HookedSAETransformer",
+    "HookedTransformer", "HookedTransformerConfig", "HookedTransformerKeyValueCache", "KVCache", "Norm", "NormPlacement",
+    "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig", "SandwichBlock",
+    "SparseAutoencoder", "Tokenizer", "TrainingConfig", "TransformerLensKeyValueCache", "act_name", "process_weights",
+    "spliced", "train_sae",
 ]

@@ -6,8 +6,9 @@ old code and deprecated. probe keeps the classic names and answers to the bridge
 point, worked out per block arrangement from what the bridge hooks on each family (tests/test_bridge_names.py
 compares every one with the bridge's value); the norms' inputs and outputs, the token and position ids and each of
 q, k and v's own input, which HookedTransformer never hooked, are points of their own (`bridge_only`), and so are
-the unembedding's input and output, which transformer-lens 3.9 took from the bridge (listed everywhere). The bridge names that probe has no point for are listed with what to hook instead, so asking for
-one says so rather than "unknown name"."""
+the unembedding's input and output, which transformer-lens 3.9 took from the bridge (listed everywhere). The bridge
+names that probe has no point for are listed with what to hook instead, so asking for one says so rather than
+"unknown name"."""
 from __future__ import annotations
 
 from torch import nn

@@ -70,11 +70,10 @@ class Output(NamedTuple):
 
 def finish_output(return_type: Optional[str], logits: torch.Tensor, tokens: Optional[torch.Tensor],
                   attention_mask: Optional[torch.Tensor], loss_per_token: bool):
-    """What forward returns for transformer-lens's `return_type`."""
+    """What forward returns for transformer-lens's `return_type` ("logits", "loss" or "both"; None returns before
+    the unembedding)."""
     if return_type == "logits":
         return logits
-    if return_type is None:
-        return None
     if tokens is None:
         raise ValueError(f"return_type={return_type!r} needs the tokens to score: with start_at_layer, pass tokens=")
     loss = lm_loss(logits, tokens, attention_mask, per_token=loss_per_token)
