@@ -92,6 +92,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     # HookedTransformerConfig's models draw their initial weights as HookedTransformer does (its "gpt2" init_mode): the
     # same weights under one seed, and torch's generator left where TL leaves it for the draws that follow
     transformer_lens_init: bool = dataclasses.field(default=False, compare=False)
+    # HookedTransformerConfig(init_weights=False)'s: the model draws nothing (torch's generator stays where it was, as
+    # TL's does), its weights zeros and its norms' ones until a state dict is loaded
+    init_weights: bool = dataclasses.field(default=True, compare=False)
     # TL's name for the activation where it has several for one function ("gelu_fast", "gelu_pytorch_tanh": the
     # tanh GELU); None: the activation's own name. model.cfg.act_fn reads it
     act_fn_name: Optional[str] = dataclasses.field(default=None, compare=False)

@@ -268,19 +268,19 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
     def init_weights(self) -> None:
         """GPT-2's initialisation, for training from scratch (loading overwrites all of it); HookedTransformer's
         draw for a model built from HookedTransformerConfig (`cfg.transformer_lens_init`)."""
-        std, like_tl = self.cfg.init_std, self.cfg.transformer_lens_init
+        std, like_tl, draw = self.cfg.init_std, self.cfg.transformer_lens_init, self.cfg.init_weights
         for name, param in self.named_parameters():
             if param.is_meta:  # shapes only (a model built to plan its placement): nothing to fill
                 continue
             if name.endswith((".w",)):
                 param.fill_(1.0)
-            elif name.endswith((".b", ".bias")) or like_tl:
+            elif name.endswith((".b", ".bias")) or like_tl or not draw:
                 param.zero_()
             elif name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
                 param.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))  # keeps the residual's variance flat in depth
             else:
                 param.normal_(0.0, std)
-        if like_tl and not self.embed.W_E.is_meta:
+        if like_tl and draw and not self.embed.W_E.is_meta:
             self.draw_like_transformer_lens()
 
     def draw_like_transformer_lens(self) -> None:

@@ -30,7 +30,7 @@ POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY, "shortfo
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 # TL settings with nothing to build in probe: accepted at these values only
-ONLY = {**ABSENT_FEATURES, "n_devices": 1, "init_weights": True, "default_padding_side": "right"}
+ONLY = {**ABSENT_FEATURES, "n_devices": 1, "default_padding_side": "right"}
 WHY = {"attention_dir": "probe's attention is 'causal' or 'bidirectional'",
        "attn_only": "attention-only blocks are pre-norm: x + attn(ln1(x)); leave parallel_attn_mlp and "
                     "use_normalization_before_and_after False",
@@ -54,6 +54,7 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "NTK_by_parts_high_freq_factor", "NTK_original_ctx_len", "use_attn_scale", "attn_scale",
          "attn_scores_soft_cap", "output_logits_soft_cap", "use_qk_norm", "tie_word_embeddings", "model_name",
          "original_architecture", "device", "default_prepend_bos", "use_attn_result", "use_split_qkv_input",
+         "init_weights",
          "use_attn_in", "use_hook_mlp_in", "ungroup_grouped_query_attention", "attn_only", "tokenizer_name",
          "attention_dir", "use_hook_tokens", "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor"}
 
@@ -146,6 +147,7 @@ def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: tr
         device=str(s.get("device") or "cpu"), dtype=DTYPES.get(dtype, dtype),
         default_prepend_bos=s.get("default_prepend_bos", True), seed=s.get("seed"),
         transformer_lens_init=s.get("init_mode", "gpt2") == "gpt2",  # TL's other init modes: probe's normal draw
+        init_weights=bool(s.get("init_weights", True)),
         **{name: s.get(name, False) for name in SWITCHES})
 
 

@@ -79,10 +79,6 @@ class HookedTransformerConfigFields:
         return "gpt2"  # probe initialises every model as GPT-2 does: a normal draw of std initializer_range
 
     @property
-    def init_weights(self) -> bool:
-        return True
-
-    @property
     def layer_norm_folding(self) -> bool:
         return False  # TL 4's switch for its bridge's norm forward; a folded model's normalization_type says "LNPre"
 

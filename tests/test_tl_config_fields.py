@@ -314,6 +314,10 @@ INIT_CASES = {  # TL's "gpt2" init on learned, shortformer attention-only, rotar
                     normalization_type="LNPre", initializer_range=0.05),
     "parallel": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="gelu", parallel_attn_mlp=True,
                      positional_embedding_type="rotary", rotary_dim=4, seed=0),
+    # No_Position_Experiment's analysis model, built to load a state dict into: nothing drawn (TL's weights are
+    # torch.empty's, whatever memory held; probe's zeros, norms' ones)
+    "no_init": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="relu", normalization_type="LNPre",
+                    init_weights=False, seed=5),
 }
 
 
@@ -329,6 +333,9 @@ def test_a_model_built_from_a_tl_config_draws_hookedtransformers_weights_and_lea
         model = HookedDecoder(cfg)
         assert torch.equal(torch.randint(0, 1000, (8,)), theirs[f"{name}/next"]), name
         ours = model.state_dict()
+        if not config.get("init_weights", True):
+            assert all(not p.any() for key, p in model.named_parameters() if not key.endswith(".w")), name
+            continue
         keys = [key.split("/", 1)[1] for key in theirs if key.startswith(f"{name}/") and not key.endswith("/next")]
         weights = [key for key in keys if key in ours]  # TL's buffers (mask, IGNORE, rotary tables) are not weights
         assert sorted(weights) == sorted(ours), name
