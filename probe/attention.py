@@ -76,7 +76,9 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         if self.rotary is not None:
             self.hook_rot_q = HookPoint()  # [batch pos head d_head]: q after the rotation
             self.hook_rot_k = HookPoint()  # [batch pos kv_head d_head]
-        self.hook_attn_scores = HookPoint()  # [batch head query_pos key_pos]: scaled, capped, masked (-inf), pre-softmax
+        # what a hidden key's score reads: -inf, or the IGNORE of a state dict an older transformer-lens saved (-1e5)
+        self.masked_score = float("-inf")
+        self.hook_attn_scores = HookPoint()  # [batch head query_pos key_pos]: scaled, capped, masked, pre-softmax
         self.hook_pattern = HookPoint()  # [batch head query_pos key_pos]
         self.hook_z = HookPoint()  # [batch pos head d_head]: pattern-weighted values
         self.hook_result = HookPoint(opt_in=True)  # [batch pos head d_model]: each head's write, without b_O
@@ -156,7 +158,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         if allowed is None and self.causal:
             n = q.shape[1]
             allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        scores = self.hook_attn_scores(scores if allowed is None else scores.masked_fill(~allowed, float("-inf")))
+        scores = self.hook_attn_scores(scores if allowed is None else scores.masked_fill(~allowed, self.masked_score))
         pattern = self.hook_pattern(scores.softmax(dim=-1))
         return einsum(pattern, v, "batch head query_pos key_pos, batch key_pos head d_head -> batch query_pos head d_head")
 

@@ -96,9 +96,10 @@ def _save_attention(module: Attention, state: dict, prefix: str, local_metadata)
     state[prefix + "W_O"] = rearrange(out_weight, "d_model (head d_head) -> head d_head d_model", d_head=d_head).contiguous()
     state[prefix + "b_O"] = _or_zeros(out_bias, out_weight.shape[0], out_weight)
     # TL 3.9's attention buffers as its state dict holds them, for code that edits them there (ARENA's grokking loader
-    # sets IGNORE before loading); loading drops them again, since probe's attention computes its own mask
+    # sets IGNORE before loading); loading drops the mask, since probe's attention computes its own, and keeps IGNORE,
+    # what a hidden key's score reads (an older TL saved -1e5, and its caches' attn_scores hold that)
     state[prefix + "mask"] = torch.empty((0, 0), dtype=torch.bool, device=out_weight.device)
-    state[prefix + "IGNORE"] = torch.tensor(-torch.inf, device=out_weight.device)
+    state[prefix + "IGNORE"] = torch.tensor(module.masked_score, device=out_weight.device)
 
 
 def _mlp_weights(module: MLP) -> list[tuple[str, str]]:
@@ -170,6 +171,9 @@ def _current(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def _load_attention(module: Attention, state: dict, prefix: str, local_metadata, strict, missing, unexpected,
                     errors: list) -> None:
+    ignore = state.get(prefix + "IGNORE")
+    if ignore is not None:
+        module.masked_score = float(ignore)
     for name in TL_BUFFERS:
         state.pop(prefix + name, None)
     grouped = module.n_kv_heads != module.n_heads

@@ -330,6 +330,7 @@ def toy_idioms(model, tokens) -> dict:
         logits, cache = model.run_with_cache(tokens)
         out["logits"] = logits
         out["pattern0"] = cache["pattern", 0]
+        out["attn_scores0"] = cache["attn_scores", 0]  # a hidden key's score: TL's IGNORE
         out["post0"] = cache["post", 0]  # the MLP's neurons
         out["resid_post_last"] = cache["resid_post", -1]
         out["scale_final"] = cache["ln_final.hook_scale"] if "ln_final.hook_scale" in cache else torch.ones(1)

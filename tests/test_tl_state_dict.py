@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from probe import DEFAULT_MODEL, HookedDecoder
+from probe import DEFAULT_MODEL, HookedDecoder, HookedTransformerConfig
 from probe.tl_state_dict import TL_BUFFERS, TL_UNWRITTEN
 from saelens_oracle import toy_idioms
 from test_sae_training import needs_saelens, oracle
@@ -337,8 +337,6 @@ def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(
     """TL's `HookedTransformer(HookedTransformerConfig(**settings))` and its trained weights (here moved off their
     initialisation), against probe's `HookedDecoder(probe.HookedTransformerConfig(**settings))` given the same
     state dict: the config resolves TL's defaults as TL does, the state dict loads strictly, the logits agree."""
-    from probe import HookedTransformerConfig
-
     settings = TOY_CONFIGS[case]
     tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(2))
     save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
@@ -368,16 +366,12 @@ def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(
     (dict(n_lyers=2), r"unknown keywords \['n_lyers'\]"),
 ])
 def test_what_probe_does_not_build_is_refused_by_name(settings, match):
-    from probe import HookedTransformerConfig
-
     base = dict(n_layers=1, d_model=16, d_head=4, n_ctx=8, d_vocab=20, act_fn="gelu")
     with pytest.raises((TypeError, ValueError), match=match):
         HookedTransformerConfig(**{**base, **settings})
 
 
 def test_a_config_naming_a_dtype_builds_the_model_in_it():
-    from probe import HookedTransformerConfig
-
     model = HookedDecoder(HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_ctx=8, d_vocab=20, act_fn="gelu",
                                                   dtype=torch.bfloat16))
     assert model.embed.W_E.dtype == torch.bfloat16 and model.cfg.dtype == torch.bfloat16
@@ -419,8 +413,6 @@ def test_a_gated_mlp_keeps_its_projection_biases_and_refuses_tl_bias_after_the_g
 def test_load_and_process_state_dict_is_hooked_transformers(case, steps, tmp_path):
     """`model.load_and_process_state_dict(state, **steps)` on both libraries, from the same HookedTransformer weights:
     the processed state dicts (TL's layout, no norm weights left), the logits and cfg.normalization_type agree."""
-    from probe import HookedTransformerConfig
-
     settings = TOY_CONFIGS[case]
     tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(4))
     save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
@@ -455,7 +447,6 @@ def test_set_tokenizer_gives_a_model_built_from_its_config_transformers_tokens()
     """TL's `model.set_tokenizer(AutoTokenizer.from_pretrained(...))` on a model built from its config: the model then
     tokenizes as the transformers tokenizer does (BOS first), pads on the side asked for, and decodes back."""
     import transformers
-    from probe import HookedTransformerConfig
 
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     model = HookedDecoder(HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_ctx=64,
@@ -478,8 +469,6 @@ def test_set_tokenizer_gives_a_model_built_from_its_config_transformers_tokens()
 def test_a_model_without_norms_decomposes_into_its_logits():
     """normalization_type=None (grokking's model): the norms are the identity, with scale 1, so the cache's
     decomposition with the norm "applied" still adds up to the logits, and the accumulated residual ends at them."""
-    from probe import HookedTransformerConfig
-
     model = HookedDecoder(HookedTransformerConfig(n_layers=2, d_vocab=40, d_model=32, d_mlp=64, n_heads=4, d_head=8,
                                                   n_ctx=8, act_fn="relu", normalization_type=None, seed=0)).eval()
     assert model.cfg.normalization_type is None and model.state_dict().keys().isdisjoint({"blocks.0.ln1.w", "ln_final.w"})
@@ -544,8 +533,6 @@ def test_toy_model_analyses_written_for_hooked_transformer_agree(case, tmp_path)
     """The analyses ARENA's grokking and Othello-GPT sections write (caches, neuron maps, OV/QK, decompositions, a
     head ablation, the loss), one function run on HookedTransformer and on probe, each built from the same config
     and given the same trained weights (tests/saelens_oracle.py: toy_idioms)."""
-    from probe import HookedTransformerConfig
-
     settings = TOY_CONFIGS[case]
     tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(6))
     state = built_by_hooked_transformer(settings, tokens, tmp_path)
@@ -558,6 +545,26 @@ def test_toy_model_analyses_written_for_hooked_transformer_agree(case, tmp_path)
     assert set(ours) == set(theirs)
     for name, value in ours.items():
         torch.testing.assert_close(value.float(), theirs[name].float(), atol=1e-4, rtol=1e-4, msg=name)
+
+
+@needs_saelens
+def test_a_state_dict_saved_by_an_older_transformer_lens_masks_scores_with_its_ignore(tmp_path):
+    # ARENA's monthly problems ship checkpoints whose IGNORE is -1e5: HookedTransformer's cached attn_scores hold it
+    settings = TOY_CONFIGS["ln-defaults"]
+    tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(6))
+    state = built_by_hooked_transformer(settings, tokens, tmp_path)
+    state.update({key: torch.tensor(-1e5) for key in state if key.endswith(".IGNORE")})
+    save_file(state, str(tmp_path / "state.safetensors"))
+    oracle("toy_idioms", json.dumps(settings), tmp_path / "state.safetensors", tmp_path / "tokens.safetensors",
+           tmp_path / "theirs.safetensors")
+    theirs = load_file(str(tmp_path / "theirs.safetensors"))
+    model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
+    model.load_state_dict(state, strict=True)
+    ours = toy_idioms(model, tokens)
+    assert theirs["attn_scores0"].min() == -1e5 and ours["attn_scores0"].min() == -1e5
+    for name, value in ours.items():
+        torch.testing.assert_close(value.float(), theirs[name].float(), atol=1e-4, rtol=1e-4, msg=name)
+    assert model.state_dict()["blocks.1.attn.IGNORE"].item() == -1e5  # saved as loaded
 
 
 def test_arena_grokking_loader_edits_ignore_in_the_state_dict_and_loads_it(tiny_model, tokens):
