@@ -13,8 +13,11 @@ HookedDecoder's; `isinstance(model, transformer_lens.HookedTransformer)` stays F
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Union
+
+import torch
 
 from probe.model import HookedDecoder
 from probe.processing import TL_PROCESSING_DEFAULTS
@@ -23,13 +26,32 @@ from probe.processing import TL_PROCESSING_DEFAULTS
 class HookedTransformer(HookedDecoder):
     """HookedDecoder whose `from_pretrained(name)` processes the weights as transformer-lens 3's does by default;
     a processing keyword given wins, and `from_pretrained_no_processing` keeps the checkpoint's weights. A negative
-    token id counts from the end of the vocabulary, as TL 3's embedding reads it (probe/inputs.py)."""
+    token id counts from the end of the vocabulary, as TL 3's embedding reads it (probe/inputs.py). Gemma's
+    sqrt(d_model) is in `W_E`, as TL 3's weight conversion puts it (see `bake_embedding_scale`)."""
 
     negative_ids_from_the_end = True
 
     @classmethod
     def from_pretrained(cls, name_or_path: Union[str, Path], **keywords) -> "HookedTransformer":
-        return super().from_pretrained(name_or_path, **{**TL_PROCESSING_DEFAULTS, **keywords})
+        model = super().from_pretrained(name_or_path, **{**TL_PROCESSING_DEFAULTS, **keywords})
+        bake_embedding_scale(model)
+        return model
+
+
+@torch.no_grad()
+def bake_embedding_scale(model: HookedDecoder) -> None:
+    """Gemma multiplies its embeddings by sqrt(d_model); TL 3's conversion multiplies that into `W_E`, so TL 3 code
+    reading `model.W_E[tokens]` (circuit-tracer's token nodes, a direct path `W_E @ W_U`) gets the embedding the
+    residual receives. Done in the weights' dtype, as the forward rounds it; the unembedding, tied to the table in
+    the checkpoint, keeps its own copy, as TL's always has. Such a model no longer fits a Gemma checkpoint, which
+    `save_pretrained` then says; its state dict in TL's layout is TL 3's."""
+    scale = model.embed.scale
+    if scale is None:
+        return
+    model.untie_embeddings()
+    model.embed.W_E.mul_(torch.tensor(scale, dtype=model.embed.W_E.dtype))
+    model.embed.scale = None
+    model.cfg = dataclasses.replace(model.cfg, scale_embed=False)
 
 
 HookedSAETransformer = HookedTransformer

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from probe import DEFAULT_MODEL, HookedDecoder, HookedSAETransformer, HookedTransformer, HookedTransformerConfig
 from test_checkpoint_tl import CASES, assert_state_and_logits_are_tls, checkpoint_dir, loaded_by_both
-from test_sae_training import needs_saelens
+from test_sae_training import needs_saelens, oracle
 from test_tl_compat import PROMPT, classic
 from test_tl_loading import TL_DEFAULTS, WEIGHTS, processed_bridge
 from test_tl_state_dict import built_by_hooked_transformer
@@ -77,3 +77,31 @@ def test_negative_token_ids_count_from_the_end_of_the_vocabulary_as_transformer_
         plain(tokens)  # probe's own class: most likely a mistake (-100 labels), refused by name
     with pytest.raises(ValueError, match="token id -12 is outside"):
         model(torch.tensor([[-12, 1]]))  # beyond the vocabulary's length: refused by both
+
+
+@needs_saelens
+def test_gemmas_embedding_scale_is_in_w_e_as_transformer_lens_3_converts_it(tmp_path):
+    # TL 3 code reads model.W_E[tokens] as what the residual receives (circuit-tracer's token nodes on Gemma)
+    import json
+
+    from safetensors.torch import save_file
+    from test_tl_state_dict import tl_config
+    from test_variants import build
+
+    hf = build("gemma", tmp_path / "gemma")
+    ours = HookedTransformer.from_pretrained_no_processing(tmp_path / "gemma").eval()
+    plain = HookedDecoder.from_pretrained(tmp_path / "gemma").eval()
+    save_file(ours.state_dict(), str(tmp_path / "state.safetensors"))
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+    save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
+    oracle("tl_state_dict", "gemma", tmp_path / "gemma", json.dumps(tl_config("gemma", hf)),
+           tmp_path / "state.safetensors", tmp_path / "tokens.safetensors", tmp_path / "out.safetensors")
+    out = load_file(str(tmp_path / "out.safetensors"))
+    assert_same(ours.W_E, out["tl.embed.W_E"], atol=1e-6, what="W_E, sqrt(d_model) in it")  # TL's own converter's
+    assert_same(plain.W_E * 8.0, ours.W_E, atol=1e-6, what="HookedDecoder keeps the checkpoint's table")
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        assert_same(ours(tokens), expected, what="the same model")
+        assert_same(out["logits"], expected, what="TL running probe's exported state dict")
+    with pytest.raises(ValueError, match="scale_embed=False"):
+        ours.save_pretrained(tmp_path / "saved")  # no longer a Gemma checkpoint's layout: said, not written

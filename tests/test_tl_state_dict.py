@@ -34,9 +34,10 @@ def tl_config(kind: str, hf) -> dict:
                   n_heads=c.num_attention_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size,
                   positional_embedding_type="rotary", rotary_adjacent_pairs=False,
                   rotary_base=c.rope_parameters["rope_theta"], original_architecture=c.architectures[0])
-    if kind in ("llama", "qwen3"):
-        return dict(common, act_fn="silu", normalization_type="RMS", eps=c.rms_norm_eps, rotary_dim=d_head,
-                    n_key_value_heads=c.num_key_value_heads, gated_mlp=True, final_rms=True, use_qk_norm=kind == "qwen3")
+    if kind in ("llama", "qwen3", "gemma"):
+        return dict(common, act_fn="gelu_pytorch_tanh" if kind == "gemma" else "silu", normalization_type="RMS",
+                    eps=c.rms_norm_eps, rotary_dim=d_head, n_key_value_heads=c.num_key_value_heads, gated_mlp=True,
+                    final_rms=True, use_qk_norm=kind == "qwen3")
     assert kind == "neox"
     return dict(common, act_fn=c.hidden_act, normalization_type="LN", eps=c.layer_norm_eps, parallel_attn_mlp=True,
                 rotary_dim=int(d_head * c.rope_parameters["partial_rotary_factor"]))
