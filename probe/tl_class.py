@@ -8,8 +8,10 @@ The class is HookedDecoder with TL 3's loading defaults. TL's bare `from_pretrai
 (fold_ln, center_writing_weights, center_unembed, fold_value_biases); HookedDecoder's keeps the checkpoint's own, so
 that its activations are the ones `transformers` computes. Code written for TL computes on processed weights (a
 centred W_U in logit tables, SAEs trained on a processed model's activations), and with this import gets them.
-SAELens's HookedSAETransformer loads as TL's class does: the same class under its name. Everything else is
-HookedDecoder's; `isinstance(model, transformer_lens.HookedTransformer)` stays False (docs/from_transformer_lens.md).
+Two more of TL 3's readings live here, where they cannot surprise HookedDecoder's users: a negative token id counts
+from the end of the vocabulary, and Gemma's sqrt(d_model) is baked into W_E. SAELens's HookedSAETransformer loads as
+TL's class does: the same class under its name. Everything else is HookedDecoder's;
+`isinstance(model, transformer_lens.HookedTransformer)` stays False (docs/from_transformer_lens.md).
 """
 from __future__ import annotations
 
