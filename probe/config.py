@@ -328,17 +328,20 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
 
     def to_dict(self) -> dict[str, Any]:
         """The architecture's fields and transformer-lens's use_* switches, whose presence TL code tests (ACDC turns
-        hook_mlp_in on only where `"use_hook_mlp_in" in model.cfg.to_dict()`); not which loaded model it is."""
+        hook_mlp_in on only where `"use_hook_mlp_in" in model.cfg.to_dict()`), plus what TL code reads by TL's names
+        (`TL_READ`: circuit-tracer 0.5 builds its graph's config from them), which `from_dict` passes over."""
         instance = {f.name for f in dataclasses.fields(self) if not f.compare} - set(SWITCHES)
         out = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items() if k not in instance}
         for field in ("heads_per_layer", "sliding_layers"):
             if out[field] is not None:
                 out[field] = list(out[field])
-        return out
+        dtype = "float32" if self.dtype is None else str(self.dtype).removeprefix("torch.")  # a name: the dict stays JSON
+        return {**out, **{name: getattr(self, name) for name in TL_READ if name != "dtype"}, "dtype": dtype}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DecoderConfig":
         known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in values.items() if k not in TL_READ}  # to_dict's readings, not settings
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown DecoderConfig fields: {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}")
@@ -348,6 +351,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
                 values[field] = tuple(values[field])
         return cls(**values)
 
+
+# what to_dict() also lists under transformer-lens's names, for TL code that reads a config's dict by them
+TL_READ = ("n_key_value_heads", "tokenizer_name", "model_name", "original_architecture", "dtype")
 
 # transformer-lens's use_* switches: code turns them on by assigning to model.cfg, and the model follows
 SWITCHES = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in", "ungroup_grouped_query_attention")

@@ -152,6 +152,21 @@ def test_a_tl_config_dict_with_every_field_rebuilds_the_same_model(hooked_transf
 
 
 @needs_saelens
+def test_to_dict_holds_what_tl_code_reads_by_tls_names(hooked_transformers):
+    """circuit-tracer 0.5 builds its graph's config from `model.cfg.to_dict()`, reading n_key_value_heads,
+    tokenizer_name, model_name, original_architecture and dtype: the values TL 3.9's to_dict() holds for the same
+    config; and the dict still rebuilds the config it came from."""
+    read = ("n_key_value_heads", "tokenizer_name", "model_name", "original_architecture", "dtype")
+    configs, _, printed, _, _ = hooked_transformers
+    for case in WITH_TL_WEIGHTS:
+        ours = HookedDecoder(HookedTransformerConfig(**configs[case])).cfg
+        listed = ours.to_dict()
+        theirs = {**printed[case], "dtype": printed[case]["dtype"].removeprefix("torch.")}
+        assert {name: listed.get(name, "absent") for name in read} == {name: theirs[name] for name in read}, case
+        assert HookedTransformerConfig(**listed) == ours, case
+
+
+@needs_saelens
 def test_gelu_fast_is_tls_and_reads_back(hooked_transformers):
     """act_fn="gelu_fast": TL's formula (constant 0.7978845608, the tanh form) is the tanh GELU probe computes, to
     float32 precision over [-10, 10]; a model of it gives TL's logits on TL's weights, and cfg.act_fn says "gelu_fast"."""
