@@ -85,12 +85,15 @@ class LayerNorm(FixedWeights, HookedEnds, nn.Module):
         x32 = x.float()
         centred = x32 - x32.mean(-1, keepdim=True)
         scale_seen = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt().to(x.dtype)
-        versions = scale_seen._version
+        # an edit in place shows in the version counter; tensors made under torch.inference_mode() keep none, so
+        # there the output always follows the hooked tensors
+        tracked = not scale_seen.is_inference()
+        versions = scale_seen._version if tracked else 0
         scale = self.hook_scale(scale_seen)
         normalized_seen = (centred / scale.float()).to(x.dtype)
-        versions += normalized_seen._version
+        versions += normalized_seen._version if tracked else 0
         normalized = self.hook_normalized(normalized_seen)
-        if scale is not scale_seen or normalized is not normalized_seen or x.dtype != self.w.dtype or \
+        if scale is not scale_seen or normalized is not normalized_seen or x.dtype != self.w.dtype or not tracked or \
                 versions != scale_seen._version + normalized_seen._version:
             return self._apply_weights(normalized, x.dtype)  # a hook replaced or edited one: the output follows it
         # hooks that only read give the unhooked forward's very numbers, so what a cache holds does not depend on

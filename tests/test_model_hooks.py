@@ -148,8 +148,10 @@ def test_a_norm_follows_hooks_that_edit_or_replace_its_scale_and_differentiates_
              "scale, replaced": ("hook_scale", lambda s, hook: s * 2, centred / (2 * std) * w + b),
              "normalized, in place": ("hook_normalized", lambda n, hook: n.add_(1), (centred / std + 1) * w + b)}
     for what, (point, edit, by_hand) in edits.items():
-        with torch.no_grad(), tiny_model.hooks([(f"blocks.0.ln1.{point}", edit)]):
-            torch.testing.assert_close(ln(x), by_hand, atol=1e-5, rtol=0, msg=lambda m: f"{what}: {m}")
+        # and under torch.inference_mode(), whose tensors keep no version counter to show an edit in place
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode(), tiny_model.hooks([(f"blocks.0.ln1.{point}", edit)]):
+                torch.testing.assert_close(ln(x), by_hand, atol=1e-5, rtol=0, msg=lambda m: f"{what}, {mode}: {m}")
     # a hook that keeps the normalized input for its gradient gets d(loss)/d(normalized) = r * w, and the input's
     # gradient is the unhooked norm's
     r = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))

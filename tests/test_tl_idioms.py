@@ -258,6 +258,14 @@ def case_backward_hooks_run_through_the_graph_after_their_block(model):
     return grads
 
 
+def case_a_cache_of_everything_under_inference_mode(model):
+    # activation dumpers and attention-SAE dashboards cache inside torch.inference_mode(), where tensors keep no
+    # version counter
+    with torch.inference_mode():
+        logits, cache = model.run_with_cache(PROMPT)
+    return logits.clone(), classic({name: cache[name].clone() for name in cache.keys() if not name.endswith(BRIDGE_ONLY)})
+
+
 def case_caching_hooks_kept_until_reset(model):
     cache = model.add_caching_hooks(lambda name: name.endswith("hook_resid_pre"))
     everything = {}
