@@ -534,9 +534,16 @@ def test_toy_model_analyses_written_for_hooked_transformer_agree(case, tmp_path)
     """The analyses ARENA's grokking and Othello-GPT sections write (caches, neuron maps, OV/QK, decompositions, a
     head ablation, the loss), one function run on HookedTransformer and on probe, each built from the same config
     and given the same trained weights (tests/saelens_oracle.py: toy_idioms)."""
-    settings = TOY_CONFIGS[case]
+    toy_idioms_on_both(TOY_CONFIGS[case], tmp_path)
+
+
+def toy_idioms_on_both(settings: dict, tmp_path, edit=lambda state: None):
+    """toy_idioms on HookedTransformer and on probe, both given HookedTransformer's trained-looking weights (after
+    `edit(state)`), their results compared to 1e-4: (probe's model, its results, TL's)."""
     tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(6))
     state = built_by_hooked_transformer(settings, tokens, tmp_path)
+    edit(state)
+    save_file(state, str(tmp_path / "state.safetensors"))
     oracle("toy_idioms", json.dumps(settings), tmp_path / "state.safetensors", tmp_path / "tokens.safetensors",
            tmp_path / "theirs.safetensors")
     theirs = load_file(str(tmp_path / "theirs.safetensors"))
@@ -546,25 +553,17 @@ def test_toy_model_analyses_written_for_hooked_transformer_agree(case, tmp_path)
     assert set(ours) == set(theirs)
     for name, value in ours.items():
         torch.testing.assert_close(value.float(), theirs[name].float(), atol=1e-4, rtol=1e-4, msg=name)
+    return model, ours, theirs
 
 
 @needs_saelens
 def test_a_state_dict_saved_by_an_older_transformer_lens_masks_scores_with_its_ignore(tmp_path):
     # ARENA's monthly problems ship checkpoints whose IGNORE is -1e5: HookedTransformer's cached attn_scores hold it
-    settings = TOY_CONFIGS["ln-defaults"]
-    tokens = torch.randint(0, settings["d_vocab"], (2, settings["n_ctx"]), generator=torch.Generator().manual_seed(6))
-    state = built_by_hooked_transformer(settings, tokens, tmp_path)
-    state.update({key: torch.tensor(-1e5) for key in state if key.endswith(".IGNORE")})
-    save_file(state, str(tmp_path / "state.safetensors"))
-    oracle("toy_idioms", json.dumps(settings), tmp_path / "state.safetensors", tmp_path / "tokens.safetensors",
-           tmp_path / "theirs.safetensors")
-    theirs = load_file(str(tmp_path / "theirs.safetensors"))
-    model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
-    model.load_state_dict(state, strict=True)
-    ours = toy_idioms(model, tokens)
+    def older(state):
+        state.update({key: torch.tensor(-1e5) for key in state if key.endswith(".IGNORE")})
+
+    model, ours, theirs = toy_idioms_on_both(TOY_CONFIGS["ln-defaults"], tmp_path, older)
     assert theirs["attn_scores0"].min() == -1e5 and ours["attn_scores0"].min() == -1e5
-    for name, value in ours.items():
-        torch.testing.assert_close(value.float(), theirs[name].float(), atol=1e-4, rtol=1e-4, msg=name)
     assert model.state_dict()["blocks.1.attn.IGNORE"].item() == -1e5  # saved as loaded
 
 
