@@ -7,7 +7,11 @@
 #   usage: bash scripts/saelens_oracle.sh [VENV]   (default: $PROBE_SAELENS_VENV or /tmp/saelens-venv)
 set -euo pipefail
 venv="${1:-${PROBE_SAELENS_VENV:-/tmp/saelens-venv}}"
+# circuit-tracer 0.5 is an oracle too (tests/test_tree_setup.py); its own pins (transformers <= 4.57, nnsight) are for
+# backends the tests do not use, so it goes in without its dependencies
+circuit_tracer="circuit-tracer==0.5.0"
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import sae_lens" 2>/dev/null; then
+    "$venv/bin/python" -c "import circuit_tracer" 2>/dev/null || "$venv/bin/python" -m pip install -q --no-deps "$circuit_tracer"
     echo "SAELens oracle already at $venv"
     exit 0
 fi
@@ -18,5 +22,6 @@ rm -rf "$building" "$venv"
 python -m venv "$building"
 "$building/bin/pip" install -q torch==2.13.0
 "$building/bin/pip" install -q "sae-lens==6.54.12"
+"$building/bin/pip" install -q --no-deps "$circuit_tracer"
 "$building/bin/python" -c "import sae_lens" && mv "$building" "$venv"
 "$venv/bin/python" -c "import sae_lens; print('SAELens', sae_lens.__version__, 'at $venv')"

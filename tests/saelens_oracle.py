@@ -374,6 +374,75 @@ def state_steps(config_json: str, state: str, inputs: str, outputs: str, steps_j
     save_file(out, outputs)
 
 
+CIRCUIT_TRACER_MODEL = dict(n_layers=2, d_model=64, d_head=16, n_heads=4, n_key_value_heads=2, d_mlp=96, n_ctx=32,
+                            d_vocab=4096, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
+                            rotary_dim=16, gated_mlp=True, final_rms=True)
+
+
+def circuit_tracer_graphs(tokenizer_file: str, outputs: str) -> None:
+    """circuit-tracer 0.5's attribution graph and a feature intervention for one random Llama-like model (grouped-query,
+    rotary, RMSNorm) with random transcoders, on TL's HookedTransformer and on probe's: circuit-tracer's module with
+    its `from transformer_lens import HookedTransformer` rebound to probe's, in memory (the import-only route).
+    OUTPUTS gets tl/KEY and probe/KEY."""
+    import inspect
+    import shutil
+    import types
+
+    import huggingface_hub.constants
+    huggingface_hub.constants.HF_HUB_ENABLE_HF_TRANSFER = False  # circuit-tracer reads it; huggingface_hub 1.0 dropped it
+    import circuit_tracer.replacement_model.replacement_model_transformerlens as tl_backend
+    from circuit_tracer.attribution.attribute import attribute
+    from circuit_tracer.transcoder.activation_functions import JumpReLU
+    from circuit_tracer.transcoder.single_layer_transcoder import SingleLayerTranscoder, TranscoderSet
+    from transformer_lens import HookedTransformerConfig
+    from transformers import PreTrainedTokenizerFast
+
+    import_probe_from_the_repository()
+    source = inspect.getsource(tl_backend)
+    line = "from transformer_lens import HookedTransformer, HookedTransformerConfig"
+    assert line in source, "circuit-tracer's import line moved: update this oracle"
+    probe_backend = types.ModuleType("probe_replacement_model")
+    exec(compile(source.replace(line, "from probe import HookedTransformer, HookedTransformerConfig"), tl_backend.__file__,
+                 "exec"), probe_backend.__dict__)
+    import tempfile
+
+    directory = tempfile.mkdtemp()  # a tokenizer directory: TL's set_tokenizer reloads the tokenizer by its path
+    PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, bos_token="<|endoftext|>").save_pretrained(directory)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
+    weights = {}
+    out = {}
+    for side, backend in (("tl", tl_backend), ("probe", probe_backend)):
+        torch.manual_seed(0)
+        model = backend.TransformerLensReplacementModel(HookedTransformerConfig(**CIRCUIT_TRACER_MODEL, device="cpu"))
+        if side == "tl":
+            moved_off_initialisation(model, 0.1)
+            weights = {key: t.detach().clone() for key, t in model.state_dict().items()}
+            model.set_tokenizer(tokenizer)
+        else:
+            model.load_state_dict(weights, strict=True)
+            model.set_tokenizer(tokenizer)
+        generator = torch.Generator().manual_seed(1)
+        transcoders = {}
+        for layer in range(CIRCUIT_TRACER_MODEL["n_layers"]):
+            transcoder = SingleLayerTranscoder(64, 48, JumpReLU(torch.full((48,), 0.05), 0.1), layer, dtype=torch.float32)
+            with torch.no_grad():
+                for p in (transcoder.W_enc, transcoder.W_dec):
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+            transcoders[layer] = transcoder
+        # what from_config does after building (its own build draws fresh weights, and these load first)
+        model._configure_replacement_model(TranscoderSet(transcoders, feature_input_hook="mlp.hook_in",
+                                                         feature_output_hook="mlp.hook_out"))
+        tokens = torch.tensor([0, 464, 390, 318, 257, 1332, 13, 632, 318])
+        graph = attribute(tokens, model, max_n_logits=3, batch_size=16, max_feature_nodes=40)
+        logits, activations = model.feature_intervention(tokens[None], [(0, 3, 5, 2.0), (1, 4, 7, 0.0)])
+        out.update({f"{side}/adjacency": graph.adjacency_matrix, f"{side}/selected": graph.selected_features,
+                    f"{side}/active": graph.active_features, f"{side}/values": graph.activation_values,
+                    f"{side}/intervened_logits": logits.detach(),
+                    f"{side}/intervened_activations": activations.to_dense() if activations.is_sparse else activations})
+    save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, outputs)
+    shutil.rmtree(directory)
+
+
 def attention_buffers(config_json: str, outputs: str) -> None:
     """HookedTransformer(HookedTransformerConfig(**CONFIG))'s attention buffers: OUTPUTS gets L.mask, L.rotary_sin,
     L.rotary_cos per layer; stdout the JSON of the layers' attn_type."""
@@ -831,7 +900,7 @@ def tl_config_routes(cases_json: str, outputs: str) -> None:
 
 
 COMMANDS = {"lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
-            "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "attention_buffers": attention_buffers, "induction": induction, "brackets": brackets, "neel": neel,
+            "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "attention_buffers": attention_buffers, "circuit_tracer_graphs": circuit_tracer_graphs, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}
 

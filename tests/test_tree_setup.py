@@ -87,3 +87,22 @@ def test_attention_buffers_read_as_transformer_lens_3_9s_and_shared_as_circuit_t
         block.attn.mask, block.attn.rotary_sin = model.blocks[0].attn.mask, model.blocks[0].attn.rotary_sin
     with pytest.raises(ValueError, match="attn.rotary_cos: probe computes it from the config"):
         model.blocks[1].attn.rotary_cos = model.blocks[0].attn.rotary_cos * 2  # a value probe would not read
+
+
+@needs_saelens
+def test_circuit_tracers_attribution_graph_and_interventions_are_transformer_lenss(tmp_path):
+    """circuit-tracer 0.5 (Anthropic's attribution graphs) subclasses HookedTransformer: it wraps every MLP and the
+    unembedding in modules with TL's HookPoints, calls setup(), shares the attention buffers across layers, runs its
+    backward passes after its hooks block, and reads cfg.to_dict() by TL's names. With its import of
+    HookedTransformer rebound to probe's, its graph and interventions on a random grouped-query rotary model with
+    random transcoders are the ones it computes on HookedTransformer (transformer-lens 3.9), in the oracle's
+    environment (tests/saelens_oracle.py: circuit_tracer_graphs)."""
+    from pathlib import Path
+
+    oracle("circuit_tracer_graphs", Path(probe.DEFAULT_MODEL) / "tokenizer.json", tmp_path / "graphs.safetensors")
+    out = load_file(str(tmp_path / "graphs.safetensors"))
+    for key in ("active", "selected"):  # which features are active, and the ones the graph keeps
+        assert torch.equal(out[f"probe/{key}"], out[f"tl/{key}"]), key
+    assert out["tl/selected"].numel() == 40 and out["tl/adjacency"].abs().max() > 1.0
+    for key in ("adjacency", "values", "intervened_logits", "intervened_activations"):
+        assert_same(out[f"probe/{key}"], out[f"tl/{key}"], atol=1e-5, what=key)
