@@ -49,7 +49,8 @@ class StateDictProcessing:
             raise ValueError(f"fold_layer_norm(fold_biases={fold_biases}, center_weights={center_weights}): this "
                              f"model's norms are {self.cfg.norm.value}, which fold with {how} (as transformer-lens's "
                              f"process_weights folds them)")
-        norms = [key for key in self.state_dict() if key.endswith((".w", ".b")) and ".ln" in f".{key}"]
+        # the norms' weights by name (the same names in TL's layout), without building that layout's copies
+        norms = [key for key, _ in self.named_parameters() if key.endswith((".w", ".b")) and ".ln" in f".{key}"]
         missing = [key for key in norms if key not in state_dict]
         if missing:
             raise KeyError(f"fold_layer_norm: the state dict has no {missing[0]} (and {len(missing) - 1} more norm "
