@@ -21,6 +21,13 @@ def is_foreign_point(module: nn.Module) -> bool:
     return type(module).__name__ == "HookPoint" and not isinstance(module, HookPoint)
 
 
+def observed(slot: nn.Module) -> bool:
+    """Whether the forward must compute what the hook point in this slot sees. probe's point: while something is
+    attached. Any other module code put in its place (auto_circuit's patch wrappers, another library's point): always,
+    since it is there to be called, as transformer-lens calls its points."""
+    return slot.active if isinstance(slot, HookPoint) else True
+
+
 def _run_shadow(shadow: HookPoint, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return shadow(output)
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import nn
 
-from probe.hooks import HookPoint
+from probe.hooks import HookPoint, observed
 from probe.config import DecoderConfig, Positions
 from probe.embedding import Rotary
 from probe.factored import FactoredMatrix
@@ -112,7 +112,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         if past is not None:
             k, v = past.append(k, v)
         k, v = per_head(k, self.n_heads), per_head(v, self.n_heads)
-        if not self.fusable or self.hook_attn_scores.active or self.hook_pattern.active:
+        if not self.fusable or observed(self.hook_attn_scores) or observed(self.hook_pattern):
             z = self._attend_explicitly(q, k, v, allowed)
         else:  # nothing observes the pattern: let the fused kernel avoid materialising it
             z = F.scaled_dot_product_attention(
@@ -120,7 +120,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
                 attn_mask=allowed, is_causal=allowed is None and self.causal, scale=self.scale,
             ).transpose(1, 2)
         z = self.hook_z(z)
-        if self.hook_result.active:
+        if observed(self.hook_result):
             result = self.hook_result(
                 einsum(z, self.W_O, "batch pos head d_head, head d_head d_model -> batch pos head d_model")
             )
@@ -132,7 +132,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         (three while one of their own inputs is hooked), or from each head's own input (keys' and values' inputs
         may be one per query head: then so are k and v)."""
         if isinstance(x, torch.Tensor):
-            if self.q.hook_in.active or self.k.hook_in.active or self.v.hook_in.active:
+            if observed(self.q.hook_in) or observed(self.k.hook_in) or observed(self.v.hook_in):
                 # each projection reads its own input, q's first, as on the bridge: an edit in place at one input
                 # reaches the projections after it, not those before
                 biases = (None,) * 3 if self.qkv.bias is None else self.qkv.bias.split(self.qkv_sizes)

@@ -3,13 +3,15 @@
 Each reads top to bottom with its hook points inline; the config picks one at construction (HookedDecoder)."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from einops import repeat
 from torch import nn
 
 from probe.attention import Attention, PerHeadInputs
 from probe.config import DecoderConfig, NormPlacement
-from probe.hooks import HookPoint
+from probe.hooks import HookPoint, observed
 from probe.mlp import make_mlp
 from probe.norm import make_norm
 
@@ -30,6 +32,7 @@ class PreNormBlock(nn.Module):
         self.hook_q_input = HookPoint(opt_in=True, by_name=True)  # [batch pos head d_model]
         self.hook_k_input = HookPoint(opt_in=True, by_name=True)  # [batch pos kv_head d_model]
         self.hook_v_input = HookPoint(opt_in=True, by_name=True)  # [batch pos kv_head d_model]
+        self.split_qkv_input = False  # set_use_split_qkv_input: see attention_input
         self.hook_attn_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_mid = HookPoint()  # [batch pos d_model]
         # [batch pos d_model]: what the MLP reads, before its norm; a copy of the residual, as in transformer-lens,
@@ -51,20 +54,27 @@ class PreNormBlock(nn.Module):
         [batch pos kv_head d_model] keys' and values' inputs (one per query head once ungrouped), so an edit reaches one
         head's q, k or v alone."""
         points = (self.hook_attn_in, self.hook_q_input, self.hook_k_input, self.hook_v_input)
-        if not any(point.active for point in points):
+        if not any(observed(point) for point in points):
             return norm(resid)
-        # repeat may return a broadcast view of resid: a real copy, so an in-place edit stays in its head
-        attn_in = self.hook_attn_in(repeat(resid, "batch pos d_model -> batch pos head d_model", head=self.attn.n_heads).clone())
-        kv_heads = self.attn.hooked_kv_heads  # one per query head once ungrouped
-        if kv_heads != self.attn.n_heads and self.hook_attn_in.active:
-            raise ValueError("hook_attn_in has one copy per query head, but this model's keys and values have fewer "
-                             "heads (grouped-query attention); hook hook_k_input / hook_v_input instead, or compute "
-                             "keys and values per query head: model.set_ungroup_grouped_query_attention(True)")
-        kv_in = attn_in if kv_heads == self.attn.n_heads else repeat(
-            resid, "batch pos d_model -> batch pos head d_model", head=kv_heads)
+        n_heads, kv_heads = self.attn.n_heads, self.attn.hooked_kv_heads  # one per query head once ungrouped
+        # repeat may return a broadcast view of resid: real copies, so an in-place edit stays in its head
+        per_head = partial(repeat, resid, "batch pos d_model -> batch pos head d_model")
+        if self.split_qkv_input:
+            # transformer-lens's precedence: with use_split_qkv_input on, q, k and v read copies of the residual of
+            # their own, and hook_attn_in (use_attn_in) only observes: an edit there reaches nothing
+            if observed(self.hook_attn_in):
+                self.hook_attn_in(per_head(head=n_heads).clone())
+            q_in, kv_in = per_head(head=n_heads).clone(), per_head(head=kv_heads)
+        else:
+            q_in = self.hook_attn_in(per_head(head=n_heads).clone())
+            if kv_heads != n_heads and observed(self.hook_attn_in):
+                raise ValueError("hook_attn_in has one copy per query head, but this model's keys and values have "
+                                 "fewer heads (grouped-query attention); hook hook_k_input / hook_v_input instead, or "
+                                 "compute keys and values per query head: model.set_ungroup_grouped_query_attention(True)")
+            kv_in = q_in if kv_heads == n_heads else per_head(head=kv_heads)
         # copies made before any hook runs, so an in-place edit of a query input never reaches a key or value
         k_in, v_in = kv_in.clone(), kv_in.clone()
-        q_in = self.hook_q_input(attn_in)
+        q_in = self.hook_q_input(q_in)
         return PerHeadInputs(norm(q_in), norm(self.hook_k_input(k_in)), norm(self.hook_v_input(v_in)))
 
 

@@ -30,16 +30,26 @@ class LayerKV:
 class KVCache:
     """Every layer's keys and values, plus the attention mask of all positions seen so far."""
 
-    def __init__(self, n_layers: int) -> None:
+    def __init__(self, n_layers: int, batch_size: int = 1, device=None) -> None:
         self.layers = [LayerKV() for _ in range(n_layers)]
         self.attention_mask: Optional[torch.Tensor] = None  # [batch pos]: 1 = real token
         self.frozen = False
+        self.batch_size, self.device = batch_size, device  # what the empty mask is made of, before the first pass
 
     @classmethod
     def init_cache(cls, cfg, device=None, batch_size: int = 1) -> "KVCache":
         """transformer-lens's constructor, `init_cache(model.cfg, model.cfg.device, batch_size)`: an empty cache for a
         model of `cfg` (its device and batch are those of the first tokens it is given)."""
-        return cls(cfg.n_layers)
+        return cls(cfg.n_layers, batch_size, device)
+
+    # transformer-lens's name: auto_circuit keys its caches by `previous_attention_mask.shape[0]`. TL's per-layer
+    # `past_keys` are not offered: probe keeps keys after rotary, TL before it, so they would read other values
+    @property
+    def previous_attention_mask(self) -> torch.Tensor:
+        """The mask of every position so far [batch pos_so_far], empty [batch 0] before the first pass."""
+        if self.attention_mask is None:
+            return torch.empty((self.batch_size, 0), dtype=torch.int, device=self.device)
+        return self.attention_mask
 
     @property
     def length(self) -> int:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from probe.hooks import HookPoint
+from probe.hooks import HookPoint, observed
 from probe.config import DecoderConfig, Norm
 
 
@@ -77,7 +77,7 @@ class LayerNorm(FixedWeights, HookedEnds, nn.Module):
         self.hook_normalized = HookPoint()  # [batch pos d_model]: centred / scale, before w and b (as TransformerLens)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.hook_scale.active or self.hook_normalized.active):
+        if not (observed(self.hook_scale) or observed(self.hook_normalized)):
             return F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)  # fused: nothing to observe
         # in float32 whatever the model's dtype, as the fused kernel computes: float16 squares overflow
         # past 256, so a cached scale would otherwise turn a float16 model's output into garbage. The
@@ -159,7 +159,7 @@ class NoNorm(FixedWeights, HookedEnds, nn.Module):
         self.hook_normalized = HookPoint(unlisted=True)  # [batch pos d_model]: the input
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.hook_scale.active or self.hook_normalized.active):
+        if not (observed(self.hook_scale) or observed(self.hook_normalized)):
             return x
         scale = self.hook_scale(x.new_ones(*x.shape[:-1], 1))  # a hook may replace it (a frozen scale)
         return self.hook_normalized(x / scale)

@@ -40,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from probe.hooks import HookedRootModule, HookPoint
+from probe.hooks import HookedRootModule, HookPoint, observed
 from probe.io import atomic_directory
 from probe.sae_config import ARCHITECTURES, TRANSCODER_NAMES, Architecture, SAEConfig, check_weights, config_from_saelens
 
@@ -118,7 +118,7 @@ class SparseAutoencoder(HookedRootModule):
         output = (self.decode(self.encode(x)) + self._skip(x)).reshape(shape)
         if use_error_term:
             with torch.no_grad():  # the error is a constant: an edit of the features acts on the reconstruction alone
-                edited = any(p.active for p in (self.hook_sae_input, self.hook_sae_acts_pre, self.hook_sae_acts_post,
+                edited = any(observed(p) for p in (self.hook_sae_input, self.hook_sae_acts_pre, self.hook_sae_acts_post,
                                                 self.hook_sae_recons))
                 # without hooks the reconstruction is the clean one: the same operations, so no second encode
                 clean = (self._encode(x, hooked=False) @ self.W_dec + self.b_dec + self._skip(x)).reshape(shape) \

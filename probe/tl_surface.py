@@ -135,8 +135,11 @@ class TransformerLensSurface:
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
         """Whether a cache of everything includes each head's own query, key and value input, `blocks.l.hook_q_input`
         / `hook_k_input` / `hook_v_input` [batch pos head d_model] (the residual before the norm). They exist and
-        work whenever hooked or cached by name either way."""
+        work whenever hooked or cached by name either way. While it is on, they are copies of the residual of their own,
+        and `hook_attn_in` (set_use_attn_in) only observes: an edit there reaches nothing, as in transformer-lens."""
         self._include_by_default(("hook_q_input", "hook_k_input", "hook_v_input"), use_split_qkv_input)
+        for block in self.blocks:  # then hook_attn_in only observes, as in transformer-lens
+            block.split_qkv_input = bool(use_split_qkv_input)
         self._record_switch(use_split_qkv_input=bool(use_split_qkv_input))
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:

@@ -26,13 +26,17 @@ def kv_cache_idioms(model, cache_class, tokens: torch.Tensor) -> dict:
 
         # one frozen prefix, several continuations; unfrozen, the cache grows again
         prefix = cache_class.init_cache(model.cfg, model.cfg.device, batch)
+        out["empty_mask_shape"] = torch.tensor(prefix.previous_attention_mask.shape)  # auto_circuit keys caches so
         model(tokens[:, :3], past_kv_cache=prefix)
         prefix.freeze()
+        out["prefix_mask"] = prefix.previous_attention_mask
         out["continuation_a"] = model(tokens[:, 3:], past_kv_cache=prefix)
         out["continuation_b"] = model(tokens[:, 3:5], past_kv_cache=prefix)
+        out["frozen_mask"] = prefix.previous_attention_mask
         prefix.unfreeze()
         out["grown_c"] = model(tokens[:, 3:4], past_kv_cache=prefix)
         out["grown_d"] = model(tokens[:, 4:6], past_kv_cache=prefix)
+        out["grown_mask"] = prefix.previous_attention_mask
 
         # hooks and caches see the new positions only, attending to every cached one
         held = cache_class.init_cache(model.cfg, model.cfg.device, batch)

@@ -41,6 +41,9 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
     python saelens_oracle.py sae_splice MODEL_DIR INPUTS OUTPUTS
         a subclass of HookedTransformer (tests/sae_splice_idioms.py) with a GPT-2 directory's weights, unprocessed,
         runs sae_splice_idioms, then wrapper_idioms, on INPUTS' tokens: OUTPUTS gets each result by name; stdout the JSON of its listings
+    python saelens_oracle.py patch_wrappers MODEL_DIR INPUTS OUTPUTS
+        HookedTransformer with a GPT-2 directory's weights, unprocessed, runs tests/patch_wrapper_idioms.py on INPUTS'
+        tokens: OUTPUTS gets each result by name; stdout the JSON of each wrapper's calls
     python saelens_oracle.py induction CONFIG_JSON STATE INPUTS SEQ_LEN OUTPUTS
         HookedTransformer(HookedTransformerConfig(**CONFIG)) with the state dict STATE runs
         tests/induction_idioms.py's induction_idioms on INPUTS' tokens; OUTPUTS gets each result by name
@@ -467,6 +470,19 @@ def sae_splice(model_dir: str, inputs: str, outputs: str) -> None:
     wrapped, wrapped_names = wrapper_idioms(model, HookPoint, load_file(inputs)["tokens"])
     save_file({**out, **{f"wrapper.{key}": t for key, t in wrapped.items()}}, outputs)
     print(json.dumps({**names, **wrapped_names, "acts_to_saes": sorted(model.acts_to_saes)}))
+
+
+def patch_wrappers(model_dir: str, inputs: str, outputs: str) -> None:
+    from transformer_lens import HookedTransformer
+
+    from patch_wrapper_idioms import patch_wrapper_idioms  # beside this file: its folder is on sys.path
+
+    plain = hooked_gpt2(model_dir)
+    model = HookedTransformer(plain.cfg).eval()
+    model.load_state_dict(plain.state_dict(), strict=True)
+    out, calls = patch_wrapper_idioms(model, load_file(inputs)["tokens"])
+    save_file(out, outputs)
+    print(json.dumps(calls))
 
 
 def induction(config_json: str, state: str, inputs: str, seq_len: str, outputs: str) -> None:
@@ -900,7 +916,7 @@ def tl_config_routes(cases_json: str, outputs: str) -> None:
 
 
 COMMANDS = {"lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
-            "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "attention_buffers": attention_buffers, "circuit_tracer_graphs": circuit_tracer_graphs, "induction": induction, "brackets": brackets, "neel": neel,
+            "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "patch_wrappers": patch_wrappers, "attention_buffers": attention_buffers, "circuit_tracer_graphs": circuit_tracer_graphs, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import probe
 from probe import HookedTransformer, SAEConfig, SparseAutoencoder
+from patch_wrapper_idioms import patch_wrapper_idioms
 from sae_splice_idioms import NAME, make_sae, sae_splice_idioms, set_deep_attr, subclass_of, wrapper_idioms
 from test_sae_training import needs_saelens, oracle
 from tl_oracle import assert_same
@@ -106,3 +107,22 @@ def test_circuit_tracers_attribution_graph_and_interventions_are_transformer_len
     assert out["tl/selected"].numel() == 40 and out["tl/adjacency"].abs().max() > 1.0
     for key in ("adjacency", "values", "intervened_logits", "intervened_activations"):
         assert_same(out[f"probe/{key}"], out[f"tl/{key}"], atol=1e-5, what=key)
+
+
+@needs_saelens
+def test_modules_put_where_points_were_run_as_transformer_lens_runs_them(tmp_path):
+    """auto_circuit's patch wrappers, put in place of points without setup(), and the per-head input switches'
+    precedence (tests/patch_wrapper_idioms.py), against HookedTransformer 3.9 running the same code."""
+    save_file({"tokens": tokens()}, str(tmp_path / "tokens.safetensors"))
+    printed = oracle("patch_wrappers", probe.DEFAULT_MODEL, tmp_path / "tokens.safetensors", tmp_path / "theirs.safetensors")
+    their_calls = json.loads(printed.splitlines()[-1])
+    theirs = load_file(str(tmp_path / "theirs.safetensors"))
+    model = HookedTransformer.from_pretrained_no_processing(probe.DEFAULT_MODEL).eval()
+    ours, calls = patch_wrapper_idioms(model, tokens())
+    assert calls == their_calls
+    assert all(len(seen) == 1 for seen in calls.values())  # each wrapper ran, once per forward
+    assert set(ours) == set(theirs)
+    for key in theirs:
+        assert_same(ours[key], theirs[key], atol=1e-4, what=key)
+    assert_same(ours["both.attn_in"], ours["plain"], what="an edit at hook_attn_in beside split inputs")
+    assert not torch.allclose(ours["attn_in_alone"], ours["plain"])
