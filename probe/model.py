@@ -129,7 +129,9 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         else:
             resid = self._validate_residual(input, start_at_layer)
             batch, n_new = resid.shape[:2]
-            attention_mask = check_mask(attention_mask, (batch, n_new), "the residual stream's [batch pos]", self.device)
+            # after a KV cache, transformer-lens's input_to_embed(past_kv_cache=) hands back every position's mask
+            seen = kv_cache.length if kv_cache is not None and attention_mask is not None and attention_mask.shape[-1] != n_new else 0
+            attention_mask = check_mask(attention_mask, (batch, seen + n_new), "the residual stream's [batch pos]", self.device)
         if stop_at_layer is not None:
             n_layers = self.cfg.n_layers
             stop = stop_at_layer + n_layers if stop_at_layer < 0 else stop_at_layer
@@ -146,18 +148,25 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
                 raise ValueError("kv_cache: in a bidirectional model earlier positions attend to later ones, so their "
                                  "keys and values change with every new token and cannot be cached; run the whole "
                                  "sequence again instead")
-            if not from_tokens or stop_at_layer is not None:
+            if (start_at_layer != 0 or stop_at_layer is not None) and not kv_cache.frozen:
                 # the cache must grow in every layer at once, or its length and mask stop matching the keys
                 raise ValueError(
                     f"kv_cache needs a pass through every layer; got start_at_layer={start_at_layer}, "
-                    f"stop_at_layer={stop_at_layer}"
+                    f"stop_at_layer={stop_at_layer}: freeze the cache (cache.freeze()) to read it from part of the model"
                 )
             if kv_cache.length + n_new > self.cfg.n_ctx:
                 raise ValueError(
                     f"the KV cache holds {kv_cache.length} positions; {n_new} more would exceed n_ctx={self.cfg.n_ctx}"
                 )
-            new_mask = attention_mask if attention_mask is not None else torch.ones(batch, n_new, dtype=torch.long, device=device)
-            attention_mask = kv_cache.extend_mask(new_mask)
+            if attention_mask is not None and attention_mask.shape[1] > n_new:  # every position's, given
+                held = kv_cache.attention_mask
+                if not kv_cache.frozen and (held is None or held.shape[1] != attention_mask.shape[1]):
+                    raise ValueError("a mask of every position goes with a cache that holds it: pass the mask "
+                                     "input_to_embed(..., past_kv_cache=cache) returned, or the new tokens' mask alone")
+                logits_mask = attention_mask[:, -n_new:]
+            else:
+                new_mask = attention_mask if attention_mask is not None else torch.ones(batch, n_new, dtype=torch.long, device=device)
+                attention_mask = kv_cache.extend_mask(new_mask)
         positions = token_positions(attention_mask, batch, n_new, device)
         if from_tokens:
             resid = self.hook_embed(self.embed(self.hook_tokens(tokens)))

@@ -15,6 +15,8 @@ import probe.residual_stack as rs
 from probe.config import SWITCHES, DecoderConfig, Positions
 from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps, untie_embeddings
 from probe.attention import per_head
+from probe.inputs import token_positions
+from probe.kv_cache import one_cache
 from probe.norm import folded_norm_weights
 from probe.tl_state_dict import TL_BUFFERS, bridge_rank
 from probe.tokenizer import Tokenizer, check_padding_side, prepends_bos
@@ -318,15 +320,30 @@ class TransformerLensSurface:
         """transformer-lens's first step of the forward: `(residual, tokens, shortformer_pos_embed, attention_mask)`,
         the residual [batch pos d_model] entering block 0 (run the rest with `model(residual, start_at_layer=0, ...)`
         or the blocks), the token ids, a shortformer model's positions [batch pos d_model] (None for the others,
-        whose positions are in the residual or rotary), and the mask (None when nothing is padded)."""
+        whose positions are in the residual or rotary), and the mask (None when nothing is padded). With
+        `past_kv_cache`, as TL's: positions continue where the cache ends, the new tokens' mask joins the cache's
+        unless it is frozen, and the mask returned is every position's [batch past+pos], which
+        `model(residual, start_at_layer=l, attention_mask=mask, past_kv_cache=cache)` takes."""
         if past_kv_cache is not None:
-            refuse_unsupported({"past_kv_cache": past_kv_cache}, "input_to_embed()")
+            return self._input_to_embed_after(past_kv_cache, input, prepend_bos, padding_side, attention_mask)
         tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos)
         # the padding is read once, above: padding_side="right" keeps the forward from reading the ids again
         residual = self(tokens, attention_mask=attention_mask, padding_side="right", stop_at_layer=0)
         shortformer = self.cfg.positions is Positions.SHORTFORMER
         positions = self.pos_embed(tokens, attention_mask=attention_mask) if shortformer else None
         return residual, tokens, positions, attention_mask
+
+    def _input_to_embed_after(self, cache, input, prepend_bos, padding_side, attention_mask):
+        cache = one_cache(None, cache)
+        # new tokens after cached ones continue a prompt: a pad id among them is a token, not padding
+        tokens, new_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos, cache.length == 0)
+        every = cache.extend_mask(torch.ones_like(tokens) if new_mask is None else new_mask)
+        positions = token_positions(every, *tokens.shape, self.device)
+        residual = self.hook_embed(self.embed(self.hook_tokens(tokens)))
+        shortformer = None
+        if self.pos_embed is not None:
+            residual, shortformer = self.pos_embed.place(residual, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
+        return residual, tokens, shortformer, every
 
     # ---- positions -----------------------------------------------------------------------------------
     def get_token_position(self, single_token: Union[str, int], input: Union[str, torch.Tensor],

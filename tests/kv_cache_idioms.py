@@ -38,6 +38,25 @@ def kv_cache_idioms(model, cache_class, tokens: torch.Tensor) -> dict:
         out["grown_d"] = model(tokens[:, 4:6], past_kv_cache=prefix)
         out["grown_mask"] = prefix.previous_attention_mask
 
+        # auto_circuit's ACDC over a frozen shared prefix: input_to_embed after the cache, then each layer rerun from
+        # a cached residual with every position's mask
+        shared = cache_class.init_cache(model.cfg, model.cfg.device, batch)
+        model(tokens[:, :3], past_kv_cache=shared)
+        shared.freeze()
+        residual, new_tokens, _, mask = model.input_to_embed(tokens[:, 3:], past_kv_cache=shared)
+        out["embed_after_cache"], out["embed_mask"] = residual, mask
+        _, run = model.run_with_cache(tokens[:, 3:], past_kv_cache=shared)
+        for layer in range(model.cfg.n_layers):
+            out[f"from_layer_{layer}"] = model(run[f"blocks.{layer}.hook_resid_pre"], start_at_layer=layer,
+                                               tokens=new_tokens, attention_mask=mask, past_kv_cache=shared)
+        # unfrozen, input_to_embed keeps the new mask and the run from its residual keeps the new keys
+        growing = cache_class.init_cache(model.cfg, model.cfg.device, batch)
+        model(tokens[:, :3], past_kv_cache=growing)
+        residual, _, _, mask = model.input_to_embed(tokens[:, 3:5], past_kv_cache=growing)
+        out["grown_embed_mask"] = growing.previous_attention_mask
+        out["from_embed"] = model(residual, start_at_layer=0, attention_mask=mask, past_kv_cache=growing)
+        out["after_from_embed"] = model(tokens[:, 5:7], past_kv_cache=growing)
+
         # hooks and caches see the new positions only, attending to every cached one
         held = cache_class.init_cache(model.cfg, model.cfg.device, batch)
         model(tokens[:, :4], past_kv_cache=held)

@@ -68,3 +68,15 @@ def test_generate_stream_refuses_what_it_cannot_stream_naming_the_fix():
         next(model.generate_stream(TOKENS[:1], 2, max_tokens_per_yield=0))
     with pytest.raises(ValueError, match="use generate\\(\\) for embeddings"):
         next(model.generate_stream(model.embed(TOKENS[:1]), 2))
+
+
+def test_a_residual_run_refuses_a_cache_it_would_leave_inconsistent():
+    model = HookedDecoder(HookedTransformerConfig(**CASES["learned-positions"]))
+    cache = probe.HookedTransformerKeyValueCache.init_cache(model.cfg, model.cfg.device, 1)
+    model(TOKENS[:1, :3], past_kv_cache=cache)
+    residual = model(TOKENS[:1, 3:5], stop_at_layer=0)
+    with pytest.raises(ValueError, match="freeze the cache"):
+        model(residual, start_at_layer=1, past_kv_cache=cache)
+    with pytest.raises(ValueError, match="input_to_embed\\(..., past_kv_cache=cache\\) returned"):
+        model(residual, start_at_layer=0, attention_mask=torch.ones(1, 5, dtype=torch.long), past_kv_cache=cache)
+    assert cache.length == 3 and cache.previous_attention_mask.shape == (1, 3)  # nothing kept from either
