@@ -17,7 +17,7 @@ import dataclasses
 
 import math
 import random
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -65,7 +65,35 @@ def _config_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(DecoderConfig) if f.compare}
 
 
-def HookedTransformerConfig(**settings: Any) -> DecoderConfig:  # noqa: N802: transformer-lens's name, for its code
+class _BuildsDecoderConfigs(type):
+    """Calling the class builds a DecoderConfig, and every DecoderConfig is an instance of it."""
+
+    def __call__(cls, **settings: Any) -> DecoderConfig:
+        return decoder_config_from_tl(**settings)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, DecoderConfig)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, DecoderConfig)
+
+
+class HookedTransformerConfig(metaclass=_BuildsDecoderConfigs):
+    """transformer-lens's config class, for its code: `HookedTransformerConfig(**keywords)` builds probe's
+    DecoderConfig (see decoder_config_from_tl), and `isinstance(model.cfg, HookedTransformerConfig)` holds, as TL code
+    checks it (EAP-IG's `Graph.from_model` takes a model, a config or a dict by that test)."""
+
+    @classmethod
+    def from_dict(cls, config_dict: dict) -> DecoderConfig:
+        return decoder_config_from_tl(**config_dict)
+
+    @classmethod
+    def unwrap(cls, config: Union[dict, DecoderConfig]) -> DecoderConfig:
+        """A dict built into a config, a config as it is (TL's helper for functions that take either)."""
+        return cls.from_dict(config) if isinstance(config, dict) else config
+
+
+def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
     """A DecoderConfig from transformer-lens's HookedTransformerConfig keywords (see the module docstring), or from
     every field of a DecoderConfig's `to_dict()`: TL code rebuilds a model's config as
     `HookedTransformerConfig(**model.cfg.to_dict())`, and a probe config's dict holds probe's own fields."""

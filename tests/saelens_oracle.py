@@ -41,6 +41,8 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
     python saelens_oracle.py sae_splice MODEL_DIR INPUTS OUTPUTS
         a subclass of HookedTransformer (tests/sae_splice_idioms.py) with a GPT-2 directory's weights, unprocessed,
         runs sae_splice_idioms, then wrapper_idioms, on INPUTS' tokens: OUTPUTS gets each result by name; stdout the JSON of its listings
+    python saelens_oracle.py config_class CONFIG_JSON
+        stdout: the JSON of tests/config_class_idioms.py run on HookedTransformer(HookedTransformerConfig(**CONFIG))
     python saelens_oracle.py patch_wrappers MODEL_DIR INPUTS OUTPUTS
         HookedTransformer with a GPT-2 directory's weights, unprocessed, runs tests/patch_wrapper_idioms.py on INPUTS'
         tokens: OUTPUTS gets each result by name; stdout the JSON of each wrapper's calls
@@ -888,6 +890,15 @@ def lens_handles(config_json: str) -> None:
     print(json.dumps(lens_handle_idioms(HookedTransformer(HookedTransformerConfig(**json.loads(config_json))))))
 
 
+def config_class(config_json: str) -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from config_class_idioms import config_class_idioms  # beside this file: its folder is on sys.path
+
+    model = HookedTransformer(HookedTransformerConfig(**json.loads(config_json), device="cpu"))
+    print(json.dumps(config_class_idioms(model, HookedTransformer, HookedTransformerConfig)))
+
+
 def tl_config_routes(cases_json: str, outputs: str) -> None:
     """For each config, HookedTransformer(config dict) and HookedTransformer(HookedTransformerConfig object), and
     probe's HookedDecoder given TL's object (only this environment has one): each one's state dict, and the draw
@@ -915,7 +926,7 @@ def tl_config_routes(cases_json: str, outputs: str) -> None:
     print(json.dumps(switches))
 
 
-COMMANDS = {"lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
+COMMANDS = {"config_class": config_class, "lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "patch_wrappers": patch_wrappers, "attention_buffers": attention_buffers, "circuit_tracer_graphs": circuit_tracer_graphs, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}

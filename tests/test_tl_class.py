@@ -4,6 +4,7 @@ default processing) on one of Neel Nanda's toy models, and TL 4's bridge process
 defaults (as `test_tl_loading.py` checks HookedDecoder's explicit keywords against)."""
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from probe import DEFAULT_MODEL, HookedDecoder, HookedSAETransformer, HookedTransformer, HookedTransformerConfig
+from config_class_idioms import config_class_idioms
 from test_checkpoint_tl import CASES, assert_state_and_logits_are_tls, checkpoint_dir, loaded_by_both
 from test_sae_training import needs_saelens, oracle
 from test_tl_compat import PROMPT, classic
@@ -105,3 +107,13 @@ def test_gemmas_embedding_scale_is_in_w_e_as_transformer_lens_3_converts_it(tmp_
         assert_same(out["logits"], expected, what="TL running probe's exported state dict")
     with pytest.raises(ValueError, match="scale_embed=False"):
         ours.save_pretrained(tmp_path / "saved")  # no longer a Gemma checkpoint's layout: said, not written
+
+
+@needs_saelens
+def test_a_config_is_an_instance_of_hookedtransformerconfig_as_transformer_lens_code_tests_it():
+    """EAP-IG's Graph.from_model tells a model, a config and a dict apart by isinstance; TL code rebuilds configs with
+    `from_dict` and takes either with `unwrap`. The oracle: transformer-lens 3.9's classes (`config_class`)."""
+    config = dict(n_layers=2, d_model=32, d_head=8, n_heads=4, n_ctx=16, d_vocab=50, act_fn="gelu_new")
+    theirs = json.loads(oracle("config_class", json.dumps(config)).splitlines()[-1])
+    model = HookedTransformer(HookedTransformerConfig(**config))
+    assert config_class_idioms(model, HookedTransformer, HookedTransformerConfig) == theirs
