@@ -59,7 +59,7 @@ def check_graph_model(model: HookedDecoder) -> None:
         if cfg.norm is Norm.LAYER:
             raise ValueError("a LayerNorm sandwich block centres the attention's summed write, so heads' shares of "
                              "it are not exact; circuits support RMSNorm sandwich blocks (Gemma 2)")
-        if any(block.attn.b_O is not None for block in model.blocks):
+        if any(block.attn.out.bias is not None for block in model.blocks):
             raise ValueError("a sandwich block with an attention output bias normalises b_O with the heads, so no head "
                              "owns that share; circuits support sandwich blocks without b_O (Gemma 2)")
 

@@ -36,7 +36,7 @@ class Components:
         mlp = 0 if model.cfg.attn_only else 1
         for layer, block in enumerate(model.blocks):
             n_heads = block.attn.n_heads  # per layer: pruned models keep different numbers
-            bias = [f"L{layer} attn bias"] if block.attn.b_O is not None else []
+            bias = [f"L{layer} attn bias"] if block.attn.out.bias is not None else []
             names += [f"L{layer}H{h}" for h in range(n_heads)] + bias + [f"L{layer} mlp"] * mlp
             kinds += ["head"] * n_heads + ["attn_bias"] * len(bias) + ["mlp"] * mlp
             layers += [layer] * (n_heads + len(bias) + mlp)
@@ -97,7 +97,7 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
         parts.append(pick(cache["hook_pos_embed"]).to(dtype).unsqueeze(-2))
     for layer, block in enumerate(model.blocks):
         heads = pick(cache[act_name("result", layer)]).to(dtype)  # [batch (pos) head d_model]
-        bias = None if block.attn.b_O is None else block.attn.b_O.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2)
+        bias = None if block.attn.out.bias is None else block.attn.out.bias.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2)
         if hasattr(block, "ln1_post"):
             # a sandwich block normalises the attention's write; with that norm's scale frozen at its value in
             # this forward (as the final norm's is), x -> x * w / scale is linear, so each head's share of

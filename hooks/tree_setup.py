@@ -41,7 +41,11 @@ class TreeSetup:
         A transformer-lens HookPoint gets a shadow point of probe's under its name (its own hooks, and code holding
         it, keep working); one put back where probe had a point of its own gives way to that point again (an
         opt-in point such as `hook_result` stays opt-in), and is refused if it carries hooks: attach them through
-        the model after `setup()`. Points lent for a block (`lent_hook_points`: SAEs `add_sae` spliced in) stay."""
+        the model after `setup()`. Points lent for a block (`lent_hook_points`: SAEs `add_sae` spliced in) stay.
+        A model that has not named its points yet (a subclass's `__init__` ending in `self.setup()`, as TL's
+        own root modules end) names them here."""
+        if "_hook_points" not in self.__dict__:
+            self.setup_hooks()
         displaced = self.__dict__.setdefault("_displaced_points", {})  # probe's points taken out of the tree
         shadows = self.__dict__.setdefault("_shadow_points", {})  # id(foreign point): (it, its shadow)
         in_tree = {id(module) for module in self.modules()} | {id(shadow) for _, shadow in shadows.values()}

@@ -16,7 +16,7 @@ from probe.kv_cache import LayerKV
 from probe.norm import make_norm
 from probe.softcap import make_softcap
 from probe.tl_attention_buffers import TLAttentionBuffers
-from probe.tl_weights import WritableWeights, weight_view
+from probe.tl_weights import WritableWeights, bias_view, weight_view
 
 
 class PerHeadInputs(NamedTuple):
@@ -146,7 +146,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
             parts = qkv[..., :n_q], qkv[..., n_q:n_q + n_kv], qkv[..., n_q + n_kv:]
             return tuple(rearrange(t, "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
                          for t in parts)
-        biases = (self.b_Q, self.b_K, self.b_V)
+        biases = [self._qkv_bias(part) for part in range(3)]
         return tuple(
             einsum(inp, per_head(w, inp.shape[2], dim=0), "batch pos head d_model, head d_model d_head -> batch pos head d_head")
             + (0.0 if b is None else per_head(b, inp.shape[2], dim=0))
@@ -190,8 +190,8 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
     def QK(self) -> FactoredMatrix:  # [head d_model d_model]: W_Q @ W_K^T, before the scale, rotary and biases
         return FactoredMatrix(self.W_Q, self.W_K.repeat_interleave(self.n_heads // self.n_kv_heads, dim=0).mT)
 
-    @weight_view
-    def b_O(self) -> Optional[torch.Tensor]:  # [d_model], None without an output bias
+    @bias_view(lambda attn: attn.out.weight.shape[:1])
+    def b_O(self) -> torch.Tensor:  # [d_model], zeros without an output bias (out.bias is None)
         return self.out.bias
 
     def _qkv_bias(self, part: int) -> Optional[torch.Tensor]:
@@ -200,14 +200,14 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
             return None
         return self.qkv.bias.split(self.qkv_sizes)[part].view(-1, self.d_head)
 
-    @weight_view
-    def b_Q(self) -> Optional[torch.Tensor]:  # [head d_head], None without q/k/v biases
+    @bias_view(lambda attn: (attn.n_heads, attn.d_head))
+    def b_Q(self) -> torch.Tensor:  # [head d_head], zeros without q/k/v biases (qkv.bias is None)
         return self._qkv_bias(0)
 
-    @weight_view
-    def b_K(self) -> Optional[torch.Tensor]:  # [kv_head d_head]
+    @bias_view(lambda attn: (attn.n_kv_heads, attn.d_head))
+    def b_K(self) -> torch.Tensor:  # [kv_head d_head]
         return self._qkv_bias(1)
 
-    @weight_view
-    def b_V(self) -> Optional[torch.Tensor]:  # [kv_head d_head]
+    @bias_view(lambda attn: (attn.n_kv_heads, attn.d_head))
+    def b_V(self) -> torch.Tensor:  # [kv_head d_head]
         return self._qkv_bias(2)

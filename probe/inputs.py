@@ -22,10 +22,11 @@ class InputChecks:
 
     def tokens_and_mask(self, input: ModelInput, attention_mask: Optional[torch.Tensor],
                          padding_side: Optional[str] = None, prepend_bos: Optional[bool] = None,
-                         infer_padding: bool = True):
+                         infer_padding: bool = True, cached: bool = False):
         """Token ids on the model's device and their [batch pos] long mask (None: nothing padded). Token ids given
         without a mask have their left padding read off the pad id, as transformer-lens does (`padding_of`), unless
-        `infer_padding=False` (ids that are no prompt's start: a KV cache's continuation, generate's placeholders)."""
+        `infer_padding=False` (generate's placeholders). `cached`: a run into a key/value cache, whose keys later
+        tokens read, so padding on either side is masked, as transformer-lens masks a run with a cache."""
         if is_text(input):
             if attention_mask is not None:
                 raise ValueError("attention_mask is built for you when the input is text; pass token ids to give one")
@@ -33,7 +34,7 @@ class InputChecks:
             # never truncated here: text longer than n_ctx is refused (validate_tokens) rather than cut silently
             tokens, attention_mask = self.to_tokens(input, prepend_bos=prepend_bos, return_attention_mask=True,
                                                     padding_side=padding_side, truncate=False)
-            if bool(attention_mask.all()) or (padding_side == "right" and not self.cfg.bidirectional):
+            if bool(attention_mask.all()) or (padding_side == "right" and not self.cfg.bidirectional and not cached):
                 # causal attention alone is exact for every real token when the padding comes after them, and it
                 # gives the padded positions transformer-lens's values (they attend like real tokens); a
                 # bidirectional model's real tokens would read the padding after them, so it keeps the mask
@@ -46,26 +47,29 @@ class InputChecks:
             raise TypeError(f"input must be a string, a list of strings or a tensor of token ids, got {type(input).__name__}")
         tokens = self.validate_tokens(tokens)
         if attention_mask is None and infer_padding and isinstance(input, torch.Tensor):
-            return tokens, self.padding_of(tokens, padding_side, prepend_bos)
+            return tokens, self.padding_of(tokens, padding_side, prepend_bos, cached)
         return tokens, check_mask(attention_mask, tuple(tokens.shape), "the tokens'", tokens.device)
 
     def padding_of(self, tokens: torch.Tensor, padding_side: Optional[str] = None,
-                   prepend_bos: Optional[bool] = None) -> Optional[torch.Tensor]:
+                   prepend_bos: Optional[bool] = None, cached: bool = False) -> Optional[torch.Tensor]:
         """transformer-lens 3's mask for token ids [batch pos] given without one (HookedTransformer.forward with
         utils.get_attention_mask): when the padding side, this call's or else the tokenizer's (`default_padding_side=`
         sets it), is left, each row's leading run of pad ids is padding, except its last one when BOS is prepended
         and is the pad id (it is that row's BOS). Right padding is not read: the pads come after every real token,
-        which causal attention never lets see them. None when nothing is padding."""
+        which causal attention never lets see them, unless the run is `cached` (into a key/value cache, whose keys
+        later tokens read): then each row's trailing run is padding too, as TL masks every run with a cache (a
+        continuation's pad ids as well). None when nothing is padding."""
         tokenizer = self.tokenizer
         if padding_side is not None:
             check_padding_side(padding_side)
             if tokenizer is None and padding_side == "left":
                 raise ValueError("padding_side='left' reads the padding off the pad token id, which needs a tokenizer "
                                  "and this model has none: pass attention_mask= [batch pos] (1 = real token)")
-        if tokenizer is None or (padding_side or tokenizer.padding_side) != "left":
+        side = None if tokenizer is None else padding_side or tokenizer.padding_side
+        if side is None or (side != "left" and not cached):
             return None
         prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        return mask_from_padding(tokens, tokenizer.pad_id, tokenizer.bos_id, "left", prepend_bos)
+        return mask_from_padding(tokens, tokenizer.pad_id, tokenizer.bos_id, side, prepend_bos)
 
     def validate_attention_mask(self, attention_mask: Optional[torch.Tensor], tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """A [pos] or [batch pos] mask of 1s (real tokens) and 0s (padding) for `tokens`, as [batch pos] long on

@@ -10,7 +10,7 @@ from torch import nn
 from probe.hooks import HookPoint
 from probe.config import Activation, DecoderConfig
 from probe.norm import LayerNorm
-from probe.tl_weights import WritableWeights, weight_view
+from probe.tl_weights import WritableWeights, bias_view, weight_view
 
 
 class SoLU(nn.Module):
@@ -52,12 +52,12 @@ class MLP(WritableWeights, nn.Module):
     def W_out(self) -> torch.Tensor:  # [d_mlp d_model]
         return self.fc_out.weight.T
 
-    @weight_view
-    def b_in(self) -> Optional[torch.Tensor]:  # [d_mlp], None without MLP biases
+    @bias_view(lambda mlp: mlp.fc_in.weight.shape[:1])
+    def b_in(self) -> torch.Tensor:  # [d_mlp], zeros without MLP biases (fc_in.bias is None)
         return self.fc_in.bias
 
-    @weight_view
-    def b_out(self) -> Optional[torch.Tensor]:  # [d_model]
+    @bias_view(lambda mlp: mlp.fc_out.weight.shape[:1])
+    def b_out(self) -> torch.Tensor:  # [d_model]
         return self.fc_out.bias
 
 

@@ -122,9 +122,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         from_tokens = start_at_layer is None  # as in transformer-lens: any layer, 0 too, takes a residual
         start_at_layer = 0 if from_tokens else start_at_layer
         if from_tokens:
-            # new tokens after a KV cache's continue a prompt: a pad id among them is a token, not padding
-            fresh = kv_cache is None or kv_cache.length == 0
-            tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos, fresh)
+            tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos,
+                                                          cached=kv_cache is not None)
             batch, n_new = tokens.shape
         else:
             resid = self._validate_residual(input, start_at_layer)

@@ -335,8 +335,7 @@ class TransformerLensSurface:
 
     def _input_to_embed_after(self, cache, input, prepend_bos, padding_side, attention_mask):
         cache = one_cache(None, cache)
-        # new tokens after cached ones continue a prompt: a pad id among them is a token, not padding
-        tokens, new_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos, cache.length == 0)
+        tokens, new_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos, cached=True)
         every = cache.extend_mask(torch.ones_like(tokens) if new_mask is None else new_mask)
         positions = token_positions(every, *tokens.shape, self.device)
         residual = self.hook_embed(self.embed(self.hook_tokens(tokens)))

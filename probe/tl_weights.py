@@ -62,13 +62,19 @@ def write_into(view: torch.Tensor, value: torch.Tensor, name: str) -> None:
         torch.Tensor.copy_(view, value.detach())
 
 
-def weight_view(getter: Callable[[torch.nn.Module], Optional[torch.Tensor]]) -> property:
+def weight_view(getter: Callable[[torch.nn.Module], Optional[torch.Tensor]],
+                absent: Optional[Callable[[torch.nn.Module], tuple[int, ...]]] = None) -> property:
     """A property for `getter`'s view of a parameter (None where the model has no such weight): reads give a
-    WeightView, assignments write into the parameter."""
+    WeightView, assignments write into the parameter. `absent` (a bias's shape, from its module): where the model
+    has no such bias, reads give transformer-lens's zeros instead, all one element (so an edit in place is refused,
+    `add_` / `copy_` / `[...] =`, rather than lost), and assignments are refused."""
     name = getter.__name__
 
     def read(module):
         view = getter(module)
+        if view is None and absent is not None:
+            like = next(module.parameters())
+            return like.new_zeros(()).expand(absent(module))
         if view is None or torch.compiler.is_compiling():  # a compiled forward reads it as the plain view it is
             return view
         return view.as_subclass(WeightView)  # shares storage and autograd history with the parameter
@@ -80,6 +86,12 @@ def weight_view(getter: Callable[[torch.nn.Module], Optional[torch.Tensor]]) -> 
         write_into(view, value, name)
 
     return property(read, write, doc=getter.__doc__)
+
+
+def bias_view(absent: Callable[[torch.nn.Module], tuple[int, ...]]) -> Callable[[Callable], property]:
+    """weight_view for a bias some models lack: zeros of shape `absent(module)` there, as transformer-lens has them
+    (EAP-IG stacks every block's `attn.b_O`). probe's own code asks the fused parameter whether there is one."""
+    return lambda getter: weight_view(getter, absent)
 
 
 class WritableWeights:

@@ -57,6 +57,26 @@ def kv_cache_idioms(model, cache_class, tokens: torch.Tensor) -> dict:
         out["from_embed"] = model(residual, start_at_layer=0, attention_mask=mask, past_kv_cache=growing)
         out["after_from_embed"] = model(tokens[:, 5:7], past_kv_cache=growing)
 
+        # padded batches into a cache (TL's test_multi_token_batch): pad ids (0) on either side of a prompt or of a
+        # continuation are padding, the padding side's run of them
+        pad = torch.zeros_like(tokens)
+        left_prompt = torch.cat([pad[:, :2], tokens[:, :3]], dim=1)
+        left_prompt[0, :2] = tokens[0, 5:7]
+        right_prompt = torch.cat([tokens[:, :3], pad[:, :2]], dim=1)
+        right_prompt[1, 3:] = tokens[1, 5:7]
+        left_more, right_more = torch.cat([pad[:, :1], tokens[:, 3:5]], dim=1), torch.cat([tokens[:, 3:5], pad[:, :1]], dim=1)
+        left_more[1, 0] = tokens[1, 6]
+        right_more[0, 2] = tokens[0, 6]
+        for prompt_side, prompt in (("left", left_prompt), ("right", right_prompt)):
+            for more_side, more in (("left", left_more), ("right", right_more)):
+                padded = cache_class.init_cache(model.cfg, model.cfg.device, batch)
+                model(prompt, past_kv_cache=padded, padding_side=prompt_side)
+                padded.freeze()
+                logits = model(more, past_kv_cache=padded, padding_side=more_side, prepend_bos=False)
+                # a padding position's own output means nothing, and differs: probe lets a padded query see itself
+                out[f"padded_{prompt_side}_{more_side}"] = logits * (more != 0)[..., None]
+                out[f"padded_{prompt_side}_{more_side}_mask"] = padded.previous_attention_mask
+
         # hooks and caches see the new positions only, attending to every cached one
         held = cache_class.init_cache(model.cfg, model.cfg.device, batch)
         model(tokens[:, :4], past_kv_cache=held)

@@ -168,10 +168,10 @@ def test_model_level_weights_of_grouped_query_attention_keep_one_key_value_head_
             assert torch.equal(m.W_V[l, kv], attn.v_proj.weight[rows(kv)].T) and torch.equal(m.b_V[l, kv], attn.v_proj.bias[rows(kv)])
         assert torch.equal(m.b_O[l], attn.o_proj.bias)  # attention_bias covers the output projection too
         assert torch.equal(m.W_in[l], layer.mlp.up_proj.weight.T) and torch.equal(m.W_out[l], layer.mlp.down_proj.weight.T)
-    # biases the checkpoint lacks are zeros at the model level (transformer-lens's), None in the blocks
+    # biases the checkpoint lacks are zeros, at the model level and in the blocks (transformer-lens's)
     assert torch.equal(m.W_U, hf.lm_head.weight.T) and torch.equal(m.b_U, torch.zeros(m.cfg.d_vocab))
-    assert torch.equal(m.b_in, torch.zeros(n_layers, m.cfg.d_mlp)) and m.blocks[0].mlp.b_in is None
-    assert torch.equal(m.b_out, torch.zeros(n_layers, m.cfg.d_model)) and m.blocks[0].mlp.b_out is None
+    assert torch.equal(m.b_in, torch.zeros(n_layers, m.cfg.d_mlp)) and torch.equal(m.blocks[0].mlp.b_in, torch.zeros(m.cfg.d_mlp))
+    assert torch.equal(m.b_out, torch.zeros(n_layers, m.cfg.d_model)) and m.blocks[0].mlp.fc_out.bias is None
 
 
 def test_model_level_weights_say_when_they_do_not_exist():
@@ -182,9 +182,19 @@ def test_model_level_weights_say_when_they_do_not_exist():
         pruned.W_Q
     assert pruned.W_in.shape == (2, 32, 128)  # MLPs are not pruned: they stack
     rotary = HookedDecoder(DecoderConfig(n_layers=1, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, positions="rotary",
-                                         qkv_bias=False, mlp_bias=False))
+                                         qkv_bias=False, out_bias=False, mlp_bias=False))
     with pytest.raises(ValueError, match="rotary"):
         rotary.W_pos
-    # a missing bias is zeros of its shape at the model level (transformer-lens's), None in the block itself
+    # a missing bias is zeros of its shape, at the model level and in the block (transformer-lens's: EAP-IG stacks
+    # every block's attn.b_O), which no edit reaches: one in place is refused by torch, an assignment by name
     assert torch.equal(rotary.b_Q, torch.zeros(1, 4, 8)) and torch.equal(rotary.b_in, torch.zeros(1, 128))
-    assert rotary.blocks[0].attn.b_Q is None and rotary.blocks[0].mlp.b_in is None
+    attn, mlp = rotary.blocks[0].attn, rotary.blocks[0].mlp
+    assert attn.qkv.bias is None and attn.out.bias is None and mlp.fc_in.bias is None
+    assert torch.equal(torch.stack([block.attn.b_O for block in rotary.blocks]), torch.zeros(1, 32))
+    for bias, shape in ((attn.b_Q, (4, 8)), (attn.b_K, (4, 8)), (attn.b_V, (4, 8)), (attn.b_O, (32,)),
+                        (mlp.b_in, (128,)), (mlp.b_out, (32,))):
+        assert torch.equal(bias, torch.zeros(shape))
+        with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+            bias.add_(1.0)
+    with pytest.raises(ValueError, match="this model has no b_O"):
+        attn.b_O = torch.ones(32)

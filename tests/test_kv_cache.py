@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
 import probe
 from conftest import TINY, build_hf_checkpoint
@@ -42,6 +43,7 @@ def test_kv_cache_loops_agree_with_hooked_transformer(case, tmp_path):
     oracle("kv_cache_loop", json.dumps(CASES[case]), tmp_path / "state.safetensors", tmp_path / "tokens.safetensors",
            tmp_path / "theirs.safetensors", tmp_path / "tokenizer")
     theirs = load_file(str(tmp_path / "theirs.safetensors"))
+    model.set_tokenizer(AutoTokenizer.from_pretrained(tmp_path / "tokenizer"))  # the pad id, as TL's model has it
     ours = kv_cache_idioms(model, probe.TransformerLensKeyValueCache, TOKENS)
     assert sorted(ours) == sorted(theirs)
     for key, value in theirs.items():
