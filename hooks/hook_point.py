@@ -395,5 +395,6 @@ class HookPoint(nn.Module):
         state["_fns"], state["_bwd_fns"], state["ctx"] = [], [], {}
         return state
 
-    def extra_repr(self) -> str:
-        return f"name={self.name!r}"
+    def extra_repr(self) -> str:  # transformer-lens's: the name once named, then how many hooks of each kind
+        counts = [f"{len(fns)} {kind}" for fns, kind in ((self._fns, "fwd"), (self._bwd_fns, "bwd")) if fns]
+        return ", ".join(([f"name={self.name!r}"] if self.name != "<unnamed>" else []) + counts)

@@ -126,3 +126,33 @@ def test_modules_put_where_points_were_run_as_transformer_lens_runs_them(tmp_pat
         assert_same(ours[key], theirs[key], atol=1e-4, what=key)
     assert_same(ours["both.attn_in"], ours["plain"], what="an edit at hook_attn_in beside split inputs")
     assert not torch.allclose(ours["attn_in_alone"], ours["plain"])
+
+
+def _root_module_idioms(root: type, point: type) -> dict:
+    """A model written on HookedRootModule as transformer-lens's docs write one: points, then `self.setup()`."""
+
+    class Toy(root):
+        def __init__(self):
+            super().__init__()
+            self.hook_a, self.hook_b = point(), point()
+            self.setup()
+
+        def forward(self, x):
+            return self.hook_b(self.hook_a(x) * 2)
+
+    model, x = Toy(), torch.arange(3.0)
+    out = {"names": sorted(model.hook_dict), "named": repr(model.hook_a), "unnamed": repr(point())}
+    out["cache"] = {name: t.tolist() for name, t in model.run_with_cache(x)[1].items()}
+    for _ in range(2):
+        model.hook_b.add_hook(lambda t, hook: t + 1)
+    out["hooked"], out["run"] = repr(model.hook_b), model(x).tolist()
+    model.reset_hooks()
+    out["reset"] = repr(model.hook_b)
+    return out
+
+
+def test_a_root_module_subclass_sets_itself_up_as_on_transformer_lens():
+    from transformer_lens import HookedRootModule  # transformer-lens's classes (4.x's import path)
+    from transformer_lens.hook_points import HookPoint
+
+    assert _root_module_idioms(probe.HookedRootModule, probe.HookPoint) == _root_module_idioms(HookedRootModule, HookPoint)
