@@ -267,9 +267,11 @@ class StackMethods:
         return self._neuron_results(layer, W_out, rs.to_index(neuron_slice, "neuron_slice"), rs.to_index(pos_slice),
                                     project_output_onto)
 
-    def _neuron_results(self, layer: int, W_out: torch.Tensor, neurons, pos, project) -> torch.Tensor:
+    def _neuron_results(self, layer: int, W_out: torch.Tensor, neurons, pos, project_output_onto) -> torch.Tensor:
         post = rs.take(self._need(("post", layer), "the neuron results"), pos, -2)
-        return rs.neuron_writes(rs.take(post, neurons, -1), rs.take(W_out, neurons, 0), project)
+        project, squeeze = _as_matrix(project_output_onto)
+        writes = rs.neuron_writes(rs.take(post, neurons, -1), rs.take(W_out, neurons, 0), project)
+        return writes.squeeze(-1) if squeeze else writes
 
     def stack_neuron_results(self, layer: int, pos_slice=None, neuron_slice=None, return_labels: bool = False,
                              incl_remainder: bool = False, apply_ln: bool = False,

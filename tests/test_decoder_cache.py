@@ -145,7 +145,9 @@ def neurons_projected_onto_the_answer(model):
     both = model.W_U[:, [model.to_single_token(" the"), model.to_single_token(" a")]]
     return [cache.stack_neuron_results(2, apply_ln=True, project_output_onto=direction, incl_remainder=True),
             cache.stack_neuron_results(1, pos_slice=-1, project_output_onto=both),
-            cache.get_full_resid_decomposition(apply_ln=True, pos_slice=-1, project_output_onto=both)]
+            cache.get_full_resid_decomposition(apply_ln=True, pos_slice=-1, project_output_onto=both),
+            cache.get_neuron_results(1, pos_slice=-1, project_output_onto=direction),
+            cache.get_neuron_results(2, neuron_slice=(0, 9), project_output_onto=both)]
 
 
 def logit_attrs_for_token_strings(model):
