@@ -238,8 +238,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     @property
     def mlp_norm_learned(self) -> bool:
         """Whether a SoLU-LN MLP's LayerNorm over d_mlp (mlp.ln) learns w and b: beside learned LayerNorms only, as
-        transformer-lens builds it (a LayerNorm with normalization_type "LN", an LNPre otherwise)."""
-        return self.activation.normed and self.norm is Norm.LAYER and self.norm_weights
+        transformer-lens builds it (a LayerNorm with normalization_type "LN", an LNPre otherwise); never in an
+        attention-only model, whose config may still name "solu_ln" (Neel Nanda's attn-only checkpoints do)."""
+        return self.activation.normed and self.norm is Norm.LAYER and self.norm_weights and not self.attn_only
 
     @property
     def positions_in_residual(self) -> bool:

@@ -28,6 +28,10 @@ CASES = {  # Neel Nanda's config.json keys, at a small size
                     attn_only=False, normalization="LN", shortformer_pos=False),
     "attn-only-2l": dict(d_model=64, n_layers=2, d_mlp=256, d_head=16, n_heads=4, n_ctx=32, d_vocab=100,
                          act_fn="solu_ln", attn_only=True, normalization="LN", shortformer_pos=True),
+    # the same names with learned positions added to the residual, so TL's processing folds the norms: an attention-only
+    # model's config still names "solu_ln", which has no MLP norm to fold
+    "attn-only-1l": dict(d_model=64, n_layers=1, d_mlp=256, d_head=16, n_heads=4, n_ctx=32, d_vocab=100,
+                         act_fn="solu_ln", attn_only=True, normalization="LN", shortformer_pos=False),
     # Redwood's two-layer attention-only model, in the same format (ArthurConmy/redwood_attn_2l): ACDC's induction task
     "redwood_attn_2l": dict(d_model=64, n_layers=2, d_mlp=256, d_head=8, n_heads=8, n_ctx=32, d_vocab=100, act_fn="gelu",
                             attn_only=True, normalization="LN", shortformer_pos=True),
@@ -35,6 +39,7 @@ CASES = {  # Neel Nanda's config.json keys, at a small size
 # asked for TL's default processing, TL's from_pretrained folds and centres nothing in a shortformer model (it folds
 # only the value biases), so the attention-only model's weights are the file's but for b_O
 LOADINGS = [("gelu-2l", TL_DEFAULTS), ("attn-only-2l", TL_DEFAULTS), ("attn-only-2l", NO_PROCESSING),
+            ("attn-only-1l", TL_DEFAULTS),
             ("redwood_attn_2l", dict(fold_ln=False, center_writing_weights=False, center_unembed=False))]  # ACDC's
 
 
