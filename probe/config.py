@@ -362,7 +362,7 @@ SWITCHES = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_m
 
 def _assign(self: DecoderConfig, name: str, value: Any) -> None:
     # transformer-lens code turns its switches on by assigning to model.cfg (EAP's setup: model.cfg.use_split_qkv_input
-    # = True, ...), narrows n_ctx, and names a device on a config before building from it. Those are the only
+    # = True, ...), narrows n_ctx, sets default_prepend_bos, and names a device on a config before building from it. Those are the only
     # assignments taken: a model's own config passes a switch or n_ctx to the model, which records it; a config no
     # model owns records a switch for the model built from it. Everything else describes the architecture and stays
     # frozen.
@@ -374,8 +374,10 @@ def _assign(self: DecoderConfig, name: str, value: Any) -> None:
     if name == "n_ctx" and model is not None:  # EAP-IG narrows it around a to_tokens(truncate=True) call
         model.limit_context(value)
         return
-    if name in SWITCHES or (name == "device" and model is None):
-        object.__setattr__(self, name, bool(value) if name in SWITCHES else str(value))
+    if name in SWITCHES or name == "default_prepend_bos" or (name == "device" and model is None):
+        # TL code turns BOS off for a whole analysis by `model.cfg.default_prepend_bos = False`; text is read by it
+        # at each call
+        object.__setattr__(self, name, str(value) if name == "device" else bool(value))
         return
     fix = ("move the model with model.to(device), which updates model.cfg.device" if name == "device" else
            "build a changed copy with dataclasses.replace(cfg, ...) and a model from it"

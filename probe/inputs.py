@@ -102,8 +102,9 @@ class InputChecks:
 
 
     def _validate_residual(self, resid: torch.Tensor, start_at_layer: int) -> torch.Tensor:
-        if not 0 <= start_at_layer <= self.cfg.n_layers:
-            raise ValueError(f"start_at_layer={start_at_layer} is outside [0, n_layers={self.cfg.n_layers}]")
+        if not -self.cfg.n_layers <= start_at_layer <= self.cfg.n_layers:
+            raise ValueError(f"start_at_layer={start_at_layer} is outside [-n_layers, n_layers={self.cfg.n_layers}] "
+                             f"(negative counts from the end)")
         if not (isinstance(resid, torch.Tensor) and resid.is_floating_point() and resid.dim() == 3
                 and resid.shape[-1] == self.cfg.d_model):
             shape = tuple(resid.shape) if isinstance(resid, torch.Tensor) else type(resid).__name__

@@ -127,6 +127,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
             batch, n_new = tokens.shape
         else:
             resid = self._validate_residual(input, start_at_layer)
+            if start_at_layer < 0:  # transformer-lens slices blocks[start_at_layer:]: -1 runs the last block
+                start_at_layer += self.cfg.n_layers
             batch, n_new = resid.shape[:2]
             # after a KV cache, transformer-lens's input_to_embed(past_kv_cache=) hands back every position's mask
             seen = kv_cache.length if kv_cache is not None and attention_mask is not None and attention_mask.shape[-1] != n_new else 0

@@ -157,6 +157,20 @@ def case_input_to_embed(model):
             model(residual, start_at_layer=0, stop_at_layer=2))
 
 
+def case_negative_start_at_layer(model):
+    _, cache = model.run_with_cache(PROMPT)
+    last = model.cfg.n_layers - 1  # -1 runs the last block alone, as a slice blocks[-1:]
+    return model(cache[f"blocks.{last}.hook_resid_pre"], start_at_layer=-1)
+
+
+def case_default_prepend_bos_assigned(model):
+    model.cfg.default_prepend_bos = False  # TL code turns BOS off for a whole analysis so
+    try:
+        return model.to_tokens(PROMPT), model(PROMPT)
+    finally:
+        model.cfg.default_prepend_bos = True
+
+
 def case_get_caching_hooks_attached_by_hand(model):
     cache, fwd, bwd = model.get_caching_hooks(lambda name: name.endswith(("hook_z", "hook_resid_post")), incl_bwd=True)
     with model.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
