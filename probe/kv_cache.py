@@ -64,6 +64,8 @@ class KVCache:
             self.attention_mask = new_mask
         return new_mask
 
+    append_attention_mask = extend_mask  # transformer-lens's name
+
     def freeze(self) -> None:
         """Passes read the cache but add nothing to it, as transformer-lens's `freeze()`: one cached prefix serves
         several continuations."""

@@ -43,6 +43,7 @@ def kv_cache_idioms(model, cache_class, tokens: torch.Tensor) -> dict:
         shared = cache_class.init_cache(model.cfg, model.cfg.device, batch)
         model(tokens[:, :3], past_kv_cache=shared)
         shared.freeze()
+        out["appended_mask"] = shared.append_attention_mask(torch.ones_like(tokens[:, :2]))  # frozen: kept apart
         residual, new_tokens, _, mask = model.input_to_embed(tokens[:, 3:], past_kv_cache=shared)
         out["embed_after_cache"], out["embed_mask"] = residual, mask
         _, run = model.run_with_cache(tokens[:, 3:], past_kv_cache=shared)
