@@ -362,10 +362,10 @@ SWITCHES = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_m
 
 def _assign(self: DecoderConfig, name: str, value: Any) -> None:
     # transformer-lens code turns its switches on by assigning to model.cfg (EAP's setup: model.cfg.use_split_qkv_input
-    # = True, ...), narrows n_ctx, sets default_prepend_bos, and names a device on a config before building from it. Those are the only
-    # assignments taken: a model's own config passes a switch or n_ctx to the model, which records it; a config no
-    # model owns records a switch for the model built from it. Everything else describes the architecture and stays
-    # frozen.
+    # = True, ...), narrows n_ctx, turns default_prepend_bos off, and names a device on a config before building from
+    # it. Those are the only assignments taken: a model's own config passes a switch or n_ctx to the model, which
+    # records it; a config no model owns records a switch for the model built from it. Everything else describes the
+    # architecture and stays frozen.
     owner = self.__dict__.get("_owner")
     model = owner() if owner is not None else None
     if name in SWITCHES and model is not None:
