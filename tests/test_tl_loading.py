@@ -94,8 +94,8 @@ def test_other_families_process_as_the_bridge_does(family, tmp_path):
         warnings.simplefilter("ignore")
         ours = HookedDecoder.from_pretrained(tmp_path, fold_ln=True).eval()
     for name in WEIGHTS:
-        if name == "W_pos" or (getattr(ours.blocks[0].attn, "b_Q") is None and name.startswith("b_") and name != "b_U"):
-            continue  # rotary positions; the bridge has no zeros for the biases these checkpoints lack
+        if name == "W_pos" or (ours.blocks[0].attn.qkv.bias is None and name.startswith("b_") and name != "b_U"):
+            continue  # rotary positions; the bridge refuses the biases these checkpoints lack (probe: TL 3's zeros)
         assert_same(getattr(ours, name), getattr(theirs, name), atol=1e-6, what=f"{family}: {name}")
     tokens = torch.tensor([[1, 5, 9, 22, 7, 60, 3]])
     with torch.no_grad():
