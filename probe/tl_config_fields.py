@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from probe.config_choices import Norm, RotaryScaling
 
 
@@ -22,6 +24,7 @@ class HookedTransformerConfigFields:
     rotary_scaling: Optional[RotaryScaling]
     tied_embeddings: bool
     checkpoint_value: Optional[int]
+    act_fn: str
 
     # ---- what probe builds, under TL's names ----------------------------------------------------------------
     @property
@@ -85,6 +88,21 @@ class HookedTransformerConfigFields:
     @property
     def n_devices(self) -> int:
         return 1  # device_map= places blocks itself; TL's pipeline split over n_devices is not how probe does it
+
+    # ---- TL's config methods ----------------------------------------------------------------------------------
+    def is_layer_norm_activation(self) -> bool:
+        """Whether the MLP normalises its activations (SoLU-LN: act_fn "solu_ln")."""
+        return self.act_fn.endswith("_ln")
+
+    def set_seed_everywhere(self, seed: int) -> None:
+        """torch's, numpy's and Python's generators seeded with `seed`, as TL's config seeds them."""
+        import random
+
+        import numpy
+
+        torch.manual_seed(seed)
+        random.seed(seed)
+        numpy.random.seed(seed)
 
 
 # TL 3.9's fields for features probe does not build (post-embedding norm, adjacent-pair rotary, experts, YaRN rope,

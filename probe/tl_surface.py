@@ -320,7 +320,8 @@ class TransformerLensSurface:
         """transformer-lens's first step of the forward: `(residual, tokens, shortformer_pos_embed, attention_mask)`,
         the residual [batch pos d_model] entering block 0 (run the rest with `model(residual, start_at_layer=0, ...)`
         or the blocks), the token ids, a shortformer model's positions [batch pos d_model] (None for the others,
-        whose positions are in the residual or rotary), and the mask (None when nothing is padded). With
+        whose positions are in the residual or rotary), and the mask: None when nothing is padded, but all ones
+        when the tokenizer pads on the left, as TL returns it (its mask then comes from the ids whatever they hold). With
         `past_kv_cache`, as TL's: positions continue where the cache ends, the new tokens' mask joins the cache's
         unless it is frozen, and the mask returned is every position's [batch past+pos], which
         `model(residual, start_at_layer=l, attention_mask=mask, past_kv_cache=cache)` takes."""
@@ -331,6 +332,8 @@ class TransformerLensSurface:
         residual = self(tokens, attention_mask=attention_mask, padding_side="right", stop_at_layer=0)
         shortformer = self.cfg.positions is Positions.SHORTFORMER
         positions = self.pos_embed(tokens, attention_mask=attention_mask) if shortformer else None
+        if attention_mask is None and self.tokenizer is not None and self.tokenizer.padding_side == "left":
+            attention_mask = torch.ones_like(tokens)
         return residual, tokens, positions, attention_mask
 
     def _input_to_embed_after(self, cache, input, prepend_bos, padding_side, attention_mask):

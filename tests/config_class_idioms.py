@@ -23,4 +23,17 @@ def config_class_idioms(model, model_class, config_class) -> dict:
         "graph_sources": [graph_source(given, model_class, config_class) for given in (model, cfg, sizes, 3)],
         "from_dict": [isinstance(rebuilt, config_class), rebuilt.n_layers, rebuilt.d_head, rebuilt.d_vocab],
         "unwrap": [config_class.unwrap(cfg) is cfg, isinstance(config_class.unwrap(cfg.to_dict()), config_class)],
+        "layer_norm_activation": [cfg.is_layer_norm_activation(), config_class(
+            n_layers=1, d_model=8, d_head=4, n_ctx=4, d_vocab=10, act_fn="solu_ln").is_layer_norm_activation()],
+        "seeded": seeded(cfg),
     }
+
+
+def seeded(cfg) -> list:
+    import random
+
+    import numpy
+    import torch
+
+    cfg.set_seed_everywhere(3)
+    return [torch.rand(2).tolist(), random.random(), float(numpy.random.rand())]

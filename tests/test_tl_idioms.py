@@ -157,6 +157,14 @@ def case_input_to_embed(model):
             model(residual, start_at_layer=0, stop_at_layer=2))
 
 
+def case_input_to_embed_with_left_padding_side(model):
+    model.tokenizer.padding_side = "left"  # nothing padded: the mask is all ones, not None
+    try:
+        return model.input_to_embed(PROMPT)[1:], model.input_to_embed(model.to_tokens(PROMPT), padding_side="right")[3]
+    finally:
+        model.tokenizer.padding_side = "right"
+
+
 def case_negative_start_at_layer(model):
     _, cache = model.run_with_cache(PROMPT)
     last = model.cfg.n_layers - 1  # -1 runs the last block alone, as a slice blocks[-1:]
