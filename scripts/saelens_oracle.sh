@@ -10,8 +10,16 @@ venv="${1:-${PROBE_SAELENS_VENV:-/tmp/saelens-venv}}"
 # circuit-tracer 0.5 is an oracle too (tests/test_tree_setup.py); its own pins (transformers <= 4.57, nnsight) are for
 # backends the tests do not use, so it goes in without its dependencies
 circuit_tracer="circuit-tracer==0.5.0"
+# so is auto_circuit 1.0.1, without its pins too (its notebooks' and plots' packages); blobfile, which it imports at
+# module level, with its own
+auto_circuit="auto_circuit==1.0.1 attrs ordered-set"
+oracles() {
+    "$1/bin/python" -c "import circuit_tracer" 2>/dev/null || "$1/bin/python" -m pip install -q --no-deps "$circuit_tracer"
+    "$1/bin/python" -c "import auto_circuit, attr, ordered_set, blobfile" 2>/dev/null || {
+        "$1/bin/python" -m pip install -q --no-deps $auto_circuit && "$1/bin/python" -m pip install -q blobfile; }
+}
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import sae_lens" 2>/dev/null; then
-    "$venv/bin/python" -c "import circuit_tracer" 2>/dev/null || "$venv/bin/python" -m pip install -q --no-deps "$circuit_tracer"
+    oracles "$venv"
     echo "SAELens oracle already at $venv"
     exit 0
 fi
@@ -22,6 +30,6 @@ rm -rf "$building" "$venv"
 python -m venv "$building"
 "$building/bin/pip" install -q torch==2.13.0
 "$building/bin/pip" install -q "sae-lens==6.54.12"
-"$building/bin/pip" install -q --no-deps "$circuit_tracer"
+oracles "$building"
 "$building/bin/python" -c "import sae_lens" && mv "$building" "$venv"
 "$venv/bin/python" -c "import sae_lens; print('SAELens', sae_lens.__version__, 'at $venv')"

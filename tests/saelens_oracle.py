@@ -41,6 +41,9 @@ the main environment cannot have. Reads and writes safetensors only. The tests i
     python saelens_oracle.py sae_splice MODEL_DIR INPUTS OUTPUTS
         a subclass of HookedTransformer (tests/sae_splice_idioms.py) with a GPT-2 directory's weights, unprocessed,
         runs sae_splice_idioms, then wrapper_idioms, on INPUTS' tokens: OUTPUTS gets each result by name; stdout the JSON of its listings
+    python saelens_oracle.py auto_circuit_scores SIDE WORK_DIR OUTPUTS
+        auto_circuit 1.0.1's scores and circuits on a small random model (see the function): SIDE tl writes the
+        model's weights and prompts to WORK_DIR, SIDE probe reads them and runs with probe's classes
     python saelens_oracle.py config_class CONFIG_JSON
         stdout: the JSON of tests/config_class_idioms.py run on HookedTransformer(HookedTransformerConfig(**CONFIG))
     python saelens_oracle.py patch_wrappers MODEL_DIR INPUTS OUTPUTS
@@ -472,6 +475,98 @@ def sae_splice(model_dir: str, inputs: str, outputs: str) -> None:
     wrapped, wrapped_names = wrapper_idioms(model, HookPoint, load_file(inputs)["tokens"])
     save_file({**out, **{f"wrapper.{key}": t for key, t in wrapped.items()}}, outputs)
     print(json.dumps({**names, **wrapped_names, "acts_to_saes": sorted(model.acts_to_saes)}))
+
+
+AUTO_CIRCUIT_MODEL = dict(n_layers=2, d_model=16, d_head=8, n_heads=2, d_mlp=32, n_ctx=32, d_vocab=300, act_fn="gelu_new")
+
+
+def auto_circuit_scores(side: str, work_dir: str, outputs: str) -> None:
+    """auto_circuit 1.0.1's circuit discovery on a small random model: its patchable model (factorized, q/k/v inputs
+    apart or one attention input), edge attribution patching, mask gradients (plain and integrated), ACDC, and circuits
+    of several sizes with their KL divergence. SIDE "tl" builds the model on HookedTransformer, draws its weights and
+    prompts and writes them to WORK_DIR; SIDE "probe" runs the same with transformer_lens.HookedTransformer (and its
+    config and key/value cache) rebound to probe's before auto_circuit is imported (the import-only route). auto_circuit
+    1.0.1 imports TL 1's `transformer_lens.past_key_value_caching`, which TL 3.9 names otherwise: an alias, both sides."""
+    import random
+    import sys
+    import types
+    from pathlib import Path
+
+    import transformer_lens
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    model_class, config_class, cache_class = (transformer_lens.HookedTransformer, transformer_lens.HookedTransformerConfig,
+                                              TransformerLensKeyValueCache)
+    if side == "probe":
+        import_probe_from_the_repository()
+        import probe
+
+        model_class, config_class, cache_class = (probe.HookedTransformer, probe.HookedTransformerConfig,
+                                                  probe.HookedTransformerKeyValueCache)
+        transformer_lens.HookedTransformer, transformer_lens.HookedTransformerConfig = model_class, config_class
+    caching = types.ModuleType("transformer_lens.past_key_value_caching")
+    caching.HookedTransformerKeyValueCache = transformer_lens.HookedTransformerKeyValueCache = cache_class
+    sys.modules[caching.__name__] = transformer_lens.past_key_value_caching = caching
+    from auto_circuit.data import load_datasets_from_json
+    from auto_circuit.metrics.prune_metrics.kl_div import measure_kl_div
+    from auto_circuit.prune import run_circuits
+    from auto_circuit.prune_algos.ACDC import acdc_prune_scores
+    from auto_circuit.prune_algos.edge_attribution_patching import edge_attribution_patching_prune_scores
+    from auto_circuit.prune_algos.mask_gradient import mask_gradient_prune_scores
+    from auto_circuit.types import PatchType
+    from auto_circuit.utils.graph_utils import patchable_model
+
+    work = Path(work_dir)
+    model = model_class(config_class(**AUTO_CIRCUIT_MODEL, device="cpu")).eval()
+    if side == "tl":
+        moved_off_initialisation(model, 0.5)
+        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(work / "state.safetensors"))
+        gen = torch.Generator().manual_seed(5)
+        clean = torch.randint(1, 300, (8, 7), generator=gen)
+        corrupt = clean.clone()
+        corrupt[:, 2] = torch.randint(1, 300, (8,), generator=gen)
+        answers = torch.randint(1, 300, (8, 2), generator=gen)
+        prompts = [{"clean": c.tolist(), "corrupt": k.tolist(), "answers": [int(a[0])], "wrong_answers": [int(a[1])]}
+                   for c, k, a in zip(clean, corrupt, answers)]
+        (work / "prompts.json").write_text(json.dumps({"prompts": prompts}))
+    else:
+        model.load_state_dict(load_file(str(work / "state.safetensors")), strict=True)
+    model.cfg.use_attn_result = True  # auto_circuit's load_tl_model turns these on
+    model.cfg.use_attn_in = True
+    model.cfg.use_split_qkv_input = True
+    model.cfg.use_hook_mlp_in = True
+    for param in model.parameters():
+        param.requires_grad = False
+    train, test = load_datasets_from_json(None, work / "prompts.json", device=torch.device("cpu"), prepend_bos=False,
+                                          batch_size=4, train_test_size=(4, 4), shuffle=False)
+    out = {}
+    for separate_qkv in (True, False):
+        torch.manual_seed(0)
+        random.seed(0)
+        model.cfg.use_split_qkv_input = separate_qkv  # one attention input: TL's q/k/v inputs would bypass it
+        patchable = patchable_model(model, factorized=True, slice_output="last_seq", separate_qkv=separate_qkv,
+                                    device=torch.device("cpu"))
+        tag = "qkv" if separate_qkv else "attn_in"
+        found = {"eap": edge_attribution_patching_prune_scores(patchable, train, None) if separate_qkv else None,
+                 "mask_grad": mask_gradient_prune_scores(patchable, train, None, grad_function="logit",
+                                                         answer_function="avg_diff", mask_val=0.0),
+                 "mask_grad_ig": mask_gradient_prune_scores(patchable, train, None, grad_function="logprob",
+                                                            answer_function="avg_val", integrated_grad_samples=3),
+                 "acdc": acdc_prune_scores(patchable, train, None, tao_exps=[-2], tao_bases=[1])}
+        for method, scores in found.items():
+            for module, score in (scores or {}).items():
+                out[f"{tag}/{method}/{module}"] = score.detach().float().clone()
+        n = len(patchable.edges)
+        gen = torch.Generator().manual_seed(1)
+        fixed = {module: torch.randn(mask.shape, generator=gen) for module, mask in sorted(patchable.new_prune_scores().items())}
+        for patch_type in (PatchType.EDGE_PATCH, PatchType.TREE_PATCH):
+            circuits = run_circuits(patchable, test, [0, 3, n // 2, n], fixed, patch_type=patch_type)
+            kl = measure_kl_div(patchable, test, circuits)
+            out[f"{tag}/kl/{patch_type.name}"] = torch.tensor([value for _, value in kl])
+            for size, by_batch in circuits.items():
+                out[f"{tag}/circuit/{patch_type.name}/{size}"] = torch.cat([by_batch[key] for key in by_batch]).detach()
+        out[f"{tag}/n_edges"] = torch.tensor(n)
+    save_file({k: v.contiguous() for k, v in out.items()}, outputs)
 
 
 def patch_wrappers(model_dir: str, inputs: str, outputs: str) -> None:
@@ -926,7 +1021,7 @@ def tl_config_routes(cases_json: str, outputs: str) -> None:
     print(json.dumps(switches))
 
 
-COMMANDS = {"config_class": config_class, "lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
+COMMANDS = {"auto_circuit_scores": auto_circuit_scores, "config_class": config_class, "lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "patch_wrappers": patch_wrappers, "attention_buffers": attention_buffers, "circuit_tracer_graphs": circuit_tracer_graphs, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
             "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}

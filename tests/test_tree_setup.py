@@ -110,6 +110,24 @@ def test_circuit_tracers_attribution_graph_and_interventions_are_transformer_len
 
 
 @needs_saelens
+def test_auto_circuit_finds_the_circuits_on_probe_that_it_finds_on_transformer_lens(tmp_path):
+    """auto_circuit 1.0.1 (UFO-101's AutoCircuit) wraps the hook points it patches in modules of its own, without
+    setup(), keys key/value caches by `previous_attention_mask`, and runs ACDC from cached residuals. With its
+    `HookedTransformer` rebound to probe's, its scores (edge attribution patching, mask gradients plain and integrated,
+    ACDC) and its circuits' outputs and KL divergences, with q/k/v inputs apart and with one attention input, are the
+    ones it computes on HookedTransformer 3.9 (tests/saelens_oracle.py: auto_circuit_scores)."""
+    oracle("auto_circuit_scores", "tl", tmp_path, tmp_path / "tl.safetensors")
+    oracle("auto_circuit_scores", "probe", tmp_path, tmp_path / "probe.safetensors")
+    theirs, ours = load_file(str(tmp_path / "tl.safetensors")), load_file(str(tmp_path / "probe.safetensors"))
+    assert set(ours) == set(theirs) and int(theirs["qkv/n_edges"]) == 46 and int(theirs["attn_in/n_edges"]) == 26
+    assert sum(key.startswith(("qkv/eap/", "qkv/acdc/", "attn_in/mask_grad/")) for key in theirs) >= 15
+    for key, value in theirs.items():
+        infinite = value.isinf()  # ACDC scores the edges it never prunes as infinite
+        assert torch.equal(ours[key].isinf(), infinite), key
+        assert_same(ours[key].masked_fill(infinite, 0), value.masked_fill(infinite, 0), atol=1e-4, what=key)
+
+
+@needs_saelens
 def test_modules_put_where_points_were_run_as_transformer_lens_runs_them(tmp_path):
     """auto_circuit's patch wrappers, put in place of points without setup(), and the per-head input switches'
     precedence (tests/patch_wrapper_idioms.py), against HookedTransformer 3.9 running the same code."""
