@@ -55,10 +55,9 @@ class TokenMethods:
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"to_tokens takes a string or a non-empty list of strings, got {input!r:.80}; "
                              "token ids need no tokenizing")
+        # an empty prompt without BOS is an empty row, as TL's: SAELens's ActivationsStore skips such dataset rows, and
+        # the forward refuses an input with no tokens
         rows = [([tokenizer.bos_id] if prepend_bos else []) + tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        for i, row in enumerate(rows):
-            if not row:
-                raise ValueError(f"prompt {i} is empty and no BOS is prepended, so it has no tokens")
         if truncate:
             rows = [row[: self.cfg.n_ctx] for row in rows]
         tokens, mask = pad_rows(rows, tokenizer.pad_id, padding_side)

@@ -803,7 +803,9 @@ def tokenizer_idioms(model, padded: bool) -> dict:
            "tokenizer_prepends_bos": model.cfg.tokenizer_prepends_bos,
            "to_tokens": model.to_tokens(texts[2]).tolist(), "to_tokens_no_bos": model.to_tokens(texts[2], prepend_bos=False).tolist(),
            "to_single_token": model.to_single_token(" Paris") if len(tok.encode(" Paris", add_special_tokens=False)) == 1 else None,
-           "to_str_tokens": model.to_str_tokens(texts[0])}
+           "to_str_tokens": model.to_str_tokens(texts[0]),
+           # SAELens's ActivationsStore tokenizes every dataset row so; wikitext has empty rows, which it skips
+           "to_tokens_empty_row": list(model.to_tokens("", truncate=False, move_to_device=False, prepend_bos=False).shape)}
     if padded:
         batch = tok(texts, padding=True, return_tensors="pt")
         out["call_padded"] = [batch["input_ids"].tolist(), batch["attention_mask"].tolist()]
@@ -811,6 +813,7 @@ def tokenizer_idioms(model, padded: bool) -> dict:
         try:
             out["call_left"] = tok(texts, padding=True, return_tensors="pt").input_ids.tolist()
             out["to_tokens_left"] = model.to_tokens(texts).tolist()
+            out["to_tokens_with_an_empty_row"] = model.to_tokens(["", texts[2]], prepend_bos=False).tolist()
         finally:
             tok.padding_side = "right"
         tok.pad_token = tok.eos_token  # refusal-direction scripts' first line
