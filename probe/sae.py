@@ -60,6 +60,7 @@ class SparseAutoencoder(HookedRootModule):
     def __init__(self, cfg: SAEConfig):
         super().__init__()
         self.cfg = cfg
+        self.hook_z_reshaping_mode = cfg.reshape_activations == "hook_z"  # SAELens's switch (sae-dashboard reads it)
         self.W_enc = nn.Parameter(torch.zeros(cfg.d_in, cfg.d_sae))
         self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae))
         self.W_dec = nn.Parameter(torch.zeros(cfg.d_sae, cfg.d_write))
@@ -134,9 +135,11 @@ class SparseAutoencoder(HookedRootModule):
         return 0 if self.W_skip is None else self._flat(x).to(self.W_skip.dtype) @ self.W_skip.T
 
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.hook_name.endswith("hook_z"):  # [... head d_head] -> [... (head d_head)]
-            self.d_head = x.shape[-1]  # SAELens's attribute: what decode unflattens to
-            x = rearrange(x, "... head d_head -> ... (head d_head)")
+        # hook_z: [... head d_head], or heads flattened already (sae-dashboard's); decode gives back the shape given
+        if self.cfg.hook_name.endswith("hook_z"):
+            flat = x.shape[-1] == self.cfg.d_in
+            self.d_head = None if flat else x.shape[-1]  # SAELens's attribute: what decode unflattens to
+            x = x if flat else rearrange(x, "... head d_head -> ... (head d_head)")
         if x.shape[-1] != self.cfg.d_in:
             raise ValueError(f"the SAE reads {self.cfg.d_in} dimensions, but the activation at {self.cfg.hook_name!r} "
                              f"has {x.shape[-1]}: it was trained for another model or hook point")
@@ -197,9 +200,13 @@ class SparseAutoencoder(HookedRootModule):
         return directory / WEIGHTS_FILE, directory / CONFIG_FILE
 
     def turn_on_forward_pass_hook_z_reshaping(self) -> None:
-        """SAELens's switch for hook_z SAEs: probe reshapes their heads always, so this only checks the hook."""
+        """SAELens's switch, recorded (`hook_z_reshaping_mode`): probe's reads heads apart or flattened either way."""
         if not self.cfg.hook_name.endswith("_z"):
             raise ValueError(f"hook_z reshaping is for SAEs on attention's hook_z; this one reads {self.cfg.hook_name!r}")
+        self.hook_z_reshaping_mode = True
+
+    def turn_off_forward_pass_hook_z_reshaping(self) -> None:
+        self.hook_z_reshaping_mode = False
 
     @property
     def device(self) -> torch.device:  # SAELens's sae.device and sae.dtype

@@ -31,8 +31,17 @@ def sae_surface_idioms(sae_class, directories: dict, z: torch.Tensor, saved_to: 
         recons = sae.decode(features)
         tensors["recons"] = recons  # per head, as z
         tensors["mse_by_hand"] = (recons - z).pow(2).mean().reshape(1)
+        # sae-dashboard reads the switch, turns it off, and encodes heads already flattened
+        modes = [sae.hook_z_reshaping_mode]
         sae.turn_on_forward_pass_hook_z_reshaping()
+        modes.append(sae.hook_z_reshaping_mode)
         tensors["forward"] = sae(z)
+        sae.turn_off_forward_pass_hook_z_reshaping()
+        modes.append(sae.hook_z_reshaping_mode)
+        tensors["features_of_flat_heads"] = sae.encode(z.flatten(-2))
+        tensors["recons_of_flat_heads"] = sae.decode(tensors["features_of_flat_heads"])
+        sae.turn_on_forward_pass_hook_z_reshaping()
+        values["hook_z_reshaping_mode"] = modes
         folded = sae_class.load_from_disk(directories["z"], dtype="float32", fold_W_dec_norm=True)
         tensors["folded_norms"] = folded.W_dec.norm(dim=-1)
         tensors["folded_features"] = folded.encode(z)
