@@ -124,13 +124,17 @@ class Rotary(nn.Module):
             self.build_buffers()
         return self
 
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """[... dim]: each position's rotation angles, in the half-split layout (Llama's; TL's rotary tables')."""
+        angles = positions[..., None].float() * self.inv_freq  # [... dim/2]
+        return torch.cat([angles, angles], dim=-1)
+
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [batch pos head d_head], positions [batch pos] (None: 0, 1, ... for a block called on its own, as
         `model.blocks[l](resid)`) -> x rotated by its position."""
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)[None]
-        angles = positions[..., None].float() * self.inv_freq  # [batch pos dim/2]
-        angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # [batch pos 1 dim]
+        angles = self.angles(positions)[:, :, None, :]  # [batch pos 1 dim]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         rotating, passing = x[..., : self.dim], x[..., self.dim :]
         first, second = rotating.chunk(2, dim=-1)

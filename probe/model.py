@@ -121,6 +121,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         check_return_type(return_type)
         from_tokens = start_at_layer is None  # as in transformer-lens: any layer, 0 too, takes a residual
         start_at_layer = 0 if from_tokens else start_at_layer
+        every_position = False  # a mask of the cached positions and the new ones, given with a residual
         if from_tokens:
             tokens, attention_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos,
                                                           cached=kv_cache is not None)
@@ -131,7 +132,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
                 start_at_layer += self.cfg.n_layers
             batch, n_new = resid.shape[:2]
             # after a KV cache, transformer-lens's input_to_embed(past_kv_cache=) hands back every position's mask
-            seen = kv_cache.length if kv_cache is not None and attention_mask is not None and attention_mask.shape[-1] != n_new else 0
+            every_position = kv_cache is not None and attention_mask is not None and attention_mask.shape[-1] != n_new
+            seen = kv_cache.length if every_position else 0
             attention_mask = check_mask(attention_mask, (batch, seen + n_new), "the residual stream's [batch pos]", self.device)
         if stop_at_layer is not None:
             n_layers = self.cfg.n_layers
@@ -159,7 +161,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
                 raise ValueError(
                     f"the KV cache holds {kv_cache.length} positions; {n_new} more would exceed n_ctx={self.cfg.n_ctx}"
                 )
-            if attention_mask is not None and attention_mask.shape[1] > n_new:  # every position's, given
+            if every_position:
                 held = kv_cache.attention_mask
                 if not kv_cache.frozen and (held is None or held.shape[1] != attention_mask.shape[1]):
                     raise ValueError("a mask of every position goes with a cache that holds it: pass the mask "
@@ -169,10 +171,10 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
                 new_mask = attention_mask if attention_mask is not None else torch.ones(batch, n_new, dtype=torch.long, device=device)
                 attention_mask = kv_cache.extend_mask(new_mask)
         positions = token_positions(attention_mask, batch, n_new, device)
-        if from_tokens:
-            resid = self.hook_embed(self.embed(self.hook_tokens(tokens)))
         qk_pos = self._check_shortformer_pos_embed(shortformer_pos_embed, from_tokens, (batch, n_new))
-        if self.pos_embed is not None and qk_pos is None and (from_tokens or not self.cfg.positions_in_residual):
+        if from_tokens:
+            resid, qk_pos = self.embed_at(tokens, positions)
+        elif self.pos_embed is not None and qk_pos is None and not self.cfg.positions_in_residual:
             resid, qk_pos = self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
         # one mask per distinct window (Gemma 2 alternates a window with full attention)
         causal = not self.cfg.bidirectional
@@ -186,6 +188,14 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         if return_type is None:  # nothing to return: the unembedding is skipped, as HookedTransformer skips it
             return None
         return finish_output(return_type, self.unembed(resid), tokens, logits_mask, loss_per_token)
+
+    def embed_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(the residual entering block 0 for token ids [batch pos] at `positions` [batch pos], what a shortformer
+        model adds to every layer's queries' and keys' inputs: None for the others)."""
+        resid = self.hook_embed(self.embed(self.hook_tokens(tokens)))
+        if self.pos_embed is None:
+            return resid, None
+        return self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
 
     def _check_shortformer_pos_embed(self, given: Optional[torch.Tensor], from_tokens: bool, batch_pos) -> Optional[torch.Tensor]:
         if given is None:

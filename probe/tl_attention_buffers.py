@@ -51,9 +51,7 @@ class TLAttentionBuffers:
     def _angles(self) -> torch.Tensor:
         if self.rotary is None:
             raise AttributeError("rotary_sin / rotary_cos: this model's positions are not rotary")
-        positions = torch.arange(self.n_ctx, device=self.rotary.inv_freq.device, dtype=torch.float32)
-        angles = positions[:, None] * self.rotary.inv_freq
-        return torch.cat([angles, angles], dim=-1)
+        return self.rotary.angles(torch.arange(self.n_ctx, device=self.rotary.inv_freq.device))
 
     def _take_if_unchanged(self, name: str, value: torch.Tensor, instead: str) -> None:
         current = getattr(self, name)

@@ -340,11 +340,7 @@ class TransformerLensSurface:
         cache = one_cache(None, cache)
         tokens, new_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos, cached=True)
         every = cache.extend_mask(torch.ones_like(tokens) if new_mask is None else new_mask)
-        positions = token_positions(every, *tokens.shape, self.device)
-        residual = self.hook_embed(self.embed(self.hook_tokens(tokens)))
-        shortformer = None
-        if self.pos_embed is not None:
-            residual, shortformer = self.pos_embed.place(residual, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
+        residual, shortformer = self.embed_at(tokens, token_positions(every, *tokens.shape, self.device))
         return residual, tokens, shortformer, every
 
     # ---- positions -----------------------------------------------------------------------------------
