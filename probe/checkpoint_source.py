@@ -23,8 +23,10 @@ class Source:
     # what a weight may be stored as; float8, integer and bool tensors are refused by name
     WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-    def __init__(self, state: dict[str, torch.Tensor], directory: Path, prefixes: tuple[str, ...], device=None):
-        self.directory, self.device = directory, device
+    def __init__(self, state: dict[str, torch.Tensor], directory: Path, prefixes: tuple[str, ...], device=None,
+                 config: Optional[dict] = None):
+        # config: config.json's fields, for the few tensors whose layout they decide (OPT's embedding projection)
+        self.directory, self.device, self.config = directory, device, {} if config is None else config
         self.state = {}
         for name, tensor in state.items():
             for prefix in prefixes:
@@ -84,17 +86,18 @@ def _finite(tensor: torch.Tensor) -> bool:
 
 
 def take_unembed(source: Source, cfg: DecoderConfig, embed: torch.Tensor,
-                 names: tuple[str, ...] = ("lm_head.weight",)) -> torch.Tensor:
-    """The unembedding [vocab d_model], under the first of `names` the file has: the embedding itself when tied
-    (a head saved beside it must then equal it), else taken and checked like every other tensor."""
+                 names: tuple[str, ...] = ("lm_head.weight",), tied: Optional[bool] = None) -> torch.Tensor:
+    """The unembedding [vocab width] (the width of `embed` as stored), under the first of `names` the file has: the
+    embedding itself when tied (`tied`, else the config's; a head saved beside it must then equal it), else taken
+    and checked like every other tensor."""
     name = next((n for n in names if n in source.state), names[0])
-    if cfg.tied_embeddings:
+    if cfg.tied_embeddings if tied is None else tied:
         head = source.take_optional(name)
         if head is not None and not torch.equal(head, embed):
             raise CheckpointError(f"{name} in {source.directory} differs from the embedding, but the config ties them "
                                   "(tie_word_embeddings); fix the config or the file")
         return embed
-    return source.take(name, (cfg.d_vocab, cfg.d_model))
+    return source.take(name, (cfg.d_vocab, embed.shape[-1]))
 
 
 GPT_ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_fast": Activation.GELU_TANH,

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint families: how each one's config and tensor names map onto DecoderConfig.
 
-One small table of functions per family (checkpoint_gpt.py: GPT-2, GPT-1, GPT-NeoX; checkpoint_llama.py: Llama,
-Qwen2/3, Mistral, Gemma, Gemma 2; checkpoint_source.py: what they share); loading.py does the file handling for all.
+One small table of functions per family (checkpoint_gpt.py: GPT-2, GPT-1, GPT-NeoX; checkpoint_gptneo.py: GPT-Neo;
+checkpoint_opt.py: OPT; checkpoint_llama.py: Llama, Qwen2/3, Mistral, Gemma, Gemma 2; checkpoint_source.py: what
+they share); loading.py does the file handling for all.
 """
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import torch
 
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
+from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, mistral_config,
                                     qwen2_config, qwen3_config)
+from probe.checkpoint_opt import opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe
 from probe.checkpoint_source import GPT_ACTIVATIONS, Source
 from probe.config import Activation, DecoderConfig
 from probe.config_file import CheckpointError
@@ -58,6 +61,9 @@ FAMILIES = {
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma2"), gemma_to_probe, gemma_to_hf),
         Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf,
                prepends_bos=False),
+        Family("gpt_neo", "GPTNeoForCausalLM", ("transformer.",), gptneo_config, gptneo_config_to_hf, gptneo_to_probe,
+               gptneo_to_hf),
+        Family("opt", "OPTForCausalLM", ("model.", "decoder."), opt_config, opt_config_to_hf, opt_to_probe, opt_to_hf),
     )
 }
 
@@ -83,7 +89,9 @@ def family_for_config(cfg: DecoderConfig) -> Family:
         raise ValueError("no Hugging Face checkpoint format here holds an unembedding bias (a model from "
                          "process_weights has one); save the unprocessed model and process it again after loading")
     errors = []
-    for family in FAMILIES.values():
+    # the format the model was loaded from first: an OPT model is also a valid GPT-2 one, but not OPT's positions
+    candidates = sorted(FAMILIES.values(), key=lambda f: f.architecture != cfg.original_architecture)
+    for family in candidates:
         try:
             family.config_to_hf(cfg, None)
             return family

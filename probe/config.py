@@ -295,8 +295,8 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         return self.qk_norm
 
     @property
-    def use_attn_scale(self) -> bool:
-        return True
+    def use_attn_scale(self) -> bool:  # TL's use_attn_scale=False (GPT-Neo) is a divisor of 1
+        return self.attn_scale_dim != 1.0
 
     @property
     def attn_scale(self) -> float:  # what q.k is divided by

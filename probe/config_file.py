@@ -50,12 +50,14 @@ SIZE, NUMBER, BOOL, STR, OBJECT, SIZES, STRS = "size", "number", "bool", "str", 
 FIELD_TYPES = {
     **dict.fromkeys(("n_layer", "n_embd", "n_head", "n_inner", "vocab_size", "n_positions", "num_hidden_layers",
                      "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                     "max_position_embeddings", "sliding_window", "original_max_position_embeddings"), SIZE),
+                     "max_position_embeddings", "sliding_window", "original_max_position_embeddings", "num_layers",
+                     "num_heads", "window_size", "ffn_dim", "word_embed_proj_dim"), SIZE),
     **dict.fromkeys(("layer_norm_epsilon", "rms_norm_eps", "layer_norm_eps", "rope_theta", "rotary_emb_base",
                      "rotary_pct", "partial_rotary_factor", "attn_logit_softcapping", "final_logit_softcapping",
                      "query_pre_attn_scalar", "factor", "low_freq_factor", "high_freq_factor"), NUMBER),
     **dict.fromkeys(("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "tie_word_embeddings",
-                     "attention_bias", "mlp_bias", "use_sliding_window", "use_parallel_residual"), BOOL),
+                     "attention_bias", "mlp_bias", "use_sliding_window", "use_parallel_residual", "do_layer_norm_before",
+                     "_remove_final_layer_norm", "layer_norm_elementwise_affine", "enable_bias"), BOOL),
     **dict.fromkeys(("model_type", "activation_function", "afn", "hidden_act", "hidden_activation", "rope_type",
                      "type"), STR),
     **dict.fromkeys(("rope_parameters", "rope_scaling"), OBJECT),
@@ -63,7 +65,8 @@ FIELD_TYPES = {
 }
 NULLABLE = {"n_inner", "num_key_value_heads", "head_dim", "sliding_window", "attn_logit_softcapping",
             "final_logit_softcapping", "rope_parameters", "rope_scaling", "layer_types", "heads_per_layer",
-            "original_max_position_embeddings", "hidden_act", "hidden_activation"}
+            "original_max_position_embeddings", "hidden_act", "hidden_activation", "intermediate_size",
+            "word_embed_proj_dim"}
 _SAYS = {SIZE: "a positive integer", NUMBER: "a finite number", BOOL: "true or false", STR: "a string",
          OBJECT: "an object", SIZES: "a list of non-negative integers", STRS: "a list of strings"}
 

@@ -67,6 +67,21 @@ SHORT_NAMES.update({
        for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b") for it in ("", "-Instruct")},
     **{f"qwen3-{size}": f"Qwen/Qwen3-{size.upper()}" for size in ("0.6b", "1.7b", "4b", "8b", "14b")},
     "qwen3-0.6b-base": "Qwen/Qwen3-0.6B-Base",
+    # GPT-Neo (EleutherAI), the TinyStories models (GPT-Neo's architecture; one repository is spelled "Instuct" on
+    # the hub) and OPT (Meta), with transformer-lens's aliases for each
+    **{alias: f"EleutherAI/gpt-neo-{size}" for size, aliases in (("125M", ("small", "neo-small", "neo")),
+                                                                  ("1.3B", ("medium", "neo-medium")),
+                                                                  ("2.7B", ("large", "neo-large")))
+       for alias in (f"gpt-neo-{size}", *(a if a.startswith("neo") else f"gpt-neo-{a}" for a in aliases))},
+    **{f"tiny-stories{kind.lower()}-{size}": f"roneneldan/TinyStories{kind}-{size}"
+       for kind in ("", "-Instruct") for size in ("1M", "3M", "8M", "28M", "33M")},
+    "tiny-stories-1L-21M": "roneneldan/TinyStories-1Layer-21M", "tiny-stories-2L-33M": "roneneldan/TinyStories-2Layers-33M",
+    "tiny-stories-instruct-1L-21M": "roneneldan/TinyStories-Instuct-1Layer-21M",
+    "tiny-stories-instruct-2L-33M": "roneneldan/TinyStories-Instruct-2Layers-33M",
+    **{alias: f"facebook/opt-{size}" for size, aliases in (("125m", ("small", "")), ("1.3b", ("medium",)),
+                                                            ("2.7b", ("large",)), ("6.7b", ("xl",)), ("13b", ("xxl",)),
+                                                            ("30b", ("xxxl",)), ("66b", ("xxxxl",)))
+       for alias in (f"opt-{size}", *(f"opt-{a}" if a else "opt" for a in aliases))},
     # Neel Nanda's toy models, in transformer-lens's own format (probe.checkpoint_tl); TL's names for them
     **{f"attn-only-{n}l": f"NeelNanda/Attn_Only_{n}L512W_C4_Code" for n in range(1, 5)},
     **{f"gelu-{n}l": f"NeelNanda/GELU_{n}L512W_C4_Code" for n in range(1, 5)},
@@ -82,10 +97,11 @@ SHORT_NAMES.update({
     **{f"solu-{n}l-{alias}": f"NeelNanda/SoLU_{n}L_v{version}_old"
        for n, version in ((1, 9), (2, 10), (4, 11), (6, 13), (8, 21), (10, 22), (12, 23)) for alias in ("pile", "old")},
 })
-HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
-             "*final.pth",  # a transformer-lens-format checkpoint's state dict (probe.checkpoint_tl)
-             "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
+WEIGHT_FILES = ["model.safetensors", "model.safetensors.index.json", "model-*.safetensors",
+                "*final.pth"]  # a transformer-lens-format checkpoint's state dict (probe.checkpoint_tl)
+PICKLE_FILES = ["pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*.bin"]
 TOKENIZER_FILES = ["tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]
+HUB_FILES = ["config.json", *WEIGHT_FILES, *TOKENIZER_FILES]
 HUB_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -174,6 +190,15 @@ def resolve_checkpoint(name_or_path: Union[str, Path], revision: Optional[str] =
 
 
 def _from_hub(repo_id: str, also: str = "", revision: Optional[str] = None, files: Sequence[str] = HUB_FILES) -> Path:
+    directory = _snapshot(repo_id, also, revision, files)
+    if files is HUB_FILES and not any(any(directory.glob(pattern)) for pattern in (*WEIGHT_FILES, *PICKLE_FILES)):
+        # older repositories (OPT, TinyStories, many training checkpoints) hold only PyTorch pickles, which are
+        # read weights-only; asked for only then, so a repository with both costs one download, not two
+        directory = _snapshot(repo_id, also, revision, PICKLE_FILES)
+    return directory
+
+
+def _snapshot(repo_id: str, also: str, revision: Optional[str], files: Sequence[str]) -> Path:
     from huggingface_hub import snapshot_download
 
     try:  # the local cache first: works offline and costs no request
@@ -198,34 +223,38 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
-    if single.is_file():
-        return _read_safetensors(single)
-    if index.is_file():
-        state: dict[str, torch.Tensor] = {}
-        for shard in _shards(index, directory):
-            tensors = _read_safetensors(directory / shard)
-            twice = sorted(state.keys() & tensors.keys())
-            if twice:  # which copy is meant is unknowable; taking the last would be a silent choice
-                raise CheckpointError(f"the tensor {twice[0]!r} is in two shards of {directory} ({shard} and an "
-                                      f"earlier one{f'; {len(twice)} tensors in all' if len(twice) > 1 else ''}): "
-                                      "the checkpoint is inconsistent")
-            state.update(tensors)
-        return state
-    bin_path = directory / "pytorch_model.bin"
-    if bin_path.is_file():
-        try:  # weights_only: a pickle that would construct arbitrary objects or run code is refused
-            state = torch.load(str(bin_path), map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise CheckpointError(
-                f"refused to load {bin_path}: it is not a plain tensor checkpoint ({type(err).__name__}: {err}). "
-                "Only safetensors or weights-only pickles are read; convert it to model.safetensors"
-            ) from err
-        if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())):
-            raise CheckpointError(f"{bin_path} holds a {type(state).__name__}, not a mapping of tensor names to tensors "
-                                  "(a state dict): it is not a model checkpoint")
-        return state
+    for single, index, read in (("model.safetensors", "model.safetensors.index.json", _read_safetensors),
+                                ("pytorch_model.bin", "pytorch_model.bin.index.json", _read_pickle)):
+        if (directory / single).is_file():
+            return read(directory / single)
+        if (directory / index).is_file():
+            state: dict[str, torch.Tensor] = {}
+            for shard in _shards(directory / index, directory):
+                tensors = read(directory / shard)
+                twice = sorted(state.keys() & tensors.keys())
+                if twice:  # which copy is meant is unknowable; taking the last would be a silent choice
+                    raise CheckpointError(f"the tensor {twice[0]!r} is in two shards of {directory} ({shard} and an "
+                                          f"earlier one{f'; {len(twice)} tensors in all' if len(twice) > 1 else ''}): "
+                                          "the checkpoint is inconsistent")
+                state.update(tensors)
+            return state
     raise CheckpointError(f"no weights in {directory}: expected model.safetensors (or pytorch_model.bin)")
+
+
+def _read_pickle(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing (the shard index names it)")
+    try:  # weights_only: a pickle that would construct arbitrary objects or run code is refused
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(
+            f"refused to load {path}: it is not a plain tensor checkpoint ({type(err).__name__}: {err}). "
+            "Only safetensors or weights-only pickles are read; convert it to model.safetensors"
+        ) from err
+    if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a mapping of tensor names to tensors "
+                              "(a state dict): it is not a model checkpoint")
+    return state
 
 
 def _read_safetensors(path: Path) -> dict[str, StoredTensor]:
@@ -239,7 +268,8 @@ def _read_safetensors(path: Path) -> dict[str, StoredTensor]:
 
 
 def _shards(index: Path, directory: Path) -> list[str]:
-    """The shard files model.safetensors.index.json names: relative paths inside the checkpoint directory."""
+    """The shard files an index (model.safetensors.index.json, pytorch_model.bin.index.json) names: relative paths
+    inside the checkpoint directory."""
     weight_map = read_json_object(index, "").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: weight_map must be a non-empty object of tensor names to shard files, got "
@@ -255,7 +285,7 @@ def _shards(index: Path, directory: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-LAYER_FIELDS = ("n_layer", "num_hidden_layers")
+LAYER_FIELDS = ("n_layer", "num_hidden_layers", "num_layers")
 _LAYER_NAME = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
 
 
@@ -309,7 +339,7 @@ def state_dict_from_hf(
     state: dict[str, torch.Tensor], hf: dict, cfg: DecoderConfig, directory: Path = Path("."), device=None
 ) -> dict[str, torch.Tensor]:
     family = _family(hf, directory)
-    source = Source(state, directory, family.prefixes, device=device)
+    source = Source(state, directory, family.prefixes, device=device, config=hf)
     out = family.to_probe(source, cfg)
     source.finish()
     return out

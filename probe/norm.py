@@ -33,7 +33,8 @@ class FixedWeights:
 
     def build_buffers(self) -> None:  # after building on the meta device (probe.loading)
         for name, value in getattr(self, "fixed", {}).items():
-            setattr(self, name, torch.full(getattr(self, name).shape, value, device=getattr(self, name).device))
+            old = getattr(self, name)
+            setattr(self, name, torch.full(old.shape, value, device="cpu" if old.is_meta else old.device))
 
 
 def folded_norm_weights(norm: Optional[nn.Module], name: str) -> dict[str, torch.Tensor]:

@@ -35,7 +35,8 @@ def prompts(vocab: int, n_pos: int = 9, seed: int = 3):
 
 
 class HFEdges:
-    """Writers' outputs and readers' input gradients of a transformers GPT-2, Llama or GPT-NeoX model."""
+    """Writers' outputs and readers' input gradients of a transformers GPT-2, GPT-Neo, Llama, Gemma 2 or GPT-NeoX
+    model."""
 
     def __init__(self, hf, kind: str):
         self.hf, self.kind = hf, kind
@@ -44,6 +45,10 @@ class HFEdges:
             self.layers, self.final = hf.transformer.h, hf.transformer.ln_f
             self.H = self.KV = cfg.n_head
             self.d = cfg.n_embd
+        elif kind == "gptneo":
+            self.layers, self.final = hf.transformer.h, hf.transformer.ln_f
+            self.H = self.KV = cfg.num_heads
+            self.d = cfg.hidden_size
         else:
             body = hf.gpt_neox if kind == "neox" else hf.model
             self.layers, self.final = body.layers, (body.final_layer_norm if kind == "neox" else body.norm)
@@ -61,6 +66,12 @@ class HFEdges:
             projections = [(layer.attn.c_attn, list(zip(q_slots, cols)) + list(zip(k_slots, [slice(d + c.start, d + c.stop) for c in cols]))
                             + list(zip(v_slots, [slice(2 * d + c.start, 2 * d + c.stop) for c in cols])))]
             return layer.ln_1, projections, layer.attn.c_proj, layer.ln_2, layer.mlp
+        if self.kind == "gptneo":  # Llama's separate projections under GPT-2's names
+            a = layer.attn.attention
+            projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
+                           (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
+                           (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
+            return layer.ln_1, projections, a.out_proj, layer.ln_2, layer.mlp
         if self.kind in ("llama", "gemma2"):
             a = layer.self_attn
             projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
@@ -161,7 +172,8 @@ def oracle_scores(graph, delta, grads):
     return full[:, graph.edge_writer, graph.edge_reader]
 
 
-FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", {}), "gemma2-sandwich": ("gemma2", {})}
+FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", {}), "gemma2-sandwich": ("gemma2", {}),
+            "gptneo-unscaled-local": ("gptneo", {})}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -19,7 +19,11 @@ GPT_FILES = (["<|endoftext|>"], {"tokenizer_class": "PreTrainedTokenizerFast", "
                                  "eos_token": "<|endoftext|>"}, False)
 QWEN_FILES = (["<|endoftext|>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
                                   "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, False)
-FAMILIES = {"llama": LLAMA_FILES, "mistral": LLAMA_FILES, "gemma": LLAMA_FILES, "neox": GPT_FILES,
+# OPT's tokenizer puts its BOS, </s>, before text itself and pads with <pad>
+OPT_FILES = (["<pad>", "</s>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "</s>", "eos_token": "</s>",
+                                 "pad_token": "<pad>"}, True)
+FAMILIES = {"llama": LLAMA_FILES, "mistral": LLAMA_FILES, "gemma": LLAMA_FILES, "neox": GPT_FILES, "gptneo": GPT_FILES,
+            "opt": OPT_FILES,
             "qwen2": QWEN_FILES, "qwen3": QWEN_FILES,
             "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
 

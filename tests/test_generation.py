@@ -38,6 +38,20 @@ def gemma2_pair(tmp_path_factory):  # a window on every other layer, soft caps
     return hf, HookedDecoder.from_pretrained(directory).eval()
 
 
+@pytest.fixture(scope="module")
+def gptneo_pair(tmp_path_factory):  # a 5-key window on two of three layers, unscaled scores
+    directory = tmp_path_factory.mktemp("gptneo")
+    hf = build("gptneo", directory)
+    return hf, HookedDecoder.from_pretrained(directory).eval()
+
+
+@pytest.fixture(scope="module")
+def opt_pair(tmp_path_factory):  # positions numbered by the mask's running sum
+    directory = tmp_path_factory.mktemp("opt")
+    hf = build("opt", directory)
+    return hf, HookedDecoder.from_pretrained(directory).eval()
+
+
 def pair_of(which, tiny_hf, tiny_model, request):
     return (tiny_hf, tiny_model) if which == "gpt2" else request.getfixturevalue(f"{which}_pair")
 
@@ -53,7 +67,7 @@ def decode_step_by_step(model, tokens, mask, n_new):
     return step_logits, tokens, mask
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt"])
 def test_each_cached_step_equals_a_full_forward(which, tiny_model, tiny_hf, request):
     model = pair_of(which, tiny_hf, tiny_model, request)[1]
     gen = torch.Generator().manual_seed(5)
@@ -71,7 +85,7 @@ def test_each_cached_step_equals_a_full_forward(which, tiny_model, tiny_hf, requ
     torch.testing.assert_close(step_logits[-1][1:], alone, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt"])
 def test_greedy_equals_transformers_generate(which, tiny_model, tiny_hf, request):
     hf, model = pair_of(which, tiny_hf, tiny_model, request)
     prompt = torch.randint(0, model.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(6))

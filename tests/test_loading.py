@@ -1,6 +1,7 @@
 """Loading and saving checkpoints: round trips, interoperability with transformers, and every error path."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import pickle
@@ -88,6 +89,56 @@ def test_weights_only_bin_checkpoint_loads(tiny_dir, tmp_path, tokens):
     reference = HookedDecoder.from_pretrained(tiny_dir)
     with torch.no_grad():
         assert torch.equal(HookedDecoder.from_pretrained(directory)(tokens), reference(tokens))
+
+
+def test_sharded_weights_only_bin_checkpoint_loads(tiny_dir, tmp_path, tokens):
+    """transformers' older sharded layout: pytorch_model.bin.index.json naming pytorch_model-0000N-of-0000M.bin."""
+    directory = copy_checkpoint(tiny_dir, tmp_path / "bin-sharded")
+    state = load_file(str(directory / "model.safetensors"))
+    (directory / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    for shard, keys in halves.items():
+        torch.save({k: state[k] for k in keys}, directory / shard)
+    weight_map = {k: shard for shard, keys in halves.items() for k in keys}
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    reference = HookedDecoder.from_pretrained(tiny_dir)
+    with torch.no_grad():
+        assert torch.equal(HookedDecoder.from_pretrained(directory)(tokens), reference(tokens))
+    (directory / "pytorch_model-00002-of-00002.bin").unlink()
+    with pytest.raises(CheckpointError, match=r"pytorch_model-00002-of-00002.bin is missing \(the shard index names it\)"):
+        HookedDecoder.from_pretrained(directory)
+
+
+def test_a_hub_repository_with_only_pickled_weights_is_asked_for_them_once_safetensors_are_absent(
+        tiny_dir, tmp_path, tokens, monkeypatch):
+    """OPT's, the TinyStories models' and many training checkpoints' repositories hold pytorch_model.bin only: the
+    pickles are asked for (local cache first) when the first snapshot has no weights, and never otherwise."""
+    import huggingface_hub
+
+    pickled = copy_checkpoint(tiny_dir, tmp_path / "hub-bin")
+    torch.save(load_file(str(pickled / "model.safetensors")), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    asked = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, local_files_only=False, **_):
+        asked.append((tuple(allow_patterns), local_files_only))
+        target = tmp_path / "snapshots" / repo_id  # one folder per repository, filled by each call, as the cache is
+        target.mkdir(parents=True, exist_ok=True)
+        for source in (pickled, tiny_dir)[repo_id == "owner/safe"].iterdir():
+            if any(fnmatch.fnmatch(source.name, pattern) for pattern in allow_patterns):
+                shutil.copy(source, target / source.name)
+        return str(target)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    reference = HookedDecoder.from_pretrained(tiny_dir)
+    with torch.no_grad():
+        assert torch.equal(HookedDecoder.from_pretrained("owner/pickled")(tokens), reference(tokens))
+    assert [(("pytorch_model.bin" in patterns), local) for patterns, local in asked] == [(False, True), (True, True)]
+    asked.clear()
+    HookedDecoder.from_pretrained("owner/safe")
+    assert len(asked) == 1 and not any("pytorch_model" in pattern for pattern in asked[0][0])
 
 
 class _RunsCode:

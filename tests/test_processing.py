@@ -127,6 +127,22 @@ def test_parallel_blocks_process_like_transformers(tmp_path):
     assert all(torch.equal(b.ln2.w, torch.ones_like(b.ln2.w)) and not b.ln2.b.any() for b in processed.blocks)
 
 
+@pytest.mark.parametrize("kind, overrides", [("gptneo", {}), ("opt", {}),
+                                             ("opt", {"layer_norm_elementwise_affine": False, "enable_bias": False})])
+def test_gpt_neo_and_opt_process_like_transformers(kind, overrides, tmp_path):
+    """TL's default processing (fold_ln, centring, fold_value_biases) on GPT-Neo's unscaled, windowed attention and
+    OPT's layout (with and without affine norms and biases) keeps transformers' log-probabilities."""
+    from test_variants import build
+
+    hf = build(kind, tmp_path, **overrides)
+    processed = process_weights(HookedDecoder.from_pretrained(tmp_path).eval())
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(tokens).logits.log_softmax(-1)
+    torch.testing.assert_close(log_probs(processed, tokens), expected, atol=ATOL, rtol=0)
+    assert not processed.cfg.norm_weights
+
+
 def test_post_norm_models_are_refused(tmp_path):
     from test_variants import build
 

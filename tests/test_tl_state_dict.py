@@ -29,6 +29,17 @@ def tl_config(kind: str, hf) -> dict:
         return dict(n_layers=c.n_layer, d_model=c.n_embd, n_ctx=c.n_positions, d_head=c.n_embd // c.n_head,
                     n_heads=c.n_head, d_mlp=c.n_inner or 4 * c.n_embd, d_vocab=c.vocab_size, act_fn="gelu_new",
                     normalization_type="LN", eps=c.layer_norm_epsilon)
+    if kind == "neo":  # TL's own GPT-Neo settings (convert_hf_model_config): no q.k scale, local layers
+        return dict(n_layers=c.num_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings,
+                    d_head=c.hidden_size // c.num_heads, n_heads=c.num_heads, d_mlp=4 * c.hidden_size,
+                    d_vocab=c.vocab_size, act_fn=c.activation_function, normalization_type="LN", eps=c.layer_norm_epsilon,
+                    use_attn_scale=False, use_local_attn=True, window_size=c.window_size, attn_types=c.attention_layers,
+                    original_architecture="GPTNeoForCausalLM")
+    if kind == "opt":
+        return dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings,
+                    d_head=c.hidden_size // c.num_attention_heads, n_heads=c.num_attention_heads, d_mlp=c.ffn_dim,
+                    d_vocab=c.vocab_size, act_fn=c.activation_function, normalization_type="LN", eps=1e-5,
+                    original_architecture="OPTForCausalLM")
     d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     common = dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings, d_head=d_head,
                   n_heads=c.num_attention_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size,
@@ -49,12 +60,14 @@ def checkpoint(case: str, directory):
 
     if case == "gpt2-bundled":
         return DEFAULT_MODEL, "gpt2", transformers.GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL).eval()
-    kind = {"llama-gqa-untied": "llama", "neox-parallel-partial-rotary": "neox", "qwen3-qk-norm-tied": "qwen3"}[case]
-    return directory, kind, build(kind, directory)
+    kind = {"llama-gqa-untied": "llama", "neox-parallel-partial-rotary": "neox", "qwen3-qk-norm-tied": "qwen3",
+            "gptneo-local-unscaled": "neo", "opt-pre-norm-tied": "opt"}[case]
+    return directory, kind, build({"neo": "gptneo"}.get(kind, kind), directory)
 
 
 @needs_saelens
-@pytest.mark.parametrize("case", ["gpt2-bundled", "llama-gqa-untied", "neox-parallel-partial-rotary", "qwen3-qk-norm-tied"])
+@pytest.mark.parametrize("case", ["gpt2-bundled", "llama-gqa-untied", "neox-parallel-partial-rotary", "qwen3-qk-norm-tied",
+                                  "gptneo-local-unscaled", "opt-pre-norm-tied"])
 def test_the_state_dict_is_hooked_transformers_and_loads_both_ways(case, tmp_path):
     directory, kind, hf = checkpoint(case, tmp_path / "checkpoint")
     model = HookedDecoder.from_pretrained(directory).eval()

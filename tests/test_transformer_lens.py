@@ -15,9 +15,11 @@ CONFIGS = {
 }
 
 
-def compare_with_transformer_lens(directory, n_pos: int, seed: int) -> tuple[set, set]:
+def compare_with_transformer_lens(directory, n_pos: int, seed: int, skip=(), flattened=()) -> tuple[set, set]:
     """Run probe and TL's TransformerBridge on the same checkpoint; assert equal logits and equal values at every
-    hook both have. Returns (our hooks TL lacks, TL's hook names)."""
+    hook both have but those ending in `skip` (where the bridge hooks something else under the name), reading
+    those ending in `flattened` (which the bridge gives with batch and position merged) in our shape. Returns
+    (our hooks TL lacks, TL's hook names)."""
     from transformer_lens.model_bridge import TransformerBridge
 
     bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
@@ -28,8 +30,10 @@ def compare_with_transformer_lens(directory, n_pos: int, seed: int) -> tuple[set
         our_logits, cache = ours.run_with_cache(tokens)
     torch.testing.assert_close(our_logits, their_logits, atol=1e-4, rtol=0)
     allowed = torch.ones(n_pos, n_pos, dtype=torch.bool).tril()
-    for hook in (n for n in cache if n in theirs):
+    for hook in (n for n in cache if n in theirs and not n.endswith(tuple(skip))):
         a, b = cache[hook], theirs[hook]
+        if hook.endswith(tuple(flattened)):
+            b = b.reshape(a.shape)
         if hook.endswith(("_normed", "q_norm.hook_scale", "q_norm.hook_normalized", "k_norm.hook_scale",
                           "k_norm.hook_normalized")) and a.dim() == 4:
             b = b.transpose(1, 2)  # TL's bridge keeps Qwen3's per-head norms in [batch head pos ...]

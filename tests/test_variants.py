@@ -1,4 +1,5 @@
-"""Decoder variants and the Llama, Qwen2 and GPT-1 checkpoint families, each against `transformers`."""
+"""Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, Gemma, GPT-1, GPT-NeoX, GPT-Neo, OPT), each
+against `transformers`."""
 from __future__ import annotations
 
 import dataclasses
@@ -60,6 +61,14 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**{**settings, **overrides}))
+    elif kind == "gptneo":  # unscaled q.k, bias-free q/k/v, "local" layers with a window shorter than the sequences
+        settings = dict(vocab_size=101, hidden_size=64, num_layers=3, num_heads=4, max_position_embeddings=40,
+                        window_size=5, attention_types=[[["global", "local"], 1], [["local"], 1]])
+        model = tf.GPTNeoForCausalLM(tf.GPTNeoConfig(**{**settings, **overrides}))
+    elif kind == "opt":  # separate q/k/v/out projections, ReLU, a position table offset by two rows
+        settings = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=96,
+                        max_position_embeddings=40)
+        model = tf.OPTForCausalLM(tf.OPTConfig(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -88,6 +97,16 @@ CASES = {
     "neox-parallel-partial-rotary": ("neox", {}),
     "neox-sequential-tied-no-bias": ("neox", {"use_parallel_residual": False, "tie_word_embeddings": True,
                                               "attention_bias": False, "hidden_act": "gelu_new"}),
+    "gptneo-local-unscaled": ("gptneo", {}),
+    "gptneo-global-untied-gelu": ("gptneo", {"attention_types": [[["global"], 3]], "tie_word_embeddings": False,
+                                             "activation_function": "gelu", "intermediate_size": 80}),
+    "opt-pre-norm-tied": ("opt", {}),
+    # OPT-350m's layout: post-norm, no final norm, an embedding narrower than the residual (projected in and out)
+    "opt-projected-post-norm": ("opt", {"word_embed_proj_dim": 32, "do_layer_norm_before": False}),
+    "opt-projected-untied": ("opt", {"word_embed_proj_dim": 48, "tie_word_embeddings": False}),
+    "opt-no-bias-no-affine-untied": ("opt", {"enable_bias": False, "layer_norm_elementwise_affine": False,
+                                             "tie_word_embeddings": False}),
+    "opt-no-final-norm": ("opt", {"_remove_final_layer_norm": True}),
 }
 
 
@@ -171,7 +190,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 
 def test_save_round_trip_for_each_family(tmp_path):
-    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3"):
+    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
