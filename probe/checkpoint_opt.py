@@ -47,7 +47,8 @@ def opt_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict
     pre = cfg.norm_placement is NormPlacement.PRE
     require_fields(cfg, "OPT", heads_per_layer=None, norm=Norm.LAYER, norm_placement={NormPlacement.PRE, NormPlacement.POST},
                    positions=Positions.LEARNED, gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads,
-                   qkv_bias=cfg.mlp_bias, out_bias=cfg.mlp_bias, final_norm={False, True} if pre else False)
+                   qkv_bias=cfg.mlp_bias, out_bias=cfg.mlp_bias, final_norm={False, True} if pre else False,
+                   norm_weights={False, True})
     if cfg.n_heads * cfg.d_head != cfg.d_model:
         raise ValueError("an OPT checkpoint needs n_heads * d_head == d_model")
     special = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else cfg.d_vocab - 1

@@ -1,7 +1,7 @@
 """Hugging Face checkpoint families: how each one's config and tensor names map onto DecoderConfig.
 
 One small table of functions per family (checkpoint_gpt.py: GPT-2, GPT-1, GPT-NeoX; checkpoint_gptneo.py: GPT-Neo;
-checkpoint_opt.py: OPT; checkpoint_llama.py: Llama, Qwen2/3, Mistral, Gemma, Gemma 2; checkpoint_source.py: what
+checkpoint_opt.py: OPT; checkpoint_phi.py: Phi, Phi-3; checkpoint_llama.py: Llama, Qwen2/3, Mistral, Gemma, Gemma 2; checkpoint_source.py: what
 they share); loading.py does the file handling for all.
 """
 from __future__ import annotations
@@ -18,8 +18,10 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_conf
                                     llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, mistral_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_opt import opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe
+from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, phi3_to_probe, phi_config, phi_config_to_hf,
+                                  phi_to_hf, phi_to_probe)
 from probe.checkpoint_source import GPT_ACTIVATIONS, Source
-from probe.config import Activation, DecoderConfig
+from probe.config import Activation, DecoderConfig, NormPlacement
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
 
@@ -37,7 +39,7 @@ class Family:
     to_probe: Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]
     to_hf: Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]
     # whether text gets BOS first by default (cfg.default_prepend_bos): transformer-lens's per-family choice, False
-    # for GPT-NeoX/Pythia and Qwen, trained without one (TL 3.9's convert_hf_model_config, TL 4's bridge)
+    # for GPT-NeoX/Pythia, Qwen and Phi, trained without one (TL 3.9's convert_hf_model_config, TL 4's bridge)
     prepends_bos: bool = True
 
 
@@ -64,6 +66,9 @@ FAMILIES = {
         Family("gpt_neo", "GPTNeoForCausalLM", ("transformer.",), gptneo_config, gptneo_config_to_hf, gptneo_to_probe,
                gptneo_to_hf),
         Family("opt", "OPTForCausalLM", ("model.", "decoder."), opt_config, opt_config_to_hf, opt_to_probe, opt_to_hf),
+        Family("phi", "PhiForCausalLM", ("model.",), phi_config, phi_config_to_hf, phi_to_probe, phi_to_hf,
+               prepends_bos=False),
+        Family("phi3", "Phi3ForCausalLM", ("model.",), phi3_config, phi3_config_to_hf, phi3_to_probe, phi3_to_hf),
     )
 }
 
@@ -85,9 +90,10 @@ def family_for_config(cfg: DecoderConfig) -> Family:
         raise ValueError(f"no Hugging Face checkpoint format holds a SoLU MLP (activation={cfg.activation.value!r}: "
                          "transformers has no SoLU activation, nor a LayerNorm inside the MLP); save model.state_dict() "
                          "with safetensors (transformer-lens's layout) and load it into HookedDecoder(cfg)")
-    if cfg.unembed_bias:
-        raise ValueError("no Hugging Face checkpoint format here holds an unembedding bias (a model from "
-                         "process_weights has one); save the unprocessed model and process it again after loading")
+    if cfg.unembed_bias and not (cfg.norm_placement is NormPlacement.PARALLEL and cfg.norm_weights):
+        raise ValueError("no Hugging Face checkpoint format here holds an unembedding bias beside these norms (Phi's "
+                         "holds one in parallel blocks with learned norms; a model from process_weights has one, and "
+                         "folded norms); save the unprocessed model and process it again after loading")
     errors = []
     # the format the model was loaded from first: an OPT model is also a valid GPT-2 one, but not OPT's positions
     candidates = sorted(FAMILIES.values(), key=lambda f: f.architecture != cfg.original_architecture)

@@ -1,7 +1,7 @@
 """transformer-lens 4's own hook names, as TL 4 code writes them without compatibility mode (`blocks.0.hook_out`,
 `blocks.0.attn.q.hook_out`, `blocks.0.ln1.hook_out`, `unembed.hook_out`, ...), on a model loaded with TL 4's loading
 line, `HookedDecoder.boot_transformers` (probe/bridge_names.py, probe/tl_bridge.py). The oracle: TL 4's
-TransformerBridge booted over the same checkpoint, also without compatibility mode, on six block arrangements."""
+TransformerBridge booted over the same checkpoint, also without compatibility mode, on nine block arrangements."""
 from __future__ import annotations
 
 import copy
@@ -21,8 +21,8 @@ from test_variants import build
 from oracle_process import oracle
 from tl_oracle import assert_same, booted
 
-FAMILIES = ("gpt2", "gpt1", "llama", "neox", "gemma2", "qwen3", "gptneo", "opt")  # learned/post-norm/GQA gated/parallel/
-# sandwich/q-k norms/local layers/OPT's layout
+FAMILIES = ("gpt2", "gpt1", "llama", "neox", "gemma2", "qwen3", "gptneo", "opt", "phi")  # learned/post-norm/GQA gated/
+# parallel/sandwich/q-k norms/local layers/OPT's layout/one norm for two parallel sublayers
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,10 @@ def test_every_bridge_name_holds_the_bridges_value_or_says_what_to_hook(family, 
     assert compared >= 22 * (family != "gpt1") + 12, f"{family}: only {compared} names compared"
 
 
+PHI_SHARED_INPUTS = {"blocks.0.attn.hook_in", "blocks.0.attn.q.hook_in", "blocks.1.attn.k.hook_in",
+                     "blocks.0.attn.v.hook_in"}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_edits_at_bridge_names_do_what_they_do_on_the_bridge(family, family_dirs):
     ours, theirs = both(family_dirs[family])
@@ -100,7 +104,13 @@ def test_edits_at_bridge_names_do_what_they_do_on_the_bridge(family, family_dirs
               "llama": ["blocks.1.mlp.gate.hook_out", "ln_final.hook_out"], "qwen3": ["blocks.0.mlp.gate.hook_out"],
               "gemma2": ["blocks.0.ln1_post.hook_in", "blocks.1.ln2_post.hook_in", "blocks.1.ln2_post.hook_out"],
               "gpt1": ["pos_embed.hook_out"], "neox": ["ln_final.hook_in"], "gptneo": ["pos_embed.hook_out"],
-              "opt": ["pos_embed.hook_out", "ln_final.hook_out"]}[family]
+              "opt": ["pos_embed.hook_out", "ln_final.hook_out"], "phi": ["ln_final.hook_in"]}[family]
+    if family == "phi":
+        # TL 4's Phi block has one norm, ln1, which both sublayers read: an edit at ln1's ends reaches the MLP there.
+        # probe keeps TL 3's two copies (ln2 is ln1's), so an edit at ln1's ends reaches attention only; the bridge
+        # has no ln2 to edit (docs/from_transformer_lens.md)
+        for name in ("blocks.0.ln1.hook_in", "blocks.0.ln1.hook_out", "blocks.1.ln2.hook_in", "blocks.1.ln2.hook_out"):
+            names.remove(name)
     if family == "gpt1":
         # the bridge's GPT-1 blocks never fire hook_out (nor cache it): probe's is hook_resid_post. Post-norm sublayers
         # read the residual itself, so probe leaves their inputs out (test above: it says what to hook instead)
@@ -116,7 +126,9 @@ def test_edits_at_bridge_names_do_what_they_do_on_the_bridge(family, family_dirs
     with torch.no_grad():
         for name in names:
             # the bridge's position embeddings are one row per position broadcast over the batch: no in-place edit there
-            for edit in (replace,) if name == "pos_embed.hook_out" else (replace, in_place):
+            # and in a Phi block attention's input is the tensor the MLP reads too: edited in place, both see it
+            shared = name == "pos_embed.hook_out" or (family == "phi" and name in PHI_SHARED_INPUTS)
+            for edit in (replace,) if shared else (replace, in_place):
                 assert_same(ours.run_with_hooks(toks, fwd_hooks=[(name, edit)]),
                             theirs.run_with_hooks(toks, fwd_hooks=[(name, edit)]), what=f"{family}: {edit.__name__} {name}")
 

@@ -290,6 +290,7 @@ FAMILY_CASES = {  # the cases each family's blocks allow; the others are refused
     "gptneo": [family_logit_lens, family_logit_attrs_by_sublayer, family_heads, family_mlp_norm_scale],
     # OPT's mlp_input norm scale too, but the bridge caches OPT's ln2 scale flattened and cannot apply it
     "opt": [family_logit_lens, family_logit_attrs_by_sublayer, family_heads],
+    "phi": [family_logit_lens, family_logit_attrs_by_sublayer, family_heads],
 }
 
 

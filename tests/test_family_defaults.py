@@ -1,5 +1,5 @@
 """Each family's text defaults as transformer-lens sets them (probe/checkpoints.py `Family.prepends_bos`,
-probe/tokenizer.py's padding token): BOS first by default except for GPT-NeoX/Pythia and Qwen, trained without one,
+probe/tokenizer.py's padding token): BOS first by default except for GPT-NeoX/Pythia, Qwen and Phi, trained without one,
 and padding with the tokenizer's pad token, else EOS. The oracle: transformer-lens 4's bridge over the same
 checkpoint directory (TL 3.9's from_pretrained makes the same choices: tests/test_tokenizer_surface.py)."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ QWEN_FILES = (["<|endoftext|>"], {"tokenizer_class": "PreTrainedTokenizerFast", 
 OPT_FILES = (["<pad>", "</s>"], {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "</s>", "eos_token": "</s>",
                                  "pad_token": "<pad>"}, True)
 FAMILIES = {"llama": LLAMA_FILES, "mistral": LLAMA_FILES, "gemma": LLAMA_FILES, "neox": GPT_FILES, "gptneo": GPT_FILES,
-            "opt": OPT_FILES,
+            "opt": OPT_FILES, "phi": GPT_FILES, "phi3": LLAMA_FILES,
             "qwen2": QWEN_FILES, "qwen3": QWEN_FILES,
             "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
 
@@ -34,7 +34,7 @@ def test_text_defaults_are_transformer_lens_per_family(family, tmp_path):
     directory = tokenizer_dir(tmp_path / family, specials, config, processor)
     build(family.removesuffix("-pad"), directory, vocab_size=len(Tokenizer.from_directory(directory)))
     ours, theirs = HookedDecoder.from_pretrained(directory).eval(), booted(directory, no_processing=True)
-    assert ours.cfg.default_prepend_bos == theirs.cfg.default_prepend_bos == (family not in ("neox", "qwen2", "qwen3"))
+    assert ours.cfg.default_prepend_bos == theirs.cfg.default_prepend_bos == (family not in ("neox", "qwen2", "qwen3", "phi"))
     assert ours.tokenizer.pad_token_id == theirs.tokenizer.pad_token_id
     assert_same(ours.to_tokens(TEXTS), theirs.to_tokens(TEXTS), what=f"{family}: to_tokens")
     assert ours.to_str_tokens(TEXT) == theirs.to_str_tokens(TEXT)

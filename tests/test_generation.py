@@ -52,6 +52,21 @@ def opt_pair(tmp_path_factory):  # positions numbered by the mask's running sum
     return hf, HookedDecoder.from_pretrained(directory).eval()
 
 
+@pytest.fixture(scope="module")
+def phi_pair(tmp_path_factory):  # one norm read by both parallel sublayers, partial rotary
+    directory = tmp_path_factory.mktemp("phi")
+    hf = build("phi", directory)
+    return hf, HookedDecoder.from_pretrained(directory).eval()
+
+
+@pytest.fixture(scope="module")
+def phi3_pair(tmp_path_factory):  # fused projections, a 6-key window on every layer, partial rotary
+    directory = tmp_path_factory.mktemp("phi3")
+    hf = build("phi3", directory, sliding_window=6,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
+    return hf, HookedDecoder.from_pretrained(directory).eval()
+
+
 def pair_of(which, tiny_hf, tiny_model, request):
     return (tiny_hf, tiny_model) if which == "gpt2" else request.getfixturevalue(f"{which}_pair")
 
@@ -67,7 +82,7 @@ def decode_step_by_step(model, tokens, mask, n_new):
     return step_logits, tokens, mask
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt", "phi", "phi3"])
 def test_each_cached_step_equals_a_full_forward(which, tiny_model, tiny_hf, request):
     model = pair_of(which, tiny_hf, tiny_model, request)[1]
     gen = torch.Generator().manual_seed(5)
@@ -85,7 +100,7 @@ def test_each_cached_step_equals_a_full_forward(which, tiny_model, tiny_hf, requ
     torch.testing.assert_close(step_logits[-1][1:], alone, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt", "phi", "phi3"])
 def test_greedy_equals_transformers_generate(which, tiny_model, tiny_hf, request):
     hf, model = pair_of(which, tiny_hf, tiny_model, request)
     prompt = torch.randint(0, model.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(6))

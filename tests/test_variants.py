@@ -1,4 +1,5 @@
-"""Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, Gemma, GPT-1, GPT-NeoX, GPT-Neo, OPT), each
+"""Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, Gemma, GPT-1, GPT-NeoX, GPT-Neo, OPT, Phi,
+Phi-3), each
 against `transformers`."""
 from __future__ import annotations
 
@@ -69,6 +70,14 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=96,
                         max_position_embeddings=40)
         model = tf.OPTForCausalLM(tf.OPTConfig(**{**settings, **overrides}))
+    elif kind == "phi":  # a parallel block reading one norm, partial rotary, biased q/k/v, an unembedding bias
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=40, partial_rotary_factor=0.4)
+        model = tf.PhiForCausalLM(tf.PhiConfig(**{**settings, **overrides}))
+    elif kind == "phi3":  # Llama's block with fused q/k/v and gate/up projections
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=40, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -107,6 +116,13 @@ CASES = {
     "opt-no-bias-no-affine-untied": ("opt", {"enable_bias": False, "layer_norm_elementwise_affine": False,
                                              "tie_word_embeddings": False}),
     "opt-no-final-norm": ("opt", {"_remove_final_layer_norm": True}),
+    "phi-parallel-shared-norm": ("phi", {}),
+    "phi-gqa-tied-relu": ("phi", {"num_key_value_heads": 2, "tie_word_embeddings": True, "hidden_act": "relu"}),
+    "phi3-fused-projections": ("phi3", {}),
+    # phi-4-mini's partial rotary, Phi-3-mini's window (here shorter than the sequences), grouped-query heads
+    "phi3-gqa-partial-rotary-window": ("phi3", {"num_key_value_heads": 2, "sliding_window": 6, "tie_word_embeddings": True,
+                                                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                    "partial_rotary_factor": 0.75}}),
 }
 
 
@@ -190,7 +206,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 
 def test_save_round_trip_for_each_family(tmp_path):
-    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt"):
+    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
