@@ -72,7 +72,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.k_norm = make_norm(cfg, cfg.d_head) if cfg.qk_norm else nn.Identity()
         self.hook_q_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos head d_head]
         self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rotary_base, cfg.rotary_scaling) if cfg.positions is Positions.ROTARY else None
+        self.rotary = Rotary(cfg.rotary_dim, *cfg.layer_rotary(layer)) if cfg.positions is Positions.ROTARY else None
         if self.rotary is not None:
             self.hook_rot_q = HookPoint()  # [batch pos head d_head]: q after the rotation
             self.hook_rot_k = HookPoint()  # [batch pos kv_head d_head]

@@ -1,7 +1,7 @@
 """Hugging Face checkpoint families: how each one's config and tensor names map onto DecoderConfig.
 
 One small table of functions per family (checkpoint_gpt.py: GPT-2, GPT-1, GPT-NeoX; checkpoint_gptneo.py: GPT-Neo;
-checkpoint_opt.py: OPT; checkpoint_phi.py: Phi, Phi-3; checkpoint_llama.py: Llama, Qwen2/3, Mistral, Gemma, Gemma 2; checkpoint_source.py: what
+checkpoint_opt.py: OPT; checkpoint_phi.py: Phi, Phi-3; checkpoint_llama.py: Llama, Qwen2/3, Mistral, Gemma, Gemma 2; checkpoint_gemma3.py: Gemma 3; checkpoint_source.py: what
 they share); loading.py does the file handling for all.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
+from probe.checkpoint_gemma3 import gemma3_config, gemma3_config_to_hf
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, mistral_config,
@@ -25,7 +26,7 @@ from probe.config import Activation, DecoderConfig, NormPlacement
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "Family", "FAMILIES", "GEMMA_ACTIVATIONS", "GPT_ACTIVATIONS", "Source", "family_for_config",
+__all__ = ["CheckpointError", "Family", "FAMILIES", "NOT_SUPPORTED", "GEMMA_ACTIVATIONS", "GPT_ACTIVATIONS", "Source", "family_for_config",
            "prepends_bos_by_default"]
 
 
@@ -61,6 +62,8 @@ FAMILIES = {
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma"), gemma_to_probe, gemma_to_hf),
         Family("gemma2", "Gemma2ForCausalLM", ("model.",), gemma2_config,
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma2"), gemma_to_probe, gemma_to_hf),
+        Family("gemma3_text", "Gemma3ForCausalLM", ("model.",), gemma3_config, gemma3_config_to_hf, gemma_to_probe,
+               gemma_to_hf),
         Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf,
                prepends_bos=False),
         Family("gpt_neo", "GPTNeoForCausalLM", ("transformer.",), gptneo_config, gptneo_config_to_hf, gptneo_to_probe,
@@ -71,6 +74,11 @@ FAMILIES = {
         Family("phi3", "Phi3ForCausalLM", ("model.",), phi3_config, phi3_config_to_hf, phi3_to_probe, phi3_to_hf),
     )
 }
+
+
+# what to say of a model type that is near one supported
+NOT_SUPPORTED = {"gemma3": "the multimodal Gemma 3 (gemma-3-4b and larger) is not read; the text-only gemma-3-270m and "
+                           "gemma-3-1b (gemma3_text) are"}
 
 
 def prepends_bos_by_default(architecture: Optional[str]) -> bool:

@@ -55,6 +55,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     rotary_base: float = 10000.0
     rotary_dim: Optional[int] = None  # None: d_head; fewer: only each head's first rotary_dim dimensions rotate (Pythia: d_head / 4)
     rotary_scaling: Optional[RotaryScaling] = None  # long-context frequency rescaling (Llama 3.1+); a dict is converted
+    # the windowed layers' own rotary base, with no rotary_scaling (Gemma 3's local layers; TL's rotary_base_local,
+    # whose linear rescaling skips the local layers); None: every layer rotates by rotary_base and rotary_scaling
+    sliding_rotary_base: Optional[float] = None
     sliding_window: Optional[int] = None  # each query sees at most this many keys, itself included (Mistral); None: all earlier ones
     sliding_layers: Optional[tuple[bool, ...]] = None  # which layers use sliding_window (Gemma 2: every other); None: all
     attn_scale_dim: Optional[float] = None  # q.k is divided by sqrt(attn_scale_dim); None: d_head (Gemma 2: query_pre_attn_scalar)
@@ -204,8 +207,13 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
                              f"{self.norm_placement.value!r}: use norm_placement='pre'")
         if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
             raise ValueError(f"eps must be a small positive float, got {self.eps!r}")
-        if not (isinstance(self.rotary_base, (int, float)) and self.rotary_base > 1):
-            raise ValueError(f"rotary_base must be > 1, got {self.rotary_base!r}")
+        for field in ("rotary_base", "sliding_rotary_base"):
+            base = getattr(self, field)
+            if not (base is None and field == "sliding_rotary_base") and not (isinstance(base, (int, float)) and base > 1):
+                raise ValueError(f"{field} must be > 1, got {base!r}")
+        if self.sliding_rotary_base is not None and not (self.positions is Positions.ROTARY and self.sliding_window is not None):
+            raise ValueError("sliding_rotary_base is the windowed layers' rotary base: it needs positions=rotary and a "
+                             "sliding_window; leave it None")
 
     def layer_heads(self, layer: int) -> int:
         """The number of query heads in `layer` (fewer than n_heads after structural pruning)."""
@@ -215,6 +223,12 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         """The sliding window of `layer`'s attention, or None when it sees every earlier key."""
         windowed = self.sliding_layers is None or self.sliding_layers[layer]
         return self.sliding_window if windowed else None
+
+    def layer_rotary(self, layer: int) -> tuple[float, Optional[RotaryScaling]]:
+        """`layer`'s rotary base and frequency rescaling (a windowed layer's own, where sliding_rotary_base is set)."""
+        if self.sliding_rotary_base is not None and self.layer_window(layer) is not None:
+            return self.sliding_rotary_base, None
+        return self.rotary_base, self.rotary_scaling
 
     def layer_kv_heads(self, layer: int) -> int:
         return self.n_kv_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
@@ -265,58 +279,12 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         return "bidirectional" if self.bidirectional else "causal"
 
     @property
-    def use_local_attn(self) -> bool:
-        return self.sliding_window is not None
-
-    @property
-    def window_size(self) -> Optional[int]:
-        return self.sliding_window
-
-    @property
-    def attn_types(self) -> Optional[list[str]]:  # each layer's: "local" (windowed) or "global"; None without a window
-        if self.sliding_window is None:
-            return None
-        return ["local" if self.layer_window(layer) is not None else "global" for layer in range(self.n_layers)]
-
-    @property
-    def output_logits_soft_cap(self) -> float:
-        return -1.0 if self.logit_softcap is None else float(self.logit_softcap)  # TL: -1 for no cap
-
-    @property
-    def attn_scores_soft_cap(self) -> float:
-        return -1.0 if self.attn_softcap is None else float(self.attn_softcap)
-
-    @property
-    def use_normalization_before_and_after(self) -> bool:
-        return self.norm_placement is NormPlacement.SANDWICH
-
-    @property
-    def use_qk_norm(self) -> bool:
-        return self.qk_norm
-
-    @property
-    def use_attn_scale(self) -> bool:  # TL's use_attn_scale=False (GPT-Neo) is a divisor of 1
-        return self.attn_scale_dim != 1.0
-
-    @property
-    def attn_scale(self) -> float:  # what q.k is divided by
-        return float(self.d_head if self.attn_scale_dim is None else self.attn_scale_dim) ** 0.5
-
-    @property
     def tokenizer_name(self) -> Optional[str]:
         if self.tokenizer_source is not None:
             return self.tokenizer_source
         # a loaded checkpoint's own tokenizer.json is what probe reads; TL's "custom" names a model built from a
         # config, which has no tokenizer unless the config names one
         return None if self.model_name == "custom" else self.model_name
-
-    @property
-    def initializer_range(self) -> float:
-        return self.init_std
-
-    @property
-    def scale_attn_by_inverse_layer_idx(self) -> bool:
-        return self.attn_scale_by_layer
 
     @property
     def n_params(self) -> int:

@@ -39,8 +39,7 @@ WHY = {"attention_dir": "probe's attention is 'causal' or 'bidirectional'",
        "act_fn": f"probe's activations are {sorted(ACTIVATION_SPELLINGS)}",
        "final_rms": "probe's final norm is the kind of the others: final_rms goes with normalization_type='RMS'",
        "rotary_adjacent_pairs": "probe rotates dimension i with i + rotary_dim / 2, as Llama and GPT-NeoX do",
-       "rotary_scaling_factor": "probe rescales every layer's rotary frequencies alike: linear scaling goes without "
-                                "local attention layers and without use_NTK_by_parts_rope",
+       "rotary_scaling_factor": "linear scaling goes without use_NTK_by_parts_rope",
        "default_padding_side": "probe's config holds no tokenizer: give the side with the tokenizer, "
                                "model.set_tokenizer(tokenizer, default_padding_side='left')"}
 # TL settings that only describe where a checkpoint came from, or that probe computes (or draws) itself; and two
@@ -56,7 +55,8 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "original_architecture", "device", "default_prepend_bos", "use_attn_result", "use_split_qkv_input",
          "init_weights",
          "use_attn_in", "use_hook_mlp_in", "ungroup_grouped_query_attention", "attn_only", "tokenizer_name",
-         "attention_dir", "use_hook_tokens", "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor"}
+         "attention_dir", "use_hook_tokens", "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor",
+         "rotary_base_local"}
 
 
 def _config_fields() -> set[str]:
@@ -162,7 +162,7 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
         attn_only=attn_only, bidirectional=attention_dir == "bidirectional", use_hook_tokens=s.get("use_hook_tokens", False),
         norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"), final_norm=norm is not Norm.NONE,
         positions=positions, rotary_base=float(s.get("rotary_base", 10000)), rotary_dim=s.get("rotary_dim") if positions is Positions.ROTARY else None,
-        rotary_scaling=_rotary_scaling(s, window is not None), sliding_window=window,
+        rotary_scaling=_rotary_scaling(s), sliding_rotary_base=_sliding_rotary_base(s, positions, window), sliding_window=window,
         sliding_layers=tuple(t == "local" for t in attn_types) if window is not None and attn_types else None,
         attn_scale_dim=_scale_dim(s), attn_softcap=_cap(s.get("attn_scores_soft_cap", -1.0)),
         logit_softcap=_cap(s.get("output_logits_soft_cap", -1.0)), qk_norm=s.get("use_qk_norm", False),
@@ -218,16 +218,26 @@ def _scale_dim(s: dict) -> Optional[float]:
     return None if scale == -1.0 or math.isclose(float(scale) ** 2, s["d_head"], rel_tol=1e-9) else float(scale) ** 2
 
 
+def _sliding_rotary_base(s: dict, positions: Positions, window: Optional[int]) -> Optional[float]:
+    """TL's local layers rotate by rotary_base_local (else rotary_base) and never take the linear rescaling."""
+    if positions is not Positions.ROTARY or window is None:
+        return None
+    base = s.get("rotary_base_local")
+    if base is None and s.get("rotary_scaling_factor", 1.0) != 1.0:
+        base = s.get("rotary_base", 10000)
+    return None if base is None else float(base)
+
+
 def _cap(value: float) -> Optional[float]:
     return None if value is None or value < 0 else float(value)
 
 
-def _rotary_scaling(s: dict, local_layers: bool) -> Optional[RotaryScaling]:
+def _rotary_scaling(s: dict) -> Optional[RotaryScaling]:
     """TL's NTK-by-parts rope (Llama 3.1) is transformers' "llama3" rope scaling; its rotary_scaling_factor the
-    "linear" one (TL skips it on local attention layers, which probe's one scaling for all layers cannot)."""
+    "linear" one, which TL applies to global layers only (see _sliding_rotary_base)."""
     linear = s.get("rotary_scaling_factor", 1.0)
     if linear != 1.0:
-        if local_layers or s.get("use_NTK_by_parts_rope", False):
+        if s.get("use_NTK_by_parts_rope", False):
             raise ValueError(f"HookedTransformerConfig(rotary_scaling_factor={linear!r}) is not supported here: "
                              f"{WHY['rotary_scaling_factor']}")
         return RotaryScaling(kind="linear", factor=linear)

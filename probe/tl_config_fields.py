@@ -3,7 +3,7 @@
 TL code reads any of its config's fields on `model.cfg`: `cfg.n_devices`, `cfg.tokenizer_prepends_bos`,
 `cfg.use_NTK_by_parts_rope`, ... config.py gives TL's names for the facts probe's decoder builds (`act_fn`,
 `normalization_type`, `attn_scale`, ...); these are the fields left over. Each reads what a HookedTransformer of the
-same model reads: probe's value where probe has the feature (NTK-by-parts rope is its llama3 rotary scaling, tied
+same model reads (TL's names for the facts probe builds from, `use_local_attn`, `attn_scale`, ..., among them): probe's value where probe has the feature (NTK-by-parts rope is its llama3 rotary scaling, tied
 embeddings its `tied_embeddings`), and TL's default for a model without it where probe has no such feature
 (mixture of experts, YaRN rope, attention sinks, quantisation, several devices, encoder-decoder models).
 tests/test_tl_config_fields.py holds every field TL 3.9 has, the list taken from TL, to HookedTransformer's values.
@@ -14,19 +14,77 @@ from typing import Optional
 
 import torch
 
-from probe.config_choices import Norm, RotaryScaling
+from probe.config_choices import Norm, NormPlacement, RotaryScaling
 
 
 class HookedTransformerConfigFields:
     """Properties only: the fields they read (norm, rotary_scaling, ...) are DecoderConfig's."""
 
     norm: Norm
+    norm_placement: NormPlacement
     rotary_scaling: Optional[RotaryScaling]
+    rotary_base: float
+    sliding_rotary_base: Optional[float]
     tied_embeddings: bool
     checkpoint_value: Optional[int]
     act_fn: str
+    n_layers: int
+    d_head: int
+    sliding_window: Optional[int]
+    logit_softcap: Optional[float]
+    attn_softcap: Optional[float]
+    attn_scale_dim: Optional[float]
+    qk_norm: bool
+    init_std: float
+    attn_scale_by_layer: bool
 
     # ---- what probe builds, under TL's names ----------------------------------------------------------------
+    @property
+    def use_local_attn(self) -> bool:
+        return self.sliding_window is not None
+
+    @property
+    def window_size(self) -> Optional[int]:
+        return self.sliding_window
+
+    @property
+    def attn_types(self) -> Optional[list[str]]:  # each layer's: "local" (windowed) or "global"; None without a window
+        if self.sliding_window is None:
+            return None
+        return ["local" if self.layer_window(layer) is not None else "global" for layer in range(self.n_layers)]
+
+    @property
+    def output_logits_soft_cap(self) -> float:
+        return -1.0 if self.logit_softcap is None else float(self.logit_softcap)  # TL: -1 for no cap
+
+    @property
+    def attn_scores_soft_cap(self) -> float:
+        return -1.0 if self.attn_softcap is None else float(self.attn_softcap)
+
+    @property
+    def use_normalization_before_and_after(self) -> bool:
+        return self.norm_placement is NormPlacement.SANDWICH
+
+    @property
+    def use_qk_norm(self) -> bool:
+        return self.qk_norm
+
+    @property
+    def use_attn_scale(self) -> bool:  # TL's use_attn_scale=False (GPT-Neo) is a divisor of 1
+        return self.attn_scale_dim != 1.0
+
+    @property
+    def attn_scale(self) -> float:  # what q.k is divided by
+        return float(self.d_head if self.attn_scale_dim is None else self.attn_scale_dim) ** 0.5
+
+    @property
+    def initializer_range(self) -> float:
+        return self.init_std
+
+    @property
+    def scale_attn_by_inverse_layer_idx(self) -> bool:
+        return self.attn_scale_by_layer
+
     @property
     def uses_rms_norm(self) -> bool:
         # TL 4's bridge sets it for RMSNorm models; a HookedTransformer never sets it (its normalization_type says it)
@@ -55,6 +113,13 @@ class HookedTransformerConfigFields:
     @property
     def NTK_original_ctx_len(self) -> int:  # noqa: N802
         return 8192 if self._llama3 is None else self._llama3.original_n_ctx
+
+    @property
+    def rotary_base_local(self) -> Optional[float]:
+        """TL's local layers' rotary base; None where they rotate as the global layers do, bar TL's linear rescaling,
+        which skips them (probe's sliding_rotary_base equal to rotary_base)."""
+        base = self.sliding_rotary_base
+        return None if base is None or (base == self.rotary_base and self.rotary_scaling is not None) else base
 
     @property
     def rotary_scaling_factor(self) -> float:
@@ -111,7 +176,7 @@ class HookedTransformerConfigFields:
 ABSENT_FEATURES = {
     "post_embedding_ln": False, "rotary_adjacent_pairs": False, "num_experts": None, "experts_per_token": None,
     "norm_topk_prob": False, "clip_qkv": None, "use_logn_attn": False, "train_seq_length": None,
-    "use_dynamic_ntk_rope": False, "rotary_base_local": None, "use_yarn_rope": False, "yarn_factor": 1.0,
+    "use_dynamic_ntk_rope": False, "use_yarn_rope": False, "yarn_factor": 1.0,
     "yarn_attention_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
     "yarn_original_max_position_embeddings": 4096, "yarn_truncate": True, "yarn_global_attn_only": False,
     "use_attention_sinks": False, "trust_remote_code": False, "load_in_4bit": False, "quantization_method": None,

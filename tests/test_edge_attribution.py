@@ -34,9 +34,12 @@ def prompts(vocab: int, n_pos: int = 9, seed: int = 3):
     return clean, corrupted
 
 
+SANDWICH = ("gemma2", "gemma3")  # the families whose sublayer writes are normalised before the residual
+
+
 class HFEdges:
-    """Writers' outputs and readers' input gradients of a transformers GPT-2, GPT-Neo, Llama, Gemma 2 or GPT-NeoX
-    model."""
+    """Writers' outputs and readers' input gradients of a transformers GPT-2, GPT-Neo, Llama, Gemma 2, Gemma 3 or
+    GPT-NeoX model."""
 
     def __init__(self, hf, kind: str):
         self.hf, self.kind = hf, kind
@@ -72,13 +75,13 @@ class HFEdges:
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
             return layer.ln_1, projections, a.out_proj, layer.ln_2, layer.mlp
-        if self.kind in ("llama", "gemma2"):
+        if self.kind in ("llama", "gemma2", "gemma3"):
             a = layer.self_attn
             projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
             # Gemma 2's sandwich: the MLP reads pre_feedforward_layernorm; post_attention_layernorm normalises the write
-            ln2 = layer.pre_feedforward_layernorm if self.kind == "gemma2" else layer.post_attention_layernorm
+            ln2 = layer.pre_feedforward_layernorm if self.kind in SANDWICH else layer.post_attention_layernorm
             return layer.input_layernorm, projections, a.o_proj, ln2, layer.mlp
         a = layer.attention  # GPT-NeoX: the fused projection is [head, (q k v), d_head]
         slots = [(s, slice(h * 3 * dh + part * dh, h * 3 * dh + (part + 1) * dh))
@@ -131,9 +134,9 @@ class HFEdges:
             handles.append(out_proj.register_forward_pre_hook(lambda mod, args, l=l: writes.__setitem__(("z", l), args[0])))
             handles.append(ln2.register_forward_hook(norm_output((l, "mlp"))))
             # an MLP's write is what reaches the residual: in a sandwich block, after its post-norm
-            written = layer.post_feedforward_layernorm if self.kind == "gemma2" else mlp
+            written = layer.post_feedforward_layernorm if self.kind in SANDWICH else mlp
             handles.append(written.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("mlp", l), out)))
-            if self.kind == "gemma2":  # the attention's whole write, before its post-norm: its scale is every head's
+            if self.kind in SANDWICH:  # the attention's whole write, before its post-norm: its scale is every head's
                 handles.append(out_proj.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("attn", l), out)))
         handles.append(self.final.register_forward_hook(norm_output("logits")))
         try:
@@ -156,7 +159,7 @@ class HFEdges:
             weight = out_proj.weight.unflatten(0, (self.H, self.dh)) if self.kind == "gpt2" else \
                 out_proj.weight.T.unflatten(0, (self.H, self.dh))  # [head d_head d_model]
             heads = torch.einsum("bphd,hdm->bphm", z, weight.detach())
-            if self.kind == "gemma2":  # each head's share of the normalised write: (1 + w) / that run's RMS
+            if self.kind in SANDWICH:  # each head's share of the normalised write: (1 + w) / that run's RMS
                 post = layer.post_attention_layernorm
                 raw = writes[("attn", l)].detach().float()
                 heads = heads * (1 + post.weight.detach().float()) * torch.rsqrt(raw.pow(2).mean(-1) + post.eps)[:, :, None, None]
@@ -173,7 +176,7 @@ def oracle_scores(graph, delta, grads):
 
 
 FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", {}), "gemma2-sandwich": ("gemma2", {}),
-            "gptneo-unscaled-local": ("gptneo", {})}
+            "gptneo-unscaled-local": ("gptneo", {}), "gemma3-qk-norms-local-base": ("gemma3", {})}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

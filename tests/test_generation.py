@@ -67,6 +67,15 @@ def phi3_pair(tmp_path_factory):  # fused projections, a 6-key window on every l
     return hf, HookedDecoder.from_pretrained(directory).eval()
 
 
+@pytest.fixture(scope="module")
+def gemma3_pair(tmp_path_factory):  # local layers with their own rotary base, a full layer rescaled
+    directory = tmp_path_factory.mktemp("gemma3")
+    hf = build("gemma3", directory, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+    return hf, HookedDecoder.from_pretrained(directory).eval()
+
+
 def pair_of(which, tiny_hf, tiny_model, request):
     return (tiny_hf, tiny_model) if which == "gpt2" else request.getfixturevalue(f"{which}_pair")
 
@@ -82,7 +91,8 @@ def decode_step_by_step(model, tokens, mask, n_new):
     return step_logits, tokens, mask
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt", "phi", "phi3"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt", "phi", "phi3",
+                                   "gemma3"])
 def test_each_cached_step_equals_a_full_forward(which, tiny_model, tiny_hf, request):
     model = pair_of(which, tiny_hf, tiny_model, request)[1]
     gen = torch.Generator().manual_seed(5)
@@ -100,7 +110,8 @@ def test_each_cached_step_equals_a_full_forward(which, tiny_model, tiny_hf, requ
     torch.testing.assert_close(step_logits[-1][1:], alone, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt", "phi", "phi3"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt", "phi", "phi3",
+                                   "gemma3"])
 def test_greedy_equals_transformers_generate(which, tiny_model, tiny_hf, request):
     hf, model = pair_of(which, tiny_hf, tiny_model, request)
     prompt = torch.randint(0, model.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(6))

@@ -82,21 +82,23 @@ def test_negative_token_ids_count_from_the_end_of_the_vocabulary_as_transformer_
 
 
 @needs_saelens
-def test_gemmas_embedding_scale_is_in_w_e_as_transformer_lens_3_converts_it(tmp_path):
-    # TL 3 code reads model.W_E[tokens] as what the residual receives (circuit-tracer's token nodes on Gemma)
+@pytest.mark.parametrize("kind", ["gemma", "gemma3"])
+def test_gemmas_embedding_scale_is_in_w_e_as_transformer_lens_3_converts_it(kind, tmp_path):
+    """TL 3 code reads model.W_E[tokens] as what the residual receives (circuit-tracer's token nodes on Gemma). On
+    Gemma 3 also its q/k norms and local layers' own rotary base, through TL 3.9's converter and forward."""
     import json
 
     from safetensors.torch import save_file
     from test_tl_state_dict import tl_config
     from test_variants import build
 
-    hf = build("gemma", tmp_path / "gemma")
+    hf = build(kind, tmp_path / "gemma")
     ours = HookedTransformer.from_pretrained_no_processing(tmp_path / "gemma").eval()
     plain = HookedDecoder.from_pretrained(tmp_path / "gemma").eval()
     save_file(ours.state_dict(), str(tmp_path / "state.safetensors"))
     tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
     save_file({"tokens": tokens}, str(tmp_path / "tokens.safetensors"))
-    oracle("tl_state_dict", "gemma", tmp_path / "gemma", json.dumps(tl_config("gemma", hf)),
+    oracle("tl_state_dict", "gemma", tmp_path / "gemma", json.dumps(tl_config(kind, hf)),
            tmp_path / "state.safetensors", tmp_path / "tokens.safetensors", tmp_path / "out.safetensors")
     out = load_file(str(tmp_path / "out.safetensors"))
     assert_same(ours.W_E, out["tl.embed.W_E"], atol=1e-6, what="W_E, sqrt(d_model) in it")  # TL's own converter's

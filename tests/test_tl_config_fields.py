@@ -38,6 +38,14 @@ CASES = {
         generate=[dict(NO_EOS, use_past_kv_cache=True), dict(NO_EOS, return_type="tokens")]),
     "rotary-linear-scaling-pytorch-tanh": dict(config=dict(
         SMALL, act_fn="gelu_pytorch_tanh", positional_embedding_type="rotary", rotary_scaling_factor=4.0)),
+    # Gemma 3's rotary: local layers by their own base and unscaled, global ones by rotary_base rescaled; and TL's
+    # linear rescaling skipping the local layers without a local base
+    "rotary-local-base-global-scaling": dict(config=dict(
+        SMALL, act_fn="relu", positional_embedding_type="rotary", use_local_attn=True, window_size=4,
+        attn_types=["local", "global"], rotary_base=1000000, rotary_base_local=100, rotary_scaling_factor=8.0)),
+    "rotary-local-layers-unscaled": dict(config=dict(
+        SMALL, act_fn="relu", positional_embedding_type="rotary", use_local_attn=True, window_size=4,
+        attn_types=["global", "local"], rotary_base=100, rotary_scaling_factor=4.0)),
     # a tokenizer that puts BOS first by itself (as Llama's tokenizer.json does): TL and probe both load it
     "attn-only-shortformer-bos-tokenizer": dict(config=dict(
         SMALL, d_vocab=4096, attn_only=True, positional_embedding_type="shortformer", tokenizer_name="BOS_TOKENIZER"),
@@ -181,10 +189,11 @@ def test_gelu_fast_is_tls_and_reads_back(hooked_transformers):
 
 @needs_saelens
 @pytest.mark.parametrize("case", ["rms-rotary-gqa-gated-ntk", "rotary-linear-scaling-pytorch-tanh",
-                                  "attn-only-shortformer-bos-tokenizer"])
+                                  "attn-only-shortformer-bos-tokenizer", "rotary-local-base-global-scaling",
+                                  "rotary-local-layers-unscaled"])
 def test_other_tl_settings_give_tls_logits(case, hooked_transformers):
     """NTK-by-parts rope, linear rope scaling (rotary_scaling_factor), gelu_pytorch_tanh, a shortformer model with a
-    tokenizer: TL's logits on TL's weights."""
+    tokenizer, local layers' own rotary base: TL's logits on TL's weights."""
     configs, out, printed, tokens, _ = hooked_transformers
     model = probe_model(configs, out, case)
     with torch.no_grad():
@@ -305,8 +314,6 @@ def test_checkpoint_fields_follow_checkpoint_value(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("settings, match", [
-    (dict(rotary_scaling_factor=4.0, use_local_attn=True, window_size=4, attn_types=["global", "local"]),
-     r"rotary_scaling_factor=4.0.*without local attention layers"),
     (dict(rotary_scaling_factor=4.0, use_NTK_by_parts_rope=True), r"rotary_scaling_factor=4.0.*use_NTK_by_parts_rope"),
     (dict(use_yarn_rope=True), r"use_yarn_rope=True\) is not supported"),
     (dict(num_experts=4, experts_per_token=2), r"num_experts=4\) is not supported"),

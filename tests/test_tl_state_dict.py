@@ -48,6 +48,17 @@ def tl_config(kind: str, hf) -> dict:
                     rotary_base=c.rope_parameters["rope_theta"], parallel_attn_mlp=True, default_prepend_bos=False,
                     rotary_dim=round(c.rope_parameters["partial_rotary_factor"] * d_head),
                     original_architecture="PhiForCausalLM")
+    if kind == "gemma3":  # TL's own Gemma 3 settings (its per-size table in loading_from_pretrained)
+        rope = c.rope_parameters
+        return dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings, d_head=c.head_dim,
+                    n_heads=c.num_attention_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size,
+                    act_fn="gelu_pytorch_tanh", normalization_type="RMS", eps=c.rms_norm_eps, positional_embedding_type="rotary",
+                    rotary_dim=c.head_dim, rotary_base=rope["full_attention"]["rope_theta"],
+                    rotary_base_local=rope["sliding_attention"]["rope_theta"], n_key_value_heads=c.num_key_value_heads,
+                    gated_mlp=True, final_rms=True, use_normalization_before_and_after=True, use_qk_norm=True,
+                    attn_scale=c.query_pre_attn_scalar ** 0.5, use_local_attn=True, window_size=c.sliding_window,
+                    attn_types=["local" if t == "sliding_attention" else "global" for t in c.layer_types],
+                    original_architecture="Gemma3ForCausalLM")
     d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     common = dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings, d_head=d_head,
                   n_heads=c.num_attention_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size,

@@ -1,5 +1,5 @@
-"""Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, Gemma, GPT-1, GPT-NeoX, GPT-Neo, OPT, Phi,
-Phi-3), each
+"""Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, Gemma, Gemma 2, Gemma 3, GPT-1, GPT-NeoX, GPT-Neo,
+OPT, Phi, Phi-3), each
 against `transformers`."""
 from __future__ import annotations
 
@@ -58,6 +58,11 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, head_dim=24, max_position_embeddings=40, sliding_window=6,
                         query_pre_attn_scalar=20, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
         model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**{**settings, **overrides}))
+    elif kind == "gemma3":  # Gemma 2's block, q/k norms, local layers with their own rotary base, no score cap
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=40, sliding_window=6,
+                        query_pre_attn_scalar=20, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**settings, **overrides}))
     elif kind == "qwen3":  # Llama's layout with each head's q and k RMS-normalised before rotary
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40, tie_word_embeddings=True)
@@ -118,6 +123,13 @@ CASES = {
     "opt-no-final-norm": ("opt", {"_remove_final_layer_norm": True}),
     "phi-parallel-shared-norm": ("phi", {}),
     "phi-gqa-tied-relu": ("phi", {"num_key_value_heads": 2, "tie_word_embeddings": True, "hidden_act": "relu"}),
+    "gemma3-local-rotary-base": ("gemma3", {}),
+    # the larger models' linear x8 on full layers, a local base far from the global one, a logit cap; and the
+    # attn_logit_softcapping a config may name, which transformers' Gemma 3 never applies
+    "gemma3-scaled-full-layers-logit-cap": ("gemma3", {
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+        "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0}),
     "phi3-fused-projections": ("phi3", {}),
     # phi-4-mini's partial rotary, Phi-3-mini's window (here shorter than the sequences), grouped-query heads
     "phi3-gqa-partial-rotary-window": ("phi3", {"num_key_value_heads": 2, "sliding_window": 6, "tie_word_embeddings": True,
@@ -206,7 +218,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 
 def test_save_round_trip_for_each_family(tmp_path):
-    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3"):
+    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -261,7 +273,9 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     from probe.loading import CheckpointError
 
     (tmp_path / "config.json").write_text('{"model_type": "gemma3"}')
-    with pytest.raises(CheckpointError, match="supported: gpt2, openai-gpt, llama, qwen2, qwen3, mistral, gemma, gemma2, gpt_neox"):
+    with pytest.raises(CheckpointError, match=r"multimodal Gemma 3 .* not read; the text-only .*; supported: gpt2, "
+                                              "openai-gpt, llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3_text, "
+                                              "gpt_neox, gpt_neo, opt, phi, phi3"):
         HookedDecoder.from_pretrained(tmp_path)
 
 

@@ -1,0 +1,91 @@
+"""Gemma 3 text checkpoints (`gemma3_text`: gemma-3-270m, gemma-3-1b): config.json <-> DecoderConfig.
+
+Gemma 2's sandwich block and (1 + w) norms, with Qwen3's per-head q and k norms (Gemma's norms too), no cap on the
+scores (transformers' Gemma 3 never applies attn_logit_softcapping), a cap on the logits only where
+final_logit_softcapping sets one, and two rotary settings: the sliding layers rotate by their own base (rope_local_base_freq, 10,000) and
+unscaled, the full-attention layers by rope_theta (1,000,000) with the file's rescaling (linear x8 on the larger
+models). Tensor names are Gemma's (checkpoint_llama.py's gemma_to_probe / gemma_to_hf).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from probe.checkpoint_llama import gemma_config
+from probe.checkpoint_source import GPT_ACTIVATION_NAMES, require_fields, rope_from_hf, rope_to_hf
+from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
+from probe.config_file import CheckpointError
+from probe.tokenizer import Tokenizer
+
+LAYER_KINDS = ("sliding_attention", "full_attention")
+
+
+def _layer_types(hf: dict) -> list[str]:
+    n_layers = hf["num_hidden_layers"]
+    pattern = hf.get("sliding_window_pattern", 6)  # older files: every pattern-th layer is a full-attention one
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    unknown = sorted(set(types) - set(LAYER_KINDS))
+    if unknown or len(types) != n_layers:
+        raise CheckpointError(f"layer_types must give each of the num_hidden_layers={n_layers} layers one of "
+                              f"{', '.join(LAYER_KINDS)}; got {len(types)} entries{f', naming {unknown}' if unknown else ''}")
+    return types
+
+
+def _rope(hf: dict) -> tuple[dict, dict]:
+    """(the full-attention layers' rope settings, the sliding layers'), from transformers 5's per-layer-kind
+    rope_parameters or the older rope_theta / rope_local_base_freq / rope_scaling (which applies to full layers)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, sliding = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **(hf.get("rope_scaling") or {})}
+        sliding = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", 1_000_000.0)
+    sliding.setdefault("rope_theta", 10_000.0)
+    return full, sliding
+
+
+def gemma3_config(hf: dict) -> DecoderConfig:
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError("use_bidirectional_attention=true (an embedding model's attention) is not supported")
+    types = _layer_types(hf)
+    sliding = tuple(t == "sliding_attention" for t in types)
+    full_rope, sliding_rope = _rope(hf)
+    _, scaling = rope_from_hf({"rope_parameters": full_rope, "max_position_embeddings": hf["max_position_embeddings"]})
+    if rope_from_hf({"rope_parameters": sliding_rope})[1] is not None:
+        raise CheckpointError("a rescaled rope on the sliding layers is not supported (Gemma 3 rescales full layers only)")
+    window = hf.get("sliding_window", 4096) if any(sliding) else None
+    return dataclasses.replace(
+        gemma_config(hf, "hidden_activation"), norm_placement=NormPlacement.SANDWICH, qk_norm=True,
+        # config.json may name attn_logit_softcapping, which transformers' Gemma 3 never applies: no cap, as there
+        attn_scale_dim=hf.get("query_pre_attn_scalar", 256), logit_softcap=hf.get("final_logit_softcapping"),
+        sliding_window=window,
+        sliding_layers=None if window is None else sliding, rotary_base=float(full_rope["rope_theta"]),
+        rotary_scaling=scaling, sliding_rotary_base=None if window is None else float(sliding_rope["rope_theta"]),
+    )
+
+
+def gemma3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+    if cfg.activation is Activation.GELU:
+        raise ValueError("a Gemma 3 checkpoint cannot hold activation=gelu (exact): transformers reads Gemma's 'gelu' "
+                         "as the tanh approximation")
+    same = ("attn_scale_dim", "logit_softcap", "sliding_window", "sliding_layers", "sliding_rotary_base")
+    require_fields(cfg, "Gemma 3", heads_per_layer=None, scale_embed=True, norm=Norm.RMS_FLOAT32, final_norm=True,
+                   positions=Positions.ROTARY, rotary_dim=cfg.d_head, gated_mlp=True, mlp_bias=False,
+                   out_bias=cfg.qkv_bias, norm_placement=NormPlacement.SANDWICH, qk_norm=True,
+                   **{f: getattr(cfg, f) for f in same})
+    windows = [cfg.layer_window(l) is not None for l in range(cfg.n_layers)]
+    full = rope_to_hf(cfg)["rope_parameters"]
+    return {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": cfg.n_layers,
+        "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.d_head, "intermediate_size": cfg.d_mlp, "vocab_size": cfg.d_vocab,
+        "max_position_embeddings": cfg.n_ctx, "rms_norm_eps": cfg.eps, "attention_bias": cfg.qkv_bias,
+        "hidden_activation": GPT_ACTIVATION_NAMES[cfg.activation], "tie_word_embeddings": cfg.tied_embeddings,
+        "query_pre_attn_scalar": cfg.d_head if cfg.attn_scale_dim is None else cfg.attn_scale_dim,
+        "attn_logit_softcapping": None, "final_logit_softcapping": cfg.logit_softcap,
+        "sliding_window": cfg.sliding_window if cfg.sliding_window is not None else 4096,
+        "layer_types": [LAYER_KINDS[0] if w else LAYER_KINDS[1] for w in windows],
+        "rope_parameters": {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": cfg.sliding_rotary_base or cfg.rotary_base}},
+    }

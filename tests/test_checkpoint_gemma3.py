@@ -1,0 +1,76 @@
+"""probe/checkpoint_gemma3.py: Gemma 3 text checkpoints (gemma-3-270m, gemma-3-1b), against `transformers`' own
+Gemma3ForCausalLM and transformer-lens 4's bridge over the same directory (the logits of both rotary layouts and
+the save round trip: tests/test_variants.py; TL 3.9's converter and forward on probe's exported state dict, through
+`probe.HookedTransformer`: tests/test_tl_class.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probe import HookedDecoder
+from probe.loading import CheckpointError
+from probe.tokenizer import Tokenizer
+from test_family_defaults import LLAMA_FILES
+from test_tokenizer_surface import tokenizer_dir
+from test_transformer_lens import compare_with_transformer_lens
+from test_variants import _DROP, _edit_config, build
+
+SCALED = {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}
+
+
+def test_every_hook_matches_transformer_lens(tmp_path):
+    directory = tokenizer_dir(tmp_path / "checkpoint", *LLAMA_FILES)  # the bridge loads a Gemma 3's tokenizer
+    build("gemma3", directory, vocab_size=len(Tokenizer.from_directory(directory)), **SCALED)
+    missing, theirs = compare_with_transformer_lens(directory, 20, seed=5)
+    assert missing == set() and {"blocks.1.attn.hook_k_normed", "blocks.2.ln2_post.hook_scale"} <= theirs
+
+
+def test_each_layer_rotates_by_its_own_base(tmp_path):
+    """Against the frequencies written out by hand in float64: a sliding layer's angle is position * base_local
+    ^ (-2i / d_head), unscaled; a full layer's position / 8 * base ^ (-2i / d_head)."""
+    build("gemma3", tmp_path, **SCALED)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    for layer, (base, factor) in enumerate([(100.0, 1.0), (1e6, 8.0), (100.0, 1.0)]):
+        k = cache["k_normed", layer].double()
+        half = k.shape[-1] // 2
+        angles = torch.arange(30, dtype=torch.float64)[:, None] / factor * base ** (-2 * torch.arange(half) / (2 * half))
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+        by_hand = torch.cat([k[..., :half] * cos - k[..., half:] * sin, k[..., half:] * cos + k[..., :half] * sin], -1)
+        torch.testing.assert_close(cache["rot_k", layer].double(), by_hand, atol=1e-5, rtol=0)
+
+
+def test_older_config_files_are_read_as_transformers_reads_them(tmp_path):
+    """The released gemma-3-1b config.json: rope_theta, rope_local_base_freq and rope_scaling beside each other (the
+    scaling for full layers only), sliding_window_pattern instead of layer_types, an attn_logit_softcapping
+    transformers never applies."""
+    import transformers as tf
+
+    build("gemma3", tmp_path, num_hidden_layers=4, layer_types=None)
+    _edit_config(tmp_path, rope_parameters=_DROP, layer_types=_DROP, sliding_window_pattern=3, rope_theta=1e5,
+                 rope_local_base_freq=50.0, rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_logit_softcapping=2.0)
+    hf = tf.Gemma3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert ours.cfg.sliding_layers == (True, True, False, True) and ours.cfg.attn_softcap is None
+    assert (ours.cfg.rotary_base, ours.cfg.sliding_rotary_base, ours.cfg.rotary_scaling.factor) == (1e5, 50.0, 4.0)
+    tokens = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention=true"),
+    (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), r"naming \['chunked_attention'\]"),
+    (dict(layer_types=["full_attention"]), "got 1 entries"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     "rescaled rope on the sliding layers"),
+])
+def test_settings_that_cannot_load_are_refused_by_name(change, match, tmp_path):
+    build("gemma3", tmp_path)
+    _edit_config(tmp_path, **change)
+    with pytest.raises(CheckpointError, match=match):
+        HookedDecoder.from_pretrained(tmp_path)
