@@ -1,4 +1,6 @@
-"""Gemma 3 text checkpoints (`gemma3_text`: gemma-3-270m, gemma-3-1b): config.json <-> DecoderConfig.
+"""Gemma 3 checkpoints: config.json <-> DecoderConfig. The text-only ones (`gemma3_text`: gemma-3-270m, gemma-3-1b)
+and the language model of the multimodal ones (`gemma3`: gemma-3-4b, -12b, -27b; their text_config), whose vision
+tower and projector are left out: probe reads text.
 
 Gemma 2's sandwich block and (1 + w) norms, with Qwen3's per-head q and k norms (Gemma's norms too), no cap on the
 scores (transformers' Gemma 3 never applies attn_logit_softcapping), a cap on the logits only where
@@ -9,12 +11,15 @@ models). Tensor names are Gemma's (checkpoint_llama.py's gemma_to_probe / gemma_
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Optional
 
-from probe.checkpoint_llama import gemma_config
-from probe.checkpoint_source import GPT_ACTIVATION_NAMES, require_fields, rope_from_hf, rope_to_hf
+import torch
+
+from probe.checkpoint_llama import gemma_config, gemma_to_probe
+from probe.checkpoint_source import GPT_ACTIVATION_NAMES, Source, require_fields, rope_from_hf, rope_to_hf
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
-from probe.config_file import CheckpointError
+from probe.config_file import CheckpointError, ConfigFields
 from probe.tokenizer import Tokenizer
 
 LAYER_KINDS = ("sliding_attention", "full_attention")
@@ -89,3 +94,27 @@ def gemma3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> d
         "rope_parameters": {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": cfg.sliding_rotary_base or cfg.rotary_base}},
     }
+
+
+# ---- the multimodal checkpoints' language model -------------------------------------------------------------
+VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def gemma3_multimodal_config(hf: dict) -> DecoderConfig:
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError("a multimodal Gemma 3 config.json needs text_config, the language model's settings")
+    fields = ConfigFields({**text, "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))},
+                          getattr(hf, "path", Path("config.json")), "text_config.")
+    return gemma3_config(fields)
+
+
+def gemma3_multimodal_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+    raise ValueError("probe keeps a multimodal Gemma 3's language model only; it saves as the text-only Gemma 3 "
+                     "(gemma3_text), which transformers' Gemma3ForCausalLM loads")
+
+
+def gemma3_multimodal_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    for name in [n for n in source.state if n.startswith(VISION_PARTS)]:
+        del source.state[name]  # never read: the file's vision weights stay on disk
+    return gemma_to_probe(source, cfg)

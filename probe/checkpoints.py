@@ -13,7 +13,8 @@ import torch
 
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
-from probe.checkpoint_gemma3 import gemma3_config, gemma3_config_to_hf
+from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_multimodal_config,
+                                     gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe)
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, mistral_config,
@@ -26,7 +27,7 @@ from probe.config import Activation, DecoderConfig, NormPlacement
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "Family", "FAMILIES", "NOT_SUPPORTED", "GEMMA_ACTIVATIONS", "GPT_ACTIVATIONS", "Source", "family_for_config",
+__all__ = ["CheckpointError", "Family", "FAMILIES", "GEMMA_ACTIVATIONS", "GPT_ACTIVATIONS", "Source", "family_for_config",
            "prepends_bos_by_default"]
 
 
@@ -64,6 +65,10 @@ FAMILIES = {
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma2"), gemma_to_probe, gemma_to_hf),
         Family("gemma3_text", "Gemma3ForCausalLM", ("model.",), gemma3_config, gemma3_config_to_hf, gemma_to_probe,
                gemma_to_hf),
+        # the language model of a multimodal one: saved as gemma3_text (its config_to_hf says so and refuses)
+        Family("gemma3", "Gemma3ForConditionalGeneration", ("language_model.model.", "model.language_model.",
+                                                            "language_model."),
+               gemma3_multimodal_config, gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe, gemma_to_hf),
         Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf,
                prepends_bos=False),
         Family("gpt_neo", "GPTNeoForCausalLM", ("transformer.",), gptneo_config, gptneo_config_to_hf, gptneo_to_probe,
@@ -74,11 +79,6 @@ FAMILIES = {
         Family("phi3", "Phi3ForCausalLM", ("model.",), phi3_config, phi3_config_to_hf, phi3_to_probe, phi3_to_hf),
     )
 }
-
-
-# what to say of a model type that is near one supported
-NOT_SUPPORTED = {"gemma3": "the multimodal Gemma 3 (gemma-3-4b and larger) is not read; the text-only gemma-3-270m and "
-                           "gemma-3-1b (gemma3_text) are"}
 
 
 def prepends_bos_by_default(architecture: Optional[str]) -> bool:

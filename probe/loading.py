@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 from safetensors.torch import save_file
 
-from probe.checkpoints import FAMILIES, NOT_SUPPORTED, CheckpointError, Family, Source, family_for_config
+from probe.checkpoints import FAMILIES, CheckpointError, Family, Source, family_for_config
 from probe.config import DecoderConfig
 from probe.config_file import ConfigFields, read_json_object
 from probe.safetensors_file import SafetensorsError, StoredTensor, read_header
@@ -35,7 +35,8 @@ SHORT_NAMES = {
     **{f"{name}{it}": f"google/{name}{it}" for name in ("gemma-2b", "gemma-7b", "gemma-2-2b", "gemma-2-9b", "gemma-2-27b",
                                                          "gemma-3-270m")
        for it in ("", "-it")},
-    **{f"gemma-3-1b-{kind}": f"google/gemma-3-1b-{kind}" for kind in ("pt", "it")},
+    **{f"gemma-3-{size}-{kind}": f"google/gemma-3-{size}-{kind}" for size in ("1b", "4b", "12b", "27b")
+       for kind in ("pt", "it")},
 }
 _STANFORD_RUNS = [(size, letter, f"{run}-gpt2-{size}-x{seed}")
                   for size, runs in (("small", ("alias", "battlestar", "caprica", "darkmatter", "expanse")),
@@ -333,9 +334,8 @@ def config_from_hf(hf: dict, directory: Path = Path(".")) -> DecoderConfig:
 def _family(hf: dict, directory: Path) -> Family:
     model_type = hf.get("model_type")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
-        hint = f" ({NOT_SUPPORTED[model_type]})" if isinstance(model_type, str) and model_type in NOT_SUPPORTED else ""
         raise CheckpointError(
-            f"{directory / 'config.json'}: model_type {model_type!r} is not supported{hint}; supported: {', '.join(FAMILIES)}"
+            f"{directory / 'config.json'}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}"
         )
     return FAMILIES[model_type]
 

@@ -74,3 +74,36 @@ def test_settings_that_cannot_load_are_refused_by_name(change, match, tmp_path):
     _edit_config(tmp_path, **change)
     with pytest.raises(CheckpointError, match=match):
         HookedDecoder.from_pretrained(tmp_path)
+
+
+def test_a_multimodal_checkpoints_language_model_loads_and_saves_as_text_only(tmp_path):
+    """gemma-3-4b and larger hold a vision tower beside the language model (text_config; tensors under
+    language_model.model.): the language model is read, its logits on text are transformers' multimodal model's, and
+    it saves as a text-only Gemma 3 that Gemma3ForCausalLM loads to the same logits."""
+    import json
+
+    import transformers as tf
+
+    from test_variants import perturbed
+
+    text = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=40, sliding_window=6, query_pre_attn_scalar=20,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"], **SCALED)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=100,
+                             boi_token_index=98, eoi_token_index=99)
+    torch.manual_seed(0)
+    perturbed(tf.Gemma3ForConditionalGeneration(config)).save_pretrained(tmp_path / "multimodal")
+    hf = tf.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "multimodal", attn_implementation="eager").eval()
+    ours = HookedDecoder.from_pretrained(tmp_path / "multimodal").eval()
+    assert ours.cfg.sliding_rotary_base == 100.0 and ours.cfg.original_architecture == "Gemma3ForConditionalGeneration"
+    tokens = torch.randint(0, 98, (2, 20), generator=torch.Generator().manual_seed(6))  # text: no image tokens
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, atol=1e-4, rtol=0)
+    saved = ours.save_pretrained(tmp_path / "saved")
+    assert json.loads((saved / "config.json").read_text())["model_type"] == "gemma3_text"
+    again = tf.Gemma3ForCausalLM.from_pretrained(saved, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, expected, atol=1e-4, rtol=0)

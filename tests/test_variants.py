@@ -272,10 +272,10 @@ def test_gqa_config_errors():
 def test_unsupported_model_type_lists_the_supported(tmp_path):
     from probe.loading import CheckpointError
 
-    (tmp_path / "config.json").write_text('{"model_type": "gemma3"}')
-    with pytest.raises(CheckpointError, match=r"multimodal Gemma 3 .* not read; the text-only .*; supported: gpt2, "
-                                              "openai-gpt, llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3_text, "
-                                              "gpt_neox, gpt_neo, opt, phi, phi3"):
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
+                                              "qwen3, mistral, gemma, gemma2, gemma3_text, gemma3, gpt_neox, gpt_neo, "
+                                              "opt, phi, phi3"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
