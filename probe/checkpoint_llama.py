@@ -1,4 +1,4 @@
-"""Llama, Qwen2, Qwen3, Mistral, Gemma and Gemma 2 checkpoints: config.json <-> DecoderConfig, tensor names."""
+"""Llama, Qwen2, Qwen3, Mistral, OLMo, Gemma and Gemma 2 checkpoints: config.json <-> DecoderConfig, tensor names."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +42,14 @@ def qwen3_config(hf: dict) -> DecoderConfig:
     return dataclasses.replace(llama_config(hf), qk_norm=True)  # Qwen3: Llama's layout, each head's q and k normalised
 
 
+def olmo_config(hf: dict) -> DecoderConfig:
+    if hf.get("clip_qkv") is not None:  # OLMo-7B-0424's: q, k and v clamped, which probe's attention does not do
+        raise CheckpointError(f"clip_qkv={hf['clip_qkv']} (q, k and v clamped to that size) is not supported")
+    # OLMo: Llama's block with LayerNorms that learn nothing (computed in float32, eps fixed at 1e-5)
+    return dataclasses.replace(llama_config(hf), norm=Norm.LAYER, norm_weights=False, eps=1e-5,
+                               out_bias=hf.get("attention_bias", False))
+
+
 def mistral_config(hf: dict) -> DecoderConfig:
     # Mistral: Llama's layers without any bias, and (v0.1) a sliding window; later versions say null (a key left out
     # is transformers' default, 4096)
@@ -55,6 +63,8 @@ _LLAMA_LIKE = {
     "mistral": ("MistralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False,
                                                        sliding_window=cfg.sliding_window)),
     "qwen3": ("Qwen3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, qk_norm=True)),
+    "olmo": ("OlmoForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_weights=False, eps=1e-5, out_bias=cfg.qkv_bias,
+                                                 mlp_bias=False)),
 }
 
 
@@ -73,12 +83,15 @@ def _llama_like_hf(cfg: DecoderConfig, model_type: str, architecture: str) -> di
 
 def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "llama") -> dict:
     architecture, fixed = _LLAMA_LIKE[model_type]
-    require_fields(cfg, model_type, norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True,
-                   positions=Positions.ROTARY, rotary_dim=cfg.d_head, gated_mlp=True, **fixed(cfg))
+    require_fields(cfg, model_type, **{"norm": Norm.RMS, "norm_placement": NormPlacement.PRE, "final_norm": True,
+                                       "positions": Positions.ROTARY, "rotary_dim": cfg.d_head, "gated_mlp": True,
+                                       **fixed(cfg)})
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
-    if model_type in ("llama", "qwen3"):
+    if model_type in ("llama", "qwen3", "olmo"):
         out["attention_bias"] = cfg.qkv_bias
+    if model_type == "olmo":
+        out["clip_qkv"] = None
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     return out
@@ -93,14 +106,19 @@ def _llama_norms(cfg: DecoderConfig) -> dict[str, str]:
     """Each block's norms, ours -> theirs. Gemma 2's "post_attention_layernorm" normalises the attention's write;
     Llama's is the norm before the MLP."""
     if cfg.norm_placement is NormPlacement.SANDWICH:
-        return {"ln1": "input_layernorm", "ln1_post": "post_attention_layernorm", "ln2": "pre_feedforward_layernorm",
-                "ln2_post": "post_feedforward_layernorm"}
-    return {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+        norms = {"ln1": "input_layernorm", "ln1_post": "post_attention_layernorm", "ln2": "pre_feedforward_layernorm",
+                 "ln2_post": "post_feedforward_layernorm"}
+    else:
+        norms = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+    # norms without weights (OLMo's) have nothing stored; a sandwich block's write norms keep theirs
+    return norms if cfg.norm_weights else {k: v for k, v in norms.items() if k.endswith("_post")}
 
 
 def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     d = cfg.d_model
-    out = {"embed.W_E": source.take("embed_tokens.weight", (cfg.d_vocab, d)), "ln_final.w": source.take("norm.weight", (d,))}
+    out = {"embed.W_E": source.take("embed_tokens.weight", (cfg.d_vocab, d))}
+    if cfg.norm_weights:
+        out["ln_final.w"] = source.take("norm.weight", (d,))
     for l in range(cfg.n_layers):
         o, t, s = f"blocks.{l}", f"layers.{l}", _llama_shapes(cfg, l)
         for ours, theirs in _llama_norms(cfg).items():
@@ -123,7 +141,9 @@ def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
 
 
 def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": params["embed.W_E"], "model.norm.weight": params["ln_final.w"]}
+    out = {"model.embed_tokens.weight": params["embed.W_E"]}
+    if cfg.norm_weights:
+        out["model.norm.weight"] = params["ln_final.w"]
     for l in range(cfg.n_layers):
         o, t, s = f"blocks.{l}", f"model.layers.{l}", _llama_shapes(cfg, l)
         sizes = [s["q"][0], s["k"][0], s["v"][0]]

@@ -1,7 +1,7 @@
 """Hugging Face checkpoint families: how each one's config and tensor names map onto DecoderConfig.
 
 One small table of functions per family (checkpoint_gpt.py: GPT-2, GPT-1, GPT-NeoX; checkpoint_gptneo.py: GPT-Neo;
-checkpoint_opt.py: OPT; checkpoint_phi.py: Phi, Phi-3; checkpoint_llama.py: Llama, Qwen2/3, Mistral, Gemma, Gemma 2; checkpoint_gemma3.py: Gemma 3; checkpoint_source.py: what
+checkpoint_opt.py: OPT; checkpoint_phi.py: Phi, Phi-3; checkpoint_llama.py: Llama, Qwen2/3, Mistral, OLMo, Gemma, Gemma 2; checkpoint_gemma3.py: Gemma 3; checkpoint_source.py: what
 they share); loading.py does the file handling for all.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, mistral_config,
+                                    olmo_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_opt import opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe
 from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, phi3_to_probe, phi_config, phi_config_to_hf,
@@ -59,6 +60,8 @@ FAMILIES = {
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "qwen3"), llama_to_probe, llama_to_hf, prepends_bos=False),
         Family("mistral", "MistralForCausalLM", ("model.",), mistral_config,
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "mistral"), llama_to_probe, llama_to_hf),
+        Family("olmo", "OlmoForCausalLM", ("model.",), olmo_config,
+               lambda cfg, tok: llama_config_to_hf(cfg, tok, "olmo"), llama_to_probe, llama_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma"), gemma_to_probe, gemma_to_hf),
         Family("gemma2", "Gemma2ForCausalLM", ("model.",), gemma2_config,

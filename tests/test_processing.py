@@ -127,11 +127,12 @@ def test_parallel_blocks_process_like_transformers(tmp_path):
     assert all(torch.equal(b.ln2.w, torch.ones_like(b.ln2.w)) and not b.ln2.b.any() for b in processed.blocks)
 
 
-@pytest.mark.parametrize("kind, overrides", [("gptneo", {}), ("opt", {}),
+@pytest.mark.parametrize("kind, overrides", [("gptneo", {}), ("opt", {}), ("olmo", {}),
                                              ("opt", {"layer_norm_elementwise_affine": False, "enable_bias": False})])
-def test_gpt_neo_and_opt_process_like_transformers(kind, overrides, tmp_path):
-    """TL's default processing (fold_ln, centring, fold_value_biases) on GPT-Neo's unscaled, windowed attention and
-    OPT's layout (with and without affine norms and biases) keeps transformers' log-probabilities."""
+def test_gpt_neo_opt_and_olmo_process_like_transformers(kind, overrides, tmp_path):
+    """TL's default processing (fold_ln, centring, fold_value_biases) on GPT-Neo's unscaled, windowed attention,
+    OPT's layout (with and without affine norms and biases) and OLMo's weightless norms keeps transformers'
+    log-probabilities."""
     from test_variants import build
 
     hf = build(kind, tmp_path, **overrides)

@@ -82,3 +82,17 @@ def test_qwen3_hooks_match_transformer_lens(tmp_path):
     build("qwen3", tmp_path)
     missing, theirs = compare_with_transformer_lens(tmp_path, 20, seed=7)
     assert missing == set() and "blocks.1.attn.hook_q_normed" in theirs
+
+
+def test_olmo_hooks_match_transformer_lens(tmp_path):
+    """OLMo's LayerNorms learn nothing: probe's LNPre norms (no w, b in the state dict) give TL's values at every hook."""
+    from probe.tokenizer import Tokenizer
+    from test_family_defaults import GPT_FILES
+    from test_tokenizer_surface import tokenizer_dir
+    from test_variants import build
+
+    directory = tokenizer_dir(tmp_path / "checkpoint", *GPT_FILES)
+    build("olmo", directory, vocab_size=len(Tokenizer.from_directory(directory)))
+    missing, theirs = compare_with_transformer_lens(directory, 20, seed=8)
+    assert missing == set() and "blocks.1.ln2.hook_scale" in theirs
+    assert not any(".ln1.w" in name for name in HookedDecoder.from_pretrained(directory).state_dict())

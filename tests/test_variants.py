@@ -1,5 +1,5 @@
-"""Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, Gemma, Gemma 2, Gemma 3, GPT-1, GPT-NeoX, GPT-Neo,
-OPT, Phi, Phi-3), each
+"""Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, OLMo, Gemma, Gemma 2, Gemma 3, GPT-1, GPT-NeoX,
+GPT-Neo, OPT, Phi, Phi-3), each
 against `transformers`."""
 from __future__ import annotations
 
@@ -63,6 +63,10 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40, sliding_window=6,
                         query_pre_attn_scalar=20, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**settings, **overrides}))
+    elif kind == "olmo":  # Llama's block with LayerNorms that learn nothing
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=40, pad_token_id=1, eos_token_id=2)
+        model = tf.OlmoForCausalLM(tf.OlmoConfig(**{**settings, **overrides}))
     elif kind == "qwen3":  # Llama's layout with each head's q and k RMS-normalised before rotary
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40, tie_word_embeddings=True)
@@ -130,6 +134,8 @@ CASES = {
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
         "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0}),
+    "olmo-weightless-norms": ("olmo", {}),
+    "olmo-gqa-biases-tied": ("olmo", {"num_key_value_heads": 2, "attention_bias": True, "tie_word_embeddings": True}),
     "phi3-fused-projections": ("phi3", {}),
     # phi-4-mini's partial rotary, Phi-3-mini's window (here shorter than the sequences), grouped-query heads
     "phi3-gqa-partial-rotary-window": ("phi3", {"num_key_value_heads": 2, "sliding_window": 6, "tie_word_embeddings": True,
@@ -218,7 +224,8 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 
 def test_save_round_trip_for_each_family(tmp_path):
-    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3"):
+    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
+                 "olmo"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -274,8 +281,8 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
-                                              "qwen3, mistral, gemma, gemma2, gemma3_text, gemma3, gpt_neox, gpt_neo, "
-                                              "opt, phi, phi3"):
+                                              "qwen3, mistral, olmo, gemma, gemma2, gemma3_text, gemma3, gpt_neox, "
+                                              "gpt_neo, opt, phi, phi3"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
@@ -629,6 +636,7 @@ def test_qwen3_normalises_each_heads_query_and_key_before_rotating(tmp_path):
     ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
     ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "chunked_attention"),
     ("neox", dict(tie_word_embeddings=False), "missing the tensor 'embed_out.weight'"),
+    ("olmo", dict(clip_qkv=8.0), r"clip_qkv=8.0 \(q, k and v clamped to that size\) is not supported"),
 ])
 def test_checkpoint_settings_that_cannot_load_are_refused_by_name(kind, change, match, tmp_path):
     from safetensors.torch import load_file, save_file
