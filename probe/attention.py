@@ -9,8 +9,8 @@ from einops import einsum, rearrange
 from torch import nn
 
 from probe.hooks import HookPoint, observed
-from probe.config import DecoderConfig, Positions
-from probe.embedding import Rotary
+from probe.config import DecoderConfig
+from probe.embedding import make_rotary
 from probe.factored import FactoredMatrix
 from probe.kv_cache import LayerKV
 from probe.norm import make_norm
@@ -72,7 +72,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.k_norm = make_norm(cfg, cfg.d_head) if cfg.qk_norm else nn.Identity()
         self.hook_q_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos head d_head]
         self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
-        self.rotary = Rotary(cfg.rotary_dim, *cfg.layer_rotary(layer)) if cfg.positions is Positions.ROTARY else None
+        self.rotary = make_rotary(cfg, layer)
         if self.rotary is not None:
             self.hook_rot_q = HookPoint()  # [batch pos head d_head]: q after the rotation
             self.hook_rot_k = HookPoint()  # [batch pos kv_head d_head]

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, require_fields,
-                                     rope_from_hf, rope_to_hf, take_unembed)
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, check_shared_norm,
+                                     copy_shared_norm, require_fields, rope_from_hf, rope_to_hf, take_unembed)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -89,18 +89,14 @@ def phi_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
         out[f"blocks.{l}.attn.qkv.weight"] = torch.cat([source.take(f"{t}.{p}_proj.weight", (n, cfg.d_model))
                                                         for p, n in rows.items()])
         out[f"blocks.{l}.attn.qkv.bias"] = torch.cat([source.take(f"{t}.{p}_proj.bias", (n,)) for p, n in rows.items()])
-        # the block's one norm, read by both sublayers: a copy each, as transformer-lens loads it
-        out[f"blocks.{l}.ln2.w"], out[f"blocks.{l}.ln2.b"] = out[f"blocks.{l}.ln1.w"].clone(), out[f"blocks.{l}.ln1.b"].clone()
+    copy_shared_norm(out, cfg)
     out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
     out["unembed.bias"] = source.take("lm_head.bias", (cfg.d_vocab,))
     return out
 
 
 def phi_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    for l in range(cfg.n_layers):
-        if not all(torch.equal(params[f"blocks.{l}.ln1.{p}"], params[f"blocks.{l}.ln2.{p}"]) for p in "wb"):
-            raise ValueError(f"a Phi checkpoint has one norm per block, which attention and the MLP share, but block "
-                             f"{l}'s ln1 and ln2 differ: give ln2 ln1's weights, or save model.state_dict() with safetensors")
+    check_shared_norm(params, cfg, "Phi")
     out = {f"model.{theirs}": params[ours] for ours, (theirs, _) in _names(cfg).items()}
     for l in range(cfg.n_layers):
         t = f"model.layers.{l}.self_attn"

@@ -100,6 +100,23 @@ def take_unembed(source: Source, cfg: DecoderConfig, embed: torch.Tensor,
     return source.take(name, (cfg.d_vocab, embed.shape[-1]))
 
 
+def copy_shared_norm(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> None:
+    """A parallel block whose one norm both sublayers read (Phi, GPT-J): ln2 gets a copy of ln1's weights, as
+    transformer-lens loads it (separate tensors: an edit of one leaves the other)."""
+    for l in range(cfg.n_layers):
+        for p in "wb":
+            params[f"blocks.{l}.ln2.{p}"] = params[f"blocks.{l}.ln1.{p}"].clone()
+
+
+def check_shared_norm(params: dict[str, torch.Tensor], cfg: DecoderConfig, family: str) -> None:
+    """Before writing such a block's one norm: ln1 and ln2 must still agree."""
+    for l in range(cfg.n_layers):
+        if not all(torch.equal(params[f"blocks.{l}.ln1.{p}"], params[f"blocks.{l}.ln2.{p}"]) for p in "wb"):
+            raise ValueError(f"a {family} checkpoint has one norm per block, which attention and the MLP share, but "
+                             f"block {l}'s ln1 and ln2 differ: give ln2 ln1's weights, or save model.state_dict() with "
+                             "safetensors")
+
+
 GPT_ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_fast": Activation.GELU_TANH,
                    "gelu": Activation.GELU, "relu": Activation.RELU, "silu": Activation.SILU, "swish": Activation.SILU}
 
@@ -126,7 +143,8 @@ def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
 
 # fields only some formats hold (Gemma's, Mistral's windows, Qwen3's q/k norms): every other needs their defaults
 PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None,
-              sliding_layers=None, qk_norm=False, attn_scale_by_layer=False, unembed_bias=False, norm_weights=True)
+              sliding_layers=None, qk_norm=False, attn_scale_by_layer=False, unembed_bias=False, norm_weights=True,
+              rotary_adjacent_pairs=False, sliding_rotary_base=None)
 
 # ---- rotary settings, shared by the rotary families ---------------------------------------------------
 def rope_from_hf(hf: dict) -> tuple[dict, Optional[RotaryScaling]]:

@@ -1,8 +1,9 @@
 """Hugging Face checkpoint families: how each one's config and tensor names map onto DecoderConfig.
 
-One small table of functions per family (checkpoint_gpt.py: GPT-2, GPT-1, GPT-NeoX; checkpoint_gptneo.py: GPT-Neo;
-checkpoint_opt.py: OPT; checkpoint_phi.py: Phi, Phi-3; checkpoint_llama.py: Llama, Qwen2/3, Mistral, OLMo, Gemma, Gemma 2; checkpoint_gemma3.py: Gemma 3; checkpoint_source.py: what
-they share); loading.py does the file handling for all.
+One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
+checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
+Qwen2/3, Mistral, OLMo, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3); checkpoint_source.py holds what they share
+and loading.py does the file handling for all.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, g
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
 from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_multimodal_config,
                                      gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe)
+from probe.checkpoint_gptj import gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, mistral_config,
@@ -79,6 +81,7 @@ FAMILIES = {
         Family("opt", "OPTForCausalLM", ("model.", "decoder."), opt_config, opt_config_to_hf, opt_to_probe, opt_to_hf),
         Family("phi", "PhiForCausalLM", ("model.",), phi_config, phi_config_to_hf, phi_to_probe, phi_to_hf,
                prepends_bos=False),
+        Family("gptj", "GPTJForCausalLM", ("transformer.",), gptj_config, gptj_config_to_hf, gptj_to_probe, gptj_to_hf),
         Family("phi3", "Phi3ForCausalLM", ("model.",), phi3_config, phi3_config_to_hf, phi3_to_probe, phi3_to_hf),
     )
 }

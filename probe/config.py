@@ -55,6 +55,8 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     rotary_base: float = 10000.0
     rotary_dim: Optional[int] = None  # None: d_head; fewer: only each head's first rotary_dim dimensions rotate (Pythia: d_head / 4)
     rotary_scaling: Optional[RotaryScaling] = None  # long-context frequency rescaling (Llama 3.1+); a dict is converted
+    # True: dimension 2i rotates with 2i + 1 (GPT-J; TL's name); False: i with i + rotary_dim / 2 (Llama, GPT-NeoX)
+    rotary_adjacent_pairs: bool = False
     # the windowed layers' own rotary base, with no rotary_scaling (Gemma 3's local layers; TL's rotary_base_local,
     # whose linear rescaling skips the local layers); None: every layer rotates by rotary_base and rotary_scaling
     sliding_rotary_base: Optional[float] = None
@@ -196,7 +198,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
             if self.rotary_dim % 2 or self.rotary_dim > self.d_head:
                 raise ValueError(f"positions=rotary rotates pairs of dimensions, so rotary_dim must be even and at most "
                                  f"d_head={self.d_head}, got rotary_dim={self.rotary_dim}")
-        for field in ("attn_only", "bidirectional", "use_hook_tokens", "attn_scale_by_layer"):
+        if self.rotary_adjacent_pairs and self.positions is not Positions.ROTARY:
+            raise ValueError("rotary_adjacent_pairs applies only to positions=rotary")
+        for field in ("attn_only", "bidirectional", "use_hook_tokens", "attn_scale_by_layer", "rotary_adjacent_pairs"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         if self.bidirectional and self.sliding_window is not None:

@@ -129,6 +129,12 @@ class Rotary(nn.Module):
         angles = positions[..., None].float() * self.inv_freq  # [... dim/2]
         return torch.cat([angles, angles], dim=-1)
 
+    @staticmethod
+    def quarter_turn(x: torch.Tensor) -> torch.Tensor:
+        """Each pair (a, b) -> (-b, a): what the sines multiply. Pairs are (i, i + dim/2) here."""
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat([-second, first], dim=-1)
+
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [batch pos head d_head], positions [batch pos] (None: 0, 1, ... for a block called on its own, as
         `model.blocks[l](resid)`) -> x rotated by its position."""
@@ -137,10 +143,31 @@ class Rotary(nn.Module):
         angles = self.angles(positions)[:, :, None, :]  # [batch pos 1 dim]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         rotating, passing = x[..., : self.dim], x[..., self.dim :]
-        first, second = rotating.chunk(2, dim=-1)
-        rotated = rotating * cos + torch.cat([-second, first], dim=-1) * sin
+        rotated = rotating * cos + self.quarter_turn(rotating) * sin
         # the whole head rotates in most models: no second copy to append an empty remainder
         return rotated if passing.shape[-1] == 0 else torch.cat([rotated, passing], dim=-1)
+
+
+class AdjacentRotary(Rotary):
+    """Rotary positions in the interleaved layout GPT-J and transformer-lens 4's native models use: dimension 2i is
+    paired with 2i + 1 (TL's rotary_adjacent_pairs)."""
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """[... dim]: each position's rotation angles, each repeated for its pair (TL's rotary tables' layout)."""
+        return (positions[..., None].float() * self.inv_freq).repeat_interleave(2, dim=-1)
+
+    @staticmethod
+    def quarter_turn(x: torch.Tensor) -> torch.Tensor:
+        pairs = x.unflatten(-1, (-1, 2))
+        return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+
+
+def make_rotary(cfg: DecoderConfig, layer: int) -> Optional[Rotary]:
+    """`layer`'s rotary positions (its base and rescaling: cfg.layer_rotary), in the config's pairing; None unless
+    positions are rotary."""
+    if cfg.positions is not Positions.ROTARY:
+        return None
+    return (AdjacentRotary if cfg.rotary_adjacent_pairs else Rotary)(cfg.rotary_dim, *cfg.layer_rotary(layer))
 
 
 def _rescaled(inv_freq: torch.Tensor, scaling: Optional[RotaryScaling]) -> torch.Tensor:

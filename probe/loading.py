@@ -88,6 +88,7 @@ SHORT_NAMES.update({
        for alias in (f"opt-{size}", *(f"opt-{a}" if a else "opt" for a in aliases))},
     **{f"phi-{v}": f"microsoft/phi-{v}" for v in ("1", "1_5", "2")},  # Phi (Microsoft), TL's names
     "phi-3": "microsoft/Phi-3-mini-4k-instruct", "phi-4": "microsoft/phi-4",
+    **{alias: "EleutherAI/gpt-j-6B" for alias in ("gpt-j-6B", "gpt-j", "gptj")},
     # Neel Nanda's toy models, in transformer-lens's own format (probe.checkpoint_tl); TL's names for them
     **{f"attn-only-{n}l": f"NeelNanda/Attn_Only_{n}L512W_C4_Code" for n in range(1, 5)},
     **{f"gelu-{n}l": f"NeelNanda/GELU_{n}L512W_C4_Code" for n in range(1, 5)},

@@ -38,7 +38,6 @@ WHY = {"attention_dir": "probe's attention is 'causal' or 'bidirectional'",
        "positional_embedding_type": "probe's positions are 'standard' (learned), 'shortformer' and 'rotary'",
        "act_fn": f"probe's activations are {sorted(ACTIVATION_SPELLINGS)}",
        "final_rms": "probe's final norm is the kind of the others: final_rms goes with normalization_type='RMS'",
-       "rotary_adjacent_pairs": "probe rotates dimension i with i + rotary_dim / 2, as Llama and GPT-NeoX do",
        "rotary_scaling_factor": "linear scaling goes without use_NTK_by_parts_rope",
        "default_padding_side": "probe's config holds no tokenizer: give the side with the tokenizer, "
                                "model.set_tokenizer(tokenizer, default_padding_side='left')"}
@@ -56,7 +55,7 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "init_weights",
          "use_attn_in", "use_hook_mlp_in", "ungroup_grouped_query_attention", "attn_only", "tokenizer_name",
          "attention_dir", "use_hook_tokens", "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor",
-         "rotary_base_local"}
+         "rotary_base_local", "rotary_adjacent_pairs"}
 
 
 def _config_fields() -> set[str]:
@@ -162,7 +161,9 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
         attn_only=attn_only, bidirectional=attention_dir == "bidirectional", use_hook_tokens=s.get("use_hook_tokens", False),
         norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"), final_norm=norm is not Norm.NONE,
         positions=positions, rotary_base=float(s.get("rotary_base", 10000)), rotary_dim=s.get("rotary_dim") if positions is Positions.ROTARY else None,
-        rotary_scaling=_rotary_scaling(s), sliding_rotary_base=_sliding_rotary_base(s, positions, window), sliding_window=window,
+        rotary_scaling=_rotary_scaling(s), sliding_rotary_base=_sliding_rotary_base(s, positions, window),
+        rotary_adjacent_pairs=bool(s.get("rotary_adjacent_pairs", False)) and positions is Positions.ROTARY,
+        sliding_window=window,
         sliding_layers=tuple(t == "local" for t in attn_types) if window is not None and attn_types else None,
         attn_scale_dim=_scale_dim(s), attn_softcap=_cap(s.get("attn_scores_soft_cap", -1.0)),
         logit_softcap=_cap(s.get("output_logits_soft_cap", -1.0)), qk_norm=s.get("use_qk_norm", False),

@@ -170,11 +170,11 @@ class HookedTransformerConfigFields:
         numpy.random.seed(seed)
 
 
-# TL 3.9's fields for features probe does not build (post-embedding norm, adjacent-pair rotary, experts, YaRN rope,
+# TL 3.9's fields for features probe does not build (post-embedding norm, experts, YaRN rope,
 # attention sinks, quantisation, remote code, T5's relative attention): the value a HookedTransformer without them
 # reads, which `model.cfg` reads too and `HookedTransformerConfig(...)` takes them at (probe/tl_config.py)
 ABSENT_FEATURES = {
-    "post_embedding_ln": False, "rotary_adjacent_pairs": False, "num_experts": None, "experts_per_token": None,
+    "post_embedding_ln": False, "num_experts": None, "experts_per_token": None,
     "norm_topk_prob": False, "clip_qkv": None, "use_logn_attn": False, "train_seq_length": None,
     "use_dynamic_ntk_rope": False, "use_yarn_rope": False, "yarn_factor": 1.0,
     "yarn_attention_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,

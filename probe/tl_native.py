@@ -2,7 +2,7 @@
 the model TL 4 builds from those keywords, with TL 4's initial weights, so TL 4 code that trains or studies a toy
 model runs with only the class on that line changed.
 
-TL 4's native model is a pre-norm decoder with learned positions, biases on every attention projection and on a plain
+TL 4's native model is a pre-norm decoder with learned positions (or rotary ones, adjacent dimensions paired), biases on every attention projection and on a plain
 MLP (none on a gated one, nor on the unembedding), an untied unembedding, and attention scaled by sqrt(d_head) unless
 `attn_scale` is given. Its initial draw ("gpt2" init) is N(0, initializer_range) for every matrix but the output
 projections (attention's W_O, the MLP's W_out), which get 1/sqrt(2 n_layers) of it, drawn in the order embedding,
@@ -38,10 +38,12 @@ def native_settings(config: Any) -> dict:
     """The keywords of a TransformerBridgeConfig (transformer-lens's own object, or a dict of its fields)."""
     fields = dict(config) if isinstance(config, dict) else vars(config)
     positions = (fields.get("positional_embedding_type") or "standard").lower()
-    if positions != "standard":
+    if positions not in ("standard", "rotary"):
         raise ValueError(f"boot_native(positional_embedding_type={positions!r}) is not supported: TL 4's native model "
-                         f"rotates adjacent pairs of dimensions, and probe rotates dimension i with i + rotary_dim / 2 "
-                         f"(Llama's and GPT-NeoX's convention); build a rotary toy with HookedTransformerConfig")
+                         "has 'standard' (learned) or 'rotary' positions")
+    if positions == "rotary" and fields.get("rope_scaling"):
+        raise ValueError(f"boot_native with rope_scaling={fields['rope_scaling']!r} is not supported here: build the "
+                         "model with HookedTransformerConfig (rotary_scaling_factor, use_NTK_by_parts_rope)")
     init_mode = fields.get("init_mode") or "gpt2"
     if init_mode.lower() != "gpt2" and init_mode.lower() not in INIT_MODES:
         raise ValueError(f"boot_native(init_mode={init_mode!r}): TL 4's native model takes 'gpt2' or "
@@ -58,6 +60,10 @@ def native_config(fields: dict):
     scale = fields.get("attn_scale", -1.0)
     # TL 4's native attention divides by attn_scale when it is given and positive, else by sqrt(d_head)
     settings["attn_scale"] = scale if fields.get("use_attn_scale", True) and scale > 0 else math.sqrt(d_head)
+    if (fields.get("positional_embedding_type") or "standard").lower() == "rotary":
+        # TL 4's native rotary pairs dimension 2i with 2i + 1, over rotary_dim (else d_head), by rotary_base
+        settings.update(positional_embedding_type="rotary", rotary_adjacent_pairs=True,
+                        rotary_dim=fields.get("rotary_dim") or d_head, rotary_base=fields.get("rotary_base", 10000))
     cfg = HookedTransformerConfig(**settings)
     return dataclasses.replace(cfg, unembed_bias=False, mlp_bias=not fields.get("gated_mlp"), tied_embeddings=False,
                                transformer_lens_init=False)  # drawn by draw_like_native, not HookedTransformer's scheme

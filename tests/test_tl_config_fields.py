@@ -46,6 +46,10 @@ CASES = {
     "rotary-local-layers-unscaled": dict(config=dict(
         SMALL, act_fn="relu", positional_embedding_type="rotary", use_local_attn=True, window_size=4,
         attn_types=["global", "local"], rotary_base=100, rotary_scaling_factor=4.0)),
+    # GPT-J's pairing: dimension 2i rotates with 2i + 1, on part of each head
+    "rotary-adjacent-pairs": dict(config=dict(
+        SMALL, act_fn="gelu_new", positional_embedding_type="rotary", rotary_adjacent_pairs=True, rotary_dim=4,
+        rotary_base=100)),
     # a tokenizer that puts BOS first by itself (as Llama's tokenizer.json does): TL and probe both load it
     "attn-only-shortformer-bos-tokenizer": dict(config=dict(
         SMALL, d_vocab=4096, attn_only=True, positional_embedding_type="shortformer", tokenizer_name="BOS_TOKENIZER"),
@@ -190,7 +194,7 @@ def test_gelu_fast_is_tls_and_reads_back(hooked_transformers):
 @needs_saelens
 @pytest.mark.parametrize("case", ["rms-rotary-gqa-gated-ntk", "rotary-linear-scaling-pytorch-tanh",
                                   "attn-only-shortformer-bos-tokenizer", "rotary-local-base-global-scaling",
-                                  "rotary-local-layers-unscaled"])
+                                  "rotary-local-layers-unscaled", "rotary-adjacent-pairs"])
 def test_other_tl_settings_give_tls_logits(case, hooked_transformers):
     """NTK-by-parts rope, linear rope scaling (rotary_scaling_factor), gelu_pytorch_tanh, a shortformer model with a
     tokenizer, local layers' own rotary base: TL's logits on TL's weights."""

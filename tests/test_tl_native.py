@@ -22,6 +22,10 @@ CASES = {
     "not-initialised": dict(SMALL, n_layers=1, act_fn="gelu", init_weights=False),  # torch's module defaults
     "soft-caps-solu-ln": dict(SMALL, n_layers=1, act_fn="solu_ln", attn_scores_soft_cap=5.0,
                               output_logits_soft_cap=3.0, attn_scale=4.0, seed=9),
+    # rotary: adjacent pairs (no position table drawn), on part of each head
+    "rotary-partial-gated-rms": dict(SMALL, act_fn="silu", gated_mlp=True, normalization_type="RMS",
+                                     positional_embedding_type="rotary", rotary_dim=4, rotary_base=100, seed=11),
+    "rotary-unseeded": dict(SMALL, act_fn="gelu", positional_embedding_type="rotary"),
 }
 
 
@@ -113,7 +117,10 @@ def test_tl_4s_own_training_loop_trains_it_as_tl_4s_model():
 
 
 def test_what_tl_4s_native_model_cannot_be_is_refused_by_name():
-    with pytest.raises(ValueError, match="boot_native\\(positional_embedding_type='rotary'\\) is not supported"):
-        HookedDecoder.boot_native(dict(SMALL, act_fn="gelu", positional_embedding_type="rotary"))
+    with pytest.raises(ValueError, match="boot_native\\(positional_embedding_type='alibi'\\) is not supported"):
+        HookedDecoder.boot_native(dict(SMALL, act_fn="gelu", positional_embedding_type="alibi"))
+    with pytest.raises(ValueError, match="boot_native with rope_scaling=.*dynamic.* is not supported here"):
+        HookedDecoder.boot_native(dict(SMALL, act_fn="gelu", positional_embedding_type="rotary",
+                                       rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     with pytest.raises(ValueError, match="boot_native\\(init_mode='muP'\\)"):
         HookedDecoder.boot_native(dict(SMALL, act_fn="gelu", init_mode="muP"))

@@ -40,6 +40,12 @@ def tl_config(kind: str, hf) -> dict:
                     d_head=c.hidden_size // c.num_attention_heads, n_heads=c.num_attention_heads, d_mlp=c.ffn_dim,
                     d_vocab=c.vocab_size, act_fn=c.activation_function, normalization_type="LN", eps=1e-5,
                     original_architecture="OPTForCausalLM")
+    if kind == "gptj":  # TL's own GPT-J settings (convert_hf_model_config)
+        return dict(n_layers=c.n_layer, d_model=c.n_embd, n_ctx=c.n_positions, d_head=c.n_embd // c.n_head,
+                    n_heads=c.n_head, d_mlp=4 * c.n_embd, d_vocab=c.vocab_size, act_fn=c.activation_function,
+                    normalization_type="LN", eps=c.layer_norm_epsilon, positional_embedding_type="rotary",
+                    rotary_adjacent_pairs=True, rotary_dim=c.rotary_dim, parallel_attn_mlp=True,
+                    original_architecture="GPTJForCausalLM")
     if kind == "phi":  # TL's own Phi settings (convert_hf_model_config)
         d_head = c.hidden_size // c.num_attention_heads
         return dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings, d_head=d_head,
@@ -83,14 +89,14 @@ def checkpoint(case: str, directory):
         return DEFAULT_MODEL, "gpt2", transformers.GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL).eval()
     kind = {"llama-gqa-untied": "llama", "neox-parallel-partial-rotary": "neox", "qwen3-qk-norm-tied": "qwen3",
             "gptneo-local-unscaled": "neo", "opt-pre-norm-tied": "opt", "phi-parallel-shared-norm": "phi",
-            "phi3-fused-projections": "phi3"}[case]
+            "phi3-fused-projections": "phi3", "gptj-adjacent-pairs-partial": "gptj"}[case]
     return directory, kind, build({"neo": "gptneo"}.get(kind, kind), directory)
 
 
 @needs_saelens
 @pytest.mark.parametrize("case", ["gpt2-bundled", "llama-gqa-untied", "neox-parallel-partial-rotary", "qwen3-qk-norm-tied",
                                   "gptneo-local-unscaled", "opt-pre-norm-tied", "phi-parallel-shared-norm",
-                                  "phi3-fused-projections"])
+                                  "phi3-fused-projections", "gptj-adjacent-pairs-partial"])
 def test_the_state_dict_is_hooked_transformers_and_loads_both_ways(case, tmp_path):
     directory, kind, hf = checkpoint(case, tmp_path / "checkpoint")
     model = HookedDecoder.from_pretrained(directory).eval()

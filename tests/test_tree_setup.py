@@ -72,17 +72,24 @@ ROTARY_LOCAL = dict(n_layers=2, d_model=16, d_head=4, n_ctx=8, d_vocab=10, act_f
                     window_size=3, attn_types=["global", "local"])
 
 
+# GPT-J's adjacent pairs, and Gemma 3's local layers: their own base, and no rescaling there
+ADJACENT_LOCAL_BASE = dict(ROTARY_LOCAL, rotary_adjacent_pairs=True, rotary_base_local=50, rotary_scaling_factor=2.0)
+
+
 @needs_saelens
-def test_attention_buffers_read_as_transformer_lens_3_9s_and_shared_as_circuit_tracer_shares_them(tmp_path):
-    printed = oracle("attention_buffers", json.dumps(ROTARY_LOCAL), tmp_path / "theirs.safetensors")
+@pytest.mark.parametrize("config", [ROTARY_LOCAL, ADJACENT_LOCAL_BASE], ids=["half-split", "adjacent-local-base"])
+def test_attention_buffers_read_as_transformer_lens_3_9s_and_shared_as_circuit_tracer_shares_them(config, tmp_path):
+    printed = oracle("attention_buffers", json.dumps(config), tmp_path / "theirs.safetensors")
     theirs = load_file(str(tmp_path / "theirs.safetensors"))
-    model = HookedTransformer(probe.HookedTransformerConfig(**ROTARY_LOCAL))
+    model = HookedTransformer(probe.HookedTransformerConfig(**config))
     assert [block.attn.attn_type for block in model.blocks] == json.loads(printed.splitlines()[-1])
     for layer, block in enumerate(model.blocks):
         for name in ("mask", "rotary_sin", "rotary_cos"):
             ours = getattr(block.attn, name)
             assert ours.shape == theirs[f"{layer}.{name}"].shape and ours.dtype == theirs[f"{layer}.{name}"].dtype
             assert_same(ours, theirs[f"{layer}.{name}"], atol=1e-6, what=f"{layer}.{name}")
+    if config is not ROTARY_LOCAL:
+        return  # layers with their own rotary base have tables of their own: nothing to share
     # circuit-tracer's _deduplicate_attention_buffers: every layer given the first layer's tensors
     for block in model.blocks:
         block.attn.mask, block.attn.rotary_sin = model.blocks[0].attn.mask, model.blocks[0].attn.rotary_sin

@@ -1,5 +1,5 @@
 """Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, OLMo, Gemma, Gemma 2, Gemma 3, GPT-1, GPT-NeoX,
-GPT-Neo, OPT, Phi, Phi-3), each
+GPT-Neo, GPT-J, OPT, Phi, Phi-3), each
 against `transformers`."""
 from __future__ import annotations
 
@@ -79,6 +79,9 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=96,
                         max_position_embeddings=40)
         model = tf.OPTForCausalLM(tf.OPTConfig(**{**settings, **overrides}))
+    elif kind == "gptj":  # one norm for two parallel sublayers, adjacent-pair rotary on part of each head
+        settings = dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=40, rotary_dim=8)
+        model = tf.GPTJForCausalLM(tf.GPTJConfig(**{**settings, **overrides}))
     elif kind == "phi":  # a parallel block reading one norm, partial rotary, biased q/k/v, an unembedding bias
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         max_position_embeddings=40, partial_rotary_factor=0.4)
@@ -136,6 +139,8 @@ CASES = {
         "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0}),
     "olmo-weightless-norms": ("olmo", {}),
     "olmo-gqa-biases-tied": ("olmo", {"num_key_value_heads": 2, "attention_bias": True, "tie_word_embeddings": True}),
+    "gptj-adjacent-pairs-partial": ("gptj", {}),
+    "gptj-whole-head-tied-relu": ("gptj", {"rotary_dim": 16, "tie_word_embeddings": True, "activation_function": "relu"}),
     "phi3-fused-projections": ("phi3", {}),
     # phi-4-mini's partial rotary, Phi-3-mini's window (here shorter than the sequences), grouped-query heads
     "phi3-gqa-partial-rotary-window": ("phi3", {"num_key_value_heads": 2, "sliding_window": 6, "tie_word_embeddings": True,
@@ -225,7 +230,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
-                 "olmo"):
+                 "olmo", "gptj"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -282,7 +287,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, mistral, olmo, gemma, gemma2, gemma3_text, gemma3, gpt_neox, "
-                                              "gpt_neo, opt, phi, phi3"):
+                                              "gpt_neo, opt, phi, gptj, phi3"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
