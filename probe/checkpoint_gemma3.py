@@ -1,12 +1,13 @@
-"""Gemma 3 checkpoints: config.json <-> DecoderConfig. The text-only ones (`gemma3_text`: gemma-3-270m, gemma-3-1b)
-and the language model of the multimodal ones (`gemma3`: gemma-3-4b, -12b, -27b; their text_config), whose vision
-tower and projector are left out: probe reads text.
+"""Gemma 3 checkpoints: config.json <-> DecoderConfig. The text-only ones (`gemma3_text`: gemma-3-270m, gemma-3-1b) and
+the language model of the multimodal ones (`gemma3`: gemma-3-4b, -12b, -27b; their text_config), whose vision tower
+and projector are left out: probe reads text.
 
 Gemma 2's sandwich block and (1 + w) norms, with Qwen3's per-head q and k norms (Gemma's norms too), no cap on the
 scores (transformers' Gemma 3 never applies attn_logit_softcapping), a cap on the logits only where
-final_logit_softcapping sets one, and two rotary settings: the sliding layers rotate by their own base (rope_local_base_freq, 10,000) and
-unscaled, the full-attention layers by rope_theta (1,000,000) with the file's rescaling (linear x8 on the larger
-models). Tensor names are Gemma's (checkpoint_llama.py's gemma_to_probe / gemma_to_hf).
+final_logit_softcapping sets one, and two rotary settings: the sliding layers rotate by their own base
+(rope_local_base_freq, 10,000) and unscaled, the full-attention layers by rope_theta (1,000,000) with the file's
+rescaling (linear x8 on the larger models). Tensor names are Gemma's (checkpoint_llama.py's gemma_to_probe /
+gemma_to_hf).
 """
 from __future__ import annotations
 
@@ -104,8 +105,8 @@ def gemma3_multimodal_config(hf: dict) -> DecoderConfig:
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError("a multimodal Gemma 3 config.json needs text_config, the language model's settings")
-    fields = ConfigFields({**text, "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))},
-                          getattr(hf, "path", Path("config.json")), "text_config.")
+    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    fields = ConfigFields({**text, "tie_word_embeddings": tied}, getattr(hf, "path", Path("config.json")), "text_config.")
     return gemma3_config(fields)
 
 

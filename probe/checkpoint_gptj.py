@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, check_shared_norm,
-                                     copy_shared_norm, require_fields, take_unembed)
+                                     copy_shared_norm, require_fields, split_qkv, take_qkv, take_unembed)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.tokenizer import Tokenizer
 
@@ -39,7 +39,8 @@ def gptj_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dic
     return {
         "model_type": "gptj", "architectures": ["GPTJForCausalLM"], "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
         "n_head": cfg.n_heads, "n_inner": cfg.d_mlp, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx,
-        "rotary_dim": cfg.rotary_dim, "layer_norm_epsilon": cfg.eps, "activation_function": GPT_ACTIVATION_NAMES[cfg.activation],
+        "rotary_dim": cfg.rotary_dim, "layer_norm_epsilon": cfg.eps,
+        "activation_function": GPT_ACTIVATION_NAMES[cfg.activation],
         "tie_word_embeddings": cfg.tied_embeddings, "bos_token_id": special, "eos_token_id": special,
     }
 
@@ -64,8 +65,7 @@ def _names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 def gptj_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in _names(cfg).items()}
     for l in range(cfg.n_layers):
-        out[f"blocks.{l}.attn.qkv.weight"] = torch.cat(
-            [source.take(f"h.{l}.attn.{p}_proj.weight", (cfg.d_model, cfg.d_model)) for p in "qkv"])
+        out.update(take_qkv(source, cfg, l, lambda p, kind, l=l: f"h.{l}.attn.{p}_proj.{kind}"))
     copy_shared_norm(out, cfg)
     out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
     out["unembed.bias"] = source.take("lm_head.bias", (cfg.d_vocab,))
@@ -76,8 +76,7 @@ def gptj_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str,
     check_shared_norm(params, cfg, "GPT-J")
     out = {f"transformer.{theirs}": params[ours] for ours, (theirs, _) in _names(cfg).items()}
     for l in range(cfg.n_layers):
-        for p, w in zip("qkv", params[f"blocks.{l}.attn.qkv.weight"].chunk(3)):
-            out[f"transformer.h.{l}.attn.{p}_proj.weight"] = w
+        out.update(split_qkv(params, cfg, l, lambda p, kind, l=l: f"transformer.h.{l}.attn.{p}_proj.{kind}"))
     if not cfg.tied_embeddings:
         out["lm_head.weight"] = params["unembed.weight"]
     out["lm_head.bias"] = params["unembed.bias"]

@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from probe.checkpoint_source import GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, require_fields, take_unembed
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, require_fields,
+                                     split_qkv, take_qkv, take_unembed)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -99,8 +100,7 @@ def _names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 def gptneo_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in _names(cfg).items()}
     for l in range(cfg.n_layers):
-        out[f"blocks.{l}.attn.qkv.weight"] = torch.cat(
-            [source.take(f"h.{l}.attn.attention.{p}_proj.weight", (cfg.d_model, cfg.d_model)) for p in "qkv"])
+        out.update(take_qkv(source, cfg, l, lambda p, kind, l=l: f"h.{l}.attn.attention.{p}_proj.{kind}"))
     out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
     return out
 
@@ -108,8 +108,7 @@ def gptneo_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tenso
 def gptneo_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = {f"transformer.{theirs}": params[ours] for ours, (theirs, _) in _names(cfg).items()}
     for l in range(cfg.n_layers):
-        for p, w in zip("qkv", params[f"blocks.{l}.attn.qkv.weight"].chunk(3)):
-            out[f"transformer.h.{l}.attn.attention.{p}_proj.weight"] = w
+        out.update(split_qkv(params, cfg, l, lambda p, kind, l=l: f"transformer.h.{l}.attn.attention.{p}_proj.{kind}"))
     if not cfg.tied_embeddings:
         out["lm_head.weight"] = params["unembed.weight"]
     return {k: v.contiguous() for k, v in out.items()}

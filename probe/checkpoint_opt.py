@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, require_fields,
-                                     take_unembed)
+                                     split_qkv, take_qkv, take_unembed)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.tokenizer import Tokenizer
 
@@ -76,7 +76,8 @@ def _names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
             for ours, theirs in (("ln1", "self_attn_layer_norm"), ("ln2", "final_layer_norm")):
                 table.update({f"{o}.{ours}.w": (f"{t}.{theirs}.weight", (d,)), f"{o}.{ours}.b": (f"{t}.{theirs}.bias", (d,))})
         table.update({f"{o}.attn.out.weight": (f"{t}.self_attn.out_proj.weight", (d, d)),
-                      f"{o}.mlp.fc_in.weight": (f"{t}.fc1.weight", (m, d)), f"{o}.mlp.fc_out.weight": (f"{t}.fc2.weight", (d, m))})
+                      f"{o}.mlp.fc_in.weight": (f"{t}.fc1.weight", (m, d)),
+                      f"{o}.mlp.fc_out.weight": (f"{t}.fc2.weight", (d, m))})
         if cfg.mlp_bias:
             table.update({f"{o}.attn.out.bias": (f"{t}.self_attn.out_proj.bias", (d,)),
                           f"{o}.mlp.fc_in.bias": (f"{t}.fc1.bias", (m,)), f"{o}.mlp.fc_out.bias": (f"{t}.fc2.bias", (d,))})
@@ -87,10 +88,7 @@ def opt_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     d, width = cfg.d_model, _projection_width(source.config)
     out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in _names(cfg).items()}
     for l in range(cfg.n_layers):
-        t = f"layers.{l}.self_attn"
-        out[f"blocks.{l}.attn.qkv.weight"] = torch.cat([source.take(f"{t}.{p}_proj.weight", (d, d)) for p in "qkv"])
-        if cfg.qkv_bias:
-            out[f"blocks.{l}.attn.qkv.bias"] = torch.cat([source.take(f"{t}.{p}_proj.bias", (d,)) for p in "qkv"])
+        out.update(take_qkv(source, cfg, l, lambda p, kind, l=l: f"layers.{l}.self_attn.{p}_proj.{kind}", cfg.qkv_bias))
     out["pos_embed.W_pos"] = source.take("embed_positions.weight", (cfg.n_ctx + POSITION_OFFSET, d))[POSITION_OFFSET:]
     out["embed.W_E"] = source.take("embed_tokens.weight", (cfg.d_vocab, width))
     if width == d:
@@ -107,12 +105,8 @@ def opt_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
 def opt_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = {f"model.decoder.{theirs}": params[ours] for ours, (theirs, _) in _names(cfg).items()}
     for l in range(cfg.n_layers):
-        t = f"model.decoder.layers.{l}.self_attn"
-        for p, w in zip("qkv", params[f"blocks.{l}.attn.qkv.weight"].chunk(3)):
-            out[f"{t}.{p}_proj.weight"] = w
-        if cfg.qkv_bias:
-            for p, b in zip("qkv", params[f"blocks.{l}.attn.qkv.bias"].chunk(3)):
-                out[f"{t}.{p}_proj.bias"] = b
+        out.update(split_qkv(params, cfg, l, lambda p, kind, l=l: f"model.decoder.layers.{l}.self_attn.{p}_proj.{kind}",
+                             cfg.qkv_bias))
     pos = params["pos_embed.W_pos"]
     out["model.decoder.embed_positions.weight"] = torch.cat([pos.new_zeros(POSITION_OFFSET, cfg.d_model), pos])
     out["model.decoder.embed_tokens.weight"] = params["embed.W_E"]

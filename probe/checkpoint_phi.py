@@ -1,9 +1,9 @@
 """Phi checkpoints (Microsoft's phi-1, phi-1.5, phi-2; Phi-3 and phi-4): config.json <-> DecoderConfig, tensor names.
 
-Phi (phi-1 to phi-2): a parallel block as GPT-NeoX's, but with one LayerNorm that attention and the MLP both read: probe's block has
-ln1 and ln2, so ln2 is loaded as a copy of ln1 (as transformer-lens loads it) and saving asks that they still
-agree. q, k, v are separate biased nn.Linear layers (grouped-query where num_key_value_heads says so), rotary
-turns the first partial_rotary_factor of each head (GPT-NeoX's halves), and the unembedding has a bias.
+Phi (phi-1 to phi-2): a parallel block as GPT-NeoX's, but with one LayerNorm that attention and the MLP both read:
+probe's block has ln1 and ln2, so ln2 is loaded as a copy of ln1 (as transformer-lens loads it) and saving asks that
+they still agree. q, k, v are separate biased nn.Linear layers (grouped-query where num_key_value_heads says so),
+rotary turns the first partial_rotary_factor of each head (GPT-NeoX's halves), and the unembedding has a bias.
 
 Phi-3 (Phi-3, phi-4): Llama's block with q, k and v fused in one projection (in probe's own order) and the gate and
 up projections in another, partial rotary, and a sliding window on every layer where sliding_window says so.
@@ -17,7 +17,8 @@ import torch
 
 from probe.checkpoint_llama import llama_config, llama_to_hf, llama_to_probe
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, check_shared_norm,
-                                     copy_shared_norm, require_fields, rope_from_hf, rope_to_hf, take_unembed)
+                                     copy_shared_norm, qkv_rows, require_fields, rope_from_hf, rope_to_hf, split_qkv,
+                                     take_qkv, take_unembed)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -77,18 +78,10 @@ def _names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return table
 
 
-def _qkv_rows(cfg: DecoderConfig) -> dict[str, int]:
-    return {"q": cfg.n_heads * cfg.d_head, "k": cfg.n_kv_heads * cfg.d_head, "v": cfg.n_kv_heads * cfg.d_head}
-
-
 def phi_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in _names(cfg).items()}
-    rows = _qkv_rows(cfg)
     for l in range(cfg.n_layers):
-        t = f"layers.{l}.self_attn"
-        out[f"blocks.{l}.attn.qkv.weight"] = torch.cat([source.take(f"{t}.{p}_proj.weight", (n, cfg.d_model))
-                                                        for p, n in rows.items()])
-        out[f"blocks.{l}.attn.qkv.bias"] = torch.cat([source.take(f"{t}.{p}_proj.bias", (n,)) for p, n in rows.items()])
+        out.update(take_qkv(source, cfg, l, lambda p, kind, l=l: f"layers.{l}.self_attn.{p}_proj.{kind}", bias=True))
     copy_shared_norm(out, cfg)
     out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
     out["unembed.bias"] = source.take("lm_head.bias", (cfg.d_vocab,))
@@ -99,10 +92,7 @@ def phi_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, 
     check_shared_norm(params, cfg, "Phi")
     out = {f"model.{theirs}": params[ours] for ours, (theirs, _) in _names(cfg).items()}
     for l in range(cfg.n_layers):
-        t = f"model.layers.{l}.self_attn"
-        sizes = list(_qkv_rows(cfg).values())
-        for p, w, b in zip("qkv", params[f"blocks.{l}.attn.qkv.weight"].split(sizes), params[f"blocks.{l}.attn.qkv.bias"].split(sizes)):
-            out[f"{t}.{p}_proj.weight"], out[f"{t}.{p}_proj.bias"] = w, b
+        out.update(split_qkv(params, cfg, l, lambda p, kind, l=l: f"model.layers.{l}.self_attn.{p}_proj.{kind}", bias=True))
     if not cfg.tied_embeddings:
         out["lm_head.weight"] = params["unembed.weight"]
     out["lm_head.bias"] = params["unembed.bias"]
@@ -139,9 +129,9 @@ def phi3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dic
 
 def phi3_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     """Llama's conversion, after splitting each fused projection into the separate ones Llama stores."""
-    rows, d, m = _qkv_rows(cfg), cfg.d_model, cfg.d_mlp
+    d, m = cfg.d_model, cfg.d_mlp
     for l in range(cfg.n_layers):
-        t = f"layers.{l}"
+        t, rows = f"layers.{l}", qkv_rows(cfg, l)
         qkv = source.take(f"{t}.self_attn.qkv_proj.weight", (sum(rows.values()), d))
         for p, w in zip("qkv", qkv.split(list(rows.values()))):
             source.state[f"{t}.self_attn.{p}_proj.weight"] = w

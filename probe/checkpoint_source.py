@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -98,6 +98,34 @@ def take_unembed(source: Source, cfg: DecoderConfig, embed: torch.Tensor,
                                   "(tie_word_embeddings); fix the config or the file")
         return embed
     return source.take(name, (cfg.d_vocab, embed.shape[-1]))
+
+
+def qkv_rows(cfg: DecoderConfig, layer: int) -> dict[str, int]:
+    """The rows of each of q, k, v in `layer`'s fused projection (key/value heads for k and v)."""
+    q, kv = cfg.layer_heads(layer) * cfg.d_head, cfg.layer_kv_heads(layer) * cfg.d_head
+    return {"q": q, "k": kv, "v": kv}
+
+
+def take_qkv(source: Source, cfg: DecoderConfig, layer: int, name: Callable[[str, str], str],
+             bias: bool = False) -> dict[str, torch.Tensor]:
+    """probe's fused q/k/v weight (and bias) of `layer` from a file's separate q, k and v nn.Linear layers, named
+    name(which, "weight" | "bias") for which in "q", "k", "v"."""
+    rows = qkv_rows(cfg, layer)
+    out = {f"blocks.{layer}.attn.qkv.weight": torch.cat([source.take(name(p, "weight"), (n, cfg.d_model))
+                                                          for p, n in rows.items()])}
+    if bias:
+        out[f"blocks.{layer}.attn.qkv.bias"] = torch.cat([source.take(name(p, "bias"), (n,)) for p, n in rows.items()])
+    return out
+
+
+def split_qkv(params: dict[str, torch.Tensor], cfg: DecoderConfig, layer: int, name: Callable[[str, str], str],
+              bias: bool = False) -> dict[str, torch.Tensor]:
+    """take_qkv's inverse: `layer`'s separate q, k and v tensors under the file's names."""
+    sizes, out = list(qkv_rows(cfg, layer).values()), {}
+    for kind in ("weight", "bias") if bias else ("weight",):
+        for p, tensor in zip("qkv", params[f"blocks.{layer}.attn.qkv.{kind}"].split(sizes)):
+            out[name(p, kind)] = tensor
+    return out
 
 
 def copy_shared_norm(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> None:

@@ -2,14 +2,15 @@
 the model TL 4 builds from those keywords, with TL 4's initial weights, so TL 4 code that trains or studies a toy
 model runs with only the class on that line changed.
 
-TL 4's native model is a pre-norm decoder with learned positions (or rotary ones, adjacent dimensions paired), biases on every attention projection and on a plain
-MLP (none on a gated one, nor on the unembedding), an untied unembedding, and attention scaled by sqrt(d_head) unless
-`attn_scale` is given. Its initial draw ("gpt2" init) is N(0, initializer_range) for every matrix but the output
-projections (attention's W_O, the MLP's W_out), which get 1/sqrt(2 n_layers) of it, drawn in the order embedding,
-positions, then per block W_Q, W_K, W_V, W_O and the MLP's input (gate first) and output, then the unembedding; norms
-start at w = 1, b = 0 and biases at 0. With a seed it draws from its own generator and leaves torch's global one
-where it was; without, it draws from the global one after the `nn.Linear` / `nn.Embedding` defaults of building the
-model have drawn from it too. Both are reproduced here, so the random tokens a notebook draws next are TL 4's."""
+TL 4's native model is a pre-norm decoder with learned positions (or rotary ones, adjacent dimensions paired),
+biases on every attention projection and on a plain MLP (none on a gated one, nor on the unembedding), an untied
+unembedding, and attention scaled by sqrt(d_head) unless `attn_scale` is given. Its initial draw ("gpt2" init) is
+N(0, initializer_range) for every matrix but the output projections (attention's W_O, the MLP's W_out), which get
+1/sqrt(2 n_layers) of it, drawn in the order embedding, positions, then per block W_Q, W_K, W_V, W_O and the MLP's
+input (gate first) and output, then the unembedding; norms start at w = 1, b = 0 and biases at 0. With a seed it
+draws from its own generator and leaves torch's global one where it was; without, it draws from the global one after
+the `nn.Linear` / `nn.Embedding` defaults of building the model have drawn from it too. Both are reproduced here, so
+the random tokens a notebook draws next are TL 4's."""
 from __future__ import annotations
 
 import dataclasses
