@@ -33,7 +33,7 @@ class TLAttentionBuffers:
         self._take_if_unchanged("mask", value, "hook its attn_scores (masked_fill with -inf) to hide keys")
 
     @property
-    def rotary_sin(self) -> torch.Tensor:  # [pos rotary_dim], in probe's (and Llama's) half-split layout
+    def rotary_sin(self) -> torch.Tensor:  # [pos rotary_dim], laid out as the model pairs dimensions (as TL's)
         return self._angles().sin().to(self.qkv.weight.dtype)
 
     @rotary_sin.setter

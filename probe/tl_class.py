@@ -8,8 +8,9 @@ The class is HookedDecoder with TL 3's loading defaults. TL's bare `from_pretrai
 (fold_ln, center_writing_weights, center_unembed, fold_value_biases); HookedDecoder's keeps the checkpoint's own, so
 that its activations are the ones `transformers` computes. Code written for TL computes on processed weights (a
 centred W_U in logit tables, SAEs trained on a processed model's activations), and with this import gets them.
-Two more of TL 3's readings live here, where they cannot surprise HookedDecoder's users: a negative token id counts
-from the end of the vocabulary, and Gemma's sqrt(d_model) is baked into W_E. SAELens's HookedSAETransformer loads as
+Three more of TL 3's readings live here, where they cannot surprise HookedDecoder's users: a negative token id counts
+from the end of the vocabulary, Gemma's sqrt(d_model) is baked into W_E, and the TinyStories and Gemma 3 models get
+TL 3.9's context length. SAELens's HookedSAETransformer loads as
 TL's class does: the same class under its name. Everything else is HookedDecoder's;
 `isinstance(model, transformer_lens.HookedTransformer)` stays False (docs/from_transformer_lens.md).
 """
@@ -20,7 +21,9 @@ from pathlib import Path
 from typing import Union
 
 import torch
+from torch import nn
 
+from probe.loading import SHORT_NAMES
 from probe.model import HookedDecoder
 from probe.processing import TL_PROCESSING_DEFAULTS
 
@@ -37,7 +40,29 @@ class HookedTransformer(HookedDecoder):
     def from_pretrained(cls, name_or_path: Union[str, Path], **keywords) -> "HookedTransformer":
         model = super().from_pretrained(name_or_path, **{**TL_PROCESSING_DEFAULTS, **keywords})
         bake_embedding_scale(model)
+        narrow_to_tl_context(model, str(name_or_path))
         return model
+
+
+# TL 3.9's n_ctx for some hub repositories, where it overrides the checkpoint's config: the TinyStories models were
+# trained on 512 tokens (its position table is cut to them) and Gemma 3 gets a "safe default" of 8192
+TL_CONTEXT = {"roneneldan/TinyStories": 512, "google/gemma-3-": 8192}
+
+
+@torch.no_grad()
+def narrow_to_tl_context(model: HookedDecoder, name: str) -> None:
+    """The context TL 3.9 gives a model loaded by this hub name or short name (TL_CONTEXT): `cfg.n_ctx`, and for
+    learned positions the table itself, cut as TL cuts it, so code sizing its data by `model.cfg.n_ctx` and a state
+    dict's `W_pos` are TL 3's. A local directory keeps its config's."""
+    repo = SHORT_NAMES.get(name, name)
+    n_ctx = next((n for prefix, n in TL_CONTEXT.items() if repo.startswith(prefix)), None)
+    if n_ctx is None or n_ctx >= model.cfg.n_ctx:
+        return
+    if model.pos_embed is not None:
+        model.pos_embed.W_pos = nn.Parameter(model.pos_embed.W_pos[:n_ctx].clone())
+    for block in model.blocks:
+        block.attn.n_ctx = n_ctx  # the rows of TL's rotary tables (block.attn.rotary_sin / rotary_cos)
+    model.cfg = dataclasses.replace(model.cfg, n_ctx=n_ctx)
 
 
 @torch.no_grad()

@@ -119,3 +119,29 @@ def test_a_config_is_an_instance_of_hookedtransformerconfig_as_transformer_lens_
     theirs = json.loads(oracle("config_class", json.dumps(config)).splitlines()[-1])
     model = HookedTransformer(HookedTransformerConfig(**config))
     assert config_class_idioms(model, HookedTransformer, HookedTransformerConfig) == theirs
+
+
+@pytest.mark.parametrize("name, kind, n_ctx", [("tiny-stories-1M", "gptneo", 512), ("gemma-3-1b-it", "gemma3", 8192)])
+def test_tl_3s_context_for_tinystories_and_gemma_3(name, kind, n_ctx, tmp_path, monkeypatch):
+    """TL 3.9's from_pretrained overrides these checkpoints' n_ctx (its loading_from_pretrained: the TinyStories
+    models were trained on 512 tokens, its table cut to them; Gemma 3 gets 8192): HookedTransformer gives TL's, so
+    code sizing data by model.cfg.n_ctx and the state dict's W_pos are TL 3's; the same directory loaded by path, and
+    HookedDecoder, keep the config's."""
+    import huggingface_hub
+
+    from test_variants import build
+
+    build(kind, tmp_path / "hub", max_position_embeddings=9000)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **_: str(tmp_path / "hub"))
+    model = HookedTransformer.from_pretrained(name).eval()
+    by_path = HookedTransformer.from_pretrained(tmp_path / "hub").eval()
+    assert (model.cfg.n_ctx, by_path.cfg.n_ctx, HookedDecoder.from_pretrained(name).cfg.n_ctx) == (n_ctx, 9000, 9000)
+    if kind == "gptneo":
+        assert model.state_dict()["pos_embed.W_pos"].shape[0] == n_ctx
+    else:  # TL's rotary tables have a row per position of its context
+        assert model.blocks[0].attn.rotary_sin.shape[0] == n_ctx
+    tokens = torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), by_path(tokens), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=f"context is n_ctx={n_ctx}"):
+        model(torch.zeros(1, n_ctx + 1, dtype=torch.long))
