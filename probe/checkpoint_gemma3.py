@@ -24,6 +24,13 @@ from probe.config_file import CheckpointError, ConfigFields
 from probe.tokenizer import Tokenizer
 
 LAYER_KINDS = ("sliding_attention", "full_attention")
+# transformers' Gemma3TextConfig defaults, for the fields a config.json leaves out: the multimodal checkpoints'
+# text_config names only a few (gemma-3-4b's: hidden_size, intermediate_size, num_hidden_layers, rope_scaling,
+# sliding_window), and the rest is these (tests/test_checkpoint_gemma3.py compares them with transformers')
+TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+                 "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                 "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False}
 
 
 def _layer_types(hf: dict) -> list[str]:
@@ -52,6 +59,7 @@ def _rope(hf: dict) -> tuple[dict, dict]:
 
 
 def gemma3_config(hf: dict) -> DecoderConfig:
+    hf = ConfigFields({**TEXT_DEFAULTS, **hf}, getattr(hf, "path", Path("config.json")), getattr(hf, "prefix", ""))
     if hf.get("use_bidirectional_attention"):
         raise CheckpointError("use_bidirectional_attention=true (an embedding model's attention) is not supported")
     types = _layer_types(hf)
@@ -60,7 +68,7 @@ def gemma3_config(hf: dict) -> DecoderConfig:
     _, scaling = rope_from_hf({"rope_parameters": full_rope, "max_position_embeddings": hf["max_position_embeddings"]})
     if rope_from_hf({"rope_parameters": sliding_rope})[1] is not None:
         raise CheckpointError("a rescaled rope on the sliding layers is not supported (Gemma 3 rescales full layers only)")
-    window = hf.get("sliding_window", 4096) if any(sliding) else None
+    window = hf["sliding_window"] if any(sliding) else None
     return dataclasses.replace(
         gemma_config(hf, "hidden_activation"), norm_placement=NormPlacement.SANDWICH, qk_norm=True,
         # config.json may name attn_logit_softcapping, which transformers' Gemma 3 never applies: no cap, as there

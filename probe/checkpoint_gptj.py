@@ -23,7 +23,8 @@ def gptj_config(hf: dict) -> DecoderConfig:
         d_vocab=hf["vocab_size"], n_ctx=hf["n_positions"], eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=activation_of(hf.get("activation_function", "gelu_new"), GPT_ACTIVATIONS),
         norm_placement=NormPlacement.PARALLEL, positions=Positions.ROTARY, rotary_adjacent_pairs=True,
-        rotary_dim=hf.get("rotary_dim") or d_model // n_heads, qkv_bias=False, out_bias=False, unembed_bias=True,
+        rotary_dim=hf.get("rotary_dim", 64) or d_model // n_heads,  # 64: transformers' default, GPT-J-6B's
+        qkv_bias=False, out_bias=False, unembed_bias=True,
         tied_embeddings=hf.get("tie_word_embeddings", False),
     )
 

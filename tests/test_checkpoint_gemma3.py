@@ -107,3 +107,34 @@ def test_a_multimodal_checkpoints_language_model_loads_and_saves_as_text_only(tm
     again = tf.Gemma3ForCausalLM.from_pretrained(saved, attn_implementation="eager").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(tokens).logits, expected, atol=1e-4, rtol=0)
+
+
+def test_a_text_config_that_names_only_a_few_fields_gets_transformers_defaults(tmp_path):
+    """gemma-3-4b's text_config names five fields; transformers fills the rest from Gemma3TextConfig's defaults, and
+    so does probe (checkpoint_gemma3.TEXT_DEFAULTS, compared here with transformers' own)."""
+    import json
+
+    import transformers as tf
+
+    from probe.checkpoint_gemma3 import TEXT_DEFAULTS
+    from test_variants import perturbed
+
+    defaults = tf.Gemma3TextConfig()
+    assert TEXT_DEFAULTS == {key: getattr(defaults, key) for key in TEXT_DEFAULTS}
+    text = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, sliding_window=5,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=100,
+                             boi_token_index=98, eoi_token_index=99)
+    torch.manual_seed(0)
+    perturbed(tf.Gemma3ForConditionalGeneration(config)).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    written["text_config"] = {key: written["text_config"][key] for key in (*text, "model_type")}  # the hub's few
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    hf = tf.Gemma3ForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert (ours.cfg.d_head, ours.cfg.n_heads, ours.cfg.n_kv_heads, ours.cfg.attn_scale) == (256, 8, 4, 16.0)
+    tokens = torch.randint(0, 98, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
