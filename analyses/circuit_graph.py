@@ -53,8 +53,9 @@ def check_graph_model(model: HookedDecoder) -> None:
     """Refuse the families whose residual stream is not an exact sum of writer outputs."""
     cfg = model.cfg
     if cfg.norm_placement is NormPlacement.POST:
-        raise ValueError("post-norm blocks (GPT-1) normalise the residual itself, so it is not a sum of the writers' "
-                         "outputs and an edge has no exact meaning; circuits need pre-norm, parallel or sandwich blocks")
+        raise ValueError("post-norm blocks (GPT-1, OPT-350m) normalise the residual itself, so it is not a sum of the "
+                         "writers' outputs and an edge has no exact meaning; circuits need pre-norm, parallel or sandwich "
+                         "blocks")
     if cfg.norm_placement is NormPlacement.SANDWICH:
         if cfg.norm is Norm.LAYER:
             raise ValueError("a LayerNorm sandwich block centres the attention's summed write, so heads' shares of "

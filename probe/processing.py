@@ -128,8 +128,8 @@ def check_processing(cfg: DecoderConfig, *, fold_ln: bool = True, center_writing
     if fold_ln and not can_fold_ln(cfg):
         why = ("shortformer positions are added to ln1's output before W_Q and W_K, so ln1's weight cannot be "
                "folded into them" if cfg.positions is Positions.SHORTFORMER and cfg.norm is not Norm.NONE else
-               "it needs pre-norm, parallel or sandwich blocks with norms: in a post-norm model (GPT-1) the norm's "
-               "output is the residual stream itself, not the input of one layer")
+               "it needs pre-norm, parallel or sandwich blocks with norms: in a post-norm model (GPT-1, OPT-350m) the "
+               "norm's output is the residual stream itself, not the input of one layer")
         raise ValueError(f"fold_ln: {why}; pass fold_ln=False")
     if center_writing_weights and not can_center_writing_weights(cfg):
         raise ValueError("center_writing_weights needs every reader of the residual stream to be a LayerNorm (pre-norm "
