@@ -76,6 +76,25 @@ def test_settings_that_cannot_load_are_refused_by_name(change, match, tmp_path):
         HookedDecoder.from_pretrained(tmp_path)
 
 
+def build_multimodal(directory, **text):
+    """A random multimodal Gemma 3 (a tiny vision tower beside the language model), saved as transformers saves it:
+    the language model's tensors under language_model.model., its settings in text_config."""
+    import transformers as tf
+
+    from test_variants import perturbed
+
+    text = {**dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=40, sliding_window=6,
+                   query_pre_attn_scalar=20, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+            **text}
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=100,
+                             boi_token_index=98, eoi_token_index=99)
+    torch.manual_seed(0)
+    perturbed(tf.Gemma3ForConditionalGeneration(config)).save_pretrained(directory)
+
+
 def test_a_multimodal_checkpoints_language_model_loads_and_saves_as_text_only(tmp_path):
     """gemma-3-4b and larger hold a vision tower beside the language model (text_config; tensors under
     language_model.model.): the language model is read, its logits on text are transformers' multimodal model's, and
@@ -84,17 +103,7 @@ def test_a_multimodal_checkpoints_language_model_loads_and_saves_as_text_only(tm
 
     import transformers as tf
 
-    from test_variants import perturbed
-
-    text = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=40, sliding_window=6, query_pre_attn_scalar=20,
-                layer_types=["sliding_attention", "full_attention", "sliding_attention"], **SCALED)
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=100,
-                             boi_token_index=98, eoi_token_index=99)
-    torch.manual_seed(0)
-    perturbed(tf.Gemma3ForConditionalGeneration(config)).save_pretrained(tmp_path / "multimodal")
+    build_multimodal(tmp_path / "multimodal", **SCALED)
     hf = tf.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "multimodal", attn_implementation="eager").eval()
     ours = HookedDecoder.from_pretrained(tmp_path / "multimodal").eval()
     assert ours.cfg.sliding_rotary_base == 100.0 and ours.cfg.original_architecture == "Gemma3ForConditionalGeneration"
@@ -117,20 +126,15 @@ def test_a_text_config_that_names_only_a_few_fields_gets_transformers_defaults(t
     import transformers as tf
 
     from probe.checkpoint_gemma3 import TEXT_DEFAULTS
-    from test_variants import perturbed
 
     defaults = tf.Gemma3TextConfig()
     assert TEXT_DEFAULTS == {key: getattr(defaults, key) for key in TEXT_DEFAULTS}
-    text = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, sliding_window=5,
-                layer_types=["sliding_attention", "full_attention"])
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=100,
-                             boi_token_index=98, eoi_token_index=99)
-    torch.manual_seed(0)
-    perturbed(tf.Gemma3ForConditionalGeneration(config)).save_pretrained(tmp_path)
+    named = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "sliding_window", "layer_types")
+    build_multimodal(tmp_path, num_hidden_layers=2, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                     **{key: getattr(defaults, key) for key in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                                                "query_pre_attn_scalar", "max_position_embeddings")})
     written = json.loads((tmp_path / "config.json").read_text())
-    written["text_config"] = {key: written["text_config"][key] for key in (*text, "model_type")}  # the hub's few
+    written["text_config"] = {key: written["text_config"][key] for key in (*named, "model_type")}  # the hub's few
     (tmp_path / "config.json").write_text(json.dumps(written))
     hf = tf.Gemma3ForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ours = HookedDecoder.from_pretrained(tmp_path).eval()
@@ -138,3 +142,10 @@ def test_a_text_config_that_names_only_a_few_fields_gets_transformers_defaults(t
     tokens = torch.randint(0, 98, (1, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+
+
+def test_a_multimodal_config_without_a_text_config_object_is_refused_by_name(tmp_path):
+    build_multimodal(tmp_path)
+    _edit_config(tmp_path, text_config="gemma")
+    with pytest.raises(CheckpointError, match="multimodal Gemma 3 config.json needs text_config"):
+        HookedDecoder.from_pretrained(tmp_path)

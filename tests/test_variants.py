@@ -642,6 +642,13 @@ def test_qwen3_normalises_each_heads_query_and_key_before_rotating(tmp_path):
     ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "chunked_attention"),
     ("neox", dict(tie_word_embeddings=False), "missing the tensor 'embed_out.weight'"),
     ("olmo", dict(clip_qkv=8.0), r"clip_qkv=8.0 \(q, k and v clamped to that size\) is not supported"),
+    # hostile or mistyped fields of the newer families: one line naming the file and the field
+    ("gptneo", dict(window_size="256"), r"config.json: window_size must be a positive integer, got the string '256'"),
+    ("gptneo", dict(num_layers=10**7), r"config.json: num_layers=10000000, but the weights hold 3 layers"),
+    ("opt", dict(word_embed_proj_dim=0), r"config.json: word_embed_proj_dim must be a positive integer, got 0"),
+    ("opt", dict(do_layer_norm_before="yes"), r"do_layer_norm_before must be true or false"),
+    ("phi", dict(partial_rotary_factor="0.4"), r"partial_rotary_factor must be a finite number"),
+    ("gptj", dict(rotary_dim=7), r"rotary_dim must be even"),
 ])
 def test_checkpoint_settings_that_cannot_load_are_refused_by_name(kind, change, match, tmp_path):
     from safetensors.torch import load_file, save_file
