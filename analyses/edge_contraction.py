@@ -63,16 +63,19 @@ NORM_KINDS = {"layer": (LayerNorm,), "rms": (RMSNorm,), "none": (NoNorm, torch.n
 
 
 def norm_kind(model: HookedDecoder) -> str:
-    """"layer" when every norm a reader's gradient passes (ln1, ln2, the final norm) is a LayerNorm, "rms" when every
-    one is an RMSNorm, "none" when none normalises (transformer-lens's normalization_type=None); the pull-back of a
-    head's gradient and the centring of the deltas know only these three."""
-    norms = [n for block in model.blocks for n in (block.ln1, getattr(block, "ln2", None)) if n is not None]
-    norms.append(model.ln_final)
+    """The kind of the norm the heads' inputs pass (every ln1), through which their gradients are pulled back:
+    "layer" (LayerNorm), "rms" (RMSNorm) or "none" (no normalisation: transformer-lens's normalization_type=None,
+    OLMo 2's input). "layer" also centres the deltas, which needs every reader's norm (ln1, ln2, the final norm) to be
+    a LayerNorm; the MLPs' and the logits' gradients are autograd's, through whatever norm they read."""
+    ln1s = [block.ln1 for block in model.blocks]
+    others = [n for block in model.blocks for n in (getattr(block, "ln2", None),) if n is not None] + [model.ln_final]
     for kind, classes in NORM_KINDS.items():
-        if all(isinstance(n, classes) for n in norms):
+        if all(isinstance(n, classes) for n in ln1s) and (kind != "layer" or all(isinstance(n, classes) for n in others)):
             return kind
-    raise TypeError("edge attribution pulls head gradients back through LayerNorm, RMSNorm or no norm, one kind in the "
-                    f"whole model; this model's norms are {sorted({type(n).__name__ for n in norms})}")
+    norms = ln1s + others
+    raise TypeError("edge attribution pulls head gradients back through LayerNorm, RMSNorm or no norm, one kind before "
+                    "every attention (and LayerNorms everywhere when it is LayerNorm); this model's norms are "
+                    f"{sorted({type(n).__name__ for n in norms})}")
 
 
 def layer_groups(graph: CircuitGraph, most: int) -> list[range]:

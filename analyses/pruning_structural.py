@@ -66,6 +66,10 @@ def prune_heads(
     `save_pruned` to keep the map; `save_pretrained` / `from_pretrained` keep the model but not it.
     """
     cfg = model.cfg
+    if cfg.qk_norm_over_heads:
+        raise ValueError("prune_heads: this model normalises q and k over all its heads together (OLMo 2), so removing "
+                         "a head would change how the others are normalised, not just zero its output; ablate heads "
+                         "instead (probe.analyses.ablation)")
     if cfg.n_kv_heads != cfg.n_heads:
         raise ValueError(
             f"prune_heads needs one key/value head per query head, but n_kv_heads={cfg.n_kv_heads} < n_heads="

@@ -13,7 +13,7 @@ from probe.config import DecoderConfig
 from probe.embedding import make_rotary
 from probe.factored import FactoredMatrix
 from probe.kv_cache import LayerKV
-from probe.norm import make_norm
+from probe.norm import make_qk_norm
 from probe.softcap import make_softcap
 from probe.tl_attention_buffers import TLAttentionBuffers
 from probe.tl_weights import WritableWeights, bias_view, weight_view
@@ -68,8 +68,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.hook_v = HookPoint()  # [batch pos kv_head d_head]
         # Qwen3 normalises each head's q and k over d_head after the projection (transformer-lens's names): rotary
         # and the scores use hook_q_normed / hook_k_normed; without it these are identities, not hook points
-        self.q_norm = make_norm(cfg, cfg.d_head) if cfg.qk_norm else nn.Identity()
-        self.k_norm = make_norm(cfg, cfg.d_head) if cfg.qk_norm else nn.Identity()
+        self.q_norm, self.k_norm = make_qk_norm(cfg, self.n_heads), make_qk_norm(cfg, self.n_kv_heads)
         self.hook_q_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos head d_head]
         self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
         self.rotary = make_rotary(cfg, layer)

@@ -10,7 +10,7 @@ from einops import repeat
 from torch import nn
 
 from probe.attention import Attention, PerHeadInputs
-from probe.config import DecoderConfig, NormPlacement
+from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.hooks import HookPoint, observed
 from probe.mlp import make_mlp
 from probe.norm import make_norm
@@ -110,10 +110,14 @@ class ParallelBlock(PreNormBlock):
 class SandwichBlock(PreNormBlock):
     """Norms on both sides of each sublayer (Gemma 2): h = x + ln1_post(attn(ln1(x))); y = h + ln2_post(mlp(ln2(h))).
 
-    hook_attn_out and hook_mlp_out are the normalised writes, what the residual stream receives."""
+    hook_attn_out and hook_mlp_out are the normalised writes, what the residual stream receives. Without input norms
+    (OLMo 2: cfg.input_norms False) ln1 and ln2 are identities, h = x + ln1_post(attn(x)), as a model without norms
+    has them."""
 
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__(cfg, layer)
+        if not cfg.input_norms:
+            self.ln1, self.ln2 = (make_norm(cfg, foldable=True, ends=True, kind=Norm.NONE) for _ in range(2))
         self.ln1_post = make_norm(cfg, ends=True)
         self.ln2_post = make_norm(cfg, ends=True)
 

@@ -64,9 +64,11 @@ def _block_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, 
     if cfg.positions is Positions.ROTARY:
         left_out.update({f"{b}.attn.hook_cos": _ROTARY, f"{b}.attn.hook_sin": _ROTARY})
     if cfg.qk_norm:
+        layout = "[batch pos (head d_head)], every head's flattened" if cfg.qk_norm_over_heads else \
+            "[batch head pos d_head]"
         for part in "qk":
             left_out[f"{b}.attn.{part}_norm.hook_in"] = left_out[f"{b}.attn.{part}_norm.hook_out"] = (
-                f"the bridge holds the per-head {part} norm's input and output as [batch head pos d_head]; probe hooks "
+                f"the bridge holds the {part} norm's input and output as {layout}; probe hooks "
                 f"the same values as {b}.attn.hook_{part} and {b}.attn.hook_{part}_normed, [batch pos head d_head]")
     if cfg.attn_only:
         return aliases, left_out

@@ -121,6 +121,8 @@ class StackMethods:
             if cfg.norm_placement is NormPlacement.POST:
                 raise ValueError(f"apply_ln: in a post-norm block ln1 and ln2 normalise sums after the sublayers, not "
                                  f"the input to layer {layer}; only the final layer (layer=-1) has an input norm here")
+            if not cfg.input_norms:
+                return None  # OLMo 2: the sublayers read the residual itself
             key = act_name("scale", layer, "ln2" if mlp_input else "ln1")
         scale = _residual_scale(self._need(key, "apply_ln"), 2 + self.has_batch_dim, key)
         scale = rs.take(scale, pos, -2)

@@ -50,6 +50,13 @@ def olmo_config(hf: dict) -> DecoderConfig:
                                out_bias=hf.get("attention_bias", False))
 
 
+def olmo2_config(hf: dict) -> DecoderConfig:
+    # OLMo 2: no norm before either sublayer, an RMSNorm after each (a sandwich block without its input norms), and
+    # q and k RMS-normalised over all heads together before rotary
+    return dataclasses.replace(llama_config(hf), norm_placement=NormPlacement.SANDWICH, input_norms=False, qk_norm=True,
+                               qk_norm_over_heads=True, out_bias=hf.get("attention_bias", False))
+
+
 def mistral_config(hf: dict) -> DecoderConfig:
     # Mistral: Llama's layers without any bias, and (v0.1) a sliding window; later versions say null (a key left out
     # is transformers' default, 4096)
@@ -65,6 +72,8 @@ _LLAMA_LIKE = {
     "qwen3": ("Qwen3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, qk_norm=True)),
     "olmo": ("OlmoForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_weights=False, eps=1e-5, out_bias=cfg.qkv_bias,
                                                  mlp_bias=False)),
+    "olmo2": ("Olmo2ForCausalLM", lambda cfg: dict(norm_placement=NormPlacement.SANDWICH, input_norms=False, qk_norm=True,
+                                                   qk_norm_over_heads=True, out_bias=cfg.qkv_bias, mlp_bias=False)),
 }
 
 
@@ -88,7 +97,7 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
                                        **fixed(cfg)})
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
-    if model_type in ("llama", "qwen3", "olmo"):
+    if model_type in ("llama", "qwen3", "olmo", "olmo2"):
         out["attention_bias"] = cfg.qkv_bias
     if model_type == "olmo":
         out["clip_qkv"] = None
@@ -110,6 +119,8 @@ def _llama_norms(cfg: DecoderConfig) -> dict[str, str]:
                  "ln2_post": "post_feedforward_layernorm"}
     else:
         norms = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+    if not cfg.input_norms:  # OLMo 2: a sandwich block's write norms alone, under Llama's name for the first
+        return {"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"}
     # norms without weights (OLMo's) have nothing stored; a sandwich block's write norms keep theirs
     return norms if cfg.norm_weights else {k: v for k, v in norms.items() if k.endswith("_post")}
 
@@ -125,7 +136,8 @@ def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
             out[f"{o}.{ours}.w"] = source.take(f"{t}.{theirs}.weight", (d,))
         if cfg.qk_norm:
             for which in "qk":
-                out[f"{o}.attn.{which}_norm.w"] = source.take(f"{t}.self_attn.{which}_norm.weight", (cfg.d_head,))
+                width = cfg.d_head * (s[which][0] // cfg.d_head if cfg.qk_norm_over_heads else 1)  # OLMo 2's: every head's
+                out[f"{o}.attn.{which}_norm.w"] = source.take(f"{t}.self_attn.{which}_norm.weight", (width,))
         out[f"{o}.attn.qkv.weight"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.weight", s[p]) for p in "qkv"])
         if cfg.qkv_bias:
             out[f"{o}.attn.qkv.bias"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.bias", s[p][:1]) for p in "qkv"])

@@ -85,11 +85,13 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("pos_embed.weight", "embedding", cfg.n_ctx * d)
     per_norm = {Norm.LAYER: 2, Norm.NONE: 0}.get(cfg.norm, 1)  # w (and b) per dimension
     norm_params = d * per_norm if cfg.norm_weights else 0  # ln1, ln2, ln_final: see DecoderConfig.norm_weights
+    input_params = norm_params if cfg.input_norms else 0  # OLMo 2's blocks normalise only their writes
     for layer in range(cfg.n_layers):
         h, kv = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
-        add("ln1", "norm", norm_params, layer)
+        add("ln1", "norm", input_params, layer)
         add("attn.q.weight", "attention", d * h * dh, layer)
-        add("attn.qk_norm", "norm", 2 * dh * per_norm if cfg.qk_norm else 0, layer)
+        qk_norm = (h + kv) * dh if cfg.qk_norm_over_heads else 2 * dh  # OLMo 2's span every head
+        add("attn.qk_norm", "norm", qk_norm * per_norm if cfg.qk_norm else 0, layer)
         add("attn.k.weight", "attention", d * kv * dh, layer)
         add("attn.v.weight", "attention", d * kv * dh, layer)
         add("attn.qkv.bias", "attention", (h + 2 * kv) * dh if cfg.qkv_bias else 0, layer)
@@ -97,7 +99,7 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
         if cfg.attn_only:
             continue
-        add("ln2", "norm", norm_params, layer)
+        add("ln2", "norm", input_params, layer)
         if cfg.norm_placement is NormPlacement.SANDWICH:
             add("ln1_post", "norm", d * per_norm, layer)
             add("ln2_post", "norm", d * per_norm, layer)

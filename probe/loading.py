@@ -71,6 +71,7 @@ SHORT_NAMES.update({
     **{f"qwen3-{size}": f"Qwen/Qwen3-{size.upper()}" for size in ("0.6b", "1.7b", "4b", "8b", "14b")},
     "qwen3-0.6b-base": "Qwen/Qwen3-0.6B-Base",
     "olmo-1b": "allenai/OLMo-1B-hf", "olmo-7b": "allenai/OLMo-7B-hf",
+    "olmo-2-1b": "allenai/OLMo-2-0425-1B", "olmo-2-7b": "allenai/OLMo-2-1124-7B",
     # GPT-Neo (EleutherAI), the TinyStories models (GPT-Neo's architecture; one repository is spelled "Instuct" on
     # the hub) and OPT (Meta), with transformer-lens's aliases for each
     **{alias: f"EleutherAI/gpt-neo-{size}" for size, aliases in (("125M", ("small", "neo-small", "neo")),

@@ -170,9 +170,32 @@ class NoNorm(FixedWeights, HookedEnds, nn.Module):
 FLOAT32_HOOK_NORMS = frozenset({Norm.RMS, Norm.RMS_FLOAT32})
 
 
-def make_norm(cfg: DecoderConfig, dim: Optional[int] = None, foldable: bool = False, ends: bool = False) -> nn.Module:
-    """The config's norm over the last `dim` (default d_model) dimensions. `foldable`: one whose output a linear
-    layer reads (ln1, ln2, ln_final), which learns no weights when cfg.norm_weights is False. `ends`: its input and
-    output are hook points too (the residual stream's norms; see HookedEnds)."""
-    kind = {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32, Norm.NONE: NoNorm}[cfg.norm]
-    return kind(dim or cfg.d_model, cfg.eps, learned=cfg.norm_weights or not foldable, ends=ends)
+NORMS = {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloat32, Norm.NONE: NoNorm}
+
+
+def make_norm(cfg: DecoderConfig, dim: Optional[int] = None, foldable: bool = False, ends: bool = False,
+              kind: Optional[Norm] = None) -> nn.Module:
+    """The config's norm (or `kind`) over the last `dim` (default d_model) dimensions. `foldable`: one whose output a
+    linear layer reads (ln1, ln2, ln_final), which learns no weights when cfg.norm_weights is False. `ends`: its input
+    and output are hook points too (the residual stream's norms; see HookedEnds)."""
+    return NORMS[cfg.norm if kind is None else kind](dim or cfg.d_model, cfg.eps, learned=cfg.norm_weights or not foldable,
+                                                     ends=ends)
+
+
+class OverHeads:
+    """Mixed into a norm that normalises q or k [batch pos head d_head] over all its heads together (OLMo 2), as
+    transformers does to the projection before splitting it into heads: its w is [head * d_head]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).unflatten(-1, x.shape[-2:])
+
+
+def make_qk_norm(cfg: DecoderConfig, heads: int) -> nn.Module:
+    """The q (or k) norm of an attention with `heads` heads: none, each head's over d_head (Qwen3, Gemma 3), or all
+    heads' together (qk_norm_over_heads: OLMo 2)."""
+    if not cfg.qk_norm:
+        return nn.Identity()
+    if not cfg.qk_norm_over_heads:
+        return make_norm(cfg, cfg.d_head)
+    kind = NORMS[cfg.norm]
+    return type(f"{kind.__name__}OverHeads", (OverHeads, kind), {})(heads * cfg.d_head, cfg.eps)

@@ -51,8 +51,11 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.attn.hook_v"] = (batch, pos, kv, cfg.d_head)
         if cfg.qk_norm:
             for which, n in (("q", heads), ("k", kv)):
-                shapes[f"{b}.attn.{which}_norm.hook_scale"] = (batch, pos, n, 1)
-                shapes[f"{b}.attn.{which}_norm.hook_normalized"] = (batch, pos, n, cfg.d_head)
+                # each head's own scale, or (OLMo 2) one over all heads, normalising them flattened
+                over = cfg.qk_norm_over_heads
+                shapes[f"{b}.attn.{which}_norm.hook_scale"] = (batch, pos, 1) if over else (batch, pos, n, 1)
+                shapes[f"{b}.attn.{which}_norm.hook_normalized"] = (batch, pos, n * cfg.d_head) if over else \
+                    (batch, pos, n, cfg.d_head)
                 shapes[f"{b}.attn.hook_{which}_normed"] = (batch, pos, n, cfg.d_head)
         if cfg.positions is Positions.ROTARY:
             shapes[f"{b}.attn.hook_rot_q"] = (batch, pos, heads, cfg.d_head)

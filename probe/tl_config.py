@@ -134,6 +134,11 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
     if s.get("final_rms", False) and norm is not Norm.RMS:
         raise ValueError(f"HookedTransformerConfig(final_rms=True) with normalization_type={s.get('normalization_type')!r}"
                          f" is not supported: {WHY['final_rms']}")
+    if s.get("original_architecture") in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
+        # TL 3.9 builds these blocks by their architecture's name (norms after the sublayers, named ln1 / ln2)
+        raise ValueError(f"HookedTransformerConfig(original_architecture={s['original_architecture']!r}) is not "
+                         "supported: its blocks normalise each write alone, which TL decides by that name; load the "
+                         "checkpoint with from_pretrained (OLMo 2: ln1_post / ln2_post, transformer-lens 4's names)")
     placement = NormPlacement.PRE
     if s.get("parallel_attn_mlp", False):
         placement = NormPlacement.PARALLEL

@@ -180,6 +180,9 @@ class TransformerLensSurface:
         Llama's edges so). The weights stay grouped (W_K [kv_head d_model d_head]); the forward's values do not
         change. probe's circuit analyses score a grouped model per key/value head either way."""
         on = bool(ungroup_grouped_query_attention)
+        if on and self.cfg.qk_norm_over_heads and self.cfg.n_kv_heads != self.cfg.n_heads:
+            raise ValueError("this model normalises its keys over all key/value heads together (OLMo 2's k_norm), "
+                             "which a copy per query head would change; keep ungroup_grouped_query_attention off")
         self._hook_key_values(per_query_head=on)
         self._record_switch(ungroup_grouped_query_attention=on)
 

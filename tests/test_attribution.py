@@ -305,22 +305,24 @@ def test_decomposition_figure_checks_the_prompt(tiny_model, tokens):
         residual_decomposition(tiny_model, tokens).figure(prompt=3)
 
 
-def test_gemma2_heads_share_the_normalised_write_and_add_up_to_the_logit_before_the_cap(tmp_path):
-    """Sandwich blocks normalise each write; with ln1_post's scale frozen each head's share is linear, so the
-    components still add up, to the final residual and to transformers' logit before its soft cap."""
+@pytest.mark.parametrize("kind", ["gemma2", "olmo2"])
+def test_sandwich_heads_share_the_normalised_write_and_add_up_to_the_logit_before_the_cap(kind, tmp_path):
+    """Sandwich blocks normalise each write (Gemma 2; OLMo 2, whose sublayers read the residual unnormalised); with
+    ln1_post's scale frozen each head's share is linear, so the components still add up, to the final residual and
+    to transformers' logit (before Gemma 2's soft cap)."""
     from test_variants import build
 
     from probe import HookedDecoder
 
-    hf = build("gemma2", tmp_path)
+    hf = build(kind, tmp_path, **({"num_hidden_layers": 3, "attention_bias": True} if kind == "olmo2" else {}))
     model = HookedDecoder.from_pretrained(tmp_path).eval()
     tokens = torch.randint(0, 101, (2, 14), generator=torch.Generator().manual_seed(3))
     decomposition = residual_decomposition(model, tokens)
     _, cache = model.run_with_cache(tokens)
     torch.testing.assert_close(decomposition.total(), cache["blocks.2.hook_resid_post"], atol=ATOL, rtol=0)
     kinds, layers = decomposition.index.kinds, decomposition.index.layers
-    for layer in range(3):  # the heads' shares add up to the block's normalised attention write
-        heads = [i for i, (kind, l) in enumerate(zip(kinds, layers)) if kind == "head" and l == layer]
+    for layer in range(3):  # the heads' shares (and b_O's) add up to the block's normalised attention write
+        heads = [i for i, (part, l) in enumerate(zip(kinds, layers)) if part in ("head", "attn_bias") and l == layer]
         torch.testing.assert_close(decomposition.components[:, :, heads].sum(2), cache[f"blocks.{layer}.hook_attn_out"],
                                    atol=ATOL, rtol=0)
     result = direct_logit_attribution(model, tokens, 5, 9)
@@ -328,8 +330,9 @@ def test_gemma2_heads_share_the_normalised_write_and_add_up_to_the_logit_before_
         out = hf(tokens, output_hidden_states=True)
         before_cap = out.hidden_states[-1][:, -1] @ hf.lm_head.weight.T  # transformers' final-normed residual, unembedded
     torch.testing.assert_close(result.total, before_cap[:, 5] - before_cap[:, 9], atol=ATOL, rtol=0)
-    capped = out.logits[:, -1, 5] - out.logits[:, -1, 9]
-    assert not torch.allclose(result.total, capped, atol=1e-3)  # the cap bites, so the test tells them apart
+    if kind == "gemma2":
+        capped = out.logits[:, -1, 5] - out.logits[:, -1, 9]
+        assert not torch.allclose(result.total, capped, atol=1e-3)  # the cap bites, so the test tells them apart
 
 
 def test_sandwich_blocks_with_layernorm_write_norms_are_refused():

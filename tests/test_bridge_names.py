@@ -21,8 +21,8 @@ from test_variants import build
 from oracle_process import oracle
 from tl_oracle import assert_same, booted
 
-FAMILIES = ("gpt2", "gpt1", "llama", "neox", "gemma2", "qwen3", "gptneo", "opt", "phi")  # learned/post-norm/GQA gated/
-# parallel/sandwich/q-k norms/local layers/OPT's layout/one norm for two parallel sublayers
+FAMILIES = ("gpt2", "gpt1", "llama", "neox", "gemma2", "qwen3", "gptneo", "opt", "phi", "olmo2")  # learned/post-norm/
+# GQA gated/parallel/sandwich/q-k norms/local layers/OPT's layout/one norm for two parallel sublayers/write norms only
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def family_dirs(tmp_path_factory):
     dirs = {"gpt2": probe.DEFAULT_MODEL}
     for family in FAMILIES[1:]:
         directory = tmp_path_factory.mktemp(family)
-        if family == "llama":  # the bridge needs a tokenizer it can load for Llama
+        if family in ("llama", "olmo2"):  # the bridge needs a tokenizer it can load for these
             directory = tokenizer_dir(directory / "checkpoint", *LLAMA_FILES)
             build(family, directory, vocab_size=len(Tokenizer.from_directory(directory)))
         else:
@@ -104,7 +104,12 @@ def test_edits_at_bridge_names_do_what_they_do_on_the_bridge(family, family_dirs
               "llama": ["blocks.1.mlp.gate.hook_out", "ln_final.hook_out"], "qwen3": ["blocks.0.mlp.gate.hook_out"],
               "gemma2": ["blocks.0.ln1_post.hook_in", "blocks.1.ln2_post.hook_in", "blocks.1.ln2_post.hook_out"],
               "gpt1": ["pos_embed.hook_out"], "neox": ["ln_final.hook_in"], "gptneo": ["pos_embed.hook_out"],
-              "opt": ["pos_embed.hook_out", "ln_final.hook_out"], "phi": ["ln_final.hook_in"]}[family]
+              "opt": ["pos_embed.hook_out", "ln_final.hook_out"], "phi": ["ln_final.hook_in"],
+              "olmo2": ["blocks.0.ln1_post.hook_in", "blocks.1.ln2_post.hook_out", "ln_final.hook_out"]}[family]
+    if family == "olmo2":
+        # OLMo 2's sublayers read the residual itself: the bridge has no ln1 or ln2 (probe's are identities)
+        for name in ("blocks.0.ln1.hook_in", "blocks.0.ln1.hook_out", "blocks.1.ln2.hook_in", "blocks.1.ln2.hook_out"):
+            names.remove(name)
     if family == "phi":
         # TL 4's Phi block has one norm, ln1, which both sublayers read: an edit at ln1's ends reaches the MLP there.
         # probe keeps TL 3's two copies (ln2 is ln1's), so an edit at ln1's ends reaches attention only; the bridge

@@ -81,7 +81,8 @@ def test_post_norm_models_are_refused(tmp_path):
         circuit_graph(HookedDecoder.from_pretrained(tmp_path))
 
 
-FAMILIES = {"gpt2": None, "llama-gqa": "llama", "neox-parallel": "neox", "gemma2-sandwich": "gemma2"}
+FAMILIES = {"gpt2": None, "llama-gqa": "llama", "neox-parallel": "neox", "gemma2-sandwich": "gemma2",
+            "olmo2-write-norms": "olmo2"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -99,7 +100,7 @@ def test_full_circuit_is_clean_and_empty_circuit_is_corrupted(family, tiny_model
         clean_values, corrupted_values = metric(model(clean), clean, mask), metric(model(corrupted), corrupted, mask)
     full = Circuit(graph=graph, edges=torch.arange(graph.n_edges))
     empty = Circuit(graph=graph, edges=torch.zeros(0, dtype=torch.long))
-    engines = ("hooked",) if family == "gemma2-sandwich" else ("sparse", "hooked")  # sandwich blocks: hooked only
+    engines = ("hooked",) if model.cfg.norm_placement.value == "sandwich" else ("sparse", "hooked")  # sandwich: hooked
     for engine in engines:
         runners = {ablation: CircuitRunner.prepare(model, clean, corrupted, metric, ablation, engine=engine)
                    for ablation in ("patch", "mean", "zero")}

@@ -474,3 +474,24 @@ def test_transformer_lens_shorthand_keys(ours):
         assert cache[key] is cache[name], key
     _, grads = ours.run_with_cache(PROMPT, return_type="loss", incl_bwd=True)
     assert grads["k1_grad"] is grads["blocks.1.attn.hook_k_grad"]
+
+
+def test_olmo2_sublayers_read_the_residual_itself():
+    """OLMo 2 normalises only each sublayer's write: the residual a layer's attention or MLP reads is the stack
+    itself, so apply_ln_to_stack below the final layer divides by nothing (the final layer's norm still applies)."""
+    import tempfile
+
+    from test_variants import build
+
+    with tempfile.TemporaryDirectory() as directory:
+        build("olmo2", directory)
+        model = HookedDecoder.from_pretrained(directory).eval()
+    tokens = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    stack = cache.accumulated_resid(layer=1)
+    for mlp_input in (False, True):
+        assert torch.equal(cache.apply_ln_to_stack(stack, layer=1, mlp_input=mlp_input), stack)
+    final = cache.accumulated_resid(layer=-1)
+    scale = cache["ln_final.hook_scale"]
+    torch.testing.assert_close(cache.apply_ln_to_stack(final, layer=-1, recompute_ln=False), final / scale)

@@ -19,7 +19,7 @@ from probe.analyses.common import token_strings
 from probe.analyses.edge_attribution import edge_attribution
 from probe import HookedDecoder
 from probe.names import act_name
-from probe.norm import RMSNorm
+from probe.norm import LayerNorm, RMSNorm
 
 from test_variants import build
 
@@ -34,12 +34,12 @@ def prompts(vocab: int, n_pos: int = 9, seed: int = 3):
     return clean, corrupted
 
 
-SANDWICH = ("gemma2", "gemma3")  # the families whose sublayer writes are normalised before the residual
+SANDWICH = ("gemma2", "gemma3", "olmo2")  # the families whose sublayer writes are normalised before the residual
 
 
 class HFEdges:
-    """Writers' outputs and readers' input gradients of a transformers GPT-2, GPT-Neo, Llama, Gemma 2, Gemma 3 or
-    GPT-NeoX model."""
+    """Writers' outputs and readers' input gradients of a transformers GPT-2, GPT-Neo, Llama, Gemma 2, Gemma 3, OLMo 2
+    or GPT-NeoX model."""
 
     def __init__(self, hf, kind: str):
         self.hf, self.kind = hf, kind
@@ -75,12 +75,14 @@ class HFEdges:
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
             return layer.ln_1, projections, a.out_proj, layer.ln_2, layer.mlp
-        if self.kind in ("llama", "gemma2", "gemma3"):
+        if self.kind in ("llama", "gemma2", "gemma3", "olmo2"):
             a = layer.self_attn
             projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
             # Gemma 2's sandwich: the MLP reads pre_feedforward_layernorm; post_attention_layernorm normalises the write
+            if self.kind == "olmo2":  # no input norms: the sublayers read the residual itself
+                return None, projections, a.o_proj, None, layer.mlp
             ln2 = layer.pre_feedforward_layernorm if self.kind in SANDWICH else layer.post_attention_layernorm
             return layer.input_layernorm, projections, a.o_proj, ln2, layer.mlp
         a = layer.attention  # GPT-NeoX: the fused projection is [head, (q k v), d_head]
@@ -114,8 +116,14 @@ class HFEdges:
             ln1, projections, out_proj, ln2, mlp = self._parts(layer)
             resid = {}
             # the residual the block reads, not the copies the recomputations below pass through ln1
-            handles.append(ln1.register_forward_pre_hook(
-                lambda mod, args, resid=resid: None if busy else resid.__setitem__("x", args[0])))
+            if ln1 is None:  # OLMo 2: attention reads it as it is, given by keyword
+                ln1 = torch.nn.Identity()
+                handles.append(layer.self_attn.register_forward_pre_hook(
+                    lambda mod, args, kwargs, resid=resid: None if busy else resid.__setitem__("x", kwargs["hidden_states"]),
+                    with_kwargs=True))
+            else:
+                handles.append(ln1.register_forward_pre_hook(
+                    lambda mod, args, resid=resid: None if busy else resid.__setitem__("x", args[0])))
 
             def project(mod, args, out, l=l, slots=None, ln1=ln1, resid=resid):
                 if mod in busy:  # the recomputation below calls the module again
@@ -132,7 +140,10 @@ class HFEdges:
             for module, slots in projections:
                 handles.append(module.register_forward_hook(lambda mod, a, o, f=project, s=slots: f(mod, a, o, slots=s)))
             handles.append(out_proj.register_forward_pre_hook(lambda mod, args, l=l: writes.__setitem__(("z", l), args[0])))
-            handles.append(ln2.register_forward_hook(norm_output((l, "mlp"))))
+            if ln2 is None:  # the MLP reads the residual itself: its own leaf on that input
+                handles.append(mlp.register_forward_pre_hook(lambda mod, args, l=l: (own_leaf((l, "mlp"), args[0]),)))
+            else:
+                handles.append(ln2.register_forward_hook(norm_output((l, "mlp"))))
             # an MLP's write is what reaches the residual: in a sandwich block, after its post-norm
             written = layer.post_feedforward_layernorm if self.kind in SANDWICH else mlp
             handles.append(written.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("mlp", l), out)))
@@ -162,7 +173,9 @@ class HFEdges:
             if self.kind in SANDWICH:  # each head's share of the normalised write: (1 + w) / that run's RMS
                 post = layer.post_attention_layernorm
                 raw = writes[("attn", l)].detach().float()
-                heads = heads * (1 + post.weight.detach().float()) * torch.rsqrt(raw.pow(2).mean(-1) + post.eps)[:, :, None, None]
+                gain = post.weight.detach().float() + (0.0 if self.kind == "olmo2" else 1.0)  # Gemma stores w - 1
+                eps = post.variance_epsilon if self.kind == "olmo2" else post.eps
+                heads = heads * gain * torch.rsqrt(raw.pow(2).mean(-1) + eps)[:, :, None, None]
             parts += [heads, writes[("mlp", l)].detach()[:, :, None]]
             readers += [grads[(l, s)] for s in range(self.H + 2 * self.KV)] + [grads[(l, "mlp")]]
         readers.append(grads["logits"])
@@ -176,7 +189,8 @@ def oracle_scores(graph, delta, grads):
 
 
 FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", {}), "gemma2-sandwich": ("gemma2", {}),
-            "gptneo-unscaled-local": ("gptneo", {}), "gemma3-qk-norms-local-base": ("gemma3", {})}
+            "gptneo-unscaled-local": ("gptneo", {}), "gemma3-qk-norms-local-base": ("gemma3", {}),
+            "olmo2-write-norms": ("olmo2", {"num_key_value_heads": 2})}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -403,12 +417,18 @@ def test_numpy_and_tensor_integers_are_settings_like_ints(tiny_model):
 
 
 def test_a_model_mixing_norm_kinds_is_refused_by_name(tiny_model):
-    # the pull-back through ln1 (and the centred deltas) hold for all LayerNorms or all RMSNorms, not a mixture
+    # the pull-back through ln1 holds for one kind before every attention (OLMo 2's none, with RMSNorms elsewhere, is
+    # one: tests above), and the centred deltas for LayerNorms everywhere
     mixed = copy.deepcopy(tiny_model)
     mixed.blocks[0].ln1 = RMSNorm(mixed.cfg.d_model, mixed.cfg.eps)
     clean, corrupted = prompts(mixed.cfg.d_vocab)
     metric = logit_diff_metric(mixed, ANSWERS, COUNTERFACTUALS)
-    with pytest.raises(TypeError, match=r"one kind in the whole model; this model's norms are \['LayerNorm', 'RMSNorm'\]"):
+    with pytest.raises(TypeError, match=r"one kind before every attention .*this model's norms are \['LayerNorm', 'RMSNorm'\]"):
+        edge_attribution(mixed, clean, corrupted, metric)
+    mixed.ln_final = RMSNorm(mixed.cfg.d_model, mixed.cfg.eps)
+    for block in mixed.blocks:
+        block.ln1 = LayerNorm(mixed.cfg.d_model, mixed.cfg.eps)
+    with pytest.raises(TypeError, match=r"and LayerNorms everywhere when it is LayerNorm"):
         edge_attribution(mixed, clean, corrupted, metric)
 
 

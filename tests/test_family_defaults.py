@@ -24,7 +24,7 @@ OPT_FILES = (["<pad>", "</s>"], {"tokenizer_class": "PreTrainedTokenizerFast", "
                                  "pad_token": "<pad>"}, True)
 FAMILIES = {"llama": LLAMA_FILES, "mistral": LLAMA_FILES, "gemma": LLAMA_FILES, "neox": GPT_FILES, "gptneo": GPT_FILES,
             "opt": OPT_FILES, "phi": GPT_FILES, "phi3": LLAMA_FILES, "gemma3": LLAMA_FILES,
-            "olmo": GPT_FILES, "gptj": GPT_FILES,
+            "olmo": GPT_FILES, "gptj": GPT_FILES, "olmo2": GPT_FILES,
             "qwen2": QWEN_FILES, "qwen3": QWEN_FILES,
             "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
 

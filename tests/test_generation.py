@@ -76,6 +76,13 @@ def gemma3_pair(tmp_path_factory):  # local layers with their own rotary base, a
     return hf, HookedDecoder.from_pretrained(directory).eval()
 
 
+@pytest.fixture(scope="module")
+def olmo2_pair(tmp_path_factory):  # write norms only, q and k normalised over all heads
+    directory = tmp_path_factory.mktemp("olmo2")
+    hf = build("olmo2", directory, num_key_value_heads=2)
+    return hf, HookedDecoder.from_pretrained(directory).eval()
+
+
 def pair_of(which, tiny_hf, tiny_model, request):
     return (tiny_hf, tiny_model) if which == "gpt2" else request.getfixturevalue(f"{which}_pair")
 
@@ -92,7 +99,7 @@ def decode_step_by_step(model, tokens, mask, n_new):
 
 
 @pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt", "phi", "phi3",
-                                   "gemma3"])
+                                   "gemma3", "olmo2"])
 def test_each_cached_step_equals_a_full_forward(which, tiny_model, tiny_hf, request):
     model = pair_of(which, tiny_hf, tiny_model, request)[1]
     gen = torch.Generator().manual_seed(5)
@@ -111,7 +118,7 @@ def test_each_cached_step_equals_a_full_forward(which, tiny_model, tiny_hf, requ
 
 
 @pytest.mark.parametrize("which", ["gpt2", "llama", "neox", "mistral", "gemma2", "gptneo", "opt", "phi", "phi3",
-                                   "gemma3"])
+                                   "gemma3", "olmo2"])
 def test_greedy_equals_transformers_generate(which, tiny_model, tiny_hf, request):
     hf, model = pair_of(which, tiny_hf, tiny_model, request)
     prompt = torch.randint(0, model.cfg.d_vocab, (2, 5), generator=torch.Generator().manual_seed(6))

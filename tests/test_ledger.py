@@ -31,6 +31,9 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     {"norm_weights": False, "norm": "rms", "norm_placement": "sandwich"},  # RMSPre: so do the post norms
     {"norm": "none", "final_norm": False},  # transformer-lens's normalization_type=None
     {"norm_weights": False, "norm": "rms", "unembed_bias": True, "tied_embeddings": False},  # RMSPre, TL's b_U
+    # OLMo 2: write norms only, q and k normalised over all (query / key-value) heads together
+    {"norm_placement": "sandwich", "norm": "rms", "positions": "rotary", "input_norms": False, "qk_norm": True,
+     "qk_norm_over_heads": True, "n_kv_heads": 2},
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)

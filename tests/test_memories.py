@@ -544,15 +544,17 @@ def test_direct_effect_through_an_rms_final_norm_or_none(config):
         assert torch.equal(value_tokens(model, 1, [0, 1, 2], 5, through_final_norm=True).top_ids, expected)
 
 
-def test_gemma2_memories_write_through_the_write_norm(tmp_path):
-    """In a sandwich block (Gemma 2) the residual receives ln2_post(MLP output): with its scale frozen, memory i
-    writes m_i v_i * ln2_post.w / scale. Oracle: the sub-updates of all neurons add up to hook_mlp_out, and their
-    direct effects to the whole write's effect on the predicted logit (before the logit cap)."""
+@pytest.mark.parametrize("kind", ["gemma2", "olmo2"])
+def test_sandwich_memories_write_through_the_write_norm(kind, tmp_path):
+    """In a sandwich block (Gemma 2; OLMo 2, whose MLP reads the residual itself) the residual receives
+    ln2_post(MLP output): with its scale frozen, memory i writes m_i v_i * ln2_post.w / scale. Oracle: the
+    sub-updates of all neurons add up to hook_mlp_out, and their direct effects to the whole write's effect on the
+    predicted logit (before Gemma 2's logit cap)."""
     from test_variants import build
 
     from probe import HookedDecoder
 
-    build("gemma2", tmp_path)
+    build(kind, tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
     tokens = torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(4))
     position, layer, d_mlp = 7, 1, model.cfg.d_mlp

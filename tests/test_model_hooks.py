@@ -448,3 +448,20 @@ def test_an_in_place_edit_at_mlp_in_reaches_the_mlp_alone(kind, tiny_dir, tiny_h
         got = ours.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_mlp_in", edit_ours)])
         assert (got - ours(tokens)).abs().max() > 1e-2  # the edit matters (GPT-1's random MLP answers weakly)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_hook_shapes_predict_the_cache_of_q_and_k_norms_over_all_heads(tmp_path):
+    """OLMo 2's q and k norms see each position's heads flattened ([batch pos 1] scales), its write norms are
+    ln1_post / ln2_post: every point a cache of everything holds has the predicted shape."""
+    from probe import HookedDecoder
+    from probe.shapes import hook_shapes
+    from test_variants import build
+
+    build("olmo2", tmp_path, num_key_value_heads=2)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 101, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names=lambda n: True)
+    predicted = hook_shapes(model.cfg, *tokens.shape)
+    assert {n: tuple(t.shape) for n, t in cache.items()} == {n: s for n, s in predicted.items() if n in cache}
+    assert cache["blocks.0.attn.k_norm.hook_scale"].shape == (2, 7, 1) and "blocks.1.ln2_post.hook_scale" in cache

@@ -127,16 +127,17 @@ def test_parallel_blocks_process_like_transformers(tmp_path):
     assert all(torch.equal(b.ln2.w, torch.ones_like(b.ln2.w)) and not b.ln2.b.any() for b in processed.blocks)
 
 
-@pytest.mark.parametrize("kind, overrides", [("gptneo", {}), ("opt", {}), ("olmo", {}),
+@pytest.mark.parametrize("kind, overrides", [("gptneo", {}), ("opt", {}), ("olmo", {}), ("olmo2", {}),
                                              ("opt", {"layer_norm_elementwise_affine": False, "enable_bias": False})])
 def test_gpt_neo_opt_and_olmo_process_like_transformers(kind, overrides, tmp_path):
     """TL's default processing (fold_ln, centring, fold_value_biases) on GPT-Neo's unscaled, windowed attention,
     OPT's layout (with and without affine norms and biases) and OLMo's weightless norms keeps transformers'
-    log-probabilities."""
+    log-probabilities; on OLMo 2 (RMS write norms, nothing to centre) fold_ln and fold_value_biases do."""
     from test_variants import build
 
     hf = build(kind, tmp_path, **overrides)
-    processed = process_weights(HookedDecoder.from_pretrained(tmp_path).eval())
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    processed = process_weights(model, center_writing_weights=False) if kind == "olmo2" else process_weights(model)
     tokens = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf(tokens).logits.log_softmax(-1)

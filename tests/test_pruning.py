@@ -448,3 +448,14 @@ def test_other_families_prune_save_and_load_against_transformers(kind, heads, tm
         expected = hf(toks).logits
         torch.testing.assert_close(pruned(toks), expected, atol=1e-4, rtol=0)
         torch.testing.assert_close(again(toks), expected, atol=1e-4, rtol=0)
+
+
+def test_a_model_normalising_q_and_k_over_all_heads_is_not_pruned(tmp_path):
+    """OLMo 2's q and k norms span every head: a model without one head normalises the others differently, so it is
+    not the original with that head ablated (which transformers' model with the head's o_proj columns zeroed is)."""
+    from test_variants import build
+
+    build("olmo2", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"normalises q and k over all its heads together \(OLMo 2\)"):
+        prune_heads(model, [(0, 1)])

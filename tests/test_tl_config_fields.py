@@ -322,6 +322,7 @@ def test_checkpoint_fields_follow_checkpoint_value(monkeypatch, tmp_path):
     (dict(use_yarn_rope=True), r"use_yarn_rope=True\) is not supported"),
     (dict(num_experts=4, experts_per_token=2), r"num_experts=4\) is not supported"),
     (dict(use_attention_sinks=True), r"use_attention_sinks=True\) is not supported"),
+    (dict(original_architecture="Olmo2ForCausalLM"), r"original_architecture='Olmo2ForCausalLM'\) is not supported"),
 ])
 def test_tl_features_probe_lacks_are_refused_by_name(settings, match):
     """TL 3.9's settings for features probe's decoder does not build are refused at any value but their off one,

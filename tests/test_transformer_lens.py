@@ -34,7 +34,7 @@ def compare_with_transformer_lens(directory, n_pos: int, seed: int, skip=(), fla
         a, b = cache[hook], theirs[hook]
         if hook.endswith(tuple(flattened)):
             b = b.reshape(a.shape)
-        if hook.endswith(("_normed", "q_norm.hook_scale", "q_norm.hook_normalized", "k_norm.hook_scale",
+        elif hook.endswith(("_normed", "q_norm.hook_scale", "q_norm.hook_normalized", "k_norm.hook_scale",
                           "k_norm.hook_normalized")) and a.dim() == 4:
             b = b.transpose(1, 2)  # TL's bridge keeps Qwen3's per-head norms in [batch head pos ...]
         assert a.shape == b.shape, hook
@@ -96,3 +96,20 @@ def test_olmo_hooks_match_transformer_lens(tmp_path):
     missing, theirs = compare_with_transformer_lens(directory, 20, seed=8)
     assert missing == set() and "blocks.1.ln2.hook_scale" in theirs
     assert not any(".ln1.w" in name for name in HookedDecoder.from_pretrained(directory).state_dict())
+
+
+def test_olmo2_hooks_match_transformer_lens(tmp_path):
+    """OLMo 2: sublayers read the residual itself and each write is RMS-normalised (ln1_post / ln2_post, the
+    bridge's names; ln1 and ln2 are identities, unlisted), q and k normalised over all heads together. The bridge
+    gives hook_q_normed / hook_k_normed flattened over the heads ([batch pos (head d_head)]); probe keeps
+    [batch pos head d_head], as hook_q has it: the same values."""
+    from probe.tokenizer import Tokenizer
+    from test_family_defaults import GPT_FILES
+    from test_tokenizer_surface import tokenizer_dir
+    from test_variants import build
+
+    directory = tokenizer_dir(tmp_path / "checkpoint", *GPT_FILES)
+    build("olmo2", directory, vocab_size=len(Tokenizer.from_directory(directory)), num_key_value_heads=2)
+    missing, theirs = compare_with_transformer_lens(directory, 20, seed=9, flattened=("hook_q_normed", "hook_k_normed"))
+    assert missing == set() and {"blocks.1.ln2_post.hook_scale", "blocks.0.attn.q_norm.hook_scale"} <= theirs
+    assert not any(".ln1.hook_scale" in name for name in theirs)
