@@ -73,9 +73,12 @@ SHORT_NAMES.update({
     "phi-3": "microsoft/Phi-3-mini-4k-instruct", "phi-4": "microsoft/phi-4",
     **{alias: "EleutherAI/gpt-j-6B" for alias in ("gpt-j-6B", "gpt-j", "gptj")},
     # Neel Nanda's toy models, in transformer-lens's own format (probe.checkpoint_tl); TL's names for them
-    **{f"attn-only-{n}l": f"NeelNanda/Attn_Only_{n}L512W_C4_Code" for n in range(1, 5)},
-    **{f"gelu-{n}l": f"NeelNanda/GELU_{n}L512W_C4_Code" for n in range(1, 5)},
-    "attn-only-2l-demo": "NeelNanda/Attn-Only-2L512W-Shortformer-6B-big-lr",
+    **{f"{kind}-{n}l{alias}": f"NeelNanda/{repo}_{n}L512W_C4_Code" for kind, repo in (("attn-only", "Attn_Only"),
+                                                                                    ("gelu", "GELU"))
+       for n in range(1, 5) for alias in ("", "-new", "-c4-code")},
+    **{alias: "NeelNanda/Attn-Only-2L512W-Shortformer-6B-big-lr"
+       for alias in ("attn-only-2l-demo", "attn-only-2l-shortformer-6b-big-lr", "attn-only-2l-induction-demo",
+                     "attn-only-demo")},
     "redwood_attn_2l": "ArthurConmy/redwood_attn_2l",  # Redwood's attention-only model, the same format (ACDC's)
     # SoLU-LN MLPs (act_fn="solu_ln"): the C4 + code runs by width, two Wikipedia fine-tunes, and the older Pile runs
     # (repositories named _old, whose tensors TL converts on loading: probe.checkpoint_tl.convert_solu_old)
