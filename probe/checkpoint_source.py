@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -188,7 +189,28 @@ def rope_from_hf(hf: dict) -> tuple[dict, Optional[RotaryScaling]]:
         return rope, RotaryScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
                                    float(rope["high_freq_factor"]),
                                    int(rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]))
-    raise CheckpointError(f"rope scaling {kind!r} is not supported; supported: default (none), linear, llama3")
+    if kind == "yarn":
+        return rope, _yarn_from_hf(rope, hf)
+    raise CheckpointError(f"rope scaling {kind!r} is not supported; supported: default (none), linear, llama3, yarn")
+
+
+def _yarn_from_hf(rope: dict, hf: dict) -> RotaryScaling:
+    """transformers' reading of a YaRN rope dict: a missing factor is max_position_embeddings over the pretraining
+    context (DeepSeek's), a missing attention_factor 0.1 ln(factor) + 1 (or the mscale / mscale_all_dim ratio)."""
+    original = int(rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                   or hf["max_position_embeddings"])
+    factor = float(rope.get("factor") or hf["max_position_embeddings"] / original)
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        weights = (rope.get("mscale"), rope.get("mscale_all_dim"))
+        attention = mscale(weights[0]) / mscale(weights[1]) if all(weights) else mscale(1.0)
+    return RotaryScaling("yarn", factor, original_n_ctx=original, beta_fast=float(rope.get("beta_fast") or 32),
+                         beta_slow=float(rope.get("beta_slow") or 1), attention_factor=float(attention),
+                         truncate=bool(rope.get("truncate", True)))
 
 
 def rope_to_hf(cfg: DecoderConfig, **extra) -> dict:
@@ -200,6 +222,10 @@ def rope_to_hf(cfg: DecoderConfig, **extra) -> dict:
         if scaling.kind == "llama3":
             params.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
                           original_max_position_embeddings=scaling.original_n_ctx)
+        if scaling.kind == "yarn":
+            params.update(original_max_position_embeddings=scaling.original_n_ctx, beta_fast=scaling.beta_fast,
+                          beta_slow=scaling.beta_slow, attention_factor=scaling.attention_factor,
+                          truncate=scaling.truncate)
     out = {"rope_theta": cfg.rotary_base, "rope_parameters": params}
     if scaling is not None:
         out["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", *extra)}

@@ -64,23 +64,33 @@ class RotaryScaling:
     "linear": every frequency divided by `factor` (positions interpolated). "llama3" (Llama 3.1,
     3.2): frequencies whose wavelength exceeds original_n_ctx / low_freq_factor divided by `factor`,
     those shorter than original_n_ctx / high_freq_factor kept, and the ones between blended linearly
-    in original_n_ctx / wavelength.
+    in original_n_ctx / wavelength. "yarn" (Peng et al. 2023): dimensions that turn fewer than
+    beta_slow times in original_n_ctx positions divided by `factor`, those turning more than beta_fast
+    times kept, a linear ramp in dimension between (its ends rounded outwards with `truncate`), and q
+    and k's rotated dimensions multiplied by attention_factor.
     """
 
-    kind: Literal["linear", "llama3"]
+    kind: Literal["linear", "llama3", "yarn"]
     factor: float
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_n_ctx: Optional[int] = None  # llama3 only: the context length of pretraining
+    original_n_ctx: Optional[int] = None  # llama3 and yarn: the context length of pretraining
+    beta_fast: float = 32.0  # yarn only
+    beta_slow: float = 1.0  # yarn only
+    attention_factor: float = 1.0  # yarn only: what the rotated dimensions are multiplied by
+    truncate: bool = True  # yarn only
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3"):
-            raise ValueError(f"rotary scaling kind={self.kind!r} is not supported; choose one of: 'linear', 'llama3'")
+        if self.kind not in ("linear", "llama3", "yarn"):
+            raise ValueError(f"rotary scaling kind={self.kind!r} is not supported; choose one of: 'linear', 'llama3', "
+                             "'yarn'")
         if not (isinstance(self.factor, (int, float)) and self.factor > 0):
             raise ValueError(f"rotary scaling factor must be a positive number, got {self.factor!r}")
-        if self.kind == "llama3":
+        if self.kind in ("llama3", "yarn"):
             if not (isinstance(self.original_n_ctx, int) and self.original_n_ctx > 0):
-                raise ValueError(f"llama3 rotary scaling needs original_n_ctx, a positive int, got {self.original_n_ctx!r}")
+                raise ValueError(f"{self.kind} rotary scaling needs original_n_ctx, a positive int, got "
+                                 f"{self.original_n_ctx!r}")
+        if self.kind == "llama3":
             if not 0 < self.low_freq_factor < self.high_freq_factor:
                 raise ValueError(f"llama3 rotary scaling needs 0 < low_freq_factor < high_freq_factor, got "
                                  f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")

@@ -107,6 +107,8 @@ class Rotary(nn.Module):
     def __init__(self, dim: int, base: float, scaling: Optional[RotaryScaling] = None):
         super().__init__()
         self.dim, self.base, self.scaling = dim, base, scaling
+        # YaRN multiplies the rotated dimensions (cos and sin) by its attention factor; 1 otherwise
+        self.amplitude = scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0
         self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
         self.build_buffers()
 
@@ -114,7 +116,7 @@ class Rotary(nn.Module):
         """(Re)compute the frequencies; buffers are derived, never stored in checkpoints."""
         exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device="cpu") / self.dim
         device = self.inv_freq.device if not self.inv_freq.is_meta else "cpu"
-        self.inv_freq = _rescaled(1.0 / (self.base**exponents), self.scaling).to(device)
+        self.inv_freq = _rescaled(1.0 / (self.base**exponents), self.scaling, self.base).to(device)
 
     def _apply(self, fn, recurse=True):
         # model.to(bfloat16) would round the frequencies to 8 bits, turning the angle at position 1000
@@ -141,7 +143,7 @@ class Rotary(nn.Module):
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)[None]
         angles = self.angles(positions)[:, :, None, :]  # [batch pos 1 dim]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = (angles.cos() * self.amplitude).to(x.dtype), (angles.sin() * self.amplitude).to(x.dtype)
         rotating, passing = x[..., : self.dim], x[..., self.dim :]
         rotated = rotating * cos + self.quarter_turn(rotating) * sin
         # the whole head rotates in most models: no second copy to append an empty remainder
@@ -170,17 +172,38 @@ def make_rotary(cfg: DecoderConfig, layer: int) -> Optional[Rotary]:
     return (AdjacentRotary if cfg.rotary_adjacent_pairs else Rotary)(cfg.rotary_dim, *cfg.layer_rotary(layer))
 
 
-def _rescaled(inv_freq: torch.Tensor, scaling: Optional[RotaryScaling]) -> torch.Tensor:
+def _rescaled(inv_freq: torch.Tensor, scaling: Optional[RotaryScaling], base: float) -> torch.Tensor:
     """Frequencies [dim/2] after a long-context checkpoint's rescaling (see RotaryScaling)."""
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn(inv_freq, scaling, base)
     # llama3: slow rotations (long wavelengths, which pretraining never saw complete) are slowed by
     # `factor`; fast ones kept; between, a linear blend in (pretraining context / wavelength)
     cycles = scaling.original_n_ctx * inv_freq / (2 * math.pi)  # turns within the pretraining context
     blend = ((cycles - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
     return (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+
+
+def _yarn(inv_freq: torch.Tensor, scaling: RotaryScaling, base: float) -> torch.Tensor:
+    """YaRN's frequencies [dim/2]: a dimension pair i that turns fewer than beta_slow times within the pretraining
+    context is interpolated (divided by factor), one turning more than beta_fast times kept, and between them a
+    linear ramp in i (transformers' _compute_yarn_parameters)."""
+    half = inv_freq.shape[0]
+    dim = 2 * half
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns `turns` times in original_n_ctx
+        return dim * math.log(scaling.original_n_ctx / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    pairs = torch.arange(half, dtype=torch.float32, device=inv_freq.device)
+    kept = 1 - ((pairs - low) / ((high + 0.001 if low == high else high) - low)).clamp(0, 1)  # 1: keeps its frequency
+    return inv_freq / scaling.factor * (1 - kept) + inv_freq * kept
 
 
 def make_pos_embed(cfg: DecoderConfig) -> nn.Module | None:

@@ -34,7 +34,7 @@ class TLAttentionBuffers:
 
     @property
     def rotary_sin(self) -> torch.Tensor:  # [pos rotary_dim], laid out as the model pairs dimensions (as TL's)
-        return self._angles().sin().to(self.qkv.weight.dtype)
+        return (self._angles().sin() * self.rotary.amplitude).to(self.qkv.weight.dtype)
 
     @rotary_sin.setter
     def rotary_sin(self, value: torch.Tensor) -> None:
@@ -42,7 +42,7 @@ class TLAttentionBuffers:
 
     @property
     def rotary_cos(self) -> torch.Tensor:
-        return self._angles().cos().to(self.qkv.weight.dtype)
+        return (self._angles().cos() * self.rotary.amplitude).to(self.qkv.weight.dtype)
 
     @rotary_cos.setter
     def rotary_cos(self, value: torch.Tensor) -> None:

@@ -55,7 +55,9 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "init_weights",
          "use_attn_in", "use_hook_mlp_in", "ungroup_grouped_query_attention", "attn_only", "tokenizer_name",
          "attention_dir", "use_hook_tokens", "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor",
-         "rotary_base_local", "rotary_adjacent_pairs"}
+         "rotary_base_local", "rotary_adjacent_pairs", "use_yarn_rope", "yarn_factor", "yarn_attention_factor",
+         "yarn_beta_fast", "yarn_beta_slow", "yarn_original_max_position_embeddings", "yarn_truncate",
+         "yarn_global_attn_only"}
 
 
 def _config_fields() -> set[str]:
@@ -229,7 +231,12 @@ def _sliding_rotary_base(s: dict, positions: Positions, window: Optional[int]) -
     if positions is not Positions.ROTARY or window is None:
         return None
     base = s.get("rotary_base_local")
-    if base is None and s.get("rotary_scaling_factor", 1.0) != 1.0:
+    yarn_local = s.get("use_yarn_rope", False) and not s.get("yarn_global_attn_only", False)
+    if base is not None and yarn_local:
+        raise ValueError("HookedTransformerConfig(use_yarn_rope=True) rescaling local layers that rotate by their own "
+                         "rotary_base_local is not supported: probe's local layers with their own base rotate unscaled "
+                         "(yarn_global_attn_only=True)")
+    if base is None and (s.get("rotary_scaling_factor", 1.0) != 1.0 or (s.get("use_yarn_rope", False) and not yarn_local)):
         base = s.get("rotary_base", 10000)
     return None if base is None else float(base)
 
@@ -247,6 +254,14 @@ def _rotary_scaling(s: dict) -> Optional[RotaryScaling]:
             raise ValueError(f"HookedTransformerConfig(rotary_scaling_factor={linear!r}) is not supported here: "
                              f"{WHY['rotary_scaling_factor']}")
         return RotaryScaling(kind="linear", factor=linear)
+    if s.get("use_yarn_rope", False):
+        if s.get("use_NTK_by_parts_rope", False):
+            raise ValueError("HookedTransformerConfig(use_yarn_rope=True) with use_NTK_by_parts_rope is not supported: "
+                             "one rotary rescaling per model")
+        return RotaryScaling(kind="yarn", factor=s.get("yarn_factor", 1.0), beta_fast=s.get("yarn_beta_fast", 32.0),
+                             beta_slow=s.get("yarn_beta_slow", 1.0), attention_factor=s.get("yarn_attention_factor", 1.0),
+                             original_n_ctx=s.get("yarn_original_max_position_embeddings", 4096),
+                             truncate=bool(s.get("yarn_truncate", True)))
     if not s.get("use_NTK_by_parts_rope", False):
         return None
     return RotaryScaling(kind="llama3", factor=s.get("NTK_by_parts_factor", 8.0),

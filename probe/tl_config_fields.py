@@ -127,6 +127,44 @@ class HookedTransformerConfigFields:
         linear = self.rotary_scaling is not None and self.rotary_scaling.kind == "linear"
         return float(self.rotary_scaling.factor) if linear else 1.0
 
+    # TL's YaRN fields: probe's "yarn" rotary scaling (TL's defaults without one)
+    @property
+    def use_yarn_rope(self) -> bool:
+        return self._yarn is not None
+
+    @property
+    def yarn_factor(self) -> float:
+        return 1.0 if self._yarn is None else float(self._yarn.factor)
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        return 1.0 if self._yarn is None else float(self._yarn.attention_factor)
+
+    @property
+    def yarn_beta_fast(self) -> float:
+        return 32.0 if self._yarn is None else float(self._yarn.beta_fast)
+
+    @property
+    def yarn_beta_slow(self) -> float:
+        return 1.0 if self._yarn is None else float(self._yarn.beta_slow)
+
+    @property
+    def yarn_original_max_position_embeddings(self) -> int:
+        return 4096 if self._yarn is None else self._yarn.original_n_ctx
+
+    @property
+    def yarn_truncate(self) -> bool:
+        return True if self._yarn is None else self._yarn.truncate
+
+    @property
+    def yarn_global_attn_only(self) -> bool:  # the windowed layers rotate unscaled (see sliding_rotary_base)
+        return self._yarn is not None and self.sliding_rotary_base is not None
+
+    @property
+    def _yarn(self) -> Optional[RotaryScaling]:
+        scaling = self.rotary_scaling
+        return scaling if scaling is not None and scaling.kind == "yarn" else None
+
     @property
     def _llama3(self) -> Optional[RotaryScaling]:
         scaling = self.rotary_scaling
@@ -176,9 +214,7 @@ class HookedTransformerConfigFields:
 ABSENT_FEATURES = {
     "post_embedding_ln": False, "num_experts": None, "experts_per_token": None,
     "norm_topk_prob": False, "clip_qkv": None, "use_logn_attn": False, "train_seq_length": None,
-    "use_dynamic_ntk_rope": False, "use_yarn_rope": False, "yarn_factor": 1.0,
-    "yarn_attention_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
-    "yarn_original_max_position_embeddings": 4096, "yarn_truncate": True, "yarn_global_attn_only": False,
+    "use_dynamic_ntk_rope": False,
     "use_attention_sinks": False, "trust_remote_code": False, "load_in_4bit": False, "quantization_method": None,
     "relative_attention_max_distance": None, "relative_attention_num_buckets": None, "decoder_start_token_id": None,
 }

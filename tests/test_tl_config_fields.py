@@ -50,6 +50,15 @@ CASES = {
     "rotary-adjacent-pairs": dict(config=dict(
         SMALL, act_fn="gelu_new", positional_embedding_type="rotary", rotary_adjacent_pairs=True, rotary_dim=4,
         rotary_base=100)),
+    # YaRN: frequencies ramped between interpolated and kept, q and k scaled by its attention factor; on every layer,
+    # and with yarn_global_attn_only the local layer rotating unscaled
+    "rotary-yarn": dict(config=dict(
+        SMALL, act_fn="silu", positional_embedding_type="rotary", rotary_base=100, use_yarn_rope=True, yarn_factor=4.0,
+        yarn_attention_factor=1.2, yarn_beta_fast=8.0, yarn_beta_slow=1.0, yarn_original_max_position_embeddings=4)),
+    "rotary-yarn-global-only": dict(config=dict(
+        SMALL, act_fn="silu", positional_embedding_type="rotary", rotary_base=100, use_yarn_rope=True, yarn_factor=4.0,
+        yarn_attention_factor=1.2, yarn_original_max_position_embeddings=4, yarn_truncate=False,
+        yarn_global_attn_only=True, use_local_attn=True, window_size=4, attn_types=["local", "global"])),
     # a tokenizer that puts BOS first by itself (as Llama's tokenizer.json does): TL and probe both load it
     "attn-only-shortformer-bos-tokenizer": dict(config=dict(
         SMALL, d_vocab=4096, attn_only=True, positional_embedding_type="shortformer", tokenizer_name="BOS_TOKENIZER"),
@@ -194,7 +203,8 @@ def test_gelu_fast_is_tls_and_reads_back(hooked_transformers):
 @needs_saelens
 @pytest.mark.parametrize("case", ["rms-rotary-gqa-gated-ntk", "rotary-linear-scaling-pytorch-tanh",
                                   "attn-only-shortformer-bos-tokenizer", "rotary-local-base-global-scaling",
-                                  "rotary-local-layers-unscaled", "rotary-adjacent-pairs"])
+                                  "rotary-local-layers-unscaled", "rotary-adjacent-pairs", "rotary-yarn",
+                                  "rotary-yarn-global-only"])
 def test_other_tl_settings_give_tls_logits(case, hooked_transformers):
     """NTK-by-parts rope, linear rope scaling (rotary_scaling_factor), gelu_pytorch_tanh, a shortformer model with a
     tokenizer, local layers' own rotary base: TL's logits on TL's weights."""
@@ -319,7 +329,7 @@ def test_checkpoint_fields_follow_checkpoint_value(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("settings, match", [
     (dict(rotary_scaling_factor=4.0, use_NTK_by_parts_rope=True), r"rotary_scaling_factor=4.0.*use_NTK_by_parts_rope"),
-    (dict(use_yarn_rope=True), r"use_yarn_rope=True\) is not supported"),
+    (dict(use_dynamic_ntk_rope=True), r"use_dynamic_ntk_rope=True\) is not supported"),
     (dict(num_experts=4, experts_per_token=2), r"num_experts=4\) is not supported"),
     (dict(use_attention_sinks=True), r"use_attention_sinks=True\) is not supported"),
     (dict(original_architecture="Olmo2ForCausalLM"), r"original_architecture='Olmo2ForCausalLM'\) is not supported"),

@@ -74,10 +74,14 @@ ROTARY_LOCAL = dict(n_layers=2, d_model=16, d_head=4, n_ctx=8, d_vocab=10, act_f
 
 # GPT-J's adjacent pairs, and Gemma 3's local layers: their own base, and no rescaling there
 ADJACENT_LOCAL_BASE = dict(ROTARY_LOCAL, rotary_adjacent_pairs=True, rotary_base_local=50, rotary_scaling_factor=2.0)
+# YaRN's tables: its frequencies, times its attention factor
+YARN = dict(ROTARY_LOCAL, use_yarn_rope=True, yarn_factor=4.0, yarn_attention_factor=1.3,
+            yarn_original_max_position_embeddings=4)
 
 
 @needs_saelens
-@pytest.mark.parametrize("config", [ROTARY_LOCAL, ADJACENT_LOCAL_BASE], ids=["half-split", "adjacent-local-base"])
+@pytest.mark.parametrize("config", [ROTARY_LOCAL, ADJACENT_LOCAL_BASE, YARN], ids=["half-split", "adjacent-local-base",
+                                                                                   "yarn"])
 def test_attention_buffers_read_as_transformer_lens_3_9s_and_shared_as_circuit_tracer_shares_them(config, tmp_path):
     printed = oracle("attention_buffers", json.dumps(config), tmp_path / "theirs.safetensors")
     theirs = load_file(str(tmp_path / "theirs.safetensors"))

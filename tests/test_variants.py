@@ -463,9 +463,10 @@ def test_rotary_scaling_changes_the_model_and_is_refused_where_unknown(tmp_path)
     from probe.loading import CheckpointError
 
     config = json.loads((tmp_path / "scaled" / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
     (tmp_path / "scaled" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="rope scaling 'yarn' is not supported; supported: default .*linear, llama3"):
+    with pytest.raises(CheckpointError, match="rope scaling 'longrope' is not supported; supported: default .*linear, llama3, "
+                                              "yarn"):
         HookedDecoder.from_pretrained(tmp_path / "scaled")
     with pytest.raises(ValueError, match="rotary_scaling applies only to positions=rotary"):
         DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, rotary_scaling={"kind": "linear", "factor": 2.0})
@@ -699,3 +700,29 @@ def test_an_unembedding_is_checked_like_every_tensor(tmp_path):
     save_file(state, str(tmp_path / "tied" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="differs from the embedding, but the config ties them"):
         HookedDecoder.from_pretrained(tmp_path / "tied")
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0, "original_max_position_embeddings": 12, "beta_fast": 16,
+     "beta_slow": 2, "truncate": False},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+     "mscale_all_dim": 1.0},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+     "attention_factor": 1.3},
+], ids=["default", "betas-untruncated", "mscale-ratio", "attention-factor"])
+def test_yarn_rope_scaling_matches_transformers_and_survives_saving(rope, tmp_path):
+    """YaRN (Qwen2.5's and DeepSeek's long-context rope): transformers' frequencies (a ramp between interpolated and
+    kept dimensions), its attention factor on q and k (given, or from factor and mscale), past the pretraining
+    context; written back so that transformers reads the same model."""
+    import transformers as tf
+
+    hf = build("llama", tmp_path / "original", rope_parameters=rope, max_position_embeddings=64)
+    ours = HookedDecoder.from_pretrained(tmp_path / "original").eval()
+    assert ours.cfg.rotary_scaling.kind == "yarn"
+    tokens = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(21))
+    again = tf.LlamaForCausalLM.from_pretrained(ours.save_pretrained(tmp_path / "saved"), attn_implementation="eager")
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(again.eval()(tokens).logits, expected, atol=1e-5, rtol=0)
