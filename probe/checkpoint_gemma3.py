@@ -18,12 +18,12 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import gemma_config, gemma_to_probe
-from probe.checkpoint_source import GPT_ACTIVATION_NAMES, Source, require_fields, rope_from_hf, rope_to_hf
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, LAYER_KINDS, Source, layer_kinds, require_fields,
+                                     rope_by_layer_kind, rope_to_hf)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError, ConfigFields
 from probe.tokenizer import Tokenizer
 
-LAYER_KINDS = ("sliding_attention", "full_attention")
 # transformers' Gemma3TextConfig defaults, for the fields a config.json leaves out: the multimodal checkpoints'
 # text_config names only a few (gemma-3-4b's: hidden_size, intermediate_size, num_hidden_layers, rope_scaling,
 # sliding_window), and the rest is these (tests/test_checkpoint_gemma3.py compares them with transformers')
@@ -33,41 +33,13 @@ TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size":
                  "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False}
 
 
-def _layer_types(hf: dict) -> list[str]:
-    n_layers = hf["num_hidden_layers"]
-    pattern = hf.get("sliding_window_pattern", 6)  # older files: every pattern-th layer is a full-attention one
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
-    unknown = sorted(set(types) - set(LAYER_KINDS))
-    if unknown or len(types) != n_layers:
-        raise CheckpointError(f"layer_types must give each of the num_hidden_layers={n_layers} layers one of "
-                              f"{', '.join(LAYER_KINDS)}; got {len(types)} entries{f', naming {unknown}' if unknown else ''}")
-    return types
-
-
-def _rope(hf: dict) -> tuple[dict, dict]:
-    """(the full-attention layers' rope settings, the sliding layers'), from transformers 5's per-layer-kind
-    rope_parameters or the older rope_theta / rope_local_base_freq / rope_scaling (which applies to full layers)."""
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full, sliding = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
-    else:
-        full = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **(hf.get("rope_scaling") or {})}
-        sliding = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
-    full.setdefault("rope_theta", 1_000_000.0)
-    sliding.setdefault("rope_theta", 10_000.0)
-    return full, sliding
-
-
 def gemma3_config(hf: dict) -> DecoderConfig:
     hf = ConfigFields({**TEXT_DEFAULTS, **hf}, getattr(hf, "path", Path("config.json")), getattr(hf, "prefix", ""))
     if hf.get("use_bidirectional_attention"):
         raise CheckpointError("use_bidirectional_attention=true (an embedding model's attention) is not supported")
-    types = _layer_types(hf)
-    sliding = tuple(t == "sliding_attention" for t in types)
-    full_rope, sliding_rope = _rope(hf)
-    _, scaling = rope_from_hf({"rope_parameters": full_rope, "max_position_embeddings": hf["max_position_embeddings"]})
-    if rope_from_hf({"rope_parameters": sliding_rope})[1] is not None:
-        raise CheckpointError("a rescaled rope on the sliding layers is not supported (Gemma 3 rescales full layers only)")
+    # older files: every sliding_window_pattern-th layer a full one, rope_local_base_freq the sliding layers' base
+    sliding = tuple(t == "sliding_attention" for t in layer_kinds(hf, hf.get("sliding_window_pattern", 6)))
+    full_rope, sliding_rope, scaling = rope_by_layer_kind(hf, 1_000_000.0, hf.get("rope_local_base_freq", 10_000.0))
     window = hf["sliding_window"] if any(sliding) else None
     return dataclasses.replace(
         gemma_config(hf, "hidden_activation"), norm_placement=NormPlacement.SANDWICH, qk_norm=True,

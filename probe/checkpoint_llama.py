@@ -6,8 +6,9 @@ from typing import Optional
 
 import torch
 
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, require_fields,
-                                     rope_from_hf, rope_to_hf, take_unembed)
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, LAYER_KINDS, Source, activation_of,
+                                     layer_kinds, require_fields, rope_by_layer_kind, rope_from_hf, rope_to_hf,
+                                     take_unembed)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -57,6 +58,17 @@ def olmo2_config(hf: dict) -> DecoderConfig:
                                qk_norm_over_heads=True, out_bias=hf.get("attention_bias", False))
 
 
+def olmo3_config(hf: dict) -> DecoderConfig:
+    # OLMo 3: OLMo 2's block, with three sliding layers in four (their window, their own rope, unscaled) and the
+    # full layers' rope rescaled (YaRN)
+    sliding = tuple(kind == "sliding_attention" for kind in layer_kinds(hf, 4))
+    full, slid, scaling = rope_by_layer_kind(hf, 500_000.0, 500_000.0)
+    window = hf.get("sliding_window", 4096) if any(sliding) else None
+    return dataclasses.replace(olmo2_config(hf), rotary_base=float(full["rope_theta"]), rotary_scaling=scaling,
+                               sliding_window=window, sliding_layers=None if window is None else sliding,
+                               sliding_rotary_base=None if window is None else float(slid["rope_theta"]))
+
+
 def mistral_config(hf: dict) -> DecoderConfig:
     # Mistral: Llama's layers without any bias, and (v0.1) a sliding window; later versions say null (a key left out
     # is transformers' default, 4096)
@@ -74,6 +86,10 @@ _LLAMA_LIKE = {
                                                  mlp_bias=False)),
     "olmo2": ("Olmo2ForCausalLM", lambda cfg: dict(norm_placement=NormPlacement.SANDWICH, input_norms=False, qk_norm=True,
                                                    qk_norm_over_heads=True, out_bias=cfg.qkv_bias, mlp_bias=False)),
+    "olmo3": ("Olmo3ForCausalLM", lambda cfg: dict(norm_placement=NormPlacement.SANDWICH, input_norms=False, qk_norm=True,
+                                                   qk_norm_over_heads=True, out_bias=cfg.qkv_bias, mlp_bias=False,
+                                                   sliding_window=cfg.sliding_window, sliding_layers=cfg.sliding_layers,
+                                                   sliding_rotary_base=cfg.sliding_rotary_base)),
 }
 
 
@@ -97,8 +113,15 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
                                        **fixed(cfg)})
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
-    if model_type in ("llama", "qwen3", "olmo", "olmo2"):
+    if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3"):
         out["attention_bias"] = cfg.qkv_bias
+    if model_type == "olmo3":  # each layer's kind, and each kind's rope (the sliding layers' unscaled)
+        windows = [cfg.layer_window(l) is not None for l in range(cfg.n_layers)]
+        out.pop("rope_theta"), out.pop("rope_scaling", None)
+        out.update(layer_types=[LAYER_KINDS[0] if w else LAYER_KINDS[1] for w in windows],
+                   sliding_window=cfg.sliding_window or 4096, rope_parameters={
+                       "full_attention": out["rope_parameters"], "sliding_attention": {
+                           "rope_type": "default", "rope_theta": cfg.sliding_rotary_base or cfg.rotary_base}})
     if model_type == "olmo":
         out["clip_qkv"] = None
     if model_type == "mistral":

@@ -213,6 +213,39 @@ def _yarn_from_hf(rope: dict, hf: dict) -> RotaryScaling:
                          truncate=bool(rope.get("truncate", True)))
 
 
+# ---- models whose layers are of two kinds: sliding (windowed) and full attention, each with its own rope -------------
+LAYER_KINDS = ("sliding_attention", "full_attention")
+
+
+def layer_kinds(hf: dict, pattern: int) -> list[str]:
+    """Each layer's kind: config.json's layer_types, else every `pattern`-th layer a full one (older files)."""
+    n_layers = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                      for i in range(n_layers)]
+    unknown = sorted(set(kinds) - set(LAYER_KINDS))
+    if unknown or len(kinds) != n_layers:
+        raise CheckpointError(f"layer_types must give each of the num_hidden_layers={n_layers} layers one of "
+                              f"{', '.join(LAYER_KINDS)}; got {len(kinds)} entries{f', naming {unknown}' if unknown else ''}")
+    return kinds
+
+
+def rope_by_layer_kind(hf: dict, full_theta: float, sliding_theta: float) -> tuple[dict, dict, Optional[RotaryScaling]]:
+    """(the full layers' rope settings, the sliding layers', the full layers' rescaling), from transformers 5's
+    per-kind rope_parameters, or an older file's rope_theta and rope_scaling, which are the full layers' (the
+    sliding ones then rotate by `sliding_theta`). The sliding layers rotate unscaled (sliding_rotary_base)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, sliding = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full, sliding = {"rope_theta": hf.get("rope_theta", full_theta), **(hf.get("rope_scaling") or {})}, {}
+    full.setdefault("rope_theta", full_theta)
+    sliding.setdefault("rope_theta", sliding_theta)
+    _, scaling = rope_from_hf({"rope_parameters": full, "max_position_embeddings": hf["max_position_embeddings"]})
+    if rope_from_hf({"rope_parameters": sliding, "max_position_embeddings": hf["max_position_embeddings"]})[1] is not None:
+        raise CheckpointError("a rescaled rope on the sliding layers is not supported (only full layers are rescaled)")
+    return full, sliding, scaling
+
+
 def rope_to_hf(cfg: DecoderConfig, **extra) -> dict:
     """rope_parameters (transformers 5) and, for older versions, rope_theta and rope_scaling beside it."""
     params: dict = {"rope_type": "default", "rope_theta": cfg.rotary_base, **extra}

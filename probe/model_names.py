@@ -111,6 +111,9 @@ SHORT_NAMES.update({
     "meta-llama-2-70b-chat-hf": "meta-llama/Llama-2-70b-chat-hf",
     "mistral-nemo-base-2407": "mistralai/Mistral-Nemo-Base-2407", "qwen-32b-preview": "Qwen/QwQ-32B-Preview",
     "mGPT": "ai-forever/mGPT",
+    **{f"olmo-{name.lower()}": f"allenai/Olmo-{name}" for name in ("3-1025-7B", "3-1125-32B", "3-32B-Think",
+                                                                     "3-7B-Instruct", "3-7B-Think", "3.1-32B-Instruct",
+                                                                     "3.1-32B-Think")},
     **{f"medgemma-{name}": f"google/medgemma-{name}" for name in ("4b-it", "4b-pt", "27b-it", "27b-text-it")},
     **{f"gpt2-{spelling}-{letter}": f"stanford-crfm/{run}" for size, letter, run in _STANFORD_RUNS
        for spelling in ((f"stanford-{size}",) + (("mistral-small",) if size == "small" else ("medium-small",)))},

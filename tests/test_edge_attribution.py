@@ -34,7 +34,8 @@ def prompts(vocab: int, n_pos: int = 9, seed: int = 3):
     return clean, corrupted
 
 
-SANDWICH = ("gemma2", "gemma3", "olmo2")  # the families whose sublayer writes are normalised before the residual
+SANDWICH = ("gemma2", "gemma3", "olmo2", "olmo3")  # the families whose sublayer writes are normalised before the residual
+OLMO = ("olmo2", "olmo3")  # sandwich blocks without input norms
 
 
 class HFEdges:
@@ -75,13 +76,13 @@ class HFEdges:
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
             return layer.ln_1, projections, a.out_proj, layer.ln_2, layer.mlp
-        if self.kind in ("llama", "gemma2", "gemma3", "olmo2"):
+        if self.kind in ("llama", "gemma2", "gemma3", "olmo2", "olmo3"):
             a = layer.self_attn
             projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
             # Gemma 2's sandwich: the MLP reads pre_feedforward_layernorm; post_attention_layernorm normalises the write
-            if self.kind == "olmo2":  # no input norms: the sublayers read the residual itself
+            if self.kind in OLMO:  # no input norms: the sublayers read the residual itself
                 return None, projections, a.o_proj, None, layer.mlp
             ln2 = layer.pre_feedforward_layernorm if self.kind in SANDWICH else layer.post_attention_layernorm
             return layer.input_layernorm, projections, a.o_proj, ln2, layer.mlp
@@ -173,8 +174,8 @@ class HFEdges:
             if self.kind in SANDWICH:  # each head's share of the normalised write: (1 + w) / that run's RMS
                 post = layer.post_attention_layernorm
                 raw = writes[("attn", l)].detach().float()
-                gain = post.weight.detach().float() + (0.0 if self.kind == "olmo2" else 1.0)  # Gemma stores w - 1
-                eps = post.variance_epsilon if self.kind == "olmo2" else post.eps
+                gain = post.weight.detach().float() + (0.0 if self.kind in OLMO else 1.0)  # Gemma stores w - 1
+                eps = post.variance_epsilon if self.kind in OLMO else post.eps
                 heads = heads * gain * torch.rsqrt(raw.pow(2).mean(-1) + eps)[:, :, None, None]
             parts += [heads, writes[("mlp", l)].detach()[:, :, None]]
             readers += [grads[(l, s)] for s in range(self.H + 2 * self.KV)] + [grads[(l, "mlp")]]
@@ -190,7 +191,7 @@ def oracle_scores(graph, delta, grads):
 
 FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", {}), "gemma2-sandwich": ("gemma2", {}),
             "gptneo-unscaled-local": ("gptneo", {}), "gemma3-qk-norms-local-base": ("gemma3", {}),
-            "olmo2-write-norms": ("olmo2", {"num_key_value_heads": 2})}
+            "olmo2-write-norms": ("olmo2", {"num_key_value_heads": 2}), "olmo3-sliding-yarn": ("olmo3", {})}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -98,18 +98,20 @@ def test_olmo_hooks_match_transformer_lens(tmp_path):
     assert not any(".ln1.w" in name for name in HookedDecoder.from_pretrained(directory).state_dict())
 
 
-def test_olmo2_hooks_match_transformer_lens(tmp_path):
+@pytest.mark.parametrize("kind", ["olmo2", "olmo3"])
+def test_olmo2_hooks_match_transformer_lens(kind, tmp_path):
     """OLMo 2: sublayers read the residual itself and each write is RMS-normalised (ln1_post / ln2_post, the
     bridge's names; ln1 and ln2 are identities, unlisted), q and k normalised over all heads together. The bridge
     gives hook_q_normed / hook_k_normed flattened over the heads ([batch pos (head d_head)]); probe keeps
-    [batch pos head d_head], as hook_q has it: the same values."""
+    [batch pos head d_head], as hook_q has it: the same values. OLMo 3 adds sliding layers with their own rope and
+    YaRN on the full ones."""
     from probe.tokenizer import Tokenizer
     from test_family_defaults import GPT_FILES
     from test_tokenizer_surface import tokenizer_dir
     from test_variants import build
 
     directory = tokenizer_dir(tmp_path / "checkpoint", *GPT_FILES)
-    build("olmo2", directory, vocab_size=len(Tokenizer.from_directory(directory)), num_key_value_heads=2)
+    build(kind, directory, vocab_size=len(Tokenizer.from_directory(directory)), num_key_value_heads=2)
     missing, theirs = compare_with_transformer_lens(directory, 20, seed=9, flattened=("hook_q_normed", "hook_k_normed"))
     assert missing == set() and {"blocks.1.ln2_post.hook_scale", "blocks.0.attn.q_norm.hook_scale"} <= theirs
     assert not any(".ln1.hook_scale" in name for name in theirs)

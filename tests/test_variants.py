@@ -1,4 +1,5 @@
-"""Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, OLMo, OLMo 2, Gemma, Gemma 2, Gemma 3, GPT-1, GPT-NeoX,
+"""Decoder variants and the checkpoint families (Llama, Qwen2/3, Mistral, OLMo, OLMo 2, OLMo 3, Gemma, Gemma 2, Gemma 3, GPT-1,
+GPT-NeoX,
 GPT-Neo, GPT-J, OPT, Phi, Phi-3), each
 against `transformers`."""
 from __future__ import annotations
@@ -71,6 +72,13 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         max_position_embeddings=40, pad_token_id=1, eos_token_id=2)
         model = tf.Olmo2ForCausalLM(tf.Olmo2Config(**{**settings, **overrides}))
+    elif kind == "olmo3":  # OLMo 2's block, three sliding layers in four with their own rope, YaRN on the full ones
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=1, eos_token_id=2, sliding_window=6,
+                        rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                                                            "original_max_position_embeddings": 16},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 300.0}})
+        model = tf.Olmo3ForCausalLM(tf.Olmo3Config(**{**settings, **overrides}))
     elif kind == "qwen3":  # Llama's layout with each head's q and k RMS-normalised before rotary
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40, tie_word_embeddings=True)
@@ -147,6 +155,8 @@ CASES = {
     "gptj-whole-head-tied-relu": ("gptj", {"rotary_dim": 16, "tie_word_embeddings": True, "activation_function": "relu"}),
     "olmo2-write-norms-qk-over-heads": ("olmo2", {}),
     "olmo2-gqa-biases-tied": ("olmo2", {"num_key_value_heads": 2, "attention_bias": True, "tie_word_embeddings": True}),
+    "olmo3-sliding-layers-yarn": ("olmo3", {}),
+    "olmo3-plain-rope-tied": ("olmo3", {"rope_parameters": None, "tie_word_embeddings": True}),
     "phi3-fused-projections": ("phi3", {}),
     # phi-4-mini's partial rotary, Phi-3-mini's window (here shorter than the sequences), grouped-query heads
     "phi3-gqa-partial-rotary-window": ("phi3", {"num_key_value_heads": 2, "sliding_window": 6, "tie_word_embeddings": True,
@@ -236,7 +246,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
-                 "olmo", "gptj", "olmo2"):
+                 "olmo", "gptj", "olmo2", "olmo3"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -292,7 +302,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
-                                              "qwen3, mistral, olmo, olmo2, gemma, gemma2, gemma3_text, gemma3, gpt_neox, "
+                                              "qwen3, mistral, olmo, olmo2, olmo3, gemma, gemma2, gemma3_text, gemma3, gpt_neox, "
                                               "gpt_neo, opt, phi, gptj, phi3"):
         HookedDecoder.from_pretrained(tmp_path)
 
