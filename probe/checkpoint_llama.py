@@ -142,10 +142,9 @@ def _llama_norms(cfg: DecoderConfig) -> dict[str, str]:
                  "ln2_post": "post_feedforward_layernorm"}
     else:
         norms = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
-    if not cfg.input_norms:  # OLMo 2: a sandwich block's write norms alone, under Llama's name for the first
-        return {"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"}
-    # norms without weights (OLMo's) have nothing stored; a sandwich block's write norms keep theirs
-    return norms if cfg.norm_weights else {k: v for k, v in norms.items() if k.endswith("_post")}
+    # norms without weights (OLMo's) or none before the sublayers (OLMo 2's) have nothing stored; a sandwich block's
+    # write norms keep theirs
+    return norms if cfg.norm_weights and cfg.input_norms else {k: v for k, v in norms.items() if k.endswith("_post")}
 
 
 def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
@@ -159,7 +158,7 @@ def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
             out[f"{o}.{ours}.w"] = source.take(f"{t}.{theirs}.weight", (d,))
         if cfg.qk_norm:
             for which in "qk":
-                width = cfg.d_head * (s[which][0] // cfg.d_head if cfg.qk_norm_over_heads else 1)  # OLMo 2's: every head's
+                width = s[which][0] if cfg.qk_norm_over_heads else cfg.d_head  # OLMo 2's spans every head
                 out[f"{o}.attn.{which}_norm.w"] = source.take(f"{t}.self_attn.{which}_norm.weight", (width,))
         out[f"{o}.attn.qkv.weight"] = torch.cat([source.take(f"{t}.self_attn.{p}_proj.weight", s[p]) for p in "qkv"])
         if cfg.qkv_bias:

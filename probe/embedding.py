@@ -143,7 +143,10 @@ class Rotary(nn.Module):
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)[None]
         angles = self.angles(positions)[:, :, None, :]  # [batch pos 1 dim]
-        cos, sin = (angles.cos() * self.amplitude).to(x.dtype), (angles.sin() * self.amplitude).to(x.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.amplitude != 1.0:  # YaRN's alone: no two more elementwise passes for every other model
+            cos, sin = cos * self.amplitude, sin * self.amplitude
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         rotating, passing = x[..., : self.dim], x[..., self.dim :]
         rotated = rotating * cos + self.quarter_turn(rotating) * sin
         # the whole head rotates in most models: no second copy to append an empty remainder

@@ -190,6 +190,10 @@ class OverHeads:
         return super().forward(x.flatten(-2)).unflatten(-1, x.shape[-2:])
 
 
+# one class per norm kind, made once (a class per call would give each layer's norm a type of its own)
+OVER_HEADS = {norm: type(f"{kind.__name__}OverHeads", (OverHeads, kind), {}) for norm, kind in NORMS.items()}
+
+
 def make_qk_norm(cfg: DecoderConfig, heads: int) -> nn.Module:
     """The q (or k) norm of an attention with `heads` heads: none, each head's over d_head (Qwen3, Gemma 3), or all
     heads' together (qk_norm_over_heads: OLMo 2)."""
@@ -197,5 +201,4 @@ def make_qk_norm(cfg: DecoderConfig, heads: int) -> nn.Module:
         return nn.Identity()
     if not cfg.qk_norm_over_heads:
         return make_norm(cfg, cfg.d_head)
-    kind = NORMS[cfg.norm]
-    return type(f"{kind.__name__}OverHeads", (OverHeads, kind), {})(heads * cfg.d_head, cfg.eps)
+    return OVER_HEADS[cfg.norm](heads * cfg.d_head, cfg.eps)

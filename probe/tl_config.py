@@ -231,12 +231,13 @@ def _sliding_rotary_base(s: dict, positions: Positions, window: Optional[int]) -
     if positions is not Positions.ROTARY or window is None:
         return None
     base = s.get("rotary_base_local")
-    yarn_local = s.get("use_yarn_rope", False) and not s.get("yarn_global_attn_only", False)
-    if base is not None and yarn_local:
+    yarn, global_only = s.get("use_yarn_rope", False), s.get("yarn_global_attn_only", False)
+    local_unscaled = s.get("rotary_scaling_factor", 1.0) != 1.0 or (yarn and global_only)
+    if base is not None and yarn and not global_only:
         raise ValueError("HookedTransformerConfig(use_yarn_rope=True) rescaling local layers that rotate by their own "
                          "rotary_base_local is not supported: probe's local layers with their own base rotate unscaled "
                          "(yarn_global_attn_only=True)")
-    if base is None and (s.get("rotary_scaling_factor", 1.0) != 1.0 or (s.get("use_yarn_rope", False) and not yarn_local)):
+    if base is None and local_unscaled:  # the global base, unscaled: what TL's local layers take
         base = s.get("rotary_base", 10000)
     return None if base is None else float(base)
 

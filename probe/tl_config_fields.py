@@ -127,34 +127,9 @@ class HookedTransformerConfigFields:
         linear = self.rotary_scaling is not None and self.rotary_scaling.kind == "linear"
         return float(self.rotary_scaling.factor) if linear else 1.0
 
-    # TL's YaRN fields: probe's "yarn" rotary scaling (TL's defaults without one)
     @property
     def use_yarn_rope(self) -> bool:
         return self._yarn is not None
-
-    @property
-    def yarn_factor(self) -> float:
-        return 1.0 if self._yarn is None else float(self._yarn.factor)
-
-    @property
-    def yarn_attention_factor(self) -> float:
-        return 1.0 if self._yarn is None else float(self._yarn.attention_factor)
-
-    @property
-    def yarn_beta_fast(self) -> float:
-        return 32.0 if self._yarn is None else float(self._yarn.beta_fast)
-
-    @property
-    def yarn_beta_slow(self) -> float:
-        return 1.0 if self._yarn is None else float(self._yarn.beta_slow)
-
-    @property
-    def yarn_original_max_position_embeddings(self) -> int:
-        return 4096 if self._yarn is None else self._yarn.original_n_ctx
-
-    @property
-    def yarn_truncate(self) -> bool:
-        return True if self._yarn is None else self._yarn.truncate
 
     @property
     def yarn_global_attn_only(self) -> bool:  # the windowed layers rotate unscaled (see sliding_rotary_base)
@@ -218,5 +193,13 @@ ABSENT_FEATURES = {
     "use_attention_sinks": False, "trust_remote_code": False, "load_in_4bit": False, "quantization_method": None,
     "relative_attention_max_distance": None, "relative_attention_num_buckets": None, "decoder_start_token_id": None,
 }
+# TL's YaRN settings: the "yarn" rotary scaling's fields, or TL's defaults for a model without one
+YARN_FIELDS = {"yarn_factor": ("factor", 1.0), "yarn_attention_factor": ("attention_factor", 1.0),
+               "yarn_beta_fast": ("beta_fast", 32.0), "yarn_beta_slow": ("beta_slow", 1.0),
+               "yarn_original_max_position_embeddings": ("original_n_ctx", 4096), "yarn_truncate": ("truncate", True)}
+for _name, (_field, _default) in YARN_FIELDS.items():
+    setattr(HookedTransformerConfigFields, _name,
+            property(lambda self, field=_field, default=_default: default if self._yarn is None
+                     else getattr(self._yarn, field)))
 for _name, _value in ABSENT_FEATURES.items():
     setattr(HookedTransformerConfigFields, _name, property(lambda self, value=_value: value))

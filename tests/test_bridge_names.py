@@ -14,9 +14,7 @@ import torch
 import probe
 from probe import HookedDecoder
 from probe.hooks import HookPoint, UnknownNameError
-from probe.tokenizer import Tokenizer
-from test_family_defaults import LLAMA_FILES
-from test_tokenizer_surface import tokenizer_dir
+from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 from oracle_process import oracle
 from tl_oracle import assert_same, booted
@@ -31,8 +29,7 @@ def family_dirs(tmp_path_factory):
     for family in FAMILIES[1:]:
         directory = tmp_path_factory.mktemp(family)
         if family in ("llama", "olmo2"):  # the bridge needs a tokenizer it can load for these
-            directory = tokenizer_dir(directory / "checkpoint", *LLAMA_FILES)
-            build(family, directory, vocab_size=len(Tokenizer.from_directory(directory)))
+            directory = tokenized_checkpoint(family, directory / "checkpoint")
         else:
             build(family, directory)
         dirs[family] = directory

@@ -9,9 +9,7 @@ import torch
 
 from probe import HookedDecoder
 from probe.loading import CheckpointError
-from probe.tokenizer import Tokenizer
-from test_family_defaults import LLAMA_FILES
-from test_tokenizer_surface import tokenizer_dir
+from test_family_defaults import tokenized_checkpoint
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import _DROP, _edit_config, build
 
@@ -20,8 +18,7 @@ SCALED = {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor"
 
 
 def test_every_hook_matches_transformer_lens(tmp_path):
-    directory = tokenizer_dir(tmp_path / "checkpoint", *LLAMA_FILES)  # the bridge loads a Gemma 3's tokenizer
-    build("gemma3", directory, vocab_size=len(Tokenizer.from_directory(directory)), **SCALED)
+    directory = tokenized_checkpoint("gemma3", tmp_path / "checkpoint", **SCALED)  # the bridge loads its tokenizer
     missing, theirs = compare_with_transformer_lens(directory, 20, seed=5)
     assert missing == set() and {"blocks.1.attn.hook_k_normed", "blocks.2.ln2_post.hook_scale"} <= theirs
 

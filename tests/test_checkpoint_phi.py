@@ -70,12 +70,9 @@ def test_processing_keeps_transformers_log_probabilities(tmp_path):
 
 # ---- Phi-3 ------------------------------------------------------------------------------------------------
 def test_phi3_hooks_match_transformer_lens(tmp_path):
-    from probe.tokenizer import Tokenizer
-    from test_family_defaults import LLAMA_FILES
-    from test_tokenizer_surface import tokenizer_dir
+    from test_family_defaults import tokenized_checkpoint
 
-    directory = tokenizer_dir(tmp_path / "checkpoint", *LLAMA_FILES)  # the bridge loads a Phi-3's tokenizer
-    build("phi3", directory, vocab_size=len(Tokenizer.from_directory(directory)))
+    directory = tokenized_checkpoint("phi3", tmp_path / "checkpoint")  # the bridge loads a Phi-3's tokenizer
     missing, theirs = compare_with_transformer_lens(directory, 20, seed=6)
     # as for GPT-NeoX, the bridge has no hook after the rotation; everything else of ours it has
     assert missing == {f"blocks.{l}.attn.hook_rot_{p}" for l in range(2) for p in "qk"}

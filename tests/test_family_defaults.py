@@ -29,11 +29,17 @@ FAMILIES = {"llama": LLAMA_FILES, "mistral": LLAMA_FILES, "gemma": LLAMA_FILES, 
             "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
 
 
+def tokenized_checkpoint(kind: str, directory, files=LLAMA_FILES, **overrides):
+    """A random `kind` checkpoint in `directory` with a tokenizer of these files (TL 4's bridge loads one for some
+    families), its vocabulary the tokenizer's."""
+    directory = tokenizer_dir(directory, *files)
+    build(kind, directory, vocab_size=len(Tokenizer.from_directory(directory)), **overrides)
+    return directory
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_text_defaults_are_transformer_lens_per_family(family, tmp_path):
-    specials, config, processor = FAMILIES[family]
-    directory = tokenizer_dir(tmp_path / family, specials, config, processor)
-    build(family.removesuffix("-pad"), directory, vocab_size=len(Tokenizer.from_directory(directory)))
+    directory = tokenized_checkpoint(family.removesuffix("-pad"), tmp_path / family, FAMILIES[family])
     ours, theirs = HookedDecoder.from_pretrained(directory).eval(), booted(directory, no_processing=True)
     assert ours.cfg.default_prepend_bos == theirs.cfg.default_prepend_bos == (family not in ("neox", "qwen2", "qwen3", "phi"))
     assert ours.tokenizer.pad_token_id == theirs.tokenizer.pad_token_id

@@ -86,13 +86,9 @@ def test_qwen3_hooks_match_transformer_lens(tmp_path):
 
 def test_olmo_hooks_match_transformer_lens(tmp_path):
     """OLMo's LayerNorms learn nothing: probe's LNPre norms (no w, b in the state dict) give TL's values at every hook."""
-    from probe.tokenizer import Tokenizer
-    from test_family_defaults import GPT_FILES
-    from test_tokenizer_surface import tokenizer_dir
-    from test_variants import build
+    from test_family_defaults import GPT_FILES, tokenized_checkpoint
 
-    directory = tokenizer_dir(tmp_path / "checkpoint", *GPT_FILES)
-    build("olmo", directory, vocab_size=len(Tokenizer.from_directory(directory)))
+    directory = tokenized_checkpoint("olmo", tmp_path / "checkpoint", GPT_FILES)
     missing, theirs = compare_with_transformer_lens(directory, 20, seed=8)
     assert missing == set() and "blocks.1.ln2.hook_scale" in theirs
     assert not any(".ln1.w" in name for name in HookedDecoder.from_pretrained(directory).state_dict())
@@ -105,13 +101,9 @@ def test_olmo2_hooks_match_transformer_lens(kind, tmp_path):
     gives hook_q_normed / hook_k_normed flattened over the heads ([batch pos (head d_head)]); probe keeps
     [batch pos head d_head], as hook_q has it: the same values. OLMo 3 adds sliding layers with their own rope and
     YaRN on the full ones."""
-    from probe.tokenizer import Tokenizer
-    from test_family_defaults import GPT_FILES
-    from test_tokenizer_surface import tokenizer_dir
-    from test_variants import build
+    from test_family_defaults import GPT_FILES, tokenized_checkpoint
 
-    directory = tokenizer_dir(tmp_path / "checkpoint", *GPT_FILES)
-    build(kind, directory, vocab_size=len(Tokenizer.from_directory(directory)), num_key_value_heads=2)
+    directory = tokenized_checkpoint(kind, tmp_path / "checkpoint", GPT_FILES, num_key_value_heads=2)
     missing, theirs = compare_with_transformer_lens(directory, 20, seed=9, flattened=("hook_q_normed", "hook_k_normed"))
     assert missing == set() and {"blocks.1.ln2_post.hook_scale", "blocks.0.attn.q_norm.hook_scale"} <= theirs
     assert not any(".ln1.hook_scale" in name for name in theirs)

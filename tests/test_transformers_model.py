@@ -9,10 +9,8 @@ import torch
 
 import probe
 from probe import HookedDecoder, HookedTransformerConfig
-from probe.tokenizer import Tokenizer
 from test_bridge_names import native_bridge
-from test_family_defaults import LLAMA_FILES
-from test_tokenizer_surface import tokenizer_dir
+from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 from tl_oracle import assert_same
 
@@ -30,8 +28,7 @@ def checkpoints(tmp_path_factory):
             continue
         directory = tmp_path_factory.mktemp(name)
         if name in ("llama", "qwen2"):  # the bridge needs a tokenizer it can load for these
-            directory = tokenizer_dir(directory / "checkpoint", *LLAMA_FILES)
-            build(spec[0], directory, vocab_size=len(Tokenizer.from_directory(directory)), **spec[1])
+            directory = tokenized_checkpoint(spec[0], directory / "checkpoint", **spec[1])
         else:
             build(spec[0], directory, **spec[1])
         dirs[name] = directory
