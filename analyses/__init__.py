@@ -23,3 +23,4 @@ from probe.analyses.path_patching import PathPatching, path_patch
 from probe.analyses.sae_eval import SAEEval, sae_eval
 from probe.analyses.attribution_graph import AttributionGraph, attribution_graph
 from probe.analyses.graph_interventions import FeatureEdit, Intervention, intervene
+from probe.analyses.expert_routing import ExpertRouting, expert_routing

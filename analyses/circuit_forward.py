@@ -36,8 +36,9 @@ from probe.names import act_name
 
 
 def sparse_supported(graph: CircuitGraph) -> bool:
-    """Whether `sparse_final` can run this graph's model (not sandwich blocks, whose head outputs share a scale)."""
-    return not graph.sandwich
+    """Whether `sparse_final` can run this graph's model: not sandwich blocks, whose head outputs share a scale, nor
+    ALiBi's biased scores, which its attention does not add."""
+    return not (graph.sandwich or graph.score_bias)
 
 
 def qkv_hook_names(graph: CircuitGraph) -> list[str]:

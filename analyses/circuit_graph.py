@@ -90,6 +90,7 @@ class CircuitGraph(TableDisplay):
     sandwich: bool = False
     mlps: bool = True  # False in attention-only models: no MLP writers or readers
     qk_positions: bool = False  # shortformer: the positions join each q and k input after ln1
+    score_bias: bool = False  # ALiBi: the positions add to each head's scores
 
     @property
     def grouped(self) -> bool:
@@ -297,5 +298,5 @@ def _graph_of(cfg) -> CircuitGraph:
         writer_stage=torch.tensor(w_stage), reader_stage=torch.tensor(r_stage), reader_nodes=reader_nodes,
         n_layers=L, heads=heads, kv_heads=kv_heads, parallel=parallel,
         sandwich=cfg.norm_placement is NormPlacement.SANDWICH, mlps=mlps,
-        qk_positions=cfg.positions is Positions.SHORTFORMER,
+        qk_positions=cfg.positions is Positions.SHORTFORMER, score_bias=cfg.positions is Positions.ALIBI,
     )

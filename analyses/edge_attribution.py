@@ -6,7 +6,8 @@ reader's input), summed over positions, one value per prompt, and averaged over 
 
 Methods (all but "exact" are one vectorised product per reader stage, no loop over edges):
 - "eap": the gradient of the corrupted run; 2 forwards and 1 backward.
-- "eap-ig-inputs": the gradient averaged over `ig_steps` runs whose input embedding moves from the
+- "eap-ig-inputs": the gradient averaged over `ig_steps` runs whose input embedding (the residual entering
+  block 0: after Bloom's embedding norm, as Hanna et al.'s library moves blocks.0.hook_resid_pre) moves from the
   corrupted one toward the clean one, at alpha = 0, 1/m, ..., (m-1)/m (the left Riemann sum, so
   ig_steps=1 is EAP exactly).
 - "eap-ig-activations": the same, but every residual the readers read is moved along the straight

@@ -32,9 +32,13 @@ def layer_list(model: HookedDecoder, layers: Layers, what: str = "FFN memories")
 
 
 def require_ffn(model: HookedDecoder, what: str) -> None:
-    require_mlps(model, what, "no FFN neurons (mlp.hook_post) or value vectors (W_out) to read",
-                 "read its heads instead (direct_logit_attribution, attention_patterns, ov_circuit), or an SAE's "
-                 "features (top_triggers(..., sae=), feature_logits)")
+    instead = ("read its heads instead (direct_logit_attribution, attention_patterns, ov_circuit), or an SAE's "
+               "features (top_triggers(..., sae=), feature_logits)")
+    require_mlps(model, what, "no FFN neurons (mlp.hook_post) or value vectors (W_out) to read", instead)
+    if model.cfg.experts is not None:
+        raise ValueError(f"{what}: this model's MLPs are mixtures of experts, whose neurons (mlp.experts.{{e}}."
+                         f"hook_post) fire only on the tokens routed to their expert, with no one W_out per layer; "
+                         f"{instead}")
 
 
 def neuron_tensor(model: HookedDecoder, neurons: Optional[Sequence[int]]) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from probe.hooks import HookPoint, observed
 from probe.config import DecoderConfig
-from probe.embedding import make_rotary
+from probe.embedding import make_alibi, make_rotary
 from probe.factored import FactoredMatrix
 from probe.kv_cache import LayerKV
 from probe.norm import make_qk_norm
@@ -72,6 +72,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.hook_q_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos head d_head]
         self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
         self.rotary = make_rotary(cfg, layer)
+        self.alibi = make_alibi(cfg, self.n_heads)  # ALiBi's distance penalty on the scores; None otherwise
         if self.rotary is not None:
             self.hook_rot_q = HookPoint()  # [batch pos head d_head]: q after the rotation
             self.hook_rot_k = HookPoint()  # [batch pos kv_head d_head]
@@ -108,12 +109,17 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         if self.rotary is not None:
             q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))
+        key_positions = positions
         if past is not None:
-            k, v = past.append(k, v)
+            k, v, key_positions = past.append(k, v, positions)
         k, v = per_head(k, self.n_heads), per_head(v, self.n_heads)
+        bias = None if self.alibi is None else self.alibi(positions, key_positions, q.shape[1], k.shape[1]).to(q.dtype)
         if not self.fusable or observed(self.hook_attn_scores) or observed(self.hook_pattern):
-            z = self._attend_explicitly(q, k, v, allowed)
+            z = self._attend_explicitly(q, k, v, allowed, bias)
         else:  # nothing observes the pattern: let the fused kernel avoid materialising it
+            if bias is not None:  # the kernel adds a float mask to the scores: the bias, -inf where hidden
+                visible = self._allowed_or_causal(allowed, q)
+                allowed = bias if visible is None else bias.masked_fill(~visible, float("-inf"))
             z = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 attn_mask=allowed, is_causal=allowed is None and self.causal, scale=self.scale,
@@ -151,15 +157,22 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
             + (0.0 if b is None else per_head(b, inp.shape[2], dim=0))
             for inp, w, b in zip(x, (self.W_Q, self.W_K, self.W_V), biases))
 
-    def _attend_explicitly(self, q, k, v, allowed):
+    def _attend_explicitly(self, q, k, v, allowed, bias):
         scores = einsum(q, k, "batch query_pos head d_head, batch key_pos head d_head -> batch head query_pos key_pos")
         scores = self.score_cap(scores * self.scale)
-        if allowed is None and self.causal:
-            n = q.shape[1]
-            allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        if bias is not None:
+            scores = scores + bias
+        allowed = self._allowed_or_causal(allowed, q)
         scores = self.hook_attn_scores(scores if allowed is None else scores.masked_fill(~allowed, self.masked_score))
         pattern = self.hook_pattern(scores.softmax(dim=-1))
         return einsum(pattern, v, "batch head query_pos key_pos, batch key_pos head d_head -> batch query_pos head d_head")
+
+    def _allowed_or_causal(self, allowed: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
+        """`allowed` spelled out: None means earlier keys in a causal model (no cache then: keys are the queries)."""
+        if allowed is None and self.causal:
+            n = q.shape[1]
+            return torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        return allowed
 
     # Per-head views of the weights, in the shapes interpretability code expects.
     def _split_qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

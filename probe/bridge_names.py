@@ -24,6 +24,10 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
     """({bridge name: probe point}, {bridge name probe has no point for: what to hook instead}) for a model of `cfg`."""
     aliases: dict[str, str] = {"embed.hook_out": "hook_embed", "hook_unembed": "unembed.hook_out"}
     left_out = {}
+    if cfg.embed_norm:  # Bloom: the bridge's embed.hook_out is the table's row, its embed_ln probe's embed.ln
+        aliases["embed.hook_out"] = "embed.ln.hook_in"
+        aliases.update({f"embed_ln.{point}": f"embed.ln.{point}"
+                        for point in ("hook_in", "hook_scale", "hook_normalized", "hook_out")})
     if cfg.positions in (Positions.LEARNED, Positions.SINUSOIDAL, Positions.SHORTFORMER):
         aliases["pos_embed.hook_out"] = "hook_pos_embed"
     else:
@@ -42,10 +46,14 @@ def _block_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, 
     # bridge's attn.hook_in and mlp.hook_in there are left out, since an edit at hook_resid_pre reaches the residual too
     attn_in = None if post else f"{b}.ln1.hook_out"
     attn_out = f"{b}.ln1_post.hook_in" if sandwich else f"{b}.hook_attn_out"
+    # Bloom's attention and MLP modules add the residual themselves, so the bridge's outputs of those modules (not of
+    # their output projections) are the residual after each sublayer
+    residual_added = cfg.original_architecture == "BloomForCausalLM"
+    attn_module_out = f"{b}.hook_resid_mid" if residual_added else attn_out
     # a point's names in the order the bridge's cache lists them
     aliases = {f"{b}.hook_in": f"{b}.hook_resid_pre", f"{b}.hook_out": f"{b}.hook_resid_post",
-               f"{b}.attn.o.hook_out": attn_out, f"{b}.attn.hook_hidden_states": attn_out,
-               f"{b}.attn.hook_out": attn_out, f"{b}.attn.o.hook_in": f"{b}.attn.hook_z",
+               f"{b}.attn.o.hook_out": attn_out, f"{b}.attn.hook_hidden_states": attn_module_out,
+               f"{b}.attn.hook_out": attn_module_out, f"{b}.attn.o.hook_in": f"{b}.attn.hook_z",
                # the bridge also spells the per-head inputs inside attention, as its own patching code hooks them
                f"{b}.attn.hook_attn_in": f"{b}.hook_attn_in"}
     left_out = {}
@@ -74,7 +82,20 @@ def _block_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, 
         return aliases, left_out
     mlp_in = f"{b}.hook_mlp_in" if post else f"{b}.ln2.hook_out"
     mlp_out = f"{b}.ln2_post.hook_in" if sandwich else f"{b}.hook_mlp_out"
-    aliases.update({f"{b}.mlp.out.hook_out": mlp_out, f"{b}.mlp.hook_out": mlp_out,
+    mlp_module_out = f"{b}.hook_resid_post" if residual_added else mlp_out
+    if cfg.experts is not None:  # the bridge's MoE block: its input and output (also as hook_pre / hook_post)
+        aliases.update({f"{b}.mlp.hook_out": mlp_module_out, f"{b}.mlp.hook_in": mlp_in, f"{b}.mlp.hook_pre": mlp_in,
+                        f"{b}.mlp.hook_post": mlp_out,
+                        f"{b}.mlp.gate.hook_expert_indices": f"{b}.mlp.hook_expert_indices"})
+        routing = (f"probe hooks the routing as transformer-lens 3.9 does: {b}.mlp.hook_expert_weights, the softmax "
+                   f"over every expert ([batch*pos experts]; an edit there changes which experts run), and "
+                   f"{b}.mlp.hook_expert_indices; the router reads {mlp_in} with the experts")
+        left_out.update({f"{b}.mlp.gate.hook_expert_weights": routing.replace(
+            "probe hooks", "the bridge's are the chosen experts' renormalised weights (zeros elsewhere); probe hooks"),
+            f"{b}.mlp.gate.hook_in": routing, f"{b}.mlp.gate.hook_out": routing})
+        return aliases, left_out
+    # (in the order the bridge's cache lists them)
+    aliases.update({f"{b}.mlp.out.hook_out": mlp_out, f"{b}.mlp.hook_out": mlp_module_out,
                     f"{b}.mlp.out.hook_in": f"{b}.mlp.hook_post"})
     mlp_reads = [f"{b}.mlp.hook_in"] + ([] if cfg.gated_mlp else [f"{b}.mlp.in.hook_in"])
     if post:

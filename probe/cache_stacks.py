@@ -92,9 +92,12 @@ class StackMethods:
                              f"probe.analyses.residual_decomposition splits the heads through ln1_post's cached scale, and "
                              f"cache.stack_activation('result') stacks the pre-norm head writes")
 
-    def _refuse_attn_only(self, method: str) -> None:
-        if self._config.attn_only:
-            raise ValueError(f"{method}: this attention-only model has no MLPs, so no neurons")
+    def _refuse_without_neurons(self, method: str) -> None:
+        if self._config.attn_only or self._config.experts is not None:
+            raise ValueError(f"{method}: this " + ("attention-only model has no MLPs" if self._config.attn_only else
+                             "model's MLPs are mixtures of experts (each expert's neurons see only its tokens)")
+                             + ", so no neurons (get_full_resid_decomposition keeps each MLP's output whole with "
+                               "expand_neurons=False)")
 
     def _residual_embeds(self) -> list[str]:
         """The cached embedding writes that the residual stream holds: a shortformer model's positions join only
@@ -264,7 +267,7 @@ class StackMethods:
         """Each neuron's write in `layer` (its activation times its row of W_out, no b_out) [... neuron d_model], for
         the neurons of `neuron_slice`; `project_output_onto` [d_model] or [d_model out] projects each write."""
         self._require_sum_of_writes("get_neuron_results", per_component=True)
-        self._refuse_attn_only("get_neuron_results")
+        self._refuse_without_neurons("get_neuron_results")
         W_out = self._live_model("get_neuron_results").blocks[layer].mlp.W_out
         return self._neuron_results(layer, W_out, rs.to_index(neuron_slice, "neuron_slice"), rs.to_index(pos_slice),
                                     project_output_onto)
@@ -283,7 +286,7 @@ class StackMethods:
         divides by that norm's cached scale; `project_output_onto` projects each write without building
         [... neuron d_model]."""
         self._require_sum_of_writes("stack_neuron_results", per_component=True)
-        self._refuse_attn_only("stack_neuron_results")
+        self._refuse_without_neurons("stack_neuron_results")
         if mlp_input and incl_remainder:
             self._refuse_parallel("stack_neuron_results", "mlp_input=True with incl_remainder=True")
         layer = self._mlp_layer(layer, mlp_input, "stack_neuron_results")
@@ -357,7 +360,7 @@ class StackMethods:
             parts.append(finish(rs.take(self._acts[name], pos, -2)[None]))
             labels.append(name.removeprefix("hook_"))
         blocks = model.blocks
-        b_out = [None if attn_only else b.mlp.b_out for b in blocks]
+        b_out = [None if attn_only or not hasattr(b.mlp, "b_out") else b.mlp.b_out for b in blocks]  # experts: none
         bias = rs.accumulated_bias([b.attn.b_O for b in blocks], b_out, layer,
                                    self._config.d_model, mlp_input, include_mlp_biases=expand_neurons)
         bias = bias.to(heads.device, heads.dtype).expand(1, *heads.shape[1:-1], bias.shape[-1])

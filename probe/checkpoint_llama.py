@@ -90,6 +90,13 @@ _LLAMA_LIKE = {
                                                    qk_norm_over_heads=True, out_bias=cfg.qkv_bias, mlp_bias=False,
                                                    sliding_window=cfg.sliding_window, sliding_layers=cfg.sliding_layers,
                                                    sliding_rotary_base=cfg.sliding_rotary_base)),
+    # mixtures of experts (probe.checkpoint_moe checks and writes the experts)
+    "mixtral": ("MixtralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False,
+                                                       sliding_window=cfg.sliding_window, experts=cfg.experts)),
+    "olmoe": ("OlmoeForCausalLM", lambda cfg: dict(qk_norm=True, qk_norm_over_heads=True, out_bias=cfg.qkv_bias,
+                                                   mlp_bias=False, experts=cfg.experts)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, qk_norm=True,
+                                                          experts=cfg.experts)),
 }
 
 
@@ -113,7 +120,7 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
                                        **fixed(cfg)})
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
-    if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3"):
+    if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe"):
         out["attention_bias"] = cfg.qkv_bias
     if model_type == "olmo3":  # each layer's kind, and each kind's rope (the sliding layers' unscaled)
         windows = [cfg.layer_window(l) is not None for l in range(cfg.n_layers)]
@@ -166,7 +173,7 @@ def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
         out[f"{o}.attn.out.weight"] = source.take(f"{t}.self_attn.o_proj.weight", s["o"])
         if cfg.out_bias:
             out[f"{o}.attn.out.bias"] = source.take(f"{t}.self_attn.o_proj.bias", (d,))
-        for ours, theirs in (("gate", "gate"), ("fc_in", "up"), ("fc_out", "down")):
+        for ours, theirs in (("gate", "gate"), ("fc_in", "up"), ("fc_out", "down")) if cfg.experts is None else ():
             out[f"{o}.mlp.{ours}.weight"] = source.take(f"{t}.mlp.{theirs}_proj.weight", s[theirs])
             if cfg.mlp_bias:
                 out[f"{o}.mlp.{ours}.bias"] = source.take(f"{t}.mlp.{theirs}_proj.bias", s[theirs][:1])
@@ -194,7 +201,8 @@ def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
         out[f"{t}.self_attn.o_proj.weight"] = params[f"{o}.attn.out.weight"]
         if cfg.out_bias:
             out[f"{t}.self_attn.o_proj.bias"] = params[f"{o}.attn.out.bias"]
-        for ours, theirs in (("gate", "gate"), ("fc_in", "up"), ("fc_out", "down")):
+        # a mixture of experts' tensors are probe.checkpoint_moe's
+        for ours, theirs in (("gate", "gate"), ("fc_in", "up"), ("fc_out", "down")) if cfg.experts is None else ():
             out[f"{t}.mlp.{theirs}_proj.weight"] = params[f"{o}.mlp.{ours}.weight"]
             if cfg.mlp_bias:
                 out[f"{t}.mlp.{theirs}_proj.bias"] = params[f"{o}.mlp.{ours}.bias"]

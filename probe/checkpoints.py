@@ -1,7 +1,8 @@
 """Hugging Face checkpoint families: how each one's config and tensor names map onto DecoderConfig.
 
 One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
-checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
+checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom),
+checkpoint_moe.py (Mixtral, OLMoE, Qwen3-MoE), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
 Qwen2/3, Mistral, OLMo, OLMo 2 and 3, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3); checkpoint_source.py holds what they share
 and loading.py does the file handling for all.
 """
@@ -12,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf, bloom_to_probe
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
 from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_multimodal_config,
@@ -22,6 +24,8 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_conf
                                     llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, mistral_config,
                                     olmo2_config, olmo3_config, olmo_config,
                                     qwen2_config, qwen3_config)
+from probe.checkpoint_moe import (mixtral_config, moe_config_to_hf, moe_to_hf, moe_to_probe, olmoe_config,
+                                  qwen3_moe_config)
 from probe.checkpoint_opt import opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe
 from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, phi3_to_probe, phi_config, phi_config_to_hf,
                                   phi_to_hf, phi_to_probe)
@@ -87,6 +91,14 @@ FAMILIES = {
                prepends_bos=False),
         Family("gptj", "GPTJForCausalLM", ("transformer.",), gptj_config, gptj_config_to_hf, gptj_to_probe, gptj_to_hf),
         Family("phi3", "Phi3ForCausalLM", ("model.",), phi3_config, phi3_config_to_hf, phi3_to_probe, phi3_to_hf),
+        Family("mixtral", "MixtralForCausalLM", ("model.",), mixtral_config, moe_config_to_hf("mixtral"),
+               moe_to_probe("mixtral"), moe_to_hf("mixtral")),
+        Family("olmoe", "OlmoeForCausalLM", ("model.",), olmoe_config, moe_config_to_hf("olmoe"), moe_to_probe("olmoe"),
+               moe_to_hf("olmoe")),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", ("model.",), qwen3_moe_config, moe_config_to_hf("qwen3_moe"),
+               moe_to_probe("qwen3_moe"), moe_to_hf("qwen3_moe"), prepends_bos=False),
+        Family("bloom", "BloomForCausalLM", ("transformer.",), bloom_config, bloom_config_to_hf, bloom_to_probe,
+               bloom_to_hf, prepends_bos=False),
     )
 }
 

@@ -10,11 +10,12 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from probe.config_choices import ACTIVATION_SPELLINGS, Activation, Norm, NormPlacement, Positions, RotaryScaling
+from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, Experts, Norm, NormPlacement, Positions,
+                                  RotaryScaling)
 from probe.tl_config_fields import HookedTransformerConfigFields
 
 # the choices live in probe.config_choices and are imported from here as before
-__all__ = ["Activation", "DecoderConfig", "Norm", "NormPlacement", "Positions", "RotaryScaling"]
+__all__ = ["Activation", "DecoderConfig", "Experts", "Norm", "NormPlacement", "Positions", "RotaryScaling"]
 
 
 def _enum(cls, value, field):
@@ -42,6 +43,7 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     eps: float = 1e-5  # norm epsilon
     activation: Activation = Activation.GELU_TANH  # SOLU_LN: SoLU, then a LayerNorm over d_mlp inside the MLP (mlp.ln)
     gated_mlp: bool = False  # act(gate(x)) * up(x) -> down: SwiGLU with SILU (not with SOLU_LN)
+    experts: Optional[Experts] = None  # a mixture of gated MLPs in place of each MLP (Mixtral); a dict is converted
     norm: Norm = Norm.LAYER
     norm_placement: NormPlacement = NormPlacement.PRE
     attn_only: bool = False  # blocks without an MLP: y = x + attn(ln1(x)) (toy models; pre-norm only)
@@ -52,6 +54,7 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     norm_weights: bool = True
     final_norm: bool = True
     positions: Positions = Positions.LEARNED
+    embed_norm: bool = False  # a LayerNorm of its own on the token embeddings, before block 0 (Bloom; TL's embed.ln)
     rotary_base: float = 10000.0
     rotary_dim: Optional[int] = None  # None: d_head; fewer: only each head's first rotary_dim dimensions rotate (Pythia: d_head / 4)
     rotary_scaling: Optional[RotaryScaling] = None  # long-context frequency rescaling (Llama 3.1+); a dict is converted
@@ -181,6 +184,11 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         if self.gated_mlp and self.activation.normed:
             raise ValueError(f"activation={self.activation.value!r} normalises a plain MLP's activations before W_out; "
                              "a gated MLP with it is not built: set gated_mlp=False, or activation='solu' (no norm)")
+        if isinstance(self.experts, dict):
+            object.__setattr__(self, "experts", Experts(**self.experts))
+        if self.experts is not None and not (isinstance(self.experts, Experts) and self.gated_mlp and not self.attn_only):
+            raise ValueError(f"experts={self.experts!r}: a mixture of experts is an Experts (or its fields as a dict) "
+                             "of gated MLPs in place of the MLP: set gated_mlp=True (and attn_only=False)")
         object.__setattr__(self, "norm", _enum(Norm, self.norm, "norm"))
         object.__setattr__(self, "norm_placement", _enum(NormPlacement, self.norm_placement, "norm_placement"))
         object.__setattr__(self, "positions", _enum(Positions, self.positions, "positions"))
@@ -209,8 +217,14 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
                              "norm_placement='sandwich'")
         if self.rotary_adjacent_pairs and self.positions is not Positions.ROTARY:
             raise ValueError("rotary_adjacent_pairs applies only to positions=rotary")
+        if self.embed_norm and self.scale_embed:
+            raise ValueError("scale_embed with embed_norm: the LayerNorm after the embedding undoes a scale before it; "
+                             "set scale_embed=False")
+        if self.positions is Positions.ALIBI and self.heads_per_layer is not None:
+            raise ValueError("heads_per_layer (pruned heads) with positions=alibi: each head's slope follows its index "
+                             "among all n_heads, which a pruned layer no longer has; prune a model with other positions")
         for field in ("attn_only", "bidirectional", "use_hook_tokens", "attn_scale_by_layer", "rotary_adjacent_pairs",
-                      "qk_norm_over_heads", "input_norms"):
+                      "qk_norm_over_heads", "input_norms", "embed_norm"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         if self.bidirectional and self.sliding_window is not None:
@@ -261,7 +275,11 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     @property
     def positional_embedding_type(self) -> str:
         return {Positions.LEARNED: "standard", Positions.SINUSOIDAL: "sinusoidal", Positions.ROTARY: "rotary",
-                Positions.SHORTFORMER: "shortformer"}[self.positions]
+                Positions.SHORTFORMER: "shortformer", Positions.ALIBI: "alibi"}[self.positions]
+
+    @property
+    def post_embedding_ln(self) -> bool:
+        return self.embed_norm
 
     @property
     def mlp_norm_learned(self) -> bool:
@@ -303,10 +321,11 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     @property
     def n_params(self) -> int:
         """Weights in the attention and MLP sublayers (transformer-lens's count: no embeddings, norms or biases)."""
-        per_layer = sum(
-            self.d_model * self.d_head * (2 * self.layer_heads(l) + 2 * self.layer_kv_heads(l))
-            + (0 if self.attn_only else self.d_model * self.d_mlp * (3 if self.gated_mlp else 2))
-            for l in range(self.n_layers))
+        mlp = 0 if self.attn_only else self.d_model * self.d_mlp * (3 if self.gated_mlp else 2)
+        if self.experts is not None:  # TL counts every expert and the router's weights
+            mlp = (mlp + self.d_model) * self.experts.n
+        per_layer = sum(self.d_model * self.d_head * (2 * self.layer_heads(l) + 2 * self.layer_kv_heads(l)) + mlp
+                        for l in range(self.n_layers))
         return per_layer
 
     def to_dict(self) -> dict[str, Any]:

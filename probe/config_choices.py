@@ -1,5 +1,5 @@
 """The typed choices a DecoderConfig is built from: the MLP's activation, the kind and placement of the norms, the
-positions, and how long-context checkpoints rescale their rotary frequencies."""
+positions, how long-context checkpoints rescale their rotary frequencies, and a mixture of experts."""
 from __future__ import annotations
 
 import enum
@@ -55,6 +55,9 @@ class Positions(enum.Enum):
     # a learned vector per position added to every attention layer's query and key inputs (after ln1), never to the
     # residual stream or the values (Press et al. 2021; transformer-lens's attn-only toy models, ARENA's induction model)
     SHORTFORMER = "shortformer"
+    # no position vectors: each head adds -slope * (query position - key position) to its scores, its slope from a
+    # geometric series over the heads (Press et al. 2022, "Train Short, Test Long"; Bloom)
+    ALIBI = "alibi"
 
 
 @dataclass(frozen=True)
@@ -94,3 +97,25 @@ class RotaryScaling:
             if not 0 < self.low_freq_factor < self.high_freq_factor:
                 raise ValueError(f"llama3 rotary scaling needs 0 < low_freq_factor < high_freq_factor, got "
                                  f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A sparse mixture of gated MLPs in place of each layer's MLP (Mixtral, OLMoE; transformer-lens's num_experts,
+    experts_per_token, norm_topk_prob): a router scores the `n` experts for each token, the `per_token` with the
+    largest softmax weights run, and their outputs are summed with those weights (divided first by their sum when
+    `renormalize`: Mixtral always, OLMoE as its config says)."""
+
+    n: int
+    per_token: int
+    renormalize: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("n", "per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Experts.{name} must be a positive int, got {value!r}")
+        if self.per_token > self.n:
+            raise ValueError(f"Experts(per_token={self.per_token}) picks more experts than there are (n={self.n})")
+        if not isinstance(self.renormalize, bool):
+            raise ValueError(f"Experts.renormalize must be a bool, got {self.renormalize!r}")

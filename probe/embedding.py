@@ -1,4 +1,4 @@
-"""Token embeddings, the position schemes (learned, sinusoidal, rotary), and the unembedding."""
+"""Token embeddings, the position schemes (learned, sinusoidal, rotary, ALiBi), and the unembedding."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from probe.config import DecoderConfig, Positions, RotaryScaling
+from probe.config import DecoderConfig, Norm, Positions, RotaryScaling
 from probe.hooks import HookPoint
+from probe.norm import make_norm
 from probe.softcap import make_softcap
 from probe.tl_weights import WritableWeights, weight_view
 
@@ -28,6 +29,26 @@ class Embed(nn.Module):
         if self.scale is None:
             return embedded
         return embedded * torch.tensor(self.scale, dtype=embedded.dtype, device=embedded.device)
+
+
+class NormedEmbed(Embed):
+    """Token embeddings through a LayerNorm of their own, `embed.ln` (Bloom's word_embeddings_layernorm;
+    transformer-lens's post_embedding_ln): hook_embed holds its output, as in transformer-lens."""
+
+    def __init__(self, d_vocab: int, d_model: int, norm: nn.Module):
+        super().__init__(d_vocab, d_model)
+        self.ln = norm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.ln(super().forward(tokens))
+
+
+def make_embed(cfg: DecoderConfig) -> Embed:
+    """The token embedding: scaled (Gemma), or through a LayerNorm whatever the blocks' norms (cfg.embed_norm: Bloom;
+    transformer-lens builds a LayerNorm there too), or plain."""
+    if cfg.embed_norm:
+        return NormedEmbed(cfg.d_vocab, cfg.d_model, make_norm(cfg, ends=True, kind=Norm.LAYER))
+    return Embed(cfg.d_vocab, cfg.d_model, math.sqrt(cfg.d_model) if cfg.scale_embed else None)
 
 
 class AbsolutePositions(nn.Module):
@@ -209,12 +230,61 @@ def _yarn(inv_freq: torch.Tensor, scaling: RotaryScaling, base: float) -> torch.
     return inv_freq / scaling.factor * (1 - kept) + inv_freq * kept
 
 
+class Alibi(nn.Module):
+    """ALiBi (Press et al. 2022): head h adds slope_h * (key position - query position) to its scores, so attention
+    fades with distance at a rate of its own. The slopes are Bloom's (Press et al.'s reference code): for 2^k heads
+    2^(-8/2^k), its square, its cube, ...; otherwise those of the largest power of two below n_heads, then every other
+    one of twice as many heads. Positions count real tokens (padding skipped, a KV cache continued); a later key's
+    distance reads 0, as transformer-lens clamps it (causal attention never sees it)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.register_buffer("slopes", torch.empty(n_heads), persistent=False)  # [head]
+        self.build_buffers()
+
+    def build_buffers(self) -> None:  # derived, never stored in checkpoints
+        device = self.slopes.device if not self.slopes.is_meta else "cpu"
+        self.slopes = torch.tensor(alibi_slopes(self.n_heads), dtype=torch.float32, device=device)
+
+    def _apply(self, fn, recurse=True):  # kept in float32, as transformers' Bloom computes its bias
+        super()._apply(fn, recurse)
+        if not self.slopes.is_meta:
+            self.build_buffers()
+        return self
+
+    def forward(self, query_positions: Optional[torch.Tensor], key_positions: Optional[torch.Tensor],
+                n_query: int, n_key: int) -> torch.Tensor:
+        """[batch head query_pos key_pos] (batch 1 without positions: the last n_query of 0 .. n_key - 1)."""
+        if key_positions is None:
+            key_positions = torch.arange(n_key, device=self.slopes.device)[None]
+        if query_positions is None:
+            query_positions = key_positions[:, n_key - n_query:]
+        distance = (key_positions[:, None, :] - query_positions[:, :, None]).clamp(max=0)  # [batch query_pos key_pos]
+        return self.slopes[:, None, None] * distance[:, None].float()
+
+
+def alibi_slopes(n_heads: int) -> list[float]:
+    """Each head's ALiBi slope (see Alibi), computed as transformers' build_alibi_tensor computes them."""
+    def series(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    below = 2 ** int(math.floor(math.log2(n_heads)))
+    return series(below) + series(2 * below)[0::2][: n_heads - below]
+
+
+def make_alibi(cfg: DecoderConfig, n_heads: int) -> Optional[Alibi]:
+    return Alibi(n_heads) if cfg.positions is Positions.ALIBI else None
+
+
 def make_pos_embed(cfg: DecoderConfig) -> nn.Module | None:
-    """The absolute position embedding added at the input; None when positions are rotary."""
+    """The absolute position embedding added at the input; None when positions act inside attention (rotary, ALiBi)."""
     return {
         Positions.LEARNED: lambda: PosEmbed(cfg.n_ctx, cfg.d_model),
         Positions.SINUSOIDAL: lambda: SinusoidalPosEmbed(cfg.n_ctx, cfg.d_model),
         Positions.ROTARY: lambda: None,
+        Positions.ALIBI: lambda: None,
         Positions.SHORTFORMER: lambda: ShortformerPosEmbed(cfg.n_ctx, cfg.d_model),
     }[cfg.positions]()
 

@@ -11,20 +11,24 @@ import torch
 
 
 class LayerKV:
-    """One layer's keys and values so far, [batch pos kv_head d_head] each."""
+    """One layer's keys and values so far, [batch pos kv_head d_head] each, and their positions [batch pos]."""
 
     def __init__(self) -> None:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
+        self.positions: Optional[torch.Tensor] = None  # what ALiBi's distances count from
         self.frozen = False
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of every position so far and the new ones; kept for the next pass unless frozen."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None):
+        """(keys, values, their positions) of every position so far and the new ones (at `positions`); kept for the
+        next pass unless frozen."""
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
+            if positions is not None and self.positions is not None:
+                positions = torch.cat([self.positions, positions], dim=1)
         if not self.frozen:
-            self.k, self.v = k, v
-        return k, v
+            self.k, self.v, self.positions = k, v, positions
+        return k, v, positions
 
 
 class KVCache:

@@ -42,6 +42,10 @@ class Ledger:
         if cfg.positions is Positions.SHORTFORMER:  # each layer projects the positions through W_Q and W_K too
             matmul_weights += sum(cfg.d_model * (cfg.layer_heads(l) + cfg.layer_kv_heads(l)) * cfg.d_head
                                   for l in range(cfg.n_layers))
+        if cfg.experts is not None:  # each token runs only per_token of the experts
+            experts = sum(r["params"] for r in self.rows if r["component"].startswith("mlp.experts.")
+                          and r["component"].endswith("weight"))
+            matmul_weights -= experts * (cfg.experts.n - cfg.experts.per_token) // cfg.experts.n
         keys = [min(self.n_ctx, cfg.layer_window(l) or self.n_ctx) for l in range(cfg.n_layers)]
         attention = 2 * 2 * sum(cfg.layer_heads(l) * keys[l] for l in range(cfg.n_layers)) * cfg.d_head
         return 2 * matmul_weights + attention
@@ -83,6 +87,8 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     add("embed.weight", "embedding", v * d)
     if cfg.positions in (Positions.LEARNED, Positions.SHORTFORMER):
         add("pos_embed.weight", "embedding", cfg.n_ctx * d)
+    if cfg.embed_norm:  # a LayerNorm whatever the blocks' norms, never folded
+        add("embed.ln", "norm", 2 * d)
     per_norm = {Norm.LAYER: 2, Norm.NONE: 0}.get(cfg.norm, 1)  # w (and b) per dimension
     norm_params = d * per_norm if cfg.norm_weights else 0  # ln1, ln2, ln_final: see DecoderConfig.norm_weights
     input_params = norm_params if cfg.input_norms else 0  # OLMo 2's blocks normalise only their writes
@@ -103,15 +109,20 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         if cfg.norm_placement is NormPlacement.SANDWICH:
             add("ln1_post", "norm", d * per_norm, layer)
             add("ln2_post", "norm", d * per_norm, layer)
+        n = 1 if cfg.experts is None else cfg.experts.n  # a mixture of experts: n gated MLPs and a router
+        mlp = "mlp" if cfg.experts is None else "mlp.experts"
+        if cfg.experts is not None:
+            add("mlp.router.weight", "mlp", d * n, layer)
+            add("mlp.router.bias", "mlp", n if cfg.mlp_bias else 0, layer)
         if cfg.gated_mlp:
-            add("mlp.gate.weight", "mlp", d * m, layer)
-            add("mlp.gate.bias", "mlp", m if cfg.mlp_bias else 0, layer)
-        add("mlp.in.weight", "mlp", d * m, layer)
-        add("mlp.in.bias", "mlp", m if cfg.mlp_bias else 0, layer)
+            add(f"{mlp}.gate.weight", "mlp", n * d * m, layer)
+            add(f"{mlp}.gate.bias", "mlp", n * m if cfg.mlp_bias else 0, layer)
+        add(f"{mlp}.in.weight", "mlp", n * d * m, layer)
+        add(f"{mlp}.in.bias", "mlp", n * m if cfg.mlp_bias else 0, layer)
         # a SoLU-LN MLP's LayerNorm over d_mlp, read by W_out (probe.mlp.NormedMLP)
         add("mlp.ln", "norm", 2 * m if cfg.mlp_norm_learned else 0, layer)
-        add("mlp.out.weight", "mlp", m * d, layer)
-        add("mlp.out.bias", "mlp", d if cfg.mlp_bias else 0, layer)
+        add(f"{mlp}.out.weight", "mlp", n * m * d, layer)
+        add(f"{mlp}.out.bias", "mlp", n * d if cfg.mlp_bias else 0, layer)
     if cfg.final_norm:
         add("ln_final", "norm", norm_params)
     if not cfg.tied_embeddings:  # tied: the embedding's row already counts these weights

@@ -1,33 +1,16 @@
-"""The feed-forward sublayer: plain (d_model -> d_mlp -> act -> d_model), gated (SwiGLU), or normed (SoLU, then a
-LayerNorm over d_mlp, before W_out)."""
+"""The feed-forward sublayer: plain (d_model -> d_mlp -> act -> d_model), gated (SwiGLU), normed (SoLU, then a
+LayerNorm over d_mlp, before W_out), or a mixture of gated experts (probe.moe)."""
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 from torch import nn
 
+from probe.activations import ACTIVATIONS
 from probe.hooks import HookPoint
-from probe.config import Activation, DecoderConfig
+from probe.config import DecoderConfig
+from probe.moe import MoEMLP
 from probe.norm import LayerNorm
 from probe.tl_weights import WritableWeights, bias_view, weight_view
-
-
-class SoLU(nn.Module):
-    """x * softmax(x) over d_mlp (Elhage et al. 2022): the largest pre-activations pass, the rest are suppressed."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.softmax(x, dim=-1)
-
-
-ACTIVATIONS = {
-    Activation.GELU_TANH: lambda: nn.GELU(approximate="tanh"),
-    Activation.GELU: lambda: nn.GELU(),
-    Activation.RELU: lambda: nn.ReLU(),
-    Activation.SILU: lambda: nn.SiLU(),
-    Activation.SOLU: SoLU,
-    Activation.SOLU_LN: SoLU,  # its LayerNorm is the MLP's own module (NormedMLP.ln)
-}
 
 
 class MLP(WritableWeights, nn.Module):
@@ -101,6 +84,8 @@ class NormedMLP(MLP):
 
 
 def make_mlp(cfg: DecoderConfig) -> nn.Module:
+    if cfg.experts is not None:
+        return MoEMLP(cfg)
     if cfg.gated_mlp:
         return GatedMLP(cfg)
     return NormedMLP(cfg) if cfg.activation.normed else MLP(cfg)

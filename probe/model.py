@@ -15,7 +15,7 @@ from probe.blocks import BLOCKS, AttnOnlyBlock
 from probe.bridge_names import attach_bridge_attributes, bridge_names, describe_blocks_as_the_bridge
 from probe.config import DecoderConfig, Positions
 from probe.decoder_cache import DecoderCache
-from probe.embedding import Embed, Unembed, make_pos_embed
+from probe.embedding import Unembed, make_embed, make_pos_embed
 from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
 from probe.kv_cache import KVCache, one_cache
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
@@ -48,7 +48,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         self.cfg = with_tokenizer(cfg, tokenizer)
         self.tokenizer = tokenizer
         self.hook_tokens = HookPoint() if cfg.use_hook_tokens else nn.Identity()  # [batch pos] token ids
-        self.embed = Embed(cfg.d_vocab, cfg.d_model, math.sqrt(cfg.d_model) if cfg.scale_embed else None)
+        self.embed = make_embed(cfg)
         self.hook_embed = HookPoint()  # [batch pos d_model]
         self.pos_embed = make_pos_embed(cfg)  # None with rotary positions, which act inside attention
         if self.pos_embed is not None:
@@ -253,7 +253,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         total = 0
         for name in names:
             if name in shapes:
-                size = 8 if name in ID_HOOKS else norm_item if name.endswith(NORM_HOOKS) else item
+                size = 8 if name in ID_HOOKS or name.endswith(".hook_expert_indices") else \
+                    4 if name.endswith(".hook_expert_weights") else norm_item if name.endswith(NORM_HOOKS) else item
                 total += math.prod(shapes[name]) * size
                 continue
             # a lent point (a spliced SAE's) says its width; [batch pos width] whatever it reads

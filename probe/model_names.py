@@ -72,6 +72,11 @@ SHORT_NAMES.update({
     **{f"phi-{v}": f"microsoft/phi-{v}" for v in ("1", "1_5", "2")},  # Phi (Microsoft), TL's names
     "phi-3": "microsoft/Phi-3-mini-4k-instruct", "phi-4": "microsoft/phi-4",
     **{alias: "EleutherAI/gpt-j-6B" for alias in ("gpt-j-6B", "gpt-j", "gptj")},
+    **{f"bloom-{size}": f"bigscience/bloom-{size}" for size in ("560m", "1b1", "1b7", "3b", "7b1")},  # BigScience's
+    # mixtures of experts
+    **{alias: "mistralai/Mixtral-8x7B-v0.1" for alias in ("mixtral", "mixtral-8x7b")},
+    **{alias: "mistralai/Mixtral-8x7B-Instruct-v0.1" for alias in ("mixtral-instruct", "mixtral-8x7b-instruct")},
+    "olmoe": "allenai/OLMoE-1B-7B-0924",
     # Neel Nanda's toy models, in transformer-lens's own format (probe.checkpoint_tl); TL's names for them
     **{f"{kind}-{n}l{alias}": f"NeelNanda/{repo}_{n}L512W_C4_Code" for kind, repo in (("attn-only", "Attn_Only"),
                                                                                     ("gelu", "GELU"))

@@ -179,14 +179,22 @@ def untie_embeddings(model: HookedDecoder) -> None:
 
 
 def _mlp_inputs(block: nn.Module) -> list[nn.Module]:
-    """The MLP's layers that read ln2: the up projection, and the gate of a gated MLP (none in an attn-only block)."""
+    """The MLP's layers that read ln2: the up projection, and the gate of a gated MLP (none in an attn-only block);
+    in a mixture of experts the router and every expert's gate and up projection."""
     if not hasattr(block, "mlp"):
         return []
+    if hasattr(block.mlp, "experts"):
+        return [block.mlp.W_gate] + [layer for expert in block.mlp.experts for layer in (expert.W_gate, expert.W_in)]
     return [block.mlp.fc_in] + ([block.mlp.gate] if hasattr(block.mlp, "gate") else [])
 
 
 def _mlp_outputs(model: HookedDecoder) -> list[nn.Module]:
-    return [block.mlp.fc_out for block in model.blocks if hasattr(block, "mlp")]
+    """The layers that write the MLP's output: its down projection, or every expert's."""
+    return [layer for block in model.blocks if hasattr(block, "mlp") for layer in _down_projections(block.mlp)]
+
+
+def _down_projections(mlp: nn.Module) -> list[nn.Module]:
+    return [expert.W_out for expert in mlp.experts] if hasattr(mlp, "experts") else [mlp.fc_out]
 
 
 def _fold_norms(model: HookedDecoder) -> None:

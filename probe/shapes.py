@@ -21,14 +21,17 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
     resid = (batch, pos, cfg.d_model)
     shapes = {"hook_tokens": (batch, pos)} if cfg.use_hook_tokens else {}
     shapes["embed.hook_in"] = (batch, pos)
-    shapes["hook_embed"] = resid
-    if cfg.positions is not Positions.ROTARY:
-        shapes["pos_embed.hook_in"] = (batch, pos)
-        shapes["hook_pos_embed"] = resid
 
     def norm(prefix: str) -> None:
         shapes[f"{prefix}.hook_scale"] = (batch, pos, 1)
         shapes[f"{prefix}.hook_normalized"] = shapes[f"{prefix}.hook_in"] = shapes[f"{prefix}.hook_out"] = resid
+
+    if cfg.embed_norm:
+        norm("embed.ln")
+    shapes["hook_embed"] = resid
+    if cfg.positions not in (Positions.ROTARY, Positions.ALIBI):
+        shapes["pos_embed.hook_in"] = (batch, pos)
+        shapes["hook_pos_embed"] = resid
 
     for layer in range(cfg.n_layers):
         b, heads = f"blocks.{layer}", cfg.layer_heads(layer)
@@ -85,6 +88,26 @@ def mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int, n
         shapes[f"{b}.hook_resid_mid"] = resid
     shapes[f"{b}.hook_mlp_in"] = resid
     norm(f"{b}.ln2")
+    if cfg.experts is not None:
+        experts_shapes(cfg, shapes, b, batch * pos)
+    else:
+        dense_mlp_shapes(cfg, shapes, b, batch, pos)
+    if cfg.norm_placement is NormPlacement.SANDWICH:
+        norm(f"{b}.ln2_post")
+    shapes[f"{b}.hook_mlp_out"] = resid
+
+
+def experts_shapes(cfg: DecoderConfig, shapes: dict, b: str, tokens: int) -> None:
+    """A mixture of experts' points: the routing, a row per token; each expert's, a row per token routed to it, so
+    their first size is at most `tokens` (what a cache's size estimate assumes)."""
+    shapes[f"{b}.mlp.hook_expert_weights"] = (tokens, cfg.experts.n)
+    shapes[f"{b}.mlp.hook_expert_indices"] = (tokens, cfg.experts.per_token)
+    for e in range(cfg.experts.n):
+        for point in ("hook_gate", "hook_pre", "hook_post"):
+            shapes[f"{b}.mlp.experts.{e}.{point}"] = (tokens, cfg.d_mlp)
+
+
+def dense_mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int) -> None:
     shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
     if cfg.gated_mlp:
         shapes[f"{b}.mlp.hook_pre_linear"] = (batch, pos, cfg.d_mlp)
@@ -93,6 +116,3 @@ def mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int, n
         shapes[f"{b}.mlp.ln.hook_scale"] = (batch, pos, 1)
         shapes[f"{b}.mlp.ln.hook_normalized"] = (batch, pos, cfg.d_mlp)
     shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
-    if cfg.norm_placement is NormPlacement.SANDWICH:
-        norm(f"{b}.ln2_post")
-    shapes[f"{b}.hook_mlp_out"] = resid

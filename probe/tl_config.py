@@ -21,12 +21,13 @@ from typing import Any, Optional, Union
 
 import torch
 
-from probe.config import SWITCHES, DecoderConfig, Norm, NormPlacement, Positions, RotaryScaling
+from probe.config import SWITCHES, DecoderConfig, Experts, Norm, NormPlacement, Positions, RotaryScaling
 from probe.config_choices import ACTIVATION_SPELLINGS
 from probe.tl_config_fields import ABSENT_FEATURES
 
 NORMS = {"LN": Norm.LAYER, "RMS": Norm.RMS, "LNPre": Norm.LAYER, "RMSPre": Norm.RMS, None: Norm.NONE}
-POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY, "shortformer": Positions.SHORTFORMER}
+POSITIONS = {"standard": Positions.LEARNED, "rotary": Positions.ROTARY, "shortformer": Positions.SHORTFORMER,
+             "alibi": Positions.ALIBI}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 # TL settings with nothing to build in probe: accepted at these values only
@@ -35,7 +36,7 @@ WHY = {"attention_dir": "probe's attention is 'causal' or 'bidirectional'",
        "attn_only": "attention-only blocks are pre-norm: x + attn(ln1(x)); leave parallel_attn_mlp and "
                     "use_normalization_before_and_after False",
        "normalization_type": "probe's norms are 'LN', 'LNPre', 'RMS', 'RMSPre' and None",
-       "positional_embedding_type": "probe's positions are 'standard' (learned), 'shortformer' and 'rotary'",
+       "positional_embedding_type": "probe's positions are 'standard' (learned), 'shortformer', 'rotary' and 'alibi'",
        "act_fn": f"probe's activations are {sorted(ACTIVATION_SPELLINGS)}",
        "final_rms": "probe's final norm is the kind of the others: final_rms goes with normalization_type='RMS'",
        "rotary_scaling_factor": "linear scaling goes without use_NTK_by_parts_rope",
@@ -57,7 +58,7 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "attention_dir", "use_hook_tokens", "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor",
          "rotary_base_local", "rotary_adjacent_pairs", "use_yarn_rope", "yarn_factor", "yarn_attention_factor",
          "yarn_beta_fast", "yarn_beta_slow", "yarn_original_max_position_embeddings", "yarn_truncate",
-         "yarn_global_attn_only"}
+         "yarn_global_attn_only", "post_embedding_ln", "num_experts", "experts_per_token", "norm_topk_prob"}
 
 
 def _config_fields() -> set[str]:
@@ -141,6 +142,11 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
         raise ValueError(f"HookedTransformerConfig(original_architecture={s['original_architecture']!r}) is not "
                          "supported: its blocks normalise each write alone, which TL decides by that name; load the "
                          "checkpoint with from_pretrained (OLMo 2: ln1_post / ln2_post, transformer-lens 4's names)")
+    if positions is Positions.ALIBI and n_heads & (n_heads - 1):
+        raise ValueError(f"HookedTransformerConfig(positional_embedding_type='alibi') with n_heads={n_heads} is not "
+                         "supported: transformer-lens's slopes, 2^(-8(h+1)/n_heads), differ from Bloom's (which probe "
+                         "builds) unless n_heads is a power of two; use 2^k heads")
+    experts = _experts(s)
     placement = NormPlacement.PRE
     if s.get("parallel_attn_mlp", False):
         placement = NormPlacement.PARALLEL
@@ -164,10 +170,10 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
         d_vocab_out=None if s.get("d_vocab_out", -1) == -1 else s["d_vocab_out"],
         d_mlp=s.get("d_mlp"), n_kv_heads=s.get("n_key_value_heads"), eps=s.get("eps", 1e-5),
         activation=ACTIVATION_SPELLINGS[act_fn], act_fn_name=act_fn if act_fn != ACTIVATION_SPELLINGS[act_fn].value else None,
-        gated_mlp=s.get("gated_mlp", False), norm=norm, norm_placement=placement,
+        gated_mlp=s.get("gated_mlp", False) or experts is not None, experts=experts, norm=norm, norm_placement=placement,
         attn_only=attn_only, bidirectional=attention_dir == "bidirectional", use_hook_tokens=s.get("use_hook_tokens", False),
         norm_weights=not str(s.get("normalization_type", "LN")).endswith("Pre"), final_norm=norm is not Norm.NONE,
-        positions=positions, rotary_base=float(s.get("rotary_base", 10000)), rotary_dim=s.get("rotary_dim") if positions is Positions.ROTARY else None,
+        positions=positions, embed_norm=bool(s.get("post_embedding_ln", False)), rotary_base=float(s.get("rotary_base", 10000)), rotary_dim=s.get("rotary_dim") if positions is Positions.ROTARY else None,
         rotary_scaling=_rotary_scaling(s), sliding_rotary_base=_sliding_rotary_base(s, positions, window),
         rotary_adjacent_pairs=bool(s.get("rotary_adjacent_pairs", False)) and positions is Positions.ROTARY,
         sliding_window=window,
@@ -175,7 +181,7 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
         attn_scale_dim=_scale_dim(s), attn_softcap=_cap(s.get("attn_scores_soft_cap", -1.0)),
         logit_softcap=_cap(s.get("output_logits_soft_cap", -1.0)), qk_norm=s.get("use_qk_norm", False),
         attn_scale_by_layer=s.get("scale_attn_by_inverse_layer_idx", False),
-        qkv_bias=True, out_bias=True, mlp_bias=True, unembed_bias=True,
+        qkv_bias=True, out_bias=True, mlp_bias=experts is None, unembed_bias=True,  # TL's experts have no biases
         tied_embeddings=s.get("tie_word_embeddings", False),
         init_std=init if init > 0 else 0.8 / math.sqrt(d_model),  # TL's default for a negative initializer_range
         model_name=s.get("model_name", "custom"), original_architecture=s.get("original_architecture"),
@@ -185,6 +191,15 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
         transformer_lens_init=s.get("init_mode", "gpt2") == "gpt2",  # TL's other init modes: probe's normal draw
         init_weights=bool(s.get("init_weights", True)),
         **{name: s.get(name, False) for name in SWITCHES})
+
+
+def _experts(s: dict) -> Optional[Experts]:
+    """TL's MoE settings (its experts are gated MLPs whatever gated_mlp says), both or neither."""
+    n, per_token = s.get("num_experts"), s.get("experts_per_token")
+    if (n is None) != (per_token is None):
+        raise ValueError(f"HookedTransformerConfig(num_experts={n!r}, experts_per_token={per_token!r}): a mixture of "
+                         "experts needs both (transformer-lens requires them together too)")
+    return None if n is None else Experts(n=n, per_token=per_token, renormalize=bool(s.get("norm_topk_prob", False)))
 
 
 def decoder_config(cfg: Any) -> DecoderConfig:

@@ -145,6 +145,18 @@ class HookedTransformerConfigFields:
         scaling = self.rotary_scaling
         return scaling if scaling is not None and scaling.kind == "llama3" else None
 
+    @property
+    def num_experts(self) -> Optional[int]:
+        return None if self.experts is None else self.experts.n
+
+    @property
+    def experts_per_token(self) -> Optional[int]:
+        return None if self.experts is None else self.experts.per_token
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        return self.experts is not None and self.experts.renormalize
+
     # ---- where the model came from ---------------------------------------------------------------------------
     @property
     def from_checkpoint(self) -> bool:
@@ -183,12 +195,10 @@ class HookedTransformerConfigFields:
         numpy.random.seed(seed)
 
 
-# TL 3.9's fields for features probe does not build (post-embedding norm, experts, YaRN rope,
-# attention sinks, quantisation, remote code, T5's relative attention): the value a HookedTransformer without them
-# reads, which `model.cfg` reads too and `HookedTransformerConfig(...)` takes them at (probe/tl_config.py)
+# TL 3.9's fields for features probe does not build (attention sinks, quantisation, remote code, T5's relative
+# attention): the value a HookedTransformer without them reads, which `model.cfg` reads too and `HookedTransformerConfig(...)` takes them at (probe/tl_config.py)
 ABSENT_FEATURES = {
-    "post_embedding_ln": False, "num_experts": None, "experts_per_token": None,
-    "norm_topk_prob": False, "clip_qkv": None, "use_logn_attn": False, "train_seq_length": None,
+    "clip_qkv": None, "use_logn_attn": False, "train_seq_length": None,
     "use_dynamic_ntk_rope": False,
     "use_attention_sinks": False, "trust_remote_code": False, "load_in_4bit": False, "quantization_method": None,
     "relative_attention_max_distance": None, "relative_attention_num_buckets": None, "decoder_start_token_id": None,

@@ -24,6 +24,7 @@ from einops import rearrange
 from torch import nn
 
 from probe.attention import Attention
+from probe.config import Positions
 from probe.embedding import Unembed
 from probe.mlp import MLP
 
@@ -60,6 +61,9 @@ def use_tl_layout(model: nn.Module) -> None:
                 _on_save(module, save)
                 _on_load(module, load)
     _on_load(model, _check_tied_unembedding)
+    if model.cfg.positions is Positions.ALIBI:
+        _on_save(model, _save_unused_positions)
+        _on_load(model, _drop_unused_positions)
 
 
 def _on_save(module: nn.Module, hook) -> None:
@@ -267,3 +271,15 @@ def _check_tied_unembedding(model: nn.Module, state: dict, prefix: str, local_me
 
 LAYOUTS = {Attention: (_save_attention, _load_attention), MLP: (_save_mlp, _load_mlp),
            Unembed: (_save_unembed, _load_unembed)}
+
+
+# transformer-lens 3.9 builds a learned position table for an ALiBi model too, which its forward never reads: its state
+# dict holds pos_embed.W_pos, written here as zeros (so a HookedTransformer loads probe's state dict strictly) and
+# dropped on loading, whatever its values
+def _save_unused_positions(model: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    state[prefix + "pos_embed.W_pos"] = model.embed.W_E.new_zeros(model.cfg.n_ctx, model.cfg.d_model)
+
+
+def _drop_unused_positions(model: nn.Module, state: dict, prefix: str, local_metadata, strict, missing, unexpected,
+                           errors: list) -> None:
+    state.pop(prefix + "pos_embed.W_pos", None)

@@ -29,6 +29,8 @@ def _stacked(path: str, shape: str, bias_of: Optional[tuple[str, Callable]] = No
         if sublayer == "mlp" and self.cfg.attn_only:
             # a ValueError, not an AttributeError: nn.Module would swap the latter for a bare "no attribute W_in"
             raise ValueError(f"model.{name}: this attention-only model has no MLPs")
+        if sublayer == "mlp" and self.cfg.experts is not None:
+            refuse_experts(f"model.{name}")
         values = []
         for block in self.blocks:
             part = getattr(block, sublayer)
@@ -45,6 +47,13 @@ def _stacked(path: str, shape: str, bias_of: Optional[tuple[str, Callable]] = No
     get.__doc__ = f"{shape}: every block's {path}, stacked" + (" (zeros where the model has no such bias)"
                                                                   if bias_of else "")
     return property(get)
+
+
+def refuse_experts(what: str) -> None:
+    """A mixture of experts has no one MLP per layer for `what` to read (neither has transformer-lens's)."""
+    raise ValueError(f"{what}: this model's MLPs are mixtures of experts, with no one W_in / W_out per layer; read an "
+                     "expert's nn.Linear layers, model.blocks[layer].mlp.experts[e].W_in.weight (W_gate, W_out; "
+                     "[out in]), and the router's, model.blocks[layer].mlp.W_gate.weight [experts d_model]")
 
 
 class WeightViews:
@@ -67,6 +76,8 @@ class WeightViews:
     def W_gate(self) -> Optional[torch.Tensor]:  # [layer d_model d_mlp]; None without a gated MLP, as transformer-lens's
         if not self.cfg.gated_mlp:
             return None
+        if self.cfg.experts is not None:
+            refuse_experts("model.W_gate")
         return torch.stack([block.mlp.W_gate for block in self.blocks])
 
     @property

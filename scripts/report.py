@@ -226,7 +226,20 @@ def run(args: argparse.Namespace) -> int:
                       f"the same length, {tokens.shape[1]} tokens with BOS) to patch this prompt's activations into it, "
                       "e.g. the prompt with one name changed.")]
 
-    if "memories" not in args.skip:
+    ffn = not (model.cfg.attn_only or model.cfg.experts is not None)  # FFN neurons to read: one MLP per layer
+    if model.cfg.experts is not None:
+        with timed("routing"):
+            routing = A.expert_routing(model, tokens)
+            part = report.section("routing", "Expert routing")
+            part += [note(f"Each token runs through {model.cfg.experts.per_token} of each layer's "
+                          f"{model.cfg.experts.n} experts, chosen by the router's softmax."), figure_html(routing.figure())]
+            out.write_csv("routing.csv", routing.to_frame())
+    if "memories" not in args.skip and not ffn:
+        part = report.section("memories", "FFN memories")
+        part += [note("Not run: FFN memories read each layer's one MLP, and this model's " + (
+            "blocks have none (attention only)." if model.cfg.attn_only else
+            "MLPs are mixtures of experts, whose neurons see only the tokens routed to them: the routing is above."))]
+    elif "memories" not in args.skip:
         with timed("memories"):
             lookup = A.memory_lookup(model, tokens, k=8)
             part = report.section("memories", "FFN memories")

@@ -14,13 +14,14 @@ import torch
 import probe
 from probe import HookedDecoder
 from probe.hooks import HookPoint, UnknownNameError
-from test_family_defaults import tokenized_checkpoint
+from test_family_defaults import BLOOM_FILES, tokenized_checkpoint
 from test_variants import build
 from oracle_process import oracle
 from tl_oracle import assert_same, booted
 
-FAMILIES = ("gpt2", "gpt1", "llama", "neox", "gemma2", "qwen3", "gptneo", "opt", "phi", "olmo2")  # learned/post-norm/
-# GQA gated/parallel/sandwich/q-k norms/local layers/OPT's layout/one norm for two parallel sublayers/write norms only
+FAMILIES = ("gpt2", "gpt1", "llama", "neox", "gemma2", "qwen3", "gptneo", "opt", "phi", "olmo2", "bloom", "mixtral")
+# learned/post-norm/GQA gated/parallel/sandwich/q-k norms/local layers/OPT's layout/one norm for two parallel
+# sublayers/write norms only/ALiBi and a norm on the embeddings/a mixture of experts
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,9 @@ def family_dirs(tmp_path_factory):
     dirs = {"gpt2": probe.DEFAULT_MODEL}
     for family in FAMILIES[1:]:
         directory = tmp_path_factory.mktemp(family)
-        if family in ("llama", "olmo2"):  # the bridge needs a tokenizer it can load for these
-            directory = tokenized_checkpoint(family, directory / "checkpoint")
+        if family in ("llama", "olmo2", "bloom", "mixtral"):  # the bridge needs a tokenizer it can load for these
+            directory = tokenized_checkpoint(family, directory / "checkpoint",
+                                             *([BLOOM_FILES] if family == "bloom" else []))
         else:
             build(family, directory)
         dirs[family] = directory
@@ -102,7 +104,9 @@ def test_edits_at_bridge_names_do_what_they_do_on_the_bridge(family, family_dirs
               "gemma2": ["blocks.0.ln1_post.hook_in", "blocks.1.ln2_post.hook_in", "blocks.1.ln2_post.hook_out"],
               "gpt1": ["pos_embed.hook_out"], "neox": ["ln_final.hook_in"], "gptneo": ["pos_embed.hook_out"],
               "opt": ["pos_embed.hook_out", "ln_final.hook_out"], "phi": ["ln_final.hook_in"],
-              "olmo2": ["blocks.0.ln1_post.hook_in", "blocks.1.ln2_post.hook_out", "ln_final.hook_out"]}[family]
+              "olmo2": ["blocks.0.ln1_post.hook_in", "blocks.1.ln2_post.hook_out", "ln_final.hook_out"],
+              "bloom": ["embed_ln.hook_in", "embed_ln.hook_normalized", "embed_ln.hook_out", "ln_final.hook_in"],
+              "mixtral": ["blocks.0.mlp.hook_pre", "blocks.0.mlp.hook_post", "ln_final.hook_out"]}[family]
     if family == "olmo2":
         # OLMo 2's sublayers read the residual itself: the bridge has no ln1 or ln2 (probe's are identities)
         for name in ("blocks.0.ln1.hook_in", "blocks.0.ln1.hook_out", "blocks.1.ln2.hook_in", "blocks.1.ln2.hook_out"):
@@ -113,6 +117,8 @@ def test_edits_at_bridge_names_do_what_they_do_on_the_bridge(family, family_dirs
         # has no ln2 to edit (docs/from_transformer_lens.md)
         for name in ("blocks.0.ln1.hook_in", "blocks.0.ln1.hook_out", "blocks.1.ln2.hook_in", "blocks.1.ln2.hook_out"):
             names.remove(name)
+    if family == "mixtral":  # a mixture of experts: no one up or down projection in the block
+        names.remove("blocks.1.mlp.in.hook_out"), names.remove("blocks.1.mlp.out.hook_in")
     if family == "gpt1":
         # the bridge's GPT-1 blocks never fire hook_out (nor cache it): probe's is hook_resid_post. Post-norm sublayers
         # read the residual itself, so probe leaves their inputs out (test above: it says what to hook instead)

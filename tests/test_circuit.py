@@ -6,6 +6,7 @@ import torch
 
 from probe.analyses import logit_diff_metric
 from probe.analyses.circuit import Circuit, prune
+from probe.analyses.circuit_forward import sparse_supported
 from probe.analyses.circuit_graph import circuit_graph
 from probe.analyses.edge_attribution import edge_attribution
 from probe.analyses.faithfulness import CircuitRunner, faithfulness, faithfulness_curve
@@ -82,7 +83,7 @@ def test_post_norm_models_are_refused(tmp_path):
 
 
 FAMILIES = {"gpt2": None, "llama-gqa": "llama", "neox-parallel": "neox", "gemma2-sandwich": "gemma2",
-            "olmo2-write-norms": "olmo2"}
+            "olmo2-write-norms": "olmo2", "bloom-alibi": "bloom", "mixtral-experts": "mixtral"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -100,7 +101,7 @@ def test_full_circuit_is_clean_and_empty_circuit_is_corrupted(family, tiny_model
         clean_values, corrupted_values = metric(model(clean), clean, mask), metric(model(corrupted), corrupted, mask)
     full = Circuit(graph=graph, edges=torch.arange(graph.n_edges))
     empty = Circuit(graph=graph, edges=torch.zeros(0, dtype=torch.long))
-    engines = ("hooked",) if model.cfg.norm_placement.value == "sandwich" else ("sparse", "hooked")  # sandwich: hooked
+    engines = ("sparse", "hooked") if sparse_supported(graph) else ("hooked",)  # sandwich blocks, ALiBi: hooked
     for engine in engines:
         runners = {ablation: CircuitRunner.prepare(model, clean, corrupted, metric, ablation, engine=engine)
                    for ablation in ("patch", "mean", "zero")}

@@ -85,12 +85,13 @@ def test_sparse_forward_matches_the_hooked_forward(family_models, family, ablati
         torch.testing.assert_close(sparse.evaluate(circuits[3:4])[0], expected[3], atol=1e-5, rtol=0)
 
 
-def test_sparse_engine_refuses_sandwich_blocks_and_auto_falls_back(tmp_path):
-    build("gemma2", tmp_path)
+@pytest.mark.parametrize("family", ["gemma2", "bloom"])  # a shared norm scale per layer; ALiBi's biased scores
+def test_sparse_engine_refuses_sandwich_blocks_and_alibi_and_auto_falls_back(family, tmp_path):
+    build(family, tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
     clean, corrupted, mask = paired(model.cfg.d_vocab)
     metric = logit_diff_metric(model, [5, 9, 3], [7, 2, 1])
-    with pytest.raises(ValueError, match="engine='sparse' does not run sandwich blocks"):
+    with pytest.raises(ValueError, match="engine='sparse' does not run sandwich blocks .*, nor ALiBi's"):
         CircuitRunner.prepare(model, clean, corrupted, metric, engine="sparse")
     with pytest.raises(ValueError, match="engine='fast' is not one of"):
         CircuitRunner.prepare(model, clean, corrupted, metric, engine="fast")

@@ -39,8 +39,8 @@ OLMO = ("olmo2", "olmo3")  # sandwich blocks without input norms
 
 
 class HFEdges:
-    """Writers' outputs and readers' input gradients of a transformers GPT-2, GPT-Neo, Llama, Gemma 2, Gemma 3, OLMo 2
-    or GPT-NeoX model."""
+    """Writers' outputs and readers' input gradients of a transformers GPT-2, GPT-Neo, Llama, Gemma 2, Gemma 3, OLMo 2,
+    GPT-NeoX, Bloom or Mixtral model."""
 
     def __init__(self, hf, kind: str):
         self.hf, self.kind = hf, kind
@@ -52,6 +52,10 @@ class HFEdges:
         elif kind == "gptneo":
             self.layers, self.final = hf.transformer.h, hf.transformer.ln_f
             self.H = self.KV = cfg.num_heads
+            self.d = cfg.hidden_size
+        elif kind == "bloom":
+            self.layers, self.final = hf.transformer.h, hf.transformer.ln_f
+            self.H = self.KV = cfg.n_head
             self.d = cfg.hidden_size
         else:
             body = hf.gpt_neox if kind == "neox" else hf.model
@@ -76,7 +80,7 @@ class HFEdges:
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
             return layer.ln_1, projections, a.out_proj, layer.ln_2, layer.mlp
-        if self.kind in ("llama", "gemma2", "gemma3", "olmo2", "olmo3"):
+        if self.kind in ("llama", "gemma2", "gemma3", "olmo2", "olmo3", "mixtral"):
             a = layer.self_attn
             projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
@@ -86,7 +90,8 @@ class HFEdges:
                 return None, projections, a.o_proj, None, layer.mlp
             ln2 = layer.pre_feedforward_layernorm if self.kind in SANDWICH else layer.post_attention_layernorm
             return layer.input_layernorm, projections, a.o_proj, ln2, layer.mlp
-        a = layer.attention  # GPT-NeoX: the fused projection is [head, (q k v), d_head]
+        # GPT-NeoX and Bloom: the fused projection is [head, (q k v), d_head]
+        a = layer.self_attention if self.kind == "bloom" else layer.attention
         slots = [(s, slice(h * 3 * dh + part * dh, h * 3 * dh + (part + 1) * dh))
                  for part, group in enumerate((q_slots, k_slots, v_slots)) for h, s in enumerate(group)]
         return layer.input_layernorm, [(a.query_key_value, slots)], a.dense, layer.post_attention_layernorm, layer.mlp
@@ -146,7 +151,9 @@ class HFEdges:
             else:
                 handles.append(ln2.register_forward_hook(norm_output((l, "mlp"))))
             # an MLP's write is what reaches the residual: in a sandwich block, after its post-norm
-            written = layer.post_feedforward_layernorm if self.kind in SANDWICH else mlp
+            # (Bloom's MLP module returns the residual plus its write: the write is its output projection's)
+            written = layer.post_feedforward_layernorm if self.kind in SANDWICH else \
+                mlp.dense_4h_to_h if self.kind == "bloom" else mlp
             handles.append(written.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("mlp", l), out)))
             if self.kind in SANDWICH:  # the attention's whole write, before its post-norm: its scale is every head's
                 handles.append(out_proj.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("attn", l), out)))
@@ -191,7 +198,9 @@ def oracle_scores(graph, delta, grads):
 
 FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", {}), "gemma2-sandwich": ("gemma2", {}),
             "gptneo-unscaled-local": ("gptneo", {}), "gemma3-qk-norms-local-base": ("gemma3", {}),
-            "olmo2-write-norms": ("olmo2", {"num_key_value_heads": 2}), "olmo3-sliding-yarn": ("olmo3", {})}
+            "olmo2-write-norms": ("olmo2", {"num_key_value_heads": 2}), "olmo3-sliding-yarn": ("olmo3", {}),
+            "bloom-alibi": ("bloom", {"initializer_range": 0.3}),  # sharp enough that q edges matter
+            "mixtral-experts": ("mixtral", {})}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -245,8 +254,19 @@ def integrated_oracle(hf, kind, graph, clean, corrupted, steps: int) -> torch.Te
         e_clean, e_corr = embed(clean), embed(corrupted)
     clean_writers, _ = oracle.run(clean, ANSWERS, COUNTERFACTUALS)
     corr_writers, _ = oracle.run(corrupted, ANSWERS, COUNTERFACTUALS)
-    grads = sum(oracle.run(corrupted, ANSWERS, COUNTERFACTUALS, inputs_embeds=e_corr + k / steps * (e_clean - e_corr))[1]
-                for k in range(steps)) / steps
+    if kind == "bloom":
+        # the path runs through the residual stream's input, after Bloom's embedding norm (EAP-IG's library moves
+        # blocks.0.hook_resid_pre): interpolate normed embeddings, the norm an identity while they run
+        norm = hf.transformer.word_embeddings_layernorm
+        with torch.no_grad():
+            e_clean, e_corr = norm(e_clean), norm(e_corr)
+        hf.transformer.word_embeddings_layernorm = torch.nn.Identity()
+    try:
+        grads = sum(oracle.run(corrupted, ANSWERS, COUNTERFACTUALS, inputs_embeds=e_corr + k / steps * (e_clean - e_corr))[1]
+                    for k in range(steps)) / steps
+    finally:
+        if kind == "bloom":
+            hf.transformer.word_embeddings_layernorm = norm
     return oracle_scores(graph, clean_writers - corr_writers, grads)
 
 

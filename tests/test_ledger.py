@@ -34,12 +34,27 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     # OLMo 2: write norms only, q and k normalised over all (query / key-value) heads together
     {"norm_placement": "sandwich", "norm": "rms", "positions": "rotary", "input_norms": False, "qk_norm": True,
      "qk_norm_over_heads": True, "n_kv_heads": 2},
+    {"positions": "alibi", "embed_norm": True},  # Bloom: no position table, a LayerNorm on the embeddings
+    # Mixtral's experts (and a router) in place of the MLP, with and without biases
+    {"experts": {"n": 4, "per_token": 2}, "gated_mlp": True, "norm": "rms", "positions": "rotary", "mlp_bias": False},
+    {"experts": {"n": 3, "per_token": 1}, "gated_mlp": True},
+    {"positions": "alibi", "embed_norm": True, "norm": "rms", "norm_weights": False},  # a LayerNorm all the same
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)
     with torch.device("meta"):
         model = HookedDecoder(cfg)
     assert ledger(cfg).total_params == sum(p.numel() for p in model.parameters())  # parameters() counts tied ones once
+
+
+def test_a_mixture_of_experts_counts_every_expert_but_runs_per_token_of_them():
+    dense = DecoderConfig(n_layers=2, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, gated_mlp=True, mlp_bias=False)
+    sparse = DecoderConfig(n_layers=2, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, gated_mlp=True, mlp_bias=False,
+                           experts={"n": 8, "per_token": 2})
+    experts = 2 * 8 * 3 * 64 * 256  # layers x experts x (gate, up, down) x d_model x d_mlp
+    assert ledger(sparse).group_params("mlp") == experts + 2 * 64 * 8  # and each layer's router
+    # per token: two experts' matmuls and the router's, 2 FLOPs a weight
+    assert ledger(sparse).flops_per_token - ledger(dense).flops_per_token == 2 * (experts // 4 + 2 * 64 * 8 - experts // 8)
 
 
 def test_kv_bytes_and_flops():

@@ -80,7 +80,7 @@ def test_path_patching_matches_the_two_pass_recipe(sharp_model, sender, receiver
     assert float((result.patched[0] - result.corrupted).abs().max()) > 1e-5  # the path carries something
 
 
-@pytest.mark.parametrize("kind", ["llama", "neox"])
+@pytest.mark.parametrize("kind", ["llama", "neox", "bloom"])  # grouped, parallel, ALiBi
 def test_path_patching_grouped_and_parallel(kind, tmp_path):
     build(kind, tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()

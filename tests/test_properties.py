@@ -28,12 +28,16 @@ def configs(draw):
     gated = draw(st.booleans())
     heads_per_layer = None
     n_layers = draw(st.integers(1, 3))
-    if n_kv_heads == n_heads and draw(st.booleans()):
+    positions = draw(st.sampled_from(["learned", "sinusoidal", "rotary", "shortformer", "alibi"]))
+    if n_kv_heads == n_heads and positions != "alibi" and draw(st.booleans()):  # ALiBi slopes follow head indices
         heads_per_layer = tuple(draw(st.integers(0, n_heads)) for _ in range(n_layers))
-    positions = draw(st.sampled_from(["learned", "sinusoidal", "rotary", "shortformer"]))
     window = draw(st.sampled_from([None, None, 1, 3]))
     placement = draw(st.sampled_from(["pre", "post", "parallel", "sandwich"]))
     attn_only = placement == "pre" and draw(st.booleans())  # attention-only blocks are pre-norm
+    scale_embed = draw(st.booleans())
+    experts = None if attn_only or not gated or not draw(st.booleans()) else \
+        {"n": draw(st.integers(1, 4)), "per_token": 1} if draw(st.booleans()) else {"n": 3, "per_token": 2,
+                                                                                    "renormalize": draw(st.booleans())}
     bidirectional = window is None and draw(st.booleans())  # a window counts back from the query: causal only
     rotary_dim = draw(st.sampled_from([None] + [r for r in (2, 4) if r <= d_head])) if positions == "rotary" else None
     return DecoderConfig(
@@ -48,7 +52,7 @@ def configs(draw):
         tied_embeddings=draw(st.booleans()), heads_per_layer=heads_per_layer,
         sliding_window=window, sliding_layers=None if window is None or n_layers == 1 else draw(
             st.sampled_from([None, tuple(i % 2 == 0 for i in range(n_layers))])),
-        scale_embed=draw(st.booleans()), attn_scale_dim=draw(st.sampled_from([None, 3.0])),
+        scale_embed=scale_embed, embed_norm=not scale_embed and draw(st.booleans()), experts=experts, attn_scale_dim=draw(st.sampled_from([None, 3.0])),
         attn_softcap=draw(st.sampled_from([None, 2.0])), logit_softcap=draw(st.sampled_from([None, 5.0])),
     )
 
@@ -93,8 +97,9 @@ def test_forward_is_finite_and_paths_agree(case):
             torch.testing.assert_close(c("hook_resid_post"), c("hook_resid_pre") + c("hook_attn_out") + c("hook_mlp_out"),
                                        atol=1e-5, rtol=1e-5)
             block = model.blocks[l]
-            reads = (block.mlp.gate if cfg.gated_mlp else block.mlp.fc_in)(block.ln2(c("hook_resid_pre")))
-            torch.testing.assert_close(c("mlp.hook_pre"), reads, atol=1e-5, rtol=1e-5)
+            if cfg.experts is None:  # (a mixture of experts' points hold only the rows routed to each expert)
+                reads = (block.mlp.gate if cfg.gated_mlp else block.mlp.fc_in)(block.ln2(c("hook_resid_pre")))
+                torch.testing.assert_close(c("mlp.hook_pre"), reads, atol=1e-5, rtol=1e-5)
             assert f"blocks.{l}.hook_resid_mid" not in model.hook_names
     assert not any(model.hook_point(n).active for n in model.hook_names)
 

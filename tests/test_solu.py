@@ -11,7 +11,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from probe import Activation, DecoderConfig, HookedDecoder, HookedTransformerConfig, process_weights
 from probe.checkpoint_tl import TLFormatError
@@ -22,6 +21,7 @@ from probe.shapes import hook_shapes
 from probe.tl_state_dict import TL_BUFFERS, TL_UNWRITTEN
 from test_checkpoint_tl import assert_state_and_logits_are_tls, checkpoint_dir, loaded_by_both
 from test_sae_training import needs_saelens, oracle
+from tl_cases import TL_DEFAULTS, assert_processed_as_hooked_transformer, assert_same_cache, hooked_transformer_outputs, part
 from toy_helpers import randomised
 
 SMALL = dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, d_mlp=48)
@@ -31,7 +31,6 @@ CASES = {
     "solu-ln-no-norms": dict(SMALL, act_fn="solu_ln", normalization_type=None),  # mlp.ln without weights (TL's LNPre)
     "solu-ln-lnpre": dict(SMALL, act_fn="solu_ln", normalization_type="LNPre"),
 }
-TL_DEFAULTS = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True)
 
 
 def tokens(seed: int = 2) -> torch.Tensor:
@@ -40,28 +39,9 @@ def tokens(seed: int = 2) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def hooked_transformers(tmp_path_factory) -> tuple[dict, dict]:
-    """HookedTransformer's outputs for every case with random weights (tl_caches: one oracle process, whose start
-    costs more than a case), "solu-ln" processed with TL's defaults too: (outputs under "CASE/", {case: n_params})."""
-    tmp = tmp_path_factory.mktemp("tl_caches")
-    save_file({"tokens": tokens()}, str(tmp / "tokens.safetensors"))
-    cases = {name: {"config": settings, "process": TL_DEFAULTS if name == "solu-ln" else None}
-             for name, settings in CASES.items()}
-    printed = oracle("tl_caches", json.dumps(cases), tmp / "tokens.safetensors", tmp / "out.safetensors")
-    return load_file(str(tmp / "out.safetensors")), json.loads(printed.splitlines()[-1])
-
-
-def part(out: dict, prefix: str) -> dict:
-    return {key.removeprefix(prefix): t for key, t in out.items() if key.startswith(prefix)}
-
-
-def assert_same_cache(model: HookedDecoder, toks: torch.Tensor, theirs: dict, logits: torch.Tensor) -> None:
-    with torch.no_grad():
-        ours_logits, cache = model.run_with_cache(toks)
-    torch.testing.assert_close(ours_logits, logits, atol=1e-4, rtol=1e-4)
-    # a model without norms keeps its identity norms' points for probe's analyses, by name only: not in the cache
-    assert set(cache.keys()) == set(theirs)
-    for name, activation in theirs.items():
-        torch.testing.assert_close(cache[name], activation, atol=1e-4, rtol=1e-4, msg=name)
+    """HookedTransformer's outputs for every case with random weights (one oracle process, whose start costs more
+    than a case), "solu-ln" processed with TL's defaults too: (outputs under "CASE/", {case: n_params})."""
+    return hooked_transformer_outputs(tmp_path_factory.mktemp("tl_caches"), CASES, tokens(), processed=("solu-ln",))
 
 
 # ---- the model, hook by hook, against HookedTransformer ----------------------------------------------------------
@@ -89,23 +69,11 @@ def test_every_hook_agrees_with_hooked_transformer(case, hooked_transformers):
 def test_tl_default_processing_gives_hooked_transformers_weights_and_activations(hooked_transformers):
     """load_and_process_state_dict with TL's defaults: mlp.ln's w and b fold into W_out and b_out, W_out is centred
     over d_mlp (what the LayerNorm's mean-zero output never reads) and then over d_model, mlp.ln keeps no weights."""
-    settings, toks = CASES["solu-ln"], tokens()
     out = part(hooked_transformers[0], "solu-ln/")
-    model = HookedDecoder(HookedTransformerConfig(**settings)).eval()
+    assert_processed_as_hooked_transformer(CASES["solu-ln"], out, tokens())
+    model = HookedDecoder(HookedTransformerConfig(**CASES["solu-ln"])).eval()
     model.load_and_process_state_dict(part(out, "state."), **TL_DEFAULTS)
-    theirs = part(out, "processed.")
-    ours = model.state_dict()
-    assert not any(".mlp.ln." in key for key in ours)
-    assert set(ours) == {key for key in theirs if key.rsplit(".", 1)[-1] not in TL_UNWRITTEN}
-    for key in (key for key in ours if key.rsplit(".", 1)[-1] not in TL_BUFFERS):  # TL fills its mask as it runs
-        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5, msg=key)
-    assert_same_cache(model, toks, part(out, "processed_cache."), out["processed_logits"])
-    # the same through probe's own process_weights, from the unprocessed model
-    unprocessed = HookedDecoder(HookedTransformerConfig(**settings)).eval()
-    unprocessed.load_state_dict(part(out, "state."), strict=True)
-    processed = process_weights(unprocessed, **TL_DEFAULTS).state_dict()
-    for key in ours:
-        torch.testing.assert_close(processed[key], ours[key], atol=1e-5, rtol=1e-5, msg=key)
+    assert not any(".mlp.ln." in key for key in model.state_dict())
 
 
 # ---- the model by hand ------------------------------------------------------------------------------------

@@ -276,7 +276,8 @@ def test_transformer_lens_short_names_name_the_same_checkpoints():
                  "phi-3", "phi-4", "gemma-3-270m", "gemma-3-1b-it", "gemma-3-4b-pt",
                  "gemma-3-27b-it", "olmo-1b", "gpt-j-6B", "gptj", "olmo-2-1b", "stablelm-base-alpha-3b",
                  "gpt-neox-20b", "EleutherAI/pythia-1.3b", "Yi-6B", "medgemma-4b-it", "gpt2-mistral-small-a",
-                 "attn-only-2l-c4-code", "gelu-1l-new", "attn-only-demo", "olmo-3-7b-think"):
+                 "attn-only-2l-c4-code", "gelu-1l-new", "attn-only-demo", "olmo-3-7b-think", "bloom-560m", "bloom-7b1", "mixtral",
+                 "mixtral-8x7b-instruct", "olmoe"):
         assert name in shared, name
 
 

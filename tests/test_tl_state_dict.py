@@ -65,6 +65,22 @@ def tl_config(kind: str, hf) -> dict:
                     attn_scale=c.query_pre_attn_scalar ** 0.5, use_local_attn=True, window_size=c.sliding_window,
                     attn_types=["local" if t == "sliding_attention" else "global" for t in c.layer_types],
                     original_architecture="Gemma3ForCausalLM")
+    if kind == "bloom":  # TL's own Bloom settings (convert_hf_model_config), at the checkpoint's context
+        return dict(n_layers=c.n_layer, d_model=c.hidden_size, n_ctx=c.seq_length, d_head=c.hidden_size // c.n_head,
+                    n_heads=c.n_head, d_mlp=4 * c.hidden_size, d_vocab=c.vocab_size, act_fn="gelu_fast",
+                    eps=c.layer_norm_epsilon, normalization_type="LN", post_embedding_ln=True,
+                    positional_embedding_type="alibi", default_prepend_bos=False,
+                    original_architecture="BloomForCausalLM")
+    if kind in ("mixtral", "olmoe"):  # TL's own settings (convert_hf_model_config), in float32
+        d_head = c.hidden_size // c.num_attention_heads
+        return dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings, d_head=d_head,
+                    n_heads=c.num_attention_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size, act_fn=c.hidden_act,
+                    normalization_type="RMS", eps=c.rms_norm_eps, positional_embedding_type="rotary", rotary_dim=d_head,
+                    rotary_base=c.rope_parameters["rope_theta"], gated_mlp=True,
+                    n_key_value_heads=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
+                    final_rms=True, num_experts=c.num_local_experts if kind == "mixtral" else c.num_experts,
+                    experts_per_token=c.num_experts_per_tok, norm_topk_prob=kind == "mixtral" or c.norm_topk_prob,
+                    original_architecture=c.architectures[0])
     d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     common = dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings, d_head=d_head,
                   n_heads=c.num_attention_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size,
@@ -89,14 +105,17 @@ def checkpoint(case: str, directory):
         return DEFAULT_MODEL, "gpt2", transformers.GPT2LMHeadModel.from_pretrained(DEFAULT_MODEL).eval()
     kind = {"llama-gqa-untied": "llama", "neox-parallel-partial-rotary": "neox", "qwen3-qk-norm-tied": "qwen3",
             "gptneo-local-unscaled": "neo", "opt-pre-norm-tied": "opt", "phi-parallel-shared-norm": "phi",
-            "phi3-fused-projections": "phi3", "gptj-adjacent-pairs-partial": "gptj"}[case]
-    return directory, kind, build({"neo": "gptneo"}.get(kind, kind), directory)
+            "phi3-fused-projections": "phi3", "gptj-adjacent-pairs-partial": "gptj", "bloom-alibi": "bloom",
+            "mixtral-experts": "mixtral", "olmoe-experts": "olmoe"}[case]
+    grouped = {"num_key_value_heads": 2} if kind == "olmoe" else {}  # TL's OLMoE converter asks for grouped heads
+    return directory, kind, build({"neo": "gptneo"}.get(kind, kind), directory, **grouped)
 
 
 @needs_saelens
 @pytest.mark.parametrize("case", ["gpt2-bundled", "llama-gqa-untied", "neox-parallel-partial-rotary", "qwen3-qk-norm-tied",
                                   "gptneo-local-unscaled", "opt-pre-norm-tied", "phi-parallel-shared-norm",
-                                  "phi3-fused-projections", "gptj-adjacent-pairs-partial"])
+                                  "phi3-fused-projections", "gptj-adjacent-pairs-partial", "bloom-alibi",
+                                  "mixtral-experts", "olmoe-experts"])
 def test_the_state_dict_is_hooked_transformers_and_loads_both_ways(case, tmp_path):
     directory, kind, hf = checkpoint(case, tmp_path / "checkpoint")
     model = HookedDecoder.from_pretrained(directory).eval()
@@ -404,7 +423,7 @@ def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(
 @pytest.mark.parametrize("settings, match", [
     (dict(attn_only=True, parallel_attn_mlp=True), "attn_only=True.*parallel blocks.*pre-norm"),
     (dict(normalization_type="LNx"), "normalization_type='LNx'.*'LN', 'LNPre', 'RMS', 'RMSPre' and None"),
-    (dict(positional_embedding_type="alibi"), "alibi.*'standard'.*'shortformer'"),
+    (dict(positional_embedding_type="xpos"), "xpos.*'standard'.*'shortformer', 'rotary' and 'alibi'"),
     (dict(attention_dir="encoder"), "attention_dir='encoder'.*'causal' or 'bidirectional'"),
     (dict(default_padding_side="left"), "set_tokenizer\\(tokenizer, default_padding_side='left'\\)"),
     (dict(act_fn="xielu"), "act_fn='xielu'.*'solu', 'solu_ln'"),

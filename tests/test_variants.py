@@ -102,6 +102,22 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         max_position_embeddings=40, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**{**settings, **overrides}))
+    elif kind == "bloom":  # ALiBi instead of positions, a LayerNorm on the embeddings, q/k/v fused per head
+        settings = dict(vocab_size=101, hidden_size=64, n_layer=2, n_head=4, seq_length=40)
+        model = tf.BloomForCausalLM(tf.BloomConfig(**{**settings, **overrides}))
+    elif kind == "mixtral":  # Mistral's attention, a router choosing two of four experts, their weights renormalised
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=2, max_position_embeddings=40, num_local_experts=4, num_experts_per_tok=2)
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**{**settings, **overrides}))
+    elif kind == "olmoe":  # q and k normalised over all heads; three of six experts, weights as the softmax gave them
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=40, num_experts=6, num_experts_per_tok=3, pad_token_id=1, eos_token_id=2)
+        model = tf.OlmoeForCausalLM(tf.OlmoeConfig(**{**settings, **overrides}))
+    elif kind == "qwen3_moe":  # each head's q and k normalised; the experts narrower than the dense width
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                        max_position_embeddings=40, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -162,6 +178,15 @@ CASES = {
     "phi3-gqa-partial-rotary-window": ("phi3", {"num_key_value_heads": 2, "sliding_window": 6, "tie_word_embeddings": True,
                                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                                     "partial_rotary_factor": 0.75}}),
+    "mixtral-experts-renormalised": ("mixtral", {}),
+    "mixtral-one-expert-window": ("mixtral", {"num_experts_per_tok": 1, "sliding_window": 6}),
+    "olmoe-experts-qk-norms": ("olmoe", {}),
+    "olmoe-renormalised-tied": ("olmoe", {"norm_topk_prob": True, "tie_word_embeddings": True}),
+    "qwen3-moe-experts": ("qwen3_moe", {}),
+    "bloom-alibi-embed-norm": ("bloom", {}),
+    # six heads: the slopes of four, then every other one of eight's (not a power of two)
+    "bloom-six-heads-untied": ("bloom", {"hidden_size": 72, "n_head": 6, "tie_word_embeddings": False,
+                                         "layer_norm_epsilon": 1e-4}),
 }
 
 
@@ -246,7 +271,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
-                 "olmo", "gptj", "olmo2", "olmo3"):
+                 "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -293,8 +318,8 @@ def test_gqa_config_errors():
         DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, positions="rotary", rotary_dim=6)
     with pytest.raises(ValueError, match="rotary_dim=2 applies only to positions=rotary"):
         DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, rotary_dim=2)
-    with pytest.raises(ValueError, match="'rotary'"):
-        DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, positions="alibi")
+    with pytest.raises(ValueError, match="'rotary', 'shortformer', 'alibi'"):
+        DecoderConfig(n_layers=1, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, positions="xpos")
 
 
 def test_unsupported_model_type_lists_the_supported(tmp_path):

@@ -1,0 +1,100 @@
+"""Which experts a mixture-of-experts model (Mixtral, OLMoE, Qwen3-MoE) sends each token to, layer by layer: the
+router's softmax over every expert, the experts chosen and the weights their outputs are summed with, and how
+often each expert is used over a prompt."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from probe import HookedDecoder
+from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, token_strings
+from probe.analyses.labels import position_labels, titled
+
+WIDTH_PX = 900
+
+
+@dataclass
+class ExpertRouting(TableDisplay):
+    """One prompt's routing.
+
+    probs:   [layer pos expert] the router's softmax over every expert (hook_expert_weights).
+    chosen:  [layer pos per_token] the experts that ran, the largest weight first (hook_expert_indices).
+    weights: [layer pos per_token] what each chosen expert's output was multiplied by (renormalised where the
+             model renormalises).
+    strings: each token's raw string (for frames and CSV, not HTML).
+    """
+
+    probs: torch.Tensor
+    chosen: torch.Tensor
+    weights: torch.Tensor
+    strings: list[str]
+
+    @property
+    def usage(self) -> torch.Tensor:
+        """[layer expert]: the fraction of the prompt's tokens each expert ran on."""
+        n_layers, n_pos, n_experts = self.probs.shape
+        counts = torch.zeros(n_layers, n_experts).scatter_add_(1, self.chosen.flatten(1), torch.ones(n_layers, self.chosen[0].numel()))
+        return counts / n_pos
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (layer, position, chosen expert): `rank` 1 is the largest weight; `prob` the router's softmax
+        for that expert, `weight` what its output was summed with."""
+        n_layers, n_pos, k = self.chosen.shape
+        layer, pos, rank = torch.meshgrid(torch.arange(n_layers), torch.arange(n_pos), torch.arange(k), indexing="ij")
+        expert = self.chosen.flatten()
+        return pd.DataFrame({
+            "layer": layer.flatten().numpy(), "position": pos.flatten().numpy(),
+            "token": pd.Series(self.strings)[pos.flatten().numpy()].to_numpy(), "rank": rank.flatten().numpy() + 1,
+            "expert": expert.numpy(), "prob": self.probs.gather(-1, self.chosen).flatten().numpy(),
+            "weight": self.weights.flatten().numpy(),
+        })
+
+    def figure(self) -> go.Figure:
+        """Each layer's weights by token (rows) and expert (columns): what each chosen expert's output was summed
+        with, 0 where an expert did not run; beside it, each expert's share of the tokens."""
+        n_layers, n_pos, n_experts = self.probs.shape
+        used = torch.zeros_like(self.probs).scatter(-1, self.chosen, self.weights)
+        labels = position_labels(self.strings)
+        fig = make_subplots(rows=n_layers, cols=2, column_widths=[0.78, 0.22], horizontal_spacing=0.08,
+                            vertical_spacing=min(0.08, 0.3 / max(n_layers, 1)),
+                            subplot_titles=[t for layer in range(n_layers)
+                                            for t in (f"L{layer}: weights by token", f"L{layer}: share of tokens")])
+        experts = [f"E{e}" for e in range(n_experts)]
+        usage = self.usage
+        for layer in range(n_layers):
+            fig.add_trace(go.Heatmap(z=used[layer].numpy(), x=experts, y=labels, coloraxis="coloraxis",
+                                     hovertemplate="%{y} -> %{x}: weight %{z:.3f}<extra></extra>"), row=layer + 1, col=1)
+            fig.add_trace(go.Bar(x=experts, y=usage[layer].numpy(), showlegend=False, marker_color="#4c72b0",
+                                 hovertemplate="%{x}: %{y:.0%} of tokens<extra></extra>"), row=layer + 1, col=2)
+            fig.update_yaxes(autorange="reversed", row=layer + 1, col=1)
+            fig.update_yaxes(range=[0, 1], tickformat=".0%", row=layer + 1, col=2)
+        fig.update_layout(coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")),
+                          height=max(300, n_layers * (60 + 16 * n_pos)), width=WIDTH_PX)
+        titled(fig, "Expert routing: the experts each token ran through, by weight, and each expert's share of the "
+                    "tokens", WIDTH_PX)
+        return fig
+
+
+def expert_routing(model: HookedDecoder, input: AnalysisInput) -> ExpertRouting:
+    """The routing of every layer's mixture of experts on one prompt (a string or token ids [pos] / [1 pos])."""
+    experts = model.cfg.experts
+    if experts is None:
+        raise ValueError("expert_routing: this model's MLPs are not mixtures of experts (cfg.experts is None), so "
+                         "nothing routes its tokens; read its MLP neurons instead (memory_lookup, top_triggers)")
+    tokens = as_tokens(model, input)
+    if tokens.shape[0] != 1:
+        raise ValueError(f"expert_routing takes one prompt, got a batch of {tokens.shape[0]}; pass one string or ids [pos]")
+    names = [f"blocks.{layer}.mlp.hook_expert_{kind}" for layer in range(model.cfg.n_layers)
+             for kind in ("weights", "indices")]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names=names)
+    probs = torch.stack([cache[f"blocks.{l}.mlp.hook_expert_weights"] for l in range(model.cfg.n_layers)]).float().cpu()
+    chosen = torch.stack([cache[f"blocks.{l}.mlp.hook_expert_indices"] for l in range(model.cfg.n_layers)]).cpu()
+    weights = probs.gather(-1, chosen)
+    if experts.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ExpertRouting(probs=probs, chosen=chosen, weights=weights, strings=token_strings(model, tokens[0].tolist()))

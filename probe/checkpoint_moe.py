@@ -1,0 +1,110 @@
+"""Mixture-of-experts checkpoints (Mixtral, OLMoE, Qwen3-MoE): Llama's attention and norms (probe.checkpoint_llama)
+and, in place of each MLP, a router and its experts (probe.moe).
+
+The experts are stored one by one, [out, in] as nn.Linear: Mixtral's under `block_sparse_moe.experts.{e}.w1` (gate),
+`w3` (up) and `w2` (down), OLMoE's and Qwen3-MoE's under `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; the
+router is the block's `gate`. Mixtral renormalises the chosen experts' weights always, the others as
+`norm_topk_prob` says.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
+from probe.checkpoint_source import Source
+from probe.config import DecoderConfig, Experts
+from probe.config_file import CheckpointError
+from probe.tokenizer import Tokenizer
+
+# model_type -> (the sparse block's name in a layer, each expert's (gate, up, down) projections)
+LAYOUTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+           "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+PROJECTIONS = ("W_gate", "W_in", "W_out")  # probe's (transformer-lens's) names for the same three
+
+
+def _experts(hf: dict, count_key: str, renormalize: bool) -> Experts:
+    return Experts(n=hf.get(count_key) or hf["num_local_experts"], per_token=hf["num_experts_per_tok"],
+                   renormalize=renormalize)
+
+
+def mixtral_config(hf: dict) -> DecoderConfig:
+    # Mistral's attention (no biases; a window where the file names one) and experts whose weights are renormalised
+    return dataclasses.replace(llama_config(hf, qkv_bias=False), sliding_window=hf.get("sliding_window"),
+                               experts=_experts(hf, "num_local_experts", True))
+
+
+def olmoe_config(hf: dict) -> DecoderConfig:
+    if hf.get("clip_qkv") is not None:
+        raise CheckpointError(f"clip_qkv={hf['clip_qkv']} (q, k and v clamped to that size) is not supported")
+    # OLMo 2's q and k norms over all heads, in a pre-norm block
+    return dataclasses.replace(llama_config(hf), qk_norm=True, qk_norm_over_heads=True,
+                               out_bias=hf.get("attention_bias", False),
+                               experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
+
+
+def qwen3_moe_config(hf: dict) -> DecoderConfig:
+    dense = hf.get("mlp_only_layers") or []
+    if dense or hf.get("decoder_sparse_step", 1) != 1:
+        raise CheckpointError(f"dense MLP layers among the sparse ones (mlp_only_layers={dense}, decoder_sparse_step="
+                              f"{hf.get('decoder_sparse_step', 1)}) are not supported: every layer must be sparse")
+    hf = {**hf, "intermediate_size": hf["moe_intermediate_size"]}  # the experts' width; the file's is a dense MLP's
+    return dataclasses.replace(llama_config(hf), qk_norm=True,
+                               experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
+
+
+def moe_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[Tokenizer]], dict]:
+    def config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+        if cfg.experts is None or (model_type == "mixtral" and not cfg.experts.renormalize):
+            raise ValueError(f"a {model_type} checkpoint holds a mixture of experts"
+                             + (" whose weights are renormalised" if model_type == "mixtral" else "")
+                             + f"; this model has experts={cfg.experts!r}")
+        out = llama_config_to_hf(cfg, tokenizer, model_type)
+        experts = cfg.experts
+        count = "num_local_experts" if model_type == "mixtral" else "num_experts"
+        out.update({count: experts.n, "num_experts_per_tok": experts.per_token})
+        if model_type == "mixtral":
+            out["sliding_window"] = cfg.sliding_window
+        else:
+            out["norm_topk_prob"] = experts.renormalize
+        if model_type == "olmoe":
+            out["clip_qkv"] = None
+        if model_type == "qwen3_moe":
+            out.update(moe_intermediate_size=cfg.d_mlp, decoder_sparse_step=1, mlp_only_layers=[])
+        return out
+    return config_to_hf
+
+
+def moe_to_probe(model_type: str) -> Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]:
+    block, projections = LAYOUTS[model_type]
+
+    def to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+        out = llama_to_probe(source, cfg)  # everything but the experts
+        d, m = cfg.d_model, cfg.d_mlp
+        shapes = ((m, d), (m, d), (d, m))
+        for l in range(cfg.n_layers):
+            o, t = f"blocks.{l}.mlp", f"layers.{l}.{block}"
+            out[f"{o}.W_gate.weight"] = source.take(f"{t}.gate.weight", (cfg.experts.n, d))
+            for e in range(cfg.experts.n):
+                for ours, theirs, shape in zip(PROJECTIONS, projections, shapes):
+                    out[f"{o}.experts.{e}.{ours}.weight"] = source.take(f"{t}.experts.{e}.{theirs}.weight", shape)
+        return out
+    return to_probe
+
+
+def moe_to_hf(model_type: str) -> Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]:
+    block, projections = LAYOUTS[model_type]
+
+    def to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+        out = llama_to_hf(params, cfg)
+        for l in range(cfg.n_layers):
+            o, t = f"blocks.{l}.mlp", f"model.layers.{l}.{block}"
+            out[f"{t}.gate.weight"] = params[f"{o}.W_gate.weight"].contiguous()
+            for e in range(cfg.experts.n):
+                for ours, theirs in zip(PROJECTIONS, projections):
+                    out[f"{t}.experts.{e}.{theirs}.weight"] = params[f"{o}.experts.{e}.{ours}.weight"].contiguous()
+        return out
+    return to_hf
