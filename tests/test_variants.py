@@ -691,6 +691,11 @@ def test_qwen3_normalises_each_heads_query_and_key_before_rotating(tmp_path):
     ("opt", dict(do_layer_norm_before="yes"), r"do_layer_norm_before must be true or false"),
     ("phi", dict(partial_rotary_factor="0.4"), r"partial_rotary_factor must be a finite number"),
     ("gptj", dict(rotary_dim=7), r"rotary_dim must be even"),
+    ("bloom", dict(n_head=5), r"d_model=64 is not divisible by n_heads=5"),
+    ("bloom", dict(seq_length="2048"), r"n_ctx must be a positive int, got '2048'"),
+    ("mixtral", dict(num_experts_per_tok=9), r"per_token=9\) picks more experts than there are \(n=4\)"),
+    ("mixtral", dict(num_local_experts=0), r"Experts.n must be a positive int, got 0"),
+    ("olmoe", dict(num_experts_per_tok=True), r"Experts.per_token must be a positive int, got True"),
 ])
 def test_checkpoint_settings_that_cannot_load_are_refused_by_name(kind, change, match, tmp_path):
     from safetensors.torch import load_file, save_file
