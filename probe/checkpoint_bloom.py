@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from probe.checkpoint_source import Source, require_fields, take_unembed
+from probe.checkpoint_source import Source, interleaved_qkv, require_fields, take_unembed
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -76,19 +76,13 @@ def _names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return table
 
 
-def _regrouped(t: torch.Tensor, heads: int, per_head_first: bool) -> torch.Tensor:
-    """Bloom's fused rows [head (q k v) d_head] as probe's [(q k v) head d_head], or back (per_head_first=False)."""
-    grouped = t.unflatten(0, (heads, 3, -1) if per_head_first else (3, heads, -1))
-    return grouped.transpose(0, 1).flatten(0, 2)
-
-
 def bloom_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in _names(cfg).items()}
     d, h = cfg.d_model, cfg.n_heads
     for l in range(cfg.n_layers):
         fused = f"h.{l}.self_attention.query_key_value"
-        out[f"blocks.{l}.attn.qkv.weight"] = _regrouped(source.take(f"{fused}.weight", (3 * d, d)), h, True)
-        out[f"blocks.{l}.attn.qkv.bias"] = _regrouped(source.take(f"{fused}.bias", (3 * d,)), h, True)
+        out[f"blocks.{l}.attn.qkv.weight"] = interleaved_qkv(source.take(f"{fused}.weight", (3 * d, d)), h, cfg.d_head, True)
+        out[f"blocks.{l}.attn.qkv.bias"] = interleaved_qkv(source.take(f"{fused}.bias", (3 * d,)), h, cfg.d_head, True)
     out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
     return out
 
@@ -97,8 +91,8 @@ def bloom_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
     out = {f"transformer.{theirs}": params[ours] for ours, (theirs, _) in _names(cfg).items()}
     for l in range(cfg.n_layers):
         fused = f"transformer.h.{l}.self_attention.query_key_value"
-        out[f"{fused}.weight"] = _regrouped(params[f"blocks.{l}.attn.qkv.weight"], cfg.n_heads, False)
-        out[f"{fused}.bias"] = _regrouped(params[f"blocks.{l}.attn.qkv.bias"], cfg.n_heads, False)
+        out[f"{fused}.weight"] = interleaved_qkv(params[f"blocks.{l}.attn.qkv.weight"], cfg.n_heads, cfg.d_head, False)
+        out[f"{fused}.bias"] = interleaved_qkv(params[f"blocks.{l}.attn.qkv.bias"], cfg.n_heads, cfg.d_head, False)
     if not cfg.tied_embeddings:
         out["lm_head.weight"] = params["unembed.weight"]
     return {k: v.contiguous() for k, v in out.items()}

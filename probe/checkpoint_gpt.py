@@ -5,10 +5,9 @@ import math
 from typing import Optional
 
 import torch
-from einops import rearrange
 
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, require_fields,
-                                     rope_from_hf, rope_to_hf, take_unembed)
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, interleaved_qkv,
+                                     require_fields, rope_from_hf, rope_to_hf, take_unembed)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -175,11 +174,7 @@ def _neox_qkv(tensor: torch.Tensor, ours: str, cfg: DecoderConfig, to_probe: boo
     Other tensors (`ours` names which) pass unchanged."""
     if ".attn.qkv." not in ours:
         return tensor
-    heads = cfg.layer_heads(int(ours.split(".")[1]))
-    sizes = dict(head=heads, qkv=3, d_head=cfg.d_head)  # all given: a layer pruned to no heads has nothing to infer from
-    if to_probe:
-        return rearrange(tensor, "(head qkv d_head) ... -> (qkv head d_head) ...", **sizes)
-    return rearrange(tensor, "(qkv head d_head) ... -> (head qkv d_head) ...", **sizes)
+    return interleaved_qkv(tensor, cfg.layer_heads(int(ours.split(".")[1])), cfg.d_head, to_probe)
 
 
 def _neox_names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:

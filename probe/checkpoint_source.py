@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from einops import rearrange
 
 from probe.config import Activation, DecoderConfig, RotaryScaling
 from probe.config_file import CheckpointError
@@ -117,6 +118,15 @@ def take_qkv(source: Source, cfg: DecoderConfig, layer: int, name: Callable[[str
     if bias:
         out[f"blocks.{layer}.attn.qkv.bias"] = torch.cat([source.take(name(p, "bias"), (n,)) for p, n in rows.items()])
     return out
+
+
+def interleaved_qkv(tensor: torch.Tensor, heads: int, d_head: int, to_probe: bool) -> torch.Tensor:
+    """A fused q/k/v weight or bias stored per head, [(head qkv d_head) ...] (GPT-NeoX, Bloom, GPTBigCode without
+    multi-query), as probe's [(qkv head d_head) ...], or back (to_probe=False)."""
+    sizes = dict(head=heads, qkv=3, d_head=d_head)  # all given: a layer pruned to no heads has nothing to infer from
+    if to_probe:
+        return rearrange(tensor, "(head qkv d_head) ... -> (qkv head d_head) ...", **sizes)
+    return rearrange(tensor, "(qkv head d_head) ... -> (head qkv d_head) ...", **sizes)
 
 
 def split_qkv(params: dict[str, torch.Tensor], cfg: DecoderConfig, layer: int, name: Callable[[str, str], str],

@@ -2,7 +2,8 @@
 
 One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
 checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom),
-checkpoint_moe.py (Mixtral, OLMoE, Qwen3-MoE), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
+checkpoint_moe.py (Mixtral, OLMoE, Qwen3-MoE), checkpoint_bigcode.py (SantaCoder, StarCoder),
+checkpoint_stablelm.py (StableLM), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
 Qwen2/3, Mistral, OLMo, OLMo 2 and 3, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3); checkpoint_source.py holds what they share
 and loading.py does the file handling for all.
 """
@@ -13,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from probe.checkpoint_bigcode import bigcode_config, bigcode_config_to_hf, bigcode_to_hf, bigcode_to_probe
 from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf, bloom_to_probe
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
@@ -30,6 +32,7 @@ from probe.checkpoint_opt import opt_config, opt_config_to_hf, opt_to_hf, opt_to
 from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, phi3_to_probe, phi_config, phi_config_to_hf,
                                   phi_to_hf, phi_to_probe)
 from probe.checkpoint_source import GPT_ACTIVATIONS, Source
+from probe.checkpoint_stablelm import stablelm_config, stablelm_config_to_hf, stablelm_to_hf, stablelm_to_probe
 from probe.config import Activation, DecoderConfig, NormPlacement
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -97,6 +100,10 @@ FAMILIES = {
                moe_to_hf("olmoe")),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", ("model.",), qwen3_moe_config, moe_config_to_hf("qwen3_moe"),
                moe_to_probe("qwen3_moe"), moe_to_hf("qwen3_moe"), prepends_bos=False),
+        Family("stablelm", "StableLmForCausalLM", ("model.",), stablelm_config, stablelm_config_to_hf, stablelm_to_probe,
+               stablelm_to_hf),
+        Family("gpt_bigcode", "GPTBigCodeForCausalLM", ("transformer.",), bigcode_config, bigcode_config_to_hf,
+               bigcode_to_probe, bigcode_to_hf),
         Family("bloom", "BloomForCausalLM", ("transformer.",), bloom_config, bloom_config_to_hf, bloom_to_probe,
                bloom_to_hf, prepends_bos=False),
     )

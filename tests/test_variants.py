@@ -118,6 +118,13 @@ def build(kind, directory, **overrides):
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                         max_position_embeddings=40, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**settings, **overrides}))
+    elif kind == "stablelm":  # Llama's layers with LayerNorms (biased), a quarter of each head rotated, q/k/v biases
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, use_qkv_bias=True)
+        model = tf.StableLmForCausalLM(tf.StableLmConfig(**{**settings, **overrides}))
+    elif kind == "bigcode":  # GPT-2's block with nn.Linear layers and one key/value head for every query head
+        settings = dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=40, n_inner=80)
+        model = tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -183,6 +190,16 @@ CASES = {
     "olmoe-experts-qk-norms": ("olmoe", {}),
     "olmoe-renormalised-tied": ("olmoe", {"norm_topk_prob": True, "tie_word_embeddings": True}),
     "qwen3-moe-experts": ("qwen3_moe", {}),
+    "stablelm-partial-rotary-qkv-bias": ("stablelm", {}),
+    # one norm for two parallel sublayers (StableLM's use_parallel_residual), no biases, a half of each head rotated
+    "stablelm-parallel-no-bias-tied": ("stablelm", {"use_parallel_residual": True, "use_qkv_bias": False,
+                                                    "tie_word_embeddings": True, "num_key_value_heads": 4,
+                                                    "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                                                                        "partial_rotary_factor": 0.5}}),
+    "bigcode-multi-query": ("bigcode", {}),
+    # every head its own keys and values (fused per head), q.k unscaled, exact GELU, an untied head
+    "bigcode-multi-head-unscaled": ("bigcode", {"multi_query": False, "scale_attn_weights": False,
+                                                "activation_function": "gelu", "tie_word_embeddings": False}),
     "bloom-alibi-embed-norm": ("bloom", {}),
     # six heads: the slopes of four, then every other one of eight's (not a power of two)
     "bloom-six-heads-untied": ("bloom", {"hidden_size": 72, "n_head": 6, "tie_word_embeddings": False,
@@ -271,7 +288,8 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
-                 "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe"):
+                 "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
+                 "stablelm"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
