@@ -118,6 +118,9 @@ def build(kind, directory, **overrides):
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                         max_position_embeddings=40, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**settings, **overrides}))
+    elif kind == "mpt":  # ALiBi, no biases anywhere (its LayerNorms' too), an exact-GELU MLP
+        settings = dict(vocab_size=101, d_model=64, n_heads=8, n_layers=2, max_seq_len=40)
+        model = tf.MptForCausalLM(tf.MptConfig(**{**settings, **overrides}))
     elif kind == "stablelm":  # Llama's layers with LayerNorms (biased), a quarter of each head rotated, q/k/v biases
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=40, use_qkv_bias=True)
@@ -190,6 +193,8 @@ CASES = {
     "olmoe-experts-qk-norms": ("olmoe", {}),
     "olmoe-renormalised-tied": ("olmoe", {"norm_topk_prob": True, "tie_word_embeddings": True}),
     "qwen3-moe-experts": ("qwen3_moe", {}),
+    "mpt-alibi-no-bias": ("mpt", {}),
+    "mpt-softmax-scale": ("mpt", {"attn_config": {"alibi": True, "softmax_scale": 0.5}, "layer_norm_epsilon": 1e-4}),
     "stablelm-partial-rotary-qkv-bias": ("stablelm", {}),
     # one norm for two parallel sublayers (StableLM's use_parallel_residual), no biases, a half of each head rotated
     "stablelm-parallel-no-bias-tied": ("stablelm", {"use_parallel_residual": True, "use_qkv_bias": False,
@@ -289,7 +294,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
-                 "stablelm"):
+                 "stablelm", "mpt"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
