@@ -1,4 +1,5 @@
-"""Llama, Qwen2, Qwen3, Mistral, OLMo, Gemma and Gemma 2 checkpoints: config.json <-> DecoderConfig, tensor names."""
+"""Llama, Qwen2, Qwen3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Gemma and Gemma 2 checkpoints: config.json <->
+DecoderConfig, tensor names."""
 from __future__ import annotations
 
 import dataclasses
@@ -69,6 +70,12 @@ def olmo3_config(hf: dict) -> DecoderConfig:
                                sliding_rotary_base=None if window is None else float(slid["rope_theta"]))
 
 
+def smollm3_config(hf: dict) -> DecoderConfig:
+    # SmolLM3: Llama's layers, some of them without positions (NoPE): no_rope_layers is 1 where a layer rotates
+    rotates = hf.get("no_rope_layers")
+    return dataclasses.replace(llama_config(hf), rotary_layers=None if rotates is None else tuple(map(bool, rotates)))
+
+
 def mistral_config(hf: dict) -> DecoderConfig:
     # Mistral: Llama's layers without any bias, and (v0.1) a sliding window; later versions say null (a key left out
     # is transformers' default, 4096)
@@ -90,6 +97,7 @@ _LLAMA_LIKE = {
                                                    qk_norm_over_heads=True, out_bias=cfg.qkv_bias, mlp_bias=False,
                                                    sliding_window=cfg.sliding_window, sliding_layers=cfg.sliding_layers,
                                                    sliding_rotary_base=cfg.sliding_rotary_base)),
+    "smollm3": ("SmolLM3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, rotary_layers=cfg.rotary_layers)),
     # mixtures of experts (probe.checkpoint_moe checks and writes the experts)
     "mixtral": ("MixtralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False,
                                                        sliding_window=cfg.sliding_window, experts=cfg.experts)),
@@ -120,8 +128,12 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
                                        **fixed(cfg)})
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
-    if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe"):
+    if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3"):
         out["attention_bias"] = cfg.qkv_bias
+    if model_type == "smollm3":  # (its config's default special ids, 128000 on, would lie outside a small vocabulary)
+        out["no_rope_layers"] = [int(cfg.layer_rotates(l)) for l in range(cfg.n_layers)]
+        out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
+                    for kind in ("bos", "eos", "pad")})
     if model_type == "olmo3":  # each layer's kind, and each kind's rope (the sliding layers' unscaled)
         windows = [cfg.layer_window(l) is not None for l in range(cfg.n_layers)]
         out.pop("rope_theta"), out.pop("rope_scaling", None)

@@ -4,7 +4,7 @@ One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-Ne
 checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom),
 checkpoint_moe.py (Mixtral, OLMoE, Qwen3-MoE), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
-Qwen2/3, Mistral, OLMo, OLMo 2 and 3, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3); checkpoint_source.py holds what they share
+Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3); checkpoint_source.py holds what they share
 and loading.py does the file handling for all.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from probe.checkpoint_gptj import gptj_config, gptj_config_to_hf, gptj_to_hf, gp
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, mistral_config,
-                                    olmo2_config, olmo3_config, olmo_config,
+                                    olmo2_config, olmo3_config, olmo_config, smollm3_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_moe import (mixtral_config, moe_config_to_hf, moe_to_hf, moe_to_probe, olmoe_config,
                                   qwen3_moe_config)
@@ -76,6 +76,8 @@ FAMILIES = {
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "olmo2"), llama_to_probe, llama_to_hf),
         Family("olmo3", "Olmo3ForCausalLM", ("model.",), olmo3_config,
                lambda cfg, tok: llama_config_to_hf(cfg, tok, "olmo3"), llama_to_probe, llama_to_hf),
+        Family("smollm3", "SmolLM3ForCausalLM", ("model.",), smollm3_config,
+               lambda cfg, tok: llama_config_to_hf(cfg, tok, "smollm3"), llama_to_probe, llama_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma"), gemma_to_probe, gemma_to_hf),
         Family("gemma2", "Gemma2ForCausalLM", ("model.",), gemma2_config,

@@ -60,6 +60,7 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     rotary_scaling: Optional[RotaryScaling] = None  # long-context frequency rescaling (Llama 3.1+); a dict is converted
     # True: dimension 2i rotates with 2i + 1 (GPT-J; TL's name); False: i with i + rotary_dim / 2 (Llama, GPT-NeoX)
     rotary_adjacent_pairs: bool = False
+    rotary_layers: Optional[tuple[bool, ...]] = None  # which layers rotate q and k (SmolLM3: three in four); None: all
     # the windowed layers' own rotary base, with no rotary_scaling (Gemma 3's local layers; TL's rotary_base_local,
     # whose linear rescaling skips the local layers); None: every layer rotates by rotary_base and rotary_scaling
     sliding_rotary_base: Optional[float] = None
@@ -215,6 +216,13 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         if not self.input_norms and self.norm_placement is not NormPlacement.SANDWICH:
             raise ValueError("input_norms=False leaves a sandwich block only its write norms; it needs "
                              "norm_placement='sandwich'")
+        if self.rotary_layers is not None:
+            layers = tuple(self.rotary_layers)
+            if self.positions is not Positions.ROTARY or len(layers) != self.n_layers or not all(
+                    isinstance(x, bool) for x in layers):
+                raise ValueError(f"rotary_layers={self.rotary_layers!r} must give each of the n_layers={self.n_layers} "
+                                 "layers True (rotary) or False (no positions), with positions='rotary'")
+            object.__setattr__(self, "rotary_layers", None if all(layers) else layers)  # one spelling of "every layer"
         if self.rotary_adjacent_pairs and self.positions is not Positions.ROTARY:
             raise ValueError("rotary_adjacent_pairs applies only to positions=rotary")
         if self.embed_norm and self.scale_embed:
@@ -258,29 +266,14 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
             return self.sliding_rotary_base, None
         return self.rotary_base, self.rotary_scaling
 
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether `layer` rotates its queries and keys (rotary positions, and not one of SmolLM3's NoPE layers)."""
+        return self.positions is Positions.ROTARY and (self.rotary_layers is None or self.rotary_layers[layer])
+
     def layer_kv_heads(self, layer: int) -> int:
         return self.n_kv_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
 
-    # ---- transformer-lens's names for the same facts (HookedTransformerConfig) -------------------------
-    @property
-    def act_fn(self) -> str:
-        return self.act_fn_name or self.activation.value
-
-    @property
-    def normalization_type(self) -> Optional[str]:  # None: no norms, as TL says
-        if self.norm is Norm.NONE:
-            return None
-        return ("LN" if self.norm is Norm.LAYER else "RMS") + ("" if self.norm_weights else "Pre")
-
-    @property
-    def positional_embedding_type(self) -> str:
-        return {Positions.LEARNED: "standard", Positions.SINUSOIDAL: "sinusoidal", Positions.ROTARY: "rotary",
-                Positions.SHORTFORMER: "shortformer", Positions.ALIBI: "alibi"}[self.positions]
-
-    @property
-    def post_embedding_ln(self) -> bool:
-        return self.embed_norm
-
+    # ---- facts derived from the fields (transformer-lens's names for them: tl_config_fields) -----------
     @property
     def mlp_norm_learned(self) -> bool:
         """Whether a SoLU-LN MLP's LayerNorm over d_mlp (mlp.ln) learns w and b: beside learned LayerNorms only, as
@@ -294,47 +287,13 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         inside attention, and shortformer ones join only each layer's queries' and keys' inputs."""
         return self.positions in (Positions.LEARNED, Positions.SINUSOIDAL)
 
-    @property
-    def n_key_value_heads(self) -> Optional[int]:
-        return None if self.n_kv_heads == self.n_heads else self.n_kv_heads  # TL: None for plain multi-head
-
-    @property
-    def parallel_attn_mlp(self) -> bool:
-        return self.norm_placement is NormPlacement.PARALLEL
-
-    @property
-    def final_rms(self) -> bool:
-        return self.final_norm and self.norm not in (Norm.LAYER, Norm.NONE) and self.norm_weights  # TL: an RMSNorm with weights
-
-    @property
-    def attention_dir(self) -> str:
-        return "bidirectional" if self.bidirectional else "causal"
-
-    @property
-    def tokenizer_name(self) -> Optional[str]:
-        if self.tokenizer_source is not None:
-            return self.tokenizer_source
-        # a loaded checkpoint's own tokenizer.json is what probe reads; TL's "custom" names a model built from a
-        # config, which has no tokenizer unless the config names one
-        return None if self.model_name == "custom" else self.model_name
-
-    @property
-    def n_params(self) -> int:
-        """Weights in the attention and MLP sublayers (transformer-lens's count: no embeddings, norms or biases)."""
-        mlp = 0 if self.attn_only else self.d_model * self.d_mlp * (3 if self.gated_mlp else 2)
-        if self.experts is not None:  # TL counts every expert and the router's weights
-            mlp = (mlp + self.d_model) * self.experts.n
-        per_layer = sum(self.d_model * self.d_head * (2 * self.layer_heads(l) + 2 * self.layer_kv_heads(l)) + mlp
-                        for l in range(self.n_layers))
-        return per_layer
-
     def to_dict(self) -> dict[str, Any]:
         """The architecture's fields and transformer-lens's use_* switches, whose presence TL code tests (ACDC turns
         hook_mlp_in on only where `"use_hook_mlp_in" in model.cfg.to_dict()`), plus what TL code reads by TL's names
         (`TL_READ`: circuit-tracer 0.5 builds its graph's config from them), which `from_dict` passes over."""
         instance = {f.name for f in dataclasses.fields(self) if not f.compare} - set(SWITCHES)
         out = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(self).items() if k not in instance}
-        for field in ("heads_per_layer", "sliding_layers"):
+        for field in TUPLE_FIELDS:
             if out[field] is not None:
                 out[field] = list(out[field])
         dtype = "float32" if self.dtype is None else str(self.dtype).removeprefix("torch.")  # a name: the dict stays JSON
@@ -348,12 +307,14 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         if unknown:
             raise ValueError(f"unknown DecoderConfig fields: {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}")
         values = dict(values)
-        for field in ("heads_per_layer", "sliding_layers"):
+        for field in TUPLE_FIELDS:
             if values.get(field) is not None:
                 values[field] = tuple(values[field])
         return cls(**values)
 
 
+# per-layer fields: lists in to_dict()'s JSON, tuples in the config
+TUPLE_FIELDS = ("heads_per_layer", "sliding_layers", "rotary_layers")
 # what to_dict() also lists under transformer-lens's names, for TL code that reads a config's dict by them
 TL_READ = ("n_key_value_heads", "tokenizer_name", "model_name", "original_architecture", "dtype")
 

@@ -190,8 +190,8 @@ class AdjacentRotary(Rotary):
 
 def make_rotary(cfg: DecoderConfig, layer: int) -> Optional[Rotary]:
     """`layer`'s rotary positions (its base and rescaling: cfg.layer_rotary), in the config's pairing; None unless
-    positions are rotary."""
-    if cfg.positions is not Positions.ROTARY:
+    positions are rotary and the layer rotates (cfg.rotary_layers)."""
+    if not cfg.layer_rotates(layer):
         return None
     return (AdjacentRotary if cfg.rotary_adjacent_pairs else Rotary)(cfg.rotary_dim, *cfg.layer_rotary(layer))
 

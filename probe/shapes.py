@@ -60,7 +60,7 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
                 shapes[f"{b}.attn.{which}_norm.hook_normalized"] = (batch, pos, n * cfg.d_head) if over else \
                     (batch, pos, n, cfg.d_head)
                 shapes[f"{b}.attn.hook_{which}_normed"] = (batch, pos, n, cfg.d_head)
-        if cfg.positions is Positions.ROTARY:
+        if cfg.layer_rotates(layer):
             shapes[f"{b}.attn.hook_rot_q"] = (batch, pos, heads, cfg.d_head)
             shapes[f"{b}.attn.hook_rot_k"] = (batch, pos, kv, cfg.d_head)
         shapes[f"{b}.attn.hook_attn_scores"] = (batch, heads, pos, key_pos)

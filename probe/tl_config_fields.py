@@ -1,11 +1,10 @@
-"""The rest of transformer-lens's HookedTransformerConfig fields, read off a DecoderConfig (a mixin of it).
+"""transformer-lens's HookedTransformerConfig fields, read off a DecoderConfig (a mixin of it).
 
-TL code reads any of its config's fields on `model.cfg`: `cfg.n_devices`, `cfg.tokenizer_prepends_bos`,
-`cfg.use_NTK_by_parts_rope`, ... config.py gives TL's names for the facts probe's decoder builds (`act_fn`,
-`normalization_type`, `attn_scale`, ...); these are the fields left over. Each reads what a HookedTransformer of the
-same model reads (TL's names for the facts probe builds from, `use_local_attn`, `attn_scale`, ..., among them): probe's value where probe has the feature (NTK-by-parts rope is its llama3 rotary scaling, tied
-embeddings its `tied_embeddings`), and TL's default for a model without it where probe has no such feature
-(mixture of experts, YaRN rope, attention sinks, quantisation, several devices, encoder-decoder models).
+TL code reads any of its config's fields on `model.cfg`: `cfg.act_fn`, `cfg.normalization_type`, `cfg.n_devices`,
+`cfg.tokenizer_prepends_bos`, `cfg.use_NTK_by_parts_rope`, ... Each reads what a HookedTransformer of the same model
+reads: probe's value where probe has the feature under TL's name for it (NTK-by-parts rope is its llama3 rotary
+scaling, tied embeddings its `tied_embeddings`, `num_experts` its `experts.n`), and TL's default for a model without
+it where probe has no such feature (attention sinks, quantisation, several devices, encoder-decoder models).
 tests/test_tl_config_fields.py holds every field TL 3.9 has, the list taken from TL, to HookedTransformer's values.
 """
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from probe.config_choices import Norm, NormPlacement, RotaryScaling
+from probe.config_choices import Norm, NormPlacement, Positions, RotaryScaling
 
 
 class HookedTransformerConfigFields:
@@ -27,7 +26,6 @@ class HookedTransformerConfigFields:
     sliding_rotary_base: Optional[float]
     tied_embeddings: bool
     checkpoint_value: Optional[int]
-    act_fn: str
     n_layers: int
     d_head: int
     sliding_window: Optional[int]
@@ -39,6 +37,59 @@ class HookedTransformerConfigFields:
     attn_scale_by_layer: bool
 
     # ---- what probe builds, under TL's names ----------------------------------------------------------------
+    @property
+    def act_fn(self) -> str:
+        return self.act_fn_name or self.activation.value
+
+    @property
+    def normalization_type(self) -> Optional[str]:  # None: no norms, as TL says
+        if self.norm is Norm.NONE:
+            return None
+        return ("LN" if self.norm is Norm.LAYER else "RMS") + ("" if self.norm_weights else "Pre")
+
+    @property
+    def positional_embedding_type(self) -> str:
+        return {Positions.LEARNED: "standard", Positions.SINUSOIDAL: "sinusoidal", Positions.ROTARY: "rotary",
+                Positions.SHORTFORMER: "shortformer", Positions.ALIBI: "alibi"}[self.positions]
+
+    @property
+    def post_embedding_ln(self) -> bool:
+        return self.embed_norm
+
+    @property
+    def n_key_value_heads(self) -> Optional[int]:
+        return None if self.n_kv_heads == self.n_heads else self.n_kv_heads  # TL: None for plain multi-head
+
+    @property
+    def parallel_attn_mlp(self) -> bool:
+        return self.norm_placement is NormPlacement.PARALLEL
+
+    @property
+    def final_rms(self) -> bool:
+        return self.final_norm and self.norm not in (Norm.LAYER, Norm.NONE) and self.norm_weights  # TL: an RMSNorm with weights
+
+    @property
+    def attention_dir(self) -> str:
+        return "bidirectional" if self.bidirectional else "causal"
+
+    @property
+    def tokenizer_name(self) -> Optional[str]:
+        if self.tokenizer_source is not None:
+            return self.tokenizer_source
+        # a loaded checkpoint's own tokenizer.json is what probe reads; TL's "custom" names a model built from a
+        # config, which has no tokenizer unless the config names one
+        return None if self.model_name == "custom" else self.model_name
+
+    @property
+    def n_params(self) -> int:
+        """Weights in the attention and MLP sublayers (transformer-lens's count: no embeddings, norms or biases)."""
+        mlp = 0 if self.attn_only else self.d_model * self.d_mlp * (3 if self.gated_mlp else 2)
+        if self.experts is not None:  # TL counts every expert and the router's weights
+            mlp = (mlp + self.d_model) * self.experts.n
+        per_layer = sum(self.d_model * self.d_head * (2 * self.layer_heads(l) + 2 * self.layer_kv_heads(l)) + mlp
+                        for l in range(self.n_layers))
+        return per_layer
+
     @property
     def use_local_attn(self) -> bool:
         return self.sliding_window is not None

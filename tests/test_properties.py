@@ -40,6 +40,8 @@ def configs(draw):
                                                                                     "renormalize": draw(st.booleans())}
     bidirectional = window is None and draw(st.booleans())  # a window counts back from the query: causal only
     rotary_dim = draw(st.sampled_from([None] + [r for r in (2, 4) if r <= d_head])) if positions == "rotary" else None
+    # SmolLM3's layers without positions among the rotary ones
+    rotary_layers = tuple(i % 2 == 0 for i in range(n_layers)) if positions == "rotary" and draw(st.booleans()) else None
     return DecoderConfig(
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
         d_model=draw(st.sampled_from([8, 12, 16])), d_mlp=draw(st.sampled_from([8, 20])),
@@ -47,7 +49,7 @@ def configs(draw):
         activation="silu" if gated else draw(st.sampled_from(["gelu_new", "gelu", "relu"])), gated_mlp=gated,
         norm=draw(st.sampled_from(["layer", "rms"])), norm_placement=placement, attn_only=attn_only,
         bidirectional=bidirectional,
-        final_norm=draw(st.booleans()), positions=positions, rotary_dim=rotary_dim,
+        final_norm=draw(st.booleans()), positions=positions, rotary_dim=rotary_dim, rotary_layers=rotary_layers,
         qkv_bias=draw(st.booleans()), out_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()),
         tied_embeddings=draw(st.booleans()), heads_per_layer=heads_per_layer,
         sliding_window=window, sliding_layers=None if window is None or n_layers == 1 else draw(

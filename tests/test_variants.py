@@ -118,6 +118,10 @@ def build(kind, directory, **overrides):
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                         max_position_embeddings=40, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**settings, **overrides}))
+    elif kind == "smollm3":  # Llama's layers, every fourth without positions (NoPE)
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, pad_token_id=1, bos_token_id=2, eos_token_id=3)
+        model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**{**settings, **overrides}))
     elif kind == "mpt":  # ALiBi, no biases anywhere (its LayerNorms' too), an exact-GELU MLP
         settings = dict(vocab_size=101, d_model=64, n_heads=8, n_layers=2, max_seq_len=40)
         model = tf.MptForCausalLM(tf.MptConfig(**{**settings, **overrides}))
@@ -193,6 +197,9 @@ CASES = {
     "olmoe-experts-qk-norms": ("olmoe", {}),
     "olmoe-renormalised-tied": ("olmoe", {"norm_topk_prob": True, "tie_word_embeddings": True}),
     "qwen3-moe-experts": ("qwen3_moe", {}),
+    "smollm3-nope-layers": ("smollm3", {}),
+    "smollm3-two-nope-layers-biases": ("smollm3", {"no_rope_layers": [0, 1, 0, 1], "attention_bias": True,
+                                                   "tie_word_embeddings": False}),
     "mpt-alibi-no-bias": ("mpt", {}),
     "mpt-softmax-scale": ("mpt", {"attn_config": {"alibi": True, "softmax_scale": 0.5}, "layer_norm_epsilon": 1e-4}),
     "stablelm-partial-rotary-qkv-bias": ("stablelm", {}),
@@ -294,7 +301,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
-                 "stablelm", "mpt"):
+                 "stablelm", "mpt", "smollm3"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
