@@ -4,9 +4,8 @@ round trip; here greedy generation through a KV cache and weight processing) and
 checkpoint, hook by hook."""
 from __future__ import annotations
 
-import torch
-
 from probe import HookedDecoder
+from family_checks import assert_generation_and_processing_match
 from test_family_defaults import GPT_FILES, tokenized_checkpoint
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import build
@@ -21,13 +20,4 @@ def test_every_hook_matches_the_bridge(tmp_path):
 
 
 def test_cached_greedy_generation_and_processing_keep_transformers_numbers(tmp_path):
-    hf = build("bigcode", tmp_path)
-    model = HookedDecoder.from_pretrained(tmp_path).eval()
-    prompt = torch.randint(0, 101, (2, 6), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)
-        processed = HookedDecoder.from_pretrained(tmp_path, fold_ln=True, center_writing_weights=True,
-                                                  center_unembed=True, fold_value_biases=True).eval()
-        torch.testing.assert_close(processed(prompt).log_softmax(-1), hf(prompt).logits.log_softmax(-1), atol=1e-4, rtol=0)
-    assert processed.cfg.normalization_type == "LNPre"
+    assert_generation_and_processing_match(build("bigcode", tmp_path), tmp_path)

@@ -13,8 +13,8 @@ import torch
 
 from probe import HookedDecoder, HookedTransformerConfig
 from probe.embedding import alibi_slopes
-from probe.shapes import hook_shapes
 from probe.tl_state_dict import TL_UNWRITTEN
+from family_checks import cache_of_everything, caches_of_both
 from test_family_defaults import BLOOM_FILES, tokenized_checkpoint
 from test_sae_training import needs_saelens
 from test_transformer_lens import compare_with_transformer_lens
@@ -79,11 +79,7 @@ def test_scores_are_qk_plus_the_distance_penalty_by_hand(tmp_path):
 
 def test_hook_shapes_predict_the_cache(tmp_path):
     build("bloom", tmp_path)
-    model = HookedDecoder.from_pretrained(tmp_path).eval()
-    toks = tokens(101)
-    with torch.no_grad():
-        _, cache = model.run_with_cache(toks, names=lambda n: True)
-    predicted = hook_shapes(model.cfg, *toks.shape)
+    _, _, cache, predicted = cache_of_everything(tmp_path)
     assert {"embed.ln.hook_scale", "embed.ln.hook_normalized"} <= set(cache) and "hook_pos_embed" not in predicted
     assert {n: tuple(t.shape) for n, t in cache.items()} == {n: s for n, s in predicted.items() if n in cache}
 
@@ -119,18 +115,11 @@ def test_hooks_match_the_bridge_and_its_scores_differ_by_a_row_constant(tmp_path
     """TL 4's bridge over the same checkpoint: every hook both have agrees, but for the scores, where the bridge adds
     transformers' slope * key position and probe TL 3's slope * (key - query): the same pattern, each row shifted by
     -slope * query position."""
-    from transformer_lens.model_bridge import TransformerBridge
-
     directory = tokenized_checkpoint("bloom", tmp_path / "checkpoint", BLOOM_FILES)
     missing, theirs = compare_with_transformer_lens(directory, 10, seed=4, skip=("hook_attn_scores",))
     # the bridge names the embedding's norm embed_ln (its values: test_bridge_names.py), TL 3.9 embed.ln
     assert missing == {"embed.ln.hook_scale", "embed.ln.hook_normalized"} and "embed_ln.hook_scale" in theirs
-    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
-    model = HookedDecoder.from_pretrained(directory).eval()
-    toks = tokens(model.cfg.d_vocab)
-    with torch.no_grad():
-        _, their_cache = bridge.run_with_cache(toks)
-        _, cache = model.run_with_cache(toks)
+    cache, their_cache = caches_of_both(directory, tokens(HookedDecoder.from_pretrained(directory).cfg.d_vocab))
     visible = torch.ones(11, 11, dtype=torch.bool).tril()
     shift = -torch.tensor(alibi_slopes(4))[:, None, None] * torch.arange(11.0)[None, :, None]  # [head query 1]
     for layer in range(2):

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from probe import HookedDecoder, HookedTransformerConfig
 from probe.processing import process_weights
-from probe.shapes import hook_shapes
 from probe.tl_state_dict import TL_UNWRITTEN
+from family_checks import assert_generation_and_processing_match, cache_of_everything, caches_of_both
 from test_sae_training import needs_saelens
 from test_variants import build
 from tl_cases import TL_DEFAULTS, assert_processed_as_hooked_transformer, assert_same_cache, hooked_transformer_outputs, part
@@ -98,11 +98,7 @@ def test_an_edit_of_the_routing_weights_changes_which_experts_run(tmp_path):
 
 def test_hook_shapes_bound_the_expert_rows_and_fix_the_rest(tmp_path):
     build("mixtral", tmp_path)
-    model = HookedDecoder.from_pretrained(tmp_path).eval()
-    toks = tokens(101)
-    with torch.no_grad():
-        _, cache = model.run_with_cache(toks, names=lambda n: True)
-    predicted = hook_shapes(model.cfg, *toks.shape)
+    model, toks, cache, predicted = cache_of_everything(tmp_path)
     assert set(cache) <= set(predicted)
     for name, t in cache.items():
         if ".experts." in name:
@@ -170,20 +166,13 @@ def test_the_other_families_hooks_match_the_bridge(kind, tmp_path):
 def test_hooks_match_the_bridge(tmp_path):
     from test_family_defaults import LLAMA_FILES, tokenized_checkpoint
     from test_transformer_lens import compare_with_transformer_lens
-    from transformer_lens.model_bridge import TransformerBridge
-
     directory = tokenized_checkpoint("mixtral", tmp_path / "checkpoint", LLAMA_FILES)
     missing, theirs = compare_with_transformer_lens(directory, 10, seed=4, skip=("hook_expert_weights",))
     # the bridge hooks the routing (the chosen experts agree) but not inside each expert
     assert {n for n in missing if ".experts." not in n} == set() and "blocks.0.mlp.hook_expert_indices" in theirs
     # its hook_expert_weights is the weights the chosen experts are summed with, zeros elsewhere; TL 3.9's (and
     # probe's) the softmax over every expert before the choice
-    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
-    model = HookedDecoder.from_pretrained(directory).eval()
-    toks = tokens(model.cfg.d_vocab)
-    with torch.no_grad():
-        _, their_cache = bridge.run_with_cache(toks)
-        _, cache = model.run_with_cache(toks)
+    cache, their_cache = caches_of_both(directory, tokens(HookedDecoder.from_pretrained(directory).cfg.d_vocab))
     for layer in range(2):
         probs, chosen = cache[f"blocks.{layer}.mlp.hook_expert_weights"], cache[f"blocks.{layer}.mlp.hook_expert_indices"]
         top = probs.gather(-1, chosen)
@@ -192,13 +181,7 @@ def test_hooks_match_the_bridge(tmp_path):
 
 
 def test_generation_through_a_kv_cache_is_transformers_greedy(tmp_path):
-    hf = build("mixtral", tmp_path)
-    model = HookedDecoder.from_pretrained(tmp_path).eval()
-    prompt = tokens(101)[:, :5]
-    with torch.no_grad():
-        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        ours = model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False)
-    assert torch.equal(ours, expected)
+    assert_generation_and_processing_match(build("mixtral", tmp_path), tmp_path, processing=False)  # RMS
 
 
 def test_a_mixture_of_experts_has_no_one_mlp_matrix_per_layer(tmp_path):
