@@ -3,7 +3,7 @@
 One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
 checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom),
 checkpoint_moe.py (Mixtral, OLMoE, Qwen3-MoE), checkpoint_bigcode.py (SantaCoder, StarCoder),
-checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
+checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
 Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3); checkpoint_source.py holds what they share
 and loading.py does the file handling for all.
 """
@@ -18,6 +18,7 @@ from probe.checkpoint_bigcode import bigcode_config, bigcode_config_to_hf, bigco
 from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf, bloom_to_probe
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
+from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
 from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_multimodal_config,
                                      gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe)
 from probe.checkpoint_gptj import gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
@@ -103,6 +104,8 @@ FAMILIES = {
                moe_to_hf("olmoe")),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", ("model.",), qwen3_moe_config, moe_config_to_hf("qwen3_moe"),
                moe_to_probe("qwen3_moe"), moe_to_hf("qwen3_moe"), prepends_bos=False),
+        Family("falcon", "FalconForCausalLM", ("transformer.",), falcon_config, falcon_config_to_hf, falcon_to_probe,
+               falcon_to_hf),
         Family("mpt", "MptForCausalLM", ("transformer.",), mpt_config, mpt_config_to_hf, mpt_to_probe, mpt_to_hf),
         Family("stablelm", "StableLmForCausalLM", ("model.",), stablelm_config, stablelm_config_to_hf, stablelm_to_probe,
                stablelm_to_hf),

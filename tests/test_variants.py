@@ -118,6 +118,10 @@ def build(kind, directory, **overrides):
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                         max_position_embeddings=40, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**settings, **overrides}))
+    elif kind == "falcon":  # Falcon-7B's block: parallel sublayers reading one norm, one key/value head, no biases
+        settings = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=40)
+        model = tf.FalconForCausalLM(tf.FalconConfig(**{**settings, **overrides}))
     elif kind == "smollm3":  # Llama's layers, every fourth without positions (NoPE)
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=40, pad_token_id=1, bos_token_id=2, eos_token_id=3)
@@ -197,6 +201,12 @@ CASES = {
     "olmoe-experts-qk-norms": ("olmoe", {}),
     "olmoe-renormalised-tied": ("olmoe", {"norm_topk_prob": True, "tie_word_embeddings": True}),
     "qwen3-moe-experts": ("qwen3_moe", {}),
+    "falcon-parallel-multi-query": ("falcon", {}),
+    # Falcon-40B's: a norm for each parallel sublayer, key/value heads shared by groups of query heads
+    "falcon-new-architecture-gqa": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
+                                               "ffn_hidden_size": 96}),
+    "falcon-sequential-heads-biases": ("falcon", {"multi_query": False, "parallel_attn": False, "bias": True,
+                                                  "tie_word_embeddings": False}),
     "smollm3-nope-layers": ("smollm3", {}),
     "smollm3-two-nope-layers-biases": ("smollm3", {"no_rope_layers": [0, 1, 0, 1], "attention_bias": True,
                                                    "tie_word_embeddings": False}),
@@ -301,7 +311,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
-                 "stablelm", "mpt", "smollm3"):
+                 "stablelm", "mpt", "smollm3", "falcon"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
