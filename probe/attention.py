@@ -71,6 +71,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.q_norm, self.k_norm = make_qk_norm(cfg, self.n_heads), make_qk_norm(cfg, self.n_kv_heads)
         self.hook_q_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos head d_head]
         self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
+        self.clip = cfg.clip_qkv  # OLMo-7B-0424's clamp of q, k and v; None: none
         self.rotary = make_rotary(cfg, layer)
         self.alibi = make_alibi(cfg, self.n_heads)  # ALiBi's distance penalty on the scores; None otherwise
         if self.rotary is not None:
@@ -107,6 +108,8 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         k, v = per_head(k, self.hooked_kv_heads), per_head(v, self.hooked_kv_heads)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
+        if self.clip is not None:  # after the norms, before rotary (transformers' and TL's place; TL hooks nothing here)
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         if self.rotary is not None:
             q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))
         key_positions = positions

@@ -45,11 +45,10 @@ def qwen3_config(hf: dict) -> DecoderConfig:
 
 
 def olmo_config(hf: dict) -> DecoderConfig:
-    if hf.get("clip_qkv") is not None:  # OLMo-7B-0424's: q, k and v clamped, which probe's attention does not do
-        raise CheckpointError(f"clip_qkv={hf['clip_qkv']} (q, k and v clamped to that size) is not supported")
-    # OLMo: Llama's block with LayerNorms that learn nothing (computed in float32, eps fixed at 1e-5)
+    # OLMo: Llama's block with LayerNorms that learn nothing (computed in float32, eps fixed at 1e-5), and (OLMo-7B-0424
+    # on) q, k and v clamped to clip_qkv
     return dataclasses.replace(llama_config(hf), norm=Norm.LAYER, norm_weights=False, eps=1e-5,
-                               out_bias=hf.get("attention_bias", False))
+                               out_bias=hf.get("attention_bias", False), clip_qkv=hf.get("clip_qkv"))
 
 
 def olmo2_config(hf: dict) -> DecoderConfig:
@@ -90,7 +89,7 @@ _LLAMA_LIKE = {
                                                        sliding_window=cfg.sliding_window)),
     "qwen3": ("Qwen3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, qk_norm=True)),
     "olmo": ("OlmoForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_weights=False, eps=1e-5, out_bias=cfg.qkv_bias,
-                                                 mlp_bias=False)),
+                                                 mlp_bias=False, clip_qkv=cfg.clip_qkv)),
     "olmo2": ("Olmo2ForCausalLM", lambda cfg: dict(norm_placement=NormPlacement.SANDWICH, input_norms=False, qk_norm=True,
                                                    qk_norm_over_heads=True, out_bias=cfg.qkv_bias, mlp_bias=False)),
     "olmo3": ("Olmo3ForCausalLM", lambda cfg: dict(norm_placement=NormPlacement.SANDWICH, input_norms=False, qk_norm=True,
@@ -102,7 +101,7 @@ _LLAMA_LIKE = {
     "mixtral": ("MixtralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False,
                                                        sliding_window=cfg.sliding_window, experts=cfg.experts)),
     "olmoe": ("OlmoeForCausalLM", lambda cfg: dict(qk_norm=True, qk_norm_over_heads=True, out_bias=cfg.qkv_bias,
-                                                   mlp_bias=False, experts=cfg.experts)),
+                                                   mlp_bias=False, experts=cfg.experts, clip_qkv=cfg.clip_qkv)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, qk_norm=True,
                                                           experts=cfg.experts)),
 }
@@ -141,8 +140,8 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
                    sliding_window=cfg.sliding_window or 4096, rope_parameters={
                        "full_attention": out["rope_parameters"], "sliding_attention": {
                            "rope_type": "default", "rope_theta": cfg.sliding_rotary_base or cfg.rotary_base}})
-    if model_type == "olmo":
-        out["clip_qkv"] = None
+    if model_type in ("olmo", "olmoe"):
+        out["clip_qkv"] = cfg.clip_qkv
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     return out

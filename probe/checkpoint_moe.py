@@ -38,11 +38,9 @@ def mixtral_config(hf: dict) -> DecoderConfig:
 
 
 def olmoe_config(hf: dict) -> DecoderConfig:
-    if hf.get("clip_qkv") is not None:
-        raise CheckpointError(f"clip_qkv={hf['clip_qkv']} (q, k and v clamped to that size) is not supported")
-    # OLMo 2's q and k norms over all heads, in a pre-norm block
+    # OLMo 2's q and k norms over all heads, in a pre-norm block; q, k and v clamped where clip_qkv says
     return dataclasses.replace(llama_config(hf), qk_norm=True, qk_norm_over_heads=True,
-                               out_bias=hf.get("attention_bias", False),
+                               out_bias=hf.get("attention_bias", False), clip_qkv=hf.get("clip_qkv"),
                                experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
 
 
@@ -70,8 +68,6 @@ def moe_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[Token
             out["sliding_window"] = cfg.sliding_window
         else:
             out["norm_topk_prob"] = experts.renormalize
-        if model_type == "olmoe":
-            out["clip_qkv"] = None
         if model_type == "qwen3_moe":
             out.update(moe_intermediate_size=cfg.d_mlp, decoder_sparse_step=1, mlp_only_layers=[])
         return out

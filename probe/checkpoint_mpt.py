@@ -3,7 +3,8 @@
 A pre-norm block with ALiBi positions, no biases anywhere (`no_bias`: its LayerNorms have none either, loaded as
 zeros and saved only while they stay zeros), q, k and v fused in probe's own order, an exact-GELU MLP of width
 expansion_ratio * d_model, and a tied unembedding. MPT's ALiBi slopes are Bloom's for 2^k heads and the default
-alibi_bias_max of 8, which every released MPT has; other settings, clip_qkv, qk_ln and logit_scale are refused.
+alibi_bias_max of 8, which every released MPT has; other settings, qk_ln and logit_scale are refused; clip_qkv
+clamps q, k and v.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def mpt_config(hf: dict) -> DecoderConfig:
     attn = hf.get("attn_config") or {}
     n_heads, d_model = hf["n_heads"], hf["d_model"]
     refused = {"alibi": (attn.get("alibi", False), True), "alibi_bias_max": (attn.get("alibi_bias_max", 8), 8),
-               "clip_qkv": (attn.get("clip_qkv"), None), "qk_ln": (attn.get("qk_ln", False), False),
+               "qk_ln": (attn.get("qk_ln", False), False),
                "logit_scale": (hf.get("logit_scale"), None), "no_bias": (hf.get("no_bias", True), True)}
     for name, (value, supported) in refused.items():
         if value != supported:
@@ -34,7 +35,7 @@ def mpt_config(hf: dict) -> DecoderConfig:
         n_layers=hf["n_layers"], d_model=d_model, n_heads=n_heads, d_mlp=hf.get("expansion_ratio", 4) * d_model,
         d_vocab=hf["vocab_size"], n_ctx=hf["max_seq_len"], eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=Activation.GELU, positions=Positions.ALIBI, attn_scale_dim=None if scale is None else scale ** -2,
-        qkv_bias=False, out_bias=False, mlp_bias=False, tied_embeddings=True,
+        qkv_bias=False, out_bias=False, mlp_bias=False, tied_embeddings=True, clip_qkv=attn.get("clip_qkv"),
     )
 
 
@@ -42,7 +43,8 @@ def mpt_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict
     require_fields(cfg, "MPT", heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True,
                    positions=Positions.ALIBI, activation=Activation.GELU, gated_mlp=False, n_kv_heads=cfg.n_heads,
                    d_head=cfg.d_model // cfg.n_heads, qkv_bias=False, out_bias=False, mlp_bias=False,
-                   tied_embeddings=True, bidirectional=False, attn_scale_dim=cfg.attn_scale_dim)  # any: softmax_scale
+                   tied_embeddings=True, bidirectional=False, attn_scale_dim=cfg.attn_scale_dim,  # any: softmax_scale
+                   clip_qkv=cfg.clip_qkv)
     if cfg.n_heads * cfg.d_head != cfg.d_model or cfg.d_mlp % cfg.d_model or cfg.n_heads & (cfg.n_heads - 1):
         raise ValueError("an MPT checkpoint needs n_heads * d_head == d_model, d_mlp a multiple of d_model and 2^k heads")
     scale = None if cfg.attn_scale_dim is None else cfg.attn_scale_dim ** -0.5
@@ -50,7 +52,8 @@ def mpt_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict
         "model_type": "mpt", "architectures": ["MptForCausalLM"], "n_layers": cfg.n_layers, "d_model": cfg.d_model,
         "n_heads": cfg.n_heads, "expansion_ratio": cfg.d_mlp // cfg.d_model, "vocab_size": cfg.d_vocab,
         "max_seq_len": cfg.n_ctx, "layer_norm_epsilon": cfg.eps, "no_bias": True, "logit_scale": None,
-        "attn_config": {"alibi": True, "alibi_bias_max": 8, "clip_qkv": None, "qk_ln": False, "softmax_scale": scale},
+        "attn_config": {"alibi": True, "alibi_bias_max": 8, "clip_qkv": cfg.clip_qkv, "qk_ln": False,
+                        "softmax_scale": scale},
         "tie_word_embeddings": True,
     }
 

@@ -184,7 +184,7 @@ def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
 PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None,
               sliding_layers=None, qk_norm=False, attn_scale_by_layer=False, unembed_bias=False, norm_weights=True,
               rotary_adjacent_pairs=False, sliding_rotary_base=None, qk_norm_over_heads=False, input_norms=True,
-                    embed_norm=False, experts=None, rotary_layers=None)
+                    embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None)
 
 # ---- rotary settings, shared by the rotary families ---------------------------------------------------
 def rope_from_hf(hf: dict) -> tuple[dict, Optional[RotaryScaling]]:

@@ -70,6 +70,7 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     # layer l's q.k also divided by l + 1 (GPT-2's scale_attn_by_inverse_layer_idx: Stanford CRFM's GPT-2 runs)
     attn_scale_by_layer: bool = False
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2: 50)
+    clip_qkv: Optional[float] = None  # q, k and v clamped to [-clip, clip] after their norms (OLMo-7B-0424, OLMoE, MPT)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
     scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
     qk_norm: bool = False  # each head's q and k normalised over d_head (the model's norm kind) before rotary (Qwen3)
@@ -156,7 +157,7 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
             object.__setattr__(self, "sliding_layers", None if all(layers) or not any(layers) else layers)
             if not any(layers):
                 object.__setattr__(self, "sliding_window", None)
-        for field in ("attn_scale_dim", "attn_softcap", "logit_softcap"):
+        for field in ("attn_scale_dim", "attn_softcap", "logit_softcap", "clip_qkv"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
                 raise ValueError(f"{field} must be a positive number or None, got {value!r}")

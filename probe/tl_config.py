@@ -58,7 +58,7 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "attention_dir", "use_hook_tokens", "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor",
          "rotary_base_local", "rotary_adjacent_pairs", "use_yarn_rope", "yarn_factor", "yarn_attention_factor",
          "yarn_beta_fast", "yarn_beta_slow", "yarn_original_max_position_embeddings", "yarn_truncate",
-         "yarn_global_attn_only", "post_embedding_ln", "num_experts", "experts_per_token", "norm_topk_prob"}
+         "yarn_global_attn_only", "post_embedding_ln", "num_experts", "experts_per_token", "norm_topk_prob", "clip_qkv"}
 
 
 def _config_fields() -> set[str]:
@@ -180,7 +180,7 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
         sliding_layers=tuple(t == "local" for t in attn_types) if window is not None and attn_types else None,
         attn_scale_dim=_scale_dim(s), attn_softcap=_cap(s.get("attn_scores_soft_cap", -1.0)),
         logit_softcap=_cap(s.get("output_logits_soft_cap", -1.0)), qk_norm=s.get("use_qk_norm", False),
-        attn_scale_by_layer=s.get("scale_attn_by_inverse_layer_idx", False),
+        attn_scale_by_layer=s.get("scale_attn_by_inverse_layer_idx", False), clip_qkv=s.get("clip_qkv"),
         qkv_bias=True, out_bias=True, mlp_bias=experts is None, unembed_bias=True,  # TL's experts have no biases
         tied_embeddings=s.get("tie_word_embeddings", False),
         init_std=init if init > 0 else 0.8 / math.sqrt(d_model),  # TL's default for a negative initializer_range

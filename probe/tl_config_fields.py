@@ -249,7 +249,7 @@ class HookedTransformerConfigFields:
 # TL 3.9's fields for features probe does not build (attention sinks, quantisation, remote code, T5's relative
 # attention): the value a HookedTransformer without them reads, which `model.cfg` reads too and `HookedTransformerConfig(...)` takes them at (probe/tl_config.py)
 ABSENT_FEATURES = {
-    "clip_qkv": None, "use_logn_attn": False, "train_seq_length": None,
+    "use_logn_attn": False, "train_seq_length": None,
     "use_dynamic_ntk_rope": False,
     "use_attention_sinks": False, "trust_remote_code": False, "load_in_4bit": False, "quantization_method": None,
     "relative_attention_max_distance": None, "relative_attention_num_buckets": None, "decoder_start_token_id": None,

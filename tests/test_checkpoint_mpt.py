@@ -37,7 +37,7 @@ def test_left_padded_greedy_generation_is_transformers(tmp_path):
 
 @pytest.mark.parametrize("change, match", [
     (dict(attn_config={"alibi": False}), r"MPT's alibi=False is not supported"),
-    (dict(attn_config={"alibi": True, "clip_qkv": 6.0}), r"MPT's clip_qkv=6.0 is not supported"),
+    (dict(attn_config={"alibi": True, "qk_ln": True}), r"MPT's qk_ln=True is not supported"),
     (dict(n_heads=4, d_model=48), None),  # 2^k heads: loads
     (dict(logit_scale=0.5), r"MPT's logit_scale=0.5 is not supported"),
 ])

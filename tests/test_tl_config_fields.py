@@ -330,7 +330,7 @@ def test_checkpoint_fields_follow_checkpoint_value(monkeypatch, tmp_path):
 @pytest.mark.parametrize("settings, match", [
     (dict(rotary_scaling_factor=4.0, use_NTK_by_parts_rope=True), r"rotary_scaling_factor=4.0.*use_NTK_by_parts_rope"),
     (dict(use_dynamic_ntk_rope=True), r"use_dynamic_ntk_rope=True\) is not supported"),
-    (dict(clip_qkv=8.0), r"clip_qkv=8.0\) is not supported"),
+    (dict(use_logn_attn=True), r"use_logn_attn=True\) is not supported"),
     (dict(use_attention_sinks=True), r"use_attention_sinks=True\) is not supported"),
     (dict(original_architecture="Olmo2ForCausalLM"), r"original_architecture='Olmo2ForCausalLM'\) is not supported"),
 ])

@@ -184,6 +184,8 @@ CASES = {
                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
         "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0}),
     "olmo-weightless-norms": ("olmo", {}),
+    # OLMo-7B-0424's clamp, small enough to bite on random weights
+    "olmo-clip-qkv": ("olmo", {"clip_qkv": 0.05}),
     "olmo-gqa-biases-tied": ("olmo", {"num_key_value_heads": 2, "attention_bias": True, "tie_word_embeddings": True}),
     "gptj-adjacent-pairs-partial": ("gptj", {}),
     "gptj-whole-head-tied-relu": ("gptj", {"rotary_dim": 16, "tie_word_embeddings": True, "activation_function": "relu"}),
@@ -200,6 +202,7 @@ CASES = {
     "mixtral-one-expert-window": ("mixtral", {"num_experts_per_tok": 1, "sliding_window": 6}),
     "olmoe-experts-qk-norms": ("olmoe", {}),
     "olmoe-renormalised-tied": ("olmoe", {"norm_topk_prob": True, "tie_word_embeddings": True}),
+    "olmoe-clip-qkv": ("olmoe", {"clip_qkv": 0.05}),
     "qwen3-moe-experts": ("qwen3_moe", {}),
     "falcon-parallel-multi-query": ("falcon", {}),
     # Falcon-40B's: a norm for each parallel sublayer, key/value heads shared by groups of query heads
@@ -211,6 +214,7 @@ CASES = {
     "smollm3-two-nope-layers-biases": ("smollm3", {"no_rope_layers": [0, 1, 0, 1], "attention_bias": True,
                                                    "tie_word_embeddings": False}),
     "mpt-alibi-no-bias": ("mpt", {}),
+    "mpt-clip-qkv": ("mpt", {"attn_config": {"alibi": True, "clip_qkv": 0.05}}),
     "mpt-softmax-scale": ("mpt", {"attn_config": {"alibi": True, "softmax_scale": 0.5}, "layer_norm_epsilon": 1e-4}),
     "stablelm-partial-rotary-qkv-bias": ("stablelm", {}),
     # one norm for two parallel sublayers (StableLM's use_parallel_residual), no biases, a half of each head rotated
@@ -724,7 +728,7 @@ def test_qwen3_normalises_each_heads_query_and_key_before_rotating(tmp_path):
     ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
     ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "chunked_attention"),
     ("neox", dict(tie_word_embeddings=False), "missing the tensor 'embed_out.weight'"),
-    ("olmo", dict(clip_qkv=8.0), r"clip_qkv=8.0 \(q, k and v clamped to that size\) is not supported"),
+    ("olmo", dict(clip_qkv=-8.0), r"clip_qkv must be a positive number or None, got -8.0"),
     # hostile or mistyped fields of the newer families: one line naming the file and the field
     ("gptneo", dict(window_size="256"), r"config.json: window_size must be a positive integer, got the string '256'"),
     ("gptneo", dict(num_layers=10**7), r"config.json: num_layers=10000000, but the weights hold 3 layers"),
