@@ -135,7 +135,9 @@ def test_auto_circuit_finds_the_circuits_on_probe_that_it_finds_on_transformer_l
     for key, value in theirs.items():
         infinite = value.isinf()  # ACDC scores the edges it never prunes as infinite
         assert torch.equal(ours[key].isinf(), infinite), key
-        assert_same(ours[key].masked_fill(infinite, 0), value.masked_fill(infinite, 0), atol=1e-4, what=key)
+        finite = value.masked_fill(infinite, 0)
+        # scores summed over integrated-gradient steps reach ~20: float32 noise relative to the scores' own scale
+        assert_same(ours[key].masked_fill(infinite, 0), finite, atol=1e-4 * max(1.0, float(finite.abs().max())), what=key)
 
 
 @needs_saelens
