@@ -56,11 +56,13 @@ class MoEMLP(nn.Module):
         chosen = self.hook_expert_indices(chosen)
         out = torch.zeros_like(tokens)
         for index, expert in enumerate(self.experts):
-            slot, rows = torch.where((chosen == index).T)  # first choices first, as transformer-lens orders them
+            slot, rows = self.routing(chosen, index)
             written = expert(tokens[rows]) * weights[rows, slot, None].to(x.dtype)
             out = out.index_add(0, rows, written)
         return out.view(x.shape)
 
-    def routed_rows(self, chosen: torch.Tensor, index: int) -> torch.Tensor:
-        """The token rows (of batch*pos) expert `index`'s points hold, in their order, from hook_expert_indices."""
-        return torch.where((chosen == index).T)[1]
+    @staticmethod
+    def routing(chosen: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rank, row) of each token row (of batch*pos) that expert `index` runs on, from hook_expert_indices `chosen`,
+        in the order its points hold them: the tokens that chose it first, then second, ..., as transformer-lens."""
+        return torch.where((chosen == index).T)
