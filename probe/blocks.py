@@ -12,7 +12,7 @@ from torch import nn
 from probe.attention import Attention, PerHeadInputs
 from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.hooks import HookPoint, observed
-from probe.mlp import make_mlp
+from probe.moe import make_mlp
 from probe.norm import make_norm
 
 

@@ -104,6 +104,8 @@ _LLAMA_LIKE = {
                                                    mlp_bias=False, experts=cfg.experts, clip_qkv=cfg.clip_qkv)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, qk_norm=True,
                                                           experts=cfg.experts)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", lambda cfg: dict(qkv_bias={False, True}, out_bias=False, mlp_bias=False,
+                                                          experts=cfg.experts)),
 }
 
 

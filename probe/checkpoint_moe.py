@@ -1,5 +1,6 @@
-"""Mixture-of-experts checkpoints (Mixtral, OLMoE, Qwen3-MoE): Llama's attention and norms (probe.checkpoint_llama)
-and, in place of each MLP, a router and its experts (probe.moe).
+"""Mixture-of-experts checkpoints (Mixtral, OLMoE, Qwen3-MoE, Qwen1.5/Qwen2-MoE): Llama's attention and norms
+(probe.checkpoint_llama) and, in place of each MLP, a router and its experts (probe.moe), with Qwen2-MoE's shared
+expert and its gate (`mlp.shared_expert`, `mlp.shared_expert_gate`).
 
 The experts are stored one by one, [out, in] as nn.Linear: Mixtral's under `block_sparse_moe.experts.{e}.w1` (gate),
 `w3` (up) and `w2` (down), OLMoE's and Qwen3-MoE's under `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; the
@@ -22,8 +23,10 @@ from probe.tokenizer import Tokenizer
 # model_type -> (the sparse block's name in a layer, each expert's (gate, up, down) projections)
 LAYOUTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
            "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-           "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+           "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 PROJECTIONS = ("W_gate", "W_in", "W_out")  # probe's (transformer-lens's) names for the same three
+SHARED = ("gate", "fc_in", "fc_out")  # the shared expert's, a gated MLP's (probe.mlp.GatedMLP)
 
 
 def _experts(hf: dict, count_key: str, renormalize: bool) -> Experts:
@@ -44,14 +47,28 @@ def olmoe_config(hf: dict) -> DecoderConfig:
                                experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
 
 
-def qwen3_moe_config(hf: dict) -> DecoderConfig:
+def _every_layer_sparse(hf: dict) -> dict:
+    """config.json with the experts' width as the MLP's (the file's intermediate_size is a dense layer's, which Qwen's
+    MoE files may put among the sparse ones: refused)."""
     dense = hf.get("mlp_only_layers") or []
     if dense or hf.get("decoder_sparse_step", 1) != 1:
         raise CheckpointError(f"dense MLP layers among the sparse ones (mlp_only_layers={dense}, decoder_sparse_step="
                               f"{hf.get('decoder_sparse_step', 1)}) are not supported: every layer must be sparse")
-    hf = {**hf, "intermediate_size": hf["moe_intermediate_size"]}  # the experts' width; the file's is a dense MLP's
+    return {**hf, "intermediate_size": hf["moe_intermediate_size"]}
+
+
+def qwen3_moe_config(hf: dict) -> DecoderConfig:
+    hf = _every_layer_sparse(hf)
     return dataclasses.replace(llama_config(hf), qk_norm=True,
                                experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
+
+
+def qwen2_moe_config(hf: dict) -> DecoderConfig:
+    # Qwen2's attention (q/k/v biases) and, beside the routed experts, a shared one every token runs
+    hf = _every_layer_sparse(hf)
+    experts = dataclasses.replace(_experts(hf, "num_experts", hf.get("norm_topk_prob", False)),
+                                  shared=hf.get("shared_expert_intermediate_size") or None)
+    return dataclasses.replace(llama_config(hf, qkv_bias=hf.get("qkv_bias", True)), experts=experts)
 
 
 def moe_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[Tokenizer]], dict]:
@@ -68,8 +85,12 @@ def moe_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[Token
             out["sliding_window"] = cfg.sliding_window
         else:
             out["norm_topk_prob"] = experts.renormalize
-        if model_type == "qwen3_moe":
+        if model_type in ("qwen3_moe", "qwen2_moe"):
             out.update(moe_intermediate_size=cfg.d_mlp, decoder_sparse_step=1, mlp_only_layers=[])
+        if model_type == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=experts.shared or 0, qkv_bias=cfg.qkv_bias)
+        elif experts.shared is not None:
+            raise ValueError(f"a {model_type} checkpoint has no shared expert; this model has experts={experts!r}")
         return out
     return config_to_hf
 
@@ -87,6 +108,11 @@ def moe_to_probe(model_type: str) -> Callable[[Source, DecoderConfig], dict[str,
             for e in range(cfg.experts.n):
                 for ours, theirs, shape in zip(PROJECTIONS, projections, shapes):
                     out[f"{o}.experts.{e}.{ours}.weight"] = source.take(f"{t}.experts.{e}.{theirs}.weight", shape)
+            if cfg.experts.shared is not None:
+                s = cfg.experts.shared
+                out[f"{o}.shared_expert_gate.weight"] = source.take(f"{t}.shared_expert_gate.weight", (1, d))
+                for ours, theirs, shape in zip(SHARED, projections, ((s, d), (s, d), (d, s))):
+                    out[f"{o}.shared_expert.{ours}.weight"] = source.take(f"{t}.shared_expert.{theirs}.weight", shape)
         return out
     return to_probe
 
@@ -102,5 +128,9 @@ def moe_to_hf(model_type: str) -> Callable[[dict[str, torch.Tensor], DecoderConf
             for e in range(cfg.experts.n):
                 for ours, theirs in zip(PROJECTIONS, projections):
                     out[f"{t}.experts.{e}.{theirs}.weight"] = params[f"{o}.experts.{e}.{ours}.weight"].contiguous()
+            if cfg.experts.shared is not None:
+                out[f"{t}.shared_expert_gate.weight"] = params[f"{o}.shared_expert_gate.weight"].contiguous()
+                for ours, theirs in zip(SHARED, projections):
+                    out[f"{t}.shared_expert.{theirs}.weight"] = params[f"{o}.shared_expert.{ours}.weight"].contiguous()
         return out
     return to_hf

@@ -2,7 +2,7 @@
 
 One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
 checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom),
-checkpoint_moe.py (Mixtral, OLMoE, Qwen3-MoE), checkpoint_bigcode.py (SantaCoder, StarCoder),
+checkpoint_moe.py (Mixtral, OLMoE, Qwen2/3-MoE), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
 Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3); checkpoint_source.py holds what they share
 and loading.py does the file handling for all.
@@ -28,7 +28,7 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_conf
                                     olmo2_config, olmo3_config, olmo_config, smollm3_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_moe import (mixtral_config, moe_config_to_hf, moe_to_hf, moe_to_probe, olmoe_config,
-                                  qwen3_moe_config)
+                                  qwen2_moe_config, qwen3_moe_config)
 from probe.checkpoint_mpt import mpt_config, mpt_config_to_hf, mpt_to_hf, mpt_to_probe
 from probe.checkpoint_opt import opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe
 from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, phi3_to_probe, phi_config, phi_config_to_hf,
@@ -104,6 +104,8 @@ FAMILIES = {
                moe_to_hf("olmoe")),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", ("model.",), qwen3_moe_config, moe_config_to_hf("qwen3_moe"),
                moe_to_probe("qwen3_moe"), moe_to_hf("qwen3_moe"), prepends_bos=False),
+        Family("qwen2_moe", "Qwen2MoeForCausalLM", ("model.",), qwen2_moe_config, moe_config_to_hf("qwen2_moe"),
+               moe_to_probe("qwen2_moe"), moe_to_hf("qwen2_moe"), prepends_bos=False),
         Family("falcon", "FalconForCausalLM", ("transformer.",), falcon_config, falcon_config_to_hf, falcon_to_probe,
                falcon_to_hf),
         Family("mpt", "MptForCausalLM", ("transformer.",), mpt_config, mpt_config_to_hf, mpt_to_probe, mpt_to_hf),

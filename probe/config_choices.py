@@ -104,11 +104,13 @@ class Experts:
     """A sparse mixture of gated MLPs in place of each layer's MLP (Mixtral, OLMoE; transformer-lens's num_experts,
     experts_per_token, norm_topk_prob): a router scores the `n` experts for each token, the `per_token` with the
     largest softmax weights run, and their outputs are summed with those weights (divided first by their sum when
-    `renormalize`: Mixtral always, OLMoE as its config says)."""
+    `renormalize`: Mixtral always, OLMoE as its config says). `shared`: the width of an expert every token runs, its
+    output weighed by a sigmoid gate of its own (Qwen1.5-MoE, Qwen2-MoE); None: none."""
 
     n: int
     per_token: int
     renormalize: bool = False
+    shared: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("n", "per_token"):
@@ -119,3 +121,7 @@ class Experts:
             raise ValueError(f"Experts(per_token={self.per_token}) picks more experts than there are (n={self.n})")
         if not isinstance(self.renormalize, bool):
             raise ValueError(f"Experts.renormalize must be a bool, got {self.renormalize!r}")
+        if self.shared is not None and (not isinstance(self.shared, int) or isinstance(self.shared, bool)
+                                        or self.shared <= 0):
+            raise ValueError(f"Experts.shared must be a positive int (the shared expert's width) or None, got "
+                             f"{self.shared!r}")

@@ -123,6 +123,9 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("mlp.ln", "norm", 2 * m if cfg.mlp_norm_learned else 0, layer)
         add(f"{mlp}.out.weight", "mlp", n * m * d, layer)
         add(f"{mlp}.out.bias", "mlp", n * d if cfg.mlp_bias else 0, layer)
+        shared = 0 if cfg.experts is None or cfg.experts.shared is None else cfg.experts.shared
+        add("mlp.shared_expert.weight", "mlp", 3 * d * shared + d if shared else 0, layer)  # and its gate
+        add("mlp.shared_expert.bias", "mlp", 2 * shared + d + 1 if shared and cfg.mlp_bias else 0, layer)
     if cfg.final_norm:
         add("ln_final", "norm", norm_params)
     if not cfg.tied_embeddings:  # tied: the embedding's row already counts these weights

@@ -1,5 +1,5 @@
 """The feed-forward sublayer: plain (d_model -> d_mlp -> act -> d_model), gated (SwiGLU), normed (SoLU, then a
-LayerNorm over d_mlp, before W_out), or a mixture of gated experts (probe.moe)."""
+LayerNorm over d_mlp, before W_out); a mixture of gated experts is probe.moe's."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,6 @@ from torch import nn
 from probe.activations import ACTIVATIONS
 from probe.hooks import HookPoint
 from probe.config import DecoderConfig
-from probe.moe import MoEMLP
 from probe.norm import LayerNorm
 from probe.tl_weights import WritableWeights, bias_view, weight_view
 
@@ -83,9 +82,8 @@ class NormedMLP(MLP):
         return self.fc_out(post)
 
 
-def make_mlp(cfg: DecoderConfig) -> nn.Module:
-    if cfg.experts is not None:
-        return MoEMLP(cfg)
+def make_dense_mlp(cfg: DecoderConfig) -> nn.Module:
+    """One MLP (a mixture of experts is probe.moe's make_mlp)."""
     if cfg.gated_mlp:
         return GatedMLP(cfg)
     return NormedMLP(cfg) if cfg.activation.normed else MLP(cfg)

@@ -184,7 +184,9 @@ def _mlp_inputs(block: nn.Module) -> list[nn.Module]:
     if not hasattr(block, "mlp"):
         return []
     if hasattr(block.mlp, "experts"):
-        return [block.mlp.W_gate] + [layer for expert in block.mlp.experts for layer in (expert.W_gate, expert.W_in)]
+        shared = [block.mlp.shared_expert_gate, block.mlp.shared_expert.gate, block.mlp.shared_expert.fc_in] \
+            if hasattr(block.mlp, "shared_expert") else []
+        return [block.mlp.W_gate] + shared + [layer for expert in block.mlp.experts for layer in (expert.W_gate, expert.W_in)]
     return [block.mlp.fc_in] + ([block.mlp.gate] if hasattr(block.mlp, "gate") else [])
 
 
@@ -194,7 +196,9 @@ def _mlp_outputs(model: HookedDecoder) -> list[nn.Module]:
 
 
 def _down_projections(mlp: nn.Module) -> list[nn.Module]:
-    return [expert.W_out for expert in mlp.experts] if hasattr(mlp, "experts") else [mlp.fc_out]
+    if not hasattr(mlp, "experts"):
+        return [mlp.fc_out]
+    return [expert.W_out for expert in mlp.experts] + ([mlp.shared_expert.fc_out] if hasattr(mlp, "shared_expert") else [])
 
 
 def _fold_norms(model: HookedDecoder) -> None:

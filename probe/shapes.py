@@ -105,6 +105,10 @@ def experts_shapes(cfg: DecoderConfig, shapes: dict, b: str, tokens: int) -> Non
     for e in range(cfg.experts.n):
         for point in ("hook_gate", "hook_pre", "hook_post"):
             shapes[f"{b}.mlp.experts.{e}.{point}"] = (tokens, cfg.d_mlp)
+    if cfg.experts.shared is not None:  # a gated MLP every token runs: exact
+        shapes[f"{b}.mlp.hook_shared_expert_gate"] = (tokens, 1)
+        for point in ("hook_pre", "hook_pre_linear", "hook_post"):
+            shapes[f"{b}.mlp.shared_expert.{point}"] = (tokens, cfg.experts.shared)
 
 
 def dense_mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int) -> None:

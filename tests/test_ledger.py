@@ -38,6 +38,7 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     # Mixtral's experts (and a router) in place of the MLP, with and without biases
     {"experts": {"n": 4, "per_token": 2}, "gated_mlp": True, "norm": "rms", "positions": "rotary", "mlp_bias": False},
     {"experts": {"n": 3, "per_token": 1}, "gated_mlp": True},
+    {"experts": {"n": 3, "per_token": 2, "shared": 40}, "gated_mlp": True},  # Qwen2-MoE's shared expert and its gate
     {"positions": "alibi", "embed_norm": True, "norm": "rms", "norm_weights": False},  # a LayerNorm all the same
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):

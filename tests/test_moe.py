@@ -151,7 +151,7 @@ def test_layernorm_processing_keeps_the_log_probs():
     torch.testing.assert_close(after, before, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["olmoe", "qwen3_moe", "qwen2_moe"])
 def test_the_other_families_hooks_match_the_bridge(kind, tmp_path):
     from test_family_defaults import GPT_FILES, QWEN_FILES, tokenized_checkpoint
     from test_transformer_lens import compare_with_transformer_lens
@@ -160,7 +160,27 @@ def test_the_other_families_hooks_match_the_bridge(kind, tmp_path):
     # (OLMoE's q and k norms span every head: the bridge holds them flattened, as on OLMo 2)
     missing, theirs = compare_with_transformer_lens(directory, 10, seed=4, skip=("hook_expert_weights",),
                                                     flattened=("hook_q_normed", "hook_k_normed") if kind == "olmoe" else ())
-    assert {n for n in missing if ".experts." not in n} == set() and "blocks.1.mlp.hook_expert_indices" in theirs
+    assert {n for n in missing if ".experts." not in n and "shared_expert_gate" not in n} == set()
+    assert "blocks.1.mlp.hook_expert_indices" in theirs
+    if kind == "qwen2_moe":  # the shared expert's points, as the bridge names a gated MLP's
+        assert {"blocks.1.mlp.shared_expert.hook_pre", "blocks.1.mlp.shared_expert.hook_post"} <= theirs
+
+
+def test_the_shared_expert_by_hand(tmp_path):
+    """Qwen2-MoE: the routed experts' sum plus sigmoid(shared_expert_gate x) times the shared gated MLP, from
+    transformers' own modules."""
+    hf = build("qwen2_moe", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens(101))
+        for layer in range(2):
+            theirs, x = hf.model.layers[layer].mlp, mlp_input(model, cache, layer)
+            gate = torch.sigmoid(theirs.shared_expert_gate(x))
+            torch.testing.assert_close(cache[f"blocks.{layer}.mlp.hook_shared_expert_gate"], gate, atol=1e-6, rtol=0)
+            shared = theirs.shared_expert(x)
+            routed = cache[f"blocks.{layer}.hook_mlp_out"].reshape(-1, 64) - gate * shared
+            _, weights, chosen = theirs.gate(x)
+            torch.testing.assert_close(routed, theirs.experts(x, chosen, weights), atol=1e-5, rtol=0)
 
 
 def test_hooks_match_the_bridge(tmp_path):
@@ -280,3 +300,13 @@ def test_expert_routing_is_transformers_routers(tmp_path):
 def build_dense(tmp_path):
     build("llama", tmp_path / "dense")
     return tmp_path / "dense"
+
+
+def test_folding_the_norms_into_every_expert_and_the_shared_one_keeps_transformers_log_probs(tmp_path):
+    hf = build("qwen2_moe", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path, fold_ln=True, center_writing_weights=False, center_unembed=True,
+                                          fold_value_biases=True).eval()
+    assert model.cfg.normalization_type == "RMSPre"
+    toks = tokens(101)
+    with torch.no_grad():
+        torch.testing.assert_close(model(toks).log_softmax(-1), hf(toks).logits.log_softmax(-1), atol=1e-4, rtol=0)

@@ -133,6 +133,11 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=40, use_qkv_bias=True)
         model = tf.StableLmForCausalLM(tf.StableLmConfig(**{**settings, **overrides}))
+    elif kind == "qwen2_moe":  # Qwen2's attention, routed experts and a shared one every token runs, behind a gate
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+                        shared_expert_intermediate_size=56, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=2, max_position_embeddings=40, num_experts=4, num_experts_per_tok=2)
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**{**settings, **overrides}))
     elif kind == "bigcode":  # GPT-2's block with nn.Linear layers and one key/value head for every query head
         settings = dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=40, n_inner=80)
         model = tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(**{**settings, **overrides}))
@@ -204,6 +209,8 @@ CASES = {
     "olmoe-renormalised-tied": ("olmoe", {"norm_topk_prob": True, "tie_word_embeddings": True}),
     "olmoe-clip-qkv": ("olmoe", {"clip_qkv": 0.05}),
     "qwen3-moe-experts": ("qwen3_moe", {}),
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}),
+    "qwen2-moe-renormalised-tied": ("qwen2_moe", {"norm_topk_prob": True, "tie_word_embeddings": True}),
     "falcon-parallel-multi-query": ("falcon", {}),
     # Falcon-40B's: a norm for each parallel sublayer, key/value heads shared by groups of query heads
     "falcon-new-architecture-gqa": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
@@ -315,7 +322,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
-                 "stablelm", "mpt", "smollm3", "falcon"):
+                 "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -373,7 +380,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, mistral, olmo, olmo2, olmo3, smollm3, gemma, gemma2, gemma3_text, "
                                               "gemma3, gpt_neox, gpt_neo, opt, phi, gptj, phi3, mixtral, olmoe, qwen3_moe, "
-                                              "falcon, mpt, stablelm, gpt_bigcode, bloom$"):
+                                              "qwen2_moe, falcon, mpt, stablelm, gpt_bigcode, bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
