@@ -114,7 +114,8 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
             q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))
         key_positions = positions
         if past is not None:
-            k, v, key_positions = past.append(k, v, positions)
+            # (the keys' positions are kept only where ALiBi reads them)
+            k, v, key_positions = past.append(k, v, None if self.alibi is None else positions)
         k, v = per_head(k, self.n_heads), per_head(v, self.n_heads)
         bias = None if self.alibi is None else self.alibi(positions, key_positions, q.shape[1], k.shape[1]).to(q.dtype)
         if not self.fusable or observed(self.hook_attn_scores) or observed(self.hook_pattern):

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, interleaved_qkv,
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, grouped_qkv,
                                      require_fields, take_unembed)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.tokenizer import Tokenizer
@@ -70,7 +70,7 @@ def _layout(tensor: torch.Tensor, ours: str, cfg: DecoderConfig, to_probe: bool)
     """Without multi-query, q, k and v are fused per head; every other tensor is stored as probe stores it."""
     if ".attn.qkv." not in ours or cfg.n_kv_heads == 1:
         return tensor
-    return interleaved_qkv(tensor, cfg.n_heads, cfg.d_head, to_probe)
+    return grouped_qkv(tensor, cfg.n_heads, cfg.n_heads, cfg.d_head, to_probe)
 
 
 def bigcode_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:

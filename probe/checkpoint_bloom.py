@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from probe.checkpoint_source import Source, interleaved_qkv, require_fields, take_unembed
+from probe.checkpoint_source import Source, grouped_qkv, require_fields, take_unembed
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -81,8 +81,8 @@ def bloom_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
     d, h = cfg.d_model, cfg.n_heads
     for l in range(cfg.n_layers):
         fused = f"h.{l}.self_attention.query_key_value"
-        out[f"blocks.{l}.attn.qkv.weight"] = interleaved_qkv(source.take(f"{fused}.weight", (3 * d, d)), h, cfg.d_head, True)
-        out[f"blocks.{l}.attn.qkv.bias"] = interleaved_qkv(source.take(f"{fused}.bias", (3 * d,)), h, cfg.d_head, True)
+        out[f"blocks.{l}.attn.qkv.weight"] = grouped_qkv(source.take(f"{fused}.weight", (3 * d, d)), h, h, cfg.d_head, True)
+        out[f"blocks.{l}.attn.qkv.bias"] = grouped_qkv(source.take(f"{fused}.bias", (3 * d,)), h, h, cfg.d_head, True)
     out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
     return out
 
@@ -91,8 +91,8 @@ def bloom_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
     out = {f"transformer.{theirs}": params[ours] for ours, (theirs, _) in _names(cfg).items()}
     for l in range(cfg.n_layers):
         fused = f"transformer.h.{l}.self_attention.query_key_value"
-        out[f"{fused}.weight"] = interleaved_qkv(params[f"blocks.{l}.attn.qkv.weight"], cfg.n_heads, cfg.d_head, False)
-        out[f"{fused}.bias"] = interleaved_qkv(params[f"blocks.{l}.attn.qkv.bias"], cfg.n_heads, cfg.d_head, False)
+        out[f"{fused}.weight"] = grouped_qkv(params[f"blocks.{l}.attn.qkv.weight"], cfg.n_heads, cfg.n_heads, cfg.d_head, False)
+        out[f"{fused}.bias"] = grouped_qkv(params[f"blocks.{l}.attn.qkv.bias"], cfg.n_heads, cfg.n_heads, cfg.d_head, False)
     if not cfg.tied_embeddings:
         out["lm_head.weight"] = params["unembed.weight"]
     return {k: v.contiguous() for k, v in out.items()}

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, check_shared_norm,
-                                     copy_shared_norm, require_fields, rope_from_hf, rope_to_hf, take_unembed)
+                                     copy_shared_norm, grouped_qkv, require_fields, rope_from_hf, rope_to_hf, take_unembed)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -78,7 +78,7 @@ def _norms(cfg: DecoderConfig, one_norm: bool) -> dict[str, str]:
 
 
 def _names(cfg: DecoderConfig, one_norm: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """ours -> (theirs, their shape); [out, in] as ours (the fused q/k/v in Falcon's order: _grouped_qkv)."""
+    """ours -> (theirs, their shape); [out, in] as ours (the fused q/k/v in Falcon's order: grouped_qkv)."""
     d, m, fused = cfg.d_model, cfg.d_mlp, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head
     table = {"embed.W_E": ("word_embeddings.weight", (cfg.d_vocab, d)), "ln_final.w": ("ln_f.weight", (d,)),
              "ln_final.b": ("ln_f.bias", (d,))}
@@ -95,22 +95,11 @@ def _names(cfg: DecoderConfig, one_norm: bool) -> dict[str, tuple[str, tuple[int
     return table
 
 
-def _grouped_qkv(tensor: torch.Tensor, cfg: DecoderConfig, to_probe: bool) -> torch.Tensor:
-    """Falcon's [(kv_head (its queries, k, v) d_head) ...] as probe's [(q heads, k heads, v heads) d_head ...]."""
-    kv, group, dh = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.d_head
-    if to_probe:
-        grouped = tensor.unflatten(0, (kv, group + 2, dh))
-        return torch.cat([grouped[:, :group].flatten(0, 2), grouped[:, -2].flatten(0, 1), grouped[:, -1].flatten(0, 1)])
-    q, k, v = tensor.split([cfg.n_heads * dh, kv * dh, kv * dh])
-    return torch.cat([q.unflatten(0, (kv, group, dh)), k.unflatten(0, (kv, 1, dh)), v.unflatten(0, (kv, 1, dh))],
-                     dim=1).flatten(0, 2)
-
-
 def falcon_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     one_norm = cfg.norm_placement is NormPlacement.PARALLEL and _one_norm(cfg, source.config)
     out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in _names(cfg, one_norm).items()}
     for name in [k for k in out if ".attn.qkv." in k]:
-        out[name] = _grouped_qkv(out[name], cfg, True)
+        out[name] = grouped_qkv(out[name], cfg.n_heads, cfg.n_kv_heads, cfg.d_head, True)
     if one_norm:
         copy_shared_norm(out, cfg)
     out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
@@ -124,7 +113,8 @@ def falcon_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[st
     out = {}
     for ours, (theirs, _) in _names(cfg, one_norm).items():
         tensor = params[ours]
-        out[f"transformer.{theirs}"] = _grouped_qkv(tensor, cfg, False) if ".attn.qkv." in ours else tensor
+        out[f"transformer.{theirs}"] = grouped_qkv(tensor, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, False) \
+            if ".attn.qkv." in ours else tensor
     if not cfg.tied_embeddings:
         out["lm_head.weight"] = params["unembed.weight"]
     return {k: v.contiguous() for k, v in out.items()}

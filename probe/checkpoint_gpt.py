@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, interleaved_qkv,
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, grouped_qkv,
                                      require_fields, rope_from_hf, rope_to_hf, take_unembed)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
@@ -174,7 +174,8 @@ def _neox_qkv(tensor: torch.Tensor, ours: str, cfg: DecoderConfig, to_probe: boo
     Other tensors (`ours` names which) pass unchanged."""
     if ".attn.qkv." not in ours:
         return tensor
-    return interleaved_qkv(tensor, cfg.layer_heads(int(ours.split(".")[1])), cfg.d_head, to_probe)
+    heads = cfg.layer_heads(int(ours.split(".")[1]))
+    return grouped_qkv(tensor, heads, heads, cfg.d_head, to_probe)
 
 
 def _neox_names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -3,7 +3,7 @@ DecoderConfig, tensor names."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -147,6 +147,12 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     if model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     return out
+
+
+def llama_like(model_type: str) -> tuple[Callable, Callable, Callable]:
+    """A Llama-like model type's (config_to_hf, to_probe, to_hf), for its checkpoints.Family: Llama's tensor names,
+    the config fields _LLAMA_LIKE says it fixes."""
+    return (lambda cfg, tokenizer: llama_config_to_hf(cfg, tokenizer, model_type)), llama_to_probe, llama_to_hf
 
 
 def _llama_shapes(cfg: DecoderConfig, layer: int) -> dict[str, tuple[int, ...]]:

@@ -95,42 +95,36 @@ def moe_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[Token
     return config_to_hf
 
 
-def moe_to_probe(model_type: str) -> Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]:
+def _expert_names(cfg: DecoderConfig, model_type: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """ours -> (theirs, their shape) for every router and expert tensor, [out, in] as ours (Llama's names do the rest)."""
     block, projections = LAYOUTS[model_type]
+    d, m, experts = cfg.d_model, cfg.d_mlp, cfg.experts
+    table = {}
+    for l in range(cfg.n_layers):
+        o, t = f"blocks.{l}.mlp", f"layers.{l}.{block}"
+        table[f"{o}.W_gate.weight"] = (f"{t}.gate.weight", (experts.n, d))
+        for e in range(experts.n):
+            for ours, theirs, shape in zip(PROJECTIONS, projections, ((m, d), (m, d), (d, m))):
+                table[f"{o}.experts.{e}.{ours}.weight"] = (f"{t}.experts.{e}.{theirs}.weight", shape)
+        if experts.shared is not None:
+            s = experts.shared
+            table[f"{o}.shared_expert_gate.weight"] = (f"{t}.shared_expert_gate.weight", (1, d))
+            for ours, theirs, shape in zip(SHARED, projections, ((s, d), (s, d), (d, s))):
+                table[f"{o}.shared_expert.{ours}.weight"] = (f"{t}.shared_expert.{theirs}.weight", shape)
+    return table
 
+
+def moe_family(model_type: str) -> tuple[Callable, Callable, Callable]:
+    """The model type's (config_to_hf, to_probe, to_hf), for its checkpoints.Family."""
     def to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
         out = llama_to_probe(source, cfg)  # everything but the experts
-        d, m = cfg.d_model, cfg.d_mlp
-        shapes = ((m, d), (m, d), (d, m))
-        for l in range(cfg.n_layers):
-            o, t = f"blocks.{l}.mlp", f"layers.{l}.{block}"
-            out[f"{o}.W_gate.weight"] = source.take(f"{t}.gate.weight", (cfg.experts.n, d))
-            for e in range(cfg.experts.n):
-                for ours, theirs, shape in zip(PROJECTIONS, projections, shapes):
-                    out[f"{o}.experts.{e}.{ours}.weight"] = source.take(f"{t}.experts.{e}.{theirs}.weight", shape)
-            if cfg.experts.shared is not None:
-                s = cfg.experts.shared
-                out[f"{o}.shared_expert_gate.weight"] = source.take(f"{t}.shared_expert_gate.weight", (1, d))
-                for ours, theirs, shape in zip(SHARED, projections, ((s, d), (s, d), (d, s))):
-                    out[f"{o}.shared_expert.{ours}.weight"] = source.take(f"{t}.shared_expert.{theirs}.weight", shape)
+        out.update({ours: source.take(theirs, shape) for ours, (theirs, shape) in _expert_names(cfg, model_type).items()})
         return out
-    return to_probe
-
-
-def moe_to_hf(model_type: str) -> Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]:
-    block, projections = LAYOUTS[model_type]
 
     def to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
         out = llama_to_hf(params, cfg)
-        for l in range(cfg.n_layers):
-            o, t = f"blocks.{l}.mlp", f"model.layers.{l}.{block}"
-            out[f"{t}.gate.weight"] = params[f"{o}.W_gate.weight"].contiguous()
-            for e in range(cfg.experts.n):
-                for ours, theirs in zip(PROJECTIONS, projections):
-                    out[f"{t}.experts.{e}.{theirs}.weight"] = params[f"{o}.experts.{e}.{ours}.weight"].contiguous()
-            if cfg.experts.shared is not None:
-                out[f"{t}.shared_expert_gate.weight"] = params[f"{o}.shared_expert_gate.weight"].contiguous()
-                for ours, theirs in zip(SHARED, projections):
-                    out[f"{t}.shared_expert.{theirs}.weight"] = params[f"{o}.shared_expert.{ours}.weight"].contiguous()
+        out.update({f"model.{theirs}": params[ours].contiguous()
+                    for ours, (theirs, _) in _expert_names(cfg, model_type).items()})
         return out
-    return to_hf
+
+    return moe_config_to_hf(model_type), to_probe, to_hf

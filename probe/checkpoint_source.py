@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from einops import rearrange
 
 from probe.config import Activation, DecoderConfig, RotaryScaling
 from probe.config_file import CheckpointError
@@ -120,13 +119,17 @@ def take_qkv(source: Source, cfg: DecoderConfig, layer: int, name: Callable[[str
     return out
 
 
-def interleaved_qkv(tensor: torch.Tensor, heads: int, d_head: int, to_probe: bool) -> torch.Tensor:
-    """A fused q/k/v weight or bias stored per head, [(head qkv d_head) ...] (GPT-NeoX, Bloom, GPTBigCode without
-    multi-query), as probe's [(qkv head d_head) ...], or back (to_probe=False)."""
-    sizes = dict(head=heads, qkv=3, d_head=d_head)  # all given: a layer pruned to no heads has nothing to infer from
+def grouped_qkv(tensor: torch.Tensor, heads: int, kv_heads: int, d_head: int, to_probe: bool) -> torch.Tensor:
+    """A fused q/k/v weight or bias stored per key/value head, each with its group's queries, then its key, then its
+    value ([(kv_head (queries k v) d_head) ...]: Falcon; with one query per key/value head it is GPT-NeoX's, Bloom's
+    and GPTBigCode's [(head (q k v) d_head) ...]), as probe's [(q heads, k heads, v heads) d_head ...], or back."""
+    group = heads // kv_heads if kv_heads else 1  # (a layer pruned to no heads: nothing to regroup)
     if to_probe:
-        return rearrange(tensor, "(head qkv d_head) ... -> (qkv head d_head) ...", **sizes)
-    return rearrange(tensor, "(qkv head d_head) ... -> (head qkv d_head) ...", **sizes)
+        grouped = tensor.unflatten(0, (kv_heads, group + 2, d_head))
+        return torch.cat([grouped[:, :group].flatten(0, 2), grouped[:, -2].flatten(0, 1), grouped[:, -1].flatten(0, 1)])
+    q, k, v = tensor.split([heads * d_head, kv_heads * d_head, kv_heads * d_head])
+    return torch.cat([q.unflatten(0, (kv_heads, group, d_head)), k.unflatten(0, (kv_heads, 1, d_head)),
+                      v.unflatten(0, (kv_heads, 1, d_head))], dim=1).flatten(0, 2)
 
 
 def split_qkv(params: dict[str, torch.Tensor], cfg: DecoderConfig, layer: int, name: Callable[[str, str], str],

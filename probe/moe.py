@@ -3,8 +3,7 @@
 The router (`mlp.W_gate`, an nn.Linear as TL names it) scores every expert for each token; the `per_token` experts
 with the largest softmax weights run on that token, and their outputs are summed with those weights (plus, in
 Qwen2-MoE, a shared expert every token runs, `mlp.shared_expert`, a gated MLP with its points, times a sigmoid gate,
-`hook_shared_expert_gate`). The routing
-points hold every token of the batch in one row each, as TL's do: `hook_expert_weights` [batch*pos experts] (the
+`hook_shared_expert_gate`). The routing points hold every token of the batch in one row each, as TL's do: `hook_expert_weights` [batch*pos experts] (the
 softmax over every expert, before the choice; an edit there changes which experts run) and `hook_expert_indices`
 [batch*pos per_token]. Each expert's points (`mlp.experts.{e}.hook_gate`, `hook_pre`, `hook_post`) hold only the
 rows routed to it, [routed d_mlp]: the tokens that chose it first, then those that chose it second, as TL orders
