@@ -37,8 +37,8 @@ from probe.names import act_name
 
 def sparse_supported(graph: CircuitGraph) -> bool:
     """Whether `sparse_final` can run this graph's model: not sandwich blocks, whose head outputs share a scale, nor
-    ALiBi's biased scores or clamped q, k and v (clip_qkv), which its attention does not compute."""
-    return not (graph.sandwich or graph.score_bias or graph.clipped_qkv)
+    ALiBi's biased scores, clamped q, k and v (clip_qkv) or attention sinks, which its attention does not compute."""
+    return not (graph.sandwich or graph.score_bias or graph.clipped_qkv or graph.attention_sinks)
 
 
 def qkv_hook_names(graph: CircuitGraph) -> list[str]:

@@ -92,6 +92,7 @@ class CircuitGraph(TableDisplay):
     qk_positions: bool = False  # shortformer: the positions join each q and k input after ln1
     score_bias: bool = False  # ALiBi: the positions add to each head's scores
     clipped_qkv: bool = False  # q, k and v clamped (clip_qkv: OLMo-7B-0424)
+    attention_sinks: bool = False  # each head's softmax has a learned sink logit (GPT-OSS)
 
     @property
     def grouped(self) -> bool:
@@ -300,5 +301,5 @@ def _graph_of(cfg) -> CircuitGraph:
         n_layers=L, heads=heads, kv_heads=kv_heads, parallel=parallel,
         sandwich=cfg.norm_placement is NormPlacement.SANDWICH, mlps=mlps,
         qk_positions=cfg.positions is Positions.SHORTFORMER, score_bias=cfg.positions is Positions.ALIBI,
-        clipped_qkv=cfg.clip_qkv is not None,
+        clipped_qkv=cfg.clip_qkv is not None, attention_sinks=cfg.attn_sinks,
     )

@@ -1,4 +1,4 @@
-"""Which experts a mixture-of-experts model (Mixtral, OLMoE, Qwen3-MoE) sends each token to, layer by layer: the
+"""Which experts a mixture-of-experts model (Mixtral, OLMoE, Qwen3-MoE, GPT-OSS) sends each token to, layer by layer: the
 router's softmax over every expert, the experts chosen and the weights their outputs are summed with, and how
 often each expert is used over a prompt."""
 from __future__ import annotations
@@ -21,7 +21,8 @@ WIDTH_PX = 900
 class ExpertRouting(TableDisplay):
     """One prompt's routing.
 
-    probs:   [layer pos expert] the router's softmax over every expert (hook_expert_weights).
+    probs:   [layer pos expert] the router's softmax over every expert (hook_expert_weights; GPT-OSS, which
+             chooses by logit first: the softmax over the chosen experts, 0 for the others).
     chosen:  [layer pos per_token] the experts that ran, the largest weight first (hook_expert_indices).
     weights: [layer pos per_token] what each chosen expert's output was multiplied by (renormalised where the
              model renormalises).

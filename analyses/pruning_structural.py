@@ -97,9 +97,10 @@ def prune_heads(
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     for l, kept in enumerate(keep):
         idx = torch.tensor(kept, dtype=torch.long, device=model.device)
-        for name in ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O"):
+        for name in ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O", "sinks"):
             key = f"blocks.{l}.attn.{name}"
-            state[key] = state[key][idx].contiguous()
+            if key in state:  # (sinks: only in a model with them)
+                state[key] = state[key][idx].contiguous()
     with torch.device(model.device), warnings.catch_warnings():
         # a layer left with no heads has empty projections, whose initialisation torch warns is a no-op
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")

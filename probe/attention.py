@@ -44,6 +44,15 @@ def per_head(t: torch.Tensor, heads: int, dim: int = 2) -> torch.Tensor:
     return t if t.shape[dim] == heads else t.repeat_interleave(heads // t.shape[dim], dim=dim)
 
 
+def attention_softmax(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """The pattern [batch head query_pos key_pos] of `scores`; with `sinks` [head], each head's softmax also takes its
+    sink logit, whose share is dropped after it (no value follows it), so a row sums to less than 1."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
 class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
@@ -57,7 +66,9 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         if cfg.attn_scale_by_layer:  # GPT-2's scale_attn_by_inverse_layer_idx: deeper layers' scores shrink
             self.scale /= layer + 1
         self.score_cap = make_softcap(cfg.attn_softcap)
-        self.fusable = cfg.attn_softcap is None  # the fused kernel cannot cap scores
+        # each head's sink logit (GPT-OSS), the softmax's extra column; None: none
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.attn_sinks else None
+        self.fusable = cfg.attn_softcap is None and not cfg.attn_sinks  # the fused kernel caps no scores, has no sink
         self.causal = not cfg.bidirectional  # what `allowed=None` means: earlier keys only, or every key
         # how many key/value heads the hooks see: one per key/value head, or one per query head once
         # transformer-lens's ungroup_grouped_query_attention is on (HookedDecoder.set_ungroup_grouped_query_attention)
@@ -168,7 +179,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
             scores = scores + bias
         allowed = self._allowed_or_causal(allowed, q)
         scores = self.hook_attn_scores(scores if allowed is None else scores.masked_fill(~allowed, self.masked_score))
-        pattern = self.hook_pattern(scores.softmax(dim=-1))
+        pattern = self.hook_pattern(attention_softmax(scores, self.sinks))
         return einsum(pattern, v, "batch head query_pos key_pos, batch key_pos head d_head -> batch query_pos head d_head")
 
     def _allowed_or_causal(self, allowed: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:

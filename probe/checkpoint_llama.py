@@ -106,6 +106,10 @@ _LLAMA_LIKE = {
                                                           experts=cfg.experts)),
     "qwen2_moe": ("Qwen2MoeForCausalLM", lambda cfg: dict(qkv_bias={False, True}, out_bias=False, mlp_bias=False,
                                                           experts=cfg.experts)),
+    "gpt_oss": ("GptOssForCausalLM", lambda cfg: dict(norm=Norm.RMS_FLOAT32, out_bias=cfg.qkv_bias, mlp_bias=True,
+                                                      attn_sinks=True, experts=cfg.experts,
+                                                      sliding_window=cfg.sliding_window,
+                                                      sliding_layers=cfg.sliding_layers)),
 }
 
 

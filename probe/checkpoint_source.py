@@ -57,12 +57,24 @@ class Source:
             raise CheckpointError(f"tensor {name!r} in {self.directory} contains NaN or inf values: the checkpoint is corrupt")
         return tensor
 
+    def take_packed(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A quantised tensor's packed bytes or scales, stored as `dtype`, read as they are (not cast)."""
+        if name not in self.state:
+            raise CheckpointError(f"checkpoint in {self.directory} is missing the tensor {name!r}")
+        tensor = self.state.pop(name)
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} in {self.directory} is {str(tensor.dtype).removeprefix('torch.')} "
+                                  f"{tuple(tensor.shape)}, but its quantisation implies {str(dtype).removeprefix('torch.')} "
+                                  f"{tuple(shape)}")
+        return self._read(tensor, cast=False)
+
     def take_optional(self, name: str) -> Optional[torch.Tensor]:
         tensor = self.state.pop(name, None)
         return None if tensor is None else self._read(tensor)
 
-    def _read(self, tensor) -> torch.Tensor:
-        """A tensor still in its file read now, on the loader's device, in the checkpoint's one dtype."""
+    def _read(self, tensor, cast: bool = True) -> torch.Tensor:
+        """A tensor still in its file read now, on the loader's device, in the checkpoint's one dtype (unless not
+        `cast`)."""
         if isinstance(tensor, StoredTensor):
             try:
                 tensor = tensor.load()
@@ -70,7 +82,7 @@ class Source:
                 raise CheckpointError(f"could not read the safetensors weights in {tensor.path}: {err}") from None
         if self.device is not None:
             tensor = tensor.to(self.device)
-        return tensor if self.cast_to is None else tensor.to(self.cast_to)
+        return tensor if self.cast_to is None or not cast else tensor.to(self.cast_to)
 
     def finish(self) -> None:
         unexpected = sorted(k for k in self.state if not k.endswith(self.IGNORED_SUFFIXES))
@@ -187,7 +199,7 @@ def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
 PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None,
               sliding_layers=None, qk_norm=False, attn_scale_by_layer=False, unembed_bias=False, norm_weights=True,
               rotary_adjacent_pairs=False, sliding_rotary_base=None, qk_norm_over_heads=False, input_norms=True,
-                    embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None)
+                    embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None, attn_sinks=False)
 
 # ---- rotary settings, shared by the rotary families ---------------------------------------------------
 def rope_from_hf(hf: dict) -> tuple[dict, Optional[RotaryScaling]]:

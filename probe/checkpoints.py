@@ -2,7 +2,7 @@
 
 One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
 checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom),
-checkpoint_moe.py (Mixtral, OLMoE, Qwen2/3-MoE), checkpoint_bigcode.py (SantaCoder, StarCoder),
+checkpoint_moe.py (Mixtral, OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
 Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3); checkpoint_source.py holds what they share
 and loading.py does the file handling for all.
@@ -21,6 +21,7 @@ from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, g
 from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
 from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_multimodal_config,
                                      gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe)
+from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
 from probe.checkpoint_gptj import gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
@@ -96,6 +97,8 @@ FAMILIES = {
                prepends_bos=False),
         Family("qwen2_moe", "Qwen2MoeForCausalLM", ("model.",), qwen2_moe_config, *moe_family("qwen2_moe"),
                prepends_bos=False),
+        Family("gpt_oss", "GptOssForCausalLM", ("model.",), gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_probe,
+               gpt_oss_to_hf),
         Family("falcon", "FalconForCausalLM", ("transformer.",), falcon_config, falcon_config_to_hf, falcon_to_probe,
                falcon_to_hf),
         Family("mpt", "MptForCausalLM", ("transformer.",), mpt_config, mpt_config_to_hf, mpt_to_probe, mpt_to_hf),

@@ -70,6 +70,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     # layer l's q.k also divided by l + 1 (GPT-2's scale_attn_by_inverse_layer_idx: Stanford CRFM's GPT-2 runs)
     attn_scale_by_layer: bool = False
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2: 50)
+    # each head's softmax has one more logit, learned, that no value follows: a head can attend to nothing, and its
+    # pattern's rows sum to less than 1 (GPT-OSS; transformer-lens's use_attention_sinks, attn.sinks)
+    attn_sinks: bool = False
     clip_qkv: Optional[float] = None  # q, k and v clamped to [-clip, clip] after their norms (OLMo-7B-0424, OLMoE, MPT)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
     scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
@@ -233,7 +236,7 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
             raise ValueError("heads_per_layer (pruned heads) with positions=alibi: each head's slope follows its index "
                              "among all n_heads, which a pruned layer no longer has; prune a model with other positions")
         for field in ("attn_only", "bidirectional", "use_hook_tokens", "attn_scale_by_layer", "rotary_adjacent_pairs",
-                      "qk_norm_over_heads", "input_norms", "embed_norm"):
+                      "qk_norm_over_heads", "input_norms", "embed_norm", "attn_sinks"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         if self.bidirectional and self.sliding_window is not None:

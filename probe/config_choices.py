@@ -100,17 +100,37 @@ class RotaryScaling:
 
 
 @dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert non-linearity, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate,
+    limit), in place of act(gate) * up (transformers' swiglu_alpha and swiglu_limit)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "limit"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"ClampedSwiGLU.{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
 class Experts:
     """A sparse mixture of gated MLPs in place of each layer's MLP (Mixtral, OLMoE; transformer-lens's num_experts,
     experts_per_token, norm_topk_prob): a router scores the `n` experts for each token, the `per_token` with the
     largest softmax weights run, and their outputs are summed with those weights (divided first by their sum when
     `renormalize`: Mixtral always, OLMoE as its config says). `shared`: the width of an expert every token runs, its
-    output weighed by a sigmoid gate of its own (Qwen1.5-MoE, Qwen2-MoE); None: none."""
+    output weighed by a sigmoid gate of its own (Qwen1.5-MoE, Qwen2-MoE); None: none. `softmax_over`: "all" (the
+    softmax over every expert's router logit, then the choice) or "chosen" (the choice by logit, then the softmax over
+    the chosen ones' logits: GPT-OSS; their weights then sum to 1, so nothing is renormalised). `clamped_glu`: the
+    experts' non-linearity is GPT-OSS's (ClampedSwiGLU); None: the model's activation, act(gate) * up."""
 
     n: int
     per_token: int
     renormalize: bool = False
     shared: Optional[int] = None
+    softmax_over: Literal["all", "chosen"] = "all"
+    clamped_glu: Optional[ClampedSwiGLU] = None
 
     def __post_init__(self) -> None:
         for name in ("n", "per_token"):
@@ -125,3 +145,12 @@ class Experts:
                                         or self.shared <= 0):
             raise ValueError(f"Experts.shared must be a positive int (the shared expert's width) or None, got "
                              f"{self.shared!r}")
+        if self.softmax_over not in ("all", "chosen"):
+            raise ValueError(f"Experts.softmax_over={self.softmax_over!r} is not supported; choose 'all' or 'chosen'")
+        if self.softmax_over == "chosen" and self.renormalize:
+            raise ValueError("Experts(softmax_over='chosen') weights already sum to 1: leave renormalize False")
+        if isinstance(self.clamped_glu, dict):
+            object.__setattr__(self, "clamped_glu", ClampedSwiGLU(**self.clamped_glu))
+        if self.clamped_glu is not None and not isinstance(self.clamped_glu, ClampedSwiGLU):
+            raise ValueError(f"Experts.clamped_glu must be a ClampedSwiGLU (or its fields as a dict) or None, got "
+                             f"{self.clamped_glu!r}")

@@ -103,6 +103,7 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("attn.qkv.bias", "attention", (h + 2 * kv) * dh if cfg.qkv_bias else 0, layer)
         add("attn.o.weight", "attention", h * dh * d, layer)
         add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
+        add("attn.sinks", "attention", h if cfg.attn_sinks else 0, layer)
         if cfg.attn_only:
             continue
         add("ln2", "norm", input_params, layer)

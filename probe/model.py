@@ -18,6 +18,7 @@ from probe.decoder_cache import DecoderCache
 from probe.embedding import Unembed, make_embed, make_pos_embed
 from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
 from probe.kv_cache import KVCache, one_cache
+from probe.moe import draw_as_transformer_lens_builds
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
 from probe.sae_methods import SAEMethods
 from probe.shapes import ID_HOOKS, PER_HEAD_INPUTS, hook_shapes
@@ -65,8 +66,9 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         attach_bridge_attributes(self, aliases, left_out)
         describe_blocks_as_the_bridge(self)
         use_tl_layout(self)  # state_dict() in transformer-lens's names and shapes; load_state_dict takes both layouts
-        if generator is not None:  # TL's modules start empty: building them draws nothing, only its init does
+        if generator is not None:  # TL's modules start empty (but its experts' nn.Linear): building draws little
             torch.set_rng_state(generator)
+            draw_as_transformer_lens_builds(cfg)
         self.init_weights()  # after the layout: a HookedTransformerConfig's model draws in TL's
         self.follow_config_switches()
         if cfg.device != "cpu" or cfg.dtype not in (None, torch.float32):  # a config that names them, as TL's can

@@ -16,7 +16,7 @@ more simply, leaving what the model computes unchanged.
   probabilities and logit differences are unchanged.
 - `fold_value_biases`: the value bias moves into the output bias. Each query's attention weights
   sum to 1, so a head passes its value bias through unchanged: `hook_v` and `hook_z` then hold the
-  part of the values that depends on the tokens.
+  part of the values that depends on the tokens. Not with attention sinks, whose rows sum to less.
 - `refactor_factored_attn_matrices` (off by default, as in transformer-lens): each head's W_Q W_K^T
   (with the query and key biases as an extra row) and W_V W_O are rewritten from their SVD U S V^T:
   W_Q = U sqrt(S) and W_K = V sqrt(S), W_V = U S and W_O = V^T (a rotation, so z has the norm of the
@@ -65,10 +65,16 @@ def can_center_unembed(cfg: DecoderConfig) -> bool:
     return cfg.logit_softcap is None
 
 
+def can_fold_value_biases(cfg: DecoderConfig) -> bool:
+    """A head passes its value bias through unchanged only where its pattern's rows sum to 1; an attention sink
+    (GPT-OSS) takes a share of each row, different at every position."""
+    return not cfg.attn_sinks
+
+
 def can_refactor_factored_attn_matrices(cfg: DecoderConfig) -> bool:
     """Rotary positions rotate q and k between W_Q and the scores, and a key/value head shared by several query
-    heads cannot be balanced against each of them at once."""
-    return cfg.positions is not Positions.ROTARY and cfg.n_kv_heads == cfg.n_heads
+    heads cannot be balanced against each of them at once; the value biases must fold first."""
+    return cfg.positions is not Positions.ROTARY and cfg.n_kv_heads == cfg.n_heads and can_fold_value_biases(cfg)
 
 
 TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's (and process_weights_'s, load_and_process_state_dict's)
@@ -88,7 +94,7 @@ def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, 
     `fold_ln=True, center_writing_weights=True, center_unembed=True` for every model, a Llama too); a refactoring
     given is checked later, and refused where it cannot be done, as TL refuses it."""
     applies = {"fold_ln": can_fold_ln, "center_writing_weights": can_center_writing_weights,
-               "center_unembed": can_center_unembed, "fold_value_biases": lambda cfg: True,
+               "center_unembed": can_center_unembed, "fold_value_biases": can_fold_value_biases,
                "refactor_factored_attn_matrices": can_refactor_factored_attn_matrices}
     # TL's from_pretrained leaves a shortformer model's weights unfolded and uncentred, though centring would be
     # exact: its numbers (Neel Nanda's attn-only models) are those of weights left as trained
@@ -97,10 +103,14 @@ def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, 
     for step, default in TL_PROCESSING_DEFAULTS.items():
         value = given.get(step, default)
         skipped = step in TL_SKIPS and unprocessed_when_loaded
-        if value and (skipped or not applies[step](cfg)) and (step not in given or step in TL_SKIPS):
+        # (TL folds value biases beside attention sinks too, changing the outputs: probe skips that even when asked)
+        if value and (skipped or not applies[step](cfg)) and (step not in given or step in TL_SKIPS
+                                                              or step == "fold_value_biases"):
             how = "given" if step in given else "transformer-lens's default"
             why = ("transformer-lens's from_pretrained processes no shortformer model" if skipped else
-                   "which this model's blocks do not allow, as transformer-lens skips it")
+                   "which attention sinks make inexact (transformer-lens folds them anyway, changing the outputs)"
+                   if step == "fold_value_biases" else "which this model's blocks do not allow, as transformer-lens "
+                   "skips it")
             warnings.warn(f"{where}: skipping {step}=True ({how}), {why}; pass {step}=False to say so",
                           stacklevel=stacklevel)  # the user's call
             value = False
@@ -139,10 +149,15 @@ def check_processing(cfg: DecoderConfig, *, fold_ln: bool = True, center_writing
     if center_unembed and not can_center_unembed(cfg):
         raise ValueError("center_unembed shifts each position's logits, which a logit soft cap (Gemma 2) does not "
                          "pass through unchanged; pass center_unembed=False")
+    if fold_value_biases and not can_fold_value_biases(cfg):
+        raise ValueError("fold_value_biases moves each head's value bias into b_O, which is exact only where the "
+                         "head's attention weights sum to 1; an attention sink (GPT-OSS) takes a share of them: pass "
+                         "fold_value_biases=False")
     if refactor_factored_attn_matrices and not can_refactor_factored_attn_matrices(cfg):
         raise ValueError("refactor_factored_attn_matrices needs positions that do not rotate q and k (this model has "
                          f"positions={cfg.positions.value}) and a key/value head per query head (n_kv_heads="
-                         f"{cfg.n_kv_heads}, n_heads={cfg.n_heads}); pass refactor_factored_attn_matrices=False")
+                         f"{cfg.n_kv_heads}, n_heads={cfg.n_heads}), and value biases it can fold (no attention "
+                         f"sinks: attn_sinks={cfg.attn_sinks}); pass refactor_factored_attn_matrices=False")
 
 
 @torch.no_grad()

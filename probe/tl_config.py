@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from probe.config_choices import ClampedSwiGLU
 from probe.config import SWITCHES, DecoderConfig, Experts, Norm, NormPlacement, Positions, RotaryScaling
 from probe.config_choices import ACTIVATION_SPELLINGS
 from probe.tl_config_fields import ABSENT_FEATURES
@@ -58,7 +59,8 @@ KNOWN = {"n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "d_vocab"
          "attention_dir", "use_hook_tokens", "scale_attn_by_inverse_layer_idx", "rotary_scaling_factor",
          "rotary_base_local", "rotary_adjacent_pairs", "use_yarn_rope", "yarn_factor", "yarn_attention_factor",
          "yarn_beta_fast", "yarn_beta_slow", "yarn_original_max_position_embeddings", "yarn_truncate",
-         "yarn_global_attn_only", "post_embedding_ln", "num_experts", "experts_per_token", "norm_topk_prob", "clip_qkv"}
+         "yarn_global_attn_only", "post_embedding_ln", "num_experts", "experts_per_token", "norm_topk_prob", "clip_qkv",
+         "use_attention_sinks"}
 
 
 def _config_fields() -> set[str]:
@@ -181,7 +183,9 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
         attn_scale_dim=_scale_dim(s), attn_softcap=_cap(s.get("attn_scores_soft_cap", -1.0)),
         logit_softcap=_cap(s.get("output_logits_soft_cap", -1.0)), qk_norm=s.get("use_qk_norm", False),
         attn_scale_by_layer=s.get("scale_attn_by_inverse_layer_idx", False), clip_qkv=s.get("clip_qkv"),
-        qkv_bias=True, out_bias=True, mlp_bias=experts is None, unembed_bias=True,  # TL's experts have no biases
+        attn_sinks=bool(s.get("use_attention_sinks", False)),
+        # TL's experts have no biases, but for GPT-OSS's (and its router's)
+        qkv_bias=True, out_bias=True, mlp_bias=experts is None or experts.clamped_glu is not None, unembed_bias=True,
         tied_embeddings=s.get("tie_word_embeddings", False),
         init_std=init if init > 0 else 0.8 / math.sqrt(d_model),  # TL's default for a negative initializer_range
         model_name=s.get("model_name", "custom"), original_architecture=s.get("original_architecture"),
@@ -194,11 +198,14 @@ def decoder_config_from_tl(**settings: Any) -> DecoderConfig:
 
 
 def _experts(s: dict) -> Optional[Experts]:
-    """TL's MoE settings (its experts are gated MLPs whatever gated_mlp says), both or neither."""
+    """TL's MoE settings (its experts are gated MLPs whatever gated_mlp says), both or neither; GPT-OSS's experts
+    (biased, chosen by logit, a clamped GLU with TL's fixed constants), which TL builds by the architecture's name."""
     n, per_token = s.get("num_experts"), s.get("experts_per_token")
     if (n is None) != (per_token is None):
         raise ValueError(f"HookedTransformerConfig(num_experts={n!r}, experts_per_token={per_token!r}): a mixture of "
                          "experts needs both (transformer-lens requires them together too)")
+    if n is not None and s.get("original_architecture") == "GptOssForCausalLM":
+        return Experts(n=n, per_token=per_token, softmax_over="chosen", clamped_glu=ClampedSwiGLU())
     return None if n is None else Experts(n=n, per_token=per_token, renormalize=bool(s.get("norm_topk_prob", False)))
 
 

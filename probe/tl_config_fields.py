@@ -4,7 +4,7 @@ TL code reads any of its config's fields on `model.cfg`: `cfg.act_fn`, `cfg.norm
 `cfg.tokenizer_prepends_bos`, `cfg.use_NTK_by_parts_rope`, ... Each reads what a HookedTransformer of the same model
 reads: probe's value where probe has the feature under TL's name for it (NTK-by-parts rope is its llama3 rotary
 scaling, tied embeddings its `tied_embeddings`, `num_experts` its `experts.n`), and TL's default for a model without
-it where probe has no such feature (attention sinks, quantisation, several devices, encoder-decoder models).
+it where probe has no such feature (quantisation, several devices, encoder-decoder models).
 tests/test_tl_config_fields.py holds every field TL 3.9 has, the list taken from TL, to HookedTransformer's values.
 """
 from __future__ import annotations
@@ -55,6 +55,10 @@ class HookedTransformerConfigFields:
     @property
     def post_embedding_ln(self) -> bool:
         return self.embed_norm
+
+    @property
+    def use_attention_sinks(self) -> bool:
+        return self.attn_sinks
 
     @property
     def n_key_value_heads(self) -> Optional[int]:
@@ -246,12 +250,12 @@ class HookedTransformerConfigFields:
         numpy.random.seed(seed)
 
 
-# TL 3.9's fields for features probe does not build (attention sinks, quantisation, remote code, T5's relative
+# TL 3.9's fields for features probe does not build (quantisation, remote code, T5's relative
 # attention): the value a HookedTransformer without them reads, which `model.cfg` reads too and `HookedTransformerConfig(...)` takes them at (probe/tl_config.py)
 ABSENT_FEATURES = {
     "use_logn_attn": False, "train_seq_length": None,
     "use_dynamic_ntk_rope": False,
-    "use_attention_sinks": False, "trust_remote_code": False, "load_in_4bit": False, "quantization_method": None,
+    "trust_remote_code": False, "load_in_4bit": False, "quantization_method": None,
     "relative_attention_max_distance": None, "relative_attention_num_buckets": None, "decoder_start_token_id": None,
 }
 # TL's YaRN settings: the "yarn" rotary scaling's fields, or TL's defaults for a model without one

@@ -83,7 +83,8 @@ def test_post_norm_models_are_refused(tmp_path):
 
 
 FAMILIES = {"gpt2": None, "llama-gqa": "llama", "neox-parallel": "neox", "gemma2-sandwich": "gemma2",
-            "olmo2-write-norms": "olmo2", "bloom-alibi": "bloom", "mixtral-experts": "mixtral"}
+            "olmo2-write-norms": "olmo2", "bloom-alibi": "bloom", "mixtral-experts": "mixtral",
+            "gpt-oss-sinks-experts": "gpt_oss"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -101,7 +102,10 @@ def test_full_circuit_is_clean_and_empty_circuit_is_corrupted(family, tiny_model
         clean_values, corrupted_values = metric(model(clean), clean, mask), metric(model(corrupted), corrupted, mask)
     full = Circuit(graph=graph, edges=torch.arange(graph.n_edges))
     empty = Circuit(graph=graph, edges=torch.zeros(0, dtype=torch.long))
-    engines = ("sparse", "hooked") if sparse_supported(graph) else ("hooked",)  # sandwich blocks, ALiBi: hooked
+    # sandwich blocks, ALiBi, attention sinks: hooked
+    engines = ("sparse", "hooked") if sparse_supported(graph) else ("hooked",)
+    assert sparse_supported(graph) == (family not in ("gemma2-sandwich", "olmo2-write-norms", "bloom-alibi",
+                                                      "gpt-oss-sinks-experts"))
     for engine in engines:
         runners = {ablation: CircuitRunner.prepare(model, clean, corrupted, metric, ablation, engine=engine)
                    for ablation in ("patch", "mean", "zero")}

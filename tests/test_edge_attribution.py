@@ -40,7 +40,7 @@ OLMO = ("olmo2", "olmo3")  # sandwich blocks without input norms
 
 class HFEdges:
     """Writers' outputs and readers' input gradients of a transformers GPT-2, GPT-Neo, Llama, Gemma 2, Gemma 3, OLMo 2,
-    GPT-NeoX, Bloom or Mixtral model."""
+    GPT-NeoX, Bloom, Mixtral or GPT-OSS model."""
 
     def __init__(self, hf, kind: str):
         self.hf, self.kind = hf, kind
@@ -80,7 +80,7 @@ class HFEdges:
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
             return layer.ln_1, projections, a.out_proj, layer.ln_2, layer.mlp
-        if self.kind in ("llama", "gemma2", "gemma3", "olmo2", "olmo3", "mixtral"):
+        if self.kind in ("llama", "gemma2", "gemma3", "olmo2", "olmo3", "mixtral", "gpt_oss"):
             a = layer.self_attn
             projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
@@ -154,7 +154,9 @@ class HFEdges:
             # (Bloom's MLP module returns the residual plus its write: the write is its output projection's)
             written = layer.post_feedforward_layernorm if self.kind in SANDWICH else \
                 mlp.dense_4h_to_h if self.kind == "bloom" else mlp
-            handles.append(written.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("mlp", l), out)))
+            # (GPT-OSS's MLP returns its router's scores beside its write)
+            handles.append(written.register_forward_hook(
+                lambda mod, args, out, l=l: writes.__setitem__(("mlp", l), out[0] if isinstance(out, tuple) else out)))
             if self.kind in SANDWICH:  # the attention's whole write, before its post-norm: its scale is every head's
                 handles.append(out_proj.register_forward_hook(lambda mod, args, out, l=l: writes.__setitem__(("attn", l), out)))
         handles.append(self.final.register_forward_hook(norm_output("logits")))
@@ -200,7 +202,7 @@ FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", 
             "gptneo-unscaled-local": ("gptneo", {}), "gemma3-qk-norms-local-base": ("gemma3", {}),
             "olmo2-write-norms": ("olmo2", {"num_key_value_heads": 2}), "olmo3-sliding-yarn": ("olmo3", {}),
             "bloom-alibi": ("bloom", {"initializer_range": 0.3}),  # sharp enough that q edges matter
-            "mixtral-experts": ("mixtral", {})}
+            "mixtral-experts": ("mixtral", {}), "gpt-oss-sinks-experts": ("gpt_oss", {})}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -40,6 +40,9 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     {"experts": {"n": 3, "per_token": 1}, "gated_mlp": True},
     {"experts": {"n": 3, "per_token": 2, "shared": 40}, "gated_mlp": True},  # Qwen2-MoE's shared expert and its gate
     {"positions": "alibi", "embed_norm": True, "norm": "rms", "norm_weights": False},  # a LayerNorm all the same
+    # GPT-OSS: each head's sink logit, biased experts chosen by logit
+    {"attn_sinks": True, "experts": {"n": 4, "per_token": 2, "softmax_over": "chosen", "clamped_glu": {}},
+     "gated_mlp": True, "norm": "rms_float32", "positions": "rotary", "n_kv_heads": 2},
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)

@@ -38,6 +38,8 @@ def configs(draw):
     experts = None if attn_only or not gated or not draw(st.booleans()) else \
         {"n": draw(st.integers(1, 4)), "per_token": 1} if draw(st.booleans()) else {"n": 3, "per_token": 2,
                                                                                     "renormalize": draw(st.booleans())}
+    if experts is not None and draw(st.booleans()):  # GPT-OSS's: chosen by logit, a clamped GLU biting at 0.05
+        experts = {**experts, "renormalize": False, "softmax_over": "chosen", "clamped_glu": {"alpha": 1.702, "limit": 0.05}}
     bidirectional = window is None and draw(st.booleans())  # a window counts back from the query: causal only
     rotary_dim = draw(st.sampled_from([None] + [r for r in (2, 4) if r <= d_head])) if positions == "rotary" else None
     # SmolLM3's layers without positions among the rotary ones
@@ -56,6 +58,7 @@ def configs(draw):
             st.sampled_from([None, tuple(i % 2 == 0 for i in range(n_layers))])),
         scale_embed=scale_embed, embed_norm=not scale_embed and draw(st.booleans()), experts=experts, attn_scale_dim=draw(st.sampled_from([None, 3.0])),
         attn_softcap=draw(st.sampled_from([None, 2.0])), logit_softcap=draw(st.sampled_from([None, 5.0])),
+        attn_sinks=draw(st.booleans()),
     )
 
 

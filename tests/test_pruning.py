@@ -248,6 +248,23 @@ def test_rotary_model_prunes_exactly():
         torch.testing.assert_close(prune_heads(model, heads)(toks), expected, atol=1e-4, rtol=0)
 
 
+def test_a_model_with_attention_sinks_prunes_each_heads_sink_with_it():
+    """Each head's sink logit goes with the head (a TL toy with use_attention_sinks): pruning equals ablation."""
+    torch.manual_seed(0)
+    cfg = DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=30, n_ctx=10, positions="rotary", attn_sinks=True)
+    model = HookedDecoder(cfg).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.sinks.copy_(torch.randn(4))
+    toks = torch.randint(0, 30, (2, 9))
+    heads = [(0, 2), (1, 0), (1, 3)]
+    with torch.no_grad():
+        expected, _ = zero_ablated(model, toks, heads)
+        pruned = prune_heads(model, heads)
+        torch.testing.assert_close(pruned(toks), expected, atol=1e-4, rtol=0)
+    assert torch.equal(pruned.blocks[1].attn.sinks, model.blocks[1].attn.sinks[[1, 2]])
+
+
 # ---- the pruning curve ---------------------------------------------------------------------------
 def test_schedule_prunes_a_tenth_of_the_remaining_heads():
     # by hand: 32 heads, round(0.1 x remaining), at least one: 3, 3, 3, 2 (of 23), 2, 2, 2, 2 (1.5 rounds up), then ones

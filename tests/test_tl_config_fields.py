@@ -331,7 +331,7 @@ def test_checkpoint_fields_follow_checkpoint_value(monkeypatch, tmp_path):
     (dict(rotary_scaling_factor=4.0, use_NTK_by_parts_rope=True), r"rotary_scaling_factor=4.0.*use_NTK_by_parts_rope"),
     (dict(use_dynamic_ntk_rope=True), r"use_dynamic_ntk_rope=True\) is not supported"),
     (dict(use_logn_attn=True), r"use_logn_attn=True\) is not supported"),
-    (dict(use_attention_sinks=True), r"use_attention_sinks=True\) is not supported"),
+    (dict(load_in_4bit=True), r"load_in_4bit=True\) is not supported"),
     (dict(original_architecture="Olmo2ForCausalLM"), r"original_architecture='Olmo2ForCausalLM'\) is not supported"),
 ])
 def test_tl_features_probe_lacks_are_refused_by_name(settings, match):
@@ -351,6 +351,12 @@ INIT_CASES = {  # TL's "gpt2" init on learned, shortformer attention-only, rotar
                     normalization_type="LNPre", initializer_range=0.05),
     "parallel": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="gelu", parallel_attn_mlp=True,
                      positional_embedding_type="rotary", rotary_dim=4, seed=0),
+    # GPT-OSS's: sinks (TL leaves them at zero) and biased experts chosen by logit
+    "gpt_oss": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="silu", normalization_type="RMS",
+                    n_key_value_heads=2, positional_embedding_type="rotary", rotary_dim=8, num_experts=3,
+                    experts_per_token=2, use_attention_sinks=True, original_architecture="GptOssForCausalLM", seed=1),
+    "moe": dict(n_layers=1, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="silu", normalization_type="RMS",
+                num_experts=3, experts_per_token=1, positional_embedding_type="rotary", rotary_dim=8),
     # No_Position_Experiment's analysis model, built to load a state dict into: nothing drawn (TL's weights are
     # torch.empty's, whatever memory held; probe's zeros, norms' ones)
     "no_init": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="relu", normalization_type="LNPre",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 
 import pytest
@@ -81,6 +82,16 @@ def tl_config(kind: str, hf) -> dict:
                     final_rms=True, num_experts=c.num_local_experts if kind == "mixtral" else c.num_experts,
                     experts_per_token=c.num_experts_per_tok, norm_topk_prob=kind == "mixtral" or c.norm_topk_prob,
                     original_architecture=c.architectures[0])
+    if kind == "gpt_oss":  # TL's own settings (convert_hf_model_config), in float32
+        return dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings,
+                    d_head=c.head_dim, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size,
+                    act_fn=c.hidden_act, normalization_type="RMS", eps=c.rms_norm_eps,
+                    positional_embedding_type="rotary", rotary_dim=c.head_dim, rotary_base=c.rope_parameters["rope_theta"],
+                    n_key_value_heads=c.num_key_value_heads, gated_mlp=True, final_rms=True,
+                    num_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok, use_attention_sinks=True,
+                    use_local_attn=True, window_size=c.sliding_window,
+                    attn_types=["local" if t == "sliding_attention" else "global" for t in c.layer_types],
+                    original_architecture="GptOssForCausalLM")
     d_head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     common = dict(n_layers=c.num_hidden_layers, d_model=c.hidden_size, n_ctx=c.max_position_embeddings, d_head=d_head,
                   n_heads=c.num_attention_heads, d_mlp=c.intermediate_size, d_vocab=c.vocab_size,
@@ -106,16 +117,18 @@ def checkpoint(case: str, directory):
     kind = {"llama-gqa-untied": "llama", "neox-parallel-partial-rotary": "neox", "qwen3-qk-norm-tied": "qwen3",
             "gptneo-local-unscaled": "neo", "opt-pre-norm-tied": "opt", "phi-parallel-shared-norm": "phi",
             "phi3-fused-projections": "phi3", "gptj-adjacent-pairs-partial": "gptj", "bloom-alibi": "bloom",
-            "mixtral-experts": "mixtral", "olmoe-experts": "olmoe"}[case]
+            "mixtral-experts": "mixtral", "olmoe-experts": "olmoe", "gpt-oss-experts-sinks": "gpt_oss"}[case]
     grouped = {"num_key_value_heads": 2} if kind == "olmoe" else {}  # TL's OLMoE converter asks for grouped heads
-    return directory, kind, build({"neo": "gptneo"}.get(kind, kind), directory, **grouped)
+    # TL's GPT-OSS has TL's fixed clamp (7) and its plain rope (these settings: its YaRN reads factor from elsewhere)
+    plain = dict(swiglu_limit=7.0, rope_parameters={"rope_type": "default", "rope_theta": 1000.0}) if kind == "gpt_oss" else {}
+    return directory, kind, build({"neo": "gptneo"}.get(kind, kind), directory, **grouped, **plain)
 
 
 @needs_saelens
 @pytest.mark.parametrize("case", ["gpt2-bundled", "llama-gqa-untied", "neox-parallel-partial-rotary", "qwen3-qk-norm-tied",
                                   "gptneo-local-unscaled", "opt-pre-norm-tied", "phi-parallel-shared-norm",
                                   "phi3-fused-projections", "gptj-adjacent-pairs-partial", "bloom-alibi",
-                                  "mixtral-experts", "olmoe-experts"])
+                                  "mixtral-experts", "olmoe-experts", "gpt-oss-experts-sinks"])
 def test_the_state_dict_is_hooked_transformers_and_loads_both_ways(case, tmp_path):
     directory, kind, hf = checkpoint(case, tmp_path / "checkpoint")
     model = HookedDecoder.from_pretrained(directory).eval()
@@ -148,7 +161,9 @@ def test_the_state_dict_is_hooked_transformers_and_loads_both_ways(case, tmp_pat
     torch.testing.assert_close(out["logits"], expected, atol=1e-4, rtol=1e-4)
     # and back: a HookedTransformer's state dict (with its buffers) loads strictly into a fresh probe model
     fresh = HookedDecoder(model.cfg).eval()
-    buffers = {f"blocks.{l}.attn.{name}": torch.zeros(()) for l in range(model.cfg.n_layers) for name in TL_BUFFERS}
+    # (IGNORE as TL holds it: what a hidden key's score reads)
+    buffers = {f"blocks.{l}.attn.{name}": torch.tensor(-math.inf if name == "IGNORE" else 0.0)
+               for l in range(model.cfg.n_layers) for name in TL_BUFFERS}
     fresh.load_state_dict({**tl_weights, **buffers}, strict=True)
     with torch.no_grad():
         torch.testing.assert_close(fresh(tokens), expected, atol=1e-4, rtol=1e-4)

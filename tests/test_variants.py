@@ -141,6 +141,14 @@ def build(kind, directory, **overrides):
     elif kind == "bigcode":  # GPT-2's block with nn.Linear layers and one key/value head for every query head
         settings = dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=40, n_inner=80)
         model = tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(**{**settings, **overrides}))
+    elif kind == "gpt_oss":  # sinks, windows on every other layer, YaRN, experts chosen by logit with a clamped GLU
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=40, sliding_window=6,
+                        num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.1)
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # sink logits as large as the scores (initialised near 0, they would hardly matter)
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=torch.Generator().manual_seed(5)))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -237,6 +245,11 @@ CASES = {
     # six heads: the slopes of four, then every other one of eight's (not a power of two)
     "bloom-six-heads-untied": ("bloom", {"hidden_size": 72, "n_head": 6, "tie_word_embeddings": False,
                                          "layer_norm_epsilon": 1e-4}),
+    # the clamp (0.1) bites: the experts' pre-activations reach ~0.5
+    "gpt-oss-sinks-windows-yarn-experts": ("gpt_oss", {}),
+    "gpt-oss-plain-rope-no-bias-one-expert": ("gpt_oss", {
+        "attention_bias": False, "num_experts_per_tok": 1, "swiglu_alpha": 1.0, "swiglu_limit": 0.05,
+        "layer_types": ["full_attention"] * 3, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}),
 }
 
 
@@ -322,7 +335,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
-                 "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe"):
+                 "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -380,7 +393,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, mistral, olmo, olmo2, olmo3, smollm3, gemma, gemma2, gemma3_text, "
                                               "gemma3, gpt_neox, gpt_neo, opt, phi, gptj, phi3, mixtral, olmoe, qwen3_moe, "
-                                              "qwen2_moe, falcon, mpt, stablelm, gpt_bigcode, bloom$"):
+                                              "qwen2_moe, gpt_oss, falcon, mpt, stablelm, gpt_bigcode, bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
