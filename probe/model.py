@@ -26,7 +26,8 @@ from probe.tl_bridge import BridgeSurface
 from probe.tl_config import decoder_config
 from probe.tl_state_dict import use_tl_layout
 from probe.tl_state_processing import StateDictProcessing
-from probe.tl_surface import TransformerLensSurface, check_return_type, finish_output, refuse_unsupported, with_tokenizer
+from probe.tl_surface import (TransformerLensSurface, check_return_type, finish_output, refuse_unsupported,
+                              tokenizer_with_side, with_tokenizer)
 from probe.tokenizer import Tokenizer
 from probe.tokens import TokenMethods, is_text
 from probe.weight_views import WeightViews
@@ -38,7 +39,11 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
                     InputChecks, HookedRootModule):
     """Token (+ position) embedding -> n_layers blocks -> final norm -> unembedding."""
 
-    def __init__(self, cfg: Union[DecoderConfig, dict], tokenizer: Optional[Tokenizer] = None):
+    def __init__(self, cfg: Union[DecoderConfig, dict], tokenizer: Optional[Tokenizer] = None,
+                 move_to_device: bool = True, default_padding_side: Optional[str] = None):
+        """`tokenizer`: probe's or a transformers tokenizer (converted). HookedTransformer's keywords:
+        `move_to_device=False` leaves the weights on the CPU whatever cfg.device says; `default_padding_side` is the
+        tokenizer's padding side."""
         super().__init__()
         cfg = decoder_config(cfg)  # transformer-lens code passes its HookedTransformerConfig, or a dict of it
         generator = torch.get_rng_state() if cfg.transformer_lens_init else None
@@ -46,6 +51,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
             from probe.loading import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.tokenizer_source)
+        tokenizer = tokenizer_with_side(tokenizer, default_padding_side)
         self.cfg = with_tokenizer(cfg, tokenizer)
         self.tokenizer = tokenizer
         self.hook_tokens = HookPoint() if cfg.use_hook_tokens else nn.Identity()  # [batch pos] token ids
@@ -72,7 +78,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         self.init_weights()  # after the layout: a HookedTransformerConfig's model draws in TL's
         self.follow_config_switches()
         if cfg.device != "cpu" or cfg.dtype not in (None, torch.float32):  # a config that names them, as TL's can
-            self.to(device=cfg.device, dtype=cfg.dtype)
+            self.to(device=cfg.device if move_to_device else None, dtype=cfg.dtype)
         self._follow_weights()
 
     def forward(

@@ -87,6 +87,18 @@ def check_return_type(return_type) -> None:
         raise ValueError(f"return_type={return_type!r} is not one of 'logits', 'loss', 'both' or None")
 
 
+def tokenizer_with_side(tokenizer, default_padding_side: Optional[str]) -> Optional[Tokenizer]:
+    """probe's Tokenizer for `tokenizer` (a transformers tokenizer converted), padding on `default_padding_side` when
+    given (transformer-lens's keyword of HookedTransformer(...) and set_tokenizer)."""
+    if tokenizer is None:  # (a side given without a tokenizer sets nothing, as in TL)
+        return None
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer.from_transformers(tokenizer)
+    if default_padding_side is not None:
+        tokenizer.padding_side = check_padding_side(default_padding_side)
+    return tokenizer
+
+
 def with_tokenizer(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> DecoderConfig:
     """`cfg` with what transformer-lens's set_tokenizer records of a model's tokenizer: BOS is prepended by default only
     when the tokenizer has one (and the config says so), and `tokenizer_prepends_bos` says whether the tokenizer,
@@ -271,10 +283,7 @@ class TransformerLensSurface:
     def set_tokenizer(self, tokenizer, default_padding_side: Optional[str] = None) -> None:
         """transformer-lens's `set_tokenizer`: a probe Tokenizer, or a transformers (fast) tokenizer, converted.
         BOS is prepended by default when the tokenizer has one and the config says so."""
-        if not isinstance(tokenizer, Tokenizer):
-            tokenizer = Tokenizer.from_transformers(tokenizer)
-        if default_padding_side is not None:
-            tokenizer.padding_side = check_padding_side(default_padding_side)
+        tokenizer = tokenizer_with_side(tokenizer, default_padding_side)
         self.tokenizer = tokenizer
         self.cfg = with_tokenizer(self.cfg, tokenizer)
 

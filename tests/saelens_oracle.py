@@ -593,6 +593,14 @@ def induction(config_json: str, state: str, inputs: str, seq_len: str, outputs: 
     save_file({k: v.clone().contiguous() for k, v in out.items()}, outputs)
 
 
+def gpt_oss_demo(model_dir: str, outputs: str) -> None:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from gpt_oss_idioms import gpt_oss_demo as run  # beside this file: its folder is on sys.path
+
+    save_file(run(HookedTransformer, HookedTransformerConfig, model_dir), outputs)
+
+
 def brackets(state: str, outputs: str) -> None:
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
@@ -1027,7 +1035,7 @@ def tl_config_routes(cases_json: str, outputs: str) -> None:
 COMMANDS = {"auto_circuit_scores": auto_circuit_scores, "config_class": config_class, "lens_handles": lens_handles, "tl_config_routes": tl_config_routes, "weight_grads": weight_grads, "hook_listing": hook_listing, "tl_init": tl_init, "probe_with_saelens_sae": probe_with_saelens_sae, "schedules": schedules, "encode": encode, "loss": loss, "fold": fold, "hooked_sae": hooked_sae, "tl_state_dict": tl_state_dict,
             "tl_build": tl_build, "toy_idioms": toy, "state_steps": state_steps, "sae_splice": sae_splice, "patch_wrappers": patch_wrappers, "attention_buffers": attention_buffers, "circuit_tracer_graphs": circuit_tracer_graphs, "induction": induction, "brackets": brackets, "neel": neel,
             "tl_cache": tl_cache, "tl_caches": tl_caches, "circuits": circuits, "tl_config_cases": tl_config_cases,
-            "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "sae_surface": sae_surface, "saelens_tools": saelens_tools}
+            "padding": padding, "tl_tokenizer": tl_tokenizer, "ungrouped": ungrouped, "kv_cache_loop": kv_cache_loop, "gpt_oss_demo": gpt_oss_demo, "sae_surface": sae_surface, "saelens_tools": saelens_tools}
 
 
 def serve() -> None:

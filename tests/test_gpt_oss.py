@@ -221,3 +221,26 @@ def test_the_report_runs_on_gpt_oss(tmp_path):
     page = (tmp_path / "report" / "report.html").read_text()
     assert "Expert routing" in page and "Each token runs through 2 of each layer&#x27;s 4 experts" in page
     assert (tmp_path / "report" / "edges.csv").exists() and (tmp_path / "report" / "routing.csv").exists()
+
+
+@needs_saelens
+def test_transformer_lens_gpt_oss_demo_runs_unchanged(tmp_path):
+    """TL 3.9's GPT_OSS_Demo way (tests/gpt_oss_idioms.py): HookedTransformer(cfg, transformers_tokenizer,
+    move_to_device=False), filled by partial load_state_dict calls from an MXFP4 file, then its routing table, logit
+    lens, pattern and residual patching: TL's values."""
+    from probe import HookedTransformer
+    from test_family_defaults import GPT_FILES, tokenized_checkpoint
+    from gpt_oss_idioms import gpt_oss_demo
+    from test_sae_training import oracle
+
+    plain = tokenized_checkpoint("gpt_oss", tmp_path / "plain", GPT_FILES, hidden_size=64, head_dim=16,
+                                 num_attention_heads=8, num_hidden_layers=2)
+    mxfp4_checkpoint(plain, tmp_path / "mxfp4")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "mxfp4" / name).write_bytes((plain / name).read_bytes())
+    oracle("gpt_oss_demo", tmp_path / "mxfp4", tmp_path / "tl.safetensors")
+    theirs = load_file(str(tmp_path / "tl.safetensors"))
+    ours = gpt_oss_demo(HookedTransformer, HookedTransformerConfig, str(tmp_path / "mxfp4"))
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, atol=1e-4, rtol=1e-4, msg=key)

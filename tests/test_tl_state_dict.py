@@ -543,6 +543,11 @@ def test_set_tokenizer_gives_a_model_built_from_its_config_transformers_tokens()
     batch = model.to_tokens([text, "ROMEO."])
     assert batch[1, -len(short):].tolist() == short  # left-padded
     assert batch[1, :len(expected) - len(short)].eq(hf_tokenizer.eos_token_id).all()  # GPT-2 pads with EOS, as TL does
+    # the same from TL's constructor, HookedTransformer(cfg, tokenizer, move_to_device=, default_padding_side=)
+    built = HookedDecoder(HookedTransformerConfig(n_layers=1, d_model=16, d_head=4, n_ctx=64, d_vocab=len(hf_tokenizer),
+                                                  act_fn="gelu"), hf_tokenizer, move_to_device=False,
+                          default_padding_side="left")
+    assert torch.equal(built.to_tokens([text, "ROMEO."]), batch)
     with torch.no_grad():
         assert model(text).shape == (1, len(expected), len(hf_tokenizer))
 
