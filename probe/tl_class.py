@@ -41,6 +41,7 @@ class HookedTransformer(HookedDecoder):
         model = super().from_pretrained(name_or_path, **{**TL_PROCESSING_DEFAULTS, **keywords})
         bake_embedding_scale(model)
         narrow_to_tl_context(model, str(name_or_path))
+        print(f"Loaded pretrained model {name_or_path} into HookedTransformer")  # TL 3's line, notebooks' output
         return model
 
 

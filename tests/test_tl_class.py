@@ -32,8 +32,10 @@ def test_a_bare_from_pretrained_processes_as_transformer_lens_3s(tmp_path, monke
     assert_state_and_logits_are_tls(model, out, tokens)
 
 
-def test_the_bundled_gpt2_loads_as_transformer_lens_processes_it():
+def test_the_bundled_gpt2_loads_as_transformer_lens_processes_it(capsys):
     ours = HookedTransformer.from_pretrained(DEFAULT_MODEL).eval()
+    # TL 3's from_pretrained prints this line (its docstring's example), which notebooks show
+    assert capsys.readouterr().out == f"Loaded pretrained model {DEFAULT_MODEL} into HookedTransformer\n"
     theirs = processed_bridge(tuple(TL_DEFAULTS.items()))
     for name in WEIGHTS:
         assert_same(getattr(ours, name), getattr(theirs, name), atol=1e-5, what=name)
