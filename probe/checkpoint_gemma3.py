@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import gemma_config, gemma_to_probe
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, LAYER_KINDS, Source, layer_kinds, require_fields,
-                                     rope_by_layer_kind, rope_to_hf)
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, Source, layer_kinds, layer_types_to_hf,
+                                     require_fields, rope_by_layer_kind, rope_to_hf)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError, ConfigFields
 from probe.tokenizer import Tokenizer
@@ -60,7 +60,6 @@ def gemma3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> d
                    positions=Positions.ROTARY, rotary_dim=cfg.d_head, gated_mlp=True, mlp_bias=False,
                    out_bias=cfg.qkv_bias, norm_placement=NormPlacement.SANDWICH, qk_norm=True,
                    **{f: getattr(cfg, f) for f in same})
-    windows = [cfg.layer_window(l) is not None for l in range(cfg.n_layers)]
     full = rope_to_hf(cfg)["rope_parameters"]
     return {
         "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": cfg.n_layers,
@@ -71,7 +70,7 @@ def gemma3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> d
         "query_pre_attn_scalar": cfg.d_head if cfg.attn_scale_dim is None else cfg.attn_scale_dim,
         "attn_logit_softcapping": None, "final_logit_softcapping": cfg.logit_softcap,
         "sliding_window": cfg.sliding_window if cfg.sliding_window is not None else 4096,
-        "layer_types": [LAYER_KINDS[0] if w else LAYER_KINDS[1] for w in windows],
+        "layer_types": layer_types_to_hf(cfg),
         "rope_parameters": {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": cfg.sliding_rotary_base or cfg.rotary_base}},
     }

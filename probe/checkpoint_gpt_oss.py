@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import LAYER_KINDS, Source, layer_kinds
+from probe.checkpoint_source import LAYER_KINDS, Source, layer_kinds, layer_types_to_hf
 from probe.config import DecoderConfig, Experts, Norm
 from probe.config_choices import ClampedSwiGLU
 from probe.config_file import CheckpointError
@@ -28,7 +28,6 @@ from probe.tokenizer import Tokenizer
 # e2m1's sixteen values, by their 4-bit code (the sign is the top bit)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32  # values sharing one scale
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 def gpt_oss_config(hf: dict) -> DecoderConfig:
@@ -53,10 +52,9 @@ def gpt_oss_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> 
                          f"experts={experts!r}")
     out = llama_config_to_hf(cfg, tokenizer, "gpt_oss")
     out.pop("mlp_bias")  # (GPT-OSS's experts always have biases, and its config has no such field)
-    windows = [cfg.layer_window(l) is not None for l in range(cfg.n_layers)]
     out.update(num_local_experts=experts.n, num_experts_per_tok=experts.per_token, attention_bias=cfg.qkv_bias,
                swiglu_alpha=experts.clamped_glu.alpha, swiglu_limit=experts.clamped_glu.limit,
-               layer_types=[LAYER_KINDS[0] if w else LAYER_KINDS[1] for w in windows],
+               layer_types=layer_types_to_hf(cfg),
                sliding_window=cfg.sliding_window, router_aux_loss_coef=0.0, output_router_logits=False)
     return out
 

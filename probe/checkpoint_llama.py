@@ -7,9 +7,9 @@ from typing import Callable, Optional
 
 import torch
 
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, LAYER_KINDS, Source, activation_of,
-                                     layer_kinds, require_fields, rope_by_layer_kind, rope_from_hf, rope_to_hf,
-                                     take_unembed)
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of,
+                                     layer_kinds, layer_types_to_hf, require_fields, rope_by_layer_kind, rope_from_hf,
+                                     rope_to_hf, take_unembed)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -140,9 +140,8 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
                     for kind in ("bos", "eos", "pad")})
     if model_type == "olmo3":  # each layer's kind, and each kind's rope (the sliding layers' unscaled)
-        windows = [cfg.layer_window(l) is not None for l in range(cfg.n_layers)]
         out.pop("rope_theta"), out.pop("rope_scaling", None)
-        out.update(layer_types=[LAYER_KINDS[0] if w else LAYER_KINDS[1] for w in windows],
+        out.update(layer_types=layer_types_to_hf(cfg),
                    sliding_window=cfg.sliding_window or 4096, rope_parameters={
                        "full_attention": out["rope_parameters"], "sliding_attention": {
                            "rope_type": "default", "rope_theta": cfg.sliding_rotary_base or cfg.rotary_base}})

@@ -40,10 +40,13 @@ class Source:
         dtypes = {t.dtype for t in weights}
         self.cast_to = functools.reduce(torch.promote_types, dtypes) if len(dtypes) > 1 else None
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _pop(self, name: str):
         if name not in self.state:
             raise CheckpointError(f"checkpoint in {self.directory} is missing the tensor {name!r}")
-        tensor = self.state.pop(name)
+        return self.state.pop(name)
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self._pop(name)
         if tensor.dtype not in self.WEIGHT_DTYPES:
             raise CheckpointError(
                 f"tensor {name!r} in {self.directory} is stored as {str(tensor.dtype).removeprefix('torch.')}; weights "
@@ -59,9 +62,7 @@ class Source:
 
     def take_packed(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A quantised tensor's packed bytes or scales, stored as `dtype`, read as they are (not cast)."""
-        if name not in self.state:
-            raise CheckpointError(f"checkpoint in {self.directory} is missing the tensor {name!r}")
-        tensor = self.state.pop(name)
+        tensor = self._pop(name)
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} in {self.directory} is {str(tensor.dtype).removeprefix('torch.')} "
                                   f"{tuple(tensor.shape)}, but its quantisation implies {str(dtype).removeprefix('torch.')} "
@@ -253,6 +254,11 @@ def layer_kinds(hf: dict, pattern: int) -> list[str]:
         raise CheckpointError(f"layer_types must give each of the num_hidden_layers={n_layers} layers one of "
                               f"{', '.join(LAYER_KINDS)}; got {len(kinds)} entries{f', naming {unknown}' if unknown else ''}")
     return kinds
+
+
+def layer_types_to_hf(cfg: DecoderConfig) -> list[str]:
+    """config.json's layer_types: each layer's kind, by whether it is windowed."""
+    return [LAYER_KINDS[0] if cfg.layer_window(l) is not None else LAYER_KINDS[1] for l in range(cfg.n_layers)]
 
 
 def rope_by_layer_kind(hf: dict, full_theta: float, sliding_theta: float) -> tuple[dict, dict, Optional[RotaryScaling]]:

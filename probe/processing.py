@@ -85,6 +85,9 @@ TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's (and process_w
 
 # the steps transformer-lens skips with a warning where a model cannot take them, even when asked for
 TL_SKIPS = ("fold_ln", "center_writing_weights", "center_unembed")
+# skipped with a warning even when given: those, and the value-bias fold beside attention sinks, which TL does anyway
+# (changing the outputs)
+SKIPPED_WHEN_GIVEN = (*TL_SKIPS, "fold_value_biases")
 
 
 def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, stacklevel: int = 4,
@@ -103,9 +106,7 @@ def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, 
     for step, default in TL_PROCESSING_DEFAULTS.items():
         value = given.get(step, default)
         skipped = step in TL_SKIPS and unprocessed_when_loaded
-        # (TL folds value biases beside attention sinks too, changing the outputs: probe skips that even when asked)
-        if value and (skipped or not applies[step](cfg)) and (step not in given or step in TL_SKIPS
-                                                              or step == "fold_value_biases"):
+        if value and (skipped or not applies[step](cfg)) and (step not in given or step in SKIPPED_WHEN_GIVEN):
             how = "given" if step in given else "transformer-lens's default"
             why = ("transformer-lens's from_pretrained processes no shortformer model" if skipped else
                    "which attention sinks make inexact (transformer-lens folds them anyway, changing the outputs)"
