@@ -1062,6 +1062,9 @@ def serve() -> None:
                 os.dup2(out, 1)
                 os.dup2(err, 2)
                 command, *args = request["args"]
+                # the imports leave torch's generator in a different state each session, and a command that builds
+                # HookedTransformer without a seed draws its weights from it: reseeded, every session sees the same
+                torch.manual_seed(0)
                 COMMANDS[command](*args)
                 code = 0
             except BaseException:

@@ -38,7 +38,8 @@ def assert_same_cache(model: HookedDecoder, tokens: torch.Tensor, theirs: dict, 
     with torch.no_grad():
         ours_logits, cache = model.run_with_cache(tokens)
     torch.testing.assert_close(ours_logits, logits, atol=1e-4, rtol=1e-4)
-    assert set(cache.keys()) == set(theirs)
+    ours_only, theirs_only = set(cache.keys()) - set(theirs), set(theirs) - set(cache.keys())
+    assert not ours_only and not theirs_only, f"cached only by probe: {sorted(ours_only)}; only by TL: {sorted(theirs_only)}"
     for name, activation in theirs.items():
         torch.testing.assert_close(cache[name], activation, atol=1e-4, rtol=1e-4, msg=name)
 
