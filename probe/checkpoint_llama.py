@@ -1,4 +1,4 @@
-"""Llama, Qwen2, Qwen3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Gemma and Gemma 2 checkpoints: config.json <->
+"""Llama, Qwen2, Qwen3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma and Gemma 2 checkpoints: config.json <->
 DecoderConfig, tensor names."""
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from probe.tokenizer import Tokenizer
 
 
 # ---- Llama and Qwen2: nn.Linear layers, stored [out, in]; separate q, k, v -----------------------
-def llama_config(hf: dict, qkv_bias: Optional[bool] = None) -> DecoderConfig:
+def llama_config(hf: dict, qkv_bias: Optional[bool] = None, default_act: str = "silu",
+                 activations: dict[str, Activation] = GPT_ACTIVATIONS) -> DecoderConfig:
     rope, scaling = rope_from_hf(hf)
     if hf.get("use_sliding_window"):  # Qwen2's: windows in some layers only (max_window_layers)
         raise CheckpointError("use_sliding_window=true (a window in some layers only) is not supported")
@@ -26,7 +27,7 @@ def llama_config(hf: dict, qkv_bias: Optional[bool] = None) -> DecoderConfig:
         n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_head=hf.get("head_dim") or hf["hidden_size"] // n_heads,
         d_mlp=hf["intermediate_size"], d_vocab=hf["vocab_size"], n_ctx=hf["max_position_embeddings"],
-        eps=hf.get("rms_norm_eps", 1e-6), activation=activation_of(hf.get("hidden_act", "silu"), GPT_ACTIVATIONS),
+        eps=hf.get("rms_norm_eps", 1e-6), activation=activation_of(hf.get("hidden_act", default_act), activations),
         gated_mlp=True, norm=Norm.RMS, positions=Positions.ROTARY,
         rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rotary_scaling=scaling,
         qkv_bias=hf.get("attention_bias", False) if qkv_bias is None else qkv_bias,
@@ -75,6 +76,11 @@ def smollm3_config(hf: dict) -> DecoderConfig:
     return dataclasses.replace(llama_config(hf), rotary_layers=None if rotates is None else tuple(map(bool, rotates)))
 
 
+def arcee_config(hf: dict) -> DecoderConfig:
+    # Arcee (AFM): Llama's layers with an ungated MLP, relu^2 by default
+    return dataclasses.replace(llama_config(hf, default_act="relu2"), gated_mlp=False)
+
+
 def mistral_config(hf: dict) -> DecoderConfig:
     # Mistral: Llama's layers without any bias, and (v0.1) a sliding window; later versions say null (a key left out
     # is transformers' default, 4096)
@@ -97,6 +103,10 @@ _LLAMA_LIKE = {
                                                    sliding_window=cfg.sliding_window, sliding_layers=cfg.sliding_layers,
                                                    sliding_rotary_base=cfg.sliding_rotary_base)),
     "smollm3": ("SmolLM3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, rotary_layers=cfg.rotary_layers)),
+    "arcee": ("ArceeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False)),
+    "granite": ("GraniteForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, attn_scale_dim=cfg.attn_scale_dim)),
+    "apertus": ("ApertusForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False, mlp_bias=False,
+                                                       qk_norm=True)),
     # mixtures of experts (probe.checkpoint_moe checks and writes the experts)
     "mixtral": ("MixtralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False,
                                                        sliding_window=cfg.sliding_window, experts=cfg.experts)),
@@ -133,7 +143,8 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
                                        **fixed(cfg)})
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
-    if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3"):
+    if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3", "arcee", "apertus",
+                      "granite"):
         out["attention_bias"] = cfg.qkv_bias
     if model_type == "smollm3":  # (its config's default special ids, 128000 on, would lie outside a small vocabulary)
         out["no_rope_layers"] = [int(cfg.layer_rotates(l)) for l in range(cfg.n_layers)]
@@ -176,14 +187,22 @@ def _llama_norms(cfg: DecoderConfig) -> dict[str, str]:
     return norms if cfg.norm_weights and cfg.input_norms else {k: v for k, v in norms.items() if k.endswith("_post")}
 
 
-def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+def _mlp_projections(cfg: DecoderConfig) -> tuple[tuple[str, str], ...]:
+    """(ours, theirs) of each dense MLP projection; a mixture of experts' are its family's (probe.checkpoint_moe)."""
+    if cfg.experts is not None:
+        return ()
+    return (("gate", "gate"),) * cfg.gated_mlp + (("fc_in", "up"), ("fc_out", "down"))
+
+
+def llama_to_probe(source: Source, cfg: DecoderConfig, norms: Optional[dict[str, str]] = None) -> dict[str, torch.Tensor]:
+    """`norms`: each block's norms, ours -> theirs, where a format names them otherwise (Apertus)."""
     d = cfg.d_model
     out = {"embed.W_E": source.take("embed_tokens.weight", (cfg.d_vocab, d))}
     if cfg.norm_weights:
         out["ln_final.w"] = source.take("norm.weight", (d,))
     for l in range(cfg.n_layers):
         o, t, s = f"blocks.{l}", f"layers.{l}", _llama_shapes(cfg, l)
-        for ours, theirs in _llama_norms(cfg).items():
+        for ours, theirs in (norms or _llama_norms(cfg)).items():
             out[f"{o}.{ours}.w"] = source.take(f"{t}.{theirs}.weight", (d,))
         if cfg.qk_norm:
             for which in "qk":
@@ -195,7 +214,7 @@ def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
         out[f"{o}.attn.out.weight"] = source.take(f"{t}.self_attn.o_proj.weight", s["o"])
         if cfg.out_bias:
             out[f"{o}.attn.out.bias"] = source.take(f"{t}.self_attn.o_proj.bias", (d,))
-        for ours, theirs in (("gate", "gate"), ("fc_in", "up"), ("fc_out", "down")) if cfg.experts is None else ():
+        for ours, theirs in _mlp_projections(cfg):
             out[f"{o}.mlp.{ours}.weight"] = source.take(f"{t}.mlp.{theirs}_proj.weight", s[theirs])
             if cfg.mlp_bias:
                 out[f"{o}.mlp.{ours}.bias"] = source.take(f"{t}.mlp.{theirs}_proj.bias", s[theirs][:1])
@@ -203,14 +222,15 @@ def llama_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
     return out
 
 
-def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig,
+                norms: Optional[dict[str, str]] = None) -> dict[str, torch.Tensor]:
     out = {"model.embed_tokens.weight": params["embed.W_E"]}
     if cfg.norm_weights:
         out["model.norm.weight"] = params["ln_final.w"]
     for l in range(cfg.n_layers):
         o, t, s = f"blocks.{l}", f"model.layers.{l}", _llama_shapes(cfg, l)
         sizes = [s["q"][0], s["k"][0], s["v"][0]]
-        for ours, theirs in _llama_norms(cfg).items():
+        for ours, theirs in (norms or _llama_norms(cfg)).items():
             out[f"{t}.{theirs}.weight"] = params[f"{o}.{ours}.w"]
         if cfg.qk_norm:
             for which in "qk":
@@ -223,8 +243,7 @@ def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str
         out[f"{t}.self_attn.o_proj.weight"] = params[f"{o}.attn.out.weight"]
         if cfg.out_bias:
             out[f"{t}.self_attn.o_proj.bias"] = params[f"{o}.attn.out.bias"]
-        # a mixture of experts' tensors are probe.checkpoint_moe's
-        for ours, theirs in (("gate", "gate"), ("fc_in", "up"), ("fc_out", "down")) if cfg.experts is None else ():
+        for ours, theirs in _mlp_projections(cfg):
             out[f"{t}.mlp.{theirs}_proj.weight"] = params[f"{o}.mlp.{ours}.weight"]
             if cfg.mlp_bias:
                 out[f"{t}.mlp.{theirs}_proj.bias"] = params[f"{o}.mlp.{ours}.bias"]

@@ -173,7 +173,8 @@ def check_shared_norm(params: dict[str, torch.Tensor], cfg: DecoderConfig, famil
 
 
 GPT_ACTIVATIONS = {"gelu_new": Activation.GELU_TANH, "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_fast": Activation.GELU_TANH,
-                   "gelu": Activation.GELU, "relu": Activation.RELU, "silu": Activation.SILU, "swish": Activation.SILU}
+                   "gelu": Activation.GELU, "relu": Activation.RELU, "silu": Activation.SILU, "swish": Activation.SILU,
+                   "relu2": Activation.RELU2}
 
 
 def activation_of(name: str, table: dict[str, Activation]) -> Activation:
@@ -182,7 +183,8 @@ def activation_of(name: str, table: dict[str, Activation]) -> Activation:
     return table[name]
 
 
-GPT_ACTIVATION_NAMES = {Activation.GELU_TANH: "gelu_new", Activation.GELU: "gelu", Activation.RELU: "relu", Activation.SILU: "silu"}
+GPT_ACTIVATION_NAMES = {Activation.GELU_TANH: "gelu_new", Activation.GELU: "gelu", Activation.RELU: "relu", Activation.SILU: "silu",
+                        Activation.RELU2: "relu2", Activation.XIELU: "xielu"}
 
 
 def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:

@@ -4,7 +4,8 @@ One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-Ne
 checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom),
 checkpoint_moe.py (Mixtral, OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
-Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3); checkpoint_source.py holds what they share
+Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite);
+checkpoint_source.py holds what they share
 and loading.py does the file handling for all.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from probe.checkpoint_apertus import apertus_config, apertus_config_to_hf, apertus_to_hf, apertus_to_probe
 from probe.checkpoint_bigcode import bigcode_config, bigcode_config_to_hf, bigcode_to_hf, bigcode_to_probe
 from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf, bloom_to_probe
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
@@ -21,10 +23,11 @@ from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, g
 from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
 from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_multimodal_config,
                                      gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe)
+from probe.checkpoint_granite import granite_config, granite_config_to_hf, granite_to_probe
 from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
 from probe.checkpoint_gptj import gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
-from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
+from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_like, llama_to_hf, llama_to_probe, mistral_config,
                                     olmo2_config, olmo3_config, olmo_config, smollm3_config,
                                     qwen2_config, qwen3_config)
@@ -53,7 +56,7 @@ class Family:
     to_probe: Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]
     to_hf: Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]
     # whether text gets BOS first by default (cfg.default_prepend_bos): transformer-lens's per-family choice, False
-    # for GPT-NeoX/Pythia, Qwen and Phi, trained without one (TL 3.9's convert_hf_model_config, TL 4's bridge)
+    # for GPT-NeoX/Pythia, Qwen, Phi and Granite, trained without one (TL 3.9's convert_hf_model_config, TL 4's bridge)
     prepends_bos: bool = True
 
 
@@ -72,6 +75,11 @@ FAMILIES = {
         Family("olmo2", "Olmo2ForCausalLM", ("model.",), olmo2_config, *llama_like("olmo2")),
         Family("olmo3", "Olmo3ForCausalLM", ("model.",), olmo3_config, *llama_like("olmo3")),
         Family("smollm3", "SmolLM3ForCausalLM", ("model.",), smollm3_config, *llama_like("smollm3")),
+        Family("arcee", "ArceeForCausalLM", ("model.",), arcee_config, *llama_like("arcee")),
+        Family("granite", "GraniteForCausalLM", ("model.",), granite_config, granite_config_to_hf, granite_to_probe,
+               llama_to_hf, prepends_bos=False),
+        Family("apertus", "ApertusForCausalLM", ("model.",), apertus_config, apertus_config_to_hf, apertus_to_probe,
+               apertus_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma"), gemma_to_probe, gemma_to_hf),
         Family("gemma2", "Gemma2ForCausalLM", ("model.",), gemma2_config,
@@ -136,6 +144,8 @@ def family_for_config(cfg: DecoderConfig) -> Family:
     errors = []
     # the format the model was loaded from first: an OPT model is also a valid GPT-2 one, but not OPT's positions
     candidates = sorted(FAMILIES.values(), key=lambda f: f.architecture != cfg.original_architecture)
+    if cfg.activation.learned:  # transformers holds xIELU's parameters in Apertus's MLP only
+        candidates = [FAMILIES["apertus"]]
     for family in candidates:
         try:
             family.config_to_hf(cfg, None)

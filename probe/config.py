@@ -194,6 +194,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         if self.experts is not None and not (isinstance(self.experts, Experts) and self.gated_mlp and not self.attn_only):
             raise ValueError(f"experts={self.experts!r}: a mixture of experts is an Experts (or its fields as a dict) "
                              "of gated MLPs in place of the MLP: set gated_mlp=True (and attn_only=False)")
+        if self.experts is not None and self.activation.learned:
+            raise ValueError(f"activation={self.activation.value!r} learns parameters per MLP, which probe's experts do "
+                             "not hold (they share one activation): use another activation with experts")
         object.__setattr__(self, "norm", _enum(Norm, self.norm, "norm"))
         object.__setattr__(self, "norm_placement", _enum(NormPlacement, self.norm_placement, "norm_placement"))
         object.__setattr__(self, "positions", _enum(Positions, self.positions, "positions"))

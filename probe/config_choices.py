@@ -19,6 +19,15 @@ class Activation(enum.Enum):
     # SoLU, then a LayerNorm over d_mlp inside the MLP (mlp.ln), which W_out reads: the paper's MLP, Neel Nanda's
     # solu-* models; transformer-lens's act_fn="solu_ln"
     SOLU_LN = "solu_ln"
+    # xIELU (Huang et al. 2024): alpha_p x^2 + beta x above 0, alpha_n (expm1(min(x, eps)) - x) + beta x below, with
+    # alpha_p and alpha_n learned per MLP (mlp.act_fn's parameters): Apertus
+    XIELU = "xielu"
+    RELU2 = "relu2"  # relu(x)^2, ungated: Arcee's AFM (So et al. 2021, "Primer")
+
+    @property
+    def learned(self) -> bool:
+        """Whether the activation holds parameters of its own (one set per MLP)."""
+        return self is Activation.XIELU
 
     @property
     def normed(self) -> bool:
@@ -29,7 +38,8 @@ class Activation(enum.Enum):
 # transformer-lens's act_fn names (Hugging Face's too) for each activation: three name the one tanh GELU
 ACTIVATION_SPELLINGS = {"gelu_new": Activation.GELU_TANH, "gelu_fast": Activation.GELU_TANH,
                         "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu": Activation.GELU, "relu": Activation.RELU,
-                        "silu": Activation.SILU, "solu": Activation.SOLU, "solu_ln": Activation.SOLU_LN}
+                        "silu": Activation.SILU, "solu": Activation.SOLU, "solu_ln": Activation.SOLU_LN,
+                        "xielu": Activation.XIELU, "relu2": Activation.RELU2}
 
 
 class Norm(enum.Enum):

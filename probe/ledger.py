@@ -120,6 +120,7 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
             add(f"{mlp}.gate.bias", "mlp", n * m if cfg.mlp_bias else 0, layer)
         add(f"{mlp}.in.weight", "mlp", n * d * m, layer)
         add(f"{mlp}.in.bias", "mlp", n * m if cfg.mlp_bias else 0, layer)
+        add("mlp.act_fn", "mlp", 2 if cfg.activation.learned else 0, layer)  # xIELU's alpha_p and alpha_n
         # a SoLU-LN MLP's LayerNorm over d_mlp, read by W_out (probe.mlp.NormedMLP)
         add("mlp.ln", "norm", 2 * m if cfg.mlp_norm_learned else 0, layer)
         add(f"{mlp}.out.weight", "mlp", n * m * d, layer)

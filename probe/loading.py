@@ -283,7 +283,9 @@ def save_pretrained(model: HookedDecoder, directory: Union[str, Path], overwrite
         raise ValueError(f"model.cfg.n_ctx={cfg.n_ctx} is not the {table} positions the model holds (pos_embed.W_pos), "
                          f"and a checkpoint must say what its weights are: set model.cfg.n_ctx = {table} before saving")
     family = family_for_config(cfg)
-    params = {name: p.detach().cpu() for name, p in model.named_parameters(remove_duplicate=False)}
+    # the weights, beside the buffers a format may hold too (xIELU's beta and eps); each format takes what it holds
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    params = {name: t.detach().cpu() for name, t in tensors}
     hf_state = family.to_hf(params, cfg)
     with atomic_directory(directory, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(family.config_to_hf(cfg, model.tokenizer), indent=2) + "\n")

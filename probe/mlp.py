@@ -16,14 +16,14 @@ class MLP(WritableWeights, nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.fc_in = nn.Linear(cfg.d_model, cfg.d_mlp, bias=cfg.mlp_bias)  # rows are the FFN "keys"
-        self.act = ACTIVATIONS[cfg.activation]()
+        self.act_fn = ACTIVATIONS[cfg.activation]()  # TL's name (xIELU's parameters live in it)
         self.fc_out = nn.Linear(cfg.d_mlp, cfg.d_model, bias=cfg.mlp_bias)  # columns are the FFN "values"
         self.hook_pre = HookPoint()  # [batch pos d_mlp]
         self.hook_post = HookPoint()  # [batch pos d_mlp]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.fc_in(x))
-        post = self.hook_post(self.act(pre))
+        post = self.hook_post(self.act_fn(pre))
         return self.fc_out(post)
 
     @weight_view
@@ -55,7 +55,7 @@ class GatedMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.gate(x))
         pre_linear = self.hook_pre_linear(self.fc_in(x))
-        post = self.hook_post(self.act(pre) * pre_linear)
+        post = self.hook_post(self.act_fn(pre) * pre_linear)
         return self.fc_out(post)
 
     @weight_view
@@ -77,7 +77,7 @@ class NormedMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pre = self.hook_pre(self.fc_in(x))
-        mid = self.hook_mid(self.act(pre))
+        mid = self.hook_mid(self.act_fn(pre))
         post = self.hook_post(self.ln(mid))
         return self.fc_out(post)
 

@@ -301,6 +301,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         for name, param in self.named_parameters():
             if param.is_meta:  # shapes only (a model built to plan its placement): nothing to fill
                 continue
+            if ".act_fn." in name:  # an activation's own parameters (xIELU's) keep the values it starts from
+                continue
             if name.endswith((".w",)):
                 param.fill_(1.0)
             elif name.endswith((".b", ".bias")) or like_tl or not draw:

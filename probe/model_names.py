@@ -78,6 +78,9 @@ SHORT_NAMES.update({
     **{alias: "mistralai/Mixtral-8x7B-Instruct-v0.1" for alias in ("mixtral-instruct", "mixtral-8x7b-instruct")},
     "olmoe": "allenai/OLMoE-1B-7B-0924",
     **{alias: "openai/gpt-oss-20b" for alias in ("gpt-oss", "gpt-oss-20b")},
+    **{alias: f"swiss-ai/Apertus-8B{kind}-2509" for kind, aliases in (("", ("apertus-8b", "apertus")),
+                                                                     ("-Instruct", ("apertus-8b-instruct", "apertus-instruct")))
+       for alias in aliases},
     # Neel Nanda's toy models, in transformer-lens's own format (probe.checkpoint_tl); TL's names for them
     **{f"{kind}-{n}l{alias}": f"NeelNanda/{repo}_{n}L512W_C4_Code" for kind, repo in (("attn-only", "Attn_Only"),
                                                                                     ("gelu", "GELU"))

@@ -313,8 +313,9 @@ def _tl_cache(config: dict, tokens, process) -> tuple[dict, int]:
     model = HookedTransformer(cfg).eval()
     gen = torch.Generator().manual_seed(8)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        for key, p in model.named_parameters():
+            if not (cfg.gated_mlp and key.endswith("mlp.b_in")):  # (TL's bias after the gate's product: see above)
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
         out = {f"state.{key}": t.detach().clone().contiguous() for key, t in model.state_dict().items()}
         logits, cache = model.run_with_cache(tokens)
         out["logits"] = logits.contiguous()

@@ -123,9 +123,9 @@ def test_a_tl_format_directory_reads_only_tensors_and_says_what_is_wrong(tmp_pat
     (directory / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "d_vocab"}))
     with pytest.raises(TLFormatError, match=r"config.json: a transformer-lens config needs \['d_vocab'\]"):
         HookedDecoder.from_pretrained(directory)
-    (directory / "config.json").write_text(json.dumps(dict(config, act_fn="xielu")))  # one probe does not build
+    (directory / "config.json").write_text(json.dumps(dict(config, act_fn="tanh")))  # one probe does not build
     torch.save({}, directory / "model_final.pth")
-    with pytest.raises(TLFormatError, match="act_fn='xielu'"):
+    with pytest.raises(TLFormatError, match="act_fn='tanh'"):
         HookedDecoder.from_pretrained(directory)
 
 

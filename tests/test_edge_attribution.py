@@ -80,7 +80,7 @@ class HFEdges:
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
                            (a.v_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(v_slots, range(KV))])]
             return layer.ln_1, projections, a.out_proj, layer.ln_2, layer.mlp
-        if self.kind in ("llama", "gemma2", "gemma3", "olmo2", "olmo3", "mixtral", "gpt_oss"):
+        if self.kind in ("llama", "gemma2", "gemma3", "olmo2", "olmo3", "mixtral", "gpt_oss", "apertus", "granite"):
             a = layer.self_attn
             projections = [(a.q_proj, [(s, slice(h * dh, (h + 1) * dh)) for s, h in zip(q_slots, range(H))]),
                            (a.k_proj, [(s, slice(g * dh, (g + 1) * dh)) for s, g in zip(k_slots, range(KV))]),
@@ -88,6 +88,8 @@ class HFEdges:
             # Gemma 2's sandwich: the MLP reads pre_feedforward_layernorm; post_attention_layernorm normalises the write
             if self.kind in OLMO:  # no input norms: the sublayers read the residual itself
                 return None, projections, a.o_proj, None, layer.mlp
+            if self.kind == "apertus":  # (Llama's norms under names of its own)
+                return layer.attention_layernorm, projections, a.o_proj, layer.feedforward_layernorm, layer.mlp
             ln2 = layer.pre_feedforward_layernorm if self.kind in SANDWICH else layer.post_attention_layernorm
             return layer.input_layernorm, projections, a.o_proj, ln2, layer.mlp
         # GPT-NeoX and Bloom: the fused projection is [head, (q k v), d_head]
@@ -186,7 +188,8 @@ class HFEdges:
                 gain = post.weight.detach().float() + (0.0 if self.kind in OLMO else 1.0)  # Gemma stores w - 1
                 eps = post.variance_epsilon if self.kind in OLMO else post.eps
                 heads = heads * gain * torch.rsqrt(raw.pow(2).mean(-1) + eps)[:, :, None, None]
-            parts += [heads, writes[("mlp", l)].detach()[:, :, None]]
+            scale = getattr(self.hf.config, "residual_multiplier", 1.0)  # Granite's, on each sublayer's write
+            parts += [heads * scale, writes[("mlp", l)].detach()[:, :, None] * scale]
             readers += [grads[(l, s)] for s in range(self.H + 2 * self.KV)] + [grads[(l, "mlp")]]
         readers.append(grads["logits"])
         return torch.cat(parts, dim=2), torch.stack(readers, dim=2)
@@ -202,7 +205,8 @@ FAMILIES = {"gpt2": None, "llama-gqa": ("llama", {}), "neox-parallel": ("neox", 
             "gptneo-unscaled-local": ("gptneo", {}), "gemma3-qk-norms-local-base": ("gemma3", {}),
             "olmo2-write-norms": ("olmo2", {"num_key_value_heads": 2}), "olmo3-sliding-yarn": ("olmo3", {}),
             "bloom-alibi": ("bloom", {"initializer_range": 0.3}),  # sharp enough that q edges matter
-            "mixtral-experts": ("mixtral", {}), "gpt-oss-sinks-experts": ("gpt_oss", {})}
+            "mixtral-experts": ("mixtral", {}), "gpt-oss-sinks-experts": ("gpt_oss", {}),
+            "apertus-xielu-qk-norms": ("apertus", {}), "granite-multipliers": ("granite", {"initializer_range": 0.3})}  # (sharp enough that q edges matter)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -193,7 +193,7 @@ def test_gelu_fast_is_tls_and_reads_back(hooked_transformers):
     float32 precision over [-10, 10]; a model of it gives TL's logits on TL's weights, and cfg.act_fn says "gelu_fast"."""
     configs, out, printed, tokens, x = hooked_transformers
     model = probe_model(configs, out, "gelu-fast-seeded")
-    torch.testing.assert_close(model.blocks[0].mlp.act(x), out["gelu_fast"], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(model.blocks[0].mlp.act_fn(x), out["gelu_fast"], atol=1e-6, rtol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), out["gelu-fast-seeded/logits"], atol=1e-4, rtol=1e-4)
     assert model.cfg.act_fn == printed["gelu-fast-seeded"]["act_fn"] == "gelu_fast"
@@ -355,6 +355,10 @@ INIT_CASES = {  # TL's "gpt2" init on learned, shortformer attention-only, rotar
     "gpt_oss": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="silu", normalization_type="RMS",
                     n_key_value_heads=2, positional_embedding_type="rotary", rotary_dim=8, num_experts=3,
                     experts_per_token=2, use_attention_sinks=True, original_architecture="GptOssForCausalLM", seed=1),
+    # Apertus's: each MLP's xIELU holds two parameters TL initialises (no draws)
+    "xielu": dict(n_layers=2, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="xielu", normalization_type="RMS",
+                  positional_embedding_type="rotary", rotary_dim=8, use_qk_norm=True,
+                  original_architecture="ApertusForCausalLM", seed=2),
     "moe": dict(n_layers=1, d_model=32, d_head=8, n_ctx=16, d_vocab=50, act_fn="silu", normalization_type="RMS",
                 num_experts=3, experts_per_token=1, positional_embedding_type="rotary", rotary_dim=8),
     # No_Position_Experiment's analysis model, built to load a state dict into: nothing drawn (TL's weights are

@@ -277,7 +277,7 @@ def test_transformer_lens_short_names_name_the_same_checkpoints():
                  "gemma-3-27b-it", "olmo-1b", "gpt-j-6B", "gptj", "olmo-2-1b", "stablelm-base-alpha-3b",
                  "gpt-neox-20b", "EleutherAI/pythia-1.3b", "Yi-6B", "medgemma-4b-it", "gpt2-mistral-small-a",
                  "attn-only-2l-c4-code", "gelu-1l-new", "attn-only-demo", "olmo-3-7b-think", "bloom-560m", "bloom-7b1", "mixtral",
-                 "mixtral-8x7b-instruct", "olmoe"):
+                 "mixtral-8x7b-instruct", "olmoe", "gpt-oss", "apertus", "apertus-8b-instruct"):
         assert name in shared, name
 
 

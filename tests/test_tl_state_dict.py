@@ -441,7 +441,7 @@ def test_a_hooked_transformer_built_from_its_config_loads_into_probe_and_agrees(
     (dict(positional_embedding_type="xpos"), "xpos.*'standard'.*'shortformer', 'rotary' and 'alibi'"),
     (dict(attention_dir="encoder"), "attention_dir='encoder'.*'causal' or 'bidirectional'"),
     (dict(default_padding_side="left"), "set_tokenizer\\(tokenizer, default_padding_side='left'\\)"),
-    (dict(act_fn="xielu"), "act_fn='xielu'.*'solu', 'solu_ln'"),
+    (dict(act_fn="tanh"), "act_fn='tanh'.*'solu', 'solu_ln', 'xielu'"),
     (dict(final_rms=True), "final_rms=True.*normalization_type='RMS'"),
     (dict(d_vocab=-1), "needs d_vocab, or tokenizer_name"),
     (dict(n_lyers=2), r"unknown keywords \['n_lyers'\]"),

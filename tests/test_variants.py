@@ -149,6 +149,28 @@ def build(kind, directory, **overrides):
         with torch.no_grad():  # sink logits as large as the scores (initialised near 0, they would hardly matter)
             for layer in model.model.layers:
                 layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=torch.Generator().manual_seed(5)))
+    elif kind == "apertus":  # q/k norms, an ungated MLP with xIELU (learned per layer), Llama 3's rope scaling
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+        model = tf.ApertusForCausalLM(tf.ApertusConfig(**{**settings, **overrides}))
+        gen = torch.Generator().manual_seed(6)
+        with torch.no_grad():  # each layer's xIELU its own, far from the defaults (eps large enough to bite)
+            for layer in model.model.layers if overrides.get("hidden_act", "xielu") == "xielu" else ():
+                act = layer.mlp.act_fn
+                for name, low, high in (("alpha_p", -1.0, 1.0), ("alpha_n", -1.0, 1.0), ("beta", 0.2, 0.8),
+                                        ("eps", -0.5, -0.1)):
+                    getattr(act, name).copy_(low + (high - low) * torch.rand(getattr(act, name).shape, generator=gen))
+    elif kind == "arcee":  # Llama's attention, an ungated relu^2 MLP
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, bos_token_id=1, eos_token_id=2)
+        model = tf.ArceeForCausalLM(tf.ArceeConfig(**{**settings, **overrides}))
+    elif kind == "granite":  # Llama's layers with Granite's four scalars, far from 1
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, embedding_multiplier=6.0,
+                        residual_multiplier=0.3, attention_multiplier=0.1, logits_scaling=4.0, tie_word_embeddings=True)
+        model = tf.GraniteForCausalLM(tf.GraniteConfig(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -247,6 +269,16 @@ CASES = {
                                          "layer_norm_epsilon": 1e-4}),
     # the clamp (0.1) bites: the experts' pre-activations reach ~0.5
     "gpt-oss-sinks-windows-yarn-experts": ("gpt_oss", {}),
+    "apertus-xielu-qk-norm-llama3-rope": ("apertus", {}),
+    "apertus-biases-tied-silu-mha": ("apertus", {"attention_bias": True, "tie_word_embeddings": True, "hidden_act": "silu",
+                                                 "num_key_value_heads": 4, "rope_parameters": None}),
+    "granite-multipliers-tied": ("granite", {}),
+    "granite-multipliers-untied-biases": ("granite", {"tie_word_embeddings": False, "attention_bias": True,
+                                                      "mlp_bias": True}),
+    "arcee-relu2-ungated": ("arcee", {}),
+    "arcee-biases-tied-yarn": ("arcee", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
+                                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                             "original_max_position_embeddings": 16}}),
     "gpt-oss-plain-rope-no-bias-one-expert": ("gpt_oss", {
         "attention_bias": False, "num_experts_per_tok": 1, "swiglu_alpha": 1.0, "swiglu_limit": 0.05,
         "layer_types": ["full_attention"] * 3, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}),
@@ -335,7 +367,7 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
-                 "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss"):
+                 "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -391,7 +423,8 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
-                                              "qwen3, mistral, olmo, olmo2, olmo3, smollm3, gemma, gemma2, gemma3_text, "
+                                              "qwen3, mistral, olmo, olmo2, olmo3, smollm3, arcee, granite, apertus, gemma, gemma2, "
+                                              "gemma3_text, "
                                               "gemma3, gpt_neox, gpt_neo, opt, phi, gptj, phi3, mixtral, olmoe, qwen3_moe, "
                                               "qwen2_moe, gpt_oss, falcon, mpt, stablelm, gpt_bigcode, bloom$"):
         HookedDecoder.from_pretrained(tmp_path)

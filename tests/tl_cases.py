@@ -33,19 +33,26 @@ def hooked_transformer_outputs(tmp: Path, cases: dict[str, dict], tokens: torch.
     return load_file(str(tmp / "out.safetensors")), json.loads(printed.splitlines()[-1])
 
 
-def assert_same_cache(model: HookedDecoder, tokens: torch.Tensor, theirs: dict, logits: torch.Tensor) -> None:
-    """The model's logits and a cache of everything are HookedTransformer's, point for point."""
+def assert_same_cache(model: HookedDecoder, tokens: torch.Tensor, theirs: dict, logits: torch.Tensor,
+                      probe_only: tuple[str, ...] = (), flattened: tuple[str, ...] = ()) -> None:
+    """The model's logits and a cache of everything are HookedTransformer's, point for point; `probe_only`: the
+    endings of points TL 3.9 does not have (TL 4's, such as attn.hook_q_normed); `flattened`: of those TL holds with
+    leading dimensions merged (per-head q/k norms' [batch*pos*head d_head]), read in probe's shape."""
     with torch.no_grad():
         ours_logits, cache = model.run_with_cache(tokens)
     torch.testing.assert_close(ours_logits, logits, atol=1e-4, rtol=1e-4)
-    ours_only, theirs_only = set(cache.keys()) - set(theirs), set(theirs) - set(cache.keys())
+    names = {name for name in cache.keys() if not name.endswith(probe_only)}
+    ours_only, theirs_only = names - set(theirs), set(theirs) - names
     assert not ours_only and not theirs_only, f"cached only by probe: {sorted(ours_only)}; only by TL: {sorted(theirs_only)}"
     for name, activation in theirs.items():
+        if name.endswith(flattened):
+            activation = activation.reshape(cache[name].shape)
         torch.testing.assert_close(cache[name], activation, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def assert_processed_as_hooked_transformer(settings: dict, out: dict, tokens: torch.Tensor,
-                                           unread: Optional[str] = None, own: Optional[dict] = None) -> None:
+                                           unread: Optional[str] = None, own: Optional[dict] = None,
+                                           probe_only: tuple[str, ...] = (), flattened: tuple[str, ...] = ()) -> None:
     """load_and_process_state_dict with TL's defaults gives TL's processed weights and activations, and so does
     probe's own process_weights (with `own`'s settings, default TL's) from the unprocessed model. `unread`: a weight
     TL holds and never reads (an ALiBi model's position table), zeros here, left out of the comparison."""
@@ -57,7 +64,7 @@ def assert_processed_as_hooked_transformer(settings: dict, out: dict, tokens: to
         assert not ours.pop(unread).any()
     for key in (key for key in ours if key.rsplit(".", 1)[-1] not in TL_BUFFERS):  # TL fills its mask as it runs
         torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-5, msg=key)
-    assert_same_cache(model, tokens, part(out, "processed_cache."), out["processed_logits"])
+    assert_same_cache(model, tokens, part(out, "processed_cache."), out["processed_logits"], probe_only, flattened)
     unprocessed = HookedDecoder(HookedTransformerConfig(**settings)).eval()
     unprocessed.load_state_dict(part(out, "state."), strict=True)
     processed = process_weights(unprocessed, **(TL_DEFAULTS if own is None else own)).state_dict()
