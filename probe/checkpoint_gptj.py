@@ -1,8 +1,11 @@
-"""GPT-J checkpoints (EleutherAI's GPT-J-6B): config.json <-> DecoderConfig, tensor names.
+"""GPT-J checkpoints (EleutherAI's GPT-J-6B) and CodeGen's (Salesforce's, GPT-J's block): config.json <->
+DecoderConfig, tensor names.
 
 A parallel block whose one LayerNorm attention and the MLP both read (as Phi's: ln2 is loaded as a copy of ln1),
 bias-free q, k, v and output projections, rotary positions on each head's first rotary_dim dimensions with adjacent
-dimensions paired (2i with 2i + 1: rotary_adjacent_pairs), and an unembedding with a bias.
+dimensions paired (2i with 2i + 1: rotary_adjacent_pairs), and an unembedding with a bias. CodeGen fuses q, k and v
+in one `attn.qkv_proj` [3 d_model, d_model] laid out for the four model-parallel shards it was trained on: each
+shard's rows hold its quarter of q, then of v, then of k.
 """
 from __future__ import annotations
 
@@ -29,16 +32,21 @@ def gptj_config(hf: dict) -> DecoderConfig:
     )
 
 
-def gptj_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    require_fields(cfg, "GPT-J", heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
+CODEGEN_SHARDS = 4
+
+
+def gptj_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "gptj") -> dict:
+    require_fields(cfg, model_type, heads_per_layer=None, norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
                    final_norm=True, positions=Positions.ROTARY, rotary_adjacent_pairs=True, rotary_base=10000.0,
                    rotary_scaling=None, gated_mlp=False, n_kv_heads=cfg.n_heads, d_head=cfg.d_model // cfg.n_heads,
                    qkv_bias=False, out_bias=False, mlp_bias=True, unembed_bias=True)
     if cfg.n_heads * cfg.d_head != cfg.d_model:
-        raise ValueError("a GPT-J checkpoint needs n_heads * d_head == d_model")
+        raise ValueError(f"a {model_type} checkpoint needs n_heads * d_head == d_model")
+    if model_type == "codegen" and cfg.d_model % CODEGEN_SHARDS:
+        raise ValueError(f"a codegen checkpoint splits d_model over {CODEGEN_SHARDS} shards; d_model={cfg.d_model}")
     special = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else cfg.d_vocab - 1
     return {
-        "model_type": "gptj", "architectures": ["GPTJForCausalLM"], "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
+        "model_type": model_type, "architectures": ["CodeGenForCausalLM" if model_type == "codegen" else "GPTJForCausalLM"], "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
         "n_head": cfg.n_heads, "n_inner": cfg.d_mlp, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx,
         "rotary_dim": cfg.rotary_dim, "layer_norm_epsilon": cfg.eps,
         "activation_function": GPT_ACTIVATION_NAMES[cfg.activation],
@@ -82,3 +90,21 @@ def gptj_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str,
         out["lm_head.weight"] = params["unembed.weight"]
     out["lm_head.bias"] = params["unembed.bias"]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def codegen_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    d = cfg.d_model
+    for l in range(cfg.n_layers):  # the fused projection unpacked into GPT-J's three, then read as GPT-J's
+        shards = source.take(f"h.{l}.attn.qkv_proj.weight", (3 * d, d)).view(CODEGEN_SHARDS, 3, d // CODEGEN_SHARDS, d)
+        for p, part in zip("qvk", shards.unbind(1)):
+            source.state[f"h.{l}.attn.{p}_proj.weight"] = part.reshape(d, d)
+    return gptj_to_probe(source, cfg)
+
+
+def codegen_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    out, d = gptj_to_hf(params, cfg), cfg.d_model
+    for l in range(cfg.n_layers):
+        t = f"transformer.h.{l}.attn"
+        parts = [out.pop(f"{t}.{p}_proj.weight").view(CODEGEN_SHARDS, d // CODEGEN_SHARDS, d) for p in "qvk"]
+        out[f"{t}.qkv_proj.weight"] = torch.stack(parts, dim=1).reshape(3 * d, d)
+    return out

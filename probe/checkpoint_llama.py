@@ -104,6 +104,8 @@ _LLAMA_LIKE = {
                                                    sliding_rotary_base=cfg.sliding_rotary_base)),
     "smollm3": ("SmolLM3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, rotary_layers=cfg.rotary_layers)),
     "arcee": ("ArceeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False)),
+    "cohere": ("CohereForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
+                                                     rotary_adjacent_pairs=True, out_bias=cfg.qkv_bias, mlp_bias=False)),
     "granite": ("GraniteForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, attn_scale_dim=cfg.attn_scale_dim)),
     "apertus": ("ApertusForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False, mlp_bias=False,
                                                        qk_norm=True)),
@@ -146,10 +148,11 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3", "arcee", "apertus",
                       "granite"):
         out["attention_bias"] = cfg.qkv_bias
-    if model_type == "smollm3":  # (its config's default special ids, 128000 on, would lie outside a small vocabulary)
-        out["no_rope_layers"] = [int(cfg.layer_rotates(l)) for l in range(cfg.n_layers)]
+    if model_type in ("smollm3", "cohere"):  # (their configs' default special ids would lie outside a small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
                     for kind in ("bos", "eos", "pad")})
+    if model_type == "smollm3":
+        out["no_rope_layers"] = [int(cfg.layer_rotates(l)) for l in range(cfg.n_layers)]
     if model_type == "olmo3":  # each layer's kind, and each kind's rope (the sliding layers' unscaled)
         out.pop("rope_theta"), out.pop("rope_scaling", None)
         out.update(layer_types=layer_types_to_hf(cfg),

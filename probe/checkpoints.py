@@ -1,12 +1,13 @@
 """Hugging Face checkpoint families: how each one's config and tensor names map onto DecoderConfig.
 
 One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
-checkpoint_gptj.py (GPT-J), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom),
-checkpoint_moe.py (Mixtral, OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
-checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi, Phi-3), checkpoint_llama.py (Llama,
-Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma, Gemma 2), checkpoint_gemma3.py (Gemma 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite);
-checkpoint_source.py holds what they share
-and loading.py does the file handling for all.
+checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom), checkpoint_moe.py (Mixtral,
+OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
+checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
+Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma, Gemma 2),
+checkpoint_gemma3.py (Gemma 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite),
+checkpoint_cohere.py (Cohere); checkpoint_source.py holds what they share and loading.py does the file handling for
+all.
 """
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ from probe.checkpoint_bigcode import bigcode_config, bigcode_config_to_hf, bigco
 from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf, bloom_to_probe
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
+from probe.checkpoint_cohere import cohere_config, cohere_config_to_hf, cohere_to_hf, cohere_to_probe
 from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
 from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_multimodal_config,
                                      gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe)
 from probe.checkpoint_granite import granite_config, granite_config_to_hf, granite_to_probe
 from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
-from probe.checkpoint_gptj import gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
+from probe.checkpoint_gptj import codegen_to_hf, codegen_to_probe, gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_like, llama_to_hf, llama_to_probe, mistral_config,
@@ -76,6 +78,8 @@ FAMILIES = {
         Family("olmo3", "Olmo3ForCausalLM", ("model.",), olmo3_config, *llama_like("olmo3")),
         Family("smollm3", "SmolLM3ForCausalLM", ("model.",), smollm3_config, *llama_like("smollm3")),
         Family("arcee", "ArceeForCausalLM", ("model.",), arcee_config, *llama_like("arcee")),
+        Family("cohere", "CohereForCausalLM", ("model.",), cohere_config, cohere_config_to_hf, cohere_to_probe,
+               cohere_to_hf),
         Family("granite", "GraniteForCausalLM", ("model.",), granite_config, granite_config_to_hf, granite_to_probe,
                llama_to_hf, prepends_bos=False),
         Family("apertus", "ApertusForCausalLM", ("model.",), apertus_config, apertus_config_to_hf, apertus_to_probe,
@@ -98,6 +102,8 @@ FAMILIES = {
         Family("phi", "PhiForCausalLM", ("model.",), phi_config, phi_config_to_hf, phi_to_probe, phi_to_hf,
                prepends_bos=False),
         Family("gptj", "GPTJForCausalLM", ("transformer.",), gptj_config, gptj_config_to_hf, gptj_to_probe, gptj_to_hf),
+        Family("codegen", "CodeGenForCausalLM", ("transformer.",), gptj_config,
+               lambda cfg, tok: gptj_config_to_hf(cfg, tok, "codegen"), codegen_to_probe, codegen_to_hf),
         Family("phi3", "Phi3ForCausalLM", ("model.",), phi3_config, phi3_config_to_hf, phi3_to_probe, phi3_to_hf),
         Family("mixtral", "MixtralForCausalLM", ("model.",), mixtral_config, *moe_family("mixtral")),
         Family("olmoe", "OlmoeForCausalLM", ("model.",), olmoe_config, *moe_family("olmoe")),

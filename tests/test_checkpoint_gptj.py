@@ -1,4 +1,4 @@
-"""probe/checkpoint_gptj.py: GPT-J checkpoints, against `transformers`' own GPTJForCausalLM and transformer-lens 4's
+"""probe/checkpoint_gptj.py: GPT-J and CodeGen checkpoints, against `transformers`' own GPTJForCausalLM and transformer-lens 4's
 bridge over the same directory (the logits and the save round trip: tests/test_variants.py; TL 3.9's own converter
 and forward: tests/test_tl_state_dict.py)."""
 from __future__ import annotations
@@ -48,3 +48,23 @@ def test_saving_asks_that_the_two_norms_still_agree(tmp_path):
         ours.blocks[1].ln2.b.add_(0.1)
     with pytest.raises(ValueError, match="GPT-J checkpoint has one norm per block.*block 1's ln1 and ln2 differ"):
         ours.save_pretrained(tmp_path / "saved")
+
+
+# ---- CodeGen: GPT-J's block, q/v/k fused per model-parallel shard ------------------------------------------------
+# (TL 4.3's bridge cannot run CodeGen under transformers 5: its adapter reads attn.embed_positions, which transformers
+# 5 moved to the model's rotary module; transformers is the oracle here and in test_variants.py)
+def test_codegens_shards_hold_q_v_k_in_turn(tmp_path):
+    """Each head's q, k and v are the rows of its shard's quarter of transformers' fused projection, in the order
+    q, v, k (read off the fused weight by hand), and generation is transformers' greedy one."""
+    from family_checks import assert_generation_and_processing_match
+
+    hf = build("codegen", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    fused = hf.transformer.h[1].attn.qkv_proj.weight.detach()  # [3 d_model, d_model]
+    quarter = 64 // 4
+    for head in range(4):  # d_head 16: head h is shard h's whole quarter
+        rows = fused[3 * quarter * head: 3 * quarter * (head + 1)]
+        torch.testing.assert_close(model.W_Q[1, head], rows[:quarter].T, atol=0, rtol=0)
+        torch.testing.assert_close(model.W_V[1, head], rows[quarter:2 * quarter].T, atol=0, rtol=0)
+        torch.testing.assert_close(model.W_K[1, head], rows[2 * quarter:].T, atol=0, rtol=0)
+    assert_generation_and_processing_match(hf, tmp_path)

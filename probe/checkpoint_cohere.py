@@ -1,0 +1,60 @@
+"""Cohere checkpoints (Command R, Aya 23, Aya Expanse): a parallel block whose one LayerNorm (no bias) attention and
+the gated MLP both read, rotary on whole heads with adjacent dimensions paired (rotary_adjacent_pairs), grouped
+key/value heads, and the logits times `logit_scale`.
+
+As in Phi's and GPT-J's blocks, ln2 is loaded as a copy of ln1 (transformer-lens's layout), and saved only while the
+two agree; the norms' biases are zeros, saved only while they stay so. The logit scale is folded into W_U on loading
+(so the model is untied) and saved as 1. Command R+'s per-head q/k LayerNorms (`use_qk_norm`) are refused."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
+from probe.checkpoint_source import Source, check_shared_norm, copy_shared_norm
+from probe.config import DecoderConfig, Norm, NormPlacement
+from probe.config_file import CheckpointError
+from probe.tokenizer import Tokenizer
+
+COHERE_NORMS = {"ln1": "input_layernorm"}  # the block's one norm; ln2 is its copy
+
+
+def cohere_config(hf: dict) -> DecoderConfig:
+    if hf.get("use_qk_norm"):
+        raise CheckpointError("use_qk_norm=true (Command R+'s LayerNorm over each head's q and k, with weights per "
+                              "head) is not supported")
+    return dataclasses.replace(llama_config(hf), norm=Norm.LAYER, eps=hf.get("layer_norm_eps", 1e-5),
+                               norm_placement=NormPlacement.PARALLEL, rotary_adjacent_pairs=True, tied_embeddings=False)
+
+
+def cohere_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+    out = llama_config_to_hf(cfg, tokenizer, "cohere")
+    out["layer_norm_eps"] = out.pop("rms_norm_eps")
+    out.update(logit_scale=1.0, use_qk_norm=False, attention_bias=cfg.qkv_bias)
+    out.pop("mlp_bias")  # (Cohere's MLP has no biases, and its config no such field)
+    return out
+
+
+def _norm_biases(cfg: DecoderConfig) -> list[str]:
+    return ["ln_final.b"] + [f"blocks.{l}.{norm}.b" for l in range(cfg.n_layers) for norm in ("ln1", "ln2")]
+
+
+def cohere_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    hf = source.config
+    out = llama_to_probe(source, dataclasses.replace(cfg, tied_embeddings=hf.get("tie_word_embeddings", True)),
+                         norms=COHERE_NORMS)
+    out.update({name: torch.zeros_like(out["ln_final.w"]) for name in _norm_biases(cfg)})
+    copy_shared_norm(out, cfg)
+    out["unembed.weight"] = out["unembed.weight"] * hf.get("logit_scale", 0.0625)  # a new tensor, also when tied
+    return out
+
+
+def cohere_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    check_shared_norm(params, cfg, "Cohere")
+    moved = [name for name in _norm_biases(cfg) if params[name].any()]
+    if moved:
+        raise ValueError(f"a Cohere checkpoint's LayerNorms have no biases, but this model's {moved[0]} is not zero; "
+                         "save model.state_dict() with safetensors instead")
+    return llama_to_hf(params, cfg, norms=COHERE_NORMS)
