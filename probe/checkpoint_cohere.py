@@ -1,10 +1,13 @@
-"""Cohere checkpoints (Command R, Aya 23, Aya Expanse): a parallel block whose one LayerNorm (no bias) attention and
+"""Cohere checkpoints (Command R, Aya 23, Aya Expanse) and Cohere 2's (Command R7B, Command A, Aya Vision's text): a
+parallel block whose one LayerNorm (no bias) attention and
 the gated MLP both read, rotary on whole heads with adjacent dimensions paired (rotary_adjacent_pairs), grouped
 key/value heads, and the logits times `logit_scale`.
 
 As in Phi's and GPT-J's blocks, ln2 is loaded as a copy of ln1 (transformer-lens's layout), and saved only while the
 two agree; the norms' biases are zeros, saved only while they stay so. The logit scale is folded into W_U on loading
-(so the model is untied) and saved as 1. Command R+'s per-head q/k LayerNorms (`use_qk_norm`) are refused."""
+(so the model is untied) and saved as 1. Command R+'s per-head q/k LayerNorms (`use_qk_norm`) are refused. Cohere 2
+windows three layers in four (`layer_types`, or the older `sliding_window_pattern`) and rotates only those: its full
+layers have no positions (NoPE: `rotary_layers`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +16,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import Source, check_shared_norm, copy_shared_norm
+from probe.checkpoint_source import LAYER_KINDS, Source, check_shared_norm, copy_shared_norm, layer_kinds, layer_types_to_hf
 from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -29,11 +32,26 @@ def cohere_config(hf: dict) -> DecoderConfig:
                                norm_placement=NormPlacement.PARALLEL, rotary_adjacent_pairs=True, tied_embeddings=False)
 
 
-def cohere_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    out = llama_config_to_hf(cfg, tokenizer, "cohere")
+def cohere2_config(hf: dict) -> DecoderConfig:
+    sliding = tuple(kind == LAYER_KINDS[0] for kind in layer_kinds(hf, hf.get("sliding_window_pattern", 4)))
+    window = hf.get("sliding_window", 4096) if any(sliding) else None
+    return dataclasses.replace(cohere_config(hf), sliding_window=window, sliding_layers=None if window is None else sliding,
+                               rotary_layers=sliding)
+
+
+def cohere_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "cohere") -> dict:
+    out = llama_config_to_hf(cfg, tokenizer, model_type)
     out["layer_norm_eps"] = out.pop("rms_norm_eps")
-    out.update(logit_scale=1.0, use_qk_norm=False, attention_bias=cfg.qkv_bias)
+    out.update(logit_scale=1.0, attention_bias=cfg.qkv_bias)
     out.pop("mlp_bias")  # (Cohere's MLP has no biases, and its config no such field)
+    if model_type == "cohere":
+        out["use_qk_norm"] = False
+        return out
+    windowed = [cfg.layer_window(l) is not None for l in range(cfg.n_layers)]
+    if [cfg.layer_rotates(l) for l in range(cfg.n_layers)] != windowed:
+        raise ValueError("a cohere2 checkpoint rotates exactly its windowed layers; this model's rotary_layers "
+                         f"{cfg.rotary_layers} are not its windowed ones {tuple(windowed)}")
+    out.update(layer_types=layer_types_to_hf(cfg), sliding_window=cfg.sliding_window)
     return out
 
 

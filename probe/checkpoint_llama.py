@@ -106,6 +106,11 @@ _LLAMA_LIKE = {
     "arcee": ("ArceeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False)),
     "cohere": ("CohereForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
                                                      rotary_adjacent_pairs=True, out_bias=cfg.qkv_bias, mlp_bias=False)),
+    "cohere2": ("Cohere2ForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
+                                                       rotary_adjacent_pairs=True, out_bias=cfg.qkv_bias, mlp_bias=False,
+                                                       sliding_window=cfg.sliding_window,
+                                                       sliding_layers=cfg.sliding_layers,
+                                                       rotary_layers=cfg.rotary_layers)),
     "granite": ("GraniteForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, attn_scale_dim=cfg.attn_scale_dim)),
     "apertus": ("ApertusForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False, mlp_bias=False,
                                                        qk_norm=True)),
@@ -148,7 +153,7 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3", "arcee", "apertus",
                       "granite"):
         out["attention_bias"] = cfg.qkv_bias
-    if model_type in ("smollm3", "cohere"):  # (their configs' default special ids would lie outside a small vocabulary)
+    if model_type in ("smollm3", "cohere", "cohere2"):  # (their configs' default special ids would lie outside a small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
                     for kind in ("bos", "eos", "pad")})
     if model_type == "smollm3":

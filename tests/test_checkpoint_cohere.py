@@ -16,14 +16,17 @@ from test_transformer_lens import compare_with_transformer_lens
 from test_variants import build
 
 
-def test_every_hook_matches_transformer_lens(tmp_path):
-    directory = tokenized_checkpoint("cohere", tmp_path / "checkpoint")
+@pytest.mark.parametrize("kind", ["cohere", "cohere2"])
+def test_every_hook_matches_transformer_lens(kind, tmp_path):
+    directory = tokenized_checkpoint(kind, tmp_path / "checkpoint")
     # (the bridge's unembed.hook_out is lm_head's output before logit_scale multiplies it; probe's, the logits)
     missing, theirs = compare_with_transformer_lens(directory, 12, seed=3, skip=("unembed.hook_out",))
     # the bridge's block has its one norm, as ln1 (probe's ln2 is its copy)
     assert {n for n in missing if n.startswith("blocks.1.")} <= {"blocks.1.ln2.hook_scale", "blocks.1.ln2.hook_normalized",
                                                                  "blocks.1.hook_resid_mid"}, missing
     assert {"blocks.1.attn.hook_rot_q", "blocks.1.hook_mlp_out", "blocks.1.ln1.hook_normalized"} <= theirs
+    if kind == "cohere2":  # its full layer has no positions: no rotation, so no points after one
+        assert "blocks.3.attn.hook_rot_q" not in HookedDecoder.from_pretrained(directory).hook_dict
 
 
 def test_adjacent_pairs_rotate_and_the_logit_scale_is_folded(tmp_path):
@@ -71,3 +74,42 @@ def test_command_r_plus_qk_norms_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(config, use_qk_norm=True)))
     with pytest.raises(CheckpointError, match="use_qk_norm=true.*not supported"):
         HookedDecoder.from_pretrained(tmp_path)
+
+
+def test_cohere2_generates_past_its_window_as_transformers_does(tmp_path):
+    """Greedy generation through probe's KV cache, 14 tokens past a window of 5, with the full layer unrotated; and
+    the windowed layers' patterns reach back 5 keys, the full layer's to the first."""
+    hf = build("cohere2", tmp_path)
+    assert_generation_and_processing_match(hf, tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        _, cache = model.run_with_cache(torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(2)))
+    assert (cache["blocks.0.attn.hook_pattern"][0, :, 11, :7] == 0).all()
+    assert (cache["blocks.3.attn.hook_pattern"][0, :, 11] > 0).all()
+
+
+def test_cohere2_saves_only_windows_that_rotate(tmp_path):
+    import dataclasses
+
+    build("cohere2", tmp_path / "original")
+    model = HookedDecoder.from_pretrained(tmp_path / "original")
+    moved = HookedDecoder(dataclasses.replace(model.cfg, rotary_layers=None))  # every layer rotating
+    with pytest.raises(ValueError, match="cohere2 checkpoint rotates exactly its windowed layers"):
+        moved.save_pretrained(tmp_path / "saved")
+
+
+def test_cohere2_reads_the_older_files_window_pattern(tmp_path):
+    """Hub files from before layer_types say sliding_window_pattern (every n-th layer full); transformers reads it."""
+    import transformers as tf
+
+    build("cohere2", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window_pattern=2)))
+    theirs = tf.Cohere2ForCausalLM.from_pretrained(tmp_path).eval()
+    assert theirs.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    ours = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert ours.cfg.rotary_layers == (True, False, True, False)
+    toks = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(toks), theirs(toks).logits, atol=1e-4, rtol=0)

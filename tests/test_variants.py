@@ -179,6 +179,11 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, max_position_embeddings=40, logit_scale=0.5, pad_token_id=0,
                         bos_token_id=1, eos_token_id=2)
         model = tf.CohereForCausalLM(tf.CohereConfig(**{**settings, **overrides}))
+    elif kind == "cohere2":  # Cohere's block; three windowed, rotating layers in four, the fourth without positions
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, logit_scale=0.5, sliding_window=5,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.Cohere2ForCausalLM(tf.Cohere2Config(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -289,6 +294,9 @@ CASES = {
     "cohere-parallel-one-norm-tied": ("cohere", {}),
     "cohere-untied-biases-mha": ("cohere", {"tie_word_embeddings": False, "attention_bias": True,
                                             "num_key_value_heads": 4, "logit_scale": 2.0}),
+    "cohere2-windows-nope-full-layers": ("cohere2", {}),
+    "cohere2-layer-types-untied": ("cohere2", {"layer_types": ["sliding_attention", "full_attention"] * 2,
+                                               "tie_word_embeddings": False}),
     "arcee-relu2-ungated": ("arcee", {}),
     "arcee-biases-tied-yarn": ("arcee", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
                                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -381,7 +389,8 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
-                 "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere"):
+                 "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
+                 "cohere2"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -437,7 +446,8 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
-                                              "qwen3, mistral, olmo, olmo2, olmo3, smollm3, arcee, cohere, granite, apertus, gemma, "
+                                              "qwen3, mistral, olmo, olmo2, olmo3, smollm3, arcee, cohere, cohere2, granite, apertus, "
+                                              "gemma, "
                                               "gemma2, "
                                               "gemma3_text, "
                                               "gemma3, gpt_neox, gpt_neo, opt, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
