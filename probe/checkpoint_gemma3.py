@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import gemma_config, gemma_to_probe
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, Source, layer_kinds, layer_types_to_hf,
-                                     require_fields, rope_by_layer_kind, rope_to_hf)
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, Source, drop_vision_tower, layer_kinds, layer_types_to_hf,
+                                     require_fields, rope_by_layer_kind, rope_to_hf, text_config)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError, ConfigFields
 from probe.tokenizer import Tokenizer
@@ -77,16 +77,8 @@ def gemma3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> d
 
 
 # ---- the multimodal checkpoints' language model -------------------------------------------------------------
-VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
 def gemma3_multimodal_config(hf: dict) -> DecoderConfig:
-    text = hf.get("text_config")
-    if not isinstance(text, dict):
-        raise CheckpointError("a multimodal Gemma 3 config.json needs text_config, the language model's settings")
-    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    fields = ConfigFields({**text, "tie_word_embeddings": tied}, getattr(hf, "path", Path("config.json")), "text_config.")
-    return gemma3_config(fields)
+    return gemma3_config(text_config(hf, "Gemma 3", default_tied=True))
 
 
 def gemma3_multimodal_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
@@ -95,6 +87,5 @@ def gemma3_multimodal_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Token
 
 
 def gemma3_multimodal_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    for name in [n for n in source.state if n.startswith(VISION_PARTS)]:
-        del source.state[name]  # never read: the file's vision weights stay on disk
+    drop_vision_tower(source)
     return gemma_to_probe(source, cfg)

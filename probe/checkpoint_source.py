@@ -1,5 +1,6 @@
 """What every checkpoint family shares: the tensors of a file taken one by one (Source), the activation names,
-the check that a format can hold a configuration, and the rotary settings' spellings."""
+the check that a format can hold a configuration, the rotary settings' spellings, and a multimodal file's language
+model."""
 from __future__ import annotations
 
 import enum
@@ -11,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from probe.config import Activation, DecoderConfig, RotaryScaling
-from probe.config_file import CheckpointError
+from probe.config_file import CheckpointError, ConfigFields
 from probe.safetensors_file import SafetensorsError, StoredTensor
 
 
@@ -297,3 +298,22 @@ def rope_to_hf(cfg: DecoderConfig, **extra) -> dict:
     if scaling is not None:
         out["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", *extra)}
     return out
+
+
+# ---- multimodal checkpoints, read for their language model ---------------------------------------------------
+VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_config(hf: dict, family: str, default_tied: bool) -> ConfigFields:
+    """A multimodal config.json's language model settings (text_config), tied as the top level says, else as they
+    say, else as the family's default."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"a multimodal {family} config.json needs text_config, the language model's settings")
+    tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", default_tied))
+    return ConfigFields({**text, "tie_word_embeddings": tied}, getattr(hf, "path", Path("config.json")), "text_config.")
+
+
+def drop_vision_tower(source: Source) -> None:
+    for name in [n for n in source.state if n.startswith(VISION_PARTS)]:
+        del source.state[name]  # never read: the file's vision weights stay on disk

@@ -5,7 +5,7 @@ checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT), checkpoint_bloom.p
 OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma, Gemma 2),
-checkpoint_gemma3.py (Gemma 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite),
+checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite),
 checkpoint_cohere.py (Cohere, Cohere 2); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
@@ -33,6 +33,7 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_conf
                                     llama_config, llama_config_to_hf, llama_like, llama_to_hf, llama_to_probe, mistral_config,
                                     olmo2_config, olmo3_config, olmo_config, smollm3_config,
                                     qwen2_config, qwen3_config)
+from probe.checkpoint_mistral3 import mistral3_config, mistral3_config_to_hf, mistral3_to_probe
 from probe.checkpoint_moe import mixtral_config, moe_family, olmoe_config, qwen2_moe_config, qwen3_moe_config
 from probe.checkpoint_mpt import mpt_config, mpt_config_to_hf, mpt_to_hf, mpt_to_probe
 from probe.checkpoint_opt import opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe
@@ -60,6 +61,8 @@ class Family:
     # whether text gets BOS first by default (cfg.default_prepend_bos): transformer-lens's per-family choice, False
     # for GPT-NeoX/Pythia, Qwen, Phi and Granite, trained without one (TL 3.9's convert_hf_model_config, TL 4's bridge)
     prepends_bos: bool = True
+    # a multimodal checkpoint's: the text-only format its language model saves as
+    saves_as: Optional[str] = None
 
 
 FAMILIES = {
@@ -73,6 +76,9 @@ FAMILIES = {
         Family("qwen2", "Qwen2ForCausalLM", ("model.",), qwen2_config, *llama_like("qwen2"), prepends_bos=False),
         Family("qwen3", "Qwen3ForCausalLM", ("model.",), qwen3_config, *llama_like("qwen3"), prepends_bos=False),
         Family("mistral", "MistralForCausalLM", ("model.",), mistral_config, *llama_like("mistral")),
+        Family("mistral3", "Mistral3ForConditionalGeneration", ("language_model.model.", "model.language_model.",
+                                                                "language_model."),
+               mistral3_config, mistral3_config_to_hf, mistral3_to_probe, llama_to_hf, saves_as="mistral"),
         Family("olmo", "OlmoForCausalLM", ("model.",), olmo_config, *llama_like("olmo")),
         Family("olmo2", "Olmo2ForCausalLM", ("model.",), olmo2_config, *llama_like("olmo2")),
         Family("olmo3", "Olmo3ForCausalLM", ("model.",), olmo3_config, *llama_like("olmo3")),
@@ -95,7 +101,8 @@ FAMILIES = {
         # the language model of a multimodal one: saved as gemma3_text (its config_to_hf says so and refuses)
         Family("gemma3", "Gemma3ForConditionalGeneration", ("language_model.model.", "model.language_model.",
                                                             "language_model."),
-               gemma3_multimodal_config, gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe, gemma_to_hf),
+               gemma3_multimodal_config, gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe, gemma_to_hf,
+               saves_as="gemma3_text"),
         Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf,
                prepends_bos=False),
         Family("gpt_neo", "GPTNeoForCausalLM", ("transformer.",), gptneo_config, gptneo_config_to_hf, gptneo_to_probe,
@@ -150,8 +157,11 @@ def family_for_config(cfg: DecoderConfig) -> Family:
                          "holds one in parallel blocks with learned norms; a model from process_weights has one, and "
                          "folded norms); save the unprocessed model and process it again after loading")
     errors = []
-    # the format the model was loaded from first: an OPT model is also a valid GPT-2 one, but not OPT's positions
-    candidates = sorted(FAMILIES.values(), key=lambda f: f.architecture != cfg.original_architecture)
+    # the format the model was loaded from first (or, from a multimodal file, its text-only one): an OPT model is also
+    # a valid GPT-2 one, but not OPT's positions
+    loaded = next((f for f in FAMILIES.values() if f.architecture == cfg.original_architecture), None)
+    preferred = {cfg.original_architecture, FAMILIES[loaded.saves_as].architecture if loaded and loaded.saves_as else None}
+    candidates = sorted(FAMILIES.values(), key=lambda f: f.architecture not in preferred)
     if cfg.activation.learned:  # transformers holds xIELU's parameters in Apertus's MLP only
         candidates = [FAMILIES["apertus"]]
     for family in candidates:

@@ -446,11 +446,9 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
-                                              "qwen3, mistral, olmo, olmo2, olmo3, smollm3, arcee, cohere, cohere2, granite, apertus, "
-                                              "gemma, "
-                                              "gemma2, "
-                                              "gemma3_text, "
-                                              "gemma3, gpt_neox, gpt_neo, opt, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
+                                              "qwen3, mistral, mistral3, olmo, olmo2, olmo3, smollm3, arcee, cohere, "
+                                              "cohere2, granite, apertus, gemma, gemma2, gemma3_text, gemma3, gpt_neox, "
+                                              "gpt_neo, opt, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
                                               "qwen2_moe, gpt_oss, falcon, mpt, stablelm, gpt_bigcode, bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
 
