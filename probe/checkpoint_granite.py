@@ -1,4 +1,4 @@
-"""IBM Granite checkpoints (granite-3.x dense, granite-4.0 dense "-h"-less ones): Llama's layers with four scalars,
+"""IBM Granite checkpoints (granite-3.x, dense and mixture-of-experts): Llama's layers with four scalars,
 `embedding_multiplier` (on the embeddings), `residual_multiplier` (on each sublayer's write before the residual
 adds it), `attention_multiplier` (the scores' scale, in place of 1/sqrt(d_head)) and `logits_scaling` (the logits
 divided by it).
@@ -7,7 +7,12 @@ The three linear ones are folded into the weights on loading (W_E times the embe
 and their biases times the residual one, W_U divided by the logit scaling), so the block stays Llama's and the hooks
 hold what the residual stream receives: hook_embed, hook_attn_out, hook_mlp_out and each head's hook_result are the
 scaled writes, as TL 4's bridge exposes them. The unembedding is then never the embedding's transpose, so the model
-is untied. Saving writes the folded weights with every multiplier 1 (the same function; transformers loads it)."""
+is untied. Saving writes the folded weights with every multiplier 1 (the same function; transformers loads it).
+
+GraniteMoE (granite-3.0-1b-a400m, -3b-a800m) puts a mixture of experts in each MLP's place: a bias-free router
+(`block_sparse_moe.router.layer`) choosing experts by logit, weighted by the softmax over the chosen
+(Experts.softmax_over "chosen"), and the experts stored fused: `input_linear` [expert 2*d_mlp d_model] (the gate's
+rows, then the up projection's) and `output_linear` [expert d_model d_mlp]."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,9 +20,9 @@ from typing import Optional
 
 import torch
 
-from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_probe
+from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
 from probe.checkpoint_source import Source
-from probe.config import DecoderConfig
+from probe.config import DecoderConfig, Experts
 from probe.tokenizer import Tokenizer
 
 FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
@@ -28,23 +33,63 @@ def granite_config(hf: dict) -> DecoderConfig:
     return dataclasses.replace(llama_config(hf), attn_scale_dim=scale ** -2, tied_embeddings=False)
 
 
-def granite_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    out = llama_config_to_hf(cfg, tokenizer, "granite")
+def granite_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "granite") -> dict:
+    out = llama_config_to_hf(cfg, tokenizer, model_type)
     out.update({name: 1.0 for name in FOLDED}, attention_multiplier=(cfg.attn_scale_dim or cfg.d_head) ** -0.5)
     return out
 
 
-def granite_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    hf = source.config
-    tied = hf.get("tie_word_embeddings", False)
-    out = llama_to_probe(source, dataclasses.replace(cfg, tied_embeddings=tied))
-    embedding, residual = hf.get("embedding_multiplier", 1.0), hf.get("residual_multiplier", 1.0)
-    out["unembed.weight"] = out["unembed.weight"] / hf.get("logits_scaling", 1.0)  # a new tensor, also when tied
-    out["embed.W_E"] = out["embed.W_E"] * embedding
-    for l in range(cfg.n_layers):
-        for name in (f"blocks.{l}.attn.out.weight", f"blocks.{l}.attn.out.bias", f"blocks.{l}.mlp.fc_out.weight",
-                     f"blocks.{l}.mlp.fc_out.bias"):
-            if name in out:
-                out[name] = out[name] * residual
+def granite_moe_config(hf: dict) -> DecoderConfig:
+    experts = Experts(n=hf["num_local_experts"], per_token=hf["num_experts_per_tok"], softmax_over="chosen")
+    return dataclasses.replace(granite_config(hf), experts=experts)
+
+
+def granite_moe_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+    experts = cfg.experts
+    if experts is None or experts.softmax_over != "chosen" or experts.clamped_glu is not None or experts.shared:
+        raise ValueError(f"a granitemoe checkpoint holds experts chosen by logit, without a clamp or a shared expert; "
+                         f"this model has experts={experts!r}")
+    out = granite_config_to_hf(cfg, tokenizer, "granitemoe")
+    out.pop("mlp_bias")  # (GraniteMoE's experts have no biases, and its config no such field)
+    out.update(num_local_experts=experts.n, num_experts_per_tok=experts.per_token)
     return out
 
+
+def _fold_multipliers(out: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
+    """The embedding multiplier into W_E, the residual one into every write to the residual (each W_O, W_out and
+    expert's W_out, with their biases), the logit divisor into W_U: new tensors, so a tied W_U is not W_E."""
+    residual = hf.get("residual_multiplier", 1.0)
+    writes = (".attn.out.weight", ".attn.out.bias", ".mlp.fc_out.weight", ".mlp.fc_out.bias", ".W_out.weight",
+              ".W_out.bias")
+    out = {name: t * residual if name.endswith(writes) else t for name, t in out.items()}
+    out["unembed.weight"] = out["unembed.weight"] / hf.get("logits_scaling", 1.0)
+    out["embed.W_E"] = out["embed.W_E"] * hf.get("embedding_multiplier", 1.0)
+    return out
+
+
+def granite_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    tied = source.config.get("tie_word_embeddings", False)
+    out = llama_to_probe(source, dataclasses.replace(cfg, tied_embeddings=tied))
+    n, d, m = (cfg.experts.n if cfg.experts else 0), cfg.d_model, cfg.d_mlp
+    for l in range(cfg.n_layers if cfg.experts else 0):
+        o, t = f"blocks.{l}.mlp", f"layers.{l}.block_sparse_moe"
+        out[f"{o}.W_gate.weight"] = source.take(f"{t}.router.layer.weight", (n, d))
+        gate_up = source.take(f"{t}.input_linear.weight", (n, 2 * m, d))
+        down = source.take(f"{t}.output_linear.weight", (n, d, m))
+        for e in range(n):
+            x = f"{o}.experts.{e}"
+            out[f"{x}.W_gate.weight"], out[f"{x}.W_in.weight"] = gate_up[e, :m], gate_up[e, m:]
+            out[f"{x}.W_out.weight"] = down[e]
+    return _fold_multipliers(out, source.config)
+
+
+def granite_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    out = llama_to_hf(params, cfg)
+    for l in range(cfg.n_layers if cfg.experts else 0):
+        o, t = f"blocks.{l}.mlp", f"model.layers.{l}.block_sparse_moe"
+        experts = [f"{o}.experts.{e}" for e in range(cfg.experts.n)]
+        out[f"{t}.router.layer.weight"] = params[f"{o}.W_gate.weight"]
+        out[f"{t}.input_linear.weight"] = torch.stack(
+            [torch.cat([params[f"{x}.W_gate.weight"], params[f"{x}.W_in.weight"]]) for x in experts])
+        out[f"{t}.output_linear.weight"] = torch.stack([params[f"{x}.W_out.weight"] for x in experts])
+    return {k: v.contiguous() for k, v in out.items()}

@@ -112,6 +112,8 @@ _LLAMA_LIKE = {
                                                        sliding_layers=cfg.sliding_layers,
                                                        rotary_layers=cfg.rotary_layers)),
     "granite": ("GraniteForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, attn_scale_dim=cfg.attn_scale_dim)),
+    "granitemoe": ("GraniteMoeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, attn_scale_dim=cfg.attn_scale_dim,
+                                                             mlp_bias=False, experts=cfg.experts)),
     "apertus": ("ApertusForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False, mlp_bias=False,
                                                        qk_norm=True)),
     # mixtures of experts (probe.checkpoint_moe checks and writes the experts)
@@ -151,7 +153,7 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
     if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3", "arcee", "apertus",
-                      "granite"):
+                      "granite", "granitemoe"):
         out["attention_bias"] = cfg.qkv_bias
     if model_type in ("smollm3", "cohere", "cohere2"):  # (their configs' default special ids would lie outside a small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")

@@ -5,7 +5,7 @@ checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT), checkpoint_bloom.p
 OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma, Gemma 2),
-checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite),
+checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
 checkpoint_cohere.py (Cohere, Cohere 2); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
@@ -25,7 +25,8 @@ from probe.checkpoint_cohere import cohere2_config, cohere_config, cohere_config
 from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
 from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_multimodal_config,
                                      gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe)
-from probe.checkpoint_granite import granite_config, granite_config_to_hf, granite_to_probe
+from probe.checkpoint_granite import (granite_config, granite_config_to_hf, granite_moe_config, granite_moe_config_to_hf,
+                                      granite_to_hf, granite_to_probe)
 from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
 from probe.checkpoint_gptj import codegen_to_hf, codegen_to_probe, gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
@@ -89,7 +90,9 @@ FAMILIES = {
         Family("cohere2", "Cohere2ForCausalLM", ("model.",), cohere2_config,
                lambda cfg, tok: cohere_config_to_hf(cfg, tok, "cohere2"), cohere_to_probe, cohere_to_hf),
         Family("granite", "GraniteForCausalLM", ("model.",), granite_config, granite_config_to_hf, granite_to_probe,
-               llama_to_hf, prepends_bos=False),
+               granite_to_hf, prepends_bos=False),
+        Family("granitemoe", "GraniteMoeForCausalLM", ("model.",), granite_moe_config, granite_moe_config_to_hf,
+               granite_to_probe, granite_to_hf, prepends_bos=False),
         Family("apertus", "ApertusForCausalLM", ("model.",), apertus_config, apertus_config_to_hf, apertus_to_probe,
                apertus_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,

@@ -1,4 +1,4 @@
-"""IBM Granite (probe/checkpoint_granite.py): Llama's layers with an embedding multiplier, a residual multiplier on
+"""IBM Granite and GraniteMoE (probe/checkpoint_granite.py): Llama's layers with an embedding multiplier, a residual multiplier on
 each sublayer's write, the scores' own scale and a logit divisor, the linear three folded into the weights.
 
 The oracles: transformers (test_variants.py compares logits and every residual on a tied and an untied case and saves
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from probe import HookedDecoder
@@ -62,12 +63,41 @@ def test_saving_writes_the_folded_weights_with_unit_multipliers(tmp_path):
         torch.testing.assert_close(again.state_dict()[key], value, atol=0, rtol=0, msg=key)
 
 
-def test_hooks_match_the_bridge(tmp_path):
+@pytest.mark.parametrize("kind", ["granite", "granitemoe"])
+def test_hooks_match_the_bridge(kind, tmp_path):
     from test_family_defaults import tokenized_checkpoint
     from test_transformer_lens import compare_with_transformer_lens
 
-    directory = tokenized_checkpoint("granite", tmp_path / "checkpoint")
-    # (the bridge's unembed.hook_out is lm_head's output before logits_scaling divides it; probe's, the logits)
-    missing, theirs = compare_with_transformer_lens(directory, 10, seed=4, skip=("unembed.hook_out",))
+    directory = tokenized_checkpoint(kind, tmp_path / "checkpoint")
+    # (the bridge's unembed.hook_out is lm_head's output before logits_scaling divides it, probe's the logits; its
+    # routing hooks read transformers 5's router outputs, (logits, weights, indices), in the order of older ones
+    # (indices first), so its hook_expert_indices holds the logits: probe's routing is compared with transformers'
+    # router below)
+    missing, theirs = compare_with_transformer_lens(directory, 10, seed=4, skip=(
+        "unembed.hook_out", "hook_expert_weights", "hook_expert_indices"))
     assert {"hook_embed", "blocks.1.hook_attn_out", "blocks.1.hook_mlp_out", "blocks.1.hook_resid_post"} <= theirs
-    assert not {n for n in missing if n.startswith("blocks.1.") and not n.startswith("blocks.1.attn.")}, missing
+    assert not {n for n in missing if n.startswith("blocks.1.") and not n.startswith(("blocks.1.attn.",
+                                                                                        "blocks.1.mlp."))}, missing
+
+
+def test_granitemoes_routing_and_experts_are_transformers(tmp_path):
+    """Each token's chosen experts and their weights are transformers' router's top logits and the softmax over them;
+    each expert's rows through its gate and up halves of input_linear; generation and processing as transformers'."""
+    hf = build("granitemoe", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    toks = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks)
+        for layer in range(2):
+            theirs = hf.model.layers[layer].block_sparse_moe
+            x = model.blocks[layer].ln2(cache[f"blocks.{layer}.hook_resid_mid"]).reshape(-1, 64)
+            _, weights, chosen = theirs.router(x)
+            assert torch.equal(cache[f"blocks.{layer}.mlp.hook_expert_indices"], chosen)
+            torch.testing.assert_close(cache[f"blocks.{layer}.mlp.hook_expert_weights"].gather(1, chosen), weights,
+                                       atol=1e-6, rtol=0)
+            for e in range(4):
+                rows = torch.cat([(chosen[:, k] == e).nonzero()[:, 0] for k in range(2)])
+                gate, up = (x[rows] @ theirs.experts.gate_up_proj[e].T).chunk(2, dim=-1)
+                torch.testing.assert_close(cache[f"blocks.{layer}.mlp.experts.{e}.hook_gate"], gate, atol=1e-5, rtol=0)
+                torch.testing.assert_close(cache[f"blocks.{layer}.mlp.experts.{e}.hook_pre"], up, atol=1e-5, rtol=0)
+    assert_generation_and_processing_match(hf, tmp_path)

@@ -171,6 +171,12 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, max_position_embeddings=40, embedding_multiplier=6.0,
                         residual_multiplier=0.3, attention_multiplier=0.1, logits_scaling=4.0, tie_word_embeddings=True)
         model = tf.GraniteForCausalLM(tf.GraniteConfig(**{**settings, **overrides}))
+    elif kind == "granitemoe":  # Granite's scalars around experts chosen by logit, weighted by the chosen's softmax
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, embedding_multiplier=6.0,
+                        residual_multiplier=0.3, attention_multiplier=0.1, logits_scaling=4.0, num_local_experts=4,
+                        num_experts_per_tok=2)
+        model = tf.GraniteMoeForCausalLM(tf.GraniteMoeConfig(**{**settings, **overrides}))
     elif kind == "codegen":  # GPT-J's block, q/v/k fused per model-parallel shard
         settings = dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=40, rotary_dim=8, n_inner=96)
         model = tf.CodeGenForCausalLM(tf.CodeGenConfig(**{**settings, **overrides}))
@@ -297,6 +303,8 @@ CASES = {
     "cohere2-windows-nope-full-layers": ("cohere2", {}),
     "cohere2-layer-types-untied": ("cohere2", {"layer_types": ["sliding_attention", "full_attention"] * 2,
                                                "tie_word_embeddings": False}),
+    "granitemoe-chosen-softmax-untied": ("granitemoe", {}),
+    "granitemoe-one-expert-tied": ("granitemoe", {"num_experts_per_tok": 1, "tie_word_embeddings": True}),
     "arcee-relu2-ungated": ("arcee", {}),
     "arcee-biases-tied-yarn": ("arcee", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
                                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -390,7 +398,7 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2"):
+                 "cohere2", "granitemoe"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -447,7 +455,8 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, mistral, mistral3, olmo, olmo2, olmo3, smollm3, arcee, cohere, "
-                                              "cohere2, granite, apertus, gemma, gemma2, gemma3_text, gemma3, gpt_neox, "
+                                              "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
+                                              "gpt_neox, "
                                               "gpt_neo, opt, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
                                               "qwen2_moe, gpt_oss, falcon, mpt, stablelm, gpt_bigcode, bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
