@@ -1,7 +1,6 @@
-"""Cohere checkpoints (Command R, Aya 23, Aya Expanse) and Cohere 2's (Command R7B, Command A, Aya Vision's text): a
-parallel block whose one LayerNorm (no bias) attention and
-the gated MLP both read, rotary on whole heads with adjacent dimensions paired (rotary_adjacent_pairs), grouped
-key/value heads, and the logits times `logit_scale`.
+"""Cohere checkpoints (Command R, Aya 23, Aya Expanse) and Cohere 2's (Command R7B, Command A): a parallel block
+whose one LayerNorm (no bias) attention and the gated MLP both read, rotary on whole heads with adjacent dimensions
+paired (rotary_adjacent_pairs), grouped key/value heads, and the logits times `logit_scale`.
 
 As in Phi's and GPT-J's blocks, ln2 is loaded as a copy of ln1 (transformer-lens's layout), and saved only while the
 two agree; the norms' biases are zeros, saved only while they stay so. The logit scale is folded into W_U on loading
@@ -16,7 +15,8 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import LAYER_KINDS, Source, check_shared_norm, copy_shared_norm, layer_kinds, layer_types_to_hf
+from probe.checkpoint_source import (LAYER_KINDS, Source, check_shared_norm, copy_shared_norm, layer_kinds,
+                                     layer_types_to_hf)
 from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -35,8 +35,8 @@ def cohere_config(hf: dict) -> DecoderConfig:
 def cohere2_config(hf: dict) -> DecoderConfig:
     sliding = tuple(kind == LAYER_KINDS[0] for kind in layer_kinds(hf, hf.get("sliding_window_pattern", 4)))
     window = hf.get("sliding_window", 4096) if any(sliding) else None
-    return dataclasses.replace(cohere_config(hf), sliding_window=window, sliding_layers=None if window is None else sliding,
-                               rotary_layers=sliding)
+    return dataclasses.replace(cohere_config(hf), sliding_window=window, rotary_layers=sliding,
+                               sliding_layers=None if window is None else sliding)
 
 
 def cohere_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str = "cohere") -> dict:

@@ -15,11 +15,9 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from probe.checkpoint_llama import gemma_config, gemma_to_probe
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, Source, drop_vision_tower, layer_kinds, layer_types_to_hf,
-                                     require_fields, rope_by_layer_kind, rope_to_hf, text_config)
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, language_model_of, layer_kinds, layer_types_to_hf,
+                                     require_fields, rope_by_layer_kind, rope_to_hf)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError, ConfigFields
 from probe.tokenizer import Tokenizer
@@ -77,15 +75,5 @@ def gemma3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> d
 
 
 # ---- the multimodal checkpoints' language model -------------------------------------------------------------
-def gemma3_multimodal_config(hf: dict) -> DecoderConfig:
-    return gemma3_config(text_config(hf, "Gemma 3", default_tied=True))
-
-
-def gemma3_multimodal_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    raise ValueError("probe keeps a multimodal Gemma 3's language model only; it saves as the text-only Gemma 3 "
-                     "(gemma3_text), which transformers' Gemma3ForCausalLM loads")
-
-
-def gemma3_multimodal_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    drop_vision_tower(source)
-    return gemma_to_probe(source, cfg)
+gemma3_multimodal = language_model_of("Gemma 3", "Gemma 3 (gemma3_text)", gemma3_config, gemma_to_probe,
+                                      default_tied=True)

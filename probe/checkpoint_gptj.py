@@ -46,7 +46,8 @@ def gptj_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_
         raise ValueError(f"a codegen checkpoint splits d_model over {CODEGEN_SHARDS} shards; d_model={cfg.d_model}")
     special = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else cfg.d_vocab - 1
     return {
-        "model_type": model_type, "architectures": ["CodeGenForCausalLM" if model_type == "codegen" else "GPTJForCausalLM"], "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
+        "model_type": model_type, "n_layer": cfg.n_layers, "n_embd": cfg.d_model,
+        "architectures": ["CodeGenForCausalLM" if model_type == "codegen" else "GPTJForCausalLM"],
         "n_head": cfg.n_heads, "n_inner": cfg.d_mlp, "vocab_size": cfg.d_vocab, "n_positions": cfg.n_ctx,
         "rotary_dim": cfg.rotary_dim, "layer_norm_epsilon": cfg.eps,
         "activation_function": GPT_ACTIVATION_NAMES[cfg.activation],

@@ -155,7 +155,7 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3", "arcee", "apertus",
                       "granite", "granitemoe"):
         out["attention_bias"] = cfg.qkv_bias
-    if model_type in ("smollm3", "cohere", "cohere2"):  # (their configs' default special ids would lie outside a small vocabulary)
+    if model_type in ("smollm3", "cohere", "cohere2"):  # (their default special ids would lie outside a small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
                     for kind in ("bos", "eos", "pad")})
     if model_type == "smollm3":
@@ -204,7 +204,8 @@ def _mlp_projections(cfg: DecoderConfig) -> tuple[tuple[str, str], ...]:
     return (("gate", "gate"),) * cfg.gated_mlp + (("fc_in", "up"), ("fc_out", "down"))
 
 
-def llama_to_probe(source: Source, cfg: DecoderConfig, norms: Optional[dict[str, str]] = None) -> dict[str, torch.Tensor]:
+def llama_to_probe(source: Source, cfg: DecoderConfig,
+                   norms: Optional[dict[str, str]] = None) -> dict[str, torch.Tensor]:
     """`norms`: each block's norms, ours -> theirs, where a format names them otherwise (Apertus)."""
     d = cfg.d_model
     out = {"embed.W_E": source.take("embed_tokens.weight", (cfg.d_vocab, d))}

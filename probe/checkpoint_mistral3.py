@@ -4,30 +4,18 @@ never read. probe keeps the text model only, so it saves as the text-only Mistra
 MistralForCausalLM loads."""
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
 from probe.checkpoint_llama import llama_to_probe, mistral_config
-from probe.checkpoint_source import Source, drop_vision_tower, text_config
+from probe.checkpoint_source import language_model_of
 from probe.config import DecoderConfig
 from probe.config_file import CheckpointError
-from probe.tokenizer import Tokenizer
 
 
-def mistral3_config(hf: dict) -> DecoderConfig:
-    text = text_config(hf, "Mistral 3", default_tied=False)
+def _mistral_text_config(text: dict) -> DecoderConfig:
     if text.get("model_type", "mistral") != "mistral":
         raise CheckpointError(f"text_config.model_type={text.get('model_type')!r} is not supported in a Mistral 3 "
                               "checkpoint; its language model must be a mistral one")
     return mistral_config(text)
 
 
-def mistral3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-    raise ValueError("probe keeps a multimodal Mistral 3's language model only; it saves as the text-only Mistral "
-                     "(mistral), which transformers' MistralForCausalLM loads")
-
-
-def mistral3_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    drop_vision_tower(source)
-    return llama_to_probe(source, cfg)
+mistral3 = language_model_of("Mistral 3", "Mistral (mistral)", _mistral_text_config, llama_to_probe,
+                             default_tied=False)

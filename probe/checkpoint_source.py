@@ -314,6 +314,21 @@ def text_config(hf: dict, family: str, default_tied: bool) -> ConfigFields:
     return ConfigFields({**text, "tie_word_embeddings": tied}, getattr(hf, "path", Path("config.json")), "text_config.")
 
 
-def drop_vision_tower(source: Source) -> None:
-    for name in [n for n in source.state if n.startswith(VISION_PARTS)]:
-        del source.state[name]  # never read: the file's vision weights stay on disk
+def language_model_of(family: str, text_family: str, config_from_text: Callable, to_probe: Callable,
+                      default_tied: bool) -> tuple[Callable, Callable, Callable]:
+    """A multimodal format's (config_from_hf, config_to_hf, to_probe), for its checkpoints.Family: the language model
+    read from text_config by its text-only family's functions, the vision tower and projector never read, and saving
+    refused (the text-only `text_family` holds the model)."""
+    def config_from_hf(hf: dict) -> DecoderConfig:
+        return config_from_text(text_config(hf, family, default_tied))
+
+    def config_to_hf(cfg: DecoderConfig, tokenizer) -> dict:
+        raise ValueError(f"probe keeps a multimodal {family}'s language model only; it saves as the text-only "
+                         f"{text_family}, which transformers loads")
+
+    def read(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+        for name in [n for n in source.state if n.startswith(VISION_PARTS)]:
+            del source.state[name]  # never read: the file's vision weights stay on disk
+        return to_probe(source, cfg)
+
+    return config_from_hf, config_to_hf, read

@@ -23,8 +23,7 @@ from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, g
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
 from probe.checkpoint_cohere import cohere2_config, cohere_config, cohere_config_to_hf, cohere_to_hf, cohere_to_probe
 from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
-from probe.checkpoint_gemma3 import (gemma3_config, gemma3_config_to_hf, gemma3_multimodal_config,
-                                     gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe)
+from probe.checkpoint_gemma3 import gemma3_config, gemma3_config_to_hf, gemma3_multimodal
 from probe.checkpoint_granite import (granite_config, granite_config_to_hf, granite_moe_config, granite_moe_config_to_hf,
                                       granite_to_hf, granite_to_probe)
 from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
@@ -34,7 +33,7 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_conf
                                     llama_config, llama_config_to_hf, llama_like, llama_to_hf, llama_to_probe, mistral_config,
                                     olmo2_config, olmo3_config, olmo_config, smollm3_config,
                                     qwen2_config, qwen3_config)
-from probe.checkpoint_mistral3 import mistral3_config, mistral3_config_to_hf, mistral3_to_probe
+from probe.checkpoint_mistral3 import mistral3
 from probe.checkpoint_moe import mixtral_config, moe_family, olmoe_config, qwen2_moe_config, qwen3_moe_config
 from probe.checkpoint_mpt import mpt_config, mpt_config_to_hf, mpt_to_hf, mpt_to_probe
 from probe.checkpoint_opt import opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe
@@ -79,7 +78,7 @@ FAMILIES = {
         Family("mistral", "MistralForCausalLM", ("model.",), mistral_config, *llama_like("mistral")),
         Family("mistral3", "Mistral3ForConditionalGeneration", ("language_model.model.", "model.language_model.",
                                                                 "language_model."),
-               mistral3_config, mistral3_config_to_hf, mistral3_to_probe, llama_to_hf, saves_as="mistral"),
+               *mistral3, llama_to_hf, saves_as="mistral"),
         Family("olmo", "OlmoForCausalLM", ("model.",), olmo_config, *llama_like("olmo")),
         Family("olmo2", "Olmo2ForCausalLM", ("model.",), olmo2_config, *llama_like("olmo2")),
         Family("olmo3", "Olmo3ForCausalLM", ("model.",), olmo3_config, *llama_like("olmo3")),
@@ -104,8 +103,7 @@ FAMILIES = {
         # the language model of a multimodal one: saved as gemma3_text (its config_to_hf says so and refuses)
         Family("gemma3", "Gemma3ForConditionalGeneration", ("language_model.model.", "model.language_model.",
                                                             "language_model."),
-               gemma3_multimodal_config, gemma3_multimodal_config_to_hf, gemma3_multimodal_to_probe, gemma_to_hf,
-               saves_as="gemma3_text"),
+               *gemma3_multimodal, gemma_to_hf, saves_as="gemma3_text"),
         Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf,
                prepends_bos=False),
         Family("gpt_neo", "GPTNeoForCausalLM", ("transformer.",), gptneo_config, gptneo_config_to_hf, gptneo_to_probe,
