@@ -1,7 +1,7 @@
 """Hugging Face checkpoint families: how each one's config and tensor names map onto DecoderConfig.
 
 One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
-checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT), checkpoint_bloom.py (Bloom), checkpoint_moe.py (Mixtral,
+checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT, XGLM), checkpoint_bloom.py (Bloom), checkpoint_moe.py (Mixtral,
 OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma, Gemma 2),
@@ -36,7 +36,8 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_conf
 from probe.checkpoint_mistral3 import mistral3
 from probe.checkpoint_moe import mixtral_config, moe_family, olmoe_config, qwen2_moe_config, qwen3_moe_config
 from probe.checkpoint_mpt import mpt_config, mpt_config_to_hf, mpt_to_hf, mpt_to_probe
-from probe.checkpoint_opt import opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe
+from probe.checkpoint_opt import (opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe, xglm_config, xglm_config_to_hf,
+                                  xglm_to_hf, xglm_to_probe)
 from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, phi3_to_probe, phi_config, phi_config_to_hf,
                                   phi_to_hf, phi_to_probe)
 from probe.checkpoint_source import GPT_ACTIVATIONS, Source
@@ -109,6 +110,7 @@ FAMILIES = {
         Family("gpt_neo", "GPTNeoForCausalLM", ("transformer.",), gptneo_config, gptneo_config_to_hf, gptneo_to_probe,
                gptneo_to_hf),
         Family("opt", "OPTForCausalLM", ("model.", "decoder."), opt_config, opt_config_to_hf, opt_to_probe, opt_to_hf),
+        Family("xglm", "XGLMForCausalLM", ("model.",), xglm_config, xglm_config_to_hf, xglm_to_probe, xglm_to_hf),
         Family("phi", "PhiForCausalLM", ("model.",), phi_config, phi_config_to_hf, phi_to_probe, phi_to_hf,
                prepends_bos=False),
         Family("gptj", "GPTJForCausalLM", ("transformer.",), gptj_config, gptj_config_to_hf, gptj_to_probe, gptj_to_hf),

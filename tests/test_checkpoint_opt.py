@@ -76,3 +76,50 @@ def test_saving_writes_opt_with_its_two_unused_position_rows(tmp_path):
     tokens = torch.randint(3, 101, (1, 15), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-4, rtol=0)
+
+
+# ---- XGLM: OPT's names, scaled embeddings, fixed sinusoids for positions ----------------------------------------
+def test_xglms_hooks_match_transformer_lens(tmp_path):
+    from test_family_defaults import tokenized_checkpoint
+
+    directory = tokenized_checkpoint("xglm", tmp_path / "checkpoint")
+    # (its hook_attn_scores holds the softmaxed pattern here, as on OPT; the pattern itself is compared)
+    missing, theirs = compare_with_transformer_lens(directory, 12, seed=3, skip=("hook_attn_scores",))
+    assert {"hook_embed", "blocks.1.attn.hook_pattern", "blocks.1.hook_mlp_out"} <= theirs  # (no hook_pos_embed)
+    assert not {n for n in missing if n.startswith("blocks.1.")}, missing
+
+
+def test_xglms_positions_and_embeddings_are_transformers(tmp_path):
+    """hook_pos_embed is transformers' own sinusoidal module's output for positions 0.. (its table's rows 2 on),
+    hook_embed its token embedding (times sqrt(d_model)); generation and processing as transformers'."""
+    import pytest
+
+    from family_checks import assert_generation_and_processing_match
+
+    hf = build("xglm", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    toks = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(toks)
+        positions = hf.model.embed_positions(torch.arange(12)[None])
+        torch.testing.assert_close(cache["hook_pos_embed"], positions.expand(2, -1, -1), atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache["hook_embed"], hf.model.embed_tokens(toks), atol=1e-6, rtol=0)
+    assert hf.config.scale_embedding and model.cfg.scale_embed
+    assert_generation_and_processing_match(hf, tmp_path, pad_token_id=1)
+    with torch.no_grad():
+        model.pos_embed.W_pos[3] += 0.1
+    with pytest.raises(ValueError, match="XGLM checkpoint's positions are fixed sinusoids.*W_pos differs"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+
+
+def test_xglm_without_scaled_embeddings_saves_as_it_loads(tmp_path):
+    import transformers as tf
+
+    hf = build("xglm", tmp_path / "original", scale_embedding=False)
+    saved = HookedDecoder.from_pretrained(tmp_path / "original").save_pretrained(tmp_path / "saved")
+    assert json.loads((saved / "config.json").read_text())["scale_embedding"] is False
+    again = tf.XGLMForCausalLM.from_pretrained(saved).eval()
+    toks = torch.randint(3, 101, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(again(toks).logits, hf(toks).logits, atol=1e-5, rtol=0)

@@ -177,6 +177,11 @@ def build(kind, directory, **overrides):
                         residual_multiplier=0.3, attention_multiplier=0.1, logits_scaling=4.0, num_local_experts=4,
                         num_experts_per_tok=2)
         model = tf.GraniteMoeForCausalLM(tf.GraniteMoeConfig(**{**settings, **overrides}))
+    elif kind == "xglm":  # OPT's names, embeddings times sqrt(d_model), fairseq's sinusoids for positions
+        settings = dict(vocab_size=101, d_model=64, ffn_dim=96, num_layers=2, attention_heads=4,
+                        max_position_embeddings=40, dropout=0.0, attention_dropout=0.0, pad_token_id=1, bos_token_id=0,
+                        eos_token_id=2)
+        model = tf.XGLMForCausalLM(tf.XGLMConfig(**{**settings, **overrides}))
     elif kind == "codegen":  # GPT-J's block, q/v/k fused per model-parallel shard
         settings = dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=40, rotary_dim=8, n_inner=96)
         model = tf.CodeGenForCausalLM(tf.CodeGenConfig(**{**settings, **overrides}))
@@ -305,6 +310,9 @@ CASES = {
                                                "tie_word_embeddings": False}),
     "granitemoe-chosen-softmax-untied": ("granitemoe", {}),
     "granitemoe-one-expert-tied": ("granitemoe", {"num_experts_per_tok": 1, "tie_word_embeddings": True}),
+    "xglm-scaled-sinusoids-tied": ("xglm", {}),
+    "xglm-unscaled-untied-relu": ("xglm", {"scale_embedding": False, "tie_word_embeddings": False,
+                                           "activation_function": "relu"}),
     "arcee-relu2-ungated": ("arcee", {}),
     "arcee-biases-tied-yarn": ("arcee", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
                                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -398,7 +406,7 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe"):
+                 "cohere2", "granitemoe", "xglm"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -457,7 +465,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
                                               "qwen3, mistral, mistral3, olmo, olmo2, olmo3, smollm3, arcee, cohere, "
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "
-                                              "gpt_neo, opt, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
+                                              "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
                                               "qwen2_moe, gpt_oss, falcon, mpt, stablelm, gpt_bigcode, bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
 
