@@ -104,6 +104,7 @@ _LLAMA_LIKE = {
                                                    sliding_rotary_base=cfg.sliding_rotary_base)),
     "smollm3": ("SmolLM3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, rotary_layers=cfg.rotary_layers)),
     "arcee": ("ArceeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False)),
+    "exaone": ("ExaoneForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias)),
     "cohere": ("CohereForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
                                                      rotary_adjacent_pairs=True, out_bias=cfg.qkv_bias, mlp_bias=False)),
     "cohere2": ("Cohere2ForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
@@ -153,7 +154,7 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
     if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3", "arcee", "apertus",
-                      "granite", "granitemoe"):
+                      "granite", "granitemoe", "exaone"):
         out["attention_bias"] = cfg.qkv_bias
     if model_type in ("smollm3", "cohere", "cohere2"):  # (their default special ids would lie outside a small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")

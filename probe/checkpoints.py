@@ -6,7 +6,7 @@ OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (San
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma, Gemma 2),
 checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
-checkpoint_cohere.py (Cohere, Cohere 2); checkpoint_source.py holds what they share and loading.py does the file handling for
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_exaone.py (EXAONE); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
 from probe.checkpoint_cohere import cohere2_config, cohere_config, cohere_config_to_hf, cohere_to_hf, cohere_to_probe
+from probe.checkpoint_exaone import exaone_config, exaone_config_to_hf, exaone_to_hf, exaone_to_probe
 from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
 from probe.checkpoint_gemma3 import gemma3_config, gemma3_config_to_hf, gemma3_multimodal
 from probe.checkpoint_granite import (granite_config, granite_config_to_hf, granite_moe_config, granite_moe_config_to_hf,
@@ -84,6 +85,8 @@ FAMILIES = {
         Family("olmo2", "Olmo2ForCausalLM", ("model.",), olmo2_config, *llama_like("olmo2")),
         Family("olmo3", "Olmo3ForCausalLM", ("model.",), olmo3_config, *llama_like("olmo3")),
         Family("smollm3", "SmolLM3ForCausalLM", ("model.",), smollm3_config, *llama_like("smollm3")),
+        Family("exaone", "ExaoneForCausalLM", ("transformer.", "model."), exaone_config, exaone_config_to_hf,
+               exaone_to_probe, exaone_to_hf),
         Family("arcee", "ArceeForCausalLM", ("model.",), arcee_config, *llama_like("arcee")),
         Family("cohere", "CohereForCausalLM", ("model.",), cohere_config, cohere_config_to_hf, cohere_to_probe,
                cohere_to_hf),

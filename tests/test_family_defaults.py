@@ -31,6 +31,7 @@ FAMILIES = {"llama": LLAMA_FILES, "bloom": BLOOM_FILES, "mistral": LLAMA_FILES, 
             "qwen2": QWEN_FILES, "qwen3": QWEN_FILES, "mixtral": LLAMA_FILES, "olmoe": GPT_FILES, "qwen3_moe": QWEN_FILES, "gpt_oss": GPT_FILES,
             "apertus": LLAMA_FILES, "arcee": LLAMA_FILES, "granite": LLAMA_FILES, "cohere": LLAMA_FILES,
             "cohere2": LLAMA_FILES, "granitemoe": LLAMA_FILES, "xglm": OPT_FILES,
+            "exaone": LLAMA_FILES,
             "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
 
 

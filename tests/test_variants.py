@@ -182,6 +182,10 @@ def build(kind, directory, **overrides):
                         max_position_embeddings=40, dropout=0.0, attention_dropout=0.0, pad_token_id=1, bos_token_id=0,
                         eos_token_id=2)
         model = tf.XGLMForCausalLM(tf.XGLMConfig(**{**settings, **overrides}))
+    elif kind == "exaone":  # Llama's model (transformers runs it) under GPT-2-style tensor names
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, eos_token_id=None)
+        model = tf.AutoModelForCausalLM.from_config(tf.ExaoneConfig(**{**settings, **overrides}))
     elif kind == "codegen":  # GPT-J's block, q/v/k fused per model-parallel shard
         settings = dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=40, rotary_dim=8, n_inner=96)
         model = tf.CodeGenForCausalLM(tf.CodeGenConfig(**{**settings, **overrides}))
@@ -313,6 +317,10 @@ CASES = {
     "xglm-scaled-sinusoids-tied": ("xglm", {}),
     "xglm-unscaled-untied-relu": ("xglm", {"scale_embedding": False, "tie_word_embeddings": False,
                                            "activation_function": "relu"}),
+    "exaone-gqa-untied": ("exaone", {}),
+    "exaone-tied-llama3-rope": ("exaone", {"tie_word_embeddings": True, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),
     "arcee-relu2-ungated": ("arcee", {}),
     "arcee-biases-tied-yarn": ("arcee", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
                                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -406,7 +414,7 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm"):
+                 "cohere2", "granitemoe", "xglm", "exaone"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -462,7 +470,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
-                                              "qwen3, mistral, mistral3, olmo, olmo2, olmo3, smollm3, arcee, cohere, "
+                                              "qwen3, mistral, mistral3, olmo, olmo2, olmo3, smollm3, exaone, arcee, cohere, "
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "
                                               "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
