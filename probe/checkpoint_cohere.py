@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import (LAYER_KINDS, Source, check_shared_norm, copy_shared_norm, layer_kinds,
-                                     layer_types_to_hf)
+from probe.checkpoint_source import (LAYER_KINDS, Source, add_zero_norm_biases, check_shared_norm, check_zero_norm_biases,
+                                     copy_shared_norm, layer_kinds, layer_types_to_hf)
 from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -55,15 +55,11 @@ def cohere_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], mode
     return out
 
 
-def _norm_biases(cfg: DecoderConfig) -> list[str]:
-    return ["ln_final.b"] + [f"blocks.{l}.{norm}.b" for l in range(cfg.n_layers) for norm in ("ln1", "ln2")]
-
-
 def cohere_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     hf = source.config
     out = llama_to_probe(source, dataclasses.replace(cfg, tied_embeddings=hf.get("tie_word_embeddings", True)),
                          norms=COHERE_NORMS)
-    out.update({name: torch.zeros_like(out["ln_final.w"]) for name in _norm_biases(cfg)})
+    add_zero_norm_biases(out, cfg)
     copy_shared_norm(out, cfg)
     out["unembed.weight"] = out["unembed.weight"] * hf.get("logit_scale", 0.0625)  # a new tensor, also when tied
     return out
@@ -71,8 +67,5 @@ def cohere_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tenso
 
 def cohere_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     check_shared_norm(params, cfg, "Cohere")
-    moved = [name for name in _norm_biases(cfg) if params[name].any()]
-    if moved:
-        raise ValueError(f"a Cohere checkpoint's LayerNorms have no biases, but this model's {moved[0]} is not zero; "
-                         "save model.state_dict() with safetensors instead")
+    check_zero_norm_biases(params, cfg, "a Cohere checkpoint")
     return llama_to_hf(params, cfg, norms=COHERE_NORMS)

@@ -67,11 +67,9 @@ def _fold_multipliers(out: dict[str, torch.Tensor], hf: dict) -> dict[str, torch
     return out
 
 
-def granite_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    tied = source.config.get("tie_word_embeddings", False)
-    out = llama_to_probe(source, dataclasses.replace(cfg, tied_embeddings=tied))
-    n, d, m = (cfg.experts.n if cfg.experts else 0), cfg.d_model, cfg.d_mlp
-    for l in range(cfg.n_layers if cfg.experts else 0):
+def _take_experts(source: Source, cfg: DecoderConfig, out: dict[str, torch.Tensor]) -> None:
+    n, d, m = cfg.experts.n, cfg.d_model, cfg.d_mlp
+    for l in range(cfg.n_layers):
         o, t = f"blocks.{l}.mlp", f"layers.{l}.block_sparse_moe"
         out[f"{o}.W_gate.weight"] = source.take(f"{t}.router.layer.weight", (n, d))
         gate_up = source.take(f"{t}.input_linear.weight", (n, 2 * m, d))
@@ -80,12 +78,19 @@ def granite_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tens
             x = f"{o}.experts.{e}"
             out[f"{x}.W_gate.weight"], out[f"{x}.W_in.weight"] = gate_up[e, :m], gate_up[e, m:]
             out[f"{x}.W_out.weight"] = down[e]
+
+
+def granite_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    tied = source.config.get("tie_word_embeddings", False)
+    out = llama_to_probe(source, dataclasses.replace(cfg, tied_embeddings=tied))
+    if cfg.experts is not None:
+        _take_experts(source, cfg, out)
     return _fold_multipliers(out, source.config)
 
 
 def granite_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = llama_to_hf(params, cfg)
-    for l in range(cfg.n_layers if cfg.experts else 0):
+    for l in range(cfg.n_layers) if cfg.experts is not None else ():
         o, t = f"blocks.{l}.mlp", f"model.layers.{l}.block_sparse_moe"
         experts = [f"{o}.experts.{e}" for e in range(cfg.experts.n)]
         out[f"{t}.router.layer.weight"] = params[f"{o}.W_gate.weight"]

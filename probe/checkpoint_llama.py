@@ -116,7 +116,7 @@ _LLAMA_LIKE = {
     "granitemoe": ("GraniteMoeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, attn_scale_dim=cfg.attn_scale_dim,
                                                              mlp_bias=False, experts=cfg.experts)),
     "apertus": ("ApertusForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False, mlp_bias=False,
-                                                       qk_norm=True)),
+                                                       qk_norm=True, activation=cfg.activation)),
     # mixtures of experts (probe.checkpoint_moe checks and writes the experts)
     "mixtral": ("MixtralForCausalLM", lambda cfg: dict(qkv_bias=False, out_bias=False, mlp_bias=False,
                                                        sliding_window=cfg.sliding_window, experts=cfg.experts)),

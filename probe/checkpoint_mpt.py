@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from probe.checkpoint_source import Source, require_fields, take_unembed
+from probe.checkpoint_source import (Source, add_zero_norm_biases, check_zero_norm_biases, require_fields,
+                                     take_unembed)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -74,20 +75,13 @@ def _names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return table
 
 
-def _norm_biases(cfg: DecoderConfig) -> list[str]:
-    return ["ln_final.b"] + [f"blocks.{l}.{norm}.b" for l in range(cfg.n_layers) for norm in ("ln1", "ln2")]
-
-
 def mpt_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in _names(cfg).items()}
-    out.update({name: torch.zeros_like(out["ln_final.w"]) for name in _norm_biases(cfg)})  # MPT's norms have none
+    add_zero_norm_biases(out, cfg)  # MPT's norms have none
     out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
     return out
 
 
 def mpt_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    moved = [name for name in _norm_biases(cfg) if params[name].any()]
-    if moved:
-        raise ValueError(f"an MPT checkpoint's LayerNorms have no biases, but this model's {moved[0]} is not zero; "
-                         "save model.state_dict() with safetensors instead")
+    check_zero_norm_biases(params, cfg, "an MPT checkpoint")
     return {f"transformer.{theirs}": params[ours].contiguous() for ours, (theirs, _) in _names(cfg).items()}

@@ -164,6 +164,23 @@ def copy_shared_norm(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> Non
             params[f"blocks.{l}.ln2.{p}"] = params[f"blocks.{l}.ln1.{p}"].clone()
 
 
+def _norm_bias_names(cfg: DecoderConfig) -> list[str]:
+    return ["ln_final.b"] + [f"blocks.{l}.{norm}.b" for l in range(cfg.n_layers) for norm in ("ln1", "ln2")]
+
+
+def add_zero_norm_biases(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> None:
+    """A format whose LayerNorms have no biases (MPT's, Cohere's): probe's LayerNorms get zeros."""
+    params.update({name: torch.zeros_like(params["ln_final.w"]) for name in _norm_bias_names(cfg)})
+
+
+def check_zero_norm_biases(params: dict[str, torch.Tensor], cfg: DecoderConfig, a_checkpoint: str) -> None:
+    """Before writing such a format (`a_checkpoint`: "an MPT checkpoint"): every norm bias must still be zero."""
+    moved = [name for name in _norm_bias_names(cfg) if params[name].any()]
+    if moved:
+        raise ValueError(f"{a_checkpoint}'s LayerNorms have no biases, but this model's {moved[0]} is not zero; "
+                         "save model.state_dict() with safetensors instead")
+
+
 def check_shared_norm(params: dict[str, torch.Tensor], cfg: DecoderConfig, family: str) -> None:
     """Before writing such a block's one norm: ln1 and ln2 must still agree."""
     for l in range(cfg.n_layers):
@@ -203,7 +220,9 @@ def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
 PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None,
               sliding_layers=None, qk_norm=False, attn_scale_by_layer=False, unembed_bias=False, norm_weights=True,
               rotary_adjacent_pairs=False, sliding_rotary_base=None, qk_norm_over_heads=False, input_norms=True,
-                    embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None, attn_sinks=False)
+                    embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None, attn_sinks=False,
+                    # an activation with parameters of its own (xIELU): only Apertus's format holds them
+                    activation=frozenset(a for a in Activation if not a.learned))
 
 # ---- rotary settings, shared by the rotary families ---------------------------------------------------
 def rope_from_hf(hf: dict) -> tuple[dict, Optional[RotaryScaling]]:

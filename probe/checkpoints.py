@@ -168,8 +168,6 @@ def family_for_config(cfg: DecoderConfig) -> Family:
     loaded = next((f for f in FAMILIES.values() if f.architecture == cfg.original_architecture), None)
     preferred = {cfg.original_architecture, FAMILIES[loaded.saves_as].architecture if loaded and loaded.saves_as else None}
     candidates = sorted(FAMILIES.values(), key=lambda f: f.architecture not in preferred)
-    if cfg.activation.learned:  # transformers holds xIELU's parameters in Apertus's MLP only
-        candidates = [FAMILIES["apertus"]]
     for family in candidates:
         try:
             family.config_to_hf(cfg, None)
