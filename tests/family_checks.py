@@ -17,6 +17,9 @@ def assert_generation_and_processing_match(hf, directory, vocab: int = 101, pad_
     processed model's log-probs are transformers'."""
     model = HookedDecoder.from_pretrained(directory).eval()
     prompt = torch.randint(4, vocab, (2, 6), generator=torch.Generator().manual_seed(1))
+    # probe's model has no tokenizer here, so no end token to stop at: transformers is told of none either, or a
+    # random model that happens to choose its config's eos id would stop there and not in probe
+    hf.generation_config.eos_token_id = None
     with torch.no_grad():
         expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=pad_token_id, **generate)
         assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False, **generate), expected)
