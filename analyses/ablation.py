@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from probe.analyses.architecture import refuse_bidirectional, refuse_next_token_metric
+from probe.analyses.architecture import refuse_bidirectional, refuse_next_token_metric, require_attention_heads
 from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, resolve_positions, token_id, tokens_and_mask
 from probe.analyses.common import model_mask as _model_mask
 from probe.analyses.labels import head_grid, head_label, plotly_text
@@ -197,6 +197,7 @@ def ablate_heads(
     reference prompts of its own length. `attention_mask` [batch pos] marks the real tokens of padded token ids
     (text is padded and masked for you).
     """
+    require_attention_heads(model, "ablate_heads")
     heads = _check_heads(model, heads)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     layers = sorted({l for l, _ in heads})
@@ -278,6 +279,7 @@ def head_ablation_effects(
     per ablated head along the batch (at most `max_rows` rows per forward; default: a memory budget).
     `attention_mask` [batch pos] marks the real tokens of padded token ids.
     """
+    require_attention_heads(model, "head_ablation_effects")
     metric = loss_metric if metric is None else metric
     refuse_next_token_metric(model, metric, "head_ablation_effects")
     tokens, mask = tokens_and_mask(model, input, attention_mask)

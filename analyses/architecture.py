@@ -4,7 +4,8 @@ hook_mlp_out, ln2 or mlp.* points; a shortformer model's positions join every la
 residual stream, so its hook_pos_embed is not a write to the residual; a bidirectional model's queries see every key,
 later ones too, so its output at a position is no prediction of the next token (a next-token loss measures nothing
 it does) and it cannot generate. Each refusal names the problem and what to do instead, before any work, where the
-model would otherwise fail deep inside with a missing attribute or name, or give a number that means nothing."""
+model would otherwise fail deep inside with a missing attribute or name, or give a number that means nothing. A hybrid
+model's linear-attention layers (Qwen3.5) have no heads, so analyses of every layer's heads refuse it."""
 from __future__ import annotations
 
 import re
@@ -27,6 +28,17 @@ def check_block_point(model: HookedDecoder, name: str, what: str, instead: str) 
     if model.cfg.attn_only and MLP_POINT.match(str(name)):
         raise ValueError(f"{what} {name!r}: this attention-only model has no MLPs, so its blocks have no resid_mid, "
                          f"mlp_in, mlp_out, ln2 or mlp.* points; {instead}")
+
+
+def require_attention_heads(model: HookedDecoder, what: str) -> None:
+    """Refuse `what`, which reads every layer's attention heads, on a hybrid model whose linear-attention layers have
+    none (Qwen3.5's Gated DeltaNet layers), naming the layer-level analyses that work."""
+    linear = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_is_linear(layer)]
+    if linear:
+        raise ValueError(f"{what}: layers {linear} of this hybrid model are linear-attention (Gated DeltaNet) layers, "
+                         f"with no attention heads, and {what} reads every layer's heads; analyses by layer work on it "
+                         f"(logit_lens, patch(..., sites='resid_pre' / 'attn_out' / 'mlp_out'), the cache's "
+                         f"decompose_resid), and its attention layers' heads are model.blocks[l].attn")
 
 
 def refuse_shortformer(model: HookedDecoder, what: str, why: str, instead: str) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from plotly.subplots import make_subplots
 
+from probe.analyses.architecture import require_attention_heads
 from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
 from probe.analyses.labels import grid_layout, head_label, position_labels, titled
 from probe import HookedDecoder
@@ -194,6 +195,7 @@ def attention_patterns(
 ) -> AttentionPatterns:
     """The attention weights of one prompt (a string or token ids of one sequence) in the chosen
     layers and heads (default: all), with the prompt's token strings for labelling."""
+    require_attention_heads(model, "attention_patterns")
     layers = _check_indices(layers, model.cfg.n_layers, "layers")
     heads = _check_indices(heads, model.cfg.n_heads, "heads")
     if not isinstance(input, (str, torch.Tensor)):

@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
+from probe.analyses.architecture import require_attention_heads
 from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
 from probe.analyses.labels import count, figure_token, head_grid, titled
 from probe.analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, position_labels, site_label
@@ -99,6 +100,7 @@ def residual_decomposition(
 ) -> ResidualDecomposition:
     """Split the final residual stream at every position into embedding, position embedding, every
     head's write, each layer's attention bias and each MLP's output."""
+    require_attention_heads(model, "residual_decomposition")
     check_pre_norm(model)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     _, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=component_hooks(model))
@@ -271,6 +273,7 @@ def direct_logit_attribution(
     its last token, whatever the padding). With a logit soft cap (Gemma 2), `actual` is the logit
     (difference) before the cap, which is what the components add up to; the cap only squashes it.
     """
+    require_attention_heads(model, "direct_logit_attribution")
     check_pre_norm(model)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     batch = tokens.shape[0]

@@ -9,6 +9,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
+from probe.analyses.architecture import require_attention_heads
 from probe.analyses.common import AnalysisInput, TableDisplay
 from probe.analyses.labels import head_grid, head_label
 from probe import HookedDecoder
@@ -107,6 +108,7 @@ def head_scores(
     With `input` (text or token ids) the scores are measured on it; without, on `n_samples` seeded
     random sequences of `seq_len` tokens repeated once (after BOS), where an induction head shows up.
     """
+    require_attention_heads(model, "head_scores")
     if kind not in DESCRIPTIONS:
         raise ValueError(f"kind={kind!r} is not a head detector; choose one of: {', '.join(DESCRIPTIONS)}")
     attention_mask = None

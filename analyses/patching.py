@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 import torch
 
 from probe.analyses.ablation import Metric, metric_name, rows_per_forward, tokens_and_mask
-from probe.analyses.architecture import refuse_next_token_metric, require_mlps
+from probe.analyses.architecture import refuse_next_token_metric, require_attention_heads, require_mlps
 from probe.analyses.attention import CELL_PX, MAX_LABELLED_TOKENS
 from probe.analyses.common import AnalysisInput, TableDisplay, is_int, model_mask, token_labels, token_strings
 from probe.analyses.labels import LAYER_AXIS, grid_layout, head_grid, head_label, position_labels, titled
@@ -77,6 +77,7 @@ def sweep_sites(model: HookedDecoder, sweep: str, n_pos: int) -> list[Site]:
         require_mlps(model, "sites='mlp_out'", "no mlp_out to patch",
                      "sweep 'attn_out' (a block's whole write), 'resid_pre' or 'heads' instead")
     if sweep == "heads":
+        require_attention_heads(model, "sites='heads'")
         return [Site("z", l, head=h) for l in layers for h in range(model.cfg.layer_heads(l))]
     if sweep in ACTIVATIONS and sweep != "z":
         return [Site(sweep, l, pos=p) for l in layers for p in range(n_pos)]

@@ -83,6 +83,10 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.hook_q_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos head d_head]
         self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
         self.clip = cfg.clip_qkv  # OLMo-7B-0424's clamp of q, k and v; None: none
+        # gated attention (Qwen3.5): each head's z times sigmoid of a gate read, like q, from the queries' input
+        self.gate = nn.Linear(cfg.d_model, self.n_heads * cfg.d_head, bias=cfg.qkv_bias) if cfg.attn_output_gate else None
+        if self.gate is not None:
+            self.hook_q_gate = HookPoint()  # [batch pos head d_head]: the gate's logits, before the sigmoid
         self.rotary = make_rotary(cfg, layer)
         self.alibi = make_alibi(cfg, self.n_heads)  # ALiBi's distance penalty on the scores; None otherwise
         if self.rotary is not None:
@@ -139,6 +143,8 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 attn_mask=allowed, is_causal=allowed is None and self.causal, scale=self.scale,
             ).transpose(1, 2)
+        if self.gate is not None:
+            z = z * self.hook_q_gate(self._gate_logits(x)).sigmoid()
         z = self.hook_z(z)
         if observed(self.hook_result):
             result = self.hook_result(
@@ -171,6 +177,14 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
             einsum(inp, per_head(w, inp.shape[2], dim=0), "batch pos head d_model, head d_model d_head -> batch pos head d_head")
             + (0.0 if b is None else per_head(b, inp.shape[2], dim=0))
             for inp, w, b in zip(x, (self.W_Q, self.W_K, self.W_V), biases))
+
+    def _gate_logits(self, x: Union[torch.Tensor, PerHeadInputs]) -> torch.Tensor:
+        """[batch pos head d_head], from the queries' input (each head's own, where heads have their own inputs)."""
+        if isinstance(x, torch.Tensor):
+            return rearrange(self.gate(x), "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
+        w = rearrange(self.gate.weight, "(head d_head) d_model -> head d_model d_head", d_head=self.d_head)
+        out = einsum(x.q, w, "batch pos head d_model, head d_model d_head -> batch pos head d_head")
+        return out if self.gate.bias is None else out + self.gate.bias.view(-1, self.d_head)
 
     def _attend_explicitly(self, q, k, v, allowed, bias):
         scores = einsum(q, k, "batch query_pos head d_head, batch key_pos head d_head -> batch head query_pos key_pos")

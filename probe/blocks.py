@@ -12,6 +12,7 @@ from torch import nn
 from probe.attention import Attention, PerHeadInputs
 from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.hooks import HookPoint, observed
+from probe.linear_attention import GatedDeltaNet
 from probe.moe import make_mlp
 from probe.norm import make_norm
 
@@ -142,6 +143,67 @@ class AttnOnlyBlock(PreNormBlock):
         resid_pre = self.hook_resid_pre(resid_pre)
         attn_out = self.hook_attn_out(self.attn(self.attention_input(resid_pre, self.ln1), positions, allowed, past, qk_pos))
         return self.hook_resid_post(resid_pre + attn_out)
+
+
+class LinearAttentionBlock(nn.Module):
+    """A pre-norm block whose token mixer is linear attention (Qwen3.5's Gated DeltaNet layers):
+    h = x + linear_attn(ln1(x)); y = h + mlp(ln2(h)).
+
+    hook_attn_out is the mixer's write, so the residual stream decomposes by layer as in every other block; there
+    are no attention heads, so no `attn`, patterns or per-head input points. `allowed` is the new positions' padding
+    mask [batch pos] here (True: a real token), as the model hands it to these blocks."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        super().__init__()
+        self.ln1 = make_norm(cfg, foldable=True, ends=True)
+        self.linear_attn = GatedDeltaNet(cfg)
+        self.ln2 = make_norm(cfg, foldable=True, ends=True)
+        self.mlp = make_mlp(cfg)
+        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        self.hook_attn_out = HookPoint()  # [batch pos d_model]: the linear attention's write
+        self.hook_resid_mid = HookPoint()  # [batch pos d_model]
+        self.hook_mlp_in = HookPoint(opt_in=True, copies=True)  # [batch pos d_model], as PreNormBlock's
+        self.hook_mlp_out = HookPoint()  # [batch pos d_model]
+        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+
+    def __getattr__(self, name: str):
+        if name in ATTENTION_PARTS:  # what code written for attention blocks reaches for: say why it is not here
+            raise AttributeError(f"this block is a linear-attention (Gated DeltaNet) layer: it has no attention heads, "
+                                 f"so no {name}; its mixer is linear_attn (hook points blocks.L.linear_attn.hook_*)")
+        return super().__getattr__(name)
+
+    def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.linear_attn(self.ln1(resid_pre), allowed, past))
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_mid))))
+        return self.hook_resid_post(resid_mid + mlp_out)
+
+
+# a PreNormBlock's attention and per-head input points, which a linear-attention block has none of
+ATTENTION_PARTS = ("attn", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "split_qkv_input",
+                   "attention_input")
+
+
+def attention_blocks(blocks) -> list[nn.Module]:
+    """The blocks among `blocks` that have attention heads: all but a hybrid model's linear-attention ones."""
+    return [block for block in blocks if not isinstance(block, LinearAttentionBlock)]
+
+
+PADDING = "padding"  # the key of the new positions' padding mask among a forward's masks
+
+
+def mask_keys(cfg: DecoderConfig) -> list:
+    """Which of a forward's masks each block is handed as `allowed`: its window's mask of the keys each query sees,
+    or (a linear-attention block) the padding mask."""
+    return [PADDING if cfg.layer_is_linear(layer) else cfg.layer_window(layer) for layer in range(cfg.n_layers)]
+
+
+def make_block(cfg: DecoderConfig, layer: int) -> nn.Module:
+    """`layer`'s block: the config's arrangement of the norms, or a linear-attention block where the config says."""
+    if cfg.layer_is_linear(layer):
+        return LinearAttentionBlock(cfg, layer)
+    return (AttnOnlyBlock if cfg.attn_only else BLOCKS[cfg.norm_placement])(cfg, layer)  # (attn_only is pre-norm only)
 
 
 BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, NormPlacement.PARALLEL: ParallelBlock,

@@ -33,13 +33,31 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
     else:
         left_out.update({f"rotary_emb.hook_{end}": _ROTARY.format(l=0) for end in ("in", "out", "cos", "sin")})
     for layer in range(cfg.n_layers):
-        block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}")
+        block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}", cfg.layer_is_linear(layer))
         aliases.update(block_aliases)
         left_out.update({name: why.replace("{l}", str(layer)) for name, why in block_left_out.items()})
     return aliases, left_out
 
 
-def _block_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, str]]:
+def _linear_attention_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
+    """A linear-attention block's names for its mixer (the bridge's GatedDeltaNetBridge, its aliases too)."""
+    mixer = f"{b}.linear_attn"
+    aliases = {f"{b}.hook_in": f"{b}.hook_resid_pre", f"{b}.hook_out": f"{b}.hook_resid_post",
+               f"{mixer}.hook_in": f"{b}.ln1.hook_out", f"{mixer}.hook_linear_attn_in": f"{b}.ln1.hook_out",
+               f"{mixer}.hook_out": f"{b}.hook_attn_out", f"{mixer}.hook_linear_attn_out": f"{b}.hook_attn_out",
+               f"{mixer}.hook_ssm_out": f"{b}.hook_attn_out", f"{mixer}.hook_ssm_C": f"{mixer}.hook_q",
+               f"{mixer}.hook_ssm_B": f"{mixer}.hook_k", f"{mixer}.hook_ssm_decay": f"{mixer}.hook_log_decay",
+               f"{mixer}.hook_ssm_write": f"{mixer}.hook_beta"}
+    why = (f"probe does not keep the state at every position (a [batch pos v_head d_key_head d_value_head] tensor); "
+           f"what it writes and reads is hooked: {mixer}.hook_k, hook_v, hook_beta, hook_log_decay, hook_q and "
+           f"hook_recurrence_out")
+    return aliases, {f"{mixer}.hook_ssm_state": why}
+
+
+def _block_names(cfg: DecoderConfig, b: str, linear: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    if linear:
+        aliases, left_out = _linear_attention_names(b)
+        return _mlp_names(cfg, b, aliases, left_out)
     post = cfg.norm_placement is NormPlacement.POST  # GPT-1: each norm follows its sum, so sublayers read the residual
     sandwich = cfg.norm_placement is NormPlacement.SANDWICH  # Gemma 2: the bridge's sublayer outputs are before ln*_post
     # a post-norm block's sublayers read the residual stream itself, which has no point of the sublayer's own: the
@@ -80,6 +98,15 @@ def _block_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, 
                 f"the same values as {b}.attn.hook_{part} and {b}.attn.hook_{part}_normed, [batch pos head d_head]")
     if cfg.attn_only:
         return aliases, left_out
+    return _mlp_names(cfg, b, aliases, left_out)
+
+
+def _mlp_names(cfg: DecoderConfig, b: str, aliases: dict[str, str],
+               left_out: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """`aliases` and `left_out` with the MLP's names added."""
+    post = cfg.norm_placement is NormPlacement.POST
+    sandwich = cfg.norm_placement is NormPlacement.SANDWICH
+    residual_added = cfg.original_architecture == "BloomForCausalLM"
     mlp_in = f"{b}.hook_mlp_in" if post else f"{b}.ln2.hook_out"
     mlp_out = f"{b}.ln2_post.hook_in" if sandwich else f"{b}.hook_mlp_out"
     mlp_module_out = f"{b}.hook_resid_post" if residual_added else mlp_out

@@ -224,10 +224,13 @@ class StackMethods:
         hook_z and the model's W_O, where the cache lacks it: the one way a probe cache changes after it is made."""
         for layer in range(self._config.n_layers):
             name = act_name("result", layer)
-            if name not in self._acts:
+            if name not in self._acts and not self._config.layer_is_linear(layer):
                 self._acts[name] = self._head_results(layer, "compute_head_results")
 
     def _head_results(self, layer: int, method: str) -> torch.Tensor:
+        if self._config.layer_is_linear(layer):
+            raise ValueError(f"{method}: layer {layer} is a linear-attention layer, with no attention heads to stack; "
+                             f"decompose_resid gives its write whole (blocks.{layer}.hook_attn_out)")
         name = act_name("result", layer)
         if name in self._acts:
             return self._acts[name]

@@ -24,7 +24,8 @@ from probe.tokenizer import Tokenizer
 LAYOUTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
            "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-           "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+           "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}  # (Qwen3.5-MoE's and Qwen3-Next's)
 PROJECTIONS = ("W_gate", "W_in", "W_out")  # probe's (transformer-lens's) names for the same three
 SHARED = ("gate", "fc_in", "fc_out")  # the shared expert's, a gated MLP's (probe.mlp.GatedMLP)
 
@@ -95,7 +96,7 @@ def moe_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[Token
     return config_to_hf
 
 
-def _expert_names(cfg: DecoderConfig, model_type: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+def expert_names(cfg: DecoderConfig, model_type: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """ours -> (theirs, their shape) for every router and expert tensor, [out, in] as ours (Llama's names do the rest)."""
     block, projections = LAYOUTS[model_type]
     d, m, experts = cfg.d_model, cfg.d_mlp, cfg.experts
@@ -118,13 +119,13 @@ def moe_family(model_type: str) -> tuple[Callable, Callable, Callable]:
     """The model type's (config_to_hf, to_probe, to_hf), for its checkpoints.Family."""
     def to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
         out = llama_to_probe(source, cfg)  # everything but the experts
-        out.update({ours: source.take(theirs, shape) for ours, (theirs, shape) in _expert_names(cfg, model_type).items()})
+        out.update({ours: source.take(theirs, shape) for ours, (theirs, shape) in expert_names(cfg, model_type).items()})
         return out
 
     def to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
         out = llama_to_hf(params, cfg)
         out.update({f"model.{theirs}": params[ours].contiguous()
-                    for ours, (theirs, _) in _expert_names(cfg, model_type).items()})
+                    for ours, (theirs, _) in expert_names(cfg, model_type).items()})
         return out
 
     return moe_config_to_hf(model_type), to_probe, to_hf

@@ -6,7 +6,7 @@ OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (San
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma, Gemma 2),
 checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_exaone.py (EXAONE); checkpoint_source.py holds what they share and loading.py does the file handling for
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_exaone.py (EXAONE), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -41,6 +41,8 @@ from probe.checkpoint_opt import (opt_config, opt_config_to_hf, opt_to_hf, opt_t
                                   xglm_to_hf, xglm_to_probe)
 from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, phi3_to_probe, phi_config, phi_config_to_hf,
                                   phi_to_hf, phi_to_probe)
+from probe.checkpoint_qwen35 import (qwen35_config, qwen35_config_to_hf, qwen35_moe_config, qwen35_moe_multimodal,
+                                     qwen35_multimodal, qwen35_to_hf, qwen35_to_probe, qwen3_next_config)
 from probe.checkpoint_source import GPT_ACTIVATIONS, Source
 from probe.checkpoint_stablelm import stablelm_config, stablelm_config_to_hf, stablelm_to_hf, stablelm_to_probe
 from probe.config import Activation, DecoderConfig, NormPlacement
@@ -77,6 +79,18 @@ FAMILIES = {
         Family("llama", "LlamaForCausalLM", ("model.",), llama_config, llama_config_to_hf, llama_to_probe, llama_to_hf),
         Family("qwen2", "Qwen2ForCausalLM", ("model.",), qwen2_config, *llama_like("qwen2"), prepends_bos=False),
         Family("qwen3", "Qwen3ForCausalLM", ("model.",), qwen3_config, *llama_like("qwen3"), prepends_bos=False),
+        *(Family(model_type, architecture, ("model.",), config, qwen35_config_to_hf(model_type),
+                 qwen35_to_probe(model_type), qwen35_to_hf(model_type), prepends_bos=False)
+          for model_type, architecture, config in (
+              ("qwen3_5_text", "Qwen3_5ForCausalLM", qwen35_config),
+              ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", qwen35_moe_config),
+              ("qwen3_next", "Qwen3NextForCausalLM", qwen3_next_config))),
+        # the language models of the multimodal files, saved as the text-only formats
+        Family("qwen3_5", "Qwen3_5ForConditionalGeneration", ("model.language_model.", "language_model."),
+               *qwen35_multimodal, qwen35_to_hf("qwen3_5_text"), prepends_bos=False, saves_as="qwen3_5_text"),
+        Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", ("model.language_model.", "language_model."),
+               *qwen35_moe_multimodal, qwen35_to_hf("qwen3_5_moe_text"), prepends_bos=False,
+               saves_as="qwen3_5_moe_text"),
         Family("mistral", "MistralForCausalLM", ("model.",), mistral_config, *llama_like("mistral")),
         Family("mistral3", "Mistral3ForConditionalGeneration", ("language_model.model.", "model.language_model.",
                                                                 "language_model."),

@@ -10,12 +10,12 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, Experts, Norm, NormPlacement, Positions,
-                                  RotaryScaling)
+from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, Experts, LinearAttention, Norm, NormPlacement,
+                                  Positions, RotaryScaling)
 from probe.tl_config_fields import HookedTransformerConfigFields
 
 # the choices live in probe.config_choices and are imported from here as before
-__all__ = ["Activation", "DecoderConfig", "Experts", "Norm", "NormPlacement", "Positions", "RotaryScaling"]
+__all__ = ["Activation", "DecoderConfig", "Experts", "LinearAttention", "Norm", "NormPlacement", "Positions", "RotaryScaling"]
 
 
 def _enum(cls, value, field):
@@ -73,6 +73,11 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     # each head's softmax has one more logit, learned, that no value follows: a head can attend to nothing, and its
     # pattern's rows sum to less than 1 (GPT-OSS; transformer-lens's use_attention_sinks, attn.sinks)
     attn_sinks: bool = False
+    # each head's z times sigmoid(x W_gate) before W_O: the gate's weights are the query projection's second half
+    # (Qwen3.5, Qwen3-Next's gated attention, Qiu et al. 2025)
+    attn_output_gate: bool = False
+    # Gated DeltaNet layers in place of attention in some layers (Qwen3.5, Qwen3-Next); a dict is converted
+    linear_attention: Optional[LinearAttention] = None
     clip_qkv: Optional[float] = None  # q, k and v clamped to [-clip, clip] after their norms (OLMo-7B-0424, OLMoE, MPT)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
     scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
@@ -239,12 +244,24 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
             raise ValueError("heads_per_layer (pruned heads) with positions=alibi: each head's slope follows its index "
                              "among all n_heads, which a pruned layer no longer has; prune a model with other positions")
         for field in ("attn_only", "bidirectional", "use_hook_tokens", "attn_scale_by_layer", "rotary_adjacent_pairs",
-                      "qk_norm_over_heads", "input_norms", "embed_norm", "attn_sinks"):
+                      "qk_norm_over_heads", "input_norms", "embed_norm", "attn_sinks", "attn_output_gate"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         if self.bidirectional and self.sliding_window is not None:
             raise ValueError("a sliding window counts keys back from each query, which bidirectional attention does "
                              "not have: set sliding_window=None or bidirectional=False")
+        if isinstance(self.linear_attention, dict):
+            object.__setattr__(self, "linear_attention", LinearAttention(**self.linear_attention))
+        if self.linear_attention is not None:
+            linear = self.linear_attention
+            if not isinstance(linear, LinearAttention) or len(linear.layers) != self.n_layers:
+                raise ValueError(f"linear_attention={linear!r} must be a LinearAttention (or its fields as a dict) "
+                                 f"whose layers give each of the n_layers={self.n_layers} layers True or False")
+            if (self.norm_placement is not NormPlacement.PRE or self.attn_only or self.bidirectional
+                    or self.heads_per_layer is not None):
+                raise ValueError("linear-attention layers are built in causal pre-norm blocks with an MLP and every "
+                                 "head: set norm_placement='pre', attn_only=False, bidirectional=False, "
+                                 "heads_per_layer=None")
         if self.attn_only and self.norm_placement is not NormPlacement.PRE:
             raise ValueError(f"attn_only blocks are pre-norm, x + attn(ln1(x)); got norm_placement="
                              f"{self.norm_placement.value!r}: use norm_placement='pre'")
@@ -276,6 +293,10 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     def layer_rotates(self, layer: int) -> bool:
         """Whether `layer` rotates its queries and keys (rotary positions, and not one of SmolLM3's NoPE layers)."""
         return self.positions is Positions.ROTARY and (self.rotary_layers is None or self.rotary_layers[layer])
+
+    def layer_is_linear(self, layer: int) -> bool:
+        """Whether `layer` mixes positions with a linear-attention (Gated DeltaNet) layer instead of attention."""
+        return self.linear_attention is not None and self.linear_attention.layers[layer]
 
     def layer_kv_heads(self, layer: int) -> int:
         return self.n_kv_heads if self.heads_per_layer is None else self.heads_per_layer[layer]

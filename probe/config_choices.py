@@ -1,5 +1,6 @@
 """The typed choices a DecoderConfig is built from: the MLP's activation, the kind and placement of the norms, the
-positions, how long-context checkpoints rescale their rotary frequencies, and a mixture of experts."""
+positions, how long-context checkpoints rescale their rotary frequencies, a mixture of experts, and linear-attention
+layers."""
 from __future__ import annotations
 
 import enum
@@ -164,3 +165,34 @@ class Experts:
         if self.clamped_glu is not None and not isinstance(self.clamped_glu, ClampedSwiGLU):
             raise ValueError(f"Experts.clamped_glu must be a ClampedSwiGLU (or its fields as a dict) or None, got "
                              f"{self.clamped_glu!r}")
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet token mixers in place of attention in some layers (Qwen3.5, Qwen3-Next; Yang et al. 2024,
+    "Gated Delta Networks"): each value head keeps a [d_key_head d_value_head] state that decays at every position and
+    is corrected toward the new value along the new key (the delta rule); the queries read it. `layers` says which
+    layers have one (the others keep attention). `key_heads` query/key heads of `d_key_head` serve `value_heads` value
+    heads of `d_value_head`, each the value_heads // key_heads adjacent ones; q, k and v first pass a causal depthwise
+    convolution over `conv_kernel` positions."""
+
+    layers: tuple[bool, ...]
+    key_heads: int
+    value_heads: int
+    d_key_head: int
+    d_value_head: int
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("key_heads", "value_heads", "d_key_head", "d_value_head", "conv_kernel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LinearAttention.{name} must be a positive int, got {value!r}")
+        if self.value_heads % self.key_heads:
+            raise ValueError(f"LinearAttention(value_heads={self.value_heads}) must be a multiple of key_heads="
+                             f"{self.key_heads}: each query/key head serves the same number of value heads")
+        layers = tuple(self.layers)
+        if not all(isinstance(x, bool) for x in layers) or not any(layers):
+            raise ValueError(f"LinearAttention.layers={self.layers!r} must say for each layer True (a linear-attention "
+                             "layer) or False (attention), with at least one True (else leave linear_attention None)")
+        object.__setattr__(self, "layers", layers)

@@ -11,13 +11,26 @@ import torch
 
 
 class LayerKV:
-    """One layer's keys and values so far, [batch pos kv_head d_head] each, and their positions [batch pos]."""
+    """One layer's keys and values so far, [batch pos kv_head d_head] each, and their positions [batch pos]; or, in a
+    linear-attention layer, what it carries instead: its convolution's last inputs and its state."""
 
     def __init__(self) -> None:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
         self.positions: Optional[torch.Tensor] = None  # what ALiBi's distances count from
+        self.conv_window: Optional[torch.Tensor] = None  # [batch conv_kernel-1 channel]
+        self.state: Optional[torch.Tensor] = None  # [batch v_head d_key_head d_value_head]
+        self.seen = 0  # positions a linear-attention layer has passed (it keeps no keys to count)
         self.frozen = False
+
+    @property
+    def length(self) -> int:
+        return self.seen if self.k is None else self.k.shape[1]
+
+    def carry(self, conv_window: torch.Tensor, state: torch.Tensor, n_new: int) -> None:
+        """A linear-attention layer's convolution window and state after `n_new` more positions, kept unless frozen."""
+        if not self.frozen:
+            self.conv_window, self.state, self.seen = conv_window, state, self.seen + n_new
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None):
         """(keys, values, their positions) of every position so far and the new ones (at `positions`); kept for the
@@ -57,8 +70,7 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        k = self.layers[0].k
-        return 0 if k is None else k.shape[1]
+        return self.layers[0].length
 
     def extend_mask(self, new_mask: torch.Tensor) -> torch.Tensor:
         """Append the new tokens' mask (kept unless frozen); returns the mask of every position, old and new."""

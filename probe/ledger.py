@@ -46,14 +46,18 @@ class Ledger:
             experts = sum(r["params"] for r in self.rows if r["component"].startswith("mlp.experts.")
                           and r["component"].endswith("weight"))
             matmul_weights -= experts * (cfg.experts.n - cfg.experts.per_token) // cfg.experts.n
-        keys = [min(self.n_ctx, cfg.layer_window(l) or self.n_ctx) for l in range(cfg.n_layers)]
+        # a linear-attention layer reads a fixed state, not the keys: counted as a layer that sees no keys (its
+        # state update and read, ~4 d_key_head d_value_head per value head, are left out, as the convolution is)
+        keys = [0 if cfg.layer_is_linear(l) else min(self.n_ctx, cfg.layer_window(l) or self.n_ctx)
+                for l in range(cfg.n_layers)]
         attention = 2 * 2 * sum(cfg.layer_heads(l) * keys[l] for l in range(cfg.n_layers)) * cfg.d_head
         return 2 * matmul_weights + attention
 
     @property
     def kv_bytes_per_token(self) -> int:
         cfg = self.cfg
-        kv_heads = sum(cfg.layer_kv_heads(l) for l in range(cfg.n_layers))
+        # (a linear-attention layer's state has one size whatever the length: no bytes per token)
+        kv_heads = sum(cfg.layer_kv_heads(l) for l in range(cfg.n_layers) if not cfg.layer_is_linear(l))
         return 2 * kv_heads * cfg.d_head * torch.finfo(self.dtype).bits // 8
 
     @property
@@ -72,6 +76,18 @@ class Ledger:
             f"KV-cache bytes per sequence of {self.n_ctx}": self.kv_bytes_per_sequence,
         }
         return pd.DataFrame({"quantity": list(values), "value": pd.Series(list(values.values()), dtype=object)})
+
+
+def _add_linear_attention(cfg: DecoderConfig, add, layer: int) -> None:
+    """A Gated DeltaNet layer's parameters (probe.linear_attention): its projections are matmuls ("weight"), its
+    convolution, decay rates and gated norm are not."""
+    linear, d = cfg.linear_attention, cfg.d_model
+    keys, values = linear.key_heads * linear.d_key_head, linear.value_heads * linear.d_value_head
+    add("linear_attn.in_proj.weight", "attention", d * (2 * keys + 2 * values + 2 * linear.value_heads), layer)
+    add("linear_attn.conv1d", "attention", (2 * keys + values) * linear.conv_kernel, layer)
+    add("linear_attn.decay", "attention", 2 * linear.value_heads, layer)  # A_log and dt_bias
+    add("linear_attn.norm", "norm", linear.d_value_head, layer)
+    add("linear_attn.out_proj.weight", "attention", values * d, layer)
 
 
 def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype = torch.float32) -> Ledger:
@@ -95,14 +111,19 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     for layer in range(cfg.n_layers):
         h, kv = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
         add("ln1", "norm", input_params, layer)
+        linear = cfg.layer_is_linear(layer)
+        if linear:
+            _add_linear_attention(cfg, add, layer)
+            h = kv = 0  # (no attention: the rows below add nothing)
         add("attn.q.weight", "attention", d * h * dh, layer)
+        add("attn.gate.weight", "attention", d * h * dh if cfg.attn_output_gate else 0, layer)
         qk_norm = (h + kv) * dh if cfg.qk_norm_over_heads else 2 * dh  # OLMo 2's span every head
-        add("attn.qk_norm", "norm", qk_norm * per_norm if cfg.qk_norm else 0, layer)
+        add("attn.qk_norm", "norm", qk_norm * per_norm if cfg.qk_norm and not linear else 0, layer)
         add("attn.k.weight", "attention", d * kv * dh, layer)
         add("attn.v.weight", "attention", d * kv * dh, layer)
-        add("attn.qkv.bias", "attention", (h + 2 * kv) * dh if cfg.qkv_bias else 0, layer)
+        add("attn.qkv.bias", "attention", (h + 2 * kv + h * cfg.attn_output_gate) * dh if cfg.qkv_bias and not linear else 0, layer)
         add("attn.o.weight", "attention", h * dh * d, layer)
-        add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
+        add("attn.o.bias", "attention", d if cfg.out_bias and not linear else 0, layer)
         add("attn.sinks", "attention", h if cfg.attn_sinks else 0, layer)
         if cfg.attn_only:
             continue

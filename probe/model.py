@@ -11,7 +11,7 @@ from torch import nn
 
 from probe.hooks import HookedRootModule, HookPoint
 
-from probe.blocks import BLOCKS, AttnOnlyBlock
+from probe.blocks import PADDING, make_block, mask_keys
 from probe.bridge_names import attach_bridge_attributes, bridge_names, describe_blocks_as_the_bridge
 from probe.config import DecoderConfig, Positions
 from probe.decoder_cache import DecoderCache
@@ -60,8 +60,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         self.pos_embed = make_pos_embed(cfg)  # None with rotary positions, which act inside attention
         if self.pos_embed is not None:
             self.hook_pos_embed = HookPoint()  # [batch pos d_model]
-        block = AttnOnlyBlock if cfg.attn_only else BLOCKS[cfg.norm_placement]  # the config allows attn_only pre-norm only
-        self.blocks = nn.ModuleList([block(cfg, layer) for layer in range(cfg.n_layers)])
+        self.blocks = nn.ModuleList([make_block(cfg, layer) for layer in range(cfg.n_layers)])
+        self.block_masks = mask_keys(cfg)
         self.windows = {cfg.layer_window(layer) for layer in range(cfg.n_layers)}
         self.ln_final = make_norm(cfg, foldable=True, ends=True) if cfg.final_norm else nn.Identity()
         self.unembed = Unembed(cfg.d_vocab_out, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
@@ -187,9 +187,10 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         # one mask per distinct window (Gemma 2 alternates a window with full attention)
         causal = not self.cfg.bidirectional
         allowed = {window: allowed_keys(attention_mask, positions, window, causal) for window in self.windows}
+        allowed[PADDING] = None if attention_mask is None else attention_mask[:, -n_new:].bool()
         for index, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=start_at_layer):
             past = None if kv_cache is None else kv_cache.layers[index]
-            resid = block(resid, positions, allowed[self.cfg.layer_window(index)], past, qk_pos)
+            resid = block(resid, positions, allowed[self.block_masks[index]], past, qk_pos)
         if stop_at_layer is not None:
             return resid
         resid = self.ln_final(resid)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from probe.blocks import attention_blocks
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.factored import FactoredMatrix
 from probe.norm import LayerNorm
@@ -52,7 +53,9 @@ def can_fold_ln(cfg: DecoderConfig) -> bool:
     norms stay as they are): in a post-norm model the norm's output is the residual stream itself. Shortformer
     positions join ln1's output before W_Q and W_K, so ln1's weight cannot move into them."""
     return (cfg.norm is not Norm.NONE and cfg.positions is not Positions.SHORTFORMER
-            and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH))
+            and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH)
+            # (a linear-attention layer's projections have no biases to take a LayerNorm's b)
+            and not (cfg.linear_attention is not None and cfg.norm is Norm.LAYER))
 
 
 def can_center_writing_weights(cfg: DecoderConfig) -> bool:
@@ -74,7 +77,8 @@ def can_fold_value_biases(cfg: DecoderConfig) -> bool:
 def can_refactor_factored_attn_matrices(cfg: DecoderConfig) -> bool:
     """Rotary positions rotate q and k between W_Q and the scores, and a key/value head shared by several query
     heads cannot be balanced against each of them at once; the value biases must fold first."""
-    return cfg.positions is not Positions.ROTARY and cfg.n_kv_heads == cfg.n_heads and can_fold_value_biases(cfg)
+    return (cfg.positions is not Positions.ROTARY and cfg.n_kv_heads == cfg.n_heads and can_fold_value_biases(cfg)
+            and cfg.linear_attention is None)
 
 
 TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's (and process_weights_'s, load_and_process_state_dict's)
@@ -182,7 +186,7 @@ def process_weights_in_place(model: HookedDecoder, *, fold_ln: bool = True, cent
     if fold_value_biases or refactor_factored_attn_matrices:  # refactoring W_V W_O needs b_V out of the way
         _fold_value_biases(model)
     if refactor_factored_attn_matrices:
-        for block in model.blocks:
+        for block in attention_blocks(model.blocks):
             _refactor_attention(block.attn)
     return model
 
@@ -192,6 +196,19 @@ def untie_embeddings(model: HookedDecoder) -> None:
     if model.cfg.tied_embeddings:
         model.unembed.weight = nn.Parameter(model.unembed.weight.detach().clone())
         model.cfg = dataclasses.replace(model.cfg, tied_embeddings=False)
+
+
+def _mixer_inputs(block: nn.Module) -> list[nn.Module]:
+    """The layers that read ln1: attention's q/k/v projection (and its output gate), or a linear-attention layer's
+    input projections."""
+    if hasattr(block, "linear_attn"):
+        mixer = block.linear_attn
+        return [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
+    return [block.attn.qkv] + ([] if block.attn.gate is None else [block.attn.gate])
+
+
+def _mixer_output(block: nn.Module) -> nn.Module:
+    return block.linear_attn.out_proj if hasattr(block, "linear_attn") else block.attn.out
 
 
 def _mlp_inputs(block: nn.Module) -> list[nn.Module]:
@@ -219,7 +236,7 @@ def _down_projections(mlp: nn.Module) -> list[nn.Module]:
 
 def _fold_norms(model: HookedDecoder) -> None:
     for block in model.blocks:
-        _fold_norm_into(block.ln1, [block.attn.qkv], model, "qkv_bias")
+        _fold_norm_into(block.ln1, _mixer_inputs(block), model, "qkv_bias")
         if hasattr(block, "ln2"):
             _fold_norm_into(block.ln2, _mlp_inputs(block), model, "mlp_bias")
         if model.cfg.mlp_norm_learned:  # a SoLU-LN MLP's LayerNorm, into the W_out that reads it (TL folds it too)
@@ -268,9 +285,9 @@ def _biased_layers(model: HookedDecoder, bias_field: str) -> list[nn.Module]:
     if bias_field == "unembed_bias":
         return [model.unembed]
     if bias_field == "qkv_bias":
-        return [block.attn.qkv for block in model.blocks]
+        return [layer for block in attention_blocks(model.blocks) for layer in _mixer_inputs(block)]
     if bias_field == "out_bias":
-        return [block.attn.out for block in model.blocks]
+        return [block.attn.out for block in attention_blocks(model.blocks)]
     if bias_field == "mlp_bias":
         return [layer for block in model.blocks for layer in _mlp_inputs(block)] + _mlp_outputs(model)
     raise ValueError(f"unknown bias field {bias_field!r}")
@@ -291,7 +308,7 @@ def center_readers(model: HookedDecoder) -> None:
     what folding a LayerNorm does to them, and what transformer-lens's fold_layer_norm does to a model whose norms
     have no weights (nothing changes after a LayerNorm, whose output has mean zero)."""
     for block in model.blocks:
-        for reader in [block.attn.qkv] + _mlp_inputs(block):
+        for reader in _mixer_inputs(block) + _mlp_inputs(block):
             reader.weight -= reader.weight.mean(dim=1, keepdim=True)  # weight [out d_model]
 
 
@@ -302,7 +319,7 @@ def center_writers(model: HookedDecoder) -> None:
     # centring them would change the queries and keys (transformer-lens centres them all the same)
     if isinstance(getattr(model.pos_embed, "W_pos", None), nn.Parameter) and model.cfg.positions_in_residual:
         model.pos_embed.W_pos -= model.pos_embed.W_pos.mean(dim=-1, keepdim=True)
-    for writer in [block.attn.out for block in model.blocks] + _mlp_outputs(model):
+    for writer in [_mixer_output(block) for block in model.blocks] + _mlp_outputs(model):
         writer.weight -= writer.weight.mean(dim=0, keepdim=True)  # weight [d_model in]: each column is a written vector
         if writer.bias is not None:
             writer.bias -= writer.bias.mean()
@@ -310,7 +327,7 @@ def center_writers(model: HookedDecoder) -> None:
 
 def _fold_value_biases(model: HookedDecoder) -> None:
     """b_O += sum over heads of b_V(head) @ W_O(head); b_V = 0."""
-    for block in model.blocks:
+    for block in attention_blocks(model.blocks):
         attn = block.attn
         if attn.qkv.bias is None or attn.n_heads == 0:
             continue

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import probe.residual_stack as rs
+from probe.blocks import ATTENTION_PARTS, attention_blocks
 from probe.config import SWITCHES, DecoderConfig, Positions
 from probe.processing import drop_norm_weights, process_weights_in_place, tl_processing_steps, untie_embeddings
 from probe.attention import per_head
@@ -142,7 +143,7 @@ class TransformerLensSurface:
     def set_use_attn_result(self, use_attn_result: bool) -> None:
         """Whether a cache of everything includes each head's write, `attn.hook_result` [batch pos head d_model].
         probe computes it whenever it is hooked or cached by name either way; this only changes the default."""
-        for block in self.blocks:
+        for block in attention_blocks(self.blocks):
             block.attn.hook_result.opt_in = not use_attn_result
         self._record_switch(use_attn_result=bool(use_attn_result))
 
@@ -152,7 +153,7 @@ class TransformerLensSurface:
         work whenever hooked or cached by name either way. While it is on, they are copies of the residual of their own,
         and `hook_attn_in` (set_use_attn_in) only observes: an edit there reaches nothing, as in transformer-lens."""
         self._include_by_default(("hook_q_input", "hook_k_input", "hook_v_input"), use_split_qkv_input)
-        for block in self.blocks:  # then hook_attn_in only observes, as in transformer-lens
+        for block in attention_blocks(self.blocks):  # then hook_attn_in only observes, as in transformer-lens
             block.split_qkv_input = bool(use_split_qkv_input)
         self._record_switch(use_split_qkv_input=bool(use_split_qkv_input))
 
@@ -203,16 +204,17 @@ class TransformerLensSurface:
         """Inside the block, keys and values are hooked once per key/value head whatever
         `ungroup_grouped_query_attention` says, and the switch's effect is back after: probe's circuit analyses
         read them so, with EAP-IG's setup (the switch on) left as the user made it."""
-        held = [block.attn.hooked_kv_heads for block in self.blocks]  # a block inside another's puts back the outer's
+        blocks = attention_blocks(self.blocks)
+        held = [block.attn.hooked_kv_heads for block in blocks]  # a block inside another's puts back the outer's
         self._hook_key_values(per_query_head=False)
         try:
             yield self
         finally:
-            for block, heads in zip(self.blocks, held):
+            for block, heads in zip(blocks, held):
                 block.attn.hooked_kv_heads = heads
 
     def _hook_key_values(self, per_query_head: bool) -> None:
-        for block in self.blocks:
+        for block in attention_blocks(self.blocks):
             block.attn.hooked_kv_heads = block.attn.n_heads if per_query_head else block.attn.n_kv_heads
 
     def untie_embeddings(self) -> None:
@@ -309,7 +311,8 @@ class TransformerLensSurface:
             object.__setattr__(self.cfg, name, on)
 
     def _include_by_default(self, names: tuple[str, ...], on: bool) -> None:
-        for block in self.blocks:
+        per_head = any(name in ATTENTION_PARTS for name in names)  # (a linear-attention block has hook_mlp_in only)
+        for block in attention_blocks(self.blocks) if per_head else self.blocks:
             for name in names:
                 getattr(block, name).opt_in = not on
 

@@ -31,6 +31,11 @@ def _stacked(path: str, shape: str, bias_of: Optional[tuple[str, Callable]] = No
             raise ValueError(f"model.{name}: this attention-only model has no MLPs")
         if sublayer == "mlp" and self.cfg.experts is not None:
             refuse_experts(f"model.{name}")
+        if sublayer == "attn" and self.cfg.linear_attention is not None:
+            attention = [l for l in range(self.cfg.n_layers) if not self.cfg.layer_is_linear(l)]
+            raise ValueError(f"model.{name}: this hybrid model's linear-attention layers have no attention heads, so "
+                             f"{name} does not stack over layers; read model.blocks[layer].{path} for an attention "
+                             f"layer ({attention})")
         values = []
         for block in self.blocks:
             part = getattr(block, sublayer)

@@ -43,6 +43,10 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     # GPT-OSS: each head's sink logit, biased experts chosen by logit
     {"attn_sinks": True, "experts": {"n": 4, "per_token": 2, "softmax_over": "chosen", "clamped_glu": {}},
      "gated_mlp": True, "norm": "rms_float32", "positions": "rotary", "n_kv_heads": 2},
+    # Qwen3.5: Gated DeltaNet layers beside gated attention
+    {"linear_attention": {"layers": (True, False, True), "key_heads": 2, "value_heads": 4, "d_key_head": 8,
+                          "d_value_head": 12, "conv_kernel": 3}, "attn_output_gate": True, "qk_norm": True,
+     "norm": "rms_float32", "positions": "rotary", "gated_mlp": True, "n_kv_heads": 2, "qkv_bias": False},
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)

@@ -199,6 +199,21 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, max_position_embeddings=40, logit_scale=0.5, sliding_window=5,
                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
         model = tf.Cohere2ForCausalLM(tf.Cohere2Config(**{**settings, **overrides}))
+    elif kind == "qwen3_5":  # Gated DeltaNet layers (three in four) and gated attention, zero-centred norms
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                        max_position_embeddings=40, tie_word_embeddings=False)
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**{**settings, **overrides}))
+    elif kind in ("qwen3_5_moe", "qwen3_next"):  # and experts with a shared one; Qwen3-Next's projections fused
+        settings = dict(vocab_size=101, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                        linear_value_head_dim=12, max_position_embeddings=40, tie_word_embeddings=False, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32)
+        if kind == "qwen3_5_moe":
+            model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**settings, **overrides}))
+        else:
+            model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**{**settings, "norm_topk_prob": False, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -325,6 +340,17 @@ CASES = {
     "arcee-biases-tied-yarn": ("arcee", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
                                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                              "original_max_position_embeddings": 16}}),
+    "qwen3-5-deltanet-gated-attention": ("qwen3_5", {}),
+    # two full layers, value heads as many as key heads, a wider convolution, the whole head rotated, tied
+    "qwen3-5-two-full-layers-tied": ("qwen3_5", {"layer_types": ["linear_attention", "full_attention"] * 2,
+                                                 "linear_num_value_heads": 2, "linear_conv_kernel_dim": 3,
+                                                 "tie_word_embeddings": True, "rms_norm_eps": 1e-4,
+                                                 "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                                                                     "partial_rotary_factor": 1.0}}),
+    "qwen3-5-moe-shared-expert": ("qwen3_5_moe", {}),
+    "qwen3-next-fused-deltanet-unrenormalised": ("qwen3_next", {}),
+    "qwen3-next-renormalised-tied-one-expert": ("qwen3_next", {"norm_topk_prob": True, "tie_word_embeddings": True,
+                                                               "num_experts_per_tok": 1, "linear_num_value_heads": 6}),
     "gpt-oss-plain-rope-no-bias-one-expert": ("gpt_oss", {
         "attention_bias": False, "num_experts_per_tok": 1, "swiglu_alpha": 1.0, "swiglu_limit": 0.05,
         "layer_types": ["full_attention"] * 3, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}),
@@ -414,7 +440,7 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm", "exaone"):
+                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -470,7 +496,8 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
-                                              "qwen3, mistral, mistral3, olmo, olmo2, olmo3, smollm3, exaone, arcee, cohere, "
+                                              "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_5, "
+                                              "qwen3_5_moe, mistral, mistral3, olmo, olmo2, olmo3, smollm3, exaone, arcee, cohere, "
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "
                                               "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
