@@ -9,7 +9,8 @@ over q, k and v and an L2 norm of q and k:
     o_t = S^T q_t / sqrt(d_key_head)                 (hook_recurrence_out)
 
 then each head's o is RMS-normalised, gated by silu(z) (hook_z: what out_proj reads, per head) and projected back to
-the residual. The recurrence runs one position at a time in float32, as the reference does: exact, and readable."""
+the residual. The recurrence runs in float32, as the reference does, by chunks of positions (gated_delta_rule; its
+definition, one position at a time, is gated_delta_rule_stepwise)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -39,9 +40,11 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
-def gated_delta_rule(q, k, v, beta, log_decay, state):
-    """o [batch pos v_head d_value_head] and the final state [batch v_head d_key_head d_value_head], from q and k
-    [batch pos v_head d_key_head] (normed), v, beta and log_decay [batch pos v_head], and the state before them."""
+def gated_delta_rule_stepwise(q, k, v, beta, log_decay, state):
+    """The recurrence as written in the module docstring, one position at a time: o [batch pos v_head d_value_head]
+    and the final state [batch v_head d_key_head d_value_head], from q and k [batch pos v_head d_key_head] (normed),
+    v, beta and log_decay [batch pos v_head], and the state before them. The definition gated_delta_rule computes
+    by chunks."""
     q = q / q.shape[-1] ** 0.5
     out = []
     for t in range(q.shape[1]):
@@ -51,6 +54,37 @@ def gated_delta_rule(q, k, v, beta, log_decay, state):
         state = state + einsum(k[:, t], delta, "batch head d_key, batch head d_value -> batch head d_key d_value")
         out.append(einsum(state, q[:, t], "batch head d_key d_value, batch head d_key -> batch head d_value"))
     return torch.stack(out, dim=1), state
+
+
+def gated_delta_rule(q, k, v, beta, log_decay, state, chunk: int = 64):
+    """gated_delta_rule_stepwise's result, `chunk` positions at a time with matmuls (the WY / UT form of Yang et al.):
+    within a chunk, with g_t the decay summed from its start and S the state before it, the writes
+    u = beta (v - read) solve the unit lower-triangular system (I + A) u = beta v - beta exp(g) k S, where
+    A[t, s] = beta_t exp(g_t - g_s) k_t.k_s for s < t; then o_t = exp(g_t) S^T q_t + sum_{s<=t} exp(g_t - g_s) (q_t.k_s)
+    u_s, and the state after the chunk is exp(g_last) S + sum_s exp(g_last - g_s) k_s u_s^T. Exact up to rounding."""
+    batch, n, heads, d_key = q.shape
+    chunk = min(chunk, n)
+    pad = -n % chunk  # padded positions write nothing (beta 0) and decay nothing (log decay 0)
+    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q / d_key ** 0.5, k, v))
+    beta, log_decay = (F.pad(t, (0, 0, 0, pad)) for t in (beta, log_decay))
+    split = "batch (chunk pos) head d -> batch head chunk pos d"
+    q, k, v = (rearrange(t, split, pos=chunk) for t in (q, k, v))
+    beta, g = (rearrange(t, "batch (chunk pos) head -> batch head chunk pos", pos=chunk) for t in (beta, log_decay))
+    g = g.cumsum(dim=-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [t, s]: exp(g_t - g_s)
+    system = torch.eye(chunk, device=q.device) + (beta[..., :, None] * (k @ k.mT) * decay).tril(-1)
+    writes = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    reads = torch.linalg.solve_triangular(system, (beta * g.exp())[..., None] * k, upper=False, unitriangular=True)
+    scores = (q @ k.mT) * decay
+    out = []
+    for c in range(q.shape[2]):
+        u = writes[:, :, c] - reads[:, :, c] @ state
+        out.append(g[:, :, c, :, None].exp() * (q[:, :, c] @ state) + scores[:, :, c] @ u)
+        last = g[:, :, c, -1:]
+        state = last[..., None].exp() * state + ((last - g[:, :, c]).exp()[..., None] * k[:, :, c]).mT @ u
+    out = rearrange(torch.stack(out, dim=2), "batch head chunk pos d -> batch (chunk pos) head d")
+    return out[:, :n], state
 
 
 def l2_normed(x: torch.Tensor) -> torch.Tensor:

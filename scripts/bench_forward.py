@@ -1,8 +1,9 @@
 """Benchmark workloads of the plain forward and caching: probe vs transformers and transformer-lens
-(workloads 1-4), a structurally pruned forward (10), loading (11), launch-bound 1 x 16 shapes (21, 22) and
-compiled forwards (23)."""
+(workloads 1-4), a structurally pruned forward (10), loading (11), a hybrid linear-attention model (18),
+launch-bound 1 x 16 shapes (21, 22) and compiled forwards (23)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -240,4 +241,40 @@ def compiled(ctx: Context) -> list[Case]:
         Case("probe forward, compiled", PROBE, no_grad(lambda: fast(tokens)), note=how),
         Case("probe run_with_cache", PROBE, no_grad(lambda: probe.run_with_cache(tokens)), note="eager"),
         Case("probe run_with_cache, compiled", PROBE, no_grad(lambda: fast.run_with_cache(tokens)), note=how),
+    ]
+
+
+@workload("hybrid_forward", 18, "Forward of a hybrid linear-attention model (Qwen3.5's layers at the main shape's width "
+          "and depth)", "probe <= 1.1x transformers", floor="transformers forward",
+          check=at_most("probe forward", "transformers forward", 1.1))
+def hybrid_forward(ctx: Context) -> list[Case]:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from probe import HookedDecoder
+    from probe.cli.bench_harness import hf_dtype_kwarg
+
+    main = json.loads((ctx.path / "config.json").read_text())
+    d_model, heads = main["n_embd"], main["n_head"]
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=main["vocab_size"], hidden_size=d_model, intermediate_size=4 * d_model,
+        num_hidden_layers=max(4, main["n_layer"]), num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+        head_dim=d_model // heads, linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
+        linear_key_head_dim=d_model // heads, linear_value_head_dim=d_model // heads,
+        max_position_embeddings=max(ctx.seq, main["n_positions"]))
+    directory = Path(tempfile.mkdtemp(prefix="probe-bench-hybrid-"))
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForCausalLM(config).save_pretrained(directory)
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(directory, **hf_dtype_kwarg(ctx.torch_dtype))
+    hf = hf.to(ctx.device).eval()
+    probe = HookedDecoder.from_pretrained(directory, device=ctx.device, dtype=ctx.torch_dtype).eval()
+    tokens = ctx.tokens()
+    return [
+        Case("transformers forward", HF, no_grad(lambda: hf(tokens, use_cache=False).logits),
+             note="Qwen3_5ForCausalLM: three Gated DeltaNet layers in four (its chunked torch recurrence; no "
+                  "flash-linear-attention kernels installed), gated attention in the fourth"),
+        Case("probe forward", PROBE, no_grad(lambda: probe(tokens)), note="gated_delta_rule by chunks of 64"),
     ]

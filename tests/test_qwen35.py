@@ -276,3 +276,34 @@ def test_qwen3_next_fused_projections_are_transformers_grouping(tmp_path):
         q, k, v, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(x), mixer.in_proj_ba(x))
     for name, theirs in zip(names, (q, k, v, z, b)):
         torch.testing.assert_close(cache[f"blocks.0.linear_attn.{name}"], theirs, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 150])
+def test_the_chunked_recurrence_is_transformers_stepwise_one(n):
+    """gated_delta_rule (by chunks of 64, with a state carried in) against transformers' own one-position-at-a-time
+    torch_recurrent_gated_delta_rule, and probe's stepwise definition, on lengths inside, at and across chunks."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    from probe.linear_attention import gated_delta_rule, gated_delta_rule_stepwise, l2_normed
+
+    gen = torch.Generator().manual_seed(n)
+    q, k = (l2_normed(torch.randn(2, n, 4, 8, generator=gen)) for _ in range(2))
+    v = torch.randn(2, n, 4, 12, generator=gen)
+    beta, log_decay = torch.rand(2, n, 4, generator=gen), -2 * torch.rand(2, n, 4, generator=gen)
+    state = torch.randn(2, 4, 8, 12, generator=gen)
+    out, last = gated_delta_rule(q, k, v, beta, log_decay, state)
+    theirs, their_last = torch_recurrent_gated_delta_rule(q, k, v, g=log_decay, beta=beta, initial_state=state,
+                                                          output_final_state=True)
+    torch.testing.assert_close(out, theirs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(last, their_last, atol=1e-5, rtol=0)
+    steps, step_last = gated_delta_rule_stepwise(q, k, v, beta, log_decay, state)
+    torch.testing.assert_close(out, steps, atol=1e-5, rtol=0)
+    torch.testing.assert_close(last, step_last, atol=1e-5, rtol=0)
+
+
+def test_a_prompt_longer_than_a_chunk_is_transformers(tmp_path):
+    hf = build("qwen3_5", tmp_path, max_position_embeddings=200)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    tokens = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
