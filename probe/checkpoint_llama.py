@@ -1,4 +1,4 @@
-"""Llama, Qwen2, Qwen3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma and Gemma 2 checkpoints: config.json <->
+"""Llama, Qwen2, Qwen3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, Gemma and Gemma 2 checkpoints: config.json <->
 DecoderConfig, tensor names."""
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ def smollm3_config(hf: dict) -> DecoderConfig:
     return dataclasses.replace(llama_config(hf), rotary_layers=None if rotates is None else tuple(map(bool, rotates)))
 
 
+def seed_oss_config(hf: dict) -> DecoderConfig:
+    # Seed-OSS: Llama's layers, q/k/v biases on by default and the output projection's bias a field of its own
+    return dataclasses.replace(llama_config(hf, qkv_bias=hf.get("attention_bias", True)),
+                               out_bias=hf.get("attention_out_bias", False))
+
+
 def arcee_config(hf: dict) -> DecoderConfig:
     # Arcee (AFM): Llama's layers with an ungated MLP, relu^2 by default
     return dataclasses.replace(llama_config(hf, default_act="relu2"), gated_mlp=False)
@@ -104,6 +110,7 @@ _LLAMA_LIKE = {
                                                    sliding_rotary_base=cfg.sliding_rotary_base)),
     "smollm3": ("SmolLM3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, rotary_layers=cfg.rotary_layers)),
     "arcee": ("ArceeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False)),
+    "seed_oss": ("SeedOssForCausalLM", lambda cfg: dict(out_bias=cfg.out_bias)),
     "exaone": ("ExaoneForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias)),
     "cohere": ("CohereForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
                                                      rotary_adjacent_pairs=True, out_bias=cfg.qkv_bias, mlp_bias=False)),
@@ -154,8 +161,10 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
     if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3", "arcee", "apertus",
-                      "granite", "granitemoe", "exaone"):
+                      "granite", "granitemoe", "exaone", "seed_oss"):
         out["attention_bias"] = cfg.qkv_bias
+    if model_type == "seed_oss":
+        out["attention_out_bias"] = cfg.out_bias
     if model_type in ("smollm3", "cohere", "cohere2"):  # (their default special ids would lie outside a small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
                     for kind in ("bos", "eos", "pad")})

@@ -4,9 +4,9 @@ One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-Ne
 checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT, XGLM), checkpoint_bloom.py (Bloom), checkpoint_moe.py (Mixtral,
 OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
-Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Gemma, Gemma 2),
+Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, Gemma, Gemma 2),
 checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_exaone.py (EXAONE), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron), checkpoint_exaone.py (EXAONE), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -30,9 +30,11 @@ from probe.checkpoint_granite import (granite_config, granite_config_to_hf, gran
 from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
 from probe.checkpoint_gptj import codegen_to_hf, codegen_to_probe, gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
+from probe.checkpoint_layernorm_llama import (layernorm_llama_config, layernorm_llama_config_to_hf,
+                                              layernorm_llama_to_hf, layernorm_llama_to_probe)
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_like, llama_to_hf, llama_to_probe, mistral_config,
-                                    olmo2_config, olmo3_config, olmo_config, smollm3_config,
+                                    olmo2_config, olmo3_config, olmo_config, seed_oss_config, smollm3_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_mistral3 import mistral3
 from probe.checkpoint_moe import mixtral_config, moe_family, olmoe_config, qwen2_moe_config, qwen3_moe_config
@@ -63,7 +65,8 @@ class Family:
     to_probe: Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]
     to_hf: Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]
     # whether text gets BOS first by default (cfg.default_prepend_bos): transformer-lens's per-family choice, False
-    # for GPT-NeoX/Pythia, Qwen, Phi and Granite, trained without one (TL 3.9's convert_hf_model_config, TL 4's bridge)
+    # for GPT-NeoX/Pythia, Qwen, Phi, Granite, StarCoder 2 and Seed-OSS, trained without one (TL 3.9's
+    # convert_hf_model_config, TL 4's bridge)
     prepends_bos: bool = True
     # a multimodal checkpoint's: the text-only format its language model saves as
     saves_as: Optional[str] = None
@@ -102,6 +105,7 @@ FAMILIES = {
         Family("exaone", "ExaoneForCausalLM", ("transformer.", "model."), exaone_config, exaone_config_to_hf,
                exaone_to_probe, exaone_to_hf),
         Family("arcee", "ArceeForCausalLM", ("model.",), arcee_config, *llama_like("arcee")),
+        Family("seed_oss", "SeedOssForCausalLM", ("model.",), seed_oss_config, *llama_like("seed_oss"), prepends_bos=False),
         Family("cohere", "CohereForCausalLM", ("model.",), cohere_config, cohere_config_to_hf, cohere_to_probe,
                cohere_to_hf),
         Family("cohere2", "Cohere2ForCausalLM", ("model.",), cohere2_config,
@@ -147,6 +151,10 @@ FAMILIES = {
         Family("mpt", "MptForCausalLM", ("transformer.",), mpt_config, mpt_config_to_hf, mpt_to_probe, mpt_to_hf),
         Family("stablelm", "StableLmForCausalLM", ("model.",), stablelm_config, stablelm_config_to_hf, stablelm_to_probe,
                stablelm_to_hf),
+        *(Family(model_type, architecture, ("model.",), layernorm_llama_config(model_type),
+                 layernorm_llama_config_to_hf(model_type), layernorm_llama_to_probe(model_type),
+                 layernorm_llama_to_hf(model_type), prepends_bos=model_type != "starcoder2")
+          for model_type, architecture in (("starcoder2", "Starcoder2ForCausalLM"), ("nemotron", "NemotronForCausalLM"))),
         Family("gpt_bigcode", "GPTBigCodeForCausalLM", ("transformer.",), bigcode_config, bigcode_config_to_hf,
                bigcode_to_probe, bigcode_to_hf),
         Family("bloom", "BloomForCausalLM", ("transformer.",), bloom_config, bloom_config_to_hf, bloom_to_probe,

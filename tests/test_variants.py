@@ -214,6 +214,20 @@ def build(kind, directory, **overrides):
             model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**settings, **overrides}))
         else:
             model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**{**settings, "norm_topk_prob": False, **overrides}))
+    elif kind == "starcoder2":  # LayerNorms, an ungated tanh-GELU MLP, biases everywhere, a window
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, sliding_window=6, bos_token_id=1,
+                        eos_token_id=2)
+        model = tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**{**settings, **overrides}))
+    elif kind == "nemotron":  # LayerNorm1P (w - 1 stored), relu^2, rotary on half of each head
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, bos_token_id=1, eos_token_id=2)
+        model = tf.NemotronForCausalLM(tf.NemotronConfig(**{**settings, **overrides}))
+    elif kind == "seed_oss":  # Llama with q/k/v biases and the output's own switch
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=40, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
+        model = tf.SeedOssForCausalLM(tf.SeedOssConfig(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -351,6 +365,17 @@ CASES = {
     "qwen3-next-fused-deltanet-unrenormalised": ("qwen3_next", {}),
     "qwen3-next-renormalised-tied-one-expert": ("qwen3_next", {"norm_topk_prob": True, "tie_word_embeddings": True,
                                                                "num_experts_per_tok": 1, "linear_num_value_heads": 6}),
+    "starcoder2-biases-window-tied": ("starcoder2", {}),
+    "starcoder2-no-bias-untied-whole-window": ("starcoder2", {"use_bias": False, "tie_word_embeddings": False,
+                                                               "sliding_window": None, "norm_epsilon": 1e-3}),
+    "nemotron-layernorm1p-relu2-partial": ("nemotron", {}),
+    "nemotron-biases-tied-quarter-rotary": ("nemotron", {"attention_bias": True, "mlp_bias": True,
+                                                         "tie_word_embeddings": True, "rope_parameters": {
+                                                             "rope_type": "default", "rope_theta": 500.0,
+                                                             "partial_rotary_factor": 0.25}}),
+    "seed-oss-qkv-bias": ("seed_oss", {}),
+    "seed-oss-out-bias-mlp-bias-tied": ("seed_oss", {"attention_out_bias": True, "mlp_bias": True,
+                                                     "tie_word_embeddings": True}),
     "gpt-oss-plain-rope-no-bias-one-expert": ("gpt_oss", {
         "attention_bias": False, "num_experts_per_tok": 1, "swiglu_alpha": 1.0, "swiglu_limit": 0.05,
         "layer_types": ["full_attention"] * 3, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}),
@@ -440,7 +465,7 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next"):
+                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -497,11 +522,13 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_5, "
-                                              "qwen3_5_moe, mistral, mistral3, olmo, olmo2, olmo3, smollm3, exaone, arcee, cohere, "
+                                              "qwen3_5_moe, mistral, mistral3, olmo, olmo2, olmo3, smollm3, exaone, arcee, seed_oss, "
+                                              "cohere, "
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "
                                               "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
-                                              "qwen2_moe, gpt_oss, falcon, mpt, stablelm, gpt_bigcode, bloom$"):
+                                              "qwen2_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, gpt_bigcode, "
+                                              "bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
 
 

@@ -1,0 +1,77 @@
+"""StarCoder 2 and Nemotron (probe/checkpoint_layernorm_llama.py), and Seed-OSS (probe/checkpoint_llama.py).
+
+The oracles: transformers (test_variants.py compares logits and every residual on two cases of each and saves through
+it; here greedy generation, TL-default processing, and Nemotron's LayerNorm1P against transformers' own module) and
+TL 4's bridge over the same checkpoints, hook by hook."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from probe import HookedDecoder
+from family_checks import assert_generation_and_processing_match
+from test_transformer_lens import compare_with_transformer_lens
+from test_variants import CASES, build
+
+KINDS = ["starcoder2", "nemotron", "seed_oss"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generation_and_processing_are_transformers(kind, tmp_path):
+    hf = build(kind, tmp_path)
+    # (Seed-OSS's RMSNorms have no mean to centre, so TL's default centring is skipped with a warning)
+    rms = pytest.warns(UserWarning, match="center_writing_weights") if kind == "seed_oss" else contextlib.nullcontext()
+    with rms:
+        assert_generation_and_processing_match(hf, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["starcoder2-biases-window-tied", "nemotron-biases-tied-quarter-rotary",
+                                  "seed-oss-out-bias-mlp-bias-tied"])
+def test_every_shared_hook_matches_the_bridge(case, tmp_path):
+    from test_family_defaults import LLAMA_FILES, tokenized_checkpoint
+
+    kind, overrides = CASES[case]
+    # (the bridge loads a tokenizer for these families: the checkpoint gets one)
+    directory = tokenized_checkpoint(kind, tmp_path / "checkpoint", LLAMA_FILES, **overrides)
+    missing, _ = compare_with_transformer_lens(directory, 12, seed=4)
+    assert missing == set()
+
+
+def test_nemotron_norms_are_one_plus_the_stored_weight(tmp_path):
+    """LayerNorm1P: hook_normalized times (1 + the stored weight) plus the bias is transformers' own module's output,
+    and the saved file stores the weight minus 1 again."""
+    hf = build("nemotron", tmp_path / "hf")
+    model = HookedDecoder.from_pretrained(tmp_path / "hf").eval()
+    layer = hf.model.layers[1]
+    seen = {}
+    handle = layer.input_layernorm.register_forward_hook(lambda m, i, o: seen.__setitem__("ln1", o))
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+    try:
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens, names=["blocks.1.ln1.hook_normalized"])
+            hf(tokens)
+    finally:
+        handle.remove()
+    stored = layer.input_layernorm.weight
+    by_hand = cache["blocks.1.ln1.hook_normalized"] * (1 + stored) + layer.input_layernorm.bias
+    torch.testing.assert_close(by_hand, seen["ln1"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.blocks[1].ln1.w, stored + 1)
+    from safetensors.torch import load_file
+
+    saved = load_file(model.save_pretrained(tmp_path / "ours") / "model.safetensors")
+    torch.testing.assert_close(saved["model.layers.1.input_layernorm.weight"], stored)
+
+
+@pytest.mark.parametrize("case", ["starcoder2-no-bias-untied-whole-window", "nemotron-biases-tied-quarter-rotary",
+                                  "seed-oss-out-bias-mlp-bias-tied"])
+def test_the_other_cases_save_through_transformers(case, tmp_path):
+    """The second case of each (biases switched the other way, ties, rotary fractions, eps) saved and read back by
+    transformers' own class (the default cases' round trips are in test_variants.py)."""
+    kind, overrides = CASES[case]
+    hf = build(kind, tmp_path / "hf", **overrides)
+    again = type(hf).from_pretrained(HookedDecoder.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "ours"))
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=0)
