@@ -1,4 +1,5 @@
-"""StarCoder 2 and Nemotron (probe/checkpoint_layernorm_llama.py), and Seed-OSS (probe/checkpoint_llama.py).
+"""StarCoder 2 and Nemotron (probe/checkpoint_layernorm_llama.py), GLM and GLM-4 (probe/checkpoint_glm.py) and Seed-OSS
+(probe/checkpoint_llama.py): Llama's tensor names with a twist each.
 
 The oracles: transformers (test_variants.py compares logits and every residual on two cases of each and saves through
 it; here greedy generation, TL-default processing, and Nemotron's LayerNorm1P against transformers' own module) and
@@ -15,20 +16,22 @@ from family_checks import assert_generation_and_processing_match
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import CASES, build
 
-KINDS = ["starcoder2", "nemotron", "seed_oss"]
+KINDS = ["starcoder2", "nemotron", "seed_oss", "glm", "glm4"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_generation_and_processing_are_transformers(kind, tmp_path):
     hf = build(kind, tmp_path)
-    # (Seed-OSS's RMSNorms have no mean to centre, so TL's default centring is skipped with a warning)
-    rms = pytest.warns(UserWarning, match="center_writing_weights") if kind == "seed_oss" else contextlib.nullcontext()
+    # (Seed-OSS's and GLM's RMSNorms have no mean to centre, so TL's default centring is skipped with a warning)
+    rms = pytest.warns(UserWarning, match="center_writing_weights") if kind in ("seed_oss", "glm", "glm4") else \
+        contextlib.nullcontext()
     with rms:
         assert_generation_and_processing_match(hf, tmp_path)
 
 
 @pytest.mark.parametrize("case", ["starcoder2-biases-window-tied", "nemotron-biases-tied-quarter-rotary",
-                                  "seed-oss-out-bias-mlp-bias-tied"])
+                                  "seed-oss-out-bias-mlp-bias-tied", "glm-biases-adjacent-half-rotary",
+                                  "glm4-sandwich-norms"])
 def test_every_shared_hook_matches_the_bridge(case, tmp_path):
     from test_family_defaults import LLAMA_FILES, tokenized_checkpoint
 
@@ -65,7 +68,8 @@ def test_nemotron_norms_are_one_plus_the_stored_weight(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["starcoder2-no-bias-untied-whole-window", "nemotron-biases-tied-quarter-rotary",
-                                  "seed-oss-out-bias-mlp-bias-tied"])
+                                  "seed-oss-out-bias-mlp-bias-tied", "glm-no-bias-tied-whole-rotary",
+                                  "glm4-sandwich-no-bias-eps"])
 def test_the_other_cases_save_through_transformers(case, tmp_path):
     """The second case of each (biases switched the other way, ties, rotary fractions, eps) saved and read back by
     transformers' own class (the default cases' round trips are in test_variants.py)."""
