@@ -20,7 +20,8 @@ XIELU_BUFFERS = ("beta", "eps")  # stored []
 
 
 def apertus_config(hf: dict) -> DecoderConfig:
-    config = llama_config(hf, default_act="xielu", activations={**GPT_ACTIVATIONS, "xielu": Activation.XIELU})
+    config = llama_config(hf, default_act="xielu", activations={**GPT_ACTIVATIONS, "xielu": Activation.XIELU},
+                          default_eps=1e-5)
     return dataclasses.replace(config, gated_mlp=False, qk_norm=True)
 
 

@@ -39,7 +39,8 @@ def _renamed(name: str, top: dict[str, str], block: dict[str, str], blocks: tupl
 
 def exaone_config(hf: dict) -> DecoderConfig:
     fields = {CONFIG_NAMES.get(key, key): value for key, value in hf.items()}
-    return llama_config(ConfigFields(fields, getattr(hf, "path", Path("config.json")), getattr(hf, "prefix", "")))
+    return llama_config(ConfigFields(fields, getattr(hf, "path", Path("config.json")), getattr(hf, "prefix", "")),
+                        default_eps=1e-5)
 
 
 def exaone_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:

@@ -28,7 +28,7 @@ def glm_config(model_type: str) -> Callable[[dict], DecoderConfig]:
         fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
         placement = NormPlacement.SANDWICH if model_type == "glm4" else NormPlacement.PRE
         return dataclasses.replace(base, rotary_dim=int(base.d_head * fraction), rotary_adjacent_pairs=True,
-                                   norm_placement=placement)
+                                   norm_placement=placement, eps=hf.get("rms_norm_eps", 1.5625e-7))  # (GLM's default)
     return config_from_hf
 
 

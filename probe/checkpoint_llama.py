@@ -1,4 +1,5 @@
-"""Llama, Qwen2, Qwen3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, Gemma and Gemma 2 checkpoints: config.json <->
+"""Llama, Qwen2, Qwen3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma and Gemma 2
+checkpoints: config.json <->
 DecoderConfig, tensor names."""
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from probe.tokenizer import Tokenizer
 
 # ---- Llama and Qwen2: nn.Linear layers, stored [out, in]; separate q, k, v -----------------------
 def llama_config(hf: dict, qkv_bias: Optional[bool] = None, default_act: str = "silu",
-                 activations: dict[str, Activation] = GPT_ACTIVATIONS) -> DecoderConfig:
+                 activations: dict[str, Activation] = GPT_ACTIVATIONS, default_eps: float = 1e-6) -> DecoderConfig:
+    """`default_act`, `default_eps`: the family's defaults for a config.json without hidden_act / rms_norm_eps (as
+    transformers' config class of the family fills them)."""
     rope, scaling = rope_from_hf(hf)
     if hf.get("use_sliding_window"):  # Qwen2's: windows in some layers only (max_window_layers)
         raise CheckpointError("use_sliding_window=true (a window in some layers only) is not supported")
@@ -27,7 +30,7 @@ def llama_config(hf: dict, qkv_bias: Optional[bool] = None, default_act: str = "
         n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_head=hf.get("head_dim") or hf["hidden_size"] // n_heads,
         d_mlp=hf["intermediate_size"], d_vocab=hf["vocab_size"], n_ctx=hf["max_position_embeddings"],
-        eps=hf.get("rms_norm_eps", 1e-6), activation=activation_of(hf.get("hidden_act", default_act), activations),
+        eps=hf.get("rms_norm_eps", default_eps), activation=activation_of(hf.get("hidden_act", default_act), activations),
         gated_mlp=True, norm=Norm.RMS, positions=Positions.ROTARY,
         rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), rotary_scaling=scaling,
         qkv_bias=hf.get("attention_bias", False) if qkv_bias is None else qkv_bias,
@@ -55,8 +58,9 @@ def olmo_config(hf: dict) -> DecoderConfig:
 def olmo2_config(hf: dict) -> DecoderConfig:
     # OLMo 2: no norm before either sublayer, an RMSNorm after each (a sandwich block without its input norms), and
     # q and k RMS-normalised over all heads together before rotary
-    return dataclasses.replace(llama_config(hf), norm_placement=NormPlacement.SANDWICH, input_norms=False, qk_norm=True,
-                               qk_norm_over_heads=True, out_bias=hf.get("attention_bias", False))
+    return dataclasses.replace(llama_config(hf, default_eps=1e-5), norm_placement=NormPlacement.SANDWICH,
+                               input_norms=False, qk_norm=True, qk_norm_over_heads=True,
+                               out_bias=hf.get("attention_bias", False))
 
 
 def olmo3_config(hf: dict) -> DecoderConfig:
@@ -73,7 +77,8 @@ def olmo3_config(hf: dict) -> DecoderConfig:
 def smollm3_config(hf: dict) -> DecoderConfig:
     # SmolLM3: Llama's layers, some of them without positions (NoPE): no_rope_layers is 1 where a layer rotates
     rotates = hf.get("no_rope_layers")
-    return dataclasses.replace(llama_config(hf), rotary_layers=None if rotates is None else tuple(map(bool, rotates)))
+    return dataclasses.replace(llama_config(hf), rotary_layers=None if rotates is None else tuple(map(bool, rotates)),
+                               tied_embeddings=hf.get("tie_word_embeddings", True))
 
 
 def seed_oss_config(hf: dict) -> DecoderConfig:
@@ -82,9 +87,16 @@ def seed_oss_config(hf: dict) -> DecoderConfig:
                                out_bias=hf.get("attention_out_bias", False))
 
 
+def ernie4_5_config(hf: dict) -> DecoderConfig:
+    # ERNIE 4.5: Llama's layers with one switch for every bias and adjacent dimensions paired by rotary
+    bias = hf.get("use_bias", False)
+    return dataclasses.replace(llama_config({**hf, "attention_bias": bias, "mlp_bias": bias}, default_eps=1e-5),
+                               rotary_adjacent_pairs=True, tied_embeddings=hf.get("tie_word_embeddings", True))
+
+
 def arcee_config(hf: dict) -> DecoderConfig:
     # Arcee (AFM): Llama's layers with an ungated MLP, relu^2 by default
-    return dataclasses.replace(llama_config(hf, default_act="relu2"), gated_mlp=False)
+    return dataclasses.replace(llama_config(hf, default_act="relu2", default_eps=1e-5), gated_mlp=False)
 
 
 def mistral_config(hf: dict) -> DecoderConfig:
@@ -111,6 +123,8 @@ _LLAMA_LIKE = {
     "smollm3": ("SmolLM3ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, rotary_layers=cfg.rotary_layers)),
     "arcee": ("ArceeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, gated_mlp=False)),
     "seed_oss": ("SeedOssForCausalLM", lambda cfg: dict(out_bias=cfg.out_bias)),
+    "ernie4_5": ("Ernie4_5ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=cfg.qkv_bias,
+                                                         rotary_adjacent_pairs=True)),
     "exaone": ("ExaoneForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias)),
     "cohere": ("CohereForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
                                                      rotary_adjacent_pairs=True, out_bias=cfg.qkv_bias, mlp_bias=False)),
@@ -165,6 +179,8 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
         out["attention_bias"] = cfg.qkv_bias
     if model_type == "seed_oss":
         out["attention_out_bias"] = cfg.out_bias
+    if model_type == "ernie4_5":
+        out["use_bias"] = out.pop("mlp_bias")
     if model_type in ("smollm3", "cohere", "cohere2"):  # (their default special ids would lie outside a small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
                     for kind in ("bos", "eos", "pad")})

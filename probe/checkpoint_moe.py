@@ -37,13 +37,13 @@ def _experts(hf: dict, count_key: str, renormalize: bool) -> Experts:
 
 def mixtral_config(hf: dict) -> DecoderConfig:
     # Mistral's attention (no biases; a window where the file names one) and experts whose weights are renormalised
-    return dataclasses.replace(llama_config(hf, qkv_bias=False), sliding_window=hf.get("sliding_window"),
+    return dataclasses.replace(llama_config(hf, qkv_bias=False, default_eps=1e-5), sliding_window=hf.get("sliding_window"),
                                experts=_experts(hf, "num_local_experts", True))
 
 
 def olmoe_config(hf: dict) -> DecoderConfig:
     # OLMo 2's q and k norms over all heads, in a pre-norm block; q, k and v clamped where clip_qkv says
-    return dataclasses.replace(llama_config(hf), qk_norm=True, qk_norm_over_heads=True,
+    return dataclasses.replace(llama_config(hf, default_eps=1e-5), qk_norm=True, qk_norm_over_heads=True,
                                out_bias=hf.get("attention_bias", False), clip_qkv=hf.get("clip_qkv"),
                                experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
 

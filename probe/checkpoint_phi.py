@@ -102,7 +102,7 @@ def phi_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, 
 # ---- Phi-3 -------------------------------------------------------------------------------------------------
 def phi3_config(hf: dict) -> DecoderConfig:
     rope, _ = rope_from_hf(hf)
-    base = llama_config(hf, qkv_bias=False)
+    base = llama_config(hf, qkv_bias=False, default_eps=1e-5)
     fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     return dataclasses.replace(base, rotary_dim=int(base.d_head * fraction), sliding_window=hf.get("sliding_window"),
                                mlp_bias=False)

@@ -4,7 +4,7 @@ One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-Ne
 checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT, XGLM), checkpoint_bloom.py (Bloom), checkpoint_moe.py (Mixtral,
 OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
-Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, Gemma, Gemma 2),
+Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
 checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
 checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron), checkpoint_glm.py (GLM, GLM-4), checkpoint_exaone.py (EXAONE), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
@@ -35,7 +35,8 @@ from probe.checkpoint_layernorm_llama import (layernorm_llama_config, layernorm_
                                               layernorm_llama_to_hf, layernorm_llama_to_probe)
 from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_like, llama_to_hf, llama_to_probe, mistral_config,
-                                    olmo2_config, olmo3_config, olmo_config, seed_oss_config, smollm3_config,
+                                    ernie4_5_config, olmo2_config, olmo3_config, olmo_config, seed_oss_config,
+                                    smollm3_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_mistral3 import mistral3
 from probe.checkpoint_moe import mixtral_config, moe_family, olmoe_config, qwen2_moe_config, qwen3_moe_config
@@ -66,7 +67,7 @@ class Family:
     to_probe: Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]
     to_hf: Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]
     # whether text gets BOS first by default (cfg.default_prepend_bos): transformer-lens's per-family choice, False
-    # for GPT-NeoX/Pythia, Qwen, Phi, Granite, GLM, StarCoder 2 and Seed-OSS, trained without one (TL 3.9's
+    # for GPT-NeoX/Pythia, Qwen, Phi, Granite, GLM, ERNIE, StarCoder 2 and Seed-OSS, trained without one (TL 3.9's
     # convert_hf_model_config, TL 4's bridge)
     prepends_bos: bool = True
     # a multimodal checkpoint's: the text-only format its language model saves as
@@ -109,6 +110,8 @@ FAMILIES = {
         *(Family(model_type, architecture, ("model.",), glm_config(model_type), glm_config_to_hf(model_type),
                  glm_to_probe, glm_to_hf, prepends_bos=False)
           for model_type, architecture in (("glm", "GlmForCausalLM"), ("glm4", "Glm4ForCausalLM"))),
+        Family("ernie4_5", "Ernie4_5ForCausalLM", ("model.",), ernie4_5_config, *llama_like("ernie4_5"),
+               prepends_bos=False),
         Family("seed_oss", "SeedOssForCausalLM", ("model.",), seed_oss_config, *llama_like("seed_oss"), prepends_bos=False),
         Family("cohere", "CohereForCausalLM", ("model.",), cohere_config, cohere_config_to_hf, cohere_to_probe,
                cohere_to_hf),

@@ -1,5 +1,5 @@
-"""StarCoder 2 and Nemotron (probe/checkpoint_layernorm_llama.py), GLM and GLM-4 (probe/checkpoint_glm.py) and Seed-OSS
-(probe/checkpoint_llama.py): Llama's tensor names with a twist each.
+"""StarCoder 2 and Nemotron (probe/checkpoint_layernorm_llama.py), GLM and GLM-4 (probe/checkpoint_glm.py), Seed-OSS and
+ERNIE 4.5 (probe/checkpoint_llama.py): Llama's tensor names with a twist each.
 
 The oracles: transformers (test_variants.py compares logits and every residual on two cases of each and saves through
 it; here greedy generation, TL-default processing, and Nemotron's LayerNorm1P against transformers' own module) and
@@ -16,14 +16,14 @@ from family_checks import assert_generation_and_processing_match
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import CASES, build
 
-KINDS = ["starcoder2", "nemotron", "seed_oss", "glm", "glm4"]
+KINDS = ["starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_generation_and_processing_are_transformers(kind, tmp_path):
     hf = build(kind, tmp_path)
     # (Seed-OSS's and GLM's RMSNorms have no mean to centre, so TL's default centring is skipped with a warning)
-    rms = pytest.warns(UserWarning, match="center_writing_weights") if kind in ("seed_oss", "glm", "glm4") else \
+    rms = pytest.warns(UserWarning, match="center_writing_weights") if kind in ("seed_oss", "glm", "glm4", "ernie4_5") else \
         contextlib.nullcontext()
     with rms:
         assert_generation_and_processing_match(hf, tmp_path)
@@ -31,7 +31,7 @@ def test_generation_and_processing_are_transformers(kind, tmp_path):
 
 @pytest.mark.parametrize("case", ["starcoder2-biases-window-tied", "nemotron-biases-tied-quarter-rotary",
                                   "seed-oss-out-bias-mlp-bias-tied", "glm-biases-adjacent-half-rotary",
-                                  "glm4-sandwich-norms"])
+                                  "glm4-sandwich-norms", "ernie4-5-biases-untied"])
 def test_every_shared_hook_matches_the_bridge(case, tmp_path):
     from test_family_defaults import LLAMA_FILES, tokenized_checkpoint
 
@@ -69,7 +69,7 @@ def test_nemotron_norms_are_one_plus_the_stored_weight(tmp_path):
 
 @pytest.mark.parametrize("case", ["starcoder2-no-bias-untied-whole-window", "nemotron-biases-tied-quarter-rotary",
                                   "seed-oss-out-bias-mlp-bias-tied", "glm-no-bias-tied-whole-rotary",
-                                  "glm4-sandwich-no-bias-eps"])
+                                  "glm4-sandwich-no-bias-eps", "ernie4-5-biases-untied"])
 def test_the_other_cases_save_through_transformers(case, tmp_path):
     """The second case of each (biases switched the other way, ties, rotary fractions, eps) saved and read back by
     transformers' own class (the default cases' round trips are in test_variants.py)."""
@@ -79,3 +79,27 @@ def test_the_other_cases_save_through_transformers(case, tmp_path):
     tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(again.eval()(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_config_without_optional_keys_reads_transformers_defaults(kind, tmp_path):
+    """config.json without the keys a family defaults (ties, biases, rotary fraction, eps): probe reads the values
+    transformers' own config class gives the same file."""
+    import json
+
+    import transformers as tf
+
+    build(kind, tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("tie_word_embeddings", "use_bias", "attention_bias", "mlp_bias", "rope_parameters", "norm_epsilon",
+                "norm_eps", "rms_norm_eps", "attention_out_bias"):
+        config.pop(key, None)
+    path.write_text(json.dumps(config))
+    theirs = tf.AutoConfig.from_pretrained(tmp_path)
+    ours = HookedDecoder.from_pretrained(tmp_path).cfg
+    assert ours.tied_embeddings == theirs.tie_word_embeddings
+    assert ours.rotary_dim == int(ours.d_head * theirs.rope_parameters.get("partial_rotary_factor", 1.0))
+    assert ours.eps == next(getattr(theirs, k) for k in ("norm_epsilon", "norm_eps", "rms_norm_eps") if hasattr(theirs, k))
+    biases = next(getattr(theirs, k) for k in ("use_bias", "attention_bias") if hasattr(theirs, k))
+    assert ours.qkv_bias == biases

@@ -234,6 +234,10 @@ def build(kind, directory, **overrides):
                         eos_token_id=2)
         config, causal = (tf.GlmConfig, tf.GlmForCausalLM) if kind == "glm" else (tf.Glm4Config, tf.Glm4ForCausalLM)
         model = causal(config(**{**settings, **overrides}))
+    elif kind == "ernie4_5":  # Llama with adjacent-pair rotary and one switch for every bias, tied
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=40)
+        model = tf.Ernie4_5ForCausalLM(tf.Ernie4_5Config(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -380,6 +384,8 @@ CASES = {
                                                              "rope_type": "default", "rope_theta": 500.0,
                                                              "partial_rotary_factor": 0.25}}),
     "seed-oss-qkv-bias": ("seed_oss", {}),
+    "ernie4-5-adjacent-rotary-tied": ("ernie4_5", {}),
+    "ernie4-5-biases-untied": ("ernie4_5", {"use_bias": True, "tie_word_embeddings": False}),
     "glm-biases-adjacent-half-rotary": ("glm", {}),
     "glm-no-bias-tied-whole-rotary": ("glm", {"attention_bias": False, "tie_word_embeddings": True,
                                               "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
@@ -477,7 +483,7 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4"):
+                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -534,7 +540,8 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_5, "
-                                              "qwen3_5_moe, mistral, mistral3, olmo, olmo2, olmo3, smollm3, exaone, arcee, glm, glm4, seed_oss, "
+                                              "qwen3_5_moe, mistral, mistral3, olmo, olmo2, olmo3, smollm3, exaone, arcee, glm, glm4, ernie4_5, "
+                                              "seed_oss, "
                                               "cohere, "
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "

@@ -1,0 +1,38 @@
+"""A config.json without the keys a family may leave out (its norms' epsilon, whether the embeddings are tied) is read
+with the defaults transformers' own config class of that family fills in: the oracle is transformers' AutoConfig on
+the very file. (Released files name these keys; hand-written and converted ones often do not.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from probe.loading import config_from_hf
+from test_variants import build
+
+EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps")
+# every family built by test_variants.build whose config names one of these, but Cohere's, which probe unties on
+# purpose (its logit scale is folded into W_U)
+KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "arcee",
+         "apertus", "granite", "granitemoe", "exaone", "seed_oss", "ernie4_5", "glm", "glm4", "starcoder2", "nemotron",
+         "qwen3_5", "qwen3_5_moe", "qwen3_next", "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "gpt_oss", "phi3",
+         "stablelm", "neox", "phi", "falcon", "gptj", "codegen", "opt", "xglm", "gptneo", "bloom", "bigcode"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_left_out_keys_read_as_transformers_defaults(kind, tmp_path):
+    import transformers as tf
+
+    build(kind, tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    dropped = [key for key in (*EPS_KEYS, "tie_word_embeddings") if config.pop(key, None) is not None]
+    path.write_text(json.dumps(config))
+    theirs = tf.AutoConfig.from_pretrained(tmp_path)
+    ours = config_from_hf(json.loads(path.read_text()), tmp_path)
+    eps = next((getattr(theirs, key) for key in EPS_KEYS if key in dropped), None)
+    if eps is not None:
+        assert ours.eps == pytest.approx(eps, rel=1e-9), f"{kind}: eps"
+    if "tie_word_embeddings" in dropped:
+        assert ours.tied_embeddings == theirs.tie_word_embeddings, f"{kind}: tied embeddings"
+    assert dropped
