@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import GPT_ACTIVATIONS, Source
+from probe.checkpoint_source import GPT_ACTIVATIONS, Source, with_defaults
 from probe.config import Activation, DecoderConfig
 from probe.tokenizer import Tokenizer
 
@@ -20,6 +20,10 @@ XIELU_BUFFERS = ("beta", "eps")  # stored []
 
 
 def apertus_config(hf: dict) -> DecoderConfig:
+    # (transformers' defaults for a file without them: the released models' Llama 3 rope scaling)
+    hf = with_defaults(hf, rope_parameters={"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0,
+                                            "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0})
     config = llama_config(hf, default_act="xielu", activations={**GPT_ACTIVATIONS, "xielu": Activation.XIELU},
                           default_eps=1e-5)
     return dataclasses.replace(config, gated_mlp=False, qk_norm=True)

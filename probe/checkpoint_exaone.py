@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import Source
+from probe.checkpoint_source import Source, with_defaults
 from probe.config import DecoderConfig
 from probe.config_file import ConfigFields
 from probe.tokenizer import Tokenizer
@@ -39,8 +39,8 @@ def _renamed(name: str, top: dict[str, str], block: dict[str, str], blocks: tupl
 
 def exaone_config(hf: dict) -> DecoderConfig:
     fields = {CONFIG_NAMES.get(key, key): value for key, value in hf.items()}
-    return llama_config(ConfigFields(fields, getattr(hf, "path", Path("config.json")), getattr(hf, "prefix", "")),
-                        default_eps=1e-5)
+    return llama_config(with_defaults(ConfigFields(fields, getattr(hf, "path", Path("config.json")),
+                                                   getattr(hf, "prefix", "")), rope_theta=500_000.0), default_eps=1e-5)
 
 
 def exaone_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import Source, require_fields
+from probe.checkpoint_source import Source, require_fields, with_defaults
 from probe.config import DecoderConfig, NormPlacement
 from probe.tokenizer import Tokenizer
 
@@ -23,7 +23,7 @@ GLM4_NORMS = {"ln1": "input_layernorm", "ln1_post": "post_self_attn_layernorm", 
 
 def glm_config(model_type: str) -> Callable[[dict], DecoderConfig]:
     def config_from_hf(hf: dict) -> DecoderConfig:
-        base = llama_config(hf, qkv_bias=hf.get("attention_bias", True))
+        base = llama_config(with_defaults(hf, head_dim=128), qkv_bias=hf.get("attention_bias", True))
         rope = hf.get("rope_parameters") or {}
         fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
         placement = NormPlacement.SANDWICH if model_type == "glm4" else NormPlacement.PRE

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import LAYER_KINDS, Source, layer_kinds, layer_types_to_hf
+from probe.checkpoint_source import LAYER_KINDS, Source, layer_kinds, layer_types_to_hf, with_defaults
 from probe.config import DecoderConfig, Experts, Norm
 from probe.config_choices import ClampedSwiGLU
 from probe.config_file import CheckpointError
@@ -39,6 +39,10 @@ def gpt_oss_config(hf: dict) -> DecoderConfig:
     window = hf.get("sliding_window") if any(sliding) else None
     experts = Experts(n=hf["num_local_experts"], per_token=hf["num_experts_per_tok"], softmax_over="chosen",
                       clamped_glu=ClampedSwiGLU(float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))))
+    # transformers' defaults for what a file leaves out: the released models' YaRN rope, 64-wide heads, biases
+    hf = with_defaults(hf, head_dim=64, attention_bias=True, rope_parameters={
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096, "rope_theta": 150000.0})
     # float32 RMSNorm with its weight applied before rounding back, as transformers' GptOssRMSNorm
     return dataclasses.replace(llama_config(hf), norm=Norm.RMS_FLOAT32, eps=hf.get("rms_norm_eps", 1e-5),
                                attn_sinks=True, mlp_bias=True, experts=experts, sliding_window=window,

@@ -10,7 +10,7 @@ import torch
 
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of,
                                      layer_kinds, layer_types_to_hf, require_fields, rope_by_layer_kind, rope_from_hf,
-                                     rope_to_hf, take_unembed)
+                                     rope_to_hf, take_unembed, with_defaults)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -45,7 +45,7 @@ def qwen2_config(hf: dict) -> DecoderConfig:
 
 
 def qwen3_config(hf: dict) -> DecoderConfig:
-    return dataclasses.replace(llama_config(hf), qk_norm=True)  # Qwen3: Llama's layout, each head's q and k normalised
+    return dataclasses.replace(llama_config(with_defaults(hf, head_dim=128)), qk_norm=True)  # Qwen3: Llama's layout, each head's q and k normalised
 
 
 def olmo_config(hf: dict) -> DecoderConfig:
@@ -77,20 +77,21 @@ def olmo3_config(hf: dict) -> DecoderConfig:
 def smollm3_config(hf: dict) -> DecoderConfig:
     # SmolLM3: Llama's layers, some of them without positions (NoPE): no_rope_layers is 1 where a layer rotates
     rotates = hf.get("no_rope_layers")
-    return dataclasses.replace(llama_config(hf), rotary_layers=None if rotates is None else tuple(map(bool, rotates)),
+    return dataclasses.replace(llama_config(with_defaults(hf, rope_theta=2e6)), rotary_layers=None if rotates is None else tuple(map(bool, rotates)),
                                tied_embeddings=hf.get("tie_word_embeddings", True))
 
 
 def seed_oss_config(hf: dict) -> DecoderConfig:
     # Seed-OSS: Llama's layers, q/k/v biases on by default and the output projection's bias a field of its own
-    return dataclasses.replace(llama_config(hf, qkv_bias=hf.get("attention_bias", True)),
+    return dataclasses.replace(llama_config(with_defaults(hf, head_dim=128), qkv_bias=hf.get("attention_bias", True)),
                                out_bias=hf.get("attention_out_bias", False))
 
 
 def ernie4_5_config(hf: dict) -> DecoderConfig:
     # ERNIE 4.5: Llama's layers with one switch for every bias and adjacent dimensions paired by rotary
     bias = hf.get("use_bias", False)
-    return dataclasses.replace(llama_config({**hf, "attention_bias": bias, "mlp_bias": bias}, default_eps=1e-5),
+    hf = with_defaults(hf, head_dim=128, rope_theta=500_000.0, attention_bias=bias, mlp_bias=bias)
+    return dataclasses.replace(llama_config(hf, default_eps=1e-5),
                                rotary_adjacent_pairs=True, tied_embeddings=hf.get("tie_word_embeddings", True))
 
 
@@ -296,6 +297,7 @@ GEMMA_ACTIVATIONS = {**GPT_ACTIVATIONS, "gelu": Activation.GELU_TANH}
 
 
 def gemma_config(hf: dict, activation_key: str = "hidden_act") -> DecoderConfig:
+    hf = with_defaults(hf, head_dim=256)
     act = hf.get(activation_key) or "gelu_pytorch_tanh"  # Gemma reads hidden_act, Gemma 2 hidden_activation
     return dataclasses.replace(llama_config(hf), activation=activation_of(act, GEMMA_ACTIVATIONS), scale_embed=True,
                                norm=Norm.RMS_FLOAT32, tied_embeddings=hf.get("tie_word_embeddings", True))

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import Source
+from probe.checkpoint_source import Source, with_defaults
 from probe.config import DecoderConfig, Experts
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -37,7 +37,8 @@ def _experts(hf: dict, count_key: str, renormalize: bool) -> Experts:
 
 def mixtral_config(hf: dict) -> DecoderConfig:
     # Mistral's attention (no biases; a window where the file names one) and experts whose weights are renormalised
-    return dataclasses.replace(llama_config(hf, qkv_bias=False, default_eps=1e-5), sliding_window=hf.get("sliding_window"),
+    return dataclasses.replace(llama_config(with_defaults(hf, rope_theta=1e6), qkv_bias=False, default_eps=1e-5),
+                               sliding_window=hf.get("sliding_window"),
                                experts=_experts(hf, "num_local_experts", True))
 
 

@@ -23,7 +23,7 @@ import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf
 from probe.checkpoint_moe import expert_names
-from probe.checkpoint_source import Source, language_model_of, require_fields, take_unembed
+from probe.checkpoint_source import Source, language_model_of, require_fields, take_unembed, with_defaults
 from probe.config import DecoderConfig, Experts, LinearAttention, Norm
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -38,6 +38,7 @@ FORMATS = {  # model_type -> (architecture, a mixture of experts, the DeltaNet's
 
 
 def qwen35_config(hf: dict) -> DecoderConfig:
+    hf = with_defaults(hf, head_dim=256)
     n_layers = hf["num_hidden_layers"]
     types = hf.get("layer_types") or [LAYER_TYPES[(i + 1) % hf.get("full_attention_interval", 4) == 0]
                                       for i in range(n_layers)]

@@ -205,6 +205,13 @@ GPT_ACTIVATION_NAMES = {Activation.GELU_TANH: "gelu_new", Activation.GELU: "gelu
                         Activation.RELU2: "relu2", Activation.XIELU: "xielu"}
 
 
+def with_defaults(hf: dict, **defaults) -> dict:
+    """config.json's fields with the family's own defaults for those it leaves out (those transformers' config class
+    of the family fills in: Qwen3's head_dim 128, Mixtral's rope_theta 1e6, ...), read and checked as the file's."""
+    fields = {**defaults, **hf}
+    return ConfigFields(fields, hf.path, hf.prefix) if isinstance(hf, ConfigFields) else fields
+
+
 def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
     """Refuse a config the format cannot hold: `wanted` gives each field's value (or a set of values) in the
     format; fields only some formats hold (`PLAIN_FIELDS`) must be at their defaults unless `wanted` says otherwise."""

@@ -36,3 +36,39 @@ def test_left_out_keys_read_as_transformers_defaults(kind, tmp_path):
     if "tie_word_embeddings" in dropped:
         assert ours.tied_embeddings == theirs.tie_word_embeddings, f"{kind}: tied embeddings"
     assert dropped
+
+
+SHAPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "hidden_act", "hidden_activation", "attention_bias",
+              "mlp_bias", "use_bias", "head_dim", "partial_rotary_factor")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_left_out_rope_head_width_and_biases_read_as_transformers_defaults(kind, tmp_path):
+    """The rotary base and fraction, the heads' width, the activation and the attention biases of a config.json that
+    leaves their keys out (Qwen3's head_dim 128, Mixtral's rope_theta 1e6, GPT-OSS's YaRN rope and biases, ...)."""
+    import transformers as tf
+
+    from probe.checkpoint_source import GPT_ACTIVATIONS
+
+    build(kind, tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    for key in SHAPE_KEYS:
+        config.pop(key, None)
+    path.write_text(json.dumps(config))
+    theirs = tf.AutoConfig.from_pretrained(tmp_path)
+    ours = config_from_hf(json.loads(path.read_text()), tmp_path)
+    rope = getattr(theirs, "rope_parameters", None) or {}
+    if ours.positions.value == "rotary" and "rope_theta" in rope:
+        assert ours.rotary_base == pytest.approx(rope["rope_theta"]), f"{kind}: rope_theta"
+        fraction = rope.get("partial_rotary_factor", getattr(theirs, "partial_rotary_factor", None))
+        if fraction is not None:
+            assert ours.rotary_dim == int(ours.d_head * fraction), f"{kind}: rotary fraction"
+        assert (ours.rotary_scaling is None) == (rope.get("rope_type", "default") == "default"), f"{kind}: rope type"
+    if isinstance(getattr(theirs, "head_dim", None), int):
+        assert ours.d_head == theirs.head_dim, f"{kind}: head_dim"
+    act = next((getattr(theirs, k) for k in ("hidden_act", "hidden_activation") if getattr(theirs, k, None)), None)
+    if act in GPT_ACTIVATIONS and not kind.startswith("gemma"):  # (Gemma reads "gelu" as the tanh one)
+        assert ours.activation is GPT_ACTIVATIONS[act], f"{kind}: activation"
+    if isinstance(getattr(theirs, "attention_bias", None), bool):
+        assert ours.qkv_bias == theirs.attention_bias, f"{kind}: attention biases"
