@@ -74,7 +74,6 @@ def native_draws(model: nn.Module) -> list[tuple[torch.Tensor, Optional[torch.Te
     """(weight, bias, role) for each matrix of TL 4's native model in the order it builds and draws them: `weight`
     and `bias` are the probe tensors they fill (rows of the fused qkv for W_Q, W_K, W_V; bias None where TL's module
     has none), `role` "embedding", "matrix" or "output" (a write into the residual stream, drawn smaller)."""
-    cfg = model.cfg
     draws = [(model.embed.W_E, None, "embedding")]
     if isinstance(getattr(model.pos_embed, "W_pos", None), nn.Parameter):
         draws.append((model.pos_embed.W_pos, None, "embedding"))

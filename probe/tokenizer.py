@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors
+from tokenizers import decoders, models, pre_tokenizers
 
 from probe.chat_template import render_chat
 from probe.token_ids import TokenIds, as_array, check_padding_side, id_list, is_int, pad_encodings, pad_rows
