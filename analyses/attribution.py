@@ -2,7 +2,8 @@
 
 Components, in order: `embed`, `pos_embed`, then per layer l every head `L{l}H{h}` (its
 `hook_result`, without b_O), `L{l} attn bias` (b_O) and `L{l} mlp` (none in an attention-only model; no
-`pos_embed` where positions stay out of the residual: rotary, shortformer). Their sum is the final
+`pos_embed` where positions stay out of the residual: rotary, shortformer); a hybrid model's linear-attention layer
+(Qwen3.5) has no heads, and its write is one component, `L{l} linear_attn`. Their sum is the final
 residual stream exactly. Direct logit attribution pushes each component through the final norm
 with the scale frozen at its value in the forward pass, so the attribution is linear and, with
 the norm's bias (and any unembedding bias) as extra rows, adds up to the model's logit.
@@ -17,7 +18,6 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from probe.analyses.architecture import require_attention_heads
 from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
 from probe.analyses.labels import count, figure_token, head_grid, titled
 from probe.analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, position_labels, site_label
@@ -100,7 +100,6 @@ def residual_decomposition(
 ) -> ResidualDecomposition:
     """Split the final residual stream at every position into embedding, position embedding, every
     head's write, each layer's attention bias and each MLP's output."""
-    require_attention_heads(model, "residual_decomposition")
     check_pre_norm(model)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     _, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask), names=component_hooks(model))
@@ -273,7 +272,6 @@ def direct_logit_attribution(
     its last token, whatever the padding). With a logit soft cap (Gemma 2), `actual` is the logit
     (difference) before the cap, which is what the components add up to; the cap only squashes it.
     """
-    require_attention_heads(model, "direct_logit_attribution")
     check_pre_norm(model)
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     batch = tokens.shape[0]
@@ -320,6 +318,6 @@ def direct_logit_attribution(
     return LogitAttribution(
         tokens=tokens, positions=positions, answer=answer_ids, counterfactual=cf_ids, contributions=contributions,
         ln_bias=ln_bias, unembed_bias=unembed_bias, actual=actual, accumulated=accumulated, index=index,
-        n_layers=model.cfg.n_layers, n_heads=max(block.attn.n_heads for block in model.blocks),
+        n_layers=model.cfg.n_layers, n_heads=max(model.cfg.layer_heads(l) for l in range(model.cfg.n_layers)),
         position_labels=position_labels(model, tokens), token_strings=token_decoder(model), has_mid=has_resid_mid(model),
     )

@@ -23,7 +23,7 @@ class Components:
     """Names and coordinates of the component axis; `layer`/`head` are None where they do not apply."""
 
     names: list[str]
-    kinds: list[str]  # embed, pos_embed, head, attn_bias, mlp
+    kinds: list[str]  # embed, pos_embed, head, attn_bias, linear_attn (a hybrid's linear layer, whole), mlp
     layers: list[Optional[int]]
     heads: list[Optional[int]]
 
@@ -35,6 +35,12 @@ class Components:
         layers, heads = [None] * len(names), [None] * len(names)
         mlp = 0 if model.cfg.attn_only else 1
         for layer, block in enumerate(model.blocks):
+            if model.cfg.layer_is_linear(layer):  # no heads: the layer's write is one component
+                names += [f"L{layer} linear_attn", f"L{layer} mlp"]
+                kinds += ["linear_attn", "mlp"]
+                layers += [layer, layer]
+                heads += [None, None]
+                continue
             n_heads = block.attn.n_heads  # per layer: pruned models keep different numbers
             bias = [f"L{layer} attn bias"] if block.attn.out.bias is not None else []
             names += [f"L{layer}H{h}" for h in range(n_heads)] + bias + [f"L{layer} mlp"] * mlp
@@ -60,7 +66,7 @@ class Components:
 
     def depth(self) -> torch.Tensor:
         """[component]: index of the first lens site (embed, L0 attn, L0, L1 attn, ...) that includes the component."""
-        depth = [0 if layer is None else 2 * layer + (1 if kind in ("head", "attn_bias") else 2)
+        depth = [0 if layer is None else 2 * layer + (1 if kind in ("head", "attn_bias", "linear_attn") else 2)
                  for layer, kind in zip(self.layers, self.kinds)]
         return torch.tensor(depth)
 
@@ -96,6 +102,9 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
     if has_pos_embed(model):
         parts.append(pick(cache["hook_pos_embed"]).to(dtype).unsqueeze(-2))
     for layer, block in enumerate(model.blocks):
+        if model.cfg.layer_is_linear(layer):  # a hybrid's linear-attention layer: its whole write, then its MLP's
+            parts += [pick(cache[act_name(name, layer)]).to(dtype).unsqueeze(-2) for name in ("attn_out", "mlp_out")]
+            continue
         heads = pick(cache[act_name("result", layer)]).to(dtype)  # [batch (pos) head d_model]
         bias = None if block.attn.out.bias is None else block.attn.out.bias.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2)
         if hasattr(block, "ln1_post"):
@@ -114,7 +123,8 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
 def component_hooks(model: HookedDecoder) -> list[str]:
     names = ["hook_embed"] + (["hook_pos_embed"] if has_pos_embed(model) else [])
     for layer in range(model.cfg.n_layers):
-        names += [act_name("result", layer)] + ([] if model.cfg.attn_only else [act_name("mlp_out", layer)])
+        mixer = act_name("attn_out" if model.cfg.layer_is_linear(layer) else "result", layer)
+        names += [mixer] + ([] if model.cfg.attn_only else [act_name("mlp_out", layer)])
         if model.cfg.norm_placement is NormPlacement.SANDWICH:
             names.append(act_name("scale", layer, "ln1_post"))
     return names

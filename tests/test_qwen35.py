@@ -307,3 +307,31 @@ def test_a_prompt_longer_than_a_chunk_is_transformers(tmp_path):
     tokens = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_residual_decomposition_and_dla_add_up_on_a_hybrid(kind, tmp_path):
+    """A linear-attention layer's write is one component (`L{l} linear_attn`), an attention layer's are its heads:
+    they add up to transformers' final residual stream, and their direct logit attributions to transformers' logit
+    difference; the attention layer's heads add up to its write."""
+    from probe import analyses
+
+    hf = build(kind, tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    decomposition = analyses.residual_decomposition(model, TOKENS)
+    with torch.no_grad():
+        out = hf(TOKENS, output_hidden_states=True)
+        _, cache = model.run_with_cache(TOKENS)
+    torch.testing.assert_close(decomposition.total(), cache["blocks.3.hook_resid_post"], atol=1e-4, rtol=0)
+    names = decomposition.index.names
+    assert names[:3] == ["embed", "L0 linear_attn", "L0 mlp"] and "L3H3" in names and "L2 linear_attn" in names
+    heads = [i for i, name in enumerate(names) if name.startswith("L3H")]
+    torch.testing.assert_close(decomposition.components[:, :, heads].sum(2), cache["blocks.3.hook_attn_out"],
+                               atol=1e-5, rtol=0)
+    result = analyses.direct_logit_attribution(model, TOKENS, 5, 9)
+    expected = out.logits[:, -1, 5] - out.logits[:, -1, 9]
+    torch.testing.assert_close(result.total, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(result.actual, expected, atol=1e-4, rtol=0)
+    frame = result.to_frame()
+    assert set(frame.component) >= {"L0 linear_attn", "L3H0"}
+    result.figure()  # the head table holds the attention layer's heads only
