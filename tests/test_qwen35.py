@@ -328,6 +328,13 @@ def test_residual_decomposition_and_dla_add_up_on_a_hybrid(kind, tmp_path):
     heads = [i for i, name in enumerate(names) if name.startswith("L3H")]
     torch.testing.assert_close(decomposition.components[:, :, heads].sum(2), cache["blocks.3.hook_attn_out"],
                                atol=1e-5, rtol=0)
+    for name, point in (("L1 linear_attn", "blocks.1.hook_attn_out"), ("L1 mlp", "blocks.1.hook_mlp_out")):
+        torch.testing.assert_close(decomposition.components[:, :, names.index(name)], cache[point], atol=1e-6, rtol=0)
+    # the residual after each sublayer, a linear layer's included: embed, L0 attn (its resid_mid), L0, L1 attn, ...
+    steps = decomposition.accumulated(include_mid=True)
+    for layer in range(4):
+        torch.testing.assert_close(steps[:, 1 + 2 * layer], cache[f"blocks.{layer}.hook_resid_mid"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(steps[:, 2 + 2 * layer], cache[f"blocks.{layer}.hook_resid_post"], atol=1e-5, rtol=0)
     result = analyses.direct_logit_attribution(model, TOKENS, 5, 9)
     expected = out.logits[:, -1, 5] - out.logits[:, -1, 9]
     torch.testing.assert_close(result.total, expected, atol=1e-4, rtol=0)
