@@ -144,6 +144,9 @@ _LLAMA_LIKE = {
                                                        sliding_window=cfg.sliding_window, experts=cfg.experts)),
     "olmoe": ("OlmoeForCausalLM", lambda cfg: dict(qk_norm=True, qk_norm_over_heads=True, out_bias=cfg.qkv_bias,
                                                    mlp_bias=False, experts=cfg.experts, clip_qkv=cfg.clip_qkv)),
+    "flex_olmo": ("FlexOlmoForCausalLM", lambda cfg: dict(norm_placement=NormPlacement.SANDWICH, input_norms=False,
+                                                          qk_norm=True, qk_norm_over_heads=True, out_bias=cfg.qkv_bias,
+                                                          mlp_bias=False, experts=cfg.experts)),
     "qwen3_moe": ("Qwen3MoeForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, qk_norm=True,
                                                           experts=cfg.experts)),
     "qwen2_moe": ("Qwen2MoeForCausalLM", lambda cfg: dict(qkv_bias={False, True}, out_bias=False, mlp_bias=False,
@@ -176,13 +179,14 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
     if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3", "arcee", "apertus",
-                      "granite", "granitemoe", "exaone", "seed_oss"):
+                      "granite", "granitemoe", "exaone", "seed_oss", "flex_olmo"):
         out["attention_bias"] = cfg.qkv_bias
     if model_type == "seed_oss":
         out["attention_out_bias"] = cfg.out_bias
     if model_type == "ernie4_5":
         out["use_bias"] = out.pop("mlp_bias")
-    if model_type in ("smollm3", "cohere", "cohere2"):  # (their default special ids would lie outside a small vocabulary)
+    if model_type in ("smollm3", "cohere", "cohere2", "flex_olmo"):  # (their default special ids would lie outside a
+        # small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
                     for kind in ("bos", "eos", "pad")})
     if model_type == "smollm3":

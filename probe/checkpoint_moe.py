@@ -1,9 +1,9 @@
-"""Mixture-of-experts checkpoints (Mixtral, OLMoE, Qwen3-MoE, Qwen1.5/Qwen2-MoE): Llama's attention and norms
+"""Mixture-of-experts checkpoints (Mixtral, OLMoE, FlexOlmo, Qwen3-MoE, Qwen1.5/Qwen2-MoE): Llama's attention and norms
 (probe.checkpoint_llama) and, in place of each MLP, a router and its experts (probe.moe), with Qwen2-MoE's shared
 expert and its gate (`mlp.shared_expert`, `mlp.shared_expert_gate`).
 
 The experts are stored one by one, [out, in] as nn.Linear: Mixtral's under `block_sparse_moe.experts.{e}.w1` (gate),
-`w3` (up) and `w2` (down), OLMoE's and Qwen3-MoE's under `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; the
+`w3` (up) and `w2` (down), OLMoE's, FlexOlmo's and Qwen3-MoE's under `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; the
 router is the block's `gate`. Mixtral renormalises the chosen experts' weights always, the others as
 `norm_topk_prob` says.
 """
@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
+from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, olmo2_config
 from probe.checkpoint_source import Source, with_defaults
 from probe.config import DecoderConfig, Experts
 from probe.config_file import CheckpointError
@@ -25,7 +25,8 @@ LAYOUTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
            "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
            "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-           "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}  # (Qwen3.5-MoE's and Qwen3-Next's)
+           "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+           "flex_olmo": ("mlp", ("gate_proj", "up_proj", "down_proj"))}  # (Qwen3.5-MoE's and Qwen3-Next's)
 PROJECTIONS = ("W_gate", "W_in", "W_out")  # probe's (transformer-lens's) names for the same three
 SHARED = ("gate", "fc_in", "fc_out")  # the shared expert's, a gated MLP's (probe.mlp.GatedMLP)
 
@@ -46,6 +47,13 @@ def olmoe_config(hf: dict) -> DecoderConfig:
     # OLMo 2's q and k norms over all heads, in a pre-norm block; q, k and v clamped where clip_qkv says
     return dataclasses.replace(llama_config(hf, default_eps=1e-5), qk_norm=True, qk_norm_over_heads=True,
                                out_bias=hf.get("attention_bias", False), clip_qkv=hf.get("clip_qkv"),
+                               experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
+
+
+def flex_olmo_config(hf: dict) -> DecoderConfig:
+    # FlexOlmo: OLMo 2's block (write norms only, q and k normalised over all heads) with OLMoE's experts in the MLP's
+    # place, intermediate_size their width
+    return dataclasses.replace(olmo2_config(with_defaults(hf, rope_theta=500_000.0)), eps=hf.get("rms_norm_eps", 1e-6),
                                experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
 
 

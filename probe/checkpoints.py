@@ -39,7 +39,8 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_conf
                                     smollm3_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_mistral3 import mistral3
-from probe.checkpoint_moe import mixtral_config, moe_family, olmoe_config, qwen2_moe_config, qwen3_moe_config
+from probe.checkpoint_moe import (flex_olmo_config, mixtral_config, moe_family, olmoe_config, qwen2_moe_config,
+                                  qwen3_moe_config)
 from probe.checkpoint_mpt import mpt_config, mpt_config_to_hf, mpt_to_hf, mpt_to_probe
 from probe.checkpoint_opt import (opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe, xglm_config, xglm_config_to_hf,
                                   xglm_to_hf, xglm_to_probe)
@@ -147,6 +148,7 @@ FAMILIES = {
         Family("phi3", "Phi3ForCausalLM", ("model.",), phi3_config, phi3_config_to_hf, phi3_to_probe, phi3_to_hf),
         Family("mixtral", "MixtralForCausalLM", ("model.",), mixtral_config, *moe_family("mixtral")),
         Family("olmoe", "OlmoeForCausalLM", ("model.",), olmoe_config, *moe_family("olmoe")),
+        Family("flex_olmo", "FlexOlmoForCausalLM", ("model.",), flex_olmo_config, *moe_family("flex_olmo")),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", ("model.",), qwen3_moe_config, *moe_family("qwen3_moe"),
                prepends_bos=False),
         Family("qwen2_moe", "Qwen2MoeForCausalLM", ("model.",), qwen2_moe_config, *moe_family("qwen2_moe"),

@@ -33,7 +33,7 @@ FAMILIES = {"llama": LLAMA_FILES, "bloom": BLOOM_FILES, "mistral": LLAMA_FILES, 
             "cohere2": LLAMA_FILES, "granitemoe": LLAMA_FILES, "xglm": OPT_FILES,
             "exaone": LLAMA_FILES, "qwen3_5": QWEN_FILES, "starcoder2": GPT_FILES, "nemotron": LLAMA_FILES,
             "seed_oss": LLAMA_FILES, "glm": LLAMA_FILES, "glm4": LLAMA_FILES,
-            "ernie4_5": LLAMA_FILES,
+            "ernie4_5": LLAMA_FILES, "flex_olmo": GPT_FILES,
             "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
 
 

@@ -151,16 +151,21 @@ def test_layernorm_processing_keeps_the_log_probs():
     torch.testing.assert_close(after, before, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["olmoe", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["olmoe", "qwen3_moe", "qwen2_moe", "flex_olmo"])
 def test_the_other_families_hooks_match_the_bridge(kind, tmp_path):
     from test_family_defaults import GPT_FILES, QWEN_FILES, tokenized_checkpoint
     from test_transformer_lens import compare_with_transformer_lens
 
-    directory = tokenized_checkpoint(kind, tmp_path / "checkpoint", GPT_FILES if kind == "olmoe" else QWEN_FILES)
-    # (OLMoE's q and k norms span every head: the bridge holds them flattened, as on OLMo 2)
+    olmo = kind in ("olmoe", "flex_olmo")
+    directory = tokenized_checkpoint(kind, tmp_path / "checkpoint", GPT_FILES if olmo else QWEN_FILES)
+    # (OLMoE's and FlexOlmo's q and k norms span every head: the bridge holds them flattened, as on OLMo 2)
     missing, theirs = compare_with_transformer_lens(directory, 10, seed=4, skip=("hook_expert_weights",),
-                                                    flattened=("hook_q_normed", "hook_k_normed") if kind == "olmoe" else ())
-    assert {n for n in missing if ".experts." not in n and "shared_expert_gate" not in n} == set()
+                                                    flattened=("hook_q_normed", "hook_k_normed") if olmo else ())
+    missing = {n for n in missing if ".experts." not in n and "shared_expert_gate" not in n}
+    if kind == "flex_olmo":  # TL 4.3's FlexOlmo adapter hooks no routing
+        assert missing == {f"blocks.{l}.mlp.hook_expert_{what}" for l in range(2) for what in ("weights", "indices")}
+        return
+    assert missing == set()
     assert "blocks.1.mlp.hook_expert_indices" in theirs
     if kind == "qwen2_moe":  # the shared expert's points, as the bridge names a gated MLP's
         assert {"blocks.1.mlp.shared_expert.hook_pre", "blocks.1.mlp.shared_expert.hook_post"} <= theirs
@@ -200,8 +205,9 @@ def test_hooks_match_the_bridge(tmp_path):
         torch.testing.assert_close(their_cache[f"blocks.{layer}.mlp.hook_expert_weights"], used, atol=1e-6, rtol=0)
 
 
-def test_generation_through_a_kv_cache_is_transformers_greedy(tmp_path):
-    assert_generation_and_processing_match(build("mixtral", tmp_path), tmp_path, processing=False)  # RMS
+@pytest.mark.parametrize("kind", ["mixtral", "flex_olmo"])
+def test_generation_through_a_kv_cache_is_transformers_greedy(kind, tmp_path):
+    assert_generation_and_processing_match(build(kind, tmp_path), tmp_path, processing=False)  # RMS
 
 
 def test_a_mixture_of_experts_has_no_one_mlp_matrix_per_layer(tmp_path):
@@ -310,3 +316,21 @@ def test_folding_the_norms_into_every_expert_and_the_shared_one_keeps_transforme
     toks = tokens(101)
     with torch.no_grad():
         torch.testing.assert_close(model(toks).log_softmax(-1), hf(toks).logits.log_softmax(-1), atol=1e-4, rtol=0)
+
+
+def test_flex_olmo_renormalised_tied_case_saves_through_transformers(tmp_path):
+    """FlexOlmo's second case (renormalised weights, biases, tied, one expert per token) saved as FlexOlmo and read
+    back by transformers' own class (the default case's round trip is in test_variants.py)."""
+    import json
+
+    from test_variants import CASES
+
+    kind, overrides = CASES["flex-olmo-renormalised-biases-tied"]
+    hf = build(kind, tmp_path / "hf", **overrides)
+    saved = HookedDecoder.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "ours")
+    config = json.loads((saved / "config.json").read_text())
+    assert config["architectures"] == ["FlexOlmoForCausalLM"] and config["norm_topk_prob"] is True
+    again = type(hf).from_pretrained(saved).eval()
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=0)

@@ -234,6 +234,11 @@ def build(kind, directory, **overrides):
                         eos_token_id=2)
         config, causal = (tf.GlmConfig, tf.GlmForCausalLM) if kind == "glm" else (tf.Glm4Config, tf.Glm4ForCausalLM)
         model = causal(config(**{**settings, **overrides}))
+    elif kind == "flex_olmo":  # OLMo 2's write norms and q/k norms over every head, OLMoE's experts
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=40,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.FlexOlmoForCausalLM(tf.FlexOlmoConfig(**{**settings, **overrides}))
     elif kind == "ernie4_5":  # Llama with adjacent-pair rotary and one switch for every bias, tied
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40)
@@ -384,6 +389,9 @@ CASES = {
                                                              "rope_type": "default", "rope_theta": 500.0,
                                                              "partial_rotary_factor": 0.25}}),
     "seed-oss-qkv-bias": ("seed_oss", {}),
+    "flex-olmo-write-norms-experts": ("flex_olmo", {}),
+    "flex-olmo-renormalised-biases-tied": ("flex_olmo", {"norm_topk_prob": True, "attention_bias": True,
+                                                         "tie_word_embeddings": True, "num_experts_per_tok": 1}),
     "ernie4-5-adjacent-rotary-tied": ("ernie4_5", {}),
     "ernie4-5-biases-untied": ("ernie4_5", {"use_bias": True, "tie_word_embeddings": False}),
     "glm-biases-adjacent-half-rotary": ("glm", {}),
@@ -483,7 +491,7 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5"):
+                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -545,7 +553,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
                                               "cohere, "
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "
-                                              "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, qwen3_moe, "
+                                              "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, flex_olmo, qwen3_moe, "
                                               "qwen2_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, gpt_bigcode, "
                                               "bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
