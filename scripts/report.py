@@ -178,49 +178,42 @@ def run(args: argparse.Namespace) -> int:
                  figure_html(dla.figure("bar")), figure_html(dla.figure("heads")), figure_html(dla.figure("accumulated"))]
         out.write_csv("attribution.csv", dla.to_frame())
 
-    with timed("attention"):
-        patterns = A.attention_patterns(model, tokens)
-        part = report.section("attention", "Attention patterns")
-        part += [figure_html(patterns.figure())]
-        out.write_csv("patterns.csv", patterns.to_frame())
-        part = report.section("attention-view", "Attention, token by token")  # interactive: no plotly, no network
-        part += [A.AttentionView.from_patterns(patterns).to_html(title="Pick a layer and a head; hover a token")]
-
-    with timed("head detectors"):
-        part = report.section("detectors", "Head detectors")
-        for kind in ("previous_token", "induction", "duplicate_token", "first_token"):
-            scores = A.head_scores(model, kind, n_samples=16, seed=args.seed)
-            part += [figure_html(scores.figure())]
-            out.write_csv(f"heads_{kind}.csv", scores.to_frame())
-            best = scores.top(1).iloc[0]
-            part += [note(f"strongest {kind.replace('_', '-')} head: {best['label']} ({best['score']:.2f})")]
-
-    with timed("ablation"):
-        effects = A.head_ablation_effects(model, tokens)
-        part = report.section("ablation", "Head ablation")
-        part += [note("The change in the prompt's loss when each head alone is zero-ablated."), figure_html(effects.figure())]
-        out.write_csv("ablation.csv", effects.to_frame())
+    # a hybrid's linear-attention layers (Qwen3.5) have no heads: the analyses of every layer's heads say so instead
+    linear = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_is_linear(layer)]
+    headless = ("Not run: {} reads every layer's attention heads, and layers " + str(linear) + " of this hybrid model are "
+                "linear-attention layers, which have none; the analyses by layer cover them.")
+    if linear:
+        for key, title, what in (("attention", "Attention patterns", "the attention view"),
+                                 ("detectors", "Head detectors", "each head detector"),
+                                 ("ablation", "Head ablation", "head ablation")):
+            report.section(key, title).append(note(headless.format(what)))
+    else:
+        head_sections(model, tokens, args, report, out, timed)
 
     part = report.section("patching", "Activation patching")
     if corrupted is not None:
         with timed("patching"):
             metric = A.logit_diff_metric(model, answer, counterfactual)
-            exact = A.patch(model, tokens, corrupted, metric)
-            estimate = A.patch(model, tokens, corrupted, metric, method="attribution")
+            sites = "resid_pre" if linear else "heads"  # (a hybrid's residual stream, position by position)
+            exact = A.patch(model, tokens, corrupted, metric, sites)
+            estimate = A.patch(model, tokens, corrupted, metric, sites, method="attribution")
             part += [figure_html(exact.figure()), figure_html(A.compare_patching(exact, estimate))]
             out.write_csv("patching.csv", exact.to_frame())
         part = report.section("circuit", "Circuit (edge attribution, EAP-IG)")
-        with timed("circuit"):
-            scores = A.edge_attribution(model, tokens, corrupted, metric, method="eap-ig-inputs")
-            circuit = scores.circuit(n_edges=min(50, scores.graph.n_edges))
-            kept = A.faithfulness(model, circuit, tokens, corrupted, metric)
-            curve = A.faithfulness_curve(model, scores, tokens, corrupted, metric, n_random=2)
-            part += [note(f"The {circuit.n_edges} edges that matter most for the logit difference keep "
-                          f"{kept.value:.1%} of it (clean {kept.clean:.3f}, corrupted {kept.ablated:.3f}); "
-                          f"probe circuit draws more."),
-                     figure_html(circuit.figure()), figure_html(curve.figure())]
-            out.write_csv("edges.csv", scores.to_frame())
-            out.write_csv("faithfulness.csv", curve.to_frame())
+        if linear:
+            part += [note(headless.format("edge attribution"))]
+        else:
+            with timed("circuit"):
+                scores = A.edge_attribution(model, tokens, corrupted, metric, method="eap-ig-inputs")
+                circuit = scores.circuit(n_edges=min(50, scores.graph.n_edges))
+                kept = A.faithfulness(model, circuit, tokens, corrupted, metric)
+                curve = A.faithfulness_curve(model, scores, tokens, corrupted, metric, n_random=2)
+                part += [note(f"The {circuit.n_edges} edges that matter most for the logit difference keep "
+                              f"{kept.value:.1%} of it (clean {kept.clean:.3f}, corrupted {kept.ablated:.3f}); "
+                              f"probe circuit draws more."),
+                         figure_html(circuit.figure()), figure_html(curve.figure())]
+                out.write_csv("edges.csv", scores.to_frame())
+                out.write_csv("faithfulness.csv", curve.to_frame())
     else:
         part += [note("Not run: activation patching needs a corrupted prompt. Rerun with --corrupted \"...\" (a prompt of "
                       f"the same length, {tokens.shape[1]} tokens with BOS) to patch this prompt's activations into it, "
@@ -246,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
             part += [note("The FFN memories firing at the last position, by the size of their sub-update."), figure_html(lookup.figure())]
             out.write_csv("memories.csv", lookup.to_frame())
 
-    if "importance" not in args.skip:
+    if "importance" not in args.skip and linear:
+        report.section("importance", "Head importance").append(note(headless.format("head importance")))
+    elif "importance" not in args.skip:
         with timed("importance"):
             importance = A.head_importance(model, max_windows=8, progress=False)
             part = report.section("importance", "Head importance")
@@ -279,6 +274,34 @@ def run(args: argparse.Namespace) -> int:
     log(args, f"report done in {time.perf_counter() - started:.1f} s: open {out.path('report.html')}")
     return 0
 
+
+
+def head_sections(model, tokens, args, report, out, timed) -> None:
+    """The analyses of every layer's attention heads: patterns, detectors, single-head ablation."""
+    import probe.analyses as A
+
+    with timed("attention"):
+        patterns = A.attention_patterns(model, tokens)
+        part = report.section("attention", "Attention patterns")
+        part += [figure_html(patterns.figure())]
+        out.write_csv("patterns.csv", patterns.to_frame())
+        part = report.section("attention-view", "Attention, token by token")  # interactive: no plotly, no network
+        part += [A.AttentionView.from_patterns(patterns).to_html(title="Pick a layer and a head; hover a token")]
+
+    with timed("head detectors"):
+        part = report.section("detectors", "Head detectors")
+        for kind in ("previous_token", "induction", "duplicate_token", "first_token"):
+            scores = A.head_scores(model, kind, n_samples=16, seed=args.seed)
+            part += [figure_html(scores.figure())]
+            out.write_csv(f"heads_{kind}.csv", scores.to_frame())
+            best = scores.top(1).iloc[0]
+            part += [note(f"strongest {kind.replace('_', '-')} head: {best['label']} ({best['score']:.2f})")]
+
+    with timed("ablation"):
+        effects = A.head_ablation_effects(model, tokens)
+        part = report.section("ablation", "Head ablation")
+        part += [note("The change in the prompt's loss when each head alone is zero-ablated."), figure_html(effects.figure())]
+        out.write_csv("ablation.csv", effects.to_frame())
 
 build_parser, main = command(__doc__, "probe report", add_arguments, run)
 

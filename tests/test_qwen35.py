@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pandas as pd
+
 import pytest
 import torch
 
@@ -342,3 +344,23 @@ def test_residual_decomposition_and_dla_add_up_on_a_hybrid(kind, tmp_path):
     frame = result.to_frame()
     assert set(frame.component) >= {"L0 linear_attn", "L3H0"}
     result.figure()  # the head table holds the attention layer's heads only
+
+
+def test_the_report_runs_and_says_why_it_leaves_out_the_head_sections(tmp_path):
+    """`probe report` on a hybrid: the sections by layer run (residual patching in place of head patching), and each
+    analysis of every layer's heads says why it is not run instead of failing the report."""
+    from test_family_defaults import QWEN_FILES, tokenized_checkpoint
+    from probe.cli.cli import main
+
+    directory = tokenized_checkpoint("qwen3_5", tmp_path / "checkpoint", QWEN_FILES)
+    assert main(["report", "--model", str(directory), "--prompt", "the cat sat on the mat", "--corrupted",
+                 "the cat sat on the rug", "--out", str(tmp_path / "report"), "--quiet"]) in (0, None)
+    page = (tmp_path / "report" / "report.html").read_text()
+    for what in ("the attention view", "each head detector", "head ablation", "edge attribution", "head importance"):
+        assert (f"Not run: {what} reads every layer&#x27;s attention heads, and layers [0, 1, 2] of this hybrid model "
+                "are linear-attention layers") in page
+    patched = pd.read_csv(tmp_path / "report" / "patching.csv")
+    assert set(patched["act"]) == {"resid_pre"} and len(patched) == 4 * len(patched["pos"].unique())
+    attribution = pd.read_csv(tmp_path / "report" / "attribution.csv")
+    assert {"L0 linear_attn", "L3H0"} <= set(attribution["component"])
+    assert not (tmp_path / "report" / "edges.csv").exists() and not (tmp_path / "report" / "patterns.csv").exists()
