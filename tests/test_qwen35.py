@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import pandas as pd
-
 import pytest
 import torch
 
