@@ -2,17 +2,22 @@
 blocks `transformer.h.{l}` (`ln_1`, `ln_2`, `attn.attention.{q,k,v,out}_proj`, `mlp.c_fc_0` the gate, `c_fc_1` the
 up projection, `c_proj` the down) around `transformer.wte` / `ln_f`, and their config.json says `num_layers`,
 `layer_norm_epsilon` and `activation_function` for Llama's fields (transformers reads them so, and runs Llama). Both
-spellings are read; probe saves the released names, as transformers does."""
+spellings are read; probe saves the released names, as transformers does.
+
+EXAONE 4.0 (`exaone4`) has Llama's names and OLMo 2's block (an RMSNorm on each sublayer's write and none before it;
+each head's q and k normalised), with three windowed layers in four (`layer_types`, or every `sliding_window_pattern`-th layer full):
+only those rotate, the full layers have no positions (none without a window: then every layer is full and rotates)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import Source, with_defaults
-from probe.config import DecoderConfig
+from probe.checkpoint_source import Source, layer_kinds, layer_types_to_hf, with_defaults
+from probe.config import DecoderConfig, NormPlacement
 from probe.config_file import ConfigFields
 from probe.tokenizer import Tokenizer
 
@@ -59,3 +64,26 @@ def exaone_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[st
     return {name if name == "lm_head.weight" else
             "transformer." + _renamed(name.removeprefix("model."), top, block, ("layers.", "h.")): t
             for name, t in llama_to_hf(params, cfg).items()}
+
+
+def exaone4_config(hf: dict) -> DecoderConfig:
+    base = dataclasses.replace(llama_config(with_defaults(hf, rope_theta=10000.0), default_eps=1e-5),
+                               norm_placement=NormPlacement.SANDWICH, input_norms=False, qk_norm=True)
+    window = hf.get("sliding_window", 4096)
+    if window is None:
+        return base
+    sliding = tuple(kind == "sliding_attention" for kind in layer_kinds(hf, hf.get("sliding_window_pattern", 4)))
+    return dataclasses.replace(base, sliding_window=window if any(sliding) else None,
+                               sliding_layers=sliding if any(sliding) else None, rotary_layers=sliding if any(sliding) else None)
+
+
+def exaone4_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+    windowed = tuple(cfg.layer_window(l) is not None for l in range(cfg.n_layers))
+    if cfg.sliding_window is not None and windowed != tuple(cfg.layer_rotates(l) for l in range(cfg.n_layers)):
+        raise ValueError("an exaone4 checkpoint with a window rotates exactly its windowed layers; this model's "
+                         f"rotary_layers {cfg.rotary_layers} are not its windowed ones {windowed}")
+    out = llama_config_to_hf(cfg, tokenizer, "exaone4")
+    out.pop("mlp_bias")
+    out.update(sliding_window=cfg.sliding_window, layer_types=layer_types_to_hf(cfg),
+               sliding_window_pattern=None if cfg.sliding_window is None else 4)
+    return out

@@ -127,6 +127,11 @@ _LLAMA_LIKE = {
     "ernie4_5": ("Ernie4_5ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=cfg.qkv_bias,
                                                          rotary_adjacent_pairs=True)),
     "exaone": ("ExaoneForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias)),
+    "exaone4": ("Exaone4ForCausalLM", lambda cfg: dict(norm_placement=NormPlacement.SANDWICH, input_norms=False,
+                                                       qk_norm=True, qkv_bias=False, out_bias=False, mlp_bias=False,
+                                                       sliding_window=cfg.sliding_window,
+                                                       sliding_layers=cfg.sliding_layers,
+                                                       rotary_layers=cfg.rotary_layers)),
     "cohere": ("CohereForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
                                                      rotary_adjacent_pairs=True, out_bias=cfg.qkv_bias, mlp_bias=False)),
     "cohere2": ("Cohere2ForCausalLM", lambda cfg: dict(norm=Norm.LAYER, norm_placement=NormPlacement.PARALLEL,
@@ -185,7 +190,7 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
         out["attention_out_bias"] = cfg.out_bias
     if model_type == "ernie4_5":
         out["use_bias"] = out.pop("mlp_bias")
-    if model_type in ("smollm3", "cohere", "cohere2", "flex_olmo"):  # (their default special ids would lie outside a
+    if model_type in ("smollm3", "cohere", "cohere2", "flex_olmo", "exaone4"):  # (their default special ids would lie outside a
         # small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
                     for kind in ("bos", "eos", "pad")})

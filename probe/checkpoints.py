@@ -6,7 +6,7 @@ OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (San
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
 checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron), checkpoint_glm.py (GLM, GLM-4), checkpoint_exaone.py (EXAONE), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron), checkpoint_glm.py (GLM, GLM-4), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
 from probe.checkpoint_cohere import cohere2_config, cohere_config, cohere_config_to_hf, cohere_to_hf, cohere_to_probe
-from probe.checkpoint_exaone import exaone_config, exaone_config_to_hf, exaone_to_hf, exaone_to_probe
+from probe.checkpoint_exaone import (exaone4_config, exaone4_config_to_hf, exaone_config, exaone_config_to_hf,
+                                     exaone_to_hf, exaone_to_probe)
 from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
 from probe.checkpoint_gemma3 import gemma3_config, gemma3_config_to_hf, gemma3_multimodal
 from probe.checkpoint_glm import glm_config, glm_config_to_hf, glm_to_hf, glm_to_probe
@@ -68,8 +69,8 @@ class Family:
     to_probe: Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]
     to_hf: Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]
     # whether text gets BOS first by default (cfg.default_prepend_bos): transformer-lens's per-family choice, False
-    # for GPT-NeoX/Pythia, Qwen, Phi, Granite, GLM, ERNIE, StarCoder 2 and Seed-OSS, trained without one (TL 3.9's
-    # convert_hf_model_config, TL 4's bridge)
+    # for GPT-NeoX/Pythia, Qwen, Phi, Granite, GLM, ERNIE, EXAONE 4, StarCoder 2 and Seed-OSS, trained without one
+    # (TL 3.9's convert_hf_model_config, TL 4's bridge)
     prepends_bos: bool = True
     # a multimodal checkpoint's: the text-only format its language model saves as
     saves_as: Optional[str] = None
@@ -107,6 +108,8 @@ FAMILIES = {
         Family("smollm3", "SmolLM3ForCausalLM", ("model.",), smollm3_config, *llama_like("smollm3")),
         Family("exaone", "ExaoneForCausalLM", ("transformer.", "model."), exaone_config, exaone_config_to_hf,
                exaone_to_probe, exaone_to_hf),
+        Family("exaone4", "Exaone4ForCausalLM", ("model.",), exaone4_config, exaone4_config_to_hf, llama_to_probe,
+               llama_to_hf, prepends_bos=False),
         Family("arcee", "ArceeForCausalLM", ("model.",), arcee_config, *llama_like("arcee")),
         *(Family(model_type, architecture, ("model.",), glm_config(model_type), glm_config_to_hf(model_type),
                  glm_to_probe, glm_to_hf, prepends_bos=False)

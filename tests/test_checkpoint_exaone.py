@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 from safetensors.torch import load_file
 
@@ -46,3 +48,34 @@ def test_every_hook_matches_transformer_lens(tmp_path):
     missing, theirs = compare_with_transformer_lens(directory, 12, seed=3)
     assert {"blocks.1.attn.hook_rot_q", "blocks.1.mlp.hook_post", "blocks.1.hook_resid_post"} <= theirs
     assert not {n for n in missing if n.startswith("blocks.1.")}, missing
+
+
+def test_exaone4_generation_and_processing_are_transformers(tmp_path):
+
+    hf = build("exaone4", tmp_path)
+    with pytest.warns(UserWarning, match="center_writing_weights"):  # RMSNorm: nothing to centre, as in TL
+        assert_generation_and_processing_match(hf, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["exaone4-windows-nope-full-layers", "exaone4-global-tied"])
+def test_exaone4_hooks_match_the_bridge_and_saves_through_transformers(case, tmp_path):
+    """EXAONE 4.0 hook by hook against TL 4's bridge (its windowed layers rotate, its full ones have no positions),
+    and saved and read back by transformers' own class."""
+    from test_family_defaults import LLAMA_FILES, tokenized_checkpoint
+    from test_transformer_lens import compare_with_transformer_lens
+    from test_variants import CASES
+
+    kind, overrides = CASES[case]
+    directory = tokenized_checkpoint(kind, tmp_path / "checkpoint", LLAMA_FILES, **overrides)
+    missing, _ = compare_with_transformer_lens(directory, 12, seed=4)
+    rotating = {f"blocks.{l}.attn.hook_rot_{p}" for l in range(4) for p in "qk"}
+    assert missing <= rotating  # (the bridge hooks no rotation for this family)
+    model = HookedDecoder.from_pretrained(directory)
+    assert [model.cfg.layer_rotates(l) for l in range(4)] == ([True] * 3 + [False] if "windows" in case else [True] * 4)
+    import transformers as tf
+
+    again = tf.Exaone4ForCausalLM.from_pretrained(model.save_pretrained(tmp_path / "ours")).eval()
+    theirs = tf.Exaone4ForCausalLM.from_pretrained(directory).eval()
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, theirs(tokens).logits, atol=1e-5, rtol=0)
