@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -26,6 +27,15 @@ BOOT_HINTS = {
     "n_ctx": "probe uses the checkpoint's context length; run shorter inputs, or edit a copy of its config.json",
     "checkpoint_index": "pass checkpoint_value=<step> or revision='step<N>'",
 }
+
+# the families whose TL 4.3 adapters declare a processing step unsupported (`supports_fold_ln`,
+# `supports_center_writing_weights`), which the bridge's enable_compatibility_mode then skips with a warning:
+# the hybrids, GLM's, OLMo 2's write-norm blocks (the final norm stays too), and Nemotron's offset LayerNorms
+BRIDGE_SKIPS = {**dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                                 "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GlmForCausalLM",
+                                 "Glm4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "FlexOlmoForCausalLM",
+                                 "Exaone4ForCausalLM"), ("fold_ln",)),
+                "NemotronForCausalLM": ("fold_ln", "center_writing_weights")}
 
 
 class BridgeSurface:
@@ -92,6 +102,14 @@ class BridgeSurface:
         deprecation warnings for either set of names."""
         self.bridge_names_first = False  # the bridge's hooks see the classic names from here on, where there are any
         self.compatibility_mode = True
+        asked = {"fold_ln": fold_ln, "center_writing_weights": center_writing_weights}
+        skipped = [step for step in BRIDGE_SKIPS.get(self.cfg.original_architecture, ()) if asked[step] and not no_processing]
+        if skipped:
+            warnings.warn(f"enable_compatibility_mode: skipping {', '.join(skipped)}, which transformer-lens 4's bridge "
+                          f"does not apply to {self.cfg.original_architecture} models (it leaves their norms as "
+                          "they are); process_weights(...) takes them", stacklevel=2)
+            fold_ln = fold_ln and "fold_ln" not in skipped
+            center_writing_weights = center_writing_weights and "center_writing_weights" not in skipped
         if not no_processing:
             self.process_weights(fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                                  center_unembed=center_unembed, fold_value_biases=fold_value_biases,

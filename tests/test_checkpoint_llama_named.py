@@ -103,3 +103,35 @@ def test_a_config_without_optional_keys_reads_transformers_defaults(kind, tmp_pa
     assert ours.eps == next(getattr(theirs, k) for k in ("norm_epsilon", "norm_eps", "rms_norm_eps") if hasattr(theirs, k))
     biases = next(getattr(theirs, k) for k in ("use_bias", "attention_bias") if hasattr(theirs, k))
     assert ours.qkv_bias == biases
+
+
+@pytest.mark.parametrize("kind", KINDS + ["exaone4", "flex_olmo", "olmo2", "olmo3", "llama", "qwen3"])
+def test_compatibility_mode_processes_as_the_bridge_does(kind, tmp_path):
+    """`boot_transformers` then `enable_compatibility_mode()` on each family gives the bridge's logits and, at every
+    hook both have, its activations: the same processing, where the bridge folds the norms (StarCoder 2, Seed-OSS,
+    ERNIE, Llama, Qwen3) and where its adapter declares folding or centring unsupported and skips them (GLM, Nemotron,
+    OLMo 2 and 3, FlexOlmo, EXAONE 4)."""
+    import warnings
+
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from test_family_defaults import GPT_FILES, LLAMA_FILES, tokenized_checkpoint
+
+    directory = tokenized_checkpoint(kind, tmp_path / "checkpoint", GPT_FILES if "olmo" in kind else LLAMA_FILES)
+    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
+    model = HookedDecoder.boot_transformers(str(directory))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (both say what they skip)
+        bridge.enable_compatibility_mode()
+        model.enable_compatibility_mode()
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs, their_cache = bridge.run_with_cache(tokens)
+        ours, cache = model.run_with_cache(tokens)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    compared = 0
+    for name in cache:
+        if name in their_cache and cache[name].shape == their_cache[name].shape and "attn_scores" not in name:
+            torch.testing.assert_close(cache[name], their_cache[name], atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+            compared += 1
+    assert compared > 20 and "blocks.1.ln2.hook_out" in cache

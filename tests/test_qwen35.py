@@ -363,3 +363,26 @@ def test_the_report_runs_and_says_why_it_leaves_out_the_head_sections(tmp_path):
     attribution = pd.read_csv(tmp_path / "report" / "attribution.csv")
     assert {"L0 linear_attn", "L3H0"} <= set(attribution["component"])
     assert not (tmp_path / "report" / "edges.csv").exists() and not (tmp_path / "report" / "patterns.csv").exists()
+
+
+def test_compatibility_mode_processes_as_the_bridge_does(tmp_path):
+    """`boot_transformers` then `enable_compatibility_mode()`: the bridge's processing, which leaves a hybrid's norms
+    unfolded (its Qwen3.5 adapter declares fold_ln unsupported) and centres the unembedding, gives the bridge's
+    logits and activations; probe says which step it skips, as the bridge warns."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    build("qwen3_5", tmp_path)
+    bridge = TransformerBridge.boot_transformers(str(tmp_path), device="cpu")
+    model = HookedDecoder.boot_transformers(str(tmp_path))
+    with pytest.warns(UserWarning, match="skipping fold_ln, which transformer-lens 4's bridge does not apply"):
+        model.enable_compatibility_mode()
+    bridge.enable_compatibility_mode()
+    with torch.no_grad():
+        theirs, their_cache = bridge.run_with_cache(TOKENS)
+        ours, cache = model.run_with_cache(TOKENS)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    for name in ("blocks.0.ln1.hook_out", "blocks.0.linear_attn.hook_q", "blocks.0.linear_attn.hook_recurrence_out",
+                 "blocks.3.attn.hook_z", "blocks.3.hook_resid_post", "ln_final.hook_out"):
+        torch.testing.assert_close(cache[name], their_cache[name], atol=1e-4, rtol=0, msg=name)
+    assert model.cfg.normalization_type == "RMS"  # unfolded, as the bridge's
+    assert model.unembed.W_U.mean(-1).abs().max() < 1e-6  # centred, as the bridge's
