@@ -386,3 +386,34 @@ def test_compatibility_mode_processes_as_the_bridge_does(tmp_path):
         torch.testing.assert_close(cache[name], their_cache[name], atol=1e-4, rtol=0, msg=name)
     assert model.cfg.normalization_type == "RMS"  # unfolded, as the bridge's
     assert model.unembed.W_U.mean(-1).abs().max() < 1e-6  # centred, as the bridge's
+
+
+def test_left_padded_batched_generation_is_transformers(tmp_path):
+    """Two prompts, one left-padded, generated together through the state cache: each continuation is transformers'
+    (given the same mask), and the padded one is its prompt's alone."""
+    hf = build("qwen3_5", tmp_path)
+    hf.generation_config.eos_token_id = None  # (probe's tokenizer-less model has no end token either)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    ids = torch.randint(4, 101, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids[1, :3] = 0
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        alone = hf.generate(ids[1:, 3:], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, verbose=False)
+    assert torch.equal(ours, theirs) and torch.equal(ours[1, 3:], alone[0])
+
+
+def test_bfloat16_rounds_no_worse_than_transformers(tmp_path):
+    """In bfloat16 (the recurrence and the gated norm in float32 inside, as transformers runs them), probe's logits
+    are as near the float32 model's as transformers' own bfloat16 model's are, over a prompt longer than a chunk."""
+    import transformers as tf
+
+    hf = build("qwen3_5", tmp_path, max_position_embeddings=200)
+    tokens = torch.randint(0, 101, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        exact = hf(tokens).logits
+        theirs = tf.Qwen3_5ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()(tokens).logits.float()
+        ours = HookedDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()(tokens).float()
+    assert (ours - exact).abs().max() <= 2 * (theirs - exact).abs().max()
