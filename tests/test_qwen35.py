@@ -417,3 +417,17 @@ def test_bfloat16_rounds_no_worse_than_transformers(tmp_path):
         theirs = tf.Qwen3_5ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()(tokens).logits.float()
         ours = HookedDecoder.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()(tokens).float()
     assert (ours - exact).abs().max() <= 2 * (theirs - exact).abs().max()
+
+
+def test_the_hybrid_on_the_device_is_transformers_there(tmp_path, device_under_test):
+    """On the GPU (the GPU list): a Qwen3.5 prompt longer than a chunk, and its greedy continuation through the state
+    cache, against transformers' model on the same device (its chunked torch recurrence)."""
+    hf = build("qwen3_5", tmp_path, max_position_embeddings=200).to(device_under_test)
+    hf.generation_config.eos_token_id = None
+    model = HookedDecoder.from_pretrained(tmp_path, device=device_under_test).eval()
+    tokens = torch.randint(0, 101, (2, 150), generator=torch.Generator().manual_seed(5)).to(device_under_test)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+        prompt = tokens[:, :9]
+        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)
