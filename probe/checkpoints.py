@@ -5,7 +5,7 @@ checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT, XGLM), checkpoint_b
 OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
-checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
+checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
 checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron), checkpoint_glm.py (GLM, GLM-4), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
@@ -39,7 +39,7 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_conf
                                     ernie4_5_config, olmo2_config, olmo3_config, olmo_config, seed_oss_config,
                                     smollm3_config,
                                     qwen2_config, qwen3_config)
-from probe.checkpoint_mistral3 import mistral3
+from probe.checkpoint_mistral3 import ministral3_config, ministral3_config_to_hf, mistral3
 from probe.checkpoint_moe import (flex_olmo_config, mixtral_config, moe_family, olmoe_config, qwen2_moe_config,
                                   qwen3_moe_config)
 from probe.checkpoint_mpt import mpt_config, mpt_config_to_hf, mpt_to_hf, mpt_to_probe
@@ -102,6 +102,8 @@ FAMILIES = {
         Family("mistral3", "Mistral3ForConditionalGeneration", ("language_model.model.", "model.language_model.",
                                                                 "language_model."),
                *mistral3, llama_to_hf, saves_as="mistral"),
+        Family("ministral3", "Ministral3ForCausalLM", ("model.",), ministral3_config, ministral3_config_to_hf,
+               llama_to_probe, llama_to_hf, saves_as="mistral"),
         Family("olmo", "OlmoForCausalLM", ("model.",), olmo_config, *llama_like("olmo")),
         Family("olmo2", "Olmo2ForCausalLM", ("model.",), olmo2_config, *llama_like("olmo2")),
         Family("olmo3", "Olmo3ForCausalLM", ("model.",), olmo3_config, *llama_like("olmo3")),

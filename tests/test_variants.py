@@ -557,7 +557,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_5, "
-                                              "qwen3_5_moe, mistral, mistral3, olmo, olmo2, olmo3, smollm3, exaone, exaone4, arcee, glm, glm4, ernie4_5, "
+                                              "qwen3_5_moe, mistral, mistral3, ministral3, olmo, olmo2, olmo3, smollm3, exaone, exaone4, arcee, glm, glm4, ernie4_5, "
                                               "seed_oss, "
                                               "cohere, "
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
