@@ -9,8 +9,8 @@ from typing import Callable, Optional
 
 import torch
 
-from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, require_fields,
-                                     rope_from_hf, rope_to_hf, split_qkv, take_qkv, take_unembed)
+from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, llama_named_to_hf,
+                                     llama_named_to_probe, require_fields, rope_from_hf, rope_to_hf)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.tokenizer import Tokenizer
 
@@ -112,12 +112,7 @@ def layernorm_llama_to_probe(model_type: str) -> Callable[[Source, DecoderConfig
     fmt = FORMATS[model_type]
 
     def to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-        out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in _names(cfg, fmt).items()}
-        for l in range(cfg.n_layers):
-            out.update(take_qkv(source, cfg, l, lambda p, kind, l=l: f"layers.{l}.self_attn.{p}_proj.{kind}",
-                                cfg.qkv_bias))
-        out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
-        return _offset_norms(out, fmt.norm_offset)
+        return _offset_norms(llama_named_to_probe(source, cfg, _names(cfg, fmt)), fmt.norm_offset)
     return to_probe
 
 
@@ -125,12 +120,5 @@ def layernorm_llama_to_hf(model_type: str) -> Callable[[dict[str, torch.Tensor],
     fmt = FORMATS[model_type]
 
     def to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-        params = _offset_norms(params, -fmt.norm_offset)
-        out = {f"model.{theirs}": params[ours] for ours, (theirs, _) in _names(cfg, fmt).items()}
-        for l in range(cfg.n_layers):
-            out.update(split_qkv(params, cfg, l, lambda p, kind, l=l: f"model.layers.{l}.self_attn.{p}_proj.{kind}",
-                                 cfg.qkv_bias))
-        if not cfg.tied_embeddings:
-            out["lm_head.weight"] = params["unembed.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+        return llama_named_to_hf(_offset_norms(params, -fmt.norm_offset), cfg, _names(cfg, fmt))
     return to_hf

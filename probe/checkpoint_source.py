@@ -133,6 +133,29 @@ def take_qkv(source: Source, cfg: DecoderConfig, layer: int, name: Callable[[str
     return out
 
 
+def llama_named_to_probe(source: Source, cfg: DecoderConfig,
+                         table: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """A family with Llama's tensor names: `table`'s tensors (ours -> (theirs, shape)), each layer's q, k and v from
+    its separate `layers.{l}.self_attn.{q,k,v}_proj`, and the unembedding."""
+    out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in table.items()}
+    for l in range(cfg.n_layers):
+        out.update(take_qkv(source, cfg, l, lambda p, kind, l=l: f"layers.{l}.self_attn.{p}_proj.{kind}", cfg.qkv_bias))
+    out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
+    return out
+
+
+def llama_named_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig,
+                      table: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """llama_named_to_probe's inverse: the file's tensors, under `model.` and `lm_head.weight` where untied."""
+    out = {f"model.{theirs}": params[ours] for ours, (theirs, _) in table.items()}
+    for l in range(cfg.n_layers):
+        out.update(split_qkv(params, cfg, l, lambda p, kind, l=l: f"model.layers.{l}.self_attn.{p}_proj.{kind}",
+                             cfg.qkv_bias))
+    if not cfg.tied_embeddings:
+        out["lm_head.weight"] = params["unembed.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def grouped_qkv(tensor: torch.Tensor, heads: int, kv_heads: int, d_head: int, to_probe: bool) -> torch.Tensor:
     """A fused q/k/v weight or bias stored per key/value head, each with its group's queries, then its key, then its
     value ([(kv_head (queries k v) d_head) ...]: Falcon; with one query per key/value head it is GPT-NeoX's, Bloom's

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, check_shared_norm,
-                                     copy_shared_norm, require_fields, rope_from_hf, rope_to_hf, split_qkv, take_qkv,
-                                     take_unembed)
+                                     copy_shared_norm, llama_named_to_hf, llama_named_to_probe, require_fields,
+                                     rope_from_hf, rope_to_hf)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -82,22 +82,13 @@ def _names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def stablelm_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in _names(cfg).items()}
-    for l in range(cfg.n_layers):
-        out.update(take_qkv(source, cfg, l, lambda p, kind, l=l: f"layers.{l}.self_attn.{p}_proj.{kind}", cfg.qkv_bias))
+    out = llama_named_to_probe(source, cfg, _names(cfg))
     if cfg.norm_placement is NormPlacement.PARALLEL:
         copy_shared_norm(out, cfg)
-    out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
     return out
 
 
 def stablelm_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     if cfg.norm_placement is NormPlacement.PARALLEL:
         check_shared_norm(params, cfg, "StableLM parallel-residual")
-    out = {f"model.{theirs}": params[ours] for ours, (theirs, _) in _names(cfg).items()}
-    for l in range(cfg.n_layers):
-        out.update(split_qkv(params, cfg, l, lambda p, kind, l=l: f"model.layers.{l}.self_attn.{p}_proj.{kind}",
-                             cfg.qkv_bias))
-    if not cfg.tied_embeddings:
-        out["lm_head.weight"] = params["unembed.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+    return llama_named_to_hf(params, cfg, _names(cfg))
