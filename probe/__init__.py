@@ -23,8 +23,8 @@ ActivationCache = DecoderCache
 
 __all__ = [
     "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "ActivationCache", "AttnOnlyBlock", "Block", "DecoderCache",
-    "DecoderConfig", "Experts", "FactoredMatrix", "LinearAttention", "HookPoint", "HookedDecoder", "HookedRootModule", "HookedSAETransformer",
-    "HookedTransformer", "HookedTransformerConfig", "HookedTransformerKeyValueCache", "KVCache", "Norm", "NormPlacement",
+    "DecoderConfig", "Experts", "FactoredMatrix", "HookPoint", "HookedDecoder", "HookedRootModule", "HookedSAETransformer",
+    "LinearAttention", "HookedTransformer", "HookedTransformerConfig", "HookedTransformerKeyValueCache", "KVCache", "Norm", "NormPlacement",
     "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig", "SandwichBlock",
     "SparseAutoencoder", "Tokenizer", "TrainingConfig", "TransformerLensKeyValueCache", "act_name", "process_weights",
     "spliced", "train_sae",

@@ -84,8 +84,9 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
         self.clip = cfg.clip_qkv  # OLMo-7B-0424's clamp of q, k and v; None: none
         # gated attention (Qwen3.5): each head's z times sigmoid of a gate read, like q, from the queries' input
-        self.gate = nn.Linear(cfg.d_model, self.n_heads * cfg.d_head, bias=cfg.qkv_bias) if cfg.attn_output_gate else None
-        if self.gate is not None:
+        self.gate = None
+        if cfg.attn_output_gate:
+            self.gate = nn.Linear(cfg.d_model, self.n_heads * cfg.d_head, bias=cfg.qkv_bias)
             self.hook_q_gate = HookPoint()  # [batch pos head d_head]: the gate's logits, before the sigmoid
         self.rotary = make_rotary(cfg, layer)
         self.alibi = make_alibi(cfg, self.n_heads)  # ALiBi's distance penalty on the scores; None otherwise

@@ -27,7 +27,8 @@ class Format:
 
 
 FORMATS = {
-    "starcoder2": Format("Starcoder2ForCausalLM", ("c_fc", "c_proj"), "norm_epsilon", "gelu_pytorch_tanh", 1.0, 0.0, True),
+    "starcoder2": Format("Starcoder2ForCausalLM", ("c_fc", "c_proj"), "norm_epsilon", "gelu_pytorch_tanh", 1.0, 0.0,
+                         True),
     "nemotron": Format("NemotronForCausalLM", ("up_proj", "down_proj"), "norm_eps", "relu2", 0.5, 1.0, False),
 }
 
