@@ -95,6 +95,9 @@ class CircuitGraph(TableDisplay):
     score_bias: bool = False  # ALiBi: the positions add to each head's scores
     clipped_qkv: bool = False  # q, k and v clamped (clip_qkv: OLMo-7B-0424)
     attention_sinks: bool = False  # each head's softmax has a learned sink logit (GPT-OSS)
+    # q and k normalised after rotary (HunYuan), or each head's z gated (a gated attention): orders and gates the
+    # sparse engine's attention does not compute
+    reordered_or_gated: bool = False
 
     @property
     def grouped(self) -> bool:
@@ -304,4 +307,5 @@ def _graph_of(cfg) -> CircuitGraph:
         sandwich=cfg.norm_placement is NormPlacement.SANDWICH, mlps=mlps,
         qk_positions=cfg.positions is Positions.SHORTFORMER, score_bias=cfg.positions is Positions.ALIBI,
         clipped_qkv=cfg.clip_qkv is not None, attention_sinks=cfg.attn_sinks,
+        reordered_or_gated=cfg.qk_norm_after_rope or cfg.attn_output_gate,
     )

@@ -76,7 +76,8 @@ class CircuitRunner:
         if engine == "sparse" and not sparse_supported(graph):
             raise ValueError("engine='sparse' does not run sandwich blocks (Gemma 2, OLMo 2), whose heads' outputs share "
                              "one norm scale per layer, nor ALiBi's position bias on the scores (Bloom), nor clamped "
-                             "q, k and v (clip_qkv), nor attention sinks (GPT-OSS); use engine='auto' or 'hooked'")
+                             "q, k and v (clip_qkv), nor attention sinks (GPT-OSS), nor q/k norms after rotary "
+                             "(HunYuan); use engine='auto' or 'hooked'")
         # hooks attached to stay (add_hook, a padding mask on hook_attn_scores) change the model's forward, which the
         # sparse engine recomputes from the weights without them
         attached = sorted({name for name, direction, *_ in model.persistent_hooks() if direction == "fwd"})

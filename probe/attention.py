@@ -82,6 +82,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.q_norm, self.k_norm = make_qk_norm(cfg, self.n_heads), make_qk_norm(cfg, self.n_kv_heads)
         self.hook_q_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos head d_head]
         self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
+        self.norm_after_rope = cfg.qk_norm_after_rope
         self.clip = cfg.clip_qkv  # OLMo-7B-0424's clamp of q, k and v; None: none
         # gated attention (Qwen3.5): each head's z times sigmoid of a gate read, like q, from the queries' input
         self.gate = None
@@ -123,11 +124,14 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
             k = k + rearrange(pos_qk[..., n_q:], "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
         k, v = per_head(k, self.hooked_kv_heads), per_head(v, self.hooked_kv_heads)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
+        if not self.norm_after_rope:
+            q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         if self.clip is not None:  # after the norms, before rotary (transformers' and TL's place; TL hooks nothing here)
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         if self.rotary is not None:
             q, k = self.hook_rot_q(self.rotary(q, positions)), self.hook_rot_k(self.rotary(k, positions))
+        if self.norm_after_rope:  # HunYuan normalises the rotated q and k (its w does not commute with the rotation)
+            q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
         key_positions = positions
         if past is not None:
             # (the keys' positions are kept only where ALiBi reads them)

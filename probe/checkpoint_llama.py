@@ -127,6 +127,8 @@ _LLAMA_LIKE = {
     "ernie4_5": ("Ernie4_5ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=cfg.qkv_bias,
                                                          rotary_adjacent_pairs=True)),
     "exaone": ("ExaoneForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1ForCausalLM", lambda cfg: dict(out_bias=cfg.qkv_bias, mlp_bias=False, qk_norm=True,
+                                                                       qk_norm_after_rope=True)),
     "exaone4": ("Exaone4ForCausalLM", lambda cfg: dict(norm_placement=NormPlacement.SANDWICH, input_norms=False,
                                                        qk_norm=True, qkv_bias=False, out_bias=False, mlp_bias=False,
                                                        sliding_window=cfg.sliding_window,
@@ -184,13 +186,13 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
     out = {**_llama_like_hf(cfg, model_type, architecture), "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation],
            "mlp_bias": cfg.mlp_bias}
     if model_type in ("llama", "qwen3", "olmo", "olmo2", "olmo3", "olmoe", "qwen3_moe", "smollm3", "arcee", "apertus",
-                      "granite", "granitemoe", "exaone", "seed_oss", "flex_olmo"):
+                      "granite", "granitemoe", "exaone", "seed_oss", "flex_olmo", "hunyuan_v1_dense"):
         out["attention_bias"] = cfg.qkv_bias
     if model_type == "seed_oss":
         out["attention_out_bias"] = cfg.out_bias
     if model_type == "ernie4_5":
         out["use_bias"] = out.pop("mlp_bias")
-    if model_type in ("smollm3", "cohere", "cohere2", "flex_olmo", "exaone4"):  # (their default special ids would lie outside a
+    if model_type in ("smollm3", "cohere", "cohere2", "flex_olmo", "exaone4", "hunyuan_v1_dense"):  # (their default special ids would lie outside a
         # small vocabulary)
         out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
                     for kind in ("bos", "eos", "pad")})

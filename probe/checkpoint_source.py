@@ -235,6 +235,12 @@ def with_defaults(hf: dict, **defaults) -> dict:
     return ConfigFields(fields, hf.path, hf.prefix) if isinstance(hf, ConfigFields) else fields
 
 
+def with_fields(hf: dict, **fields) -> dict:
+    """config.json's fields with some replaced by a family's own reading of them, read and checked as the file's."""
+    merged = {**hf, **fields}
+    return ConfigFields(merged, hf.path, hf.prefix) if isinstance(hf, ConfigFields) else merged
+
+
 def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
     """Refuse a config the format cannot hold: `wanted` gives each field's value (or a set of values) in the
     format; fields only some formats hold (`PLAIN_FIELDS`) must be at their defaults unless `wanted` says otherwise."""
@@ -251,7 +257,7 @@ PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, l
               sliding_layers=None, qk_norm=False, attn_scale_by_layer=False, unembed_bias=False, norm_weights=True,
               rotary_adjacent_pairs=False, sliding_rotary_base=None, qk_norm_over_heads=False, input_norms=True,
                     embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None, attn_sinks=False,
-                    attn_output_gate=False, linear_attention=None,
+                    attn_output_gate=False, linear_attention=None, qk_norm_after_rope=False,
                     # an activation with parameters of its own (xIELU): only Apertus's format holds them
                     activation=frozenset(a for a in Activation if not a.learned))
 

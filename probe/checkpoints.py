@@ -6,7 +6,7 @@ OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (San
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
 checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron), checkpoint_glm.py (GLM, GLM-4), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from probe.checkpoint_gemma3 import gemma3_config, gemma3_config_to_hf, gemma3_m
 from probe.checkpoint_glm import glm_config, glm_config_to_hf, glm_to_hf, glm_to_probe
 from probe.checkpoint_granite import (granite_config, granite_config_to_hf, granite_moe_config, granite_moe_config_to_hf,
                                       granite_to_hf, granite_to_probe)
+from probe.checkpoint_hunyuan import hunyuan_config, hunyuan_config_to_hf, hunyuan_to_hf, hunyuan_to_probe
 from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
 from probe.checkpoint_gptj import codegen_to_hf, codegen_to_probe, gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
@@ -110,6 +111,8 @@ FAMILIES = {
         Family("smollm3", "SmolLM3ForCausalLM", ("model.",), smollm3_config, *llama_like("smollm3")),
         Family("exaone", "ExaoneForCausalLM", ("transformer.", "model."), exaone_config, exaone_config_to_hf,
                exaone_to_probe, exaone_to_hf),
+        Family("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", ("model.",), hunyuan_config, hunyuan_config_to_hf,
+               hunyuan_to_probe, hunyuan_to_hf),
         Family("exaone4", "Exaone4ForCausalLM", ("model.",), exaone4_config, exaone4_config_to_hf, llama_to_probe,
                llama_to_hf, prepends_bos=False),
         Family("arcee", "ArceeForCausalLM", ("model.",), arcee_config, *llama_like("arcee")),

@@ -83,6 +83,7 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
     qk_norm: bool = False  # each head's q and k normalised over d_head (the model's norm kind) before rotary (Qwen3)
     qk_norm_over_heads: bool = False  # with qk_norm: q and k normalised over all heads together (OLMo 2)
+    qk_norm_after_rope: bool = False  # with qk_norm: q and k normalised after rotary, not before (HunYuan; TL 4's name)
     # False: a sandwich block's sublayers read the residual itself and only their writes are normalised (OLMo 2);
     # ln1 and ln2 are then identities (their scale 1, as a model without norms has)
     input_norms: bool = True
@@ -223,8 +224,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
             if self.rotary_dim % 2 or self.rotary_dim > self.d_head:
                 raise ValueError(f"positions=rotary rotates pairs of dimensions, so rotary_dim must be even and at most "
                                  f"d_head={self.d_head}, got rotary_dim={self.rotary_dim}")
-        if self.qk_norm_over_heads and not self.qk_norm:
-            raise ValueError("qk_norm_over_heads says how q and k are normalised: it needs qk_norm=True")
+        if (self.qk_norm_over_heads or self.qk_norm_after_rope) and not self.qk_norm:
+            raise ValueError("qk_norm_over_heads and qk_norm_after_rope say how q and k are normalised: they need "
+                             "qk_norm=True")
         if not self.input_norms and self.norm_placement is not NormPlacement.SANDWICH:
             raise ValueError("input_norms=False leaves a sandwich block only its write norms; it needs "
                              "norm_placement='sandwich'")
@@ -244,7 +246,8 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
             raise ValueError("heads_per_layer (pruned heads) with positions=alibi: each head's slope follows its index "
                              "among all n_heads, which a pruned layer no longer has; prune a model with other positions")
         for field in ("attn_only", "bidirectional", "use_hook_tokens", "attn_scale_by_layer", "rotary_adjacent_pairs",
-                      "qk_norm_over_heads", "input_norms", "embed_norm", "attn_sinks", "attn_output_gate"):
+                      "qk_norm_over_heads", "input_norms", "embed_norm", "attn_sinks", "attn_output_gate",
+                      "qk_norm_after_rope"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         if self.bidirectional and self.sliding_window is not None:

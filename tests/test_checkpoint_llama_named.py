@@ -1,5 +1,5 @@
-"""StarCoder 2 and Nemotron (probe/checkpoint_layernorm_llama.py), GLM and GLM-4 (probe/checkpoint_glm.py), Seed-OSS and
-ERNIE 4.5 (probe/checkpoint_llama.py): Llama's tensor names with a twist each.
+"""StarCoder 2 and Nemotron (probe/checkpoint_layernorm_llama.py), GLM and GLM-4 (probe/checkpoint_glm.py), HunYuan
+(probe/checkpoint_hunyuan.py), Seed-OSS and ERNIE 4.5 (probe/checkpoint_llama.py): Llama's tensor names with a twist each.
 
 The oracles: transformers (test_variants.py compares logits and every residual on two cases of each and saves through
 it; here greedy generation, TL-default processing, and Nemotron's LayerNorm1P against transformers' own module) and
@@ -16,14 +16,14 @@ from family_checks import assert_generation_and_processing_match
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import CASES, build
 
-KINDS = ["starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5"]
+KINDS = ["starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "hunyuan"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_generation_and_processing_are_transformers(kind, tmp_path):
     hf = build(kind, tmp_path)
     # (Seed-OSS's and GLM's RMSNorms have no mean to centre, so TL's default centring is skipped with a warning)
-    rms = pytest.warns(UserWarning, match="center_writing_weights") if kind in ("seed_oss", "glm", "glm4", "ernie4_5") else \
+    rms = pytest.warns(UserWarning, match="center_writing_weights") if kind in ("seed_oss", "glm", "glm4", "ernie4_5", "hunyuan") else \
         contextlib.nullcontext()
     with rms:
         assert_generation_and_processing_match(hf, tmp_path)
@@ -31,7 +31,7 @@ def test_generation_and_processing_are_transformers(kind, tmp_path):
 
 @pytest.mark.parametrize("case", ["starcoder2-biases-window-tied", "nemotron-biases-tied-quarter-rotary",
                                   "seed-oss-out-bias-mlp-bias-tied", "glm-biases-adjacent-half-rotary",
-                                  "glm4-sandwich-norms", "ernie4-5-biases-untied"])
+                                  "glm4-sandwich-norms", "ernie4-5-biases-untied", "hunyuan-norms-after-rope-alpha"])
 def test_every_shared_hook_matches_the_bridge(case, tmp_path):
     from test_family_defaults import LLAMA_FILES, tokenized_checkpoint
 
@@ -69,7 +69,8 @@ def test_nemotron_norms_are_one_plus_the_stored_weight(tmp_path):
 
 @pytest.mark.parametrize("case", ["starcoder2-no-bias-untied-whole-window", "nemotron-biases-tied-quarter-rotary",
                                   "seed-oss-out-bias-mlp-bias-tied", "glm-no-bias-tied-whole-rotary",
-                                  "glm4-sandwich-no-bias-eps", "ernie4-5-biases-untied"])
+                                  "glm4-sandwich-no-bias-eps", "ernie4-5-biases-untied",
+                                  "hunyuan-plain-rope-biases-tied"])
 def test_the_other_cases_save_through_transformers(case, tmp_path):
     """The second case of each (biases switched the other way, ties, rotary fractions, eps) saved and read back by
     transformers' own class (the default cases' round trips are in test_variants.py)."""
@@ -135,3 +136,27 @@ def test_compatibility_mode_processes_as_the_bridge_does(kind, tmp_path):
             torch.testing.assert_close(cache[name], their_cache[name], atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
             compared += 1
     assert compared > 20 and "blocks.1.ln2.hook_out" in cache
+
+
+def test_hunyuan_normalises_the_rotated_queries_and_keys(tmp_path):
+    """HunYuan's query_layernorm and key_layernorm read the rotated q and k: their outputs in transformers' forward
+    are probe's hook_q_normed / hook_k_normed, and hook_rot_q is the rotation before them; the alpha rope's base is
+    theta * alpha^(d_head / (d_head - 2))."""
+    hf = build("hunyuan", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    assert model.cfg.rotary_base == pytest.approx(10000.0 * 50.0 ** (16 / 14))
+    seen = {}
+    attn = hf.model.layers[1].self_attn
+    hooks = [attn.query_layernorm.register_forward_hook(lambda m, i, o: seen.update(q_in=i[0], q=o)),
+             attn.key_layernorm.register_forward_hook(lambda m, i, o: seen.update(k=o))]
+    tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
+    try:
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens)
+            hf(tokens)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    torch.testing.assert_close(cache["blocks.1.attn.hook_q_normed"], seen["q"].transpose(1, 2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache["blocks.1.attn.hook_k_normed"], seen["k"].transpose(1, 2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache["blocks.1.attn.hook_rot_q"], seen["q_in"].transpose(1, 2), atol=1e-5, rtol=0)

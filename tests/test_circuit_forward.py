@@ -85,7 +85,8 @@ def test_sparse_forward_matches_the_hooked_forward(family_models, family, ablati
         torch.testing.assert_close(sparse.evaluate(circuits[3:4])[0], expected[3], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "bloom"])  # a shared norm scale per layer; ALiBi's biased scores
+# a shared norm scale per layer; ALiBi's biased scores; q/k norms after rotary
+@pytest.mark.parametrize("family", ["gemma2", "bloom", "hunyuan"])
 def test_sparse_engine_refuses_sandwich_blocks_and_alibi_and_auto_falls_back(family, tmp_path):
     build(family, tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
@@ -159,3 +160,44 @@ def test_evaluate_refuses_masks_that_are_not_circuit_by_edge_bool(tiny_model):
             runner.evaluate(torch.ones(1, n - 1, dtype=torch.bool))
         with pytest.raises(TypeError, match="bool"):
             runner.evaluate(torch.full((1, n), 0.5))
+
+
+def test_hunyuan_circuits_run_on_the_hooked_forward_and_match_it(tmp_path):
+    """HunYuan normalises q and k after rotary, which the sparse engine does not compute: `auto` takes the hooked
+    forward, and a random circuit's metric is the hooked engine's own (and the full and empty circuits the clean and
+    corrupted runs')."""
+    build("hunyuan", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    clean, corrupted, mask = paired(model.cfg.d_vocab)
+    metric = logit_diff_metric(model, [5, 9, 3], [7, 2, 1])
+    auto = CircuitRunner.prepare(model, clean, corrupted, metric, attention_mask=mask)
+    hooked = CircuitRunner.prepare(model, clean, corrupted, metric, attention_mask=mask, engine="hooked")
+    assert auto.run is None
+    n = auto.graph.n_edges
+    circuits = torch.rand(3, n, generator=torch.Generator().manual_seed(0)) < 0.3
+    circuits[1], circuits[2] = True, False
+    got = auto.evaluate(circuits)
+    torch.testing.assert_close(got, hooked.evaluate(circuits), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1], auto.clean_values, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[2], auto.corrupted_values, atol=1e-4, rtol=0)
+
+
+def test_a_gated_attention_model_runs_circuits_on_the_hooked_forward(tmp_path):
+    """Each head's z gated by sigmoid(x W_gate) (Qwen3.5's attention, here without linear layers) is not computed by
+    the sparse engine: `auto` takes the hooked forward, whose full and empty circuits are the clean and corrupted
+    runs."""
+    from probe import DecoderConfig
+
+    torch.manual_seed(0)
+    model = HookedDecoder(DecoderConfig(n_layers=2, d_model=32, n_heads=4, d_vocab=50, n_ctx=16, positions="rotary",
+                                        norm="rms", attn_output_gate=True)).eval()
+    clean, corrupted, mask = paired(50)
+    metric = logit_diff_metric(model, [5, 9, 3], [7, 2, 1])
+    runner = CircuitRunner.prepare(model, clean, corrupted, metric, attention_mask=mask)
+    assert runner.run is None
+    with pytest.raises(ValueError, match="engine='sparse' does not run"):
+        CircuitRunner.prepare(model, clean, corrupted, metric, engine="sparse")
+    full_and_empty = torch.stack([torch.ones(runner.graph.n_edges, dtype=torch.bool),
+                                  torch.zeros(runner.graph.n_edges, dtype=torch.bool)])
+    got = runner.evaluate(full_and_empty)
+    torch.testing.assert_close(got, torch.stack([runner.clean_values, runner.corrupted_values]), atol=1e-4, rtol=0)

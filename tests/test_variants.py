@@ -244,6 +244,12 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, max_position_embeddings=40, sliding_window=5, bos_token_id=1,
                         eos_token_id=2, layer_types=["sliding_attention"] * 3 + ["full_attention"])
         model = tf.Exaone4ForCausalLM(tf.Exaone4Config(**{**settings, **overrides}))
+    elif kind == "hunyuan":  # q and k normalised after rotary, the alpha-stretched rope base
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=40, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0,
+                                                         "factor": 1.0})
+        model = tf.HunYuanDenseV1ForCausalLM(tf.HunYuanDenseV1Config(**{**settings, **overrides}))
     elif kind == "ernie4_5":  # Llama with adjacent-pair rotary and one switch for every bias, tied
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40)
@@ -401,6 +407,9 @@ CASES = {
     # no window: every layer full and rotating
     "exaone4-global-tied": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4,
                                         "tie_word_embeddings": True}),
+    "hunyuan-norms-after-rope-alpha": ("hunyuan", {}),
+    "hunyuan-plain-rope-biases-tied": ("hunyuan", {"attention_bias": True, "tie_word_embeddings": True,
+                                                   "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
     "ernie4-5-adjacent-rotary-tied": ("ernie4_5", {}),
     "ernie4-5-biases-untied": ("ernie4_5", {"use_bias": True, "tie_word_embeddings": False}),
     "glm-biases-adjacent-half-rotary": ("glm", {}),
@@ -500,7 +509,7 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4"):
+                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -557,7 +566,8 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_5, "
-                                              "qwen3_5_moe, mistral, mistral3, ministral3, olmo, olmo2, olmo3, smollm3, exaone, exaone4, arcee, glm, glm4, ernie4_5, "
+                                              "qwen3_5_moe, mistral, mistral3, ministral3, olmo, olmo2, olmo3, smollm3, exaone, hunyuan_v1_dense, "
+                                              "exaone4, arcee, glm, glm4, ernie4_5, "
                                               "seed_oss, "
                                               "cohere, "
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
