@@ -1,7 +1,8 @@
 """Checkpoints with Llama's tensor names, LayerNorms (with biases) and an ungated MLP: StarCoder 2 (`starcoder2`:
 tanh GELU, `mlp.c_fc` / `mlp.c_proj`, biases everywhere by `use_bias`, a sliding window where the file names one) and
 Nemotron (`nemotron`: relu^2, `mlp.up_proj` / `down_proj`, rotary on each head's first half, and LayerNorm1P, whose
-weight is stored as w - 1: the 1 is added on loading and taken off on saving)."""
+weight is stored as w - 1: the 1 is added on loading and taken off on saving) and Jais 2 (`jais2`: relu^2, biases on
+by default)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,12 +25,14 @@ class Format:
     rotary_fraction: float  # partial_rotary_factor's default
     norm_offset: float  # what the stored norm weights lack (Nemotron's LayerNorm1P: 1)
     tied: bool  # tie_word_embeddings' default
+    biases: bool = False  # attention_bias' and mlp_bias' default (StarCoder 2's one use_bias is on by default)
 
 
 FORMATS = {
     "starcoder2": Format("Starcoder2ForCausalLM", ("c_fc", "c_proj"), "norm_epsilon", "gelu_pytorch_tanh", 1.0, 0.0,
                          True),
     "nemotron": Format("NemotronForCausalLM", ("up_proj", "down_proj"), "norm_eps", "relu2", 0.5, 1.0, False),
+    "jais2": Format("Jais2ForCausalLM", ("up_proj", "down_proj"), "layer_norm_eps", "relu2", 1.0, 0.0, False, True),
 }
 
 
@@ -41,8 +44,8 @@ def layernorm_llama_config(model_type: str) -> Callable[[dict], DecoderConfig]:
         n_heads, d_model = hf["num_attention_heads"], hf["hidden_size"]
         d_head = hf.get("head_dim") or d_model // n_heads
         fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", fmt.rotary_fraction))
-        attn_bias = hf.get("use_bias", True) if model_type == "starcoder2" else hf.get("attention_bias", False)
-        mlp_bias = hf.get("use_bias", True) if model_type == "starcoder2" else hf.get("mlp_bias", False)
+        attn_bias = hf.get("use_bias", True) if model_type == "starcoder2" else hf.get("attention_bias", fmt.biases)
+        mlp_bias = hf.get("use_bias", True) if model_type == "starcoder2" else hf.get("mlp_bias", fmt.biases)
         return DecoderConfig(
             n_layers=hf["num_hidden_layers"], d_model=d_model, n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_head=d_head, d_mlp=hf["intermediate_size"],
@@ -60,7 +63,7 @@ def layernorm_llama_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Op
     fmt = FORMATS[model_type]
 
     def config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
-        # StarCoder 2's one use_bias switches every bias; Nemotron's attention and MLP biases are apart
+        # StarCoder 2's one use_bias switches every bias; Nemotron's and Jais 2's attention and MLP biases are apart
         biases = ({"qkv_bias": cfg.mlp_bias, "out_bias": cfg.mlp_bias} if model_type == "starcoder2"
                   else {"out_bias": cfg.qkv_bias})
         require_fields(cfg, model_type, norm=Norm.LAYER, norm_placement=NormPlacement.PRE, final_norm=True,

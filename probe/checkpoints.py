@@ -6,7 +6,7 @@ OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (San
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
 checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -171,7 +171,8 @@ FAMILIES = {
         *(Family(model_type, architecture, ("model.",), layernorm_llama_config(model_type),
                  layernorm_llama_config_to_hf(model_type), layernorm_llama_to_probe(model_type),
                  layernorm_llama_to_hf(model_type), prepends_bos=model_type != "starcoder2")
-          for model_type, architecture in (("starcoder2", "Starcoder2ForCausalLM"), ("nemotron", "NemotronForCausalLM"))),
+          for model_type, architecture in (("starcoder2", "Starcoder2ForCausalLM"), ("nemotron", "NemotronForCausalLM"),
+                                           ("jais2", "Jais2ForCausalLM"))),
         Family("gpt_bigcode", "GPTBigCodeForCausalLM", ("transformer.",), bigcode_config, bigcode_config_to_hf,
                bigcode_to_probe, bigcode_to_hf),
         Family("bloom", "BloomForCausalLM", ("transformer.",), bloom_config, bloom_config_to_hf, bloom_to_probe,

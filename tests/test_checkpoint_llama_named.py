@@ -16,7 +16,7 @@ from family_checks import assert_generation_and_processing_match
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import CASES, build
 
-KINDS = ["starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "hunyuan"]
+KINDS = ["starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "hunyuan", "jais2"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -31,7 +31,8 @@ def test_generation_and_processing_are_transformers(kind, tmp_path):
 
 @pytest.mark.parametrize("case", ["starcoder2-biases-window-tied", "nemotron-biases-tied-quarter-rotary",
                                   "seed-oss-out-bias-mlp-bias-tied", "glm-biases-adjacent-half-rotary",
-                                  "glm4-sandwich-norms", "ernie4-5-biases-untied", "hunyuan-norms-after-rope-alpha"])
+                                  "glm4-sandwich-norms", "ernie4-5-biases-untied", "hunyuan-norms-after-rope-alpha",
+                                  "jais2-biases-relu2"])
 def test_every_shared_hook_matches_the_bridge(case, tmp_path):
     from test_family_defaults import LLAMA_FILES, tokenized_checkpoint
 
@@ -70,7 +71,7 @@ def test_nemotron_norms_are_one_plus_the_stored_weight(tmp_path):
 @pytest.mark.parametrize("case", ["starcoder2-no-bias-untied-whole-window", "nemotron-biases-tied-quarter-rotary",
                                   "seed-oss-out-bias-mlp-bias-tied", "glm-no-bias-tied-whole-rotary",
                                   "glm4-sandwich-no-bias-eps", "ernie4-5-biases-untied",
-                                  "hunyuan-plain-rope-biases-tied"])
+                                  "hunyuan-plain-rope-biases-tied", "jais2-no-bias-tied-gelu"])
 def test_the_other_cases_save_through_transformers(case, tmp_path):
     """The second case of each (biases switched the other way, ties, rotary fractions, eps) saved and read back by
     transformers' own class (the default cases' round trips are in test_variants.py)."""
@@ -94,14 +95,15 @@ def test_a_config_without_optional_keys_reads_transformers_defaults(kind, tmp_pa
     path = tmp_path / "config.json"
     config = json.loads(path.read_text())
     for key in ("tie_word_embeddings", "use_bias", "attention_bias", "mlp_bias", "rope_parameters", "norm_epsilon",
-                "norm_eps", "rms_norm_eps", "attention_out_bias"):
+                "norm_eps", "rms_norm_eps", "layer_norm_eps", "attention_out_bias"):
         config.pop(key, None)
     path.write_text(json.dumps(config))
     theirs = tf.AutoConfig.from_pretrained(tmp_path)
     ours = HookedDecoder.from_pretrained(tmp_path).cfg
     assert ours.tied_embeddings == theirs.tie_word_embeddings
     assert ours.rotary_dim == int(ours.d_head * theirs.rope_parameters.get("partial_rotary_factor", 1.0))
-    assert ours.eps == next(getattr(theirs, k) for k in ("norm_epsilon", "norm_eps", "rms_norm_eps") if hasattr(theirs, k))
+    assert ours.eps == next(getattr(theirs, k) for k in ("norm_epsilon", "norm_eps", "rms_norm_eps", "layer_norm_eps")
+                            if hasattr(theirs, k))
     biases = next(getattr(theirs, k) for k in ("use_bias", "attention_bias") if hasattr(theirs, k))
     assert ours.qkv_bias == biases
 

@@ -14,7 +14,7 @@ EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilo
 # every family built by test_variants.build whose config names one of these, but Cohere's, which probe unties on
 # purpose (its logit scale is folded into W_U)
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "arcee",
-         "apertus", "granite", "granitemoe", "exaone", "exaone4", "hunyuan", "seed_oss", "ernie4_5", "glm", "glm4", "starcoder2", "nemotron",
+         "apertus", "granite", "granitemoe", "exaone", "exaone4", "hunyuan", "jais2", "seed_oss", "ernie4_5", "glm", "glm4", "starcoder2", "nemotron",
          "qwen3_5", "qwen3_5_moe", "qwen3_next", "flex_olmo", "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "gpt_oss", "phi3",
          "stablelm", "neox", "phi", "falcon", "gptj", "codegen", "opt", "xglm", "gptneo", "bloom", "bigcode"]
 

@@ -34,7 +34,7 @@ FAMILIES = {"llama": LLAMA_FILES, "bloom": BLOOM_FILES, "mistral": LLAMA_FILES, 
             "exaone": LLAMA_FILES, "qwen3_5": QWEN_FILES, "starcoder2": GPT_FILES, "nemotron": LLAMA_FILES,
             "seed_oss": LLAMA_FILES, "glm": LLAMA_FILES, "glm4": LLAMA_FILES,
             "ernie4_5": LLAMA_FILES, "flex_olmo": GPT_FILES,
-            "exaone4": LLAMA_FILES, "hunyuan": LLAMA_FILES,
+            "exaone4": LLAMA_FILES, "hunyuan": LLAMA_FILES, "jais2": LLAMA_FILES,
             "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
 
 

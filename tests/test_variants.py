@@ -223,6 +223,10 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=40, bos_token_id=1, eos_token_id=2)
         model = tf.NemotronForCausalLM(tf.NemotronConfig(**{**settings, **overrides}))
+    elif kind == "jais2":  # LayerNorms, an ungated relu^2 MLP, biases everywhere by default
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, bos_token_id=1, eos_token_id=2)
+        model = tf.Jais2ForCausalLM(tf.Jais2Config(**{**settings, **overrides}))
     elif kind == "seed_oss":  # Llama with q/k/v biases and the output's own switch
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40, pad_token_id=0, bos_token_id=1,
@@ -399,6 +403,9 @@ CASES = {
                                                          "tie_word_embeddings": True, "rope_parameters": {
                                                              "rope_type": "default", "rope_theta": 500.0,
                                                              "partial_rotary_factor": 0.25}}),
+    "jais2-biases-relu2": ("jais2", {}),
+    "jais2-no-bias-tied-gelu": ("jais2", {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+                                          "hidden_act": "gelu_pytorch_tanh"}),
     "seed-oss-qkv-bias": ("seed_oss", {}),
     "flex-olmo-write-norms-experts": ("flex_olmo", {}),
     "flex-olmo-renormalised-biases-tied": ("flex_olmo", {"norm_topk_prob": True, "attention_bias": True,
@@ -509,7 +516,8 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan"):
+                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan",
+                 "jais2"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -573,7 +581,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "
                                               "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, flex_olmo, qwen3_moe, "
-                                              "qwen2_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, gpt_bigcode, "
+                                              "qwen2_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, jais2, gpt_bigcode, "
                                               "bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
 
