@@ -47,3 +47,18 @@ def caches_of_both(directory, tokens: torch.Tensor) -> tuple[dict, dict]:
     model = HookedDecoder.from_pretrained(directory).eval()
     with torch.no_grad():
         return model.run_with_cache(tokens)[1], bridge.run_with_cache(tokens)[1]
+
+
+def seen_in_forward(hf, tokens: torch.Tensor, modules: dict) -> dict:
+    """{name: (its inputs, its output)} of each of transformers' `modules` in `hf`'s forward on `tokens`: what a test
+    reads off transformers' own modules to compare with probe's hook points."""
+    seen = {}
+    handles = [module.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, (i, o)))
+               for name, module in modules.items()]
+    try:
+        with torch.no_grad():
+            hf(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from probe import HookedDecoder
-from family_checks import assert_generation_and_processing_match
+from family_checks import assert_generation_and_processing_match, seen_in_forward
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import CASES, build
 
@@ -147,18 +147,12 @@ def test_hunyuan_normalises_the_rotated_queries_and_keys(tmp_path):
     hf = build("hunyuan", tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
     assert model.cfg.rotary_base == pytest.approx(10000.0 * 50.0 ** (16 / 14))
-    seen = {}
     attn = hf.model.layers[1].self_attn
-    hooks = [attn.query_layernorm.register_forward_hook(lambda m, i, o: seen.update(q_in=i[0], q=o)),
-             attn.key_layernorm.register_forward_hook(lambda m, i, o: seen.update(k=o))]
     tokens = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
-    try:
-        with torch.no_grad():
-            _, cache = model.run_with_cache(tokens)
-            hf(tokens)
-    finally:
-        for handle in hooks:
-            handle.remove()
+    seen = seen_in_forward(hf, tokens, {"q": attn.query_layernorm, "k": attn.key_layernorm})
+    seen = {"q_in": seen["q"][0][0], "q": seen["q"][1], "k": seen["k"][1]}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
     torch.testing.assert_close(cache["blocks.1.attn.hook_q_normed"], seen["q"].transpose(1, 2), atol=1e-5, rtol=0)
     torch.testing.assert_close(cache["blocks.1.attn.hook_k_normed"], seen["k"].transpose(1, 2), atol=1e-5, rtol=0)
     torch.testing.assert_close(cache["blocks.1.attn.hook_rot_q"], seen["q_in"].transpose(1, 2), atol=1e-5, rtol=0)

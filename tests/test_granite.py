@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from probe import HookedDecoder
-from family_checks import assert_generation_and_processing_match
+from family_checks import assert_generation_and_processing_match, seen_in_forward
 from test_variants import build
 
 
@@ -29,20 +29,13 @@ def test_the_writes_the_residual_receives_are_scaled(tmp_path):
     c = hf.config
     model = HookedDecoder.from_pretrained(tmp_path).eval()
     assert not model.cfg.tied_embeddings and model.cfg.attn_scale_dim == c.attention_multiplier ** -2
-    seen = {}
     modules = {"embed": hf.model.embed_tokens, "head": hf.lm_head,
                **{f"attn{l}": layer.self_attn for l, layer in enumerate(hf.model.layers)},
                **{f"mlp{l}": layer.mlp for l, layer in enumerate(hf.model.layers)}}
-    handles = [m.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(k, o[0] if isinstance(o, tuple) else o))
-               for k, m in modules.items()]
     toks = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(3))
-    try:
-        with torch.no_grad():
-            logits, cache = model.run_with_cache(toks)
-            hf(toks)
-    finally:
-        for handle in handles:
-            handle.remove()
+    seen = {k: o[0] if isinstance(o, tuple) else o for k, (_, o) in seen_in_forward(hf, toks, modules).items()}
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(toks)
     torch.testing.assert_close(cache["hook_embed"], seen["embed"] * c.embedding_multiplier, atol=1e-5, rtol=0)
     for l in range(c.num_hidden_layers):
         for ours, theirs in (("attn_out", "attn"), ("mlp_out", "mlp")):

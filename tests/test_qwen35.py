@@ -15,7 +15,7 @@ import torch
 
 from probe import DecoderConfig, HookedDecoder, LinearAttention
 from probe.kv_cache import KVCache
-from family_checks import assert_generation_and_processing_match
+from family_checks import assert_generation_and_processing_match, seen_in_forward
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import build, perturbed
 
@@ -70,19 +70,12 @@ def test_the_deltanet_and_the_gate_hold_transformers_values(tmp_path):
     rows give hook_q_gate."""
     hf = build("qwen3_5", tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
-    seen = {}
     layers = hf.model.layers
-    hooks = [layers[0].linear_attn.register_forward_hook(lambda m, i, o: seen.__setitem__("out0", o)),
-             layers[0].linear_attn.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("norm0", o)),
-             layers[3].self_attn.o_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("o3", i[0])),
-             layers[3].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("q3", o))]
-    try:
-        with torch.no_grad():
-            _, cache = model.run_with_cache(TOKENS)
-            hf(TOKENS)
-    finally:
-        for handle in hooks:
-            handle.remove()
+    seen = seen_in_forward(hf, TOKENS, {"linear": layers[0].linear_attn, "norm": layers[0].linear_attn.norm,
+                                        "o": layers[3].self_attn.o_proj, "q": layers[3].self_attn.q_proj})
+    seen = {"out0": seen["linear"][1], "norm0": seen["norm"][1], "o3": seen["o"][0][0], "q3": seen["q"][1]}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(TOKENS)
     torch.testing.assert_close(cache["blocks.0.hook_attn_out"], seen["out0"], atol=1e-5, rtol=0)
     torch.testing.assert_close(cache["blocks.0.linear_attn.hook_z"].flatten(0, 2), seen["norm0"], atol=1e-5, rtol=0)
     torch.testing.assert_close(cache["blocks.3.attn.hook_z"].flatten(-2), seen["o3"], atol=1e-5, rtol=0)
