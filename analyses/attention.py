@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from plotly.subplots import make_subplots
 
-from probe.analyses.architecture import require_attention_heads
 from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
 from probe.analyses.labels import grid_layout, head_label, position_labels, titled
 from probe import HookedDecoder
@@ -125,7 +124,10 @@ class AttentionPatterns(TableDisplay):
             for hi in range(n_head):  # one trace per head: plotly has no batched subplot API
                 self._add_pooled(fig, self.pattern[li, hi], rows=n_layer - li, cols=hi + 1,
                                  name=head_label(self.layers[li], self.heads[hi]), cells=min(GRID_CELLS, 32))
-        return _style_grid(fig, "Attention patterns of every head (layer 0 at the bottom; query down, key across)",
+        first, last = self.layers[0], self.layers[-1]
+        which = (f"layer {first} (" if len(self.layers) == 1 else f"layers {first}-{last} (the first at the bottom; "
+                 if self.layers == list(range(first, last + 1)) else f"layers {self.layers} (the first at the bottom; ")
+        return _style_grid(fig, f"Attention patterns of {which}query down, key across)",
                            width=96 * n_head + 160, height=104 * n_layer + 140)
 
     def _add_pooled(self, fig, pattern: torch.Tensor, rows: int, cols: int, name: str, cells: Optional[int] = None):
@@ -194,9 +196,13 @@ def attention_patterns(
     heads: Optional[Sequence[int]] = None,
 ) -> AttentionPatterns:
     """The attention weights of one prompt (a string or token ids of one sequence) in the chosen
-    layers and heads (default: all), with the prompt's token strings for labelling."""
-    require_attention_heads(model, "attention_patterns")
-    layers = _check_indices(layers, model.cfg.n_layers, "layers")
+    layers and heads (default: all; a hybrid model's attention layers), with the prompt's token strings for labelling."""
+    attending = [l for l in range(model.cfg.n_layers) if not model.cfg.layer_is_linear(l)]
+    layers = _check_indices(attending if layers is None else layers, model.cfg.n_layers, "layers")
+    linear = [l for l in layers if l not in attending]  # a hybrid's linear-attention layers (Qwen3.5)
+    if linear:
+        raise ValueError(f"attention_patterns: layers {linear} are linear-attention layers, which have no attention "
+                         f"patterns; this hybrid model's attention layers are {attending}")
     heads = _check_indices(heads, model.cfg.n_heads, "heads")
     if not isinstance(input, (str, torch.Tensor)):
         raise ValueError("attention_patterns shows one prompt: pass a string or the token ids of one sequence")

@@ -182,9 +182,9 @@ def run(args: argparse.Namespace) -> int:
     linear = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_is_linear(layer)]
     headless = ("Not run: {} reads every layer's attention heads, and layers " + str(linear) + " of this hybrid model are "
                 "linear-attention layers, which have none; the analyses by layer cover them.")
+    attention_sections(model, tokens, report, out, timed)  # (a hybrid's: the layers that attend)
     if linear:
-        for key, title, what in (("attention", "Attention patterns", "the attention view"),
-                                 ("detectors", "Head detectors", "each head detector"),
+        for key, title, what in (("detectors", "Head detectors", "each head detector"),
                                  ("ablation", "Head ablation", "head ablation")):
             report.section(key, title).append(note(headless.format(what)))
     else:
@@ -276,8 +276,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 
-def head_sections(model, tokens, args, report, out, timed) -> None:
-    """The analyses of every layer's attention heads: patterns, detectors, single-head ablation."""
+def attention_sections(model, tokens, report, out, timed) -> None:
+    """Attention patterns, as figures and token by token (a hybrid model's: its attention layers')."""
     import probe.analyses as A
 
     with timed("attention"):
@@ -287,6 +287,11 @@ def head_sections(model, tokens, args, report, out, timed) -> None:
         out.write_csv("patterns.csv", patterns.to_frame())
         part = report.section("attention-view", "Attention, token by token")  # interactive: no plotly, no network
         part += [A.AttentionView.from_patterns(patterns).to_html(title="Pick a layer and a head; hover a token")]
+
+
+def head_sections(model, tokens, args, report, out, timed) -> None:
+    """The analyses of every layer's attention heads: detectors and single-head ablation."""
+    import probe.analyses as A
 
     with timed("head detectors"):
         part = report.section("detectors", "Head detectors")
@@ -302,6 +307,7 @@ def head_sections(model, tokens, args, report, out, timed) -> None:
         part = report.section("ablation", "Head ablation")
         part += [note("The change in the prompt's loss when each head alone is zero-ablated."), figure_html(effects.figure())]
         out.write_csv("ablation.csv", effects.to_frame())
+
 
 build_parser, main = command(__doc__, "probe report", add_arguments, run)
 

@@ -339,8 +339,9 @@ def test_residual_decomposition_and_dla_add_up_on_a_hybrid(kind, tmp_path):
 
 
 def test_the_report_runs_and_says_why_it_leaves_out_the_head_sections(tmp_path):
-    """`probe report` on a hybrid: the sections by layer run (residual patching in place of head patching), and each
-    analysis of every layer's heads says why it is not run instead of failing the report."""
+    """`probe report` on a hybrid: the sections by layer run (residual patching in place of head patching), the
+    attention patterns are its attention layer's, and each analysis of every layer's heads says why it is not run
+    instead of failing the report."""
     from test_family_defaults import QWEN_FILES, tokenized_checkpoint
     from probe.cli.cli import main
 
@@ -348,14 +349,15 @@ def test_the_report_runs_and_says_why_it_leaves_out_the_head_sections(tmp_path):
     assert main(["report", "--model", str(directory), "--prompt", "the cat sat on the mat", "--corrupted",
                  "the cat sat on the rug", "--out", str(tmp_path / "report"), "--quiet"]) in (0, None)
     page = (tmp_path / "report" / "report.html").read_text()
-    for what in ("the attention view", "each head detector", "head ablation", "edge attribution", "head importance"):
+    for what in ("each head detector", "head ablation", "edge attribution", "head importance"):
         assert (f"Not run: {what} reads every layer&#x27;s attention heads, and layers [0, 1, 2] of this hybrid model "
                 "are linear-attention layers") in page
     patched = pd.read_csv(tmp_path / "report" / "patching.csv")
     assert set(patched["act"]) == {"resid_pre"} and len(patched) == 4 * len(patched["pos"].unique())
     attribution = pd.read_csv(tmp_path / "report" / "attribution.csv")
     assert {"L0 linear_attn", "L3H0"} <= set(attribution["component"])
-    assert not (tmp_path / "report" / "edges.csv").exists() and not (tmp_path / "report" / "patterns.csv").exists()
+    assert not (tmp_path / "report" / "edges.csv").exists()
+    assert set(pd.read_csv(tmp_path / "report" / "patterns.csv")["layer"]) == {3}
 
 
 def test_compatibility_mode_processes_as_the_bridge_does(tmp_path):
@@ -424,3 +426,20 @@ def test_the_hybrid_on_the_device_is_transformers_there(tmp_path, device_under_t
         prompt = tokens[:, :9]
         expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)
+
+
+def test_attention_patterns_of_a_hybrid_are_its_attention_layers(tmp_path):
+    """By default the patterns of the layers that attend (transformers' own attention weights there); a linear layer
+    asked for by name is refused, naming the attention layers."""
+    from probe import analyses
+
+    hf = build("qwen3_5", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path).eval()
+    patterns = analyses.attention_patterns(model, TOKENS[0])
+    assert patterns.layers == [3]
+    with torch.no_grad():
+        weights = hf(TOKENS[:1], output_attentions=True).attentions  # (one per attention layer: layer 3's)
+    assert len(weights) == 1
+    torch.testing.assert_close(patterns.pattern[0], weights[0][0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"layers \[1\] are linear-attention layers, .* attention layers are \[3\]"):
+        analyses.attention_patterns(model, TOKENS[0], layers=[1, 3])
