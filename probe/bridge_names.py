@@ -55,9 +55,14 @@ def _linear_attention_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def _block_names(cfg: DecoderConfig, b: str, linear: bool = False) -> tuple[dict[str, str], dict[str, str]]:
-    if linear:
-        aliases, left_out = _linear_attention_names(b)
-        return _mlp_names(cfg, b, aliases, left_out)
+    """One block's names: its token mixer's (attention or a linear-attention layer), then its MLP's."""
+    aliases, left_out = _linear_attention_names(b) if linear else _attention_names(cfg, b)
+    if cfg.attn_only:
+        return aliases, left_out
+    return _mlp_names(cfg, b, aliases, left_out)
+
+
+def _attention_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, str]]:
     post = cfg.norm_placement is NormPlacement.POST  # GPT-1: each norm follows its sum, so sublayers read the residual
     sandwich = cfg.norm_placement is NormPlacement.SANDWICH  # Gemma 2: the bridge's sublayer outputs are before ln*_post
     # a post-norm block's sublayers read the residual stream itself, which has no point of the sublayer's own: the
@@ -96,9 +101,7 @@ def _block_names(cfg: DecoderConfig, b: str, linear: bool = False) -> tuple[dict
             left_out[f"{b}.attn.{part}_norm.hook_in"] = left_out[f"{b}.attn.{part}_norm.hook_out"] = (
                 f"the bridge holds the {part} norm's input and output as {layout}; probe hooks "
                 f"the same values as {b}.attn.hook_{part} and {b}.attn.hook_{part}_normed, [batch pos head d_head]")
-    if cfg.attn_only:
-        return aliases, left_out
-    return _mlp_names(cfg, b, aliases, left_out)
+    return aliases, left_out
 
 
 def _mlp_names(cfg: DecoderConfig, b: str, aliases: dict[str, str],

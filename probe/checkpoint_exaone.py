@@ -67,7 +67,7 @@ def exaone_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[st
 
 
 def exaone4_config(hf: dict) -> DecoderConfig:
-    base = dataclasses.replace(llama_config(with_defaults(hf, rope_theta=10000.0), default_eps=1e-5),
+    base = dataclasses.replace(llama_config(hf, default_eps=1e-5),
                                norm_placement=NormPlacement.SANDWICH, input_norms=False, qk_norm=True)
     window = hf.get("sliding_window", 4096)
     if window is None:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import Source, require_fields, with_defaults
+from probe.checkpoint_source import Source, require_fields, special_token_ids, with_defaults
 from probe.config import DecoderConfig, NormPlacement
 from probe.tokenizer import Tokenizer
 
@@ -43,9 +43,7 @@ def glm_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[Token
         out = llama_config_to_hf(plain, tokenizer, "llama")
         out.pop("mlp_bias", None)
         out["rope_parameters"] = {**out["rope_parameters"], "partial_rotary_factor": cfg.rotary_dim / cfg.d_head}
-        # (their default special ids would lie outside a small vocabulary)
-        out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
-                    for kind in ("bos", "eos", "pad")})
+        out.update(special_token_ids(tokenizer))
         out.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], attention_bias=cfg.qkv_bias)
         return out
     return config_to_hf

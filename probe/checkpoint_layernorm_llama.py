@@ -11,7 +11,8 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, llama_named_to_hf,
-                                     llama_named_to_probe, require_fields, rope_from_hf, rope_to_hf)
+                                     llama_named_to_probe, require_fields, rope_from_hf, rope_to_hf,
+                                     special_token_ids)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.tokenizer import Tokenizer
 
@@ -75,10 +76,7 @@ def layernorm_llama_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Op
                "head_dim": cfg.d_head, "intermediate_size": cfg.d_mlp, "vocab_size": cfg.d_vocab,
                "max_position_embeddings": cfg.n_ctx, fmt.eps: cfg.eps,
                "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation], "tie_word_embeddings": cfg.tied_embeddings,
-               **rope_to_hf(cfg, partial_rotary_factor=fraction),
-               # (their default special ids would lie outside a small vocabulary)
-               **{f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
-                  for kind in ("bos", "eos", "pad")}}
+               **rope_to_hf(cfg, partial_rotary_factor=fraction), **special_token_ids(tokenizer)}
         if model_type == "starcoder2":
             out.update(use_bias=cfg.mlp_bias, sliding_window=cfg.sliding_window)
         else:

@@ -10,7 +10,7 @@ import torch
 
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of,
                                      layer_kinds, layer_types_to_hf, require_fields, rope_by_layer_kind, rope_from_hf,
-                                     rope_to_hf, take_unembed, with_defaults)
+                                     rope_to_hf, special_token_ids, take_unembed, with_defaults)
 from probe.config import Activation, DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -192,10 +192,8 @@ def llama_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model
         out["attention_out_bias"] = cfg.out_bias
     if model_type == "ernie4_5":
         out["use_bias"] = out.pop("mlp_bias")
-    if model_type in ("smollm3", "cohere", "cohere2", "flex_olmo", "exaone4", "hunyuan_v1_dense"):  # (their default special ids would lie outside a
-        # small vocabulary)
-        out.update({f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
-                    for kind in ("bos", "eos", "pad")})
+    if model_type in ("smollm3", "cohere", "cohere2", "flex_olmo", "exaone4", "hunyuan_v1_dense"):
+        out.update(special_token_ids(tokenizer))
     if model_type == "smollm3":
         out["no_rope_layers"] = [int(cfg.layer_rotates(l)) for l in range(cfg.n_layers)]
     if model_type == "olmo3":  # each layer's kind, and each kind's rope (the sliding layers' unscaled)

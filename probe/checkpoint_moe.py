@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe, olmo2_config
-from probe.checkpoint_source import Source, with_defaults
+from probe.checkpoint_source import Source, with_defaults, with_fields
 from probe.config import DecoderConfig, Experts
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -57,25 +57,25 @@ def flex_olmo_config(hf: dict) -> DecoderConfig:
                                experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
 
 
-def _every_layer_sparse(hf: dict) -> dict:
+def every_layer_sparse(hf: dict) -> dict:
     """config.json with the experts' width as the MLP's (the file's intermediate_size is a dense layer's, which Qwen's
-    MoE files may put among the sparse ones: refused)."""
+    MoE files, Qwen3-Next's too, may put among the sparse ones: refused)."""
     dense = hf.get("mlp_only_layers") or []
     if dense or hf.get("decoder_sparse_step", 1) != 1:
         raise CheckpointError(f"dense MLP layers among the sparse ones (mlp_only_layers={dense}, decoder_sparse_step="
                               f"{hf.get('decoder_sparse_step', 1)}) are not supported: every layer must be sparse")
-    return {**hf, "intermediate_size": hf["moe_intermediate_size"]}
+    return with_fields(hf, intermediate_size=hf["moe_intermediate_size"])
 
 
 def qwen3_moe_config(hf: dict) -> DecoderConfig:
-    hf = _every_layer_sparse(hf)
+    hf = every_layer_sparse(hf)
     return dataclasses.replace(llama_config(hf), qk_norm=True,
                                experts=_experts(hf, "num_experts", hf.get("norm_topk_prob", False)))
 
 
 def qwen2_moe_config(hf: dict) -> DecoderConfig:
     # Qwen2's attention (q/k/v biases) and, beside the routed experts, a shared one every token runs
-    hf = _every_layer_sparse(hf)
+    hf = every_layer_sparse(hf)
     experts = dataclasses.replace(_experts(hf, "num_experts", hf.get("norm_topk_prob", False)),
                                   shared=hf.get("shared_expert_intermediate_size") or None)
     return dataclasses.replace(llama_config(hf, qkv_bias=hf.get("qkv_bias", True)), experts=experts)

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf
-from probe.checkpoint_moe import expert_names
+from probe.checkpoint_moe import every_layer_sparse, expert_names
 from probe.checkpoint_source import Source, language_model_of, require_fields, take_unembed, with_defaults
 from probe.config import DecoderConfig, Experts, LinearAttention, Norm
 from probe.config_file import CheckpointError
@@ -63,14 +63,9 @@ def qwen35_config(hf: dict) -> DecoderConfig:
 def _moe_config(renormalize: Callable[[dict], bool]) -> Callable[[dict], DecoderConfig]:
     """A mixture-of-experts format's config reader: the experts' width is the MLP's, every layer sparse."""
     def config_from_hf(hf: dict) -> DecoderConfig:
-        dense = hf.get("mlp_only_layers") or []
-        if dense or hf.get("decoder_sparse_step", 1) != 1:
-            raise CheckpointError(f"dense MLP layers among the sparse ones (mlp_only_layers={dense}, "
-                                  f"decoder_sparse_step={hf.get('decoder_sparse_step', 1)}) are not supported")
         experts = Experts(n=hf["num_experts"], per_token=hf["num_experts_per_tok"], renormalize=renormalize(hf),
                           shared=hf.get("shared_expert_intermediate_size") or None)
-        return dataclasses.replace(qwen35_config({**hf, "intermediate_size": hf["moe_intermediate_size"]}),
-                                   experts=experts)
+        return dataclasses.replace(qwen35_config(every_layer_sparse(hf)), experts=experts)
     return config_from_hf
 
 

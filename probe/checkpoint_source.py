@@ -241,6 +241,13 @@ def with_fields(hf: dict, **fields) -> dict:
     return ConfigFields(merged, hf.path, hf.prefix) if isinstance(hf, ConfigFields) else merged
 
 
+def special_token_ids(tokenizer) -> dict:
+    """config.json's bos/eos/pad ids from the model's tokenizer (None without one): written by formats whose config
+    classes would otherwise fill in their released models' ids, which lie outside a small vocabulary."""
+    return {f"{kind}_token_id": None if tokenizer is None else getattr(tokenizer, f"{kind}_id")
+            for kind in ("bos", "eos", "pad")}
+
+
 def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
     """Refuse a config the format cannot hold: `wanted` gives each field's value (or a set of values) in the
     format; fields only some formats hold (`PLAIN_FIELDS`) must be at their defaults unless `wanted` says otherwise."""

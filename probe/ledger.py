@@ -78,6 +78,27 @@ class Ledger:
         return pd.DataFrame({"quantity": list(values), "value": pd.Series(list(values.values()), dtype=object)})
 
 
+def _per_norm(cfg: DecoderConfig) -> int:
+    """A norm's learned parameters per dimension: w (and a LayerNorm's b)."""
+    return {Norm.LAYER: 2, Norm.NONE: 0}.get(cfg.norm, 1)
+
+
+def _add_attention(cfg: DecoderConfig, add, layer: int) -> None:
+    """An attention layer's parameters: q (and an output gate's), k, v, o, their biases, q/k norms and sinks."""
+    d, dh, per_norm = cfg.d_model, cfg.d_head, _per_norm(cfg)
+    h, kv = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
+    add("attn.q.weight", "attention", d * h * dh, layer)
+    add("attn.gate.weight", "attention", d * h * dh if cfg.attn_output_gate else 0, layer)
+    qk_norm = (h + kv) * dh if cfg.qk_norm_over_heads else 2 * dh  # OLMo 2's span every head
+    add("attn.qk_norm", "norm", qk_norm * per_norm if cfg.qk_norm else 0, layer)
+    add("attn.k.weight", "attention", d * kv * dh, layer)
+    add("attn.v.weight", "attention", d * kv * dh, layer)
+    add("attn.qkv.bias", "attention", (h + 2 * kv + h * cfg.attn_output_gate) * dh if cfg.qkv_bias else 0, layer)
+    add("attn.o.weight", "attention", h * dh * d, layer)
+    add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
+    add("attn.sinks", "attention", h if cfg.attn_sinks else 0, layer)
+
+
 def _add_linear_attention(cfg: DecoderConfig, add, layer: int) -> None:
     """A Gated DeltaNet layer's parameters (probe.linear_attention): its projections are matmuls ("weight"), its
     convolution, decay rates and gated norm are not."""
@@ -93,7 +114,7 @@ def _add_linear_attention(cfg: DecoderConfig, add, layer: int) -> None:
 def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype = torch.float32) -> Ledger:
     if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
         raise ValueError(f"n_ctx={n_ctx!r}: give a positive number of positions, or None for the model's n_ctx")
-    d, m, h, kv, dh, v = cfg.d_model, cfg.d_mlp, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_vocab
+    d, m, v = cfg.d_model, cfg.d_mlp, cfg.d_vocab
     rows: list[dict] = []
 
     def add(component: str, group: str, params: int, layer: Optional[int] = None) -> None:
@@ -105,26 +126,12 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add("pos_embed.weight", "embedding", cfg.n_ctx * d)
     if cfg.embed_norm:  # a LayerNorm whatever the blocks' norms, never folded
         add("embed.ln", "norm", 2 * d)
-    per_norm = {Norm.LAYER: 2, Norm.NONE: 0}.get(cfg.norm, 1)  # w (and b) per dimension
+    per_norm = _per_norm(cfg)
     norm_params = d * per_norm if cfg.norm_weights else 0  # ln1, ln2, ln_final: see DecoderConfig.norm_weights
     input_params = norm_params if cfg.input_norms else 0  # OLMo 2's blocks normalise only their writes
     for layer in range(cfg.n_layers):
-        h, kv = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
         add("ln1", "norm", input_params, layer)
-        linear = cfg.layer_is_linear(layer)
-        if linear:
-            _add_linear_attention(cfg, add, layer)
-            h = kv = 0  # (no attention: the rows below add nothing)
-        add("attn.q.weight", "attention", d * h * dh, layer)
-        add("attn.gate.weight", "attention", d * h * dh if cfg.attn_output_gate else 0, layer)
-        qk_norm = (h + kv) * dh if cfg.qk_norm_over_heads else 2 * dh  # OLMo 2's span every head
-        add("attn.qk_norm", "norm", qk_norm * per_norm if cfg.qk_norm and not linear else 0, layer)
-        add("attn.k.weight", "attention", d * kv * dh, layer)
-        add("attn.v.weight", "attention", d * kv * dh, layer)
-        add("attn.qkv.bias", "attention", (h + 2 * kv + h * cfg.attn_output_gate) * dh if cfg.qkv_bias and not linear else 0, layer)
-        add("attn.o.weight", "attention", h * dh * d, layer)
-        add("attn.o.bias", "attention", d if cfg.out_bias and not linear else 0, layer)
-        add("attn.sinks", "attention", h if cfg.attn_sinks else 0, layer)
+        (_add_linear_attention if cfg.layer_is_linear(layer) else _add_attention)(cfg, add, layer)
         if cfg.attn_only:
             continue
         add("ln2", "norm", input_params, layer)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from family_checks import seen_in_forward
+
 
 def hf_forward_states(hf, tokens):
     """logits, every block's attention output, all hidden states, and the residual entering ln_f
@@ -22,17 +24,8 @@ def hf_forward_states(hf, tokens):
 
 def hf_head_inputs(hf, tokens) -> dict[int, torch.Tensor]:
     """Every layer's merged head outputs (c_proj's input) [batch pos n_head*d_head]."""
-    seen, handles = {}, []
-    for layer, block in enumerate(hf.transformer.h):
-        handles.append(block.attn.c_proj.register_forward_pre_hook(
-            lambda mod, args, layer=layer: seen.__setitem__(layer, args[0].detach().clone())))
-    try:
-        with torch.no_grad():
-            hf(tokens)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+    seen = seen_in_forward(hf, tokens, {layer: block.attn.c_proj for layer, block in enumerate(hf.transformer.h)})
+    return {layer: inputs[0] for layer, (inputs, _) in seen.items()}
 
 
 def hf_head_writes(hf, tokens):
