@@ -5,7 +5,8 @@ residual stream, so its hook_pos_embed is not a write to the residual; a bidirec
 later ones too, so its output at a position is no prediction of the next token (a next-token loss measures nothing
 it does) and it cannot generate. Each refusal names the problem and what to do instead, before any work, where the
 model would otherwise fail deep inside with a missing attribute or name, or give a number that means nothing. A hybrid
-model's linear-attention layers (Qwen3.5) have no heads, so analyses of every layer's heads refuse it."""
+model's linear-attention layers (Qwen3.5) have no heads, so analyses of every layer's heads refuse it; latent
+attention's heads (DeepSeek) have no W_Q, W_K or W_V, so analyses of those weights refuse it."""
 from __future__ import annotations
 
 import re
@@ -39,6 +40,17 @@ def require_attention_heads(model: HookedDecoder, what: str) -> None:
                          f"with no attention heads, and {what} reads every layer's heads; analyses by layer work on it "
                          f"(logit_lens, patch(..., sites='resid_pre' / 'attn_out' / 'mlp_out'), the cache's "
                          f"decompose_resid), and its attention layers' heads are model.blocks[l].attn")
+
+
+def require_head_weights(model: HookedDecoder, what: str) -> None:
+    """Refuse `what`, which reads each head's W_Q, W_K and W_V (linear maps of the residual), on latent attention,
+    whose queries, keys and values pass normalised low-rank latents (DeepSeek-V2/V3), naming what works instead."""
+    if model.cfg.latent_attention is not None:
+        raise ValueError(f"{what}: this model's latent attention reads queries, keys and values through normalised "
+                         f"low-rank latents, so its heads have no W_Q, W_K or W_V (linear maps of the residual) for "
+                         f"{what} to read; the analyses of the heads' activations work on it (attention_patterns, "
+                         f"head_scores, ablate_heads, patch(..., sites='heads'), direct_logit_attribution), and its "
+                         f"W_O is model.blocks[l].attn.W_O")
 
 
 def refuse_shortformer(model: HookedDecoder, what: str, why: str, instead: str) -> None:

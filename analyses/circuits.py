@@ -30,6 +30,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
+from probe.analyses.architecture import require_head_weights
 from probe.analyses.common import TableDisplay, is_int
 from probe import HookedDecoder, process_weights
 from probe.processing import can_center_writing_weights, can_fold_ln
@@ -37,6 +38,7 @@ from probe.processing import can_center_writing_weights, can_fold_ln
 
 def _head_weights(model: HookedDecoder, layer: int, head: int) -> tuple[torch.Tensor, ...]:
     """W_Q [d_model d_head], W_K, W_V (of the head's key/value head), W_O [d_head d_model], in float32."""
+    require_head_weights(model, "the heads' QK and OV circuits")
     if not (is_int(layer) and 0 <= layer < model.cfg.n_layers):
         raise ValueError(f"layer={layer!r} is outside [0, {model.cfg.n_layers})")
     attn = model.blocks[layer].attn

@@ -1,9 +1,10 @@
-"""Which experts a mixture-of-experts model (Mixtral, OLMoE, Qwen3-MoE, GPT-OSS) sends each token to, layer by layer: the
-router's softmax over every expert, the experts chosen and the weights their outputs are summed with, and how
-often each expert is used over a prompt."""
+"""Which experts a mixture-of-experts model (Mixtral, OLMoE, Qwen3-MoE, GPT-OSS, GLM-4.5) sends each token to, layer by
+layer (its sparse layers, where dense ones sit among them): the router's scores over every expert, the experts chosen
+and the weights their outputs are summed with, and how often each expert is used over a prompt."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -21,18 +22,25 @@ WIDTH_PX = 900
 class ExpertRouting(TableDisplay):
     """One prompt's routing.
 
-    probs:   [layer pos expert] the router's softmax over every expert (hook_expert_weights; GPT-OSS, which
-             chooses by logit first: the softmax over the chosen experts, 0 for the others).
-    chosen:  [layer pos per_token] the experts that ran, the largest weight first (hook_expert_indices).
-    weights: [layer pos per_token] what each chosen expert's output was multiplied by (renormalised where the
-             model renormalises).
+    probs:   [layer pos expert] the router's scores over every expert (hook_expert_weights: the softmax, or each
+             expert's sigmoid before any selection bias; GPT-OSS, which chooses by logit first: the softmax over the
+             chosen experts, 0 for the others).
+    chosen:  [layer pos per_token] the experts that ran, the best choice first (hook_expert_indices).
+    weights: [layer pos per_token] what each chosen expert's output was multiplied by (renormalised and scaled
+             where the model does).
     strings: each token's raw string (for frames and CSV, not HTML).
+    layers:  the model's layer of each row of `layer` (its sparse ones); None: 0, 1, ...
     """
 
     probs: torch.Tensor
     chosen: torch.Tensor
     weights: torch.Tensor
     strings: list[str]
+    layers: Optional[list[int]] = None
+
+    @property
+    def layer_numbers(self) -> list[int]:
+        return list(range(self.probs.shape[0])) if self.layers is None else list(self.layers)
 
     @property
     def usage(self) -> torch.Tensor:
@@ -42,13 +50,13 @@ class ExpertRouting(TableDisplay):
         return counts / n_pos
 
     def to_frame(self) -> pd.DataFrame:
-        """One row per (layer, position, chosen expert): `rank` 1 is the largest weight; `prob` the router's softmax
-        for that expert, `weight` what its output was summed with."""
+        """One row per (layer, position, chosen expert): `rank` 1 is the best choice; `prob` the router's score for
+        that expert, `weight` what its output was summed with."""
         n_layers, n_pos, k = self.chosen.shape
         layer, pos, rank = torch.meshgrid(torch.arange(n_layers), torch.arange(n_pos), torch.arange(k), indexing="ij")
         expert = self.chosen.flatten()
         return pd.DataFrame({
-            "layer": layer.flatten().numpy(), "position": pos.flatten().numpy(),
+            "layer": torch.tensor(self.layer_numbers)[layer.flatten()].numpy(), "position": pos.flatten().numpy(),
             "token": pd.Series(self.strings)[pos.flatten().numpy()].to_numpy(), "rank": rank.flatten().numpy() + 1,
             "expert": expert.numpy(), "prob": self.probs.gather(-1, self.chosen).flatten().numpy(),
             "weight": self.weights.flatten().numpy(),
@@ -62,7 +70,7 @@ class ExpertRouting(TableDisplay):
         labels = position_labels(self.strings)
         fig = make_subplots(rows=n_layers, cols=2, column_widths=[0.78, 0.22], horizontal_spacing=0.08,
                             vertical_spacing=min(0.08, 0.3 / max(n_layers, 1)),
-                            subplot_titles=[t for layer in range(n_layers)
+                            subplot_titles=[t for layer in self.layer_numbers
                                             for t in (f"L{layer}: weights by token", f"L{layer}: share of tokens")])
         experts = [f"E{e}" for e in range(n_experts)]
         usage = self.usage
@@ -73,7 +81,8 @@ class ExpertRouting(TableDisplay):
                                  hovertemplate="%{x}: %{y:.0%} of tokens<extra></extra>"), row=layer + 1, col=2)
             fig.update_yaxes(autorange="reversed", row=layer + 1, col=1)
             fig.update_yaxes(range=[0, 1], tickformat=".0%", row=layer + 1, col=2)
-        fig.update_layout(coloraxis=dict(colorscale="Blues", cmin=0, cmax=1, colorbar=dict(title="weight")),
+        top = max(1.0, float(self.weights.max()))  # (scaled weights, DeepSeek's and GLM-4.5's, may pass 1)
+        fig.update_layout(coloraxis=dict(colorscale="Blues", cmin=0, cmax=top, colorbar=dict(title="weight")),
                           height=max(300, n_layers * (60 + 16 * n_pos)), width=WIDTH_PX)
         titled(fig, "Expert routing: the experts each token ran through, by weight, and each expert's share of the "
                     "tokens", WIDTH_PX)
@@ -89,13 +98,15 @@ def expert_routing(model: HookedDecoder, input: AnalysisInput) -> ExpertRouting:
     tokens = as_tokens(model, input)
     if tokens.shape[0] != 1:
         raise ValueError(f"expert_routing takes one prompt, got a batch of {tokens.shape[0]}; pass one string or ids [pos]")
-    names = [f"blocks.{layer}.mlp.hook_expert_{kind}" for layer in range(model.cfg.n_layers)
-             for kind in ("weights", "indices")]
+    layers = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_sparse(layer)]
+    names = [f"blocks.{layer}.mlp.hook_expert_{kind}" for layer in layers for kind in ("weights", "indices")]
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names=names)
-    probs = torch.stack([cache[f"blocks.{l}.mlp.hook_expert_weights"] for l in range(model.cfg.n_layers)]).float().cpu()
-    chosen = torch.stack([cache[f"blocks.{l}.mlp.hook_expert_indices"] for l in range(model.cfg.n_layers)]).cpu()
-    weights = probs.gather(-1, chosen)
-    if experts.renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return ExpertRouting(probs=probs, chosen=chosen, weights=weights, strings=token_strings(model, tokens[0].tolist()))
+    probs = torch.stack([cache[f"blocks.{l}.mlp.hook_expert_weights"] for l in layers]).float().cpu()
+    chosen = torch.stack([cache[f"blocks.{l}.mlp.hook_expert_indices"] for l in layers]).cpu()
+    # as probe.moe weighs them, renormalised where the experts say (never the selection bias: it decides the choice
+    # alone)
+    weights = model.blocks[layers[0]].mlp.normalize(probs.gather(-1, chosen))
+    return ExpertRouting(probs=probs, chosen=chosen, weights=weights * experts.scaling,
+                         strings=token_strings(model, tokens[0].tolist()),
+                         layers=None if len(layers) == model.cfg.n_layers else layers)

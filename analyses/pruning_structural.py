@@ -10,6 +10,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from probe.analyses.architecture import require_head_weights
 from probe.analyses.common import is_int
 from probe import HookedDecoder
 from probe.io import atomic_directory
@@ -66,6 +67,7 @@ def prune_heads(
     `save_pruned` to keep the map; `save_pretrained` / `from_pretrained` keep the model but not it.
     """
     cfg = model.cfg
+    require_head_weights(model, "prune_heads")
     if cfg.qk_norm_over_heads:
         raise ValueError("prune_heads: this model normalises q and k over all its heads together (OLMo 2), so removing "
                          "a head would change how the others are normalised, not just zero its output; ablate heads "

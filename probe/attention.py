@@ -53,6 +53,14 @@ def attention_softmax(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> to
     return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
+def visible_keys(allowed: Optional[torch.Tensor], causal: bool, n: int, device) -> Optional[torch.Tensor]:
+    """`allowed` spelled out: None means earlier keys in a causal model (no cache then: the n keys are the queries),
+    and stays None (every key) in a bidirectional one."""
+    if allowed is None and causal:
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return allowed
+
+
 class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
@@ -142,7 +150,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
             z = self._attend_explicitly(q, k, v, allowed, bias)
         else:  # nothing observes the pattern: let the fused kernel avoid materialising it
             if bias is not None:  # the kernel adds a float mask to the scores: the bias, -inf where hidden
-                visible = self._allowed_or_causal(allowed, q)
+                visible = visible_keys(allowed, self.causal, q.shape[1], q.device)
                 allowed = bias if visible is None else bias.masked_fill(~visible, float("-inf"))
             z = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -196,17 +204,10 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         scores = self.score_cap(scores * self.scale)
         if bias is not None:
             scores = scores + bias
-        allowed = self._allowed_or_causal(allowed, q)
+        allowed = visible_keys(allowed, self.causal, q.shape[1], q.device)
         scores = self.hook_attn_scores(scores if allowed is None else scores.masked_fill(~allowed, self.masked_score))
         pattern = self.hook_pattern(attention_softmax(scores, self.sinks))
         return einsum(pattern, v, "batch head query_pos key_pos, batch key_pos head d_head -> batch query_pos head d_head")
-
-    def _allowed_or_causal(self, allowed: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
-        """`allowed` spelled out: None means earlier keys in a causal model (no cache then: keys are the queries)."""
-        if allowed is None and self.causal:
-            n = q.shape[1]
-            return torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        return allowed
 
     # Per-head views of the weights, in the shapes interpretability code expects.
     def _split_qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from torch import nn
 from probe.attention import Attention, PerHeadInputs
 from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.hooks import HookPoint, observed
+from probe.latent_attention import LatentAttention
 from probe.linear_attention import GatedDeltaNet
 from probe.moe import make_mlp
 from probe.norm import make_norm
@@ -23,9 +24,10 @@ class PreNormBlock(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
         self.ln1 = make_norm(cfg, foldable=True, ends=True)
-        self.attn = Attention(cfg, layer)
+        # multi-head latent attention where the config has it (DeepSeek), the same hook points but for its latents'
+        self.attn = (Attention if cfg.latent_attention is None else LatentAttention)(cfg, layer)
         self.ln2 = make_norm(cfg, foldable=True, ends=True)
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_mlp(cfg, layer)
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
         # per-head copies of what attention reads, before its norm (transformer-lens's use_attn_in and
         # use_split_qkv_input): computed only while hooked or cached by name, see attention_input
@@ -158,7 +160,7 @@ class LinearAttentionBlock(nn.Module):
         self.ln1 = make_norm(cfg, foldable=True, ends=True)
         self.linear_attn = GatedDeltaNet(cfg)
         self.ln2 = make_norm(cfg, foldable=True, ends=True)
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_mlp(cfg, layer)
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
         self.hook_attn_out = HookPoint()  # [batch pos d_model]: the linear attention's write
         self.hook_resid_mid = HookPoint()  # [batch pos d_model]

@@ -33,7 +33,8 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
     else:
         left_out.update({f"rotary_emb.hook_{end}": _ROTARY.format(l=0) for end in ("in", "out", "cos", "sin")})
     for layer in range(cfg.n_layers):
-        block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}", cfg.layer_is_linear(layer))
+        block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}", cfg.layer_is_linear(layer),
+                                                     cfg.layer_sparse(layer))
         aliases.update(block_aliases)
         left_out.update({name: why.replace("{l}", str(layer)) for name, why in block_left_out.items()})
     return aliases, left_out
@@ -54,12 +55,14 @@ def _linear_attention_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
     return aliases, {f"{mixer}.hook_ssm_state": why}
 
 
-def _block_names(cfg: DecoderConfig, b: str, linear: bool = False) -> tuple[dict[str, str], dict[str, str]]:
-    """One block's names: its token mixer's (attention or a linear-attention layer), then its MLP's."""
+def _block_names(cfg: DecoderConfig, b: str, linear: bool = False,
+                 sparse: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    """One block's names: its token mixer's (attention or a linear-attention layer), then its MLP's (a mixture of
+    experts where `sparse`)."""
     aliases, left_out = _linear_attention_names(b) if linear else _attention_names(cfg, b)
     if cfg.attn_only:
         return aliases, left_out
-    return _mlp_names(cfg, b, aliases, left_out)
+    return _mlp_names(cfg, b, aliases, left_out, sparse)
 
 
 def _attention_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -94,6 +97,8 @@ def _attention_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[s
     left_out.update({f"{b}.attn.qkv.hook_in": fused, f"{b}.attn.qkv.hook_out": fused})
     if cfg.positions is Positions.ROTARY:
         left_out.update({f"{b}.attn.hook_cos": _ROTARY, f"{b}.attn.hook_sin": _ROTARY})
+    if cfg.latent_attention is not None:
+        _latent_attention_names(cfg, b, aliases, left_out)
     if cfg.qk_norm:
         layout = "[batch pos (head d_head)], every head's flattened" if cfg.qk_norm_over_heads else \
             "[batch head pos d_head]"
@@ -104,43 +109,69 @@ def _attention_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[s
     return aliases, left_out
 
 
-def _mlp_names(cfg: DecoderConfig, b: str, aliases: dict[str, str],
-               left_out: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """`aliases` and `left_out` with the MLP's names added."""
+def _latent_attention_names(cfg: DecoderConfig, b: str, aliases: dict[str, str], left_out: dict[str, str]) -> None:
+    """Latent attention's projections (the bridge's MLAAttentionBridge) in place of q, k and v's: the latents' norms
+    are points of their own (their ends), the projections' ends aliases of them or left out."""
+    a = f"{b}.attn"
+    for part in "qkv":
+        del aliases[f"{a}.{part}.hook_out"]
+    aliases[f"{a}.kv_b_proj.hook_in"] = f"{a}.hook_kv_latent"
+    if cfg.latent_attention.q_rank is not None:
+        aliases.update({f"{a}.q_a_proj.hook_out": f"{a}.q_a_layernorm.hook_in",
+                        f"{a}.q_b_proj.hook_in": f"{a}.hook_q_latent"})
+    reads = (f"what attention reads is {b}.ln1.hook_out (all of it; each projection's own input is not hooked), or "
+             f"each head's own copy, {b}.hook_q_input / hook_k_input / hook_v_input")
+    queries = f"the queries before rotation are not hooked whole: {a}.hook_q holds them after ([batch pos head d_qk])"
+    left_out.update({f"{a}.q_a_proj.hook_in": reads, f"{a}.q_proj.hook_in": reads,
+                     f"{a}.kv_a_proj_with_mqa.hook_in": reads, f"{a}.q_b_proj.hook_out": queries,
+                     f"{a}.q_proj.hook_out": queries,
+                     f"{a}.kv_a_proj_with_mqa.hook_out": f"it is split: the latent before its norm is "
+                     f"{a}.kv_a_layernorm.hook_in, the keys' rotated part {a}.hook_rot_k (after rotation)",
+                     f"{a}.kv_b_proj.hook_out": f"it is split per head: the keys' unrotated part is "
+                     f"{a}.hook_k[..., :d_nope], the values {a}.hook_v"})
+
+
+def _mlp_names(cfg: DecoderConfig, b: str, aliases: dict[str, str], left_out: dict[str, str],
+               sparse: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """`aliases` and `left_out` with the MLP's names added: a mixture of experts' where `sparse`; a dense layer of a
+    model with experts elsewhere is the bridge's MoE block bound to a gated MLP, its projections `dense_gate`,
+    `dense_in` and `dense_out`."""
     post = cfg.norm_placement is NormPlacement.POST
     sandwich = cfg.norm_placement is NormPlacement.SANDWICH
     residual_added = cfg.original_architecture == "BloomForCausalLM"
     mlp_in = f"{b}.hook_mlp_in" if post else f"{b}.ln2.hook_out"
     mlp_out = f"{b}.ln2_post.hook_in" if sandwich else f"{b}.hook_mlp_out"
     mlp_module_out = f"{b}.hook_resid_post" if residual_added else mlp_out
-    if cfg.experts is not None:  # the bridge's MoE block: its input and output (also as hook_pre / hook_post)
+    if sparse:  # the bridge's MoE block: its input and output (also as hook_pre / hook_post)
         aliases.update({f"{b}.mlp.hook_out": mlp_module_out, f"{b}.mlp.hook_in": mlp_in, f"{b}.mlp.hook_pre": mlp_in,
                         f"{b}.mlp.hook_post": mlp_out,
                         f"{b}.mlp.gate.hook_expert_indices": f"{b}.mlp.hook_expert_indices"})
-        routing = (f"probe hooks the routing as transformer-lens 3.9 does: {b}.mlp.hook_expert_weights, the softmax "
-                   f"over every expert ([batch*pos experts]; an edit there changes which experts run), and "
-                   f"{b}.mlp.hook_expert_indices; the router reads {mlp_in} with the experts")
+        routing = (f"probe hooks the routing as transformer-lens 3.9 does: {b}.mlp.hook_expert_weights, the scores "
+                   f"over every expert (the softmax, or each expert's sigmoid before any selection bias; [batch*pos "
+                   f"experts]; an edit there changes which experts run), and {b}.mlp.hook_expert_indices; the router "
+                   f"reads {mlp_in} with the experts")
         left_out.update({f"{b}.mlp.gate.hook_expert_weights": routing.replace(
-            "probe hooks", "the bridge's are the chosen experts' renormalised weights (zeros elsewhere); probe hooks"),
+            "probe hooks", "the bridge's are the chosen experts' weights (zeros elsewhere); probe hooks"),
             f"{b}.mlp.gate.hook_in": routing, f"{b}.mlp.gate.hook_out": routing})
         return aliases, left_out
+    gate, up, down = ("dense_gate", "dense_in", "dense_out") if cfg.experts is not None else ("gate", "in", "out")
     # (in the order the bridge's cache lists them)
-    aliases.update({f"{b}.mlp.out.hook_out": mlp_out, f"{b}.mlp.hook_out": mlp_module_out,
-                    f"{b}.mlp.out.hook_in": f"{b}.mlp.hook_post"})
-    mlp_reads = [f"{b}.mlp.hook_in"] + ([] if cfg.gated_mlp else [f"{b}.mlp.in.hook_in"])
+    aliases.update({f"{b}.mlp.{down}.hook_out": mlp_out, f"{b}.mlp.hook_out": mlp_module_out,
+                    f"{b}.mlp.{down}.hook_in": f"{b}.mlp.hook_post"})
+    mlp_reads = [f"{b}.mlp.hook_in"] + ([] if cfg.gated_mlp else [f"{b}.mlp.{up}.hook_in"])
     if post:
         left_out.update({name: f"the MLP in a post-norm block reads the residual stream itself; hook {mlp_in} (a copy "
                                f"the MLP alone reads)" for name in mlp_reads})
     else:
         aliases.update(dict.fromkeys(mlp_reads, mlp_in))
     if cfg.gated_mlp:
-        aliases.update({f"{b}.mlp.gate.hook_out": f"{b}.mlp.hook_pre", f"{b}.mlp.in.hook_out": f"{b}.mlp.hook_pre_linear"})
-        for part in ("gate", "in"):
+        aliases.update({f"{b}.mlp.{gate}.hook_out": f"{b}.mlp.hook_pre", f"{b}.mlp.{up}.hook_out": f"{b}.mlp.hook_pre_linear"})
+        for part in (gate, up):
             left_out[f"{b}.mlp.{part}.hook_in"] = (
                 f"the bridge hooks the {part} projection's input alone there, but probe's MLP reads one input for "
                 f"both: hook {mlp_in} (the bridge's {b}.mlp.hook_in) to read or edit it")
     else:
-        aliases[f"{b}.mlp.in.hook_out"] = f"{b}.mlp.hook_pre"
+        aliases[f"{b}.mlp.{up}.hook_out"] = f"{b}.mlp.hook_pre"
     return aliases, left_out
 
 

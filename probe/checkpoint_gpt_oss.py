@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
+from probe.checkpoint_moe import require_routing
 from probe.checkpoint_source import LAYER_KINDS, Source, layer_kinds, layer_types_to_hf, with_defaults
 from probe.config import DecoderConfig, Experts, Norm
 from probe.config_choices import ClampedSwiGLU
@@ -54,6 +55,7 @@ def gpt_oss_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> 
     if experts is None or experts.softmax_over != "chosen" or experts.clamped_glu is None or experts.shared is not None:
         raise ValueError(f"a gpt_oss checkpoint holds experts chosen by logit with a clamped SwiGLU; this model has "
                          f"experts={experts!r}")
+    require_routing(experts, "gpt_oss")  # (every layer sparse, the experts d_mlp wide)
     out = llama_config_to_hf(cfg, tokenizer, "gpt_oss")
     out.pop("mlp_bias")  # (GPT-OSS's experts always have biases, and its config has no such field)
     out.update(num_local_experts=experts.n, num_experts_per_tok=experts.per_token, attention_bias=cfg.qkv_bias,

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
+from probe.checkpoint_moe import require_routing
 from probe.checkpoint_source import Source
 from probe.config import DecoderConfig, Experts
 from probe.tokenizer import Tokenizer
@@ -49,6 +50,7 @@ def granite_moe_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer])
     if experts is None or experts.softmax_over != "chosen" or experts.clamped_glu is not None or experts.shared:
         raise ValueError(f"a granitemoe checkpoint holds experts chosen by logit, without a clamp or a shared expert; "
                          f"this model has experts={experts!r}")
+    require_routing(experts, "granitemoe")  # (every layer sparse, the experts d_mlp wide)
     out = granite_config_to_hf(cfg, tokenizer, "granitemoe")
     out.pop("mlp_bias")  # (GraniteMoE's experts have no biases, and its config no such field)
     out.update(num_local_experts=experts.n, num_experts_per_tok=experts.per_token)

@@ -233,9 +233,10 @@ def _llama_norms(cfg: DecoderConfig) -> dict[str, str]:
     return norms if cfg.norm_weights and cfg.input_norms else {k: v for k, v in norms.items() if k.endswith("_post")}
 
 
-def _mlp_projections(cfg: DecoderConfig) -> tuple[tuple[str, str], ...]:
-    """(ours, theirs) of each dense MLP projection; a mixture of experts' are its family's (probe.checkpoint_moe)."""
-    if cfg.experts is not None:
+def _mlp_projections(cfg: DecoderConfig, layer: int) -> tuple[tuple[str, str], ...]:
+    """(ours, theirs) of each projection of `layer`'s dense MLP; a mixture of experts' are its family's
+    (probe.checkpoint_moe)."""
+    if cfg.layer_sparse(layer):
         return ()
     return (("gate", "gate"),) * cfg.gated_mlp + (("fc_in", "up"), ("fc_out", "down"))
 
@@ -261,7 +262,7 @@ def llama_to_probe(source: Source, cfg: DecoderConfig,
         out[f"{o}.attn.out.weight"] = source.take(f"{t}.self_attn.o_proj.weight", s["o"])
         if cfg.out_bias:
             out[f"{o}.attn.out.bias"] = source.take(f"{t}.self_attn.o_proj.bias", (d,))
-        for ours, theirs in _mlp_projections(cfg):
+        for ours, theirs in _mlp_projections(cfg, l):
             out[f"{o}.mlp.{ours}.weight"] = source.take(f"{t}.mlp.{theirs}_proj.weight", s[theirs])
             if cfg.mlp_bias:
                 out[f"{o}.mlp.{ours}.bias"] = source.take(f"{t}.mlp.{theirs}_proj.bias", s[theirs][:1])
@@ -290,7 +291,7 @@ def llama_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig,
         out[f"{t}.self_attn.o_proj.weight"] = params[f"{o}.attn.out.weight"]
         if cfg.out_bias:
             out[f"{t}.self_attn.o_proj.bias"] = params[f"{o}.attn.out.bias"]
-        for ours, theirs in _mlp_projections(cfg):
+        for ours, theirs in _mlp_projections(cfg, l):
             out[f"{t}.mlp.{theirs}_proj.weight"] = params[f"{o}.mlp.{ours}.weight"]
             if cfg.mlp_bias:
                 out[f"{t}.mlp.{theirs}_proj.bias"] = params[f"{o}.mlp.{ours}.bias"]

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf
-from probe.checkpoint_moe import every_layer_sparse, expert_names
+from probe.checkpoint_moe import every_layer_sparse, expert_names, require_routing, take_experts
 from probe.checkpoint_source import Source, language_model_of, require_fields, take_unembed, with_defaults
 from probe.config import DecoderConfig, Experts, LinearAttention, Norm
 from probe.config_file import CheckpointError
@@ -85,6 +85,7 @@ def qwen35_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[To
             raise ValueError(f"a {model_type} checkpoint holds " + ("a mixture of experts" if moe else "dense MLPs")
                              + f"{' whose weights are renormalised' if model_type == 'qwen3_5_moe_text' else ''}; "
                              f"this model has experts={experts!r}")
+        require_routing(experts, model_type)
         require_fields(cfg, model_type, attn_output_gate=True, linear_attention=linear, norm=Norm.RMS_FLOAT32,
                        qk_norm=True, qkv_bias=False, out_bias=False, experts=experts)
         plain = dataclasses.replace(cfg, norm=Norm.RMS, attn_output_gate=False, linear_attention=None, experts=None,
@@ -145,20 +146,6 @@ def _fuse(out: dict[str, torch.Tensor], cfg: DecoderConfig, t: str) -> None:
     out[f"{t}.in_proj_ba.weight"] = torch.cat([b.view(k, r, d), a.view(k, r, d)], dim=1).reshape(-1, d)
 
 
-def _take_experts(source: Source, cfg: DecoderConfig, out: dict[str, torch.Tensor]) -> None:
-    """The router, experts and shared expert: stored one by one (transformers' save), or each layer's experts fused
-    (`experts.gate_up_proj` [expert 2*d_mlp d_model], the gate's rows first, and `experts.down_proj`)."""
-    n, d, m = cfg.experts.n, cfg.d_model, cfg.d_mlp
-    for l in range(cfg.n_layers):
-        t = f"layers.{l}.mlp.experts"
-        if f"{t}.gate_up_proj" in source.state:
-            gate_up, down = source.take(f"{t}.gate_up_proj", (n, 2 * m, d)), source.take(f"{t}.down_proj", (n, d, m))
-            for e in range(n):
-                source.state.update({f"{t}.{e}.gate_proj.weight": gate_up[e, :m], f"{t}.{e}.up_proj.weight": gate_up[e, m:],
-                                     f"{t}.{e}.down_proj.weight": down[e]})
-    out.update({ours: source.take(theirs, shape) for ours, (theirs, shape) in expert_names(cfg, "qwen3_5_moe").items()})
-
-
 def qwen35_to_probe(model_type: str) -> Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]:
     fused = FORMATS[model_type][2]
 
@@ -192,7 +179,7 @@ def qwen35_to_probe(model_type: str) -> Callable[[Source, DecoderConfig], dict[s
             for which in "qk":
                 out[f"{o}.attn.{which}_norm.w"] = source.take(f"{t}.self_attn.{which}_norm.weight", (dh,))
         if cfg.experts is not None:
-            _take_experts(source, cfg, out)
+            out.update(take_experts(source, cfg, "qwen3_5_moe"))
         out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
         # the zero-centred norms store w - 1 (the DeltaNet's gated norm stores w itself)
         return {k: v.float() + 1.0 if k.endswith(".w") and ".linear_attn." not in k else v for k, v in out.items()}

@@ -2,11 +2,11 @@
 
 One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
 checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT, XGLM), checkpoint_bloom.py (Bloom), checkpoint_moe.py (Mixtral,
-OLMoE, Qwen2/3-MoE), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
+OLMoE, FlexOlmo, Qwen2/3-MoE, GLM-4.5), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
 checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next); checkpoint_source.py holds what they share and loading.py does the file handling for
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from probe.checkpoint_bigcode import bigcode_config, bigcode_config_to_hf, bigco
 from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf, bloom_to_probe
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
+from probe.checkpoint_deepseek import latent_config, latent_config_to_hf, latent_family
 from probe.checkpoint_cohere import cohere2_config, cohere_config, cohere_config_to_hf, cohere_to_hf, cohere_to_probe
 from probe.checkpoint_exaone import (exaone4_config, exaone4_config_to_hf, exaone_config, exaone_config_to_hf,
                                      exaone_to_hf, exaone_to_probe)
@@ -41,8 +42,8 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_conf
                                     smollm3_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_mistral3 import ministral3_config, ministral3_config_to_hf, mistral3
-from probe.checkpoint_moe import (flex_olmo_config, mixtral_config, moe_family, olmoe_config, qwen2_moe_config,
-                                  qwen3_moe_config)
+from probe.checkpoint_moe import (flex_olmo_config, glm4_moe_config, mixtral_config, moe_family, olmoe_config,
+                                  qwen2_moe_config, qwen3_moe_config)
 from probe.checkpoint_mpt import mpt_config, mpt_config_to_hf, mpt_to_hf, mpt_to_probe
 from probe.checkpoint_opt import (opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe, xglm_config, xglm_config_to_hf,
                                   xglm_to_hf, xglm_to_probe)
@@ -161,6 +162,8 @@ FAMILIES = {
                prepends_bos=False),
         Family("qwen2_moe", "Qwen2MoeForCausalLM", ("model.",), qwen2_moe_config, *moe_family("qwen2_moe"),
                prepends_bos=False),
+        Family("glm4_moe", "Glm4MoeForCausalLM", ("model.",), glm4_moe_config, *moe_family("glm4_moe"),
+               prepends_bos=False),
         Family("gpt_oss", "GptOssForCausalLM", ("model.",), gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_probe,
                gpt_oss_to_hf),
         Family("falcon", "FalconForCausalLM", ("transformer.",), falcon_config, falcon_config_to_hf, falcon_to_probe,
@@ -173,6 +176,11 @@ FAMILIES = {
                  layernorm_llama_to_hf(model_type), prepends_bos=model_type != "starcoder2")
           for model_type, architecture in (("starcoder2", "Starcoder2ForCausalLM"), ("nemotron", "NemotronForCausalLM"),
                                            ("jais2", "Jais2ForCausalLM"))),
+        *(Family(model_type, architecture, ("model.",), latent_config(model_type), latent_config_to_hf(model_type),
+                 *latent_family(model_type), prepends_bos=model_type != "glm4_moe_lite")
+          for model_type, architecture in (("deepseek_v2", "DeepseekV2ForCausalLM"),
+                                           ("deepseek_v3", "DeepseekV3ForCausalLM"),
+                                           ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"), ("youtu", "YoutuForCausalLM"))),
         Family("gpt_bigcode", "GPTBigCodeForCausalLM", ("transformer.",), bigcode_config, bigcode_config_to_hf,
                bigcode_to_probe, bigcode_to_hf),
         Family("bloom", "BloomForCausalLM", ("transformer.",), bloom_config, bloom_config_to_hf, bloom_to_probe,

@@ -10,12 +10,14 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, Experts, LinearAttention, Norm, NormPlacement,
-                                  Positions, RotaryScaling)
+from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, ExpertGroups, Experts, LatentAttention,
+                                  LinearAttention, Norm, NormPlacement, Positions, RotaryScaling)
+from probe.config_layers import LayerFacts
 from probe.tl_config_fields import HookedTransformerConfigFields
 
 # the choices live in probe.config_choices and are imported from here as before
-__all__ = ["Activation", "DecoderConfig", "Experts", "LinearAttention", "Norm", "NormPlacement", "Positions", "RotaryScaling"]
+__all__ = ["Activation", "DecoderConfig", "ExpertGroups", "Experts", "LatentAttention", "LinearAttention", "Norm", "NormPlacement",
+           "Positions", "RotaryScaling"]
 
 
 def _enum(cls, value, field):
@@ -29,7 +31,8 @@ def _enum(cls, value, field):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields beyond the ones below (tl_config_fields)
+# the mixins: TL's fields beyond the ones below (tl_config_fields), each layer's heads, window, mixer, MLP (config_layers)
+class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
     n_layers: int
     d_model: int
     n_heads: int
@@ -43,7 +46,7 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     eps: float = 1e-5  # norm epsilon
     activation: Activation = Activation.GELU_TANH  # SOLU_LN: SoLU, then a LayerNorm over d_mlp inside the MLP (mlp.ln)
     gated_mlp: bool = False  # act(gate(x)) * up(x) -> down: SwiGLU with SILU (not with SOLU_LN)
-    experts: Optional[Experts] = None  # a mixture of gated MLPs in place of each MLP (Mixtral); a dict is converted
+    experts: Optional[Experts] = None  # gated MLPs in place of each MLP (Mixtral), or some (.layers); a dict is converted
     norm: Norm = Norm.LAYER
     norm_placement: NormPlacement = NormPlacement.PRE
     attn_only: bool = False  # blocks without an MLP: y = x + attn(ln1(x)) (toy models; pre-norm only)
@@ -78,6 +81,8 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
     attn_output_gate: bool = False
     # Gated DeltaNet layers in place of attention in some layers (Qwen3.5, Qwen3-Next); a dict is converted
     linear_attention: Optional[LinearAttention] = None
+    # multi-head latent attention in every layer (DeepSeek-V2/V3): d_head is the values' width; a dict is converted
+    latent_attention: Optional[LatentAttention] = None
     clip_qkv: Optional[float] = None  # q, k and v clamped to [-clip, clip] after their norms (OLMo-7B-0424, OLMoE, MPT)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
     scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
@@ -203,6 +208,9 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         if self.experts is not None and self.activation.learned:
             raise ValueError(f"activation={self.activation.value!r} learns parameters per MLP, which probe's experts do "
                              "not hold (they share one activation): use another activation with experts")
+        if self.experts is not None and self.experts.layers is not None and len(self.experts.layers) != self.n_layers:
+            raise ValueError(f"experts.layers={self.experts.layers!r} must give each of the n_layers={self.n_layers} "
+                             "layers True (experts) or False (a dense MLP)")
         object.__setattr__(self, "norm", _enum(Norm, self.norm, "norm"))
         object.__setattr__(self, "norm_placement", _enum(NormPlacement, self.norm_placement, "norm_placement"))
         object.__setattr__(self, "positions", _enum(Positions, self.positions, "positions"))
@@ -214,16 +222,24 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
             raise ValueError(f"rotary_scaling applies only to positions=rotary (got positions={self.positions.value})")
         if self.rotary_scaling is not None and not isinstance(self.rotary_scaling, RotaryScaling):
             raise ValueError(f"rotary_scaling must be a RotaryScaling (or its fields as a dict), got {self.rotary_scaling!r}")
+        if isinstance(self.latent_attention, dict):
+            object.__setattr__(self, "latent_attention", LatentAttention(**self.latent_attention))
+        latent = self.latent_attention
+        if latent is not None and not isinstance(latent, LatentAttention):
+            raise ValueError(f"latent_attention must be a LatentAttention (or its fields as a dict), got {latent!r}")
         if self.positions is Positions.ROTARY:
+            if self.rotary_dim is None and latent is not None:
+                object.__setattr__(self, "rotary_dim", latent.d_rope)
             if self.rotary_dim is None:
                 if self.d_head % 2:
                     raise ValueError(f"positions=rotary rotates pairs of dimensions, so d_head must be even, got d_head="
                                      f"{self.d_head} (or rotate only part of each head: an even rotary_dim below it)")
                 object.__setattr__(self, "rotary_dim", self.d_head)
             positive("rotary_dim")
-            if self.rotary_dim % 2 or self.rotary_dim > self.d_head:
+            if self.rotary_dim % 2 or self.rotary_dim > (self.d_head if latent is None else latent.d_qk):
+                width = f"d_head={self.d_head}" if latent is None else f"latent attention's d_qk={latent.d_qk}"
                 raise ValueError(f"positions=rotary rotates pairs of dimensions, so rotary_dim must be even and at most "
-                                 f"d_head={self.d_head}, got rotary_dim={self.rotary_dim}")
+                                 f"{width}, got rotary_dim={self.rotary_dim}")
         if (self.qk_norm_over_heads or self.qk_norm_after_rope) and not self.qk_norm:
             raise ValueError("qk_norm_over_heads and qk_norm_after_rope say how q and k are normalised: they need "
                              "qk_norm=True")
@@ -265,6 +281,8 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
                 raise ValueError("linear-attention layers are built in causal pre-norm blocks with an MLP and every "
                                  "head: set norm_placement='pre', attn_only=False, bidirectional=False, "
                                  "heads_per_layer=None")
+        if latent is not None:
+            latent.check(self)
         if self.attn_only and self.norm_placement is not NormPlacement.PRE:
             raise ValueError(f"attn_only blocks are pre-norm, x + attn(ln1(x)); got norm_placement="
                              f"{self.norm_placement.value!r}: use norm_placement='pre'")
@@ -277,32 +295,6 @@ class DecoderConfig(HookedTransformerConfigFields):  # the mixin: TL's fields be
         if self.sliding_rotary_base is not None and not (self.positions is Positions.ROTARY and self.sliding_window is not None):
             raise ValueError("sliding_rotary_base is the windowed layers' rotary base: it needs positions=rotary and a "
                              "sliding_window; leave it None")
-
-    def layer_heads(self, layer: int) -> int:
-        """The number of query heads in `layer` (fewer than n_heads after structural pruning)."""
-        return self.n_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
-
-    def layer_window(self, layer: int) -> Optional[int]:
-        """The sliding window of `layer`'s attention, or None when it sees every earlier key."""
-        windowed = self.sliding_layers is None or self.sliding_layers[layer]
-        return self.sliding_window if windowed else None
-
-    def layer_rotary(self, layer: int) -> tuple[float, Optional[RotaryScaling]]:
-        """`layer`'s rotary base and frequency rescaling (a windowed layer's own, where sliding_rotary_base is set)."""
-        if self.sliding_rotary_base is not None and self.layer_window(layer) is not None:
-            return self.sliding_rotary_base, None
-        return self.rotary_base, self.rotary_scaling
-
-    def layer_rotates(self, layer: int) -> bool:
-        """Whether `layer` rotates its queries and keys (rotary positions, and not one of SmolLM3's NoPE layers)."""
-        return self.positions is Positions.ROTARY and (self.rotary_layers is None or self.rotary_layers[layer])
-
-    def layer_is_linear(self, layer: int) -> bool:
-        """Whether `layer` mixes positions with a linear-attention (Gated DeltaNet) layer instead of attention."""
-        return self.linear_attention is not None and self.linear_attention.layers[layer]
-
-    def layer_kv_heads(self, layer: int) -> int:
-        return self.n_kv_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
 
     # ---- facts derived from the fields (transformer-lens's names for them: tl_config_fields) -----------
     @property

@@ -126,15 +126,53 @@ class ClampedSwiGLU:
 
 
 @dataclass(frozen=True)
+class ExpertGroups:
+    """Group-limited routing (DeepSeek-V2's "group_limited_greedy", DeepSeek-V3's and GLM-4.5's n_group / topk_group):
+    the experts split into `n` groups of adjacent ones, each group scored from its experts' choice scores, and only
+    the experts of the `kept` best groups may be chosen. `score`: "top2_sum", the sum of the group's two largest choice
+    scores (DeepSeek-V3, GLM-4.5), or "max", its largest (DeepSeek-V2)."""
+
+    n: int
+    kept: int
+    score: Literal["top2_sum", "max"] = "top2_sum"
+
+    def __post_init__(self) -> None:
+        for name in ("n", "kept"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ExpertGroups.{name} must be a positive int, got {value!r}")
+        if self.kept > self.n:
+            raise ValueError(f"ExpertGroups(kept={self.kept}) keeps more groups than there are (n={self.n})")
+        if self.score not in ("top2_sum", "max"):
+            raise ValueError(f"ExpertGroups.score={self.score!r} is not supported; choose 'top2_sum' (DeepSeek-V3) or "
+                             "'max' (DeepSeek-V2)")
+
+
+@dataclass(frozen=True)
 class Experts:
-    """A sparse mixture of gated MLPs in place of each layer's MLP (Mixtral, OLMoE; transformer-lens's num_experts,
+    """A sparse mixture of gated MLPs in place of a layer's MLP (Mixtral, OLMoE; transformer-lens's num_experts,
     experts_per_token, norm_topk_prob): a router scores the `n` experts for each token, the `per_token` with the
-    largest softmax weights run, and their outputs are summed with those weights (divided first by their sum when
-    `renormalize`: Mixtral always, OLMoE as its config says). `shared`: the width of an expert every token runs, its
-    output weighed by a sigmoid gate of its own (Qwen1.5-MoE, Qwen2-MoE); None: none. `softmax_over`: "all" (the
-    softmax over every expert's router logit, then the choice) or "chosen" (the choice by logit, then the softmax over
-    the chosen ones' logits: GPT-OSS; their weights then sum to 1, so nothing is renormalised). `clamped_glu`: the
-    experts' non-linearity is GPT-OSS's (ClampedSwiGLU); None: the model's activation, act(gate) * up."""
+    largest scores run, and their outputs are summed with those scores as weights (divided first by their sum when
+    `renormalize`: Mixtral always, OLMoE as its config says; then times `scaling`, DeepSeek's routed_scaling_factor).
+
+    `scoring`: "softmax" over every expert's router logit (Mixtral), or "sigmoid" of each (DeepSeek-V3, GLM-4.5).
+    `selection_bias`: a learned per-expert bias (the file's e_score_correction_bias) added to the scores for the
+    choice alone, never to the weights (DeepSeek-V3's auxiliary-loss-free balancing). `groups`: the choice limited to
+    the best groups of experts (ExpertGroups); None: any expert. `softmax_over`: "all" (the scores above, then the
+    choice) or "chosen" (the choice by logit, then the softmax over the chosen ones' logits: GPT-OSS; their weights
+    then sum to 1, so nothing is renormalised, biased, grouped or scaled). `clamped_glu`: the experts' non-linearity is
+    GPT-OSS's (ClampedSwiGLU); None: the model's activation, act(gate) * up.
+
+    `shared`: the width of an expert every token runs (None: none), its output weighed by a sigmoid gate of its own
+    when `shared_gate` (Qwen1.5-MoE, Qwen2-MoE), added as it is otherwise (DeepSeek, GLM-4.5: n_shared_experts times
+    the experts' width). `width`: each routed expert's width; None: the config's d_mlp. `layers`: which layers have
+    the experts (the others a dense gated MLP of d_mlp: DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers);
+    None: every layer.
+
+    `renormalize_min`: the renormalising sum clamped below at this (ERNIE 4.5's moe_norm_min); None: the sum plus
+    1e-20 (DeepSeek-V3's), so zeroed weights stay zeros. `routed_bias`: whether the router and the routed experts have
+    biases where mlp_bias gives the MLPs theirs; False: ERNIE 4.5's, whose use_bias reaches its dense and shared MLPs
+    alone."""
 
     n: int
     per_token: int
@@ -142,6 +180,15 @@ class Experts:
     shared: Optional[int] = None
     softmax_over: Literal["all", "chosen"] = "all"
     clamped_glu: Optional[ClampedSwiGLU] = None
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    selection_bias: bool = False
+    groups: Optional[ExpertGroups] = None
+    scaling: float = 1.0
+    shared_gate: bool = True
+    width: Optional[int] = None
+    layers: Optional[tuple[bool, ...]] = None
+    renormalize_min: Optional[float] = None
+    routed_bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("n", "per_token"):
@@ -150,21 +197,66 @@ class Experts:
                 raise ValueError(f"Experts.{name} must be a positive int, got {value!r}")
         if self.per_token > self.n:
             raise ValueError(f"Experts(per_token={self.per_token}) picks more experts than there are (n={self.n})")
-        if not isinstance(self.renormalize, bool):
-            raise ValueError(f"Experts.renormalize must be a bool, got {self.renormalize!r}")
-        if self.shared is not None and (not isinstance(self.shared, int) or isinstance(self.shared, bool)
-                                        or self.shared <= 0):
-            raise ValueError(f"Experts.shared must be a positive int (the shared expert's width) or None, got "
-                             f"{self.shared!r}")
+        for name in ("renormalize", "selection_bias", "shared_gate", "routed_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Experts.{name} must be a bool, got {getattr(self, name)!r}")
+        for name, what in (("shared", "the shared expert's width"), ("width", "each routed expert's width")):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"Experts.{name} must be a positive int ({what}) or None, got {value!r}")
+        if not self.shared_gate and self.shared is None:
+            raise ValueError("Experts(shared_gate=False) says how a shared expert is added, but shared=None: give the "
+                             "shared expert's width, or leave shared_gate True")
         if self.softmax_over not in ("all", "chosen"):
             raise ValueError(f"Experts.softmax_over={self.softmax_over!r} is not supported; choose 'all' or 'chosen'")
-        if self.softmax_over == "chosen" and self.renormalize:
-            raise ValueError("Experts(softmax_over='chosen') weights already sum to 1: leave renormalize False")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"Experts.scoring={self.scoring!r} is not supported; choose 'softmax' or 'sigmoid'")
+        if not (isinstance(self.scaling, (int, float)) and not isinstance(self.scaling, bool) and self.scaling > 0):
+            raise ValueError(f"Experts.scaling must be a positive number (the routed experts' weights are multiplied "
+                             f"by it), got {self.scaling!r}")
+        self._check_groups()
+        floor = self.renormalize_min
+        if floor is not None and (not isinstance(floor, (int, float)) or isinstance(floor, bool) or not floor > 0
+                                  or not self.renormalize):
+            raise ValueError(f"Experts.renormalize_min={floor!r} clamps the renormalising sum: give a positive number "
+                             "with renormalize=True, or leave it None")
+        if self.softmax_over == "chosen":
+            chosen = {"renormalize": self.renormalize, "scoring": self.scoring != "softmax",
+                      "selection_bias": self.selection_bias, "groups": self.groups is not None,
+                      "scaling": self.scaling != 1}
+            if any(chosen.values()):
+                raise ValueError(f"Experts(softmax_over='chosen') chooses by logit and its weights already sum to 1; "
+                                 f"leave these at their defaults: {', '.join(k for k, v in chosen.items() if v)}")
         if isinstance(self.clamped_glu, dict):
             object.__setattr__(self, "clamped_glu", ClampedSwiGLU(**self.clamped_glu))
         if self.clamped_glu is not None and not isinstance(self.clamped_glu, ClampedSwiGLU):
             raise ValueError(f"Experts.clamped_glu must be a ClampedSwiGLU (or its fields as a dict) or None, got "
                              f"{self.clamped_glu!r}")
+        if self.layers is not None:
+            layers = tuple(self.layers)
+            if not all(isinstance(x, bool) for x in layers) or not any(layers):
+                raise ValueError(f"Experts.layers={self.layers!r} must say for each layer True (experts) or False (a "
+                                 "dense MLP), with at least one True (else leave experts None)")
+            object.__setattr__(self, "layers", None if all(layers) else layers)  # one spelling of "every layer"
+
+    def _check_groups(self) -> None:
+        if isinstance(self.groups, dict):
+            object.__setattr__(self, "groups", ExpertGroups(**self.groups))
+        groups = self.groups
+        if groups is None:
+            return
+        if not isinstance(groups, ExpertGroups):
+            raise ValueError(f"Experts.groups must be an ExpertGroups (or its fields as a dict) or None, got {groups!r}")
+        if self.n % groups.n:
+            raise ValueError(f"Experts(n={self.n}) cannot split into ExpertGroups(n={groups.n}) equal groups: choose a "
+                             "group count that divides the experts")
+        size = self.n // groups.n
+        if groups.kept * size < self.per_token:
+            raise ValueError(f"ExpertGroups(kept={groups.kept}) of {size} experts each leave fewer than per_token="
+                             f"{self.per_token} to choose from: keep more groups")
+        if groups.score == "top2_sum" and size < 2:
+            raise ValueError(f"ExpertGroups(score='top2_sum') sums each group's two best scores, but its groups hold "
+                             f"{size} expert: use score='max' or fewer groups")
 
 
 @dataclass(frozen=True)
@@ -196,3 +288,63 @@ class LinearAttention:
             raise ValueError(f"LinearAttention.layers={self.layers!r} must say for each layer True (a linear-attention "
                              "layer) or False (attention), with at least one True (else leave linear_attention None)")
         object.__setattr__(self, "layers", layers)
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024) in place of q/k/v projections: keys and values are
+    read from one normalised latent of `kv_rank` per position (shared by every head), queries from one of `q_rank` (None:
+    straight from the residual). Each head's query and key are `d_nope` dimensions without positions followed by
+    `d_rope` rotated ones; the key's rotated part is one for every head, projected from the residual beside the latent.
+    The values are cfg.d_head wide per head (what W_O reads). `deinterleaved`: the rotated pairs, adjacent ones (2i,
+    2i + 1), are written back evens first, then odds (DeepSeek-V3's rope_interleave; the scores are those of the
+    pairs in place). `mscale`: the scores are also multiplied by its square (YaRN's mscale_all_dim on a long-context
+    checkpoint; 1 otherwise). The latents' norms have `latent_eps` (transformers builds them with 1e-6 whatever the
+    model's)."""
+
+    kv_rank: int
+    d_nope: int
+    d_rope: int
+    q_rank: Optional[int] = None
+    deinterleaved: bool = False
+    mscale: float = 1.0
+    latent_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("kv_rank", "d_nope", "d_rope", "q_rank"):
+            value = getattr(self, name)
+            if (value is not None or name != "q_rank") and (not isinstance(value, int) or isinstance(value, bool)
+                                                           or value <= 0):
+                raise ValueError(f"LatentAttention.{name} must be a positive int{' or None' * (name == 'q_rank')}, "
+                                 f"got {value!r}")
+        if self.d_rope % 2:
+            raise ValueError(f"LatentAttention.d_rope={self.d_rope} rotates pairs of dimensions: make it even")
+        if not isinstance(self.deinterleaved, bool):
+            raise ValueError(f"LatentAttention.deinterleaved must be a bool, got {self.deinterleaved!r}")
+        for name in ("mscale", "latent_eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"LatentAttention.{name} must be a positive number, got {value!r}")
+
+    @property
+    def d_qk(self) -> int:
+        """Each head's query and key width."""
+        return self.d_nope + self.d_rope
+
+    def check(self, cfg) -> None:
+        """Refuse what latent attention is not built with, naming the setting to change."""
+        refused = {"positions": cfg.positions.value != "rotary", "n_kv_heads": cfg.n_kv_heads != cfg.n_heads,
+                   "heads_per_layer": cfg.heads_per_layer is not None, "qk_norm": cfg.qk_norm,
+                   "sliding_window": cfg.sliding_window is not None, "attn_softcap": cfg.attn_softcap is not None,
+                   "attn_sinks": cfg.attn_sinks, "attn_output_gate": cfg.attn_output_gate,
+                   "clip_qkv": cfg.clip_qkv is not None, "rotary_layers": cfg.rotary_layers is not None,
+                   "linear_attention": cfg.linear_attention is not None, "bidirectional": cfg.bidirectional,
+                   "norm_placement": cfg.norm_placement.value != "pre", "attn_only": cfg.attn_only,
+                   "rotary_dim": cfg.rotary_dim != self.d_rope, "attn_scale_dim": cfg.attn_scale_dim is not None}
+        names = [name for name, bad in refused.items() if bad]
+        if names:
+            raise ValueError(f"latent attention is built in causal pre-norm blocks with rotary positions on d_rope="
+                             f"{self.d_rope} dimensions, every head its own keys and values and none of: windows, q/k "
+                             f"norms, caps, sinks, gates, clamps, NoPE layers, a scale other than d_qk's; these "
+                             f"settings differ: {', '.join(names)} (set rotary_dim={self.d_rope}, n_kv_heads=n_heads, "
+                             "and the others to their defaults)")

@@ -50,7 +50,9 @@ class Ledger:
         # state update and read, ~4 d_key_head d_value_head per value head, are left out, as the convolution is)
         keys = [0 if cfg.layer_is_linear(l) else min(self.n_ctx, cfg.layer_window(l) or self.n_ctx)
                 for l in range(cfg.n_layers)]
-        attention = 2 * 2 * sum(cfg.layer_heads(l) * keys[l] for l in range(cfg.n_layers)) * cfg.d_head
+        # scores over d_qk and the weighted sum over d_head (both d_head but in latent attention)
+        widths = cfg.d_head + (cfg.d_head if cfg.latent_attention is None else cfg.latent_attention.d_qk)
+        attention = 2 * sum(cfg.layer_heads(l) * keys[l] for l in range(cfg.n_layers)) * widths
         return 2 * matmul_weights + attention
 
     @property
@@ -58,7 +60,10 @@ class Ledger:
         cfg = self.cfg
         # (a linear-attention layer's state has one size whatever the length: no bytes per token)
         kv_heads = sum(cfg.layer_kv_heads(l) for l in range(cfg.n_layers) if not cfg.layer_is_linear(l))
-        return 2 * kv_heads * cfg.d_head * torch.finfo(self.dtype).bits // 8
+        width = 2 * kv_heads * cfg.d_head
+        if cfg.latent_attention is not None:  # the latent and the shared rotated key part, as transformers caches them
+            width = cfg.n_layers * (cfg.latent_attention.kv_rank + cfg.latent_attention.d_rope)
+        return width * torch.finfo(self.dtype).bits // 8
 
     @property
     def kv_bytes_per_sequence(self) -> int:
@@ -99,6 +104,20 @@ def _add_attention(cfg: DecoderConfig, add, layer: int) -> None:
     add("attn.sinks", "attention", h if cfg.attn_sinks else 0, layer)
 
 
+def _add_latent_attention(cfg: DecoderConfig, add, layer: int) -> None:
+    """A latent attention layer's parameters (probe.latent_attention): its projections and the latents' norms."""
+    latent, d, h = cfg.latent_attention, cfg.d_model, cfg.n_heads
+    queries = d * h * latent.d_qk if latent.q_rank is None else latent.q_rank * (d + h * latent.d_qk)
+    add("attn.q.weight", "attention", queries, layer)
+    add("attn.kv_a_proj_with_mqa.weight", "attention", d * (latent.kv_rank + latent.d_rope), layer)
+    add("attn.kv_b_proj.weight", "attention", latent.kv_rank * h * (latent.d_nope + cfg.d_head), layer)
+    biases = (latent.q_rank or 0) + latent.kv_rank + latent.d_rope
+    add("attn.qkv.bias", "attention", biases if cfg.qkv_bias else 0, layer)
+    add("attn.latent_norms", "norm", (latent.q_rank or 0) + latent.kv_rank, layer)
+    add("attn.o.weight", "attention", h * cfg.d_head * d, layer)
+    add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
+
+
 def _add_linear_attention(cfg: DecoderConfig, add, layer: int) -> None:
     """A Gated DeltaNet layer's parameters (probe.linear_attention): its projections are matmuls ("weight"), its
     convolution, decay rates and gated norm are not."""
@@ -131,31 +150,35 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     input_params = norm_params if cfg.input_norms else 0  # OLMo 2's blocks normalise only their writes
     for layer in range(cfg.n_layers):
         add("ln1", "norm", input_params, layer)
-        (_add_linear_attention if cfg.layer_is_linear(layer) else _add_attention)(cfg, add, layer)
+        mixer = _add_attention if cfg.latent_attention is None else _add_latent_attention
+        (_add_linear_attention if cfg.layer_is_linear(layer) else mixer)(cfg, add, layer)
         if cfg.attn_only:
             continue
         add("ln2", "norm", input_params, layer)
         if cfg.norm_placement is NormPlacement.SANDWICH:
             add("ln1_post", "norm", d * per_norm, layer)
             add("ln2_post", "norm", d * per_norm, layer)
-        n = 1 if cfg.experts is None else cfg.experts.n  # a mixture of experts: n gated MLPs and a router
-        mlp = "mlp" if cfg.experts is None else "mlp.experts"
-        if cfg.experts is not None:
+        sparse = cfg.layer_sparse(layer)  # a mixture of experts: n gated MLPs of their own width and a router
+        n, w = (cfg.experts.n, cfg.expert_width) if sparse else (1, m)
+        mlp = "mlp.experts" if sparse else "mlp"
+        biased = cfg.mlp_bias and (not sparse or cfg.experts.routed_bias)  # (ERNIE 4.5's router and experts: none)
+        if sparse:  # (a selection bias is a buffer, set by a balancing rule: not counted, as transformers does not)
             add("mlp.router.weight", "mlp", d * n, layer)
-            add("mlp.router.bias", "mlp", n if cfg.mlp_bias else 0, layer)
+            add("mlp.router.bias", "mlp", n if biased else 0, layer)
         if cfg.gated_mlp:
-            add(f"{mlp}.gate.weight", "mlp", n * d * m, layer)
-            add(f"{mlp}.gate.bias", "mlp", n * m if cfg.mlp_bias else 0, layer)
-        add(f"{mlp}.in.weight", "mlp", n * d * m, layer)
-        add(f"{mlp}.in.bias", "mlp", n * m if cfg.mlp_bias else 0, layer)
+            add(f"{mlp}.gate.weight", "mlp", n * d * w, layer)
+            add(f"{mlp}.gate.bias", "mlp", n * w if biased else 0, layer)
+        add(f"{mlp}.in.weight", "mlp", n * d * w, layer)
+        add(f"{mlp}.in.bias", "mlp", n * w if biased else 0, layer)
         add("mlp.act_fn", "mlp", 2 if cfg.activation.learned else 0, layer)  # xIELU's alpha_p and alpha_n
         # a SoLU-LN MLP's LayerNorm over d_mlp, read by W_out (probe.mlp.NormedMLP)
         add("mlp.ln", "norm", 2 * m if cfg.mlp_norm_learned else 0, layer)
-        add(f"{mlp}.out.weight", "mlp", n * m * d, layer)
-        add(f"{mlp}.out.bias", "mlp", n * d if cfg.mlp_bias else 0, layer)
-        shared = 0 if cfg.experts is None or cfg.experts.shared is None else cfg.experts.shared
-        add("mlp.shared_expert.weight", "mlp", 3 * d * shared + d if shared else 0, layer)  # and its gate
-        add("mlp.shared_expert.bias", "mlp", 2 * shared + d + 1 if shared and cfg.mlp_bias else 0, layer)
+        add(f"{mlp}.out.weight", "mlp", n * w * d, layer)
+        add(f"{mlp}.out.bias", "mlp", n * d if biased else 0, layer)
+        shared = (cfg.experts.shared or 0) if sparse else 0
+        gate = int(bool(shared) and cfg.experts.shared_gate)  # Qwen2-MoE's shared expert's sigmoid gate
+        add("mlp.shared_expert.weight", "mlp", 3 * d * shared + gate * d if shared else 0, layer)
+        add("mlp.shared_expert.bias", "mlp", 2 * shared + d + gate if shared and cfg.mlp_bias else 0, layer)
     if cfg.final_norm:
         add("ln_final", "norm", norm_params)
     if not cfg.tied_embeddings:  # tied: the embedding's row already counts these weights

@@ -1,19 +1,26 @@
-"""A sparse mixture of experts in place of a layer's MLP (Mixtral, OLMoE, GPT-OSS), in transformer-lens 3's layout and
-names.
+"""A sparse mixture of experts in place of a layer's MLP (Mixtral, OLMoE, Qwen-MoE, GPT-OSS, DeepSeek, GLM-4.5), in
+transformer-lens 3's layout and names.
 
-The router (`mlp.W_gate`, an nn.Linear as TL names it) scores every expert for each token; the `per_token` experts
-with the largest softmax weights run on that token, and their outputs are summed with those weights (plus, in
-Qwen2-MoE, a shared expert every token runs, `mlp.shared_expert`, a gated MLP with its points, times a sigmoid gate,
-`hook_shared_expert_gate`). The routing points hold every token of the batch in one row each, as TL's do: `hook_expert_weights` [batch*pos experts] (the
-softmax over every expert, before the choice, so an edit there changes which experts run; GPT-OSS chooses by logit
-first and holds the softmax over the chosen ones, zeros elsewhere) and `hook_expert_indices`
-[batch*pos per_token]. Each expert's points (`mlp.experts.{e}.hook_gate`, `hook_pre`, `hook_post`) hold only the
-rows routed to it, [routed d_mlp]: the tokens that chose it first, then those that chose it second, as TL orders
-them.
+The router (`mlp.W_gate`, an nn.Linear as TL names it) scores every expert for each token: the softmax over the
+experts' logits, or (DeepSeek-V3, GLM-4.5) the sigmoid of each. The `per_token` experts with the largest scores run on
+that token (with DeepSeek's selection bias, `mlp.e_score_correction_bias`, added to the scores for the choice alone,
+and the choice limited to the best groups of experts where the config groups them), and their outputs are summed
+with their scores as weights (renormalised to sum to 1 where the config says, then times its scaling factor). Beside
+them a shared expert every token runs, `mlp.shared_expert`, a gated MLP with its points, added as it is (DeepSeek,
+GLM-4.5) or (Qwen2-MoE) times a sigmoid gate, `hook_shared_expert_gate`.
+
+The routing points hold every token of the batch in one row each, as TL's do: `hook_expert_weights` [batch*pos
+experts], the scores over every expert before the choice, in float32 (the softmax, or each expert's sigmoid before
+the selection bias: the weights are read from it, and an edit there changes which experts run; GPT-OSS chooses by
+logit first and holds the softmax over the chosen ones, zeros elsewhere), and `hook_expert_indices` [batch*pos
+per_token], the chosen experts, the best choice score first. Each expert's points (`mlp.experts.{e}.hook_gate`,
+`hook_pre`, `hook_post`) hold only the rows routed to it, [routed d_mlp]: the tokens that chose it first, then those
+that chose it second, as TL orders them.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +66,7 @@ class Expert(nn.Module):
         # W_in is the up projection; built and registered in TL's order, which a HookedTransformerConfig model's
         # draws follow
         for name, shape in expert_projections(cfg):
-            setattr(self, name, nn.Linear(*shape, bias=cfg.mlp_bias))
+            setattr(self, name, nn.Linear(*shape, bias=routed_biased(cfg)))
         clamped = cfg.experts.clamped_glu
         self.glu = GLU(ACTIVATIONS[cfg.activation]()) if clamped is None else ClampedGLU(clamped)
         self.hook_gate = HookPoint()  # [routed d_mlp]: the gate's pre-activation
@@ -75,20 +82,36 @@ class MoEMLP(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         experts = cfg.experts
-        self.per_token, self.renormalize = experts.per_token, experts.renormalize
-        self.route = self._softmax_then_choose if experts.softmax_over == "all" else self._choose_then_softmax
+        self.per_token, self.scaling = experts.per_token, experts.scaling
+        # the chosen experts' weights as they are, or divided by their sum (plus 1e-20, or clamped below: ERNIE's)
+        self.normalize = as_is if not experts.renormalize else (
+            over_sum if experts.renormalize_min is None else functools.partial(over_clamped_sum,
+                                                                               floor=experts.renormalize_min))
+        self.route = self._score_then_choose if experts.softmax_over == "all" else self._choose_then_softmax
+        self.score = SCORES[experts.scoring]
+        self.groups = experts.groups
+        # what the choice reads: the scores, plus the selection bias where there is one, within the kept groups
+        self.limit_to_groups = as_is if experts.groups is None else self.best_groups_only
+        self.group_score = None if experts.groups is None else GROUP_SCORES[experts.groups.score]
+        self.bias_choice = self._plus_selection_bias if experts.selection_bias else as_is
         # (the experts registered before the router, as TL registers them: HookedTransformerConfig models draw their
         # weights in that order)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(experts.n))
-        self.W_gate = nn.Linear(cfg.d_model, experts.n, bias=cfg.mlp_bias)  # the router
-        # [batch*pos experts]: the router's softmax, in float32 (softmax_over="chosen": the chosen experts' weights, 0
-        # for the others)
+        self.W_gate = nn.Linear(cfg.d_model, experts.n, bias=routed_biased(cfg))  # the router
+        if experts.selection_bias:  # [experts], float32: learned by a balancing rule, not by gradients (a buffer)
+            self.register_buffer("e_score_correction_bias", torch.zeros(experts.n, dtype=torch.float32))
+        # [batch*pos experts]: the scores (softmax, or each expert's sigmoid) in float32, before any selection bias
+        # (softmax_over="chosen": the chosen experts' weights, 0 for the others)
         self.hook_expert_weights = HookPoint()
-        self.hook_expert_indices = HookPoint()  # [batch*pos per_token]: the chosen experts, largest weight first
-        if experts.shared is not None:  # Qwen2-MoE: a gated MLP every token runs, weighed by a sigmoid gate
+        self.hook_expert_indices = HookPoint()  # [batch*pos per_token]: the chosen experts, the best choice first
+        self.add_shared = self._routed_alone
+        if experts.shared is not None:  # a gated MLP every token runs
             self.shared_expert = GatedMLP(dataclasses.replace(cfg, d_mlp=experts.shared, experts=None))
+            self.add_shared = self._plus_shared
+        if experts.shared is not None and experts.shared_gate:  # Qwen2-MoE: weighed by a sigmoid gate of its own
             self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=cfg.mlp_bias)
             self.hook_shared_expert_gate = HookPoint()  # [batch*pos 1]: the sigmoid the shared expert's output is times
+            self.add_shared = self._plus_gated_shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch pos d_model] -> [batch pos d_model]
         tokens = x.reshape(-1, x.shape[-1])
@@ -98,19 +121,48 @@ class MoEMLP(nn.Module):
             slot, rows = self.routing(chosen, index)
             written = expert(tokens[rows]) * weights[rows, slot, None].to(x.dtype)
             out = out.index_add(0, rows, written)
-        if hasattr(self, "shared_expert"):
-            gate = self.hook_shared_expert_gate(torch.sigmoid(self.shared_expert_gate(tokens)))
-            out = out + gate * self.shared_expert(tokens)
-        return out.view(x.shape)
+        return self.add_shared(tokens, out).view(x.shape)
 
-    def _softmax_then_choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, chosen) [batch*pos per_token]: the softmax over every expert, then its largest (Mixtral, OLMoE);
-        an edit at hook_expert_weights changes which experts run."""
-        probs = self.hook_expert_weights(F.softmax(logits, dim=-1, dtype=torch.float32))
-        weights, chosen = probs.topk(self.per_token, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, self.hook_expert_indices(chosen)
+    def _apply(self, fn, recurse=True):
+        # the selection bias follows a move, not a cast: transformers keeps it in float32 whatever the model's dtype,
+        # and DeepSeek-V3's experts' biases differ in digits bfloat16 drops
+        bias = getattr(self, "e_score_correction_bias", None)
+        exact = None if bias is None or bias.is_meta else bias.float()
+        super()._apply(fn, recurse)
+        if exact is not None:
+            self.e_score_correction_bias = exact.to(self.e_score_correction_bias.device)
+        return self
+
+    def _routed_alone(self, tokens: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        return routed
+
+    def _plus_shared(self, tokens: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        return routed + self.shared_expert(tokens)
+
+    def _plus_gated_shared(self, tokens: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        gate = self.hook_shared_expert_gate(torch.sigmoid(self.shared_expert_gate(tokens)))
+        return routed + gate * self.shared_expert(tokens)
+
+    def _score_then_choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, chosen) [batch*pos per_token]: every expert scored, the best `per_token` by choice score (the
+        score, plus the selection bias, within the kept groups), weighted by their scores (Mixtral, OLMoE, Qwen-MoE,
+        DeepSeek, GLM-4.5); an edit at hook_expert_weights changes which experts run. As TL 3.9's MoE, the weights are
+        read at the choice, before hook_expert_indices: an edit there reroutes a token with the same weights."""
+        scores = self.hook_expert_weights(self.score(logits))
+        chosen = self.limit_to_groups(self.bias_choice(scores)).topk(self.per_token, dim=-1).indices
+        weights = self.normalize(scores.gather(1, chosen))
+        return weights * self.scaling, self.hook_expert_indices(chosen)
+
+    def _plus_selection_bias(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores + self.e_score_correction_bias
+
+    def best_groups_only(self, choice: torch.Tensor) -> torch.Tensor:
+        """[batch*pos experts] choice scores with -inf at every expert outside each token's `kept` best groups of
+        adjacent experts (a group scored by its two best choice scores' sum, or its best)."""
+        grouped = choice.view(choice.shape[0], self.groups.n, -1)  # [batch*pos group expert_in_group]
+        kept = self.group_score(grouped).topk(self.groups.kept, dim=-1).indices
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter(1, kept, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
     def _choose_then_softmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The largest logits chosen, then the softmax over them (GPT-OSS), as transformer-lens's GptOssMoE: the
@@ -128,10 +180,50 @@ class MoEMLP(nn.Module):
         return torch.where((chosen == index).T)
 
 
+def as_is(scores: torch.Tensor) -> torch.Tensor:
+    return scores
+
+
+def over_sum(weights: torch.Tensor) -> torch.Tensor:  # [batch*pos per_token]
+    # (1e-20: an edit that zeroes the chosen scores leaves zeros, not NaN, as DeepSeek-V3's)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def over_clamped_sum(weights: torch.Tensor, floor: float) -> torch.Tensor:  # [batch*pos per_token]
+    # ERNIE 4.5's: a sum below the floor (moe_norm_min) divides as the floor
+    return weights / weights.sum(dim=-1, keepdim=True).clamp(min=floor)
+
+
+def routed_biased(cfg: DecoderConfig) -> bool:
+    """Whether the router and the routed experts have biases: where the MLPs have them (cfg.mlp_bias), unless the
+    experts say not (Experts.routed_bias: ERNIE 4.5's biases reach its dense and shared MLPs alone)."""
+    return cfg.mlp_bias and cfg.experts.routed_bias
+
+
+def softmax_scores(logits: torch.Tensor) -> torch.Tensor:  # [batch*pos experts], float32
+    return F.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def sigmoid_scores(logits: torch.Tensor) -> torch.Tensor:  # [batch*pos experts], float32
+    return logits.float().sigmoid()
+
+
+def top2_sum(grouped: torch.Tensor) -> torch.Tensor:  # [batch*pos group expert_in_group] -> [batch*pos group]
+    return grouped.topk(2, dim=-1).values.sum(dim=-1)
+
+
+def best(grouped: torch.Tensor) -> torch.Tensor:  # [batch*pos group expert_in_group] -> [batch*pos group]
+    return grouped.amax(dim=-1)
+
+
+SCORES = {"softmax": softmax_scores, "sigmoid": sigmoid_scores}  # Experts.scoring -> the scoring
+GROUP_SCORES = {"top2_sum": top2_sum, "max": best}  # ExpertGroups.score -> a group's score
+
+
 def expert_projections(cfg: DecoderConfig) -> list[tuple[str, tuple[int, int]]]:
     """(name, (in, out)) of an expert's projections in the order transformer-lens builds them: W_in, W_out, W_gate
-    (its MoEGatedMLP), or W_gate, W_in, W_out (its GptOssExpert)."""
-    d, m = cfg.d_model, cfg.d_mlp
+    (its MoEGatedMLP), or W_gate, W_in, W_out (its GptOssExpert); each cfg.expert_width wide."""
+    d, m = cfg.d_model, cfg.expert_width
     shapes = {"W_gate": (d, m), "W_in": (d, m), "W_out": (m, d)}
     order = ("W_in", "W_out", "W_gate") if cfg.experts.clamped_glu is None else ("W_gate", "W_in", "W_out")
     return [(name, shapes[name]) for name in order]
@@ -145,13 +237,13 @@ def draw_as_transformer_lens_builds(cfg: DecoderConfig) -> None:
         return
     linears = [shape for _, shape in expert_projections(cfg)] * cfg.experts.n + [(cfg.d_model, cfg.experts.n)]
     dtype = None if cfg.experts.clamped_glu is None else cfg.dtype  # (only TL's GPT-OSS layers take the config's)
-    for _ in range(cfg.n_layers):
+    for _ in filter(cfg.layer_sparse, range(cfg.n_layers)):
         for d_in, d_out in linears:
             torch.empty(d_out, d_in, dtype=dtype).uniform_()
-            if cfg.mlp_bias:
+            if routed_biased(cfg):
                 torch.empty(d_out, dtype=dtype).uniform_()
 
 
-def make_mlp(cfg: DecoderConfig) -> nn.Module:
-    """A block's MLP: a mixture of experts (cfg.experts), or one MLP."""
-    return MoEMLP(cfg) if cfg.experts is not None else make_dense_mlp(cfg)
+def make_mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
+    """`layer`'s MLP: a mixture of experts where the config has one there, else one MLP of d_mlp."""
+    return MoEMLP(cfg) if cfg.layer_sparse(layer) else make_dense_mlp(cfg)

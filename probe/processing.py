@@ -199,8 +199,10 @@ def untie_embeddings(model: HookedDecoder) -> None:
 
 
 def _mixer_inputs(block: nn.Module) -> list[nn.Module]:
-    """The layers that read ln1: attention's q/k/v projection (and its output gate), or a linear-attention layer's
-    input projections."""
+    """The layers that read ln1: attention's q/k/v projection (and its output gate), latent attention's query and
+    key/value down-projections, or a linear-attention layer's input projections."""
+    if hasattr(block, "attn") and hasattr(block.attn, "readers"):
+        return block.attn.readers
     if hasattr(block, "linear_attn"):
         mixer = block.linear_attn
         return [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
@@ -217,8 +219,9 @@ def _mlp_inputs(block: nn.Module) -> list[nn.Module]:
     if not hasattr(block, "mlp"):
         return []
     if hasattr(block.mlp, "experts"):
-        shared = [block.mlp.shared_expert_gate, block.mlp.shared_expert.gate, block.mlp.shared_expert.fc_in] \
-            if hasattr(block.mlp, "shared_expert") else []
+        shared = [block.mlp.shared_expert.gate, block.mlp.shared_expert.fc_in] if hasattr(block.mlp, "shared_expert") \
+            else []
+        shared += [block.mlp.shared_expert_gate] if hasattr(block.mlp, "shared_expert_gate") else []
         return [block.mlp.W_gate] + shared + [layer for expert in block.mlp.experts for layer in (expert.W_gate, expert.W_in)]
     return [block.mlp.fc_in] + ([block.mlp.gate] if hasattr(block.mlp, "gate") else [])
 
@@ -329,7 +332,7 @@ def _fold_value_biases(model: HookedDecoder) -> None:
     """b_O += sum over heads of b_V(head) @ W_O(head); b_V = 0."""
     for block in attention_blocks(model.blocks):
         attn = block.attn
-        if attn.qkv.bias is None or attn.n_heads == 0:
+        if not hasattr(attn, "qkv") or attn.qkv.bias is None or attn.n_heads == 0:  # (latent attention: no value bias)
             continue
         b_v = attn.b_V  # [kv_head d_head], a view of the qkv bias
         per_head = b_v.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=0)  # [head d_head]: each query head's kv head

@@ -63,6 +63,8 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         if cfg.layer_rotates(layer):
             shapes[f"{b}.attn.hook_rot_q"] = (batch, pos, heads, cfg.d_head)
             shapes[f"{b}.attn.hook_rot_k"] = (batch, pos, kv, cfg.d_head)
+        if cfg.latent_attention is not None:
+            latent_shapes(cfg.latent_attention, shapes, f"{b}.attn", batch, pos, heads)
         shapes[f"{b}.attn.hook_attn_scores"] = (batch, heads, pos, key_pos)
         shapes[f"{b}.attn.hook_pattern"] = (batch, heads, pos, key_pos)
         shapes[f"{b}.attn.hook_z"] = (batch, pos, heads, cfg.d_head)
@@ -72,7 +74,7 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
             norm(f"{b}.ln1_post")
         shapes[f"{b}.hook_attn_out"] = resid
         if not cfg.attn_only:
-            mlp_shapes(cfg, shapes, b, batch, pos, norm)
+            mlp_shapes(cfg, shapes, b, batch, pos, norm, cfg.layer_sparse(layer))
         shapes[f"{b}.hook_resid_post"] = resid
     if cfg.final_norm:
         norm("ln_final")
@@ -81,14 +83,15 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
     return shapes
 
 
-def mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int, norm) -> None:
-    """The points of block `b` from resid_mid to mlp_out (an attention-only block has none of them)."""
+def mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int, norm, sparse: bool) -> None:
+    """The points of block `b` from resid_mid to mlp_out (an attention-only block has none of them), its MLP a
+    mixture of experts where `sparse`."""
     resid = (batch, pos, cfg.d_model)
     if cfg.norm_placement is not NormPlacement.PARALLEL:  # both sublayers read resid_pre: nothing between them
         shapes[f"{b}.hook_resid_mid"] = resid
     shapes[f"{b}.hook_mlp_in"] = resid
     norm(f"{b}.ln2")
-    if cfg.experts is not None:
+    if sparse:
         experts_shapes(cfg, shapes, b, batch * pos)
     else:
         dense_mlp_shapes(cfg, shapes, b, batch, pos)
@@ -104,9 +107,10 @@ def experts_shapes(cfg: DecoderConfig, shapes: dict, b: str, tokens: int) -> Non
     shapes[f"{b}.mlp.hook_expert_indices"] = (tokens, cfg.experts.per_token)
     for e in range(cfg.experts.n):
         for point in ("hook_gate", "hook_pre", "hook_post"):
-            shapes[f"{b}.mlp.experts.{e}.{point}"] = (tokens, cfg.d_mlp)
+            shapes[f"{b}.mlp.experts.{e}.{point}"] = (tokens, cfg.expert_width)
     if cfg.experts.shared is not None:  # a gated MLP every token runs: exact
-        shapes[f"{b}.mlp.hook_shared_expert_gate"] = (tokens, 1)
+        if cfg.experts.shared_gate:
+            shapes[f"{b}.mlp.hook_shared_expert_gate"] = (tokens, 1)
         for point in ("hook_pre", "hook_pre_linear", "hook_post"):
             shapes[f"{b}.mlp.shared_expert.{point}"] = (tokens, cfg.experts.shared)
 
@@ -120,3 +124,19 @@ def dense_mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: 
         shapes[f"{b}.mlp.ln.hook_scale"] = (batch, pos, 1)
         shapes[f"{b}.mlp.ln.hook_normalized"] = (batch, pos, cfg.d_mlp)
     shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
+
+
+def latent_shapes(latent, shapes: dict, a: str, batch: int, pos: int, heads: int) -> None:
+    """Latent attention's own points (probe.latent_attention): its latents, their norms' points, and queries and keys
+    d_qk wide, the keys' rotated part one for every head."""
+    for name, width in (("q", latent.q_rank), ("kv", latent.kv_rank)):
+        if width is not None:
+            shapes[f"{a}.hook_{name}_latent"] = (batch, pos, width)
+            shapes[f"{a}.{name}_a_layernorm.hook_scale"] = (batch, pos, 1)
+            for end in ("normalized", "in", "out"):
+                shapes[f"{a}.{name}_a_layernorm.hook_{end}"] = (batch, pos, width)
+    shapes[f"{a}.hook_q"] = shapes[f"{a}.hook_k"] = (batch, pos, heads, latent.d_qk)
+    shapes[f"{a}.hook_rot_q"] = (batch, pos, heads, latent.d_rope)
+    shapes[f"{a}.hook_rot_k"] = (batch, pos, 1, latent.d_rope)
+    for part in "qkv":
+        shapes.pop(f"{a}.{part}.hook_in", None)

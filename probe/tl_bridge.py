@@ -34,7 +34,8 @@ BOOT_HINTS = {
 BRIDGE_SKIPS = {**dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                                  "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GlmForCausalLM",
                                  "Glm4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "FlexOlmoForCausalLM",
-                                 "Exaone4ForCausalLM"), ("fold_ln",)),
+                                 "Exaone4ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                                 "Glm4MoeLiteForCausalLM", "YoutuForCausalLM"), ("fold_ln",)),
                 "NemotronForCausalLM": ("fold_ln", "center_writing_weights")}
 
 

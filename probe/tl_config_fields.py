@@ -87,11 +87,11 @@ class HookedTransformerConfigFields:
     @property
     def n_params(self) -> int:
         """Weights in the attention and MLP sublayers (transformer-lens's count: no embeddings, norms or biases)."""
-        mlp = 0 if self.attn_only else self.d_model * self.d_mlp * (3 if self.gated_mlp else 2)
-        if self.experts is not None:  # TL counts every expert and the router's weights
-            mlp = (mlp + self.d_model) * self.experts.n
-        per_layer = sum(self.d_model * self.d_head * (2 * self.layer_heads(l) + 2 * self.layer_kv_heads(l)) + mlp
-                        for l in range(self.n_layers))
+        dense = 0 if self.attn_only else self.d_model * self.d_mlp * (3 if self.gated_mlp else 2)
+        # TL counts every expert and the router's weights (a shared expert, which TL has none of, is left out)
+        sparse = 0 if self.experts is None else (3 * self.d_model * self.expert_width + self.d_model) * self.experts.n
+        per_layer = sum(self.d_model * self.d_head * (2 * self.layer_heads(l) + 2 * self.layer_kv_heads(l))
+                        + (sparse if self.layer_sparse(l) else dense) for l in range(self.n_layers))
         return per_layer
 
     @property

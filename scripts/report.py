@@ -202,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
         part = report.section("circuit", "Circuit (edge attribution, EAP-IG)")
         if linear:
             part += [note(headless.format("edge attribution"))]
+        elif model.cfg.latent_attention is not None:  # (DeepSeek's)
+            part += [note("Not run: edge attribution follows each edge through the heads' W_Q, W_K and W_V, and this "
+                          "model's latent attention reads queries, keys and values through normalised low-rank "
+                          "latents instead; the head patching above covers its heads.")]
         else:
             with timed("circuit"):
                 scores = A.edge_attribution(model, tokens, corrupted, metric, method="eap-ig-inputs")
@@ -224,8 +228,11 @@ def run(args: argparse.Namespace) -> int:
         with timed("routing"):
             routing = A.expert_routing(model, tokens)
             part = report.section("routing", "Expert routing")
-            part += [note(f"Each token runs through {model.cfg.experts.per_token} of each layer's "
-                          f"{model.cfg.experts.n} experts, chosen by the router's softmax."), figure_html(routing.figure())]
+            experts = model.cfg.experts
+            scores = "softmax" if experts.scoring == "softmax" else "sigmoid scores"
+            part += [note(f"Each token runs through {experts.per_token} of each "
+                          f"{'' if experts.layers is None else 'sparse '}layer's {experts.n} experts, chosen by the "
+                          f"router's {scores}."), figure_html(routing.figure())]
             out.write_csv("routing.csv", routing.to_frame())
     if "memories" not in args.skip and not ffn:
         part = report.section("memories", "FFN memories")

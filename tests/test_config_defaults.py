@@ -15,7 +15,8 @@ EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilo
 # purpose (its logit scale is folded into W_U)
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "arcee",
          "apertus", "granite", "granitemoe", "exaone", "exaone4", "hunyuan", "jais2", "seed_oss", "ernie4_5", "glm", "glm4", "starcoder2", "nemotron",
-         "qwen3_5", "qwen3_5_moe", "qwen3_next", "flex_olmo", "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "gpt_oss", "phi3",
+         "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu",
+         "qwen3_5", "qwen3_5_moe", "qwen3_next", "flex_olmo", "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "phi3",
          "stablelm", "neox", "phi", "falcon", "gptj", "codegen", "opt", "xglm", "gptneo", "bloom", "bigcode"]
 
 
@@ -65,8 +66,9 @@ def test_left_out_rope_head_width_and_biases_read_as_transformers_defaults(kind,
         if fraction is not None:
             assert ours.rotary_dim == int(ours.d_head * fraction), f"{kind}: rotary fraction"
         assert (ours.rotary_scaling is None) == (rope.get("rope_type", "default") == "default"), f"{kind}: rope type"
-    if isinstance(getattr(theirs, "head_dim", None), int):
-        assert ours.d_head == theirs.head_dim, f"{kind}: head_dim"
+    if isinstance(getattr(theirs, "head_dim", None), int):  # (latent attention's: the rotated part, d_head the values')
+        width = ours.d_head if ours.latent_attention is None else ours.latent_attention.d_rope
+        assert width == theirs.head_dim, f"{kind}: head_dim"
     act = next((getattr(theirs, k) for k in ("hidden_act", "hidden_activation") if getattr(theirs, k, None)), None)
     if act in GPT_ACTIVATIONS and not kind.startswith("gemma"):  # (Gemma reads "gelu" as the tanh one)
         assert ours.activation is GPT_ACTIVATIONS[act], f"{kind}: activation"

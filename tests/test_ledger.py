@@ -39,6 +39,11 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     {"experts": {"n": 4, "per_token": 2}, "gated_mlp": True, "norm": "rms", "positions": "rotary", "mlp_bias": False},
     {"experts": {"n": 3, "per_token": 1}, "gated_mlp": True},
     {"experts": {"n": 3, "per_token": 2, "shared": 40}, "gated_mlp": True},  # Qwen2-MoE's shared expert and its gate
+    # GLM-4.5: a dense first layer (d_mlp) before sparse ones of narrower experts, an ungated shared expert, sigmoid
+    # scores with a selection bias (a buffer: no parameter), with and without biases
+    *({"experts": {"n": 4, "per_token": 2, "shared": 48, "shared_gate": False, "width": 24, "layers": (False, True, True),
+                   "scoring": "sigmoid", "selection_bias": True, "groups": {"n": 2, "kept": 1}, "scaling": 2.5},
+       "gated_mlp": True, "mlp_bias": bias} for bias in (False, True)),
     {"positions": "alibi", "embed_norm": True, "norm": "rms", "norm_weights": False},  # a LayerNorm all the same
     # GPT-OSS: each head's sink logit, biased experts chosen by logit
     {"attn_sinks": True, "experts": {"n": 4, "per_token": 2, "softmax_over": "chosen", "clamped_glu": {}},

@@ -227,13 +227,15 @@ def test_a_mixture_of_experts_has_no_one_mlp_matrix_per_layer(tmp_path):
                       experts={"n": 2, "per_token": 3})
 
 
-def test_qwen3_moe_with_dense_layers_is_refused(tmp_path):
+def test_a_qwen3_moe_file_without_sparse_layers_is_refused(tmp_path):
+    """Dense layers among sparse ones load (test_variants.py's qwen3-moe-mlp-only-layers); a file whose every layer
+    is dense names no experts anywhere."""
     from probe.config_file import CheckpointError
 
     build("qwen3_moe", tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**hf, "mlp_only_layers": [1]}))
-    with pytest.raises(CheckpointError, match=r"mlp_only_layers=\[1\].*every layer must be sparse"):
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "mlp_only_layers": [0, 1]}))
+    with pytest.raises(CheckpointError, match=r"no layer's experts anywhere \(every layer dense"):
         HookedDecoder.from_pretrained(tmp_path)
 
 

@@ -138,6 +138,18 @@ def build(kind, directory, **overrides):
                         shared_expert_intermediate_size=56, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, max_position_embeddings=40, num_experts=4, num_experts_per_tok=2)
         model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**{**settings, **overrides}))
+    elif kind == "glm4_moe":  # a dense first layer; sigmoid-scored experts, biased choice in the best 2 of 4 groups
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        max_position_embeddings=40, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                        n_shared_experts=2, routed_scaling_factor=2.5, first_k_dense_replace=1)
+        model = tf.Glm4MoeForCausalLM(tf.Glm4MoeConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # a router sharp enough, and a bias large enough, to change which experts run
+            gen = torch.Generator().manual_seed(5)
+            for layer in model.model.layers[model.config.first_k_dense_replace:]:
+                layer.mlp.gate.weight.mul_(10)
+                layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(model.config.n_routed_experts,
+                                                                               generator=gen))
     elif kind == "bigcode":  # GPT-2's block with nn.Linear layers and one key/value head for every query head
         settings = dict(vocab_size=101, n_embd=64, n_layer=2, n_head=4, n_positions=40, n_inner=80)
         model = tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(**{**settings, **overrides}))
@@ -258,6 +270,21 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40)
         model = tf.Ernie4_5ForCausalLM(tf.Ernie4_5Config(**{**settings, **overrides}))
+    elif kind in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu"):  # latent attention: low-rank q and kv
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=20, qk_rope_head_dim=8,
+                        qk_nope_head_dim=12, v_head_dim=16, max_position_embeddings=40, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
+        experts = dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+                       routed_scaling_factor=1.5, n_group=2, topk_group=1)  # (a dense first layer, then experts)
+        settings.update({"deepseek_v3": dict(first_k_dense_replace=1, **experts),
+                         "deepseek_v2": dict(first_k_dense_replace=1, topk_method="group_limited_greedy", **experts),
+                         "glm4_moe_lite": dict(mlp_layer_types=["dense", "sparse"], **experts)}.get(kind, {}))
+        config, causal = {"deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+                          "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+                          "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
+                          "youtu": (tf.YoutuConfig, tf.YoutuForCausalLM)}[kind]
+        model = causal(config(**{**settings, **overrides}))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -328,6 +355,15 @@ CASES = {
     "qwen3-moe-experts": ("qwen3_moe", {}),
     "qwen2-moe-shared-expert": ("qwen2_moe", {}),
     "qwen2-moe-renormalised-tied": ("qwen2_moe", {"norm_topk_prob": True, "tie_word_embeddings": True}),
+    # dense MLPs (intermediate_size) among the sparse layers (moe_intermediate_size)
+    "qwen3-moe-mlp-only-layers": ("qwen3_moe", {"mlp_only_layers": [0]}),
+    "qwen2-moe-sparse-step-shared": ("qwen2_moe", {"decoder_sparse_step": 2}),
+    "glm4-moe-dense-first-sigmoid-groups-scaled": ("glm4_moe", {}),
+    # two dense layers, one group of four kept of two, weights not renormalised, q/k norms and biases, whole-head rope
+    "glm4-moe-unrenormalised-qk-norm-biases-tied": ("glm4_moe", {
+        "norm_topk_prob": False, "use_qk_norm": True, "attention_bias": True, "tie_word_embeddings": True,
+        "first_k_dense_replace": 2, "num_hidden_layers": 4, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 0.7,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0}}),
     "falcon-parallel-multi-query": ("falcon", {}),
     # Falcon-40B's: a norm for each parallel sublayer, key/value heads shared by groups of query heads
     "falcon-new-architecture-gqa": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
@@ -427,6 +463,23 @@ CASES = {
     "glm4-sandwich-no-bias-eps": ("glm4", {"attention_bias": False, "rms_norm_eps": 1e-4}),
     "seed-oss-out-bias-mlp-bias-tied": ("seed_oss", {"attention_out_bias": True, "mlp_bias": True,
                                                      "tie_word_embeddings": True}),
+    # latent attention: V3's rotary pairs written back evens first, a low-rank query
+    "deepseek-v3-latent-deinterleaved-rope-experts": ("deepseek_v3", {}),
+    "deepseek-v3-half-split-rope-direct-query": ("deepseek_v3", {"rope_interleave": False, "q_lora_rank": None,
+                                                                 "tie_word_embeddings": True}),
+    # a long-context YaRN rope whose mscale_all_dim also scales the scores; biases on the down-projections and o_proj
+    "deepseek-v3-yarn-mscale-biases": ("deepseek_v3", {"attention_bias": True, "rms_norm_eps": 1e-4, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 8, "beta_slow": 1}}),
+    # every layer dense, the MLPs biased
+    "deepseek-v2-rotary-pairs-in-place-mlp-bias": ("deepseek_v2", {"mlp_bias": True, "first_k_dense_replace": 2}),
+    "deepseek-v3-all-dense": ("deepseek_v3", {"first_k_dense_replace": 2}),
+    "deepseek-v2-greedy-two-experts-per-token": ("deepseek_v2", {"topk_method": "greedy", "n_shared_experts": 2}),
+    "glm4-moe-lite-renormalised-one-expert": ("glm4_moe_lite", {"num_experts_per_tok": 1, "n_group": 1,
+                                                                "topk_group": 1}),
+    "deepseek-v2-lite-direct-query": ("deepseek_v2", {"q_lora_rank": None}),
+    "glm4-moe-lite-latent": ("glm4_moe_lite", {}),
+    "youtu-latent-tied": ("youtu", {}),
     "gpt-oss-plain-rope-no-bias-one-expert": ("gpt_oss", {
         "attention_bias": False, "num_experts_per_tok": 1, "swiglu_alpha": 1.0, "swiglu_limit": 0.05,
         "layer_types": ["full_attention"] * 3, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}),
@@ -516,8 +569,8 @@ def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan",
-                 "jais2"):
+                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan", "glm4_moe",
+                 "jais2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -581,7 +634,8 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
                                               "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "
                                               "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, flex_olmo, qwen3_moe, "
-                                              "qwen2_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, jais2, gpt_bigcode, "
+                                              "qwen2_moe, glm4_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, jais2, deepseek_v2, deepseek_v3, "
+                                              "glm4_moe_lite, youtu, gpt_bigcode, "
                                               "bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
 
