@@ -32,11 +32,13 @@ def check_block_point(model: HookedDecoder, name: str, what: str, instead: str) 
 
 
 def require_attention_heads(model: HookedDecoder, what: str) -> None:
-    """Refuse `what`, which reads every layer's attention heads, on a hybrid model whose linear-attention layers have
-    none (Qwen3.5's Gated DeltaNet layers), naming the layer-level analyses that work."""
+    """Refuse `what`, which reads every layer's attention heads, on a hybrid model whose recurrent layers have none
+    (Qwen3.5's Gated DeltaNet layers, Granite 4.0-H's Mamba-2 ones), naming the layer-level analyses that work."""
     linear = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_is_linear(layer)]
     if linear:
-        raise ValueError(f"{what}: layers {linear} of this hybrid model are linear-attention (Gated DeltaNet) layers, "
+        kind = ("state-space (Mamba-2)" if model.cfg.state_space is not None else
+                "linear-attention (Gated DeltaNet)")
+        raise ValueError(f"{what}: layers {linear} of this hybrid model are {kind} layers, "
                          f"with no attention heads, and {what} reads every layer's heads; analyses by layer work on it "
                          f"(logit_lens, patch(..., sites='resid_pre' / 'attn_out' / 'mlp_out'), the cache's "
                          f"decompose_resid), and its attention layers' heads are model.blocks[l].attn")

@@ -23,7 +23,7 @@ class Components:
     """Names and coordinates of the component axis; `layer`/`head` are None where they do not apply."""
 
     names: list[str]
-    kinds: list[str]  # embed, pos_embed, head, attn_bias, linear_attn (a hybrid's linear layer, whole), mlp
+    kinds: list[str]  # embed, pos_embed, head, attn_bias, linear_attn (a hybrid's recurrent layer, whole), mlp
     layers: list[Optional[int]]
     heads: list[Optional[int]]
 
@@ -35,11 +35,11 @@ class Components:
         layers, heads = [None] * len(names), [None] * len(names)
         mlp = 0 if model.cfg.attn_only else 1
         for layer, block in enumerate(model.blocks):
-            if model.cfg.layer_is_linear(layer):  # no heads: the layer's write is one component
-                names += [f"L{layer} linear_attn", f"L{layer} mlp"]
-                kinds += ["linear_attn", "mlp"]
-                layers += [layer, layer]
-                heads += [None, None]
+            if model.cfg.layer_is_linear(layer):  # no heads: the layer's write is one component, named as its mixer
+                names += [f"L{layer} {block.mixer_name}"] + [f"L{layer} mlp"] * mlp
+                kinds += ["linear_attn"] + ["mlp"] * mlp
+                layers += [layer] * (1 + mlp)
+                heads += [None] * (1 + mlp)
                 continue
             n_heads = block.attn.n_heads  # per layer: pruned models keep different numbers
             bias = [f"L{layer} attn bias"] if block.attn.out.bias is not None else []
@@ -103,7 +103,8 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
         parts.append(pick(cache["hook_pos_embed"]).to(dtype).unsqueeze(-2))
     for layer, block in enumerate(model.blocks):
         if model.cfg.layer_is_linear(layer):  # a hybrid's linear-attention layer: its whole write, then its MLP's
-            parts += [pick(cache[act_name(name, layer)]).to(dtype).unsqueeze(-2) for name in ("attn_out", "mlp_out")]
+            writes = ("attn_out",) if model.cfg.attn_only else ("attn_out", "mlp_out")  # (Mamba-2's: no MLP)
+            parts += [pick(cache[act_name(name, layer)]).to(dtype).unsqueeze(-2) for name in writes]
             continue
         heads = pick(cache[act_name("result", layer)]).to(dtype)  # [batch (pos) head d_model]
         bias = None if block.attn.out.bias is None else block.attn.out.bias.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2)

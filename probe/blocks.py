@@ -14,6 +14,7 @@ from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.hooks import HookPoint, observed
 from probe.latent_attention import LatentAttention
 from probe.linear_attention import GatedDeltaNet
+from probe.state_space import Mamba2Mixer
 from probe.moe import make_mlp
 from probe.norm import make_norm
 
@@ -155,10 +156,12 @@ class LinearAttentionBlock(nn.Module):
     are no attention heads, so no `attn`, patterns or per-head input points. `allowed` is the new positions' padding
     mask [batch pos] here (True: a real token), as the model hands it to these blocks."""
 
+    mixer_name = "linear_attn"  # the mixer's attribute: its hook points' names, blocks.L.<mixer_name>.hook_*
+
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
         self.ln1 = make_norm(cfg, foldable=True, ends=True)
-        self.linear_attn = GatedDeltaNet(cfg)
+        setattr(self, self.mixer_name, self.make_mixer(cfg))
         self.ln2 = make_norm(cfg, foldable=True, ends=True)
         self.mlp = make_mlp(cfg, layer)
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
@@ -168,18 +171,51 @@ class LinearAttentionBlock(nn.Module):
         self.hook_mlp_out = HookPoint()  # [batch pos d_model]
         self.hook_resid_post = HookPoint()  # [batch pos d_model]
 
+    @staticmethod
+    def make_mixer(cfg: DecoderConfig) -> nn.Module:
+        return GatedDeltaNet(cfg)
+
     def __getattr__(self, name: str):
         if name in ATTENTION_PARTS:  # what code written for attention blocks reaches for: say why it is not here
-            raise AttributeError(f"this block is a linear-attention (Gated DeltaNet) layer: it has no attention heads, "
-                                 f"so no {name}; its mixer is linear_attn (hook points blocks.L.linear_attn.hook_*)")
+            kind = "linear-attention (Gated DeltaNet)" if self.mixer_name == "linear_attn" else "state-space (Mamba-2)"
+            raise AttributeError(f"this block is a {kind} layer: it has no attention heads, so no {name}; its mixer is "
+                                 f"{self.mixer_name} (hook points blocks.L.{self.mixer_name}.hook_*)")
         return super().__getattr__(name)
 
     def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.linear_attn(self.ln1(resid_pre), allowed, past))
+        attn_out = self.hook_attn_out(getattr(self, self.mixer_name)(self.ln1(resid_pre), allowed, past))
         resid_mid = self.hook_resid_mid(resid_pre + attn_out)
         mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_mid))))
         return self.hook_resid_post(resid_mid + mlp_out)
+
+
+class StateSpaceBlock(LinearAttentionBlock):
+    """A pre-norm block whose token mixer is a Mamba-2 state-space layer (Granite 4.0-H's): h = x + mixer(ln1(x));
+    y = h + mlp(ln2(h)), the mixer under the bridge's name, `mixer`."""
+
+    mixer_name = "mixer"
+
+    @staticmethod
+    def make_mixer(cfg: DecoderConfig) -> nn.Module:
+        return Mamba2Mixer(cfg)
+
+
+class StateSpaceOnlyBlock(StateSpaceBlock):
+    """A Mamba-2 layer without an MLP (Mamba-2's own models: `attn_only`): y = x + mixer(ln1(x)); no hook_resid_mid,
+    MLP or ln2 points, as an attention-only block has none."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        nn.Module.__init__(self)
+        self.ln1 = make_norm(cfg, foldable=True, ends=True)
+        self.mixer = self.make_mixer(cfg)
+        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        self.hook_attn_out = HookPoint()  # [batch pos d_model]: the mixer's write
+        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+
+    def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        return self.hook_resid_post(resid_pre + self.hook_attn_out(self.mixer(self.ln1(resid_pre), allowed, past)))
 
 
 # a PreNormBlock's attention and per-head input points, which a linear-attention block has none of
@@ -203,6 +239,8 @@ def mask_keys(cfg: DecoderConfig) -> list:
 
 def make_block(cfg: DecoderConfig, layer: int) -> nn.Module:
     """`layer`'s block: the config's arrangement of the norms, or a linear-attention block where the config says."""
+    if cfg.layer_is_state_space(layer):
+        return (StateSpaceOnlyBlock if cfg.attn_only else StateSpaceBlock)(cfg, layer)
     if cfg.layer_is_linear(layer):
         return LinearAttentionBlock(cfg, layer)
     return (AttnOnlyBlock if cfg.attn_only else BLOCKS[cfg.norm_placement])(cfg, layer)  # (attn_only is pre-norm only)

@@ -11,6 +11,8 @@ names that probe has no point for are listed with what to hook instead, so askin
 "unknown name"."""
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from probe.config import DecoderConfig, NormPlacement, Positions
@@ -33,11 +35,48 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
     else:
         left_out.update({f"rotary_emb.hook_{end}": _ROTARY.format(l=0) for end in ("in", "out", "cos", "sin")})
     for layer in range(cfg.n_layers):
-        block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}", cfg.layer_is_linear(layer),
-                                                     cfg.layer_sparse(layer))
-        aliases.update(block_aliases)
+        if cfg.original_architecture in SCALED_WRITES:
+            left_out.update(_unscaled_outputs(f"blocks.{layer}"))
+        if cfg.original_architecture == "GraniteMoeHybridForCausalLM":
+            aliases.update(_granite_hybrid_mlp_names(f"blocks.{layer}", left_out))
+        mixer = "mixer" if cfg.layer_is_state_space(layer) else "linear_attn" if cfg.layer_is_linear(layer) else None
+        block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}", mixer, cfg.layer_sparse(layer))
+        aliases.update({k: v for k, v in block_aliases.items() if k not in left_out})
         left_out.update({name: why.replace("{l}", str(layer)) for name, why in block_left_out.items()})
     return aliases, left_out
+
+
+# Granite's: the residual multiplier is folded into every output projection (probe.checkpoint_granite), so probe has
+# each sublayer's write only after it; the bridge also hooks the sublayer modules' outputs before it
+SCALED_WRITES = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM")
+
+
+def _unscaled_outputs(b: str) -> dict[str, str]:
+    why = (f"probe folds Granite's residual_multiplier into the output projections, so it has this sublayer's output "
+           f"only as the residual receives it, times that multiplier: {b}.hook_attn_out / hook_mlp_out (the bridge's "
+           f"same names)")
+    return dict.fromkeys((f"{b}.attn.hook_out", f"{b}.attn.o.hook_out", f"{b}.attn.hook_hidden_states",
+                          f"{b}.mixer.hook_out", f"{b}.hook_mixer_out", f"{b}.mixer.hook_ssm_out",
+                          f"{b}.mlp.hook_out", f"{b}.mlp.out.hook_out"), why)
+
+
+def _granite_hybrid_mlp_names(b: str, left_out: dict[str, str]) -> dict[str, str]:
+    """Granite 4.0-H's MLP under the bridge's names (`shared_mlp`, `moe`): their input is ln2's output; their points
+    inside are left out, saying where probe has them."""
+    shared = (f"probe's shared MLP is {b}.mlp.shared_expert (or, without experts, {b}.mlp), its points hold the "
+              f"tokens flattened, [batch*pos d_mlp], as every expert's do")
+    routing = (f"probe's routing points are {b}.mlp.hook_expert_weights (the router's softmax over the chosen "
+               f"experts) and {b}.mlp.hook_expert_indices; the bridge (TL 4.3) holds the router's logits under its "
+               f"expert indices")
+    left_out.update({f"{b}.shared_mlp.{name}": shared for name in (
+        "hook_pre", "hook_pre_linear", "hook_post", "gate.hook_out", "in.hook_out", "out.hook_in", "gate.hook_in",
+        "in.hook_in")})
+    left_out.update({f"{b}.moe.{name}": routing for name in (
+        "hook_expert_indices", "hook_expert_weights", "gate.hook_expert_indices", "gate.hook_expert_weights",
+        "gate.hook_in", "gate.hook_out")})
+    left_out.update({f"{b}.{name}": left_out.get(f"{b}.mlp.hook_out", "") or shared for name in (
+        "shared_mlp.hook_out", "shared_mlp.out.hook_out", "moe.hook_out", "moe.hook_post")})
+    return dict.fromkeys((f"{b}.shared_mlp.hook_in", f"{b}.moe.hook_in", f"{b}.moe.hook_pre"), f"{b}.ln2.hook_out")
 
 
 def _linear_attention_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -55,11 +94,39 @@ def _linear_attention_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
     return aliases, {f"{mixer}.hook_ssm_state": why}
 
 
-def _block_names(cfg: DecoderConfig, b: str, linear: bool = False,
+def _state_space_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
+    """A state-space block's names for its Mamba-2 mixer (the bridge's SSM2MixerBridge under `mixer`, its aliases
+    too)."""
+    mixer = f"{b}.mixer"
+    aliases = {f"{b}.hook_in": f"{b}.hook_resid_pre", f"{b}.hook_out": f"{b}.hook_resid_post",
+               f"{mixer}.hook_in": f"{b}.ln1.hook_out", f"{b}.hook_mixer_in": f"{b}.ln1.hook_out",
+               f"{mixer}.in_proj.hook_in": f"{b}.ln1.hook_out",  # (the one layer that reads the mixer's input)
+               f"{mixer}.hook_out": f"{b}.hook_attn_out", f"{b}.hook_mixer_out": f"{b}.hook_attn_out",
+               f"{mixer}.hook_ssm_out": f"{b}.hook_attn_out", f"{mixer}.in_proj.hook_out": f"{mixer}.hook_in_proj",
+               f"{mixer}.conv1d.hook_out": f"{mixer}.hook_conv", f"{mixer}.inner_norm.hook_out": f"{mixer}.hook_inner_norm"}
+    left_out = {f"{mixer}.{name}": why for name, why in (
+        ("hook_ssm_state", f"probe does not keep the state at every position (a [batch pos head d_head d_state] "
+                           f"tensor); what writes and reads it is hooked: {mixer}.hook_conv (x, B, C), hook_dt and "
+                           f"hook_scan_out"),
+        ("hook_ssm_write", f"probe does not form each position's write dt x B^T; its parts are {mixer}.hook_conv and "
+                           f"hook_dt"),
+        ("conv1d.hook_in", f"the convolution's input is {mixer}.hook_in_proj's x, B and C channels ([batch pos ...], "
+                           f"not the convolution's [batch channel pos])"),
+        ("inner_norm.hook_in", f"the gated norm's input is {mixer}.hook_scan_out ([batch pos head d_head]; flatten "
+                               f"its last two dimensions for the bridge's) and its gate the first channels of "
+                               f"{mixer}.hook_in_proj"))}
+    return aliases, left_out
+
+
+def _block_names(cfg: DecoderConfig, b: str, mixer: Optional[str] = None,
                  sparse: bool = False) -> tuple[dict[str, str], dict[str, str]]:
-    """One block's names: its token mixer's (attention or a linear-attention layer), then its MLP's (a mixture of
-    experts where `sparse`)."""
-    aliases, left_out = _linear_attention_names(b) if linear else _attention_names(cfg, b)
+    """One block's names: its token mixer's (attention, or the recurrent layer `mixer` names: "linear_attn" or
+    "mixer"), then its MLP's (a mixture of experts where `sparse`)."""
+    recurrent = {"linear_attn": _linear_attention_names, "mixer": _state_space_names}
+    aliases, left_out = recurrent[mixer](b) if mixer else _attention_names(cfg, b)
+    if mixer == "mixer" and cfg.attn_only:  # Mamba-2's own blocks: the bridge names their one norm `norm`
+        aliases.update({f"{b}.norm.{point}": f"{b}.ln1.{point}"
+                        for point in ("hook_in", "hook_scale", "hook_normalized", "hook_out")})
     if cfg.attn_only:
         return aliases, left_out
     return _mlp_names(cfg, b, aliases, left_out, sparse)

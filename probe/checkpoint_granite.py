@@ -57,19 +57,21 @@ def granite_moe_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer])
     return out
 
 
-def _fold_multipliers(out: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
-    """The embedding multiplier into W_E, the residual one into every write to the residual (each W_O, W_out and
-    expert's W_out, with their biases), the logit divisor into W_U: new tensors, so a tied W_U is not W_E."""
+def fold_multipliers(out: dict[str, torch.Tensor], hf: dict) -> dict[str, torch.Tensor]:
+    """The embedding multiplier into W_E, the residual one into every write to the residual (each W_O, W_out,
+    expert's and shared expert's W_out and Mamba-2 out_proj, with their biases), the logit divisor into W_U: new
+    tensors, so a tied W_U is not W_E."""
     residual = hf.get("residual_multiplier", 1.0)
     writes = (".attn.out.weight", ".attn.out.bias", ".mlp.fc_out.weight", ".mlp.fc_out.bias", ".W_out.weight",
-              ".W_out.bias")
+              ".W_out.bias", ".shared_expert.fc_out.weight", ".mixer.out_proj.weight", ".mixer.out_proj.bias")
     out = {name: t * residual if name.endswith(writes) else t for name, t in out.items()}
     out["unembed.weight"] = out["unembed.weight"] / hf.get("logits_scaling", 1.0)
     out["embed.W_E"] = out["embed.W_E"] * hf.get("embedding_multiplier", 1.0)
     return out
 
 
-def _take_experts(source: Source, cfg: DecoderConfig, out: dict[str, torch.Tensor]) -> None:
+def take_granite_experts(source: Source, cfg: DecoderConfig, out: dict[str, torch.Tensor]) -> None:
+    """Each layer's router and fused experts (`block_sparse_moe`), as probe's tensors into `out`."""
     n, d, m = cfg.experts.n, cfg.d_model, cfg.d_mlp
     for l in range(cfg.n_layers):
         o, t = f"blocks.{l}.mlp", f"layers.{l}.block_sparse_moe"
@@ -86,12 +88,19 @@ def granite_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tens
     tied = source.config.get("tie_word_embeddings", False)
     out = llama_to_probe(source, dataclasses.replace(cfg, tied_embeddings=tied))
     if cfg.experts is not None:
-        _take_experts(source, cfg, out)
-    return _fold_multipliers(out, source.config)
+        take_granite_experts(source, cfg, out)
+    return fold_multipliers(out, source.config)
 
 
 def granite_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = llama_to_hf(params, cfg)
+    out.update(granite_experts_to_hf(params, cfg))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def granite_experts_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    """take_granite_experts' inverse: the routers and fused experts under the file's names."""
+    out = {}
     for l in range(cfg.n_layers) if cfg.experts is not None else ():
         o, t = f"blocks.{l}.mlp", f"model.layers.{l}.block_sparse_moe"
         experts = [f"{o}.experts.{e}" for e in range(cfg.experts.n)]

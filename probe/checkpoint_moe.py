@@ -277,10 +277,11 @@ def expert_names(cfg: DecoderConfig, model_type: str) -> dict[str, tuple[str, tu
     return table
 
 
-def take_experts(source: Source, cfg: DecoderConfig, model_type: str) -> dict[str, torch.Tensor]:
-    """The sparse layers' routers, selection biases, experts and shared experts (expert_names), stored one by one or
-    each layer's experts fused (`experts.gate_up_proj` [expert 2*width d_model], the gates' rows first, and
-    `experts.down_proj` [expert d_model width]), as probe's tensors."""
+def take_experts(source: Source, cfg: DecoderConfig, model_type: str,
+                 names: Optional[dict[str, tuple[str, tuple[int, ...]]]] = None) -> dict[str, torch.Tensor]:
+    """The sparse layers' routers, selection biases, experts and shared experts (`names`, a format's own table;
+    None: expert_names'), stored one by one or each layer's experts fused (`experts.gate_up_proj` [expert 2*width
+    d_model], the gates' rows first, and `experts.down_proj` [expert d_model width]), as probe's tensors."""
     block, (gate, up, down), _ = LAYOUTS[model_type]
     n, d, w = cfg.experts.n, cfg.d_model, cfg.expert_width
     for l in filter(cfg.layer_sparse, range(cfg.n_layers)):
@@ -290,7 +291,8 @@ def take_experts(source: Source, cfg: DecoderConfig, model_type: str) -> dict[st
             for e in range(n):
                 source.state.update({f"{t}.{e}.{gate}.weight": gate_up[e, :w], f"{t}.{e}.{up}.weight": gate_up[e, w:],
                                      f"{t}.{e}.{down}.weight": fused_down[e]})
-    return {ours: source.take(theirs, shape) for ours, (theirs, shape) in expert_names(cfg, model_type).items()}
+    names = expert_names(cfg, model_type) if names is None else names
+    return {ours: source.take(theirs, shape) for ours, (theirs, shape) in names.items()}
 
 
 def moe_family(model_type: str) -> tuple[Callable, Callable, Callable]:

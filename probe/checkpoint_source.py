@@ -264,7 +264,7 @@ PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, l
               sliding_layers=None, qk_norm=False, attn_scale_by_layer=False, unembed_bias=False, norm_weights=True,
               rotary_adjacent_pairs=False, sliding_rotary_base=None, qk_norm_over_heads=False, input_norms=True,
                     embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None, attn_sinks=False,
-                    attn_output_gate=False, linear_attention=None, qk_norm_after_rope=False, latent_attention=None,
+                    attn_output_gate=False, linear_attention=None, qk_norm_after_rope=False, latent_attention=None, state_space=None,
                     # an activation with parameters of its own (xIELU): only Apertus's format holds them
                     activation=frozenset(a for a in Activation if not a.learned))
 

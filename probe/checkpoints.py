@@ -2,10 +2,11 @@
 
 One small table of functions per family: checkpoint_gpt.py (GPT-2, GPT-1, GPT-NeoX), checkpoint_gptneo.py (GPT-Neo),
 checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT, XGLM), checkpoint_bloom.py (Bloom), checkpoint_moe.py (Mixtral,
-OLMoE, FlexOlmo, Qwen2/3-MoE, GLM-4.5), checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
+OLMoE, FlexOlmo, Qwen2/3-MoE, GLM-4.5), checkpoint_minimax.py (MiniMax-M2), checkpoint_ernie_moe.py (ERNIE 4.5 MoE),
+checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
-checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE),
+checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba),
 checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
@@ -23,11 +24,16 @@ from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, g
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
 from probe.checkpoint_deepseek import latent_config, latent_config_to_hf, latent_family
 from probe.checkpoint_cohere import cohere2_config, cohere_config, cohere_config_to_hf, cohere_to_hf, cohere_to_probe
+from probe.checkpoint_ernie_moe import (ernie4_5_moe_config, ernie4_5_moe_config_to_hf, ernie4_5_moe_to_hf,
+                                        ernie4_5_moe_to_probe)
 from probe.checkpoint_exaone import (exaone4_config, exaone4_config_to_hf, exaone_config, exaone_config_to_hf,
                                      exaone_to_hf, exaone_to_probe)
 from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
 from probe.checkpoint_gemma3 import gemma3_config, gemma3_config_to_hf, gemma3_multimodal
 from probe.checkpoint_glm import glm_config, glm_config_to_hf, glm_to_hf, glm_to_probe
+from probe.checkpoint_mamba import (bamba_config, bamba_config_to_hf, bamba_to_hf, bamba_to_probe, granite_hybrid_config,
+                                    granite_hybrid_config_to_hf, granite_hybrid_to_hf, granite_hybrid_to_probe,
+                                    mamba2_config, mamba2_config_to_hf, mamba2_to_hf, mamba2_to_probe)
 from probe.checkpoint_granite import (granite_config, granite_config_to_hf, granite_moe_config, granite_moe_config_to_hf,
                                       granite_to_hf, granite_to_probe)
 from probe.checkpoint_hunyuan import hunyuan_config, hunyuan_config_to_hf, hunyuan_to_hf, hunyuan_to_probe
@@ -41,6 +47,7 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_conf
                                     ernie4_5_config, olmo2_config, olmo3_config, olmo_config, seed_oss_config,
                                     smollm3_config,
                                     qwen2_config, qwen3_config)
+from probe.checkpoint_minimax import minimax_m2_config, minimax_m2_config_to_hf, minimax_m2_to_hf, minimax_m2_to_probe
 from probe.checkpoint_mistral3 import ministral3_config, ministral3_config_to_hf, mistral3
 from probe.checkpoint_moe import (flex_olmo_config, glm4_moe_config, mixtral_config, moe_family, olmoe_config,
                                   qwen2_moe_config, qwen3_moe_config)
@@ -71,7 +78,7 @@ class Family:
     to_probe: Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]
     to_hf: Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]
     # whether text gets BOS first by default (cfg.default_prepend_bos): transformer-lens's per-family choice, False
-    # for GPT-NeoX/Pythia, Qwen, Phi, Granite, GLM, ERNIE, EXAONE 4, StarCoder 2 and Seed-OSS, trained without one
+    # for GPT-NeoX/Pythia, Qwen, Phi, Granite, GLM, ERNIE, MiniMax, EXAONE 4, StarCoder 2 and Seed-OSS, trained without one
     # (TL 3.9's convert_hf_model_config, TL 4's bridge)
     prepends_bos: bool = True
     # a multimodal checkpoint's: the text-only format its language model saves as
@@ -131,6 +138,11 @@ FAMILIES = {
                granite_to_hf, prepends_bos=False),
         Family("granitemoe", "GraniteMoeForCausalLM", ("model.",), granite_moe_config, granite_moe_config_to_hf,
                granite_to_probe, granite_to_hf, prepends_bos=False),
+        Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("model.",), granite_hybrid_config,
+               granite_hybrid_config_to_hf, granite_hybrid_to_probe, granite_hybrid_to_hf, prepends_bos=False),
+        Family("bamba", "BambaForCausalLM", ("model.",), bamba_config, bamba_config_to_hf, bamba_to_probe, bamba_to_hf),
+        Family("mamba2", "Mamba2ForCausalLM", ("backbone.",), mamba2_config, mamba2_config_to_hf, mamba2_to_probe,
+               mamba2_to_hf),
         Family("apertus", "ApertusForCausalLM", ("model.",), apertus_config, apertus_config_to_hf, apertus_to_probe,
                apertus_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,
@@ -164,6 +176,10 @@ FAMILIES = {
                prepends_bos=False),
         Family("glm4_moe", "Glm4MoeForCausalLM", ("model.",), glm4_moe_config, *moe_family("glm4_moe"),
                prepends_bos=False),
+        Family("minimax_m2", "MiniMaxM2ForCausalLM", ("model.",), minimax_m2_config, minimax_m2_config_to_hf,
+               minimax_m2_to_probe, minimax_m2_to_hf, prepends_bos=False),
+        Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ("model.",), ernie4_5_moe_config, ernie4_5_moe_config_to_hf,
+               ernie4_5_moe_to_probe, ernie4_5_moe_to_hf, prepends_bos=False),
         Family("gpt_oss", "GptOssForCausalLM", ("model.",), gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_probe,
                gpt_oss_to_hf),
         Family("falcon", "FalconForCausalLM", ("transformer.",), falcon_config, falcon_config_to_hf, falcon_to_probe,
@@ -199,17 +215,19 @@ def family_for_config(cfg: DecoderConfig) -> Family:
     if cfg.d_vocab_out != cfg.d_vocab:
         raise ValueError(f"no Hugging Face checkpoint format here predicts another vocabulary than it reads "
                          f"(d_vocab_out={cfg.d_vocab_out}, d_vocab={cfg.d_vocab}); save model.state_dict() with safetensors")
-    if cfg.attn_only:
+    if cfg.attn_only and cfg.state_space is None:  # (Mamba-2's format holds blocks without MLPs, of mixers only)
         raise ValueError("no Hugging Face checkpoint format holds attention-only blocks; save model.state_dict() with "
                          "safetensors and load it into HookedDecoder(cfg)")
     if cfg.activation in (Activation.SOLU, Activation.SOLU_LN):
         raise ValueError(f"no Hugging Face checkpoint format holds a SoLU MLP (activation={cfg.activation.value!r}: "
                          "transformers has no SoLU activation, nor a LayerNorm inside the MLP); save model.state_dict() "
                          "with safetensors (transformer-lens's layout) and load it into HookedDecoder(cfg)")
-    if cfg.unembed_bias and not (cfg.norm_placement is NormPlacement.PARALLEL and cfg.norm_weights):
+    if cfg.unembed_bias and not (cfg.norm_weights and (cfg.norm_placement is NormPlacement.PARALLEL
+                                                       or cfg.experts is not None)):
         raise ValueError("no Hugging Face checkpoint format here holds an unembedding bias beside these norms (Phi's "
-                         "holds one in parallel blocks with learned norms; a model from process_weights has one, and "
-                         "folded norms); save the unprocessed model and process it again after loading")
+                         "holds one in parallel blocks with learned norms, ERNIE 4.5 MoE's beside experts; a model "
+                         "from process_weights has one, and folded norms); save the unprocessed model and process it "
+                         "again after loading")
     errors = []
     # the format the model was loaded from first (or, from a multimodal file, its text-only one): an OPT model is also
     # a valid GPT-2 one, but not OPT's positions

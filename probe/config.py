@@ -10,14 +10,15 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, ExpertGroups, Experts, LatentAttention,
-                                  LinearAttention, Norm, NormPlacement, Positions, RotaryScaling)
+from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, ExpertGroups, Experts, Norm, NormPlacement, Positions,
+                                  RotaryScaling)
+from probe.config_mixers import LatentAttention, LinearAttention, StateSpace
 from probe.config_layers import LayerFacts
 from probe.tl_config_fields import HookedTransformerConfigFields
 
 # the choices live in probe.config_choices and are imported from here as before
 __all__ = ["Activation", "DecoderConfig", "ExpertGroups", "Experts", "LatentAttention", "LinearAttention", "Norm", "NormPlacement",
-           "Positions", "RotaryScaling"]
+           "Positions", "RotaryScaling", "StateSpace"]
 
 
 def _enum(cls, value, field):
@@ -83,6 +84,8 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
     linear_attention: Optional[LinearAttention] = None
     # multi-head latent attention in every layer (DeepSeek-V2/V3): d_head is the values' width; a dict is converted
     latent_attention: Optional[LatentAttention] = None
+    # Mamba-2 state-space layers in place of attention in some layers (Granite 4.0-H); a dict is converted
+    state_space: Optional[StateSpace] = None
     clip_qkv: Optional[float] = None  # q, k and v clamped to [-clip, clip] after their norms (OLMo-7B-0424, OLMoE, MPT)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
     scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
@@ -283,6 +286,12 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
                                  "heads_per_layer=None")
         if latent is not None:
             latent.check(self)
+        if isinstance(self.state_space, dict):
+            object.__setattr__(self, "state_space", StateSpace(**self.state_space))
+        if self.state_space is not None:
+            if not isinstance(self.state_space, StateSpace):
+                raise ValueError(f"state_space must be a StateSpace (or its fields as a dict), got {self.state_space!r}")
+            self.state_space.check(self)
         if self.attn_only and self.norm_placement is not NormPlacement.PRE:
             raise ValueError(f"attn_only blocks are pre-norm, x + attn(ln1(x)); got norm_placement="
                              f"{self.norm_placement.value!r}: use norm_placement='pre'")

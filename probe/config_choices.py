@@ -167,12 +167,8 @@ class Experts:
     when `shared_gate` (Qwen1.5-MoE, Qwen2-MoE), added as it is otherwise (DeepSeek, GLM-4.5: n_shared_experts times
     the experts' width). `width`: each routed expert's width; None: the config's d_mlp. `layers`: which layers have
     the experts (the others a dense gated MLP of d_mlp: DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers);
-    None: every layer.
-
-    `renormalize_min`: the renormalising sum clamped below at this (ERNIE 4.5's moe_norm_min); None: the sum plus
-    1e-20 (DeepSeek-V3's), so zeroed weights stay zeros. `routed_bias`: whether the router and the routed experts have
-    biases where mlp_bias gives the MLPs theirs; False: ERNIE 4.5's, whose use_bias reaches its dense and shared MLPs
-    alone."""
+    None: every layer. `renormalize_min`: the renormalising sum clamped below at this (ERNIE 4.5's moe_norm_min; None:
+    the sum plus 1e-20). `routed_bias` False: no biases on the router or routed experts whatever mlp_bias says."""
 
     n: int
     per_token: int
@@ -216,8 +212,7 @@ class Experts:
                              f"by it), got {self.scaling!r}")
         self._check_groups()
         floor = self.renormalize_min
-        if floor is not None and (not isinstance(floor, (int, float)) or isinstance(floor, bool) or not floor > 0
-                                  or not self.renormalize):
+        if floor is not None and not (type(floor) in (int, float) and floor > 0 and self.renormalize):
             raise ValueError(f"Experts.renormalize_min={floor!r} clamps the renormalising sum: give a positive number "
                              "with renormalize=True, or leave it None")
         if self.softmax_over == "chosen":
@@ -257,94 +252,3 @@ class Experts:
         if groups.score == "top2_sum" and size < 2:
             raise ValueError(f"ExpertGroups(score='top2_sum') sums each group's two best scores, but its groups hold "
                              f"{size} expert: use score='max' or fewer groups")
-
-
-@dataclass(frozen=True)
-class LinearAttention:
-    """Gated DeltaNet token mixers in place of attention in some layers (Qwen3.5, Qwen3-Next; Yang et al. 2024,
-    "Gated Delta Networks"): each value head keeps a [d_key_head d_value_head] state that decays at every position and
-    is corrected toward the new value along the new key (the delta rule); the queries read it. `layers` says which
-    layers have one (the others keep attention). `key_heads` query/key heads of `d_key_head` serve `value_heads` value
-    heads of `d_value_head`, each the value_heads // key_heads adjacent ones; q, k and v first pass a causal depthwise
-    convolution over `conv_kernel` positions."""
-
-    layers: tuple[bool, ...]
-    key_heads: int
-    value_heads: int
-    d_key_head: int
-    d_value_head: int
-    conv_kernel: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("key_heads", "value_heads", "d_key_head", "d_value_head", "conv_kernel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LinearAttention.{name} must be a positive int, got {value!r}")
-        if self.value_heads % self.key_heads:
-            raise ValueError(f"LinearAttention(value_heads={self.value_heads}) must be a multiple of key_heads="
-                             f"{self.key_heads}: each query/key head serves the same number of value heads")
-        layers = tuple(self.layers)
-        if not all(isinstance(x, bool) for x in layers) or not any(layers):
-            raise ValueError(f"LinearAttention.layers={self.layers!r} must say for each layer True (a linear-attention "
-                             "layer) or False (attention), with at least one True (else leave linear_attention None)")
-        object.__setattr__(self, "layers", layers)
-
-
-@dataclass(frozen=True)
-class LatentAttention:
-    """Multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024) in place of q/k/v projections: keys and values are
-    read from one normalised latent of `kv_rank` per position (shared by every head), queries from one of `q_rank` (None:
-    straight from the residual). Each head's query and key are `d_nope` dimensions without positions followed by
-    `d_rope` rotated ones; the key's rotated part is one for every head, projected from the residual beside the latent.
-    The values are cfg.d_head wide per head (what W_O reads). `deinterleaved`: the rotated pairs, adjacent ones (2i,
-    2i + 1), are written back evens first, then odds (DeepSeek-V3's rope_interleave; the scores are those of the
-    pairs in place). `mscale`: the scores are also multiplied by its square (YaRN's mscale_all_dim on a long-context
-    checkpoint; 1 otherwise). The latents' norms have `latent_eps` (transformers builds them with 1e-6 whatever the
-    model's)."""
-
-    kv_rank: int
-    d_nope: int
-    d_rope: int
-    q_rank: Optional[int] = None
-    deinterleaved: bool = False
-    mscale: float = 1.0
-    latent_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        for name in ("kv_rank", "d_nope", "d_rope", "q_rank"):
-            value = getattr(self, name)
-            if (value is not None or name != "q_rank") and (not isinstance(value, int) or isinstance(value, bool)
-                                                           or value <= 0):
-                raise ValueError(f"LatentAttention.{name} must be a positive int{' or None' * (name == 'q_rank')}, "
-                                 f"got {value!r}")
-        if self.d_rope % 2:
-            raise ValueError(f"LatentAttention.d_rope={self.d_rope} rotates pairs of dimensions: make it even")
-        if not isinstance(self.deinterleaved, bool):
-            raise ValueError(f"LatentAttention.deinterleaved must be a bool, got {self.deinterleaved!r}")
-        for name in ("mscale", "latent_eps"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
-                raise ValueError(f"LatentAttention.{name} must be a positive number, got {value!r}")
-
-    @property
-    def d_qk(self) -> int:
-        """Each head's query and key width."""
-        return self.d_nope + self.d_rope
-
-    def check(self, cfg) -> None:
-        """Refuse what latent attention is not built with, naming the setting to change."""
-        refused = {"positions": cfg.positions.value != "rotary", "n_kv_heads": cfg.n_kv_heads != cfg.n_heads,
-                   "heads_per_layer": cfg.heads_per_layer is not None, "qk_norm": cfg.qk_norm,
-                   "sliding_window": cfg.sliding_window is not None, "attn_softcap": cfg.attn_softcap is not None,
-                   "attn_sinks": cfg.attn_sinks, "attn_output_gate": cfg.attn_output_gate,
-                   "clip_qkv": cfg.clip_qkv is not None, "rotary_layers": cfg.rotary_layers is not None,
-                   "linear_attention": cfg.linear_attention is not None, "bidirectional": cfg.bidirectional,
-                   "norm_placement": cfg.norm_placement.value != "pre", "attn_only": cfg.attn_only,
-                   "rotary_dim": cfg.rotary_dim != self.d_rope, "attn_scale_dim": cfg.attn_scale_dim is not None}
-        names = [name for name, bad in refused.items() if bad]
-        if names:
-            raise ValueError(f"latent attention is built in causal pre-norm blocks with rotary positions on d_rope="
-                             f"{self.d_rope} dimensions, every head its own keys and values and none of: windows, q/k "
-                             f"norms, caps, sinks, gates, clamps, NoPE layers, a scale other than d_qk's; these "
-                             f"settings differ: {', '.join(names)} (set rotary_dim={self.d_rope}, n_kv_heads=n_heads, "
-                             "and the others to their defaults)")

@@ -33,8 +33,14 @@ class LayerFacts:
         return self.positions is Positions.ROTARY and (self.rotary_layers is None or self.rotary_layers[layer])
 
     def layer_is_linear(self, layer: int) -> bool:
-        """Whether `layer` mixes positions with a linear-attention (Gated DeltaNet) layer instead of attention."""
-        return self.linear_attention is not None and self.linear_attention.layers[layer]
+        """Whether `layer` mixes positions with a recurrent layer instead of attention: linear attention (Gated
+        DeltaNet) or a state-space (Mamba-2) mixer; such a layer has no attention heads."""
+        return (self.linear_attention is not None and self.linear_attention.layers[layer]) or self.layer_is_state_space(
+            layer)
+
+    def layer_is_state_space(self, layer: int) -> bool:
+        """Whether `layer`'s token mixer is a Mamba-2 state-space mixer (blocks.L.mixer)."""
+        return self.state_space is not None and self.state_space.layers[layer]
 
     def layer_sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts (else one MLP of d_mlp: dense layers among sparse ones)."""

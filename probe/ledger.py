@@ -118,6 +118,19 @@ def _add_latent_attention(cfg: DecoderConfig, add, layer: int) -> None:
     add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
 
 
+def _add_state_space(cfg: DecoderConfig, add, layer: int) -> None:
+    """A Mamba-2 layer's parameters (probe.state_space): its projections are matmuls ("weight"), its convolution, step
+    and decay rates, skips and gated norm are not."""
+    space, d = cfg.state_space, cfg.d_model
+    inner, channels = space.n_heads * space.d_head, space.n_heads * space.d_head + 2 * space.n_groups * space.d_state
+    add("mixer.in_proj.weight", "attention", d * (inner + channels + space.n_heads), layer)
+    add("mixer.conv1d", "attention", channels * (space.conv_kernel + space.conv_bias), layer)
+    add("mixer.decay", "attention", 3 * space.n_heads, layer)  # dt_bias, A_log and D
+    add("mixer.norm", "norm", inner, layer)
+    add("mixer.out_proj.weight", "attention", inner * d, layer)
+    add("mixer.proj_bias", "attention", inner + channels + space.n_heads + d if space.proj_bias else 0, layer)
+
+
 def _add_linear_attention(cfg: DecoderConfig, add, layer: int) -> None:
     """A Gated DeltaNet layer's parameters (probe.linear_attention): its projections are matmuls ("weight"), its
     convolution, decay rates and gated norm are not."""
@@ -151,7 +164,9 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     for layer in range(cfg.n_layers):
         add("ln1", "norm", input_params, layer)
         mixer = _add_attention if cfg.latent_attention is None else _add_latent_attention
-        (_add_linear_attention if cfg.layer_is_linear(layer) else mixer)(cfg, add, layer)
+        if cfg.layer_is_linear(layer):
+            mixer = _add_state_space if cfg.layer_is_state_space(layer) else _add_linear_attention
+        mixer(cfg, add, layer)
         if cfg.attn_only:
             continue
         add("ln2", "norm", input_params, layer)

@@ -54,8 +54,8 @@ def can_fold_ln(cfg: DecoderConfig) -> bool:
     positions join ln1's output before W_Q and W_K, so ln1's weight cannot move into them."""
     return (cfg.norm is not Norm.NONE and cfg.positions is not Positions.SHORTFORMER
             and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH)
-            # (a linear-attention layer's projections have no biases to take a LayerNorm's b)
-            and not (cfg.linear_attention is not None and cfg.norm is Norm.LAYER))
+            # (a recurrent layer's projections have no biases to take a LayerNorm's b)
+            and not ((cfg.linear_attention is not None or cfg.state_space is not None) and cfg.norm is Norm.LAYER))
 
 
 def can_center_writing_weights(cfg: DecoderConfig) -> bool:
@@ -206,11 +206,15 @@ def _mixer_inputs(block: nn.Module) -> list[nn.Module]:
     if hasattr(block, "linear_attn"):
         mixer = block.linear_attn
         return [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
+    if hasattr(block, "mixer"):  # a Mamba-2 layer: one projection reads it all
+        return [block.mixer.in_proj]
     return [block.attn.qkv] + ([] if block.attn.gate is None else [block.attn.gate])
 
 
 def _mixer_output(block: nn.Module) -> nn.Module:
-    return block.linear_attn.out_proj if hasattr(block, "linear_attn") else block.attn.out
+    if hasattr(block, "mixer_name"):  # a recurrent layer's (Gated DeltaNet's, Mamba-2's)
+        return getattr(block, block.mixer_name).out_proj
+    return block.attn.out
 
 
 def _mlp_inputs(block: nn.Module) -> list[nn.Module]:
@@ -303,7 +307,11 @@ def _add_biases(model: HookedDecoder, bias_field: str) -> None:
     for layer in _biased_layers(model, bias_field):
         if layer.bias is None:
             layer.bias = nn.Parameter(torch.zeros(layer.weight.shape[0], dtype=layer.weight.dtype, device=layer.weight.device))
-    model.cfg = dataclasses.replace(model.cfg, **{bias_field: True})
+    changes: dict = {bias_field: True}
+    experts = model.cfg.experts
+    if bias_field == "mlp_bias" and experts is not None and not experts.routed_bias:  # (ERNIE's) they have theirs now
+        changes["experts"] = dataclasses.replace(experts, routed_bias=True)
+    model.cfg = dataclasses.replace(model.cfg, **changes)
 
 
 def center_readers(model: HookedDecoder) -> None:

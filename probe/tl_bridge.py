@@ -35,7 +35,9 @@ BRIDGE_SKIPS = {**dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGen
                                  "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GlmForCausalLM",
                                  "Glm4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "FlexOlmoForCausalLM",
                                  "Exaone4ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                                 "Glm4MoeLiteForCausalLM", "YoutuForCausalLM"), ("fold_ln",)),
+                                 "Glm4MoeLiteForCausalLM", "YoutuForCausalLM", "GraniteMoeHybridForCausalLM",
+                                 "BambaForCausalLM"),
+                                ("fold_ln",)),
                 "NemotronForCausalLM": ("fold_ln", "center_writing_weights")}
 
 

@@ -180,9 +180,14 @@ def run(args: argparse.Namespace) -> int:
 
     # a hybrid's linear-attention layers (Qwen3.5) have no heads: the analyses of every layer's heads say so instead
     linear = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_is_linear(layer)]
+    kind = "state-space (Mamba-2)" if model.cfg.state_space is not None else "linear-attention"
     headless = ("Not run: {} reads every layer's attention heads, and layers " + str(linear) + " of this hybrid model are "
-                "linear-attention layers, which have none; the analyses by layer cover them.")
-    attention_sections(model, tokens, report, out, timed)  # (a hybrid's: the layers that attend)
+                f"{kind} layers, which have none; the analyses by layer cover them.")
+    if len(linear) < model.cfg.n_layers:
+        attention_sections(model, tokens, report, out, timed)  # (a hybrid's: the layers that attend)
+    else:  # (Mamba-2's own models: no layer attends)
+        for key, title in (("attention", "Attention patterns"), ("attention-view", "Attention, token by token")):
+            report.section(key, title).append(note(headless.format("attention patterns")))
     if linear:
         for key, title, what in (("detectors", "Head detectors", "each head detector"),
                                  ("ablation", "Head ablation", "head ablation")):
@@ -237,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     if "memories" not in args.skip and not ffn:
         part = report.section("memories", "FFN memories")
         part += [note("Not run: FFN memories read each layer's one MLP, and this model's " + (
-            "blocks have none (attention only)." if model.cfg.attn_only else
+            "blocks have none (attention or state-space mixers only)." if model.cfg.attn_only else
             "MLPs are mixtures of experts, whose neurons see only the tokens routed to them: the routing is above."))]
     elif "memories" not in args.skip:
         with timed("memories"):

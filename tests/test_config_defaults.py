@@ -15,8 +15,9 @@ EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilo
 # purpose (its logit scale is folded into W_U)
 KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "olmo2", "olmo3", "smollm3", "arcee",
          "apertus", "granite", "granitemoe", "exaone", "exaone4", "hunyuan", "jais2", "seed_oss", "ernie4_5", "glm", "glm4", "starcoder2", "nemotron",
-         "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu",
-         "qwen3_5", "qwen3_5_moe", "qwen3_next", "flex_olmo", "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "phi3",
+         "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "granitemoehybrid", "bamba",
+         "qwen3_5", "qwen3_5_moe", "qwen3_next", "flex_olmo", "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe",
+         "gpt_oss", "phi3",
          "stablelm", "neox", "phi", "falcon", "gptj", "codegen", "opt", "xglm", "gptneo", "bloom", "bigcode"]
 
 

@@ -44,6 +44,10 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     *({"experts": {"n": 4, "per_token": 2, "shared": 48, "shared_gate": False, "width": 24, "layers": (False, True, True),
                    "scoring": "sigmoid", "selection_bias": True, "groups": {"n": 2, "kept": 1}, "scaling": 2.5},
        "gated_mlp": True, "mlp_bias": bias} for bias in (False, True)),
+    # ERNIE 4.5 MoE: use_bias biases the dense and shared MLPs and the unembedding, not the router or experts
+    {"experts": {"n": 4, "per_token": 2, "shared": 48, "shared_gate": False, "width": 24, "layers": (False, True, True),
+                 "renormalize": True, "renormalize_min": 1e-12, "selection_bias": True, "routed_bias": False},
+     "gated_mlp": True, "mlp_bias": True, "unembed_bias": True, "tied_embeddings": False},
     {"positions": "alibi", "embed_norm": True, "norm": "rms", "norm_weights": False},  # a LayerNorm all the same
     # GPT-OSS: each head's sink logit, biased experts chosen by logit
     {"attn_sinks": True, "experts": {"n": 4, "per_token": 2, "softmax_over": "chosen", "clamped_glu": {}},

@@ -285,6 +285,60 @@ def build(kind, directory, **overrides):
                           "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
                           "youtu": (tf.YoutuConfig, tf.YoutuForCausalLM)}[kind]
         model = causal(config(**{**settings, **overrides}))
+    elif kind == "minimax_m2":  # q/k norms over all heads, half of each head rotated, sigmoid-scored experts, biased choice
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, rotary_dim=8, max_position_embeddings=40,
+                        num_local_experts=6, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.MiniMaxM2ForCausalLM(tf.MiniMaxM2Config(**{**settings, **overrides}))
+        with torch.no_grad():  # a router sharp enough, and a bias large enough, to change which experts run
+            gen = torch.Generator().manual_seed(5)
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(10)
+                layer.mlp.e_score_correction_bias.copy_(0.3 * torch.randn(model.config.num_local_experts, generator=gen))
+    elif kind == "ernie4_5_moe":  # a dense first layer, softmax-scored experts (a biased choice) and a shared one
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40,
+                        moe_num_experts=6, moe_k=2, moe_num_shared_experts=1)
+        model = tf.Ernie4_5_MoeForCausalLM(tf.Ernie4_5_MoeConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # scores far enough apart that the selection bias (perturbed below) changes some choices
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.weight.mul_(10)
+    elif kind == "granitemoehybrid":  # Mamba-2 layers and one attention layer, experts beside a shared MLP
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40, num_local_experts=4,
+                        num_experts_per_tok=2, shared_intermediate_size=48, mamba_n_heads=8, mamba_d_head=16,
+                        mamba_n_groups=2, mamba_d_state=16, mamba_expand=2, position_embedding_type="rope",
+                        layer_types=["mamba", "attention", "mamba"], embedding_multiplier=2.0, residual_multiplier=0.5,
+                        attention_multiplier=0.3, logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (transformers starts every head alike: A = 1..heads, D = 1, dt_bias = 1)
+            for layer in model.model.layers:
+                if layer.mamba is not None:
+                    for param, low, high in ((layer.mamba.A_log, -1, 1), (layer.mamba.D, -1, 1),
+                                             (layer.mamba.dt_bias, -2, 1)):
+                        param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
+    elif kind == "bamba":  # Mamba-2 layers around an attention layer rotating half of each head, a gated MLP
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40, mamba_n_heads=8,
+                        mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_expand=2, attn_layer_indices=[1],
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.BambaForCausalLM(tf.BambaConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (transformers starts every head alike: A = 1..heads, D = 1, dt_bias = 1)
+            for layer in model.model.layers:
+                if getattr(layer, "mamba", None) is not None:
+                    for param, low, high in ((layer.mamba.A_log, -1, 1), (layer.mamba.D, -1, 1),
+                                             (layer.mamba.dt_bias, -2, 1)):
+                        param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
+    elif kind == "mamba2":  # every layer a Mamba-2 mixer, no MLP, no attention
+        settings = dict(vocab_size=101, hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16, state_size=16,
+                        n_groups=2, expand=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.Mamba2ForCausalLM(tf.Mamba2Config(**{**settings, **overrides}))
+        with torch.no_grad():  # (transformers starts every head alike: A = 1..heads, D = 1)
+            for layer in model.backbone.layers:
+                for param, low, high in ((layer.mixer.A_log, -1, 1), (layer.mixer.D, -1, 1),
+                                         (layer.mixer.dt_bias, -2, 1)):
+                    param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -480,9 +534,37 @@ CASES = {
     "deepseek-v2-lite-direct-query": ("deepseek_v2", {"q_lora_rank": None}),
     "glm4-moe-lite-latent": ("glm4_moe_lite", {}),
     "youtu-latent-tied": ("youtu", {}),
+    # Mamba-2 layers around an attention layer, experts beside a shared MLP, Granite's scalars
+    "granite-hybrid-mamba2-experts-rope": ("granitemoehybrid", {}),
+    "bamba-mamba2-half-rotary": ("bamba", {}),
+    "mamba2-mixers-only": ("mamba2", {}),
+    "mamba2-biases-tied-one-group-step-limits": ("mamba2", {"use_bias": True, "use_conv_bias": False, "n_groups": 1,
+                                                            "tie_word_embeddings": True, "time_step_limit": (0.01, 0.5),
+                                                            "layer_norm_epsilon": 1e-4}),
+    "bamba-biases-tied-one-group": ("bamba", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
+                                              "mamba_n_groups": 1, "mamba_proj_bias": True, "attn_layer_indices": [0]}),
+    "granite-hybrid-nope-dense-biases-one-group": ("granitemoehybrid", {
+        "position_embedding_type": None, "num_local_experts": 0, "mamba_proj_bias": True, "mamba_conv_bias": False,
+        "mamba_n_groups": 1, "time_step_limit": (0.01, 0.5), "layer_types": ["attention", "mamba", "mamba"]}),
     "gpt-oss-plain-rope-no-bias-one-expert": ("gpt_oss", {
         "attention_bias": False, "num_experts_per_tok": 1, "swiglu_alpha": 1.0, "swiglu_limit": 0.05,
         "layer_types": ["full_attention"] * 3, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}),
+    "minimax-m2-partial-rotary-biased-sigmoid-choice": ("minimax_m2", {}),
+    # the rope dict's fraction over rotary_dim (whole heads), heads wider than d_model / n_heads, one key/value head
+    "minimax-m2-whole-head-mqa-wide-heads-tied": ("minimax_m2", {
+        "num_key_value_heads": 1, "head_dim": 24, "num_experts_per_tok": 3, "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-4, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                                                  "partial_rotary_factor": 1.0}}),
+    "ernie4-5-moe-dense-first-shared": ("ernie4_5_moe", {}),
+    # use_bias: the attention, the dense and shared MLPs and the unembedding biased, the router and experts not
+    "ernie4-5-moe-biases-tied-every-other-layer": ("ernie4_5_moe", {
+        "use_bias": True, "moe_layer_start_index": 0, "moe_layer_interval": 2, "num_hidden_layers": 4,
+        "moe_num_shared_experts": 0}),
+    # a floor above most chosen pairs' sums, so the clamp changes the weights; every layer sparse; wider heads
+    "ernie4-5-moe-clamped-sum-all-sparse-two-shared-untied": ("ernie4_5_moe", {
+        "moe_norm_min": 0.8, "moe_layer_start_index": 0, "moe_num_shared_experts": 2, "tie_word_embeddings": False,
+        "head_dim": 24}),
+    "ernie4-5-moe-dense-last-layer": ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_end_index": 1}),
 }
 
 
@@ -570,7 +652,8 @@ def test_save_round_trip_for_each_family(tmp_path):
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
                  "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan", "glm4_moe",
-                 "jais2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu"):
+                 "jais2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "minimax_m2", "ernie4_5_moe",
+                 "granitemoehybrid", "bamba", "mamba2"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -631,10 +714,10 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
                                               "exaone4, arcee, glm, glm4, ernie4_5, "
                                               "seed_oss, "
                                               "cohere, "
-                                              "cohere2, granite, granitemoe, apertus, gemma, gemma2, gemma3_text, gemma3, "
+                                              "cohere2, granite, granitemoe, granitemoehybrid, bamba, mamba2, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "
                                               "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, flex_olmo, qwen3_moe, "
-                                              "qwen2_moe, glm4_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, jais2, deepseek_v2, deepseek_v3, "
+                                              "qwen2_moe, glm4_moe, minimax_m2, ernie4_5_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, jais2, deepseek_v2, deepseek_v3, "
                                               "glm4_moe_lite, youtu, gpt_bigcode, "
                                               "bloom$"):
         HookedDecoder.from_pretrained(tmp_path)

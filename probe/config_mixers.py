@@ -1,0 +1,153 @@
+"""The token mixers a config may put in place of (or beside) softmax attention's q/k/v projections: Gated DeltaNet
+linear attention (LinearAttention), multi-head latent attention (LatentAttention) and Mamba-2 state-space mixers
+(StateSpace); each frozen and validated, as config_choices' choices."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet token mixers in place of attention in some layers (Qwen3.5, Qwen3-Next; Yang et al. 2024,
+    "Gated Delta Networks"): each value head keeps a [d_key_head d_value_head] state that decays at every position and
+    is corrected toward the new value along the new key (the delta rule); the queries read it. `layers` says which
+    layers have one (the others keep attention). `key_heads` query/key heads of `d_key_head` serve `value_heads` value
+    heads of `d_value_head`, each the value_heads // key_heads adjacent ones; q, k and v first pass a causal depthwise
+    convolution over `conv_kernel` positions."""
+
+    layers: tuple[bool, ...]
+    key_heads: int
+    value_heads: int
+    d_key_head: int
+    d_value_head: int
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("key_heads", "value_heads", "d_key_head", "d_value_head", "conv_kernel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LinearAttention.{name} must be a positive int, got {value!r}")
+        if self.value_heads % self.key_heads:
+            raise ValueError(f"LinearAttention(value_heads={self.value_heads}) must be a multiple of key_heads="
+                             f"{self.key_heads}: each query/key head serves the same number of value heads")
+        layers = tuple(self.layers)
+        if not all(isinstance(x, bool) for x in layers) or not any(layers):
+            raise ValueError(f"LinearAttention.layers={self.layers!r} must say for each layer True (a linear-attention "
+                             "layer) or False (attention), with at least one True (else leave linear_attention None)")
+        object.__setattr__(self, "layers", layers)
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024) in place of q/k/v projections: keys and values are
+    read from one normalised latent of `kv_rank` per position (shared by every head), queries from one of `q_rank` (None:
+    straight from the residual). Each head's query and key are `d_nope` dimensions without positions followed by
+    `d_rope` rotated ones; the key's rotated part is one for every head, projected from the residual beside the latent.
+    The values are cfg.d_head wide per head (what W_O reads). `deinterleaved`: the rotated pairs, adjacent ones (2i,
+    2i + 1), are written back evens first, then odds (DeepSeek-V3's rope_interleave; the scores are those of the
+    pairs in place). `mscale`: the scores are also multiplied by its square (YaRN's mscale_all_dim on a long-context
+    checkpoint; 1 otherwise). The latents' norms have `latent_eps` (transformers builds them with 1e-6 whatever the
+    model's)."""
+
+    kv_rank: int
+    d_nope: int
+    d_rope: int
+    q_rank: Optional[int] = None
+    deinterleaved: bool = False
+    mscale: float = 1.0
+    latent_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("kv_rank", "d_nope", "d_rope", "q_rank"):
+            value = getattr(self, name)
+            if (value is not None or name != "q_rank") and (not isinstance(value, int) or isinstance(value, bool)
+                                                           or value <= 0):
+                raise ValueError(f"LatentAttention.{name} must be a positive int{' or None' * (name == 'q_rank')}, "
+                                 f"got {value!r}")
+        if self.d_rope % 2:
+            raise ValueError(f"LatentAttention.d_rope={self.d_rope} rotates pairs of dimensions: make it even")
+        if not isinstance(self.deinterleaved, bool):
+            raise ValueError(f"LatentAttention.deinterleaved must be a bool, got {self.deinterleaved!r}")
+        for name in ("mscale", "latent_eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"LatentAttention.{name} must be a positive number, got {value!r}")
+
+    @property
+    def d_qk(self) -> int:
+        """Each head's query and key width."""
+        return self.d_nope + self.d_rope
+
+    def check(self, cfg) -> None:
+        """Refuse what latent attention is not built with, naming the setting to change."""
+        refused = {"positions": cfg.positions.value != "rotary", "n_kv_heads": cfg.n_kv_heads != cfg.n_heads,
+                   "heads_per_layer": cfg.heads_per_layer is not None, "qk_norm": cfg.qk_norm,
+                   "sliding_window": cfg.sliding_window is not None, "attn_softcap": cfg.attn_softcap is not None,
+                   "attn_sinks": cfg.attn_sinks, "attn_output_gate": cfg.attn_output_gate,
+                   "clip_qkv": cfg.clip_qkv is not None, "rotary_layers": cfg.rotary_layers is not None,
+                   "linear_attention": cfg.linear_attention is not None, "bidirectional": cfg.bidirectional,
+                   "norm_placement": cfg.norm_placement.value != "pre", "attn_only": cfg.attn_only,
+                   "rotary_dim": cfg.rotary_dim != self.d_rope, "attn_scale_dim": cfg.attn_scale_dim is not None}
+        names = [name for name, bad in refused.items() if bad]
+        if names:
+            raise ValueError(f"latent attention is built in causal pre-norm blocks with rotary positions on d_rope="
+                             f"{self.d_rope} dimensions, every head its own keys and values and none of: windows, q/k "
+                             f"norms, caps, sinks, gates, clamps, NoPE layers, a scale other than d_qk's; these "
+                             f"settings differ: {', '.join(names)} (set rotary_dim={self.d_rope}, n_kv_heads=n_heads, "
+                             "and the others to their defaults)")
+
+
+@dataclass(frozen=True)
+class StateSpace:
+    """Mamba-2 state-space mixers in place of attention in some layers (IBM's Granite 4.0-H; Dao and Gu 2024): `layers`
+    says which (the others keep attention). `n_heads` heads of `d_head` channels each keep a [d_head d_state] state,
+    written and read through B and C, which `n_groups` groups of adjacent heads share; the channels first pass a causal
+    depthwise convolution over `conv_kernel` positions (with a bias where `conv_bias`); the projections in and out have
+    biases where `proj_bias`; each head's step is clamped to [dt_min, dt_max] (the checkpoint's time_step_limit)."""
+
+    layers: tuple[bool, ...]
+    n_heads: int
+    d_head: int
+    d_state: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_min: float = 0.0
+    dt_max: float = float("inf")
+
+    def __post_init__(self) -> None:
+        for name in ("n_heads", "d_head", "d_state", "n_groups", "conv_kernel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"StateSpace.{name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_groups:
+            raise ValueError(f"StateSpace(n_heads={self.n_heads}) must be a multiple of n_groups={self.n_groups}: each "
+                             "group's B and C serve the same number of heads")
+        for name in ("conv_bias", "proj_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StateSpace.{name} must be a bool, got {getattr(self, name)!r}")
+        if not (isinstance(self.dt_min, (int, float)) and isinstance(self.dt_max, (int, float))
+                and 0 <= self.dt_min < self.dt_max):
+            raise ValueError(f"StateSpace needs 0 <= dt_min < dt_max, got dt_min={self.dt_min!r}, dt_max={self.dt_max!r}")
+        layers = tuple(self.layers)
+        if not all(isinstance(x, bool) for x in layers) or not any(layers):
+            raise ValueError(f"StateSpace.layers={self.layers!r} must say for each layer True (a state-space layer) or "
+                             "False (attention), with at least one True (else leave state_space None)")
+        object.__setattr__(self, "layers", layers)
+
+    def check(self, cfg) -> None:
+        """Refuse what the state-space layers are not built with, naming the setting to change."""
+        if len(self.layers) != cfg.n_layers:
+            raise ValueError(f"state_space.layers gives {len(self.layers)} layers; the model has n_layers="
+                             f"{cfg.n_layers}: give each layer True or False")
+        others = {"linear_attention": cfg.linear_attention is not None,
+                  "latent_attention": cfg.latent_attention is not None,
+                  "norm_placement": cfg.norm_placement.value != "pre",
+                  "bidirectional": cfg.bidirectional, "heads_per_layer": cfg.heads_per_layer is not None}
+        names = [name for name, bad in others.items() if bad]
+        if names:
+            raise ValueError(f"state-space layers are built in causal pre-norm blocks (with an MLP, or without one in "
+                             f"an attn_only model: Mamba-2's), beside attention layers with every head; these settings "
+                             f"differ: {', '.join(names)} (leave them at their defaults)")
