@@ -36,7 +36,7 @@ def require_attention_heads(model: HookedDecoder, what: str) -> None:
     (Qwen3.5's Gated DeltaNet layers, Granite 4.0-H's Mamba-2 ones), naming the layer-level analyses that work."""
     linear = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_is_linear(layer)]
     if linear:
-        kind = ("state-space (Mamba-2)" if model.cfg.state_space is not None else
+        kind = (f"state-space ({model.cfg.state_space.label})" if model.cfg.state_space is not None else
                 "linear-attention (Gated DeltaNet)")
         raise ValueError(f"{what}: layers {linear} of this hybrid model are {kind} layers, "
                          f"with no attention heads, and {what} reads every layer's heads; analyses by layer work on it "

@@ -14,6 +14,7 @@ from probe.config import DecoderConfig, Norm, NormPlacement
 from probe.hooks import HookPoint, observed
 from probe.latent_attention import LatentAttention
 from probe.linear_attention import GatedDeltaNet
+from probe.selective_scan import MambaMixer
 from probe.state_space import Mamba2Mixer
 from probe.moe import make_mlp
 from probe.norm import make_norm
@@ -177,7 +178,7 @@ class LinearAttentionBlock(nn.Module):
 
     def __getattr__(self, name: str):
         if name in ATTENTION_PARTS:  # what code written for attention blocks reaches for: say why it is not here
-            kind = "linear-attention (Gated DeltaNet)" if self.mixer_name == "linear_attn" else "state-space (Mamba-2)"
+            kind = "linear-attention (Gated DeltaNet)" if self.mixer_name == "linear_attn" else "state-space"
             raise AttributeError(f"this block is a {kind} layer: it has no attention heads, so no {name}; its mixer is "
                                  f"{self.mixer_name} (hook points blocks.L.{self.mixer_name}.hook_*)")
         return super().__getattr__(name)
@@ -198,7 +199,7 @@ class StateSpaceBlock(LinearAttentionBlock):
 
     @staticmethod
     def make_mixer(cfg: DecoderConfig) -> nn.Module:
-        return Mamba2Mixer(cfg)
+        return MambaMixer(cfg) if cfg.state_space.kind == "mamba1" else Mamba2Mixer(cfg)
 
 
 class StateSpaceOnlyBlock(StateSpaceBlock):

@@ -118,11 +118,39 @@ def _state_space_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
     return aliases, left_out
 
 
+def _selective_scan_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
+    """A state-space block's names for its Mamba-1 mixer (the bridge's SSMMixerBridge under `mixer`, its aliases
+    too)."""
+    mixer = f"{b}.mixer"
+    aliases = {f"{b}.hook_in": f"{b}.hook_resid_pre", f"{b}.hook_out": f"{b}.hook_resid_post",
+               f"{mixer}.hook_in": f"{b}.ln1.hook_out", f"{mixer}.in_proj.hook_in": f"{b}.ln1.hook_out",
+               f"{b}.hook_mixer_in": f"{b}.ln1.hook_out", f"{b}.hook_mixer_out": f"{b}.hook_attn_out",
+               f"{mixer}.hook_out": f"{b}.hook_attn_out", f"{mixer}.hook_ssm_out": f"{b}.hook_attn_out",
+               f"{mixer}.out_proj.hook_out": f"{b}.hook_attn_out", f"{mixer}.in_proj.hook_out": f"{mixer}.hook_in_proj",
+               f"{mixer}.x_proj.hook_in": f"{mixer}.hook_conv", f"{mixer}.x_proj.hook_out": f"{mixer}.hook_x_proj",
+               f"{mixer}.out_proj.hook_in": f"{mixer}.hook_gated"}
+    step = (f"probe hooks the step after its softplus, {mixer}.hook_dt ([batch pos d_inner], float32); its low-rank "
+            f"input is the first channels of {mixer}.hook_x_proj (transformers reads dt_proj's weight, not the module)")
+    conv = (f"probe hooks the convolution after its silu, {mixer}.hook_conv ([batch pos d_inner]); its input is "
+            f"{mixer}.hook_in_proj's first half (transformers reads conv1d's weight, not the module)")
+    left_out = {f"{mixer}.{name}": why for name, why in (
+        ("hook_ssm_state", f"probe does not keep the state at every position (a [batch pos d_inner d_state] tensor); "
+                           f"what writes and reads it is hooked: {mixer}.hook_conv, hook_x_proj, hook_dt and "
+                           f"hook_scan_out"),
+        ("hook_ssm_write", f"probe does not form each position's write dt x B; its parts are {mixer}.hook_conv, "
+                           f"hook_x_proj and hook_dt"),
+        ("dt_proj.hook_in", step), ("dt_proj.hook_out", step), ("hook_dt_proj", step), ("hook_ssm_dt", step),
+        ("conv1d.hook_in", conv), ("conv1d.hook_out", conv))}
+    return aliases, left_out
+
+
 def _block_names(cfg: DecoderConfig, b: str, mixer: Optional[str] = None,
                  sparse: bool = False) -> tuple[dict[str, str], dict[str, str]]:
     """One block's names: its token mixer's (attention, or the recurrent layer `mixer` names: "linear_attn" or
     "mixer"), then its MLP's (a mixture of experts where `sparse`)."""
     recurrent = {"linear_attn": _linear_attention_names, "mixer": _state_space_names}
+    if mixer == "mixer" and cfg.state_space.kind == "mamba1":
+        recurrent["mixer"] = _selective_scan_names
     aliases, left_out = recurrent[mixer](b) if mixer else _attention_names(cfg, b)
     if mixer == "mixer" and cfg.attn_only:  # Mamba-2's own blocks: the bridge names their one norm `norm`
         aliases.update({f"{b}.norm.{point}": f"{b}.ln1.{point}"
@@ -220,6 +248,12 @@ def _mlp_names(cfg: DecoderConfig, b: str, aliases: dict[str, str], left_out: di
         left_out.update({f"{b}.mlp.gate.hook_expert_weights": routing.replace(
             "probe hooks", "the bridge's are the chosen experts' weights (zeros elsewhere); probe hooks"),
             f"{b}.mlp.gate.hook_in": routing, f"{b}.mlp.gate.hook_out": routing})
+        if cfg.experts.shared is not None and not cfg.experts.shared_gate:  # DeepSeek's, GLM's, ERNIE's
+            where = (f"probe's shared expert is {b}.mlp.shared_expert (hook_pre, hook_pre_linear, hook_post), its points "
+                     f"holding the tokens flattened, [batch*pos d_mlp], as every expert's do")
+            left_out.update({f"{b}.mlp.shared_experts.{point}": where for point in (
+                "hook_in", "hook_out", "hook_pre", "hook_pre_linear", "hook_post", "gate.hook_in", "gate.hook_out",
+                "in.hook_in", "in.hook_out", "out.hook_in", "out.hook_out")})
         return aliases, left_out
     gate, up, down = ("dense_gate", "dense_in", "dense_out") if cfg.experts is not None else ("gate", "in", "out")
     # (in the order the bridge's cache lists them)

@@ -20,8 +20,8 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_llama import llama_config
-from probe.checkpoint_moe import (deepseek_experts, deepseek_experts_to_hf, deepseek_sparse_layers, expert_names,
-                                  sparse_layout, take_experts)
+from probe.checkpoint_moe import (deepseek_experts, deepseek_experts_to_hf, deepseek_sparse_layers,
+                                  drop_prediction_layers, expert_names, sparse_layout, take_experts)
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, Source, require_fields, rope_to_hf, special_token_ids,
                                      take_unembed, with_defaults, with_fields)
 from probe.config import DecoderConfig, Experts, LatentAttention, Norm, NormPlacement, Positions
@@ -192,9 +192,9 @@ def latent_family(model_type: str) -> tuple[Callable, Callable]:
         if cfg.experts is not None:
             out.update(take_experts(source, cfg, model_type))
         out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
-        # the multi-token-prediction layers after the last one (DeepSeek-V3's, GLM's): not part of the model
-        for name in [n for n in source.state if n.startswith("layers.") and int(n.split(".")[1]) >= cfg.n_layers]:
-            source.state.pop(name)
+        # (V3's config class counts one prediction layer where the file names none; GLM-4.7-Flash's names none and
+        # transformers sets its one aside)
+        drop_prediction_layers(source, cfg, default=int(model_type in ("deepseek_v3", "glm4_moe_lite")))
         return out
 
     def to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:

@@ -62,6 +62,9 @@ def state_space_of(hf: dict, kinds: list[str]) -> StateSpace:
 def state_space_to_hf(cfg: DecoderConfig) -> dict:
     """state_space_of's fields for a config.json."""
     space = cfg.state_space
+    if space.kind != "mamba2":
+        raise ValueError(f"this format holds Mamba-2 mixers; this model's are kind={space.kind!r} (Mamba-1's format: "
+                         "mamba or falcon_mamba)")
     if (space.n_heads * space.d_head) % cfg.d_model:
         raise ValueError(f"a Mamba-2 checkpoint's mixer width is a whole multiple of d_model (mamba_expand); this "
                          f"model's is {space.n_heads * space.d_head} with d_model={cfg.d_model}")

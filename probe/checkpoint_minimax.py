@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_moe import expert_names, require_routing, take_experts
+from probe.checkpoint_moe import drop_prediction_layers, expert_names, require_routing, take_experts
 from probe.checkpoint_source import Source, require_fields, special_token_ids, with_defaults
 from probe.config import DecoderConfig, Experts, Positions
 from probe.tokenizer import Tokenizer
@@ -55,9 +55,7 @@ def minimax_m2_names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]
 
 
 def minimax_m2_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    mtp = tuple(f"layers.{l}." for l in range(cfg.n_layers, cfg.n_layers + (source.config.get("num_mtp_modules") or 0)))
-    for name in [n for n in source.state if mtp and n.startswith(mtp)]:
-        del source.state[name]
+    drop_prediction_layers(source, cfg)
     out = llama_to_probe(source, cfg)  # everything but the experts
     out.update(take_experts(source, cfg, "minimax_m2", minimax_m2_names(cfg)))
     return out

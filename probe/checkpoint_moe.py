@@ -295,14 +295,22 @@ def take_experts(source: Source, cfg: DecoderConfig, model_type: str,
     return {ours: source.take(theirs, shape) for ours, (theirs, shape) in names.items()}
 
 
+PREDICTION_LAYERS = ("num_nextn_predict_layers", "num_mtp_layers", "num_mtp_modules")  # their counts' spellings
+
+
+def drop_prediction_layers(source: Source, cfg: DecoderConfig, default: int = 0) -> None:
+    """Set aside the multi-token-prediction layers a file stores after the last (DeepSeek-V3's, GLM's, MiniMax-M2's),
+    as many as config.json says (`default` where it says nothing): transformers builds none, and neither does probe."""
+    count = next((source.config[key] for key in PREDICTION_LAYERS if source.config.get(key) is not None), default)
+    extra = tuple(f"layers.{l}." for l in range(cfg.n_layers, cfg.n_layers + count))
+    for name in [n for n in source.state if extra and n.startswith(extra)]:
+        del source.state[name]
+
+
 def moe_family(model_type: str) -> tuple[Callable, Callable, Callable]:
     """The model type's (config_to_hf, to_probe, to_hf), for its checkpoints.Family."""
     def to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-        # (DeepSeek's and GLM-4.5's multi-token-prediction layers, stored after the last, are never read)
-        mtp = tuple(f"layers.{l}." for l in range(cfg.n_layers, cfg.n_layers + (source.config.get(
-            "num_nextn_predict_layers") or 0)))
-        for name in [n for n in source.state if mtp and n.startswith(mtp)]:
-            del source.state[name]
+        drop_prediction_layers(source, cfg)
         out = llama_to_probe(source, cfg)  # everything but the experts
         out.update(take_experts(source, cfg, model_type))
         return out

@@ -6,7 +6,7 @@ OLMoE, FlexOlmo, Qwen2/3-MoE, GLM-4.5), checkpoint_minimax.py (MiniMax-M2), chec
 checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
-checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba),
+checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba), checkpoint_mamba1.py (Mamba, FalconMamba),
 checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
@@ -34,6 +34,8 @@ from probe.checkpoint_glm import glm_config, glm_config_to_hf, glm_to_hf, glm_to
 from probe.checkpoint_mamba import (bamba_config, bamba_config_to_hf, bamba_to_hf, bamba_to_probe, granite_hybrid_config,
                                     granite_hybrid_config_to_hf, granite_hybrid_to_hf, granite_hybrid_to_probe,
                                     mamba2_config, mamba2_config_to_hf, mamba2_to_hf, mamba2_to_probe)
+from probe.checkpoint_mamba1 import (falcon_mamba_config, falcon_mamba_config_to_hf, mamba_config, mamba_config_to_hf,
+                                     mamba_to_hf, mamba_to_probe)
 from probe.checkpoint_granite import (granite_config, granite_config_to_hf, granite_moe_config, granite_moe_config_to_hf,
                                       granite_to_hf, granite_to_probe)
 from probe.checkpoint_hunyuan import hunyuan_config, hunyuan_config_to_hf, hunyuan_to_hf, hunyuan_to_probe
@@ -143,6 +145,10 @@ FAMILIES = {
         Family("bamba", "BambaForCausalLM", ("model.",), bamba_config, bamba_config_to_hf, bamba_to_probe, bamba_to_hf),
         Family("mamba2", "Mamba2ForCausalLM", ("backbone.",), mamba2_config, mamba2_config_to_hf, mamba2_to_probe,
                mamba2_to_hf),
+        Family("mamba", "MambaForCausalLM", ("backbone.",), mamba_config, mamba_config_to_hf, mamba_to_probe,
+               mamba_to_hf),
+        Family("falcon_mamba", "FalconMambaForCausalLM", ("backbone.",), falcon_mamba_config,
+               falcon_mamba_config_to_hf, mamba_to_probe, mamba_to_hf),
         Family("apertus", "ApertusForCausalLM", ("model.",), apertus_config, apertus_config_to_hf, apertus_to_probe,
                apertus_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,

@@ -16,7 +16,7 @@ from probe.config_mixers import LatentAttention, LinearAttention, StateSpace
 from probe.config_layers import LayerFacts
 from probe.tl_config_fields import HookedTransformerConfigFields
 
-# the choices live in probe.config_choices and are imported from here as before
+# the choices live in probe.config_choices and probe.config_mixers and are imported from here as before
 __all__ = ["Activation", "DecoderConfig", "ExpertGroups", "Experts", "LatentAttention", "LinearAttention", "Norm", "NormPlacement",
            "Positions", "RotaryScaling", "StateSpace"]
 

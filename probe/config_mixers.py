@@ -4,7 +4,7 @@ linear attention (LinearAttention), multi-head latent attention (LatentAttention
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,12 @@ class StateSpace:
     says which (the others keep attention). `n_heads` heads of `d_head` channels each keep a [d_head d_state] state,
     written and read through B and C, which `n_groups` groups of adjacent heads share; the channels first pass a causal
     depthwise convolution over `conv_kernel` positions (with a bias where `conv_bias`); the projections in and out have
-    biases where `proj_bias`; each head's step is clamped to [dt_min, dt_max] (the checkpoint's time_step_limit)."""
+    biases where `proj_bias`; each head's step is clamped to [dt_min, dt_max] (the checkpoint's time_step_limit).
+
+    kind "mamba1" is Mamba-1's selective scan instead (probe.selective_scan; Gu and Dao 2023): each of the d_inner
+    channels is its own head (n_heads = d_inner, d_head 1, one group) with its own [d_state] decay rates and state; its
+    step comes from a rank-`dt_rank` projection; FalconMamba's weightless RMS norms on dt, B and C have eps
+    `bcdt_norm_eps` (None: no norms)."""
 
     layers: tuple[bool, ...]
     n_heads: int
@@ -116,8 +121,12 @@ class StateSpace:
     proj_bias: bool = False
     dt_min: float = 0.0
     dt_max: float = float("inf")
+    kind: Literal["mamba2", "mamba1"] = "mamba2"
+    dt_rank: int = 0  # Mamba-1's only
+    bcdt_norm_eps: Optional[float] = None  # FalconMamba's only
 
     def __post_init__(self) -> None:
+        self._check_kind()
         for name in ("n_heads", "d_head", "d_state", "n_groups", "conv_kernel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -136,6 +145,37 @@ class StateSpace:
             raise ValueError(f"StateSpace.layers={self.layers!r} must say for each layer True (a state-space layer) or "
                              "False (attention), with at least one True (else leave state_space None)")
         object.__setattr__(self, "layers", layers)
+
+    def _check_kind(self) -> None:
+        if self.kind not in ("mamba2", "mamba1"):
+            raise ValueError(f"StateSpace.kind={self.kind!r}: give 'mamba2' (Mamba-2's mixer) or 'mamba1' (Mamba-1's)")
+        if self.kind == "mamba2":
+            if self.dt_rank != 0 or self.bcdt_norm_eps is not None:
+                raise ValueError(f"StateSpace(kind='mamba2') has no low-rank step nor B/C/dt norms; got dt_rank="
+                                 f"{self.dt_rank!r}, bcdt_norm_eps={self.bcdt_norm_eps!r} (leave them 0 and None, or "
+                                 "set kind='mamba1')")
+            return
+        if not isinstance(self.dt_rank, int) or isinstance(self.dt_rank, bool) or self.dt_rank <= 0:
+            raise ValueError(f"StateSpace(kind='mamba1').dt_rank must be a positive int (the step's projection rank), "
+                             f"got {self.dt_rank!r}")
+        if (self.d_head, self.n_groups, self.dt_min, self.dt_max) != (1, 1, 0.0, float("inf")):
+            raise ValueError(f"StateSpace(kind='mamba1') has one channel per head, one group and no step limits; got "
+                             f"d_head={self.d_head!r}, n_groups={self.n_groups!r}, dt_min={self.dt_min!r}, dt_max="
+                             f"{self.dt_max!r} (set n_heads to the mixer's d_inner and leave the others at defaults)")
+        if self.bcdt_norm_eps is not None and not (isinstance(self.bcdt_norm_eps, (int, float))
+                                                   and self.bcdt_norm_eps > 0):
+            raise ValueError(f"StateSpace.bcdt_norm_eps must be a positive float (FalconMamba's mixer_rms_eps) or None, "
+                             f"got {self.bcdt_norm_eps!r}")
+
+    @property
+    def label(self) -> str:
+        """The mixer's name in messages: Mamba-2's, or Mamba-1's (Mamba's)."""
+        return "Mamba-2" if self.kind == "mamba2" else "Mamba"
+
+    @property
+    def d_inner(self) -> int:
+        """The mixer's width: the channels its scan runs over."""
+        return self.n_heads * self.d_head
 
     def check(self, cfg) -> None:
         """Refuse what the state-space layers are not built with, naming the setting to change."""

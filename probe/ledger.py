@@ -131,6 +131,20 @@ def _add_state_space(cfg: DecoderConfig, add, layer: int) -> None:
     add("mixer.proj_bias", "attention", inner + channels + space.n_heads + d if space.proj_bias else 0, layer)
 
 
+def _add_selective_scan(cfg: DecoderConfig, add, layer: int) -> None:
+    """A Mamba-1 layer's parameters (probe.selective_scan): its projections are matmuls ("weight"), its convolution,
+    step bias, decay rates and skips are not."""
+    space, d = cfg.state_space, cfg.d_model
+    inner, rank, n = space.d_inner, space.dt_rank, space.d_state
+    add("mixer.in_proj.weight", "attention", d * 2 * inner, layer)
+    add("mixer.conv1d", "attention", inner * (space.conv_kernel + space.conv_bias), layer)
+    add("mixer.x_proj.weight", "attention", inner * (rank + 2 * n), layer)
+    add("mixer.dt_proj.weight", "attention", rank * inner, layer)
+    add("mixer.decay", "attention", inner * (n + 2), layer)  # A_log, D and dt_proj's bias
+    add("mixer.out_proj.weight", "attention", inner * d, layer)
+    add("mixer.proj_bias", "attention", 2 * inner + d if space.proj_bias else 0, layer)
+
+
 def _add_linear_attention(cfg: DecoderConfig, add, layer: int) -> None:
     """A Gated DeltaNet layer's parameters (probe.linear_attention): its projections are matmuls ("weight"), its
     convolution, decay rates and gated norm are not."""
@@ -166,6 +180,8 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         mixer = _add_attention if cfg.latent_attention is None else _add_latent_attention
         if cfg.layer_is_linear(layer):
             mixer = _add_state_space if cfg.layer_is_state_space(layer) else _add_linear_attention
+            if cfg.layer_is_state_space(layer) and cfg.state_space.kind == "mamba1":
+                mixer = _add_selective_scan
         mixer(cfg, add, layer)
         if cfg.attn_only:
             continue

@@ -65,6 +65,19 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
             shapes[f"{b}.attn.hook_rot_k"] = (batch, pos, kv, cfg.d_head)
         if cfg.latent_attention is not None:
             latent_shapes(cfg.latent_attention, shapes, f"{b}.attn", batch, pos, heads)
+        if cfg.layer_is_state_space(layer) and cfg.state_space.kind == "mamba1":  # probe.selective_scan's points
+            space = cfg.state_space
+            shapes.update({f"{b}.mixer.hook_in_proj": (batch, pos, 2 * space.d_inner),
+                           f"{b}.mixer.hook_x_proj": (batch, pos, space.dt_rank + 2 * space.d_state)})
+            shapes.update({f"{b}.mixer.hook_{name}": (batch, pos, space.d_inner)
+                           for name in ("conv", "dt", "scan_out", "gated")})
+        elif cfg.layer_is_state_space(layer):  # a Mamba-2 mixer's points (probe.state_space)
+            space = cfg.state_space
+            inner, channels = space.n_heads * space.d_head, space.n_heads * space.d_head + 2 * space.n_groups * space.d_state
+            shapes.update({f"{b}.mixer.hook_in_proj": (batch, pos, inner + channels + space.n_heads),
+                           f"{b}.mixer.hook_conv": (batch, pos, channels), f"{b}.mixer.hook_dt": (batch, pos, space.n_heads),
+                           f"{b}.mixer.hook_scan_out": (batch, pos, space.n_heads, space.d_head),
+                           f"{b}.mixer.hook_inner_norm": (batch, pos, inner)})
         shapes[f"{b}.attn.hook_attn_scores"] = (batch, heads, pos, key_pos)
         shapes[f"{b}.attn.hook_pattern"] = (batch, heads, pos, key_pos)
         shapes[f"{b}.attn.hook_z"] = (batch, pos, heads, cfg.d_head)

@@ -278,3 +278,36 @@ def hybrid_forward(ctx: Context) -> list[Case]:
                   "flash-linear-attention kernels installed), gated attention in the fourth"),
         Case("probe forward", PROBE, no_grad(lambda: probe(tokens)), note="gated_delta_rule by chunks of 64"),
     ]
+
+
+@workload("state_space_forward", 19, "Forward of a Mamba-2 model (every layer a state-space mixer, at the main shape's "
+          "width and depth)", "probe <= 1.1x transformers", floor="transformers forward",
+          check=at_most("probe forward", "transformers forward", 1.1))
+def state_space_forward(ctx: Context) -> list[Case]:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from probe import HookedDecoder
+    from probe.cli.bench_harness import hf_dtype_kwarg
+
+    main = json.loads((ctx.path / "config.json").read_text())
+    d_model = main["n_embd"]
+    config = transformers.Mamba2Config(vocab_size=main["vocab_size"], hidden_size=d_model,
+                                       num_hidden_layers=main["n_layer"], num_heads=2 * d_model // 64, head_dim=64,
+                                       state_size=128, n_groups=1, expand=2)
+    directory = Path(tempfile.mkdtemp(prefix="probe-bench-mamba2-"))
+    torch.manual_seed(0)
+    transformers.Mamba2ForCausalLM(config).save_pretrained(directory)
+    hf = transformers.Mamba2ForCausalLM.from_pretrained(directory, **hf_dtype_kwarg(ctx.torch_dtype))
+    hf = hf.to(ctx.device).eval()
+    probe = HookedDecoder.from_pretrained(directory, device=ctx.device, dtype=ctx.torch_dtype).eval()
+    tokens = ctx.tokens()
+    return [
+        Case("transformers forward", HF, no_grad(lambda: hf(tokens, use_cache=False).logits),
+             note="Mamba2ForCausalLM (mamba2-130m's layout at this width: 64-wide heads, a 128-wide state, one group; "
+                  "its chunked torch scan, no mamba_ssm kernels installed)"),
+        Case("probe forward", PROBE, no_grad(lambda: probe(tokens)), note="state_space_scan by chunks of 64"),
+    ]

@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
 
     # a hybrid's linear-attention layers (Qwen3.5) have no heads: the analyses of every layer's heads say so instead
     linear = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_is_linear(layer)]
-    kind = "state-space (Mamba-2)" if model.cfg.state_space is not None else "linear-attention"
+    kind = f"state-space ({model.cfg.state_space.label})" if model.cfg.state_space is not None else "linear-attention"
     headless = ("Not run: {} reads every layer's attention heads, and layers " + str(linear) + " of this hybrid model are "
                 f"{kind} layers, which have none; the analyses by layer cover them.")
     if len(linear) < model.cfg.n_layers:

@@ -29,6 +29,43 @@ def assert_generation_and_processing_match(hf, directory, vocab: int = 101, pad_
                                        rtol=0)
 
 
+def assert_cached_parts_are_one_forward(model, tokens: torch.Tensor):
+    """A prompt, then two tokens, then the rest, through one cache, give the whole sequence's logits in one pass; a
+    frozen cache of the prompt reads it twice without keeping more. Returns (the cache, the frozen one), for a test's
+    own checks of what they hold."""
+    from probe.kv_cache import KVCache
+
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = KVCache.init_cache(model.cfg, batch_size=tokens.shape[0])
+        parts = [model(tokens[:, :10], past_kv_cache=cache), model(tokens[:, 10:12], past_kv_cache=cache),
+                 model(tokens[:, 12:], past_kv_cache=cache)]
+        torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=0)
+        prefix = KVCache.init_cache(model.cfg, batch_size=tokens.shape[0])
+        model(tokens[:, :10], past_kv_cache=prefix)
+        prefix.freeze()
+        for _ in range(2):  # the same continuation twice: the frozen cache is read, never advanced
+            torch.testing.assert_close(model(tokens[:, 10:], past_kv_cache=prefix), whole[:, 10:], atol=1e-5, rtol=0)
+    assert cache.length == tokens.shape[1] and prefix.length == 10
+    return cache, prefix
+
+
+def assert_left_padded_generation_matches(hf, directory, vocab: int = 101) -> None:
+    """Two prompts, one left-padded, generated together through the cache: each continuation is transformers' (given
+    the same mask), and the padded one is its prompt's alone."""
+    hf.generation_config.eos_token_id = None  # (probe's tokenizer-less model has no end token either)
+    model = HookedDecoder.from_pretrained(directory).eval()
+    ids = torch.randint(4, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids[1, :3] = 0
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        alone = hf.generate(ids[1:, 3:], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, verbose=False)
+    assert torch.equal(ours, theirs) and torch.equal(ours[1, 3:], alone[0])
+
+
 def cache_of_everything(directory, vocab: int = 101) -> tuple[HookedDecoder, torch.Tensor, dict, dict]:
     """(the model, its tokens, a cache of every point, the shapes hook_shapes predicts for them)."""
     model = HookedDecoder.from_pretrained(directory).eval()

@@ -36,7 +36,8 @@ FAMILIES = {"llama": LLAMA_FILES, "bloom": BLOOM_FILES, "mistral": LLAMA_FILES, 
             "ernie4_5": LLAMA_FILES, "flex_olmo": GPT_FILES,
             "exaone4": LLAMA_FILES, "hunyuan": LLAMA_FILES, "jais2": LLAMA_FILES, "deepseek_v2": LLAMA_FILES,
             "deepseek_v3": LLAMA_FILES, "glm4_moe_lite": LLAMA_FILES, "youtu": LLAMA_FILES,
-            "granitemoehybrid": LLAMA_FILES, "bamba": LLAMA_FILES, "mamba2": LLAMA_FILES, "glm4_moe": LLAMA_FILES,
+            "granitemoehybrid": LLAMA_FILES, "bamba": LLAMA_FILES, "mamba2": LLAMA_FILES, "mamba": LLAMA_FILES,
+            "falcon_mamba": LLAMA_FILES, "glm4_moe": LLAMA_FILES,
             "minimax_m2": LLAMA_FILES, "ernie4_5_moe": LLAMA_FILES,
             "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
 

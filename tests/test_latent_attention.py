@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from probe import DecoderConfig, HookedDecoder, LatentAttention
-from probe.kv_cache import KVCache
-from family_checks import assert_generation_and_processing_match, seen_in_forward
+from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
+                           assert_left_padded_generation_matches, seen_in_forward)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -32,34 +32,14 @@ def test_a_cached_prefix_then_its_continuation_is_one_forward(tmp_path):
     the whole sequence in one pass; a frozen cache reads the prefix without keeping more."""
     build("deepseek_v3", tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        whole = model(TOKENS)
-        cache = KVCache.init_cache(model.cfg, batch_size=2)
-        parts = [model(TOKENS[:, :10], past_kv_cache=cache), model(TOKENS[:, 10:12], past_kv_cache=cache),
-                 model(TOKENS[:, 12:], past_kv_cache=cache)]
-        assert cache.length == 13 and cache.layers[1].k.shape == (2, 13, 4, 20)
-        torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=0)
-        prefix = KVCache.init_cache(model.cfg, batch_size=2)
-        model(TOKENS[:, :10], past_kv_cache=prefix)
-        prefix.freeze()
-        for _ in range(2):
-            torch.testing.assert_close(model(TOKENS[:, 10:], past_kv_cache=prefix), whole[:, 10:], atol=1e-5, rtol=0)
-        assert prefix.length == 10
+    cache, prefix = assert_cached_parts_are_one_forward(model, TOKENS)
+    assert cache.length == 13 and cache.layers[1].k.shape == (2, 13, 4, 20)
+    assert prefix.length == 10
 
 
 def test_left_padded_batched_generation_is_transformers(tmp_path):
     hf = build("deepseek_v2", tmp_path)
-    hf.generation_config.eos_token_id = None
-    model = HookedDecoder.from_pretrained(tmp_path).eval()
-    ids = torch.randint(4, 101, (2, 7), generator=torch.Generator().manual_seed(1))
-    ids[1, :3] = 0
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    with torch.no_grad():
-        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        alone = hf.generate(ids[1:, 3:], max_new_tokens=6, do_sample=False, pad_token_id=0)
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, verbose=False)
-    assert torch.equal(ours, theirs) and torch.equal(ours[1, 3:], alone[0])
+    assert_left_padded_generation_matches(hf, tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
@@ -310,3 +290,38 @@ def test_sharp_patterns_are_transformers(case, tmp_path):
     assert theirs.attentions[1][..., 1:, :].amax(-1).mean() > 0.6  # sharp, not near uniform
     torch.testing.assert_close(ours, theirs.logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(cache["blocks.1.attn.hook_pattern"], theirs.attentions[1], atol=1e-4, rtol=0)
+
+
+def test_the_bridges_shared_expert_names_say_where_probe_keeps_it(tmp_path):
+    """The bridge hooks DeepSeek's ungated shared experts as `mlp.shared_experts.*`; probe's are mlp.shared_expert's
+    points with the tokens flattened (as every expert's), so asking for the bridge's name says so, and the values
+    agree with the bridge's once laid out alike."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from probe.hooks import UnknownNameError
+
+    directory = tokenized_checkpoint("deepseek_v3", tmp_path / "v3")
+    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
+    model = HookedDecoder.from_pretrained(directory).eval()
+    tokens = TOKENS % model.cfg.d_vocab
+    with torch.no_grad():
+        _, theirs = bridge.run_with_cache(tokens)
+        _, ours = model.run_with_cache(tokens)
+    with pytest.raises(UnknownNameError, match="mlp.shared_expert .*flattened"):
+        model.hook_point("blocks.1.mlp.shared_experts.hook_post")
+    torch.testing.assert_close(ours["blocks.1.mlp.shared_expert.hook_post"],
+                               theirs["blocks.1.mlp.shared_experts.hook_post"].flatten(0, 1), atol=1e-5, rtol=0)
+
+
+def test_the_latent_model_on_the_device_is_transformers_there(tmp_path, device_under_test):
+    """On the GPU (the GPU list): DeepSeek-V3's latent attention and routed experts against transformers' model on the
+    same device, and the greedy continuation through the cache."""
+    hf = build("deepseek_v3", tmp_path).to(device_under_test)
+    hf.generation_config.eos_token_id = None
+    model = HookedDecoder.from_pretrained(tmp_path, device=device_under_test).eval()
+    tokens = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(5)).to(device_under_test)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+        prompt = tokens[:, :9]
+        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from probe import DecoderConfig, HookedDecoder, LinearAttention
-from probe.kv_cache import KVCache
-from family_checks import assert_generation_and_processing_match, seen_in_forward
+from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
+                           assert_left_padded_generation_matches, seen_in_forward)
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import build, perturbed
 
@@ -34,19 +34,9 @@ def test_a_cached_prefix_then_its_continuation_is_one_forward(tmp_path):
     one, give the logits of the whole sequence in one pass; a frozen cache reads the prefix without keeping more."""
     build("qwen3_5", tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        whole = model(TOKENS)
-        cache = KVCache.init_cache(model.cfg, batch_size=2)
-        parts = [model(TOKENS[:, :10], past_kv_cache=cache), model(TOKENS[:, 10:12], past_kv_cache=cache),
-                 model(TOKENS[:, 12:], past_kv_cache=cache)]
-        assert cache.length == 13 and cache.layers[0].k is None and cache.layers[3].k.shape[1] == 13
-        torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=0)
-        prefix = KVCache.init_cache(model.cfg, batch_size=2)
-        model(TOKENS[:, :10], past_kv_cache=prefix)
-        prefix.freeze()
-        for _ in range(2):  # the same continuation twice: the frozen state is read, never advanced
-            torch.testing.assert_close(model(TOKENS[:, 10:], past_kv_cache=prefix), whole[:, 10:], atol=1e-5, rtol=0)
-        assert prefix.length == 10 and prefix.layers[0].seen == 10
+    cache, prefix = assert_cached_parts_are_one_forward(model, TOKENS)
+    assert cache.length == 13 and cache.layers[0].k is None and cache.layers[3].k.shape[1] == 13
+    assert prefix.length == 10 and prefix.layers[0].seen == 10
 
 
 def test_left_padding_writes_nothing_into_the_state(tmp_path):
@@ -387,17 +377,7 @@ def test_left_padded_batched_generation_is_transformers(tmp_path):
     """Two prompts, one left-padded, generated together through the state cache: each continuation is transformers'
     (given the same mask), and the padded one is its prompt's alone."""
     hf = build("qwen3_5", tmp_path)
-    hf.generation_config.eos_token_id = None  # (probe's tokenizer-less model has no end token either)
-    model = HookedDecoder.from_pretrained(tmp_path).eval()
-    ids = torch.randint(4, 101, (2, 7), generator=torch.Generator().manual_seed(1))
-    ids[1, :3] = 0
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    with torch.no_grad():
-        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        alone = hf.generate(ids[1:, 3:], max_new_tokens=6, do_sample=False, pad_token_id=0)
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, verbose=False)
-    assert torch.equal(ours, theirs) and torch.equal(ours[1, 3:], alone[0])
+    assert_left_padded_generation_matches(hf, tmp_path)
 
 
 def test_bfloat16_rounds_no_worse_than_transformers(tmp_path):

@@ -11,7 +11,8 @@ import torch
 from probe import DecoderConfig, HookedDecoder, StateSpace
 from probe.kv_cache import KVCache
 from probe.state_space import state_space_scan, state_space_scan_stepwise
-from family_checks import assert_generation_and_processing_match
+from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
+                           assert_left_padded_generation_matches)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -85,34 +86,14 @@ def test_a_cached_prefix_then_its_continuation_is_one_forward(tmp_path):
     the whole sequence's logits; a frozen cache reads the prefix and keeps nothing more."""
     strengthened(build("granitemoehybrid", tmp_path / "src"), tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        whole = model(TOKENS)
-        cache = KVCache.init_cache(model.cfg, batch_size=2)
-        parts = [model(TOKENS[:, :10], past_kv_cache=cache), model(TOKENS[:, 10:12], past_kv_cache=cache),
-                 model(TOKENS[:, 12:], past_kv_cache=cache)]
-        assert cache.length == 13 and cache.layers[0].k is None and cache.layers[1].k.shape[1] == 13
-        torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=0)
-        prefix = KVCache.init_cache(model.cfg, batch_size=2)
-        model(TOKENS[:, :10], past_kv_cache=prefix)
-        prefix.freeze()
-        for _ in range(2):
-            torch.testing.assert_close(model(TOKENS[:, 10:], past_kv_cache=prefix), whole[:, 10:], atol=1e-5, rtol=0)
-        assert prefix.length == 10 and prefix.layers[0].seen == 10
+    cache, prefix = assert_cached_parts_are_one_forward(model, TOKENS)
+    assert cache.length == 13 and cache.layers[0].k is None and cache.layers[1].k.shape[1] == 13
+    assert prefix.length == 10 and prefix.layers[0].seen == 10
 
 
 def test_left_padded_batched_generation_is_transformers(tmp_path):
     hf = strengthened(build("granitemoehybrid", tmp_path / "src"), tmp_path)
-    hf.generation_config.eos_token_id = None
-    model = HookedDecoder.from_pretrained(tmp_path).eval()
-    ids = torch.randint(4, 101, (2, 7), generator=torch.Generator().manual_seed(1))
-    ids[1, :3] = 0
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    with torch.no_grad():
-        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        alone = hf.generate(ids[1:, 3:], max_new_tokens=6, do_sample=False, pad_token_id=0)
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, verbose=False)
-    assert torch.equal(ours, theirs) and torch.equal(ours[1, 3:], alone[0])
+    assert_left_padded_generation_matches(hf, tmp_path)
 
 
 def test_every_shared_hook_and_bridge_name_matches_the_bridge(tmp_path):
@@ -179,7 +160,7 @@ def test_analyses_of_heads_refuse_and_analyses_of_layers_run(tmp_path):
     model = HookedDecoder.from_pretrained(tmp_path).eval()
     with pytest.raises(ValueError, match=r"layers \[0, 2\] of this hybrid model are state-space \(Mamba-2\) layers"):
         A.head_scores(model, "induction", n_samples=4)
-    with pytest.raises(AttributeError, match="state-space \\(Mamba-2\\) layer: it has no attention heads"):
+    with pytest.raises(AttributeError, match="state-space layer: it has no attention heads"):
         model.blocks[0].attn
     dla = A.direct_logit_attribution(model, TOKENS, torch.tensor([5, 5]), torch.tensor([9, 9]))
     with torch.no_grad():
@@ -323,3 +304,28 @@ def test_the_report_on_a_model_without_attention_says_what_it_leaves_out(tmp_pat
                 "are state-space (Mamba-2) layers") in page
     assert "blocks have none (attention or state-space mixers only)" in page
     assert not (tmp_path / "out" / "patterns.csv").exists()
+
+
+def test_hook_shapes_predict_the_mixers_points(tmp_path):
+    from family_checks import cache_of_everything
+
+    build("mamba2", tmp_path)
+    _, _, cache, predicted = cache_of_everything(tmp_path)
+    assert {name: tuple(value.shape) for name, value in cache.items()} == {name: predicted[name] for name in cache}
+    assert "blocks.2.mixer.hook_scan_out" in cache
+
+
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "mamba2"])
+def test_the_state_space_model_on_the_device_is_transformers_there(kind, tmp_path, device_under_test):
+    """On the GPU (the GPU list): a prompt longer than a chunk, and its greedy continuation through the state cache,
+    against transformers' model on the same device (its chunked torch scan)."""
+    hf = build(kind, tmp_path, **({"max_position_embeddings": 200} if kind == "granitemoehybrid" else {}))
+    hf = hf.to(device_under_test)
+    hf.generation_config.eos_token_id = None
+    model = HookedDecoder.from_pretrained(tmp_path, device=device_under_test).eval()
+    tokens = torch.randint(0, 101, (2, 150), generator=torch.Generator().manual_seed(5)).to(device_under_test)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+        prompt = tokens[:, :9]
+        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)

@@ -339,6 +339,16 @@ def build(kind, directory, **overrides):
                 for param, low, high in ((layer.mixer.A_log, -1, 1), (layer.mixer.D, -1, 1),
                                          (layer.mixer.dt_bias, -2, 1)):
                     param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
+    elif kind in ("mamba", "falcon_mamba"):  # every layer a Mamba-1 mixer, no MLP, no attention
+        settings = dict(vocab_size=101, hidden_size=32, num_hidden_layers=3, state_size=8, expand=2,
+                        time_step_rank=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        config = (tf.MambaConfig if kind == "mamba" else tf.FalconMambaConfig)(**{**settings, **overrides})
+        model = (tf.MambaForCausalLM if kind == "mamba" else tf.FalconMambaForCausalLM)(config)
+        with torch.no_grad():  # (transformers starts every channel alike: A = 1..d_state, D = 1)
+            for layer in model.backbone.layers:
+                for param, low, high in ((layer.mixer.A_log, -1, 1), (layer.mixer.D, -1, 1),
+                                         (layer.mixer.dt_proj.bias, -2, 1)):
+                    param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -541,6 +551,13 @@ CASES = {
     "mamba2-biases-tied-one-group-step-limits": ("mamba2", {"use_bias": True, "use_conv_bias": False, "n_groups": 1,
                                                             "tie_word_embeddings": True, "time_step_limit": (0.01, 0.5),
                                                             "layer_norm_epsilon": 1e-4}),
+    "mamba-mixers-only-tied": ("mamba", {}),
+    "mamba-biases-untied-no-conv-bias-auto-rank": ("mamba", {"use_bias": True, "use_conv_bias": False,
+                                                             "tie_word_embeddings": False, "time_step_rank": "auto",
+                                                             "layer_norm_epsilon": 1e-4}),
+    "falcon-mamba-bcdt-norms-tied": ("falcon_mamba", {}),
+    "falcon-mamba-biases-untied-kernel3-norm-eps": ("falcon_mamba", {"use_bias": True, "tie_word_embeddings": False,
+                                                                     "conv_kernel": 3, "mixer_rms_eps": 1e-2}),
     "bamba-biases-tied-one-group": ("bamba", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
                                               "mamba_n_groups": 1, "mamba_proj_bias": True, "attn_layer_indices": [0]}),
     "granite-hybrid-nope-dense-biases-one-group": ("granitemoehybrid", {
@@ -580,8 +597,10 @@ def test_family_matches_transformers(case, tmp_path):
         fast = ours(tokens)
     torch.testing.assert_close(logits, expected.logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(fast, expected.logits, atol=1e-4, rtol=0)
-    for layer in range(ours.cfg.n_layers):
-        torch.testing.assert_close(cache[f"blocks.{layer}.hook_resid_pre"], expected.hidden_states[layer], atol=1e-4, rtol=0)
+    shift = kind in ("mamba", "falcon_mamba")  # (transformers' Mamba-1 lists each block's output, not the embedding)
+    for layer in range(shift, ours.cfg.n_layers):
+        torch.testing.assert_close(cache[f"blocks.{layer}.hook_resid_pre"], expected.hidden_states[layer - shift],
+                                   atol=1e-4, rtol=0)
 
 
 def test_llama_patterns_and_rotary_hooks(tmp_path):
@@ -653,7 +672,7 @@ def test_save_round_trip_for_each_family(tmp_path):
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
                  "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan", "glm4_moe",
                  "jais2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "minimax_m2", "ernie4_5_moe",
-                 "granitemoehybrid", "bamba", "mamba2"):
+                 "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -707,14 +726,14 @@ def test_gqa_config_errors():
 def test_unsupported_model_type_lists_the_supported(tmp_path):
     from probe.loading import CheckpointError
 
-    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
-    with pytest.raises(CheckpointError, match="'mamba' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
+    (tmp_path / "config.json").write_text('{"model_type": "rwkv"}')
+    with pytest.raises(CheckpointError, match="'rwkv' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_5, "
                                               "qwen3_5_moe, mistral, mistral3, ministral3, olmo, olmo2, olmo3, smollm3, exaone, hunyuan_v1_dense, "
                                               "exaone4, arcee, glm, glm4, ernie4_5, "
                                               "seed_oss, "
                                               "cohere, "
-                                              "cohere2, granite, granitemoe, granitemoehybrid, bamba, mamba2, apertus, gemma, gemma2, gemma3_text, gemma3, "
+                                              "cohere2, granite, granitemoe, granitemoehybrid, bamba, mamba2, mamba, falcon_mamba, apertus, gemma, gemma2, gemma3_text, gemma3, "
                                               "gpt_neox, "
                                               "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, flex_olmo, qwen3_moe, "
                                               "qwen2_moe, glm4_moe, minimax_m2, ernie4_5_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, jais2, deepseek_v2, deepseek_v3, "
