@@ -36,7 +36,7 @@ BRIDGE_SKIPS = {**dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGen
                                  "Glm4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "FlexOlmoForCausalLM",
                                  "Exaone4ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                                  "Glm4MoeLiteForCausalLM", "YoutuForCausalLM", "GraniteMoeHybridForCausalLM",
-                                 "BambaForCausalLM"),
+                                 "BambaForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM"),
                                 ("fold_ln",)),
                 "NemotronForCausalLM": ("fold_ln", "center_writing_weights")}
 

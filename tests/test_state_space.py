@@ -329,3 +329,28 @@ def test_the_state_space_model_on_the_device_is_transformers_there(kind, tmp_pat
         prompt = tokens[:, :9]
         expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "mamba"])
+def test_compatibility_mode_on_mamba_models_is_the_bridges(kind, tmp_path):
+    """The bridge leaves Mamba's and Mamba-2's block norms unfolded in compatibility mode (nothing of its weight
+    processing reaches a mixer), folding only the final norm into the unembedding: probe says it skips fold_ln (all
+    or none here), and every shared point but the final norm's output is the bridge's, the block norms' included."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    directory = tokenized_checkpoint(kind, tmp_path / kind)
+    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
+    model = HookedDecoder.boot_transformers(str(directory))
+    with pytest.warns(UserWarning, match="skipping fold_ln, which transformer-lens 4's bridge does not apply"):
+        model.enable_compatibility_mode()
+    bridge.enable_compatibility_mode()
+    tokens = TOKENS % model.cfg.d_vocab
+    with torch.no_grad():
+        ours, our_cache = model.run_with_cache(tokens)
+        theirs, their_cache = bridge.run_with_cache(tokens)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    shared = [n for n in our_cache if n in their_cache and our_cache[n].shape == their_cache[n].shape
+              and not n.startswith(("ln_final.", "unembed.hook_in"))]  # (the final norm, folded there)
+    for name in shared:
+        torch.testing.assert_close(our_cache[name], their_cache[name], atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert "blocks.1.mixer.hook_in" in shared and model.cfg.normalization_type == "RMS"
