@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -300,14 +300,21 @@ def mamba2_names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return table
 
 
-def mamba2_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in mamba2_names(cfg).items()}
-    out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
-    return out
+def backbone_family(names: Callable[[DecoderConfig], dict]) -> tuple[Callable, Callable]:
+    """(to_probe, to_hf) for a Mamba format whose every tensor but the unembedding `names` lists (ours -> (theirs,
+    shape)), theirs under `backbone.` in the file (Mamba-2's, Mamba-1's)."""
+    def to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+        out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in names(cfg).items()}
+        out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
+        return out
+
+    def to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+        out = {f"backbone.{theirs}": params[ours] for ours, (theirs, _) in names(cfg).items()}
+        if not cfg.tied_embeddings:
+            out["lm_head.weight"] = params["unembed.weight"]
+        return {k: v.contiguous() for k, v in out.items()}
+
+    return to_probe, to_hf
 
 
-def mamba2_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    out = {f"backbone.{theirs}": params[ours] for ours, (theirs, _) in mamba2_names(cfg).items()}
-    if not cfg.tied_embeddings:
-        out["lm_head.weight"] = params["unembed.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+mamba2_to_probe, mamba2_to_hf = backbone_family(mamba2_names)

@@ -6,10 +6,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
-
-from probe.checkpoint_mamba import MAMBA2_CONTEXT
-from probe.checkpoint_source import Source, require_fields, special_token_ids, take_unembed, with_defaults
+from probe.checkpoint_mamba import MAMBA2_CONTEXT, backbone_family
+from probe.checkpoint_source import require_fields, special_token_ids, with_defaults
 from probe.config import Activation, DecoderConfig, Norm, Positions, StateSpace
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -85,14 +83,4 @@ def mamba_names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     return table
 
 
-def mamba_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    out = {ours: source.take(theirs, shape) for ours, (theirs, shape) in mamba_names(cfg).items()}
-    out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
-    return out
-
-
-def mamba_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    out = {f"backbone.{theirs}": params[ours] for ours, (theirs, _) in mamba_names(cfg).items()}
-    if not cfg.tied_embeddings:
-        out["lm_head.weight"] = params["unembed.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+mamba_to_probe, mamba_to_hf = backbone_family(mamba_names)

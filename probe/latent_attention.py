@@ -120,12 +120,14 @@ class LatentAttention(WritableWeights, nn.Module):
         shared = k_in.dim() == 3  # one input for all: x itself, not per-head copies
         latent, k_rope = self.kv_a_proj_with_mqa(k_in).split([self.kv_rank, self.d_rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        if shared:
-            latent, k_rope = self.hook_kv_latent(latent), k_rope.unsqueeze(2)
-        k_nope = rows_per_head(self.kv_b_proj, latent, self.n_heads, self.d_nope + self.d_head)[..., :self.d_nope]
-        if not shared:  # the values' own latents, from their own inputs
-            latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(v_in)[..., :self.kv_rank])
-        v = rows_per_head(self.kv_b_proj, latent, self.n_heads, self.d_nope + self.d_head)[..., self.d_nope:]
+        width = self.d_nope + self.d_head
+        if shared:  # one up-projection gives both: each head's key rows, then its value rows (slices, not split(),
+            # so a hook may edit hook_v in place, as in probe.attention)
+            kv = rows_per_head(self.kv_b_proj, self.hook_kv_latent(latent), self.n_heads, width)
+            return kv[..., :self.d_nope], k_rope.unsqueeze(2), kv[..., self.d_nope:]
+        k_nope = rows_per_head(self.kv_b_proj, latent, self.n_heads, width)[..., :self.d_nope]
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(v_in)[..., :self.kv_rank])  # the values' own inputs
+        v = rows_per_head(self.kv_b_proj, latent, self.n_heads, width)[..., self.d_nope:]
         return k_nope, k_rope, v
 
     def _rotate(self, x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:

@@ -248,14 +248,7 @@ def compiled(ctx: Context) -> list[Case]:
           "and depth)", "probe <= 1.1x transformers", floor="transformers forward",
           check=at_most("probe forward", "transformers forward", 1.1))
 def hybrid_forward(ctx: Context) -> list[Case]:
-    import tempfile
-    from pathlib import Path
-
-    import torch
     import transformers
-
-    from probe import HookedDecoder
-    from probe.cli.bench_harness import hf_dtype_kwarg
 
     main = json.loads((ctx.path / "config.json").read_text())
     d_model, heads = main["n_embd"], main["n_head"]
@@ -265,12 +258,7 @@ def hybrid_forward(ctx: Context) -> list[Case]:
         head_dim=d_model // heads, linear_num_key_heads=max(1, heads // 2), linear_num_value_heads=heads,
         linear_key_head_dim=d_model // heads, linear_value_head_dim=d_model // heads,
         max_position_embeddings=max(ctx.seq, main["n_positions"]))
-    directory = Path(tempfile.mkdtemp(prefix="probe-bench-hybrid-"))
-    torch.manual_seed(0)
-    transformers.Qwen3_5ForCausalLM(config).save_pretrained(directory)
-    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(directory, **hf_dtype_kwarg(ctx.torch_dtype))
-    hf = hf.to(ctx.device).eval()
-    probe = HookedDecoder.from_pretrained(directory, device=ctx.device, dtype=ctx.torch_dtype).eval()
+    hf, probe = random_pair(ctx, transformers.Qwen3_5ForCausalLM, config)
     tokens = ctx.tokens()
     return [
         Case("transformers forward", HF, no_grad(lambda: hf(tokens, use_cache=False).logits),
@@ -284,26 +272,14 @@ def hybrid_forward(ctx: Context) -> list[Case]:
           "width and depth)", "probe <= 1.1x transformers", floor="transformers forward",
           check=at_most("probe forward", "transformers forward", 1.1))
 def state_space_forward(ctx: Context) -> list[Case]:
-    import tempfile
-    from pathlib import Path
-
-    import torch
     import transformers
-
-    from probe import HookedDecoder
-    from probe.cli.bench_harness import hf_dtype_kwarg
 
     main = json.loads((ctx.path / "config.json").read_text())
     d_model = main["n_embd"]
     config = transformers.Mamba2Config(vocab_size=main["vocab_size"], hidden_size=d_model,
                                        num_hidden_layers=main["n_layer"], num_heads=2 * d_model // 64, head_dim=64,
                                        state_size=128, n_groups=1, expand=2)
-    directory = Path(tempfile.mkdtemp(prefix="probe-bench-mamba2-"))
-    torch.manual_seed(0)
-    transformers.Mamba2ForCausalLM(config).save_pretrained(directory)
-    hf = transformers.Mamba2ForCausalLM.from_pretrained(directory, **hf_dtype_kwarg(ctx.torch_dtype))
-    hf = hf.to(ctx.device).eval()
-    probe = HookedDecoder.from_pretrained(directory, device=ctx.device, dtype=ctx.torch_dtype).eval()
+    hf, probe = random_pair(ctx, transformers.Mamba2ForCausalLM, config)
     tokens = ctx.tokens()
     return [
         Case("transformers forward", HF, no_grad(lambda: hf(tokens, use_cache=False).logits),
@@ -311,3 +287,21 @@ def state_space_forward(ctx: Context) -> list[Case]:
                   "its chunked torch scan, no mamba_ssm kernels installed)"),
         Case("probe forward", PROBE, no_grad(lambda: probe(tokens)), note="state_space_scan by chunks of 64"),
     ]
+
+
+def random_pair(ctx: Context, causal_lm: type, config) -> tuple:
+    """(transformers' model, probe's) of one randomly initialised checkpoint of `config`, saved once and loaded by both
+    on the run's device and dtype: the pair a forward-against-transformers workload times."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from probe import HookedDecoder
+    from probe.cli.bench_harness import hf_dtype_kwarg
+
+    directory = Path(tempfile.mkdtemp(prefix="probe-bench-"))
+    torch.manual_seed(0)
+    causal_lm(config).save_pretrained(directory)
+    hf = causal_lm.from_pretrained(directory, **hf_dtype_kwarg(ctx.torch_dtype)).to(ctx.device).eval()
+    return hf, HookedDecoder.from_pretrained(directory, device=ctx.device, dtype=ctx.torch_dtype).eval()

@@ -29,6 +29,45 @@ def assert_generation_and_processing_match(hf, directory, vocab: int = 101, pad_
                                        rtol=0)
 
 
+def caches_in_compatibility_mode(directory, tokens: torch.Tensor) -> tuple:
+    """(the model, our logits, our cache, the bridge's logits, its cache) after `enable_compatibility_mode()` on both,
+    probe's warning that it skips fold_ln as the bridge's adapter does checked on the way."""
+    import pytest
+    from transformer_lens.model_bridge import TransformerBridge
+
+    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
+    model = HookedDecoder.boot_transformers(str(directory))
+    with pytest.warns(UserWarning, match="skipping fold_ln, which transformer-lens 4's bridge does not apply"):
+        model.enable_compatibility_mode()
+    bridge.enable_compatibility_mode()
+    tokens = tokens % model.cfg.d_vocab
+    with torch.no_grad():
+        return (model, *model.run_with_cache(tokens), *bridge.run_with_cache(tokens))
+
+
+def report_page(directory, out) -> str:
+    """`probe report` on a checkpoint with a corrupted prompt beside its prompt: the page's HTML (files in `out`)."""
+    from probe.cli.cli import main
+
+    assert main(["report", "--model", str(directory), "--out", str(out), "--prompt", "a b c a b",
+                 "--corrupted", "a b a a b", "--quiet"]) in (0, None)
+    return (out / "report.html").read_text()
+
+
+def assert_on_the_device_as_transformers(hf, directory, device, n_pos: int) -> None:
+    """On `device`: the logits of a prompt of `n_pos` tokens and a greedy continuation through the cache, against
+    transformers' model on the same device."""
+    hf = hf.to(device)
+    hf.generation_config.eos_token_id = None
+    model = HookedDecoder.from_pretrained(directory, device=device).eval()
+    tokens = torch.randint(0, 101, (2, n_pos), generator=torch.Generator().manual_seed(5)).to(device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+        prompt = tokens[:, :9]
+        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)
+
+
 def assert_cached_parts_are_one_forward(model, tokens: torch.Tensor):
     """A prompt, then two tokens, then the rest, through one cache, give the whole sequence's logits in one pass; a
     frozen cache of the prompt reads it twice without keeping more. Returns (the cache, the frozen one), for a test's

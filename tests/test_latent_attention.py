@@ -12,7 +12,8 @@ import torch
 
 from probe import DecoderConfig, HookedDecoder, LatentAttention
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
-                           assert_left_padded_generation_matches, seen_in_forward)
+                           assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
+                           caches_in_compatibility_mode, report_page, seen_in_forward)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -235,12 +236,7 @@ def test_saving_keeps_the_rope_layout_and_the_score_scale(tmp_path):
 
 
 def test_the_report_says_why_it_leaves_out_the_circuit(tmp_path):
-    from probe.cli.cli import main
-
-    directory = tokenized_checkpoint("deepseek_v3", tmp_path / "v3")
-    assert main(["report", "--model", str(directory), "--out", str(tmp_path / "out"), "--prompt", "a b c a b",
-                 "--corrupted", "a b a a b", "--quiet"]) in (0, None)
-    page = (tmp_path / "out" / "report.html").read_text()
+    page = report_page(tokenized_checkpoint("deepseek_v3", tmp_path / "v3"), tmp_path / "out")
     assert "Not run: edge attribution follows each edge through the heads&#x27; W_Q" in page
     assert (tmp_path / "out" / "patching.csv").exists() and (tmp_path / "out" / "heads_induction.csv").exists()
 
@@ -248,18 +244,8 @@ def test_the_report_says_why_it_leaves_out_the_circuit(tmp_path):
 def test_compatibility_mode_processes_as_the_bridge_does(tmp_path):
     """The bridge's MLA adapters leave the norms unfolded (fold_ln unsupported) and centre the unembedding: probe
     says which step it skips, and gives the bridge's logits and activations."""
-    from transformer_lens.model_bridge import TransformerBridge
-
     directory = tokenized_checkpoint("deepseek_v3", tmp_path / "v3")
-    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
-    model = HookedDecoder.boot_transformers(str(directory))
-    with pytest.warns(UserWarning, match="skipping fold_ln, which transformer-lens 4's bridge does not apply"):
-        model.enable_compatibility_mode()
-    bridge.enable_compatibility_mode()
-    tokens = TOKENS % model.cfg.d_vocab
-    with torch.no_grad():
-        theirs, their_cache = bridge.run_with_cache(tokens)
-        ours, cache = model.run_with_cache(tokens)
+    model, ours, cache, theirs, their_cache = caches_in_compatibility_mode(directory, TOKENS)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     for name in ("blocks.0.ln1.hook_out", "blocks.1.attn.hook_kv_latent", "blocks.1.attn.hook_pattern",
                  "blocks.1.hook_resid_post", "ln_final.hook_out"):
@@ -316,12 +302,4 @@ def test_the_bridges_shared_expert_names_say_where_probe_keeps_it(tmp_path):
 def test_the_latent_model_on_the_device_is_transformers_there(tmp_path, device_under_test):
     """On the GPU (the GPU list): DeepSeek-V3's latent attention and routed experts against transformers' model on the
     same device, and the greedy continuation through the cache."""
-    hf = build("deepseek_v3", tmp_path).to(device_under_test)
-    hf.generation_config.eos_token_id = None
-    model = HookedDecoder.from_pretrained(tmp_path, device=device_under_test).eval()
-    tokens = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(5)).to(device_under_test)
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
-        prompt = tokens[:, :9]
-        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)
+    assert_on_the_device_as_transformers(build("deepseek_v3", tmp_path), tmp_path, device_under_test, 40)

@@ -15,7 +15,8 @@ import torch
 
 from probe import DecoderConfig, HookedDecoder, LinearAttention
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
-                           assert_left_padded_generation_matches, seen_in_forward)
+                           assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
+                           caches_in_compatibility_mode, seen_in_forward)
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import build, perturbed
 
@@ -354,17 +355,8 @@ def test_compatibility_mode_processes_as_the_bridge_does(tmp_path):
     """`boot_transformers` then `enable_compatibility_mode()`: the bridge's processing, which leaves a hybrid's norms
     unfolded (its Qwen3.5 adapter declares fold_ln unsupported) and centres the unembedding, gives the bridge's
     logits and activations; probe says which step it skips, as the bridge warns."""
-    from transformer_lens.model_bridge import TransformerBridge
-
     build("qwen3_5", tmp_path)
-    bridge = TransformerBridge.boot_transformers(str(tmp_path), device="cpu")
-    model = HookedDecoder.boot_transformers(str(tmp_path))
-    with pytest.warns(UserWarning, match="skipping fold_ln, which transformer-lens 4's bridge does not apply"):
-        model.enable_compatibility_mode()
-    bridge.enable_compatibility_mode()
-    with torch.no_grad():
-        theirs, their_cache = bridge.run_with_cache(TOKENS)
-        ours, cache = model.run_with_cache(TOKENS)
+    model, ours, cache, theirs, their_cache = caches_in_compatibility_mode(tmp_path, TOKENS)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     for name in ("blocks.0.ln1.hook_out", "blocks.0.linear_attn.hook_q", "blocks.0.linear_attn.hook_recurrence_out",
                  "blocks.3.attn.hook_z", "blocks.3.hook_resid_post", "ln_final.hook_out"):
@@ -397,15 +389,8 @@ def test_bfloat16_rounds_no_worse_than_transformers(tmp_path):
 def test_the_hybrid_on_the_device_is_transformers_there(tmp_path, device_under_test):
     """On the GPU (the GPU list): a Qwen3.5 prompt longer than a chunk, and its greedy continuation through the state
     cache, against transformers' model on the same device (its chunked torch recurrence)."""
-    hf = build("qwen3_5", tmp_path, max_position_embeddings=200).to(device_under_test)
-    hf.generation_config.eos_token_id = None
-    model = HookedDecoder.from_pretrained(tmp_path, device=device_under_test).eval()
-    tokens = torch.randint(0, 101, (2, 150), generator=torch.Generator().manual_seed(5)).to(device_under_test)
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
-        prompt = tokens[:, :9]
-        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)
+    hf = build("qwen3_5", tmp_path, max_position_embeddings=200)
+    assert_on_the_device_as_transformers(hf, tmp_path, device_under_test, 150)
 
 
 def test_attention_patterns_of_a_hybrid_are_its_attention_layers(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from probe import DecoderConfig, HookedDecoder
 from probe.selective_scan import selective_scan, selective_scan_stepwise
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
-                           assert_left_padded_generation_matches, cache_of_everything)
+                           assert_left_padded_generation_matches, cache_of_everything, report_page)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -176,13 +176,10 @@ def test_config_errors_name_the_fix():
 
 
 def test_the_report_says_what_it_leaves_out_and_a_mamba2_format_refuses(tmp_path):
-    from probe.cli.cli import main
     from probe.checkpoint_mamba import mamba2_config_to_hf
 
     directory = tokenized_checkpoint("falcon_mamba", tmp_path / "falcon_mamba")
-    assert main(["report", "--model", str(directory), "--out", str(tmp_path / "out"), "--prompt", "a b c a b",
-                 "--corrupted", "a b a a b", "--quiet"]) in (0, None)
-    page = (tmp_path / "out" / "report.html").read_text()
+    page = report_page(directory, tmp_path / "out")
     for what in ("attention patterns", "each head detector", "head ablation", "edge attribution"):
         assert (f"Not run: {what} reads every layer&#x27;s attention heads, and layers [0, 1, 2] of this hybrid model "
                 "are state-space") in page

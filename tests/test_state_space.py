@@ -12,7 +12,8 @@ from probe import DecoderConfig, HookedDecoder, StateSpace
 from probe.kv_cache import KVCache
 from probe.state_space import state_space_scan, state_space_scan_stepwise
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
-                           assert_left_padded_generation_matches)
+                           assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
+                           caches_in_compatibility_mode, report_page)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -188,26 +189,12 @@ def test_config_errors_name_the_fix():
 def test_compatibility_mode_and_the_report(tmp_path):
     """The bridge's GraniteMoeHybrid adapter leaves the norms unfolded: probe says it skips fold_ln and gives the
     bridge's activations; `probe report` runs and says why its head sections are not run."""
-    from transformer_lens.model_bridge import TransformerBridge
-
-    from probe.cli.cli import main
-
     directory = tokenized_checkpoint("granitemoehybrid", tmp_path / "gh")
-    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
-    model = HookedDecoder.boot_transformers(str(directory))
-    with pytest.warns(UserWarning, match="skipping fold_ln, which transformer-lens 4's bridge does not apply"):
-        model.enable_compatibility_mode()
-    bridge.enable_compatibility_mode()
-    tokens = TOKENS % model.cfg.d_vocab
-    with torch.no_grad():
-        _, their_cache = bridge.run_with_cache(tokens)
-        _, cache = model.run_with_cache(tokens)
+    _, _, cache, _, their_cache = caches_in_compatibility_mode(directory, TOKENS)
     for name in ("blocks.0.ln1.hook_out", "blocks.0.mixer.hook_inner_norm", "blocks.1.attn.hook_pattern",
                  "blocks.2.hook_resid_post"):
         torch.testing.assert_close(cache[name], their_cache[name], atol=1e-4, rtol=0, msg=name)
-    assert main(["report", "--model", str(directory), "--out", str(tmp_path / "out"), "--prompt", "a b c a b",
-                 "--corrupted", "a b a a b", "--quiet"]) in (0, None)
-    page = (tmp_path / "out" / "report.html").read_text()
+    page = report_page(directory, tmp_path / "out")
     assert ("Not run: head ablation reads every layer&#x27;s attention heads, and layers [0, 2] of this hybrid model "
             "are state-space (Mamba-2) layers") in page
     assert (tmp_path / "out" / "patching.csv").exists() and not (tmp_path / "out" / "edges.csv").exists()
@@ -293,12 +280,8 @@ def test_mamba2_hook_by_hook_by_the_bridges_names_and_through_the_cache(tmp_path
 
 
 def test_the_report_on_a_model_without_attention_says_what_it_leaves_out(tmp_path):
-    from probe.cli.cli import main
-
     directory = tokenized_checkpoint("mamba2", tmp_path / "mamba2")
-    assert main(["report", "--model", str(directory), "--out", str(tmp_path / "out"), "--prompt", "a b c a b",
-                 "--corrupted", "a b a a b", "--quiet"]) in (0, None)
-    page = (tmp_path / "out" / "report.html").read_text()
+    page = report_page(directory, tmp_path / "out")
     for what in ("attention patterns", "each head detector", "head ablation", "edge attribution"):
         assert (f"Not run: {what} reads every layer&#x27;s attention heads, and layers [0, 1, 2] of this hybrid model "
                 "are state-space (Mamba-2) layers") in page
@@ -320,15 +303,7 @@ def test_the_state_space_model_on_the_device_is_transformers_there(kind, tmp_pat
     """On the GPU (the GPU list): a prompt longer than a chunk, and its greedy continuation through the state cache,
     against transformers' model on the same device (its chunked torch scan)."""
     hf = build(kind, tmp_path, **({"max_position_embeddings": 200} if kind == "granitemoehybrid" else {}))
-    hf = hf.to(device_under_test)
-    hf.generation_config.eos_token_id = None
-    model = HookedDecoder.from_pretrained(tmp_path, device=device_under_test).eval()
-    tokens = torch.randint(0, 101, (2, 150), generator=torch.Generator().manual_seed(5)).to(device_under_test)
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
-        prompt = tokens[:, :9]
-        expected = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)
+    assert_on_the_device_as_transformers(hf, tmp_path, device_under_test, 150)
 
 
 @pytest.mark.parametrize("kind", ["mamba2", "mamba"])
@@ -336,18 +311,8 @@ def test_compatibility_mode_on_mamba_models_is_the_bridges(kind, tmp_path):
     """The bridge leaves Mamba's and Mamba-2's block norms unfolded in compatibility mode (nothing of its weight
     processing reaches a mixer), folding only the final norm into the unembedding: probe says it skips fold_ln (all
     or none here), and every shared point but the final norm's output is the bridge's, the block norms' included."""
-    from transformer_lens.model_bridge import TransformerBridge
-
-    directory = tokenized_checkpoint(kind, tmp_path / kind)
-    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
-    model = HookedDecoder.boot_transformers(str(directory))
-    with pytest.warns(UserWarning, match="skipping fold_ln, which transformer-lens 4's bridge does not apply"):
-        model.enable_compatibility_mode()
-    bridge.enable_compatibility_mode()
-    tokens = TOKENS % model.cfg.d_vocab
-    with torch.no_grad():
-        ours, our_cache = model.run_with_cache(tokens)
-        theirs, their_cache = bridge.run_with_cache(tokens)
+    model, ours, our_cache, theirs, their_cache = caches_in_compatibility_mode(tokenized_checkpoint(kind, tmp_path / kind),
+                                                                               TOKENS)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     shared = [n for n in our_cache if n in their_cache and our_cache[n].shape == their_cache[n].shape
               and not n.startswith(("ln_final.", "unembed.hook_in"))]  # (the final norm, folded there)
