@@ -286,7 +286,8 @@ def head_ablation_effects(
     batch, n = tokens.shape
     n_layer, n_head = model.cfg.n_layers, model.cfg.n_heads
     repl = _replacements(model, method, tokens, mask, range(n_layer), reference, seed)
-    names = [act_name("resid_pre", l) for l in range(1, n_layer)]
+    # each layer's run restarts from a cached residual: its own, or an earlier layer's whose keys it reuses (Gemma 4)
+    names = sorted({act_name("resid_pre", model.cfg.resume_layer(l)) for l in range(1, n_layer)} - {act_name("resid_pre", 0)})
     stop = metric_stop(model, metric)  # a metric reading a few logits runs to the final residual only
     out, cache = model.run_with_cache(tokens, attention_mask=_model_mask(mask), names=names, stop_at_layer=stop)
     baseline = evaluate_output(model, metric, out, tokens, mask).cpu()
@@ -295,7 +296,8 @@ def head_ablation_effects(
     copies = max(1, rows_per_forward(model, n, max_rows) // batch)  # ablations per forward
     per_prompt = torch.full((n_layer, n_head, batch), float("nan"))  # NaN stays where pruning removed a head
     for layer in range(n_layer):
-        start = tokens if layer == 0 else cache[act_name("resid_pre", layer)]
+        resume = model.cfg.resume_layer(layer)
+        start = tokens if resume == 0 else cache[act_name("resid_pre", resume)]
         layer_heads = model.cfg.layer_heads(layer)
         eye = torch.eye(layer_heads, dtype=torch.bool, device=model.device)
         for first in range(0, layer_heads, copies):
@@ -310,7 +312,7 @@ def head_ablation_effects(
             stacked_mask = mask.repeat(k, 1)
             out = model.run_with_hooks(
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=_model_mask(stacked_mask),
-                start_at_layer=None if layer == 0 else layer, stop_at_layer=stop,
+                start_at_layer=None if resume == 0 else resume, stop_at_layer=stop, tokens=tokens.repeat(k, 1),
                 fwd_hooks=[(act_name("z", layer), ablate)],
             )
             values = evaluate_output(model, metric, out, tokens.repeat(k, 1), stacked_mask)

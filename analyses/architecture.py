@@ -34,25 +34,77 @@ def check_block_point(model: HookedDecoder, name: str, what: str, instead: str) 
 def require_attention_heads(model: HookedDecoder, what: str) -> None:
     """Refuse `what`, which reads every layer's attention heads, on a hybrid model whose recurrent layers have none
     (Qwen3.5's Gated DeltaNet layers, Granite 4.0-H's Mamba-2 ones), naming the layer-level analyses that work."""
-    linear = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_is_linear(layer)]
+    linear, kind = headless_layers(model)
     if linear:
-        kind = (f"state-space ({model.cfg.state_space.label})" if model.cfg.state_space is not None else
-                "linear-attention (Gated DeltaNet)")
         raise ValueError(f"{what}: layers {linear} of this hybrid model are {kind} layers, "
                          f"with no attention heads, and {what} reads every layer's heads; analyses by layer work on it "
                          f"(logit_lens, patch(..., sites='resid_pre' / 'attn_out' / 'mlp_out'), the cache's "
                          f"decompose_resid), and its attention layers' heads are model.blocks[l].attn")
 
 
+def headless_layers(model: HookedDecoder) -> tuple[list[int], str]:
+    """(the layers without attention heads, what they are in messages): a hybrid's recurrent layers, and NemotronH's
+    layers of an MLP alone."""
+    cfg = model.cfg
+    layers = [layer for layer in range(cfg.n_layers) if not cfg.layer_has_attention(layer)]
+    kinds = [f"state-space ({cfg.state_space.label})" if cfg.state_space is not None else cfg.recurrent_kind] * any(
+        map(cfg.layer_is_linear, layers)) + ["MLP-only"] * any(not cfg.layer_has_mixer(layer) for layer in layers)
+    return layers, " or ".join(kinds)
+
+
 def require_head_weights(model: HookedDecoder, what: str) -> None:
     """Refuse `what`, which reads each head's W_Q, W_K and W_V (linear maps of the residual), on latent attention,
     whose queries, keys and values pass normalised low-rank latents (DeepSeek-V2/V3), naming what works instead."""
     if model.cfg.latent_attention is not None:
+        sparse = (", and a sparse indexer (GLM-5's) chooses the keys each query reads"
+                  if model.cfg.latent_attention.indexer is not None else "")
         raise ValueError(f"{what}: this model's latent attention reads queries, keys and values through normalised "
-                         f"low-rank latents, so its heads have no W_Q, W_K or W_V (linear maps of the residual) for "
-                         f"{what} to read; the analyses of the heads' activations work on it (attention_patterns, "
+                         f"low-rank latents{sparse}, so its heads have no W_Q, W_K or W_V (linear maps of the "
+                         f"residual) for {what} to read; the analyses of the heads' activations work on it (attention_patterns, "
                          f"head_scores, ablate_heads, patch(..., sites='heads'), direct_logit_attribution), and its "
                          f"W_O is model.blocks[l].attn.W_O")
+
+
+def require_own_keys_and_one_width(model: HookedDecoder, what: str, one_width: bool = False) -> None:
+    """Refuse `what`, which reads every head's own W_K and W_V (and, `one_width`, stacks every head's weights), on
+    Gemma 4 models whose last layers reuse earlier layers' keys and values (or whose full-attention heads are wider
+    than the windowed ones), naming what works."""
+    cfg = model.cfg
+    shared = [] if cfg.shared_kv is None else [l for l in range(cfg.n_layers) if cfg.layer_kv_source(l) is not None]
+    widths = sorted({cfg.layer_d_head(l) for l in range(cfg.n_layers)})
+    if shared or (one_width and len(widths) > 1):
+        why = (f"layers {shared} compute no keys or values (they attend over earlier layers')" if shared else
+               f"its heads differ in width between layers ({widths})")
+        raise ValueError(f"{what}: {why}, and {what} reads every head's own weights" + (" side by side" if one_width
+                         else "") + "; one head's QK and OV circuits (qk_circuit, ov_circuit) work on the layers that "
+                         "have them, and the analyses of the heads' activations on every layer (attention_patterns, "
+                         "head_scores, ablate_heads, patch(..., sites='heads'), direct_logit_attribution)")
+
+
+def refuse_shared_keys_and_scaled_layers(model: HookedDecoder, what: str) -> None:
+    """Refuse `what`, whose graph takes each head's key and value inputs for its own layer's residual and the residual
+    for the sum of its writers' outputs, on Gemma 4: later layers attend over earlier layers' keys and values, the
+    values are normalised per head, and every block scales the whole residual."""
+    cfg = model.cfg
+    if cfg.shared_kv is not None or cfg.value_norm or cfg.layer_scalars:
+        raise ValueError(f"{what}: this model (Gemma 4) normalises each head's values, scales the whole residual "
+                         f"after every block (layer_scalar)" + (" and lets its last layers attend over earlier "
+                         "layers' keys and values" if cfg.shared_kv is not None else "") + f", which {what}'s graph "
+                         f"of linear edges does not hold; analyses by head and by layer work on it "
+                         f"(direct_logit_attribution, residual_decomposition, ablate_heads, head_scores, "
+                         f"patch(..., sites='heads' / 'attn_out' / 'mlp_out'))")
+
+
+def refuse_mixers_beside_heads(model: HookedDecoder, what: str) -> None:
+    """Refuse `what`, which takes the residual stream for the sum of its heads', MLPs' and embeddings' writes, on a
+    model whose layers also write a Mamba-2 mixer's output beside their heads (Falcon-H1's parallel hybrid)."""
+    layers = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_has_parallel_mixer(layer)]
+    if layers:
+        raise ValueError(f"{what}: layers {layers} of this model (Falcon-H1's parallel hybrid) also write a Mamba-2 "
+                         f"mixer's output (blocks.L.hook_mixer_out) beside their heads, which is no node of {what}'s "
+                         f"graph, so the residual stream is not the sum of its writers; analyses by head and by layer "
+                         f"work on it (direct_logit_attribution and residual_decomposition name each mixer's write "
+                         f"`L{{l}} mamba`; ablate_heads, head_scores, patch(..., sites='heads' / 'attn_out'))")
 
 
 def refuse_shortformer(model: HookedDecoder, what: str, why: str, instead: str) -> None:

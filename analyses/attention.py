@@ -197,11 +197,12 @@ def attention_patterns(
 ) -> AttentionPatterns:
     """The attention weights of one prompt (a string or token ids of one sequence) in the chosen
     layers and heads (default: all; a hybrid model's attention layers), with the prompt's token strings for labelling."""
-    attending = [l for l in range(model.cfg.n_layers) if not model.cfg.layer_is_linear(l)]
+    attending = [l for l in range(model.cfg.n_layers) if model.cfg.layer_has_attention(l)]
     layers = _check_indices(attending if layers is None else layers, model.cfg.n_layers, "layers")
     linear = [l for l in layers if l not in attending]  # a hybrid's linear-attention layers (Qwen3.5)
     if linear:
-        raise ValueError(f"attention_patterns: layers {linear} are linear-attention layers, which have no attention "
+        kind = "linear-attention" if all(map(model.cfg.layer_has_mixer, linear)) else "linear-attention or MLP-only"
+        raise ValueError(f"attention_patterns: layers {linear} are {kind} layers, which have no attention "
                          f"patterns; this hybrid model's attention layers are {attending}")
     heads = _check_indices(heads, model.cfg.n_heads, "heads")
     if not isinstance(input, (str, torch.Tensor)):

@@ -44,7 +44,8 @@ import torch
 
 from probe import HookedDecoder
 from probe.config import Norm, NormPlacement, Positions
-from probe.analyses.architecture import require_attention_heads, require_head_weights
+from probe.analyses.architecture import (refuse_mixers_beside_heads, refuse_shared_keys_and_scaled_layers,
+                                         require_attention_heads, require_head_weights)
 from probe.analyses.common import TableDisplay
 
 LOGITS = "logits"
@@ -54,6 +55,8 @@ def check_graph_model(model: HookedDecoder) -> None:
     """Refuse the families whose residual stream is not an exact sum of writer outputs."""
     require_attention_heads(model, "circuit discovery")
     require_head_weights(model, "circuit discovery")
+    refuse_mixers_beside_heads(model, "circuit discovery")
+    refuse_shared_keys_and_scaled_layers(model, "circuit discovery")
     cfg = model.cfg
     if cfg.norm_placement is NormPlacement.POST:
         raise ValueError("post-norm blocks (GPT-1, OPT-350m) normalise the residual itself, so it is not a sum of the "

@@ -30,10 +30,10 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from probe.analyses.architecture import require_head_weights
+from probe.analyses.architecture import require_head_weights, require_own_keys_and_one_width
 from probe.analyses.common import TableDisplay, is_int
 from probe import HookedDecoder, process_weights
-from probe.processing import can_center_writing_weights, can_fold_ln
+from probe.processing import can_center_writing_weights, can_fold_ln, can_fold_value_biases
 
 
 def _head_weights(model: HookedDecoder, layer: int, head: int) -> tuple[torch.Tensor, ...]:
@@ -104,7 +104,8 @@ def processed_for_circuits(model: HookedDecoder) -> HookedDecoder:
     if not can_fold_ln(model.cfg):
         return model
     return process_weights(model, center_writing_weights=can_center_writing_weights(model.cfg),
-                           center_unembed=model.cfg.logit_softcap is None)  # a capped logit does not pass a shift
+                           center_unembed=model.cfg.logit_softcap is None,  # a capped logit does not pass a shift
+                           fold_value_biases=can_fold_value_biases(model.cfg))  # (not through Gemma 4's value norm)
 
 
 @torch.no_grad()
@@ -115,6 +116,7 @@ def copying_scores(model: HookedDecoder, layers: Optional[Sequence[int]] = None,
     bad = [l for l in layers if not (is_int(l) and 0 <= l < model.cfg.n_layers)]
     if bad or not layers:
         raise ValueError(f"layers must be a non-empty list of layers in [0, {model.cfg.n_layers}); got {layers!r}")
+    require_own_keys_and_one_width(model, "copying_scores")
     if process:  # after the check: processing copies the whole model
         model = processed_for_circuits(model)
     w_e, w_u = model.W_E.float(), model.W_U.float()  # [vocab d_model], [d_model vocab]
@@ -181,6 +183,7 @@ def composition_scores(model: HookedDecoder, *, process: bool = True) -> Composi
     """Q-, K- and V-composition between every pair of heads in different layers, after folding the norms'
     weights in like `copying_scores` (`process=False`: the weights as they are). Costs about
     (heads)^2 * d_head^2 * d_model multiply-adds: seconds for GPT-2 small on a CPU."""
+    require_own_keys_and_one_width(model, "composition_scores", one_width=True)
     if process:
         model = processed_for_circuits(model)
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads

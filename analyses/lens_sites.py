@@ -24,8 +24,9 @@ def lens_sites(n_layers: int, include_mid: bool = False) -> list[str]:
 
 def has_resid_mid(model: HookedDecoder) -> bool:
     """Whether blocks have a residual between attention and MLP (none in parallel blocks; attention-only ones have no
-    MLP)."""
-    return not model.cfg.attn_only and model.cfg.norm_placement is not NormPlacement.PARALLEL
+    MLP; NemotronH's layers hold one sublayer each)."""
+    return (not model.cfg.attn_only and model.cfg.norm_placement is not NormPlacement.PARALLEL
+            and model.cfg.sublayers is None)
 
 
 def require_resid_mid(model: HookedDecoder, what: str, instead: str) -> None:
@@ -34,6 +35,10 @@ def require_resid_mid(model: HookedDecoder, what: str, instead: str) -> None:
     both read the residual entering it. "{what}: {reason}; {instead}"."""
     require_mlps(model, what, "its blocks have no residual between attention and MLP (hook_resid_mid; each block's "
                  "hook_resid_post is already the residual after its attention)", instead)
+    if model.cfg.sublayers is not None:
+        raise ValueError(f"{what}: each of this model's layers holds one sublayer (a mixer, attention or an MLP), so "
+                         f"there is no residual between two (hook_resid_mid); each layer's hook_resid_post is already "
+                         f"the residual after its one sublayer; {instead}")
     if not has_resid_mid(model):
         raise ValueError(f"{what}: this model has {model.cfg.norm_placement.value} blocks (attention and MLP both read "
                          f"hook_resid_pre), so there is no residual between them (hook_resid_mid); {instead}")

@@ -39,6 +39,10 @@ def require_ffn(model: HookedDecoder, what: str) -> None:
         raise ValueError(f"{what}: this model's MLPs are mixtures of experts, whose neurons (mlp.experts.{{e}}."
                          f"hook_post) fire only on the tokens routed to their expert, with no one W_out per layer; "
                          f"{instead}")
+    widths = sorted({model.cfg.layer_d_mlp(layer) for layer in range(model.cfg.n_layers)})
+    if len(widths) > 1:  # (Gemma 4's double-wide MLPs in its last layers)
+        raise ValueError(f"{what}: this model's MLPs differ in width between layers ({widths} neurons), and {what} "
+                         f"reads every layer's neurons as one [layer d_mlp] table; {instead}")
 
 
 def neuron_tensor(model: HookedDecoder, neurons: Optional[Sequence[int]]) -> torch.Tensor:

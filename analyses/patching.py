@@ -271,7 +271,8 @@ def _groups(sites: Sequence[Site]):
 @torch.no_grad()
 def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
     batch, n = tokens.shape
-    layers = sorted({s.layer for s in sites if s.layer > 0})
+    # each run restarts from a cached residual: its sites' layer's, or an earlier one whose keys it reuses (Gemma 4)
+    layers = sorted({model.cfg.resume_layer(s.layer) for s in sites} - {0})
     stop = metric_stop(model, metric)  # a metric reading a few logits runs to the final residual only
     out, cache = model.run_with_cache(tokens, attention_mask=model_mask(mask),
                                       names=[act_name("resid_pre", l) for l in layers], stop_at_layer=stop)
@@ -280,7 +281,8 @@ def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
     copies = max(1, rows_per_forward(model, n, max_rows) // batch)
     patched = torch.empty(len(sites))
     for members, layer, act in _groups(sites):
-        start = tokens if layer == 0 else cache[act_name("resid_pre", layer)]
+        resume = model.cfg.resume_layer(layer)
+        start = tokens if resume == 0 else cache[act_name("resid_pre", resume)]
         clean_act = clean_cache[act_name(act, layer)]
         for first in range(0, len(members), copies):
             chunk = members[first: first + copies]
@@ -294,7 +296,7 @@ def _exact(model, tokens, mask, metric, sites, clean_cache, max_rows):
             stacked_mask = mask.repeat(k, 1)
             out = model.run_with_hooks(
                 start.repeat(k, *([1] * (start.dim() - 1))), attention_mask=model_mask(stacked_mask),
-                start_at_layer=None if layer == 0 else layer, stop_at_layer=stop,
+                start_at_layer=None if resume == 0 else resume, stop_at_layer=stop, tokens=tokens.repeat(k, 1),
                 fwd_hooks=[(act_name(act, layer), swap)],
             )
             values = evaluate_output(model, metric, out, tokens.repeat(k, 1), stacked_mask).view(k, batch).mean(dim=1)

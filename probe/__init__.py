@@ -1,7 +1,8 @@
 """probe: a hookable decoder-only transformer for mechanistic interpretability."""
 from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
-from probe.config import (Activation, DecoderConfig, ExpertGroups, Experts, LatentAttention, LinearAttention, Norm,
-                          NormPlacement, Positions, RotaryScaling, StateSpace)
+from probe.config import (Activation, DecoderConfig, ExpertGroups, Experts, GlobalLayers, LatentAttention, LinearAttention,
+                          Norm, NormPlacement, PerLayerInputs, Positions, RotaryScaling, SharedKV, ShortConv, SparseIndexer,
+                          StateSpace)
 from probe.factored import FactoredMatrix
 from probe.kv_cache import KVCache
 from probe.decoder_cache import DecoderCache
@@ -24,7 +25,7 @@ ActivationCache = DecoderCache
 __all__ = [
     "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "ActivationCache", "AttnOnlyBlock", "Block", "DecoderCache",
     "DecoderConfig", "ExpertGroups", "Experts", "FactoredMatrix", "HookPoint", "HookedDecoder", "HookedRootModule", "HookedSAETransformer",
-    "LatentAttention", "LinearAttention", "StateSpace", "HookedTransformer", "HookedTransformerConfig", "HookedTransformerKeyValueCache", "KVCache", "Norm", "NormPlacement",
+    "GlobalLayers", "LatentAttention", "LinearAttention", "PerLayerInputs", "SharedKV", "ShortConv", "SparseIndexer", "StateSpace", "HookedTransformer", "HookedTransformerConfig", "HookedTransformerKeyValueCache", "KVCache", "Norm", "NormPlacement",
     "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig", "SandwichBlock",
     "SparseAutoencoder", "Tokenizer", "TrainingConfig", "TransformerLensKeyValueCache", "act_name", "process_weights",
     "spliced", "train_sae",

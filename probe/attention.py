@@ -13,7 +13,7 @@ from probe.config import DecoderConfig
 from probe.embedding import make_alibi, make_rotary
 from probe.factored import FactoredMatrix
 from probe.kv_cache import LayerKV
-from probe.norm import make_qk_norm
+from probe.norm import make_qk_norm, make_value_norm
 from probe.softcap import make_softcap
 from probe.tl_attention_buffers import TLAttentionBuffers
 from probe.tl_weights import WritableWeights, bias_view, weight_view
@@ -62,15 +62,19 @@ def visible_keys(allowed: Optional[torch.Tensor], causal: bool, n: int, device) 
 
 
 class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
+    # whether the layer projects its own keys and values; subclasses project fewer (probe.shared_attention)
+    projects = (True, True)
+
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
         self.n_ctx, self.window = cfg.n_ctx, cfg.layer_window(layer)  # what TL's mask buffer reads (the model masks)
-        self.n_heads, self.n_kv_heads, self.d_head = cfg.layer_heads(layer), cfg.layer_kv_heads(layer), cfg.d_head
-        self.qkv_sizes = [self.n_heads * cfg.d_head, self.n_kv_heads * cfg.d_head, self.n_kv_heads * cfg.d_head]
+        self.n_heads, self.n_kv_heads = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
+        self.d_head = d_head = cfg.layer_d_head(layer)  # Gemma 4's full-attention layers have wider heads
+        self.qkv_sizes = [self.n_heads * d_head, *(self.n_kv_heads * d_head * own for own in self.projects)]
         # q of every head, then k and v of every key/value head, in one matmul
-        self.qkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
-        self.out = nn.Linear(self.n_heads * cfg.d_head, cfg.d_model, bias=cfg.out_bias)
-        self.scale = (cfg.d_head if cfg.attn_scale_dim is None else cfg.attn_scale_dim) ** -0.5
+        self.qkv = nn.Linear(cfg.d_model, sum(self.qkv_sizes), bias=cfg.qkv_bias)
+        self.out = nn.Linear(self.n_heads * d_head, cfg.d_model, bias=cfg.out_bias)
+        self.scale = (d_head if cfg.attn_scale_dim is None else cfg.attn_scale_dim) ** -0.5
         if cfg.attn_scale_by_layer:  # GPT-2's scale_attn_by_inverse_layer_idx: deeper layers' scores shrink
             self.scale /= layer + 1
         self.score_cap = make_softcap(cfg.attn_softcap)
@@ -87,15 +91,18 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.hook_v = HookPoint()  # [batch pos kv_head d_head]
         # Qwen3 normalises each head's q and k over d_head after the projection (transformer-lens's names): rotary
         # and the scores use hook_q_normed / hook_k_normed; without it these are identities, not hook points
-        self.q_norm, self.k_norm = make_qk_norm(cfg, self.n_heads), make_qk_norm(cfg, self.n_kv_heads)
+        self.q_norm, self.k_norm = make_qk_norm(cfg, self.n_heads, d_head), make_qk_norm(cfg, self.n_kv_heads, d_head)
         self.hook_q_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos head d_head]
         self.hook_k_normed = HookPoint() if cfg.qk_norm else nn.Identity()  # [batch pos kv_head d_head]
+        # Gemma 4 normalises each head's values too, with no weight (cfg.value_norm); an identity otherwise
+        self.v_norm = make_value_norm(cfg, d_head)
+        self.hook_v_normed = HookPoint() if cfg.value_norm else nn.Identity()  # [batch pos kv_head d_head]
         self.norm_after_rope = cfg.qk_norm_after_rope
         self.clip = cfg.clip_qkv  # OLMo-7B-0424's clamp of q, k and v; None: none
         # gated attention (Qwen3.5): each head's z times sigmoid of a gate read, like q, from the queries' input
         self.gate = None
         if cfg.attn_output_gate:
-            self.gate = nn.Linear(cfg.d_model, self.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+            self.gate = nn.Linear(cfg.d_model, self.n_heads * d_head, bias=cfg.qkv_bias)
             self.hook_q_gate = HookPoint()  # [batch pos head d_head]: the gate's logits, before the sigmoid
         self.rotary = make_rotary(cfg, layer)
         self.alibi = make_alibi(cfg, self.n_heads)  # ALiBi's distance penalty on the scores; None otherwise
@@ -134,6 +141,7 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         if not self.norm_after_rope:
             q, k = self.hook_q_normed(self.q_norm(q)), self.hook_k_normed(self.k_norm(k))
+        v = self.hook_v_normed(self.v_norm(v))
         if self.clip is not None:  # after the norms, before rotary (transformers' and TL's place; TL hooks nothing here)
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         if self.rotary is not None:
@@ -144,6 +152,12 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         if past is not None:
             # (the keys' positions are kept only where ALiBi reads them)
             k, v, key_positions = past.append(k, v, None if self.alibi is None else positions)
+        return self.attend(x, q, k, v, positions, key_positions, allowed)
+
+    def attend(self, x, q, k, v, positions, key_positions, allowed) -> torch.Tensor:
+        """The layer's write [batch pos d_model] from its rotated queries [batch pos head d_head] and every key and
+        value it sees [batch key_pos kv_head d_head] (at `key_positions`, which ALiBi reads); `x` is the layer's
+        input, which an output gate reads."""
         k, v = per_head(k, self.n_heads), per_head(v, self.n_heads)
         bias = None if self.alibi is None else self.alibi(positions, key_positions, q.shape[1], k.shape[1]).to(q.dtype)
         if not self.fusable or observed(self.hook_attn_scores) or observed(self.hook_pattern):
@@ -171,12 +185,13 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         (three while one of their own inputs is hooked), or from each head's own input (keys' and values' inputs
         may be one per query head: then so are k and v)."""
         if isinstance(x, torch.Tensor):
-            if observed(self.q.hook_in) or observed(self.k.hook_in) or observed(self.v.hook_in):
+            inputs = self.projection_inputs()
+            if any(observed(part.hook_in) for part in inputs):
                 # each projection reads its own input, q's first, as on the bridge: an edit in place at one input
                 # reaches the projections after it, not those before
                 biases = (None,) * 3 if self.qkv.bias is None else self.qkv.bias.split(self.qkv_sizes)
                 qkv = torch.cat([F.linear(part.hook_in(x), weight, bias) for part, weight, bias
-                                 in zip((self.q, self.k, self.v), self.qkv.weight.split(self.qkv_sizes), biases)], dim=-1)
+                                 in zip(inputs, self.qkv.weight.split(self.qkv_sizes), biases)], dim=-1)
             else:
                 qkv = self.qkv(x)
             n_q, n_kv = self.qkv_sizes[:2]
@@ -190,6 +205,10 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
             einsum(inp, per_head(w, inp.shape[2], dim=0), "batch pos head d_model, head d_model d_head -> batch pos head d_head")
             + (0.0 if b is None else per_head(b, inp.shape[2], dim=0))
             for inp, w, b in zip(x, (self.W_Q, self.W_K, self.W_V), biases))
+
+    def projection_inputs(self) -> tuple[ProjectionInput, ...]:
+        """The input points of the projections this layer has, q's first (fewer in probe.shared_attention's)."""
+        return tuple(getattr(self, name) for name, own in zip("qkv", (True, *self.projects)) if own)
 
     def _gate_logits(self, x: Union[torch.Tensor, PerHeadInputs]) -> torch.Tensor:
         """[batch pos head d_head], from the queries' input (each head's own, where heads have their own inputs)."""

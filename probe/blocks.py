@@ -9,12 +9,14 @@ import torch
 from einops import repeat
 from torch import nn
 
-from probe.attention import Attention, PerHeadInputs
-from probe.config import DecoderConfig, Norm, NormPlacement
+from probe.attention import PerHeadInputs
+from probe.shared_attention import attention_class
+from probe.config import DecoderConfig, Norm
 from probe.hooks import HookPoint, observed
-from probe.latent_attention import LatentAttention
+from probe.sparse_indexer import make_latent_attention
 from probe.linear_attention import GatedDeltaNet
 from probe.selective_scan import MambaMixer
+from probe.short_conv import ShortConvMixer
 from probe.state_space import Mamba2Mixer
 from probe.moe import make_mlp
 from probe.norm import make_norm
@@ -27,7 +29,7 @@ class PreNormBlock(nn.Module):
         super().__init__()
         self.ln1 = make_norm(cfg, foldable=True, ends=True)
         # multi-head latent attention where the config has it (DeepSeek), the same hook points but for its latents'
-        self.attn = (Attention if cfg.latent_attention is None else LatentAttention)(cfg, layer)
+        self.attn = attention_class(cfg, layer)(cfg, layer) if cfg.latent_attention is None else make_latent_attention(cfg, layer)
         self.ln2 = make_norm(cfg, foldable=True, ends=True)
         self.mlp = make_mlp(cfg, layer)
         self.hook_resid_pre = HookPoint()  # [batch pos d_model]
@@ -53,14 +55,14 @@ class PreNormBlock(nn.Module):
         mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_mid))))
         return self.hook_resid_post(resid_mid + mlp_out)
 
-    def attention_input(self, resid: torch.Tensor, norm: nn.Module):
-        """norm(resid) [batch pos d_model], what attention reads. While a per-head input point is hooked, each head
-        reads its own copy instead, normed separately: PerHeadInputs of [batch pos head d_model] queries' and
-        [batch pos kv_head d_model] keys' and values' inputs (one per query head once ungrouped), so an edit reaches one
-        head's q, k or v alone."""
+    def attention_input(self, resid: torch.Tensor, norm: nn.Module, normed=None):
+        """norm(resid) [batch pos d_model] (`normed`, where the block has it already), what attention reads. While a
+        per-head input point is hooked, each head reads its own copy instead, normed separately: PerHeadInputs of
+        [batch pos head d_model] queries' and [batch pos kv_head d_model] keys' and values' inputs (one per query head
+        once ungrouped), so an edit reaches one head's q, k or v alone."""
         points = (self.hook_attn_in, self.hook_q_input, self.hook_k_input, self.hook_v_input)
         if not any(observed(point) for point in points):
-            return norm(resid)
+            return norm(resid) if normed is None else normed
         n_heads, kv_heads = self.attn.n_heads, self.attn.hooked_kv_heads  # one per query head once ungrouped
         # repeat may return a broadcast view of resid: real copies, so an in-place edit stays in its head
         per_head = partial(repeat, resid, "batch pos d_model -> batch pos head d_model")
@@ -158,6 +160,7 @@ class LinearAttentionBlock(nn.Module):
     mask [batch pos] here (True: a real token), as the model hands it to these blocks."""
 
     mixer_name = "linear_attn"  # the mixer's attribute: its hook points' names, blocks.L.<mixer_name>.hook_*
+    kind = "linear-attention (Gated DeltaNet)"  # what the layer is, in messages
 
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
@@ -178,8 +181,7 @@ class LinearAttentionBlock(nn.Module):
 
     def __getattr__(self, name: str):
         if name in ATTENTION_PARTS:  # what code written for attention blocks reaches for: say why it is not here
-            kind = "linear-attention (Gated DeltaNet)" if self.mixer_name == "linear_attn" else "state-space"
-            raise AttributeError(f"this block is a {kind} layer: it has no attention heads, so no {name}; its mixer is "
+            raise AttributeError(f"this block is a {self.kind} layer: it has no attention heads, so no {name}; its mixer is "
                                  f"{self.mixer_name} (hook points blocks.L.{self.mixer_name}.hook_*)")
         return super().__getattr__(name)
 
@@ -196,6 +198,7 @@ class StateSpaceBlock(LinearAttentionBlock):
     y = h + mlp(ln2(h)), the mixer under the bridge's name, `mixer`."""
 
     mixer_name = "mixer"
+    kind = "state-space"
 
     @staticmethod
     def make_mixer(cfg: DecoderConfig) -> nn.Module:
@@ -219,14 +222,76 @@ class StateSpaceOnlyBlock(StateSpaceBlock):
         return self.hook_resid_post(resid_pre + self.hook_attn_out(self.mixer(self.ln1(resid_pre), allowed, past)))
 
 
+class ShortConvBlock(LinearAttentionBlock):
+    """A pre-norm block whose token mixer is LFM2's gated short convolution: h = x + conv(ln1(x)); y = h + mlp(ln2(h)),
+    the mixer under transformers' and the bridge's name, `conv`."""
+
+    mixer_name = "conv"
+    kind = "short-convolution (LFM2)"
+
+    @staticmethod
+    def make_mixer(cfg: DecoderConfig) -> nn.Module:
+        return ShortConvMixer(cfg)
+
+
+class MLPOnlyBlock(nn.Module):
+    """A layer of an MLP (or experts) alone (NemotronH's "-" and "E" layers): y = x + mlp(ln2(x)). Its norm is ln2 and
+    its write hook_mlp_out, as every block's MLP's are, so a residual decomposition names it `L{l} mlp`; it has no
+    attention, ln1 or hook_attn_out."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        super().__init__()
+        self.ln2 = make_norm(cfg, foldable=True, ends=True)
+        self.mlp = make_mlp(cfg, layer)
+        self.hook_resid_pre = HookPoint()  # [batch pos d_model]
+        self.hook_mlp_in = HookPoint(opt_in=True, copies=True)  # [batch pos d_model], as PreNormBlock's
+        self.hook_mlp_out = HookPoint()  # [batch pos d_model]
+        self.hook_resid_post = HookPoint()  # [batch pos d_model]
+
+    def __getattr__(self, name: str):
+        if name in ATTENTION_PARTS:  # what code written for attention blocks reaches for: say why it is not here
+            raise AttributeError(f"this block is an MLP-only layer: it has no attention heads, so no {name}; its one "
+                                 "sublayer is mlp (hook points blocks.L.mlp.hook_*, blocks.L.hook_mlp_out)")
+        return super().__getattr__(name)
+
+    def forward(self, resid_pre, positions=None, allowed=None, past=None, qk_pos=None):
+        resid_pre = self.hook_resid_pre(resid_pre)
+        return self.hook_resid_post(resid_pre + self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_pre)))))
+
+
+class ParallelHybridBlock(PreNormBlock):
+    """Attention and a Mamba-2 mixer side by side on one norm's output, their writes summed (Falcon-H1's parallel
+    hybrid): h = x + attn(ln1(x)) + mamba(ln1(x)); y = h + mlp(ln2(h)).
+
+    hook_attn_out is attention's write and hook_mixer_out the mixer's (`mamba`, transformers' and TL 4's bridge's
+    name), so the residual stream decomposes into heads, the mixer and the MLP. `allowed` is the pair (attention's
+    mask of the keys each query sees, the new positions' padding mask [batch pos]) that mask_keys asks for."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
+        super().__init__(cfg, layer)
+        self.mamba = Mamba2Mixer(cfg, cfg.parallel_state_space)
+        self.hook_mixer_out = HookPoint()  # [batch pos d_model]: the mixer's write
+
+    def forward(self, resid_pre, positions=None, allowed=(None, None), past=None, qk_pos=None):
+        keys, real = allowed
+        resid_pre = self.hook_resid_pre(resid_pre)
+        normed = self.ln1(resid_pre)  # (per-head input points, when hooked, give attention copies of their own)
+        mixer_out = self.hook_mixer_out(self.mamba(normed, real, past))
+        attn_in = self.attention_input(resid_pre, self.ln1, normed)
+        attn_out = self.hook_attn_out(self.attn(attn_in, positions, keys, past, qk_pos))
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out + mixer_out)
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.hook_mlp_in(resid_mid))))
+        return self.hook_resid_post(resid_mid + mlp_out)
+
+
 # a PreNormBlock's attention and per-head input points, which a linear-attention block has none of
 ATTENTION_PARTS = ("attn", "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "split_qkv_input",
                    "attention_input")
 
 
 def attention_blocks(blocks) -> list[nn.Module]:
-    """The blocks among `blocks` that have attention heads: all but a hybrid model's linear-attention ones."""
-    return [block for block in blocks if not isinstance(block, LinearAttentionBlock)]
+    """The blocks among `blocks` that have attention heads: all but a hybrid model's linear-attention and MLP-only ones."""
+    return [block for block in blocks if not isinstance(block, (LinearAttentionBlock, MLPOnlyBlock))]
 
 
 PADDING = "padding"  # the key of the new positions' padding mask among a forward's masks
@@ -234,19 +299,14 @@ PADDING = "padding"  # the key of the new positions' padding mask among a forwar
 
 def mask_keys(cfg: DecoderConfig) -> list:
     """Which of a forward's masks each block is handed as `allowed`: its window's mask of the keys each query sees,
-    or (a linear-attention block) the padding mask."""
-    return [PADDING if cfg.layer_is_linear(layer) else cfg.layer_window(layer) for layer in range(cfg.n_layers)]
+    or (a linear-attention block) the padding mask, or (a parallel hybrid block) both, a pair of keys."""
+    return [PADDING if cfg.layer_is_linear(layer) else (cfg.layer_window(layer), PADDING)
+            if cfg.layer_has_parallel_mixer(layer) else cfg.layer_window(layer) for layer in range(cfg.n_layers)]
 
 
-def make_block(cfg: DecoderConfig, layer: int) -> nn.Module:
-    """`layer`'s block: the config's arrangement of the norms, or a linear-attention block where the config says."""
-    if cfg.layer_is_state_space(layer):
-        return (StateSpaceOnlyBlock if cfg.attn_only else StateSpaceBlock)(cfg, layer)
-    if cfg.layer_is_linear(layer):
-        return LinearAttentionBlock(cfg, layer)
-    return (AttnOnlyBlock if cfg.attn_only else BLOCKS[cfg.norm_placement])(cfg, layer)  # (attn_only is pre-norm only)
+def masks_for(masks: dict, key):
+    """The mask (or, for a pair of keys, the pair of masks) mask_keys names for a block, from a forward's `masks`."""
+    return tuple(masks[k] for k in key) if isinstance(key, tuple) else masks[key]
 
 
-BLOCKS = {NormPlacement.PRE: PreNormBlock, NormPlacement.POST: PostNormBlock, NormPlacement.PARALLEL: ParallelBlock,
-          NormPlacement.SANDWICH: SandwichBlock}
 Block = PreNormBlock

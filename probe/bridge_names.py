@@ -17,6 +17,9 @@ from torch import nn
 
 from probe.config import DecoderConfig, NormPlacement, Positions
 from probe.hooks import PointUnderName
+from probe.delegated_attention_names import delegated_attention_names
+from probe.parallel_hybrid_names import add_parallel_hybrid_names
+from probe.short_conv_names import short_conv_names
 
 _ROTARY = ("the rotary angles depend on the positions alone, and probe does not hook them; the rotated queries and "
            "keys are blocks.{l}.attn.hook_rot_q / hook_rot_k")
@@ -39,8 +42,16 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
             left_out.update(_unscaled_outputs(f"blocks.{layer}"))
         if cfg.original_architecture == "GraniteMoeHybridForCausalLM":
             aliases.update(_granite_hybrid_mlp_names(f"blocks.{layer}", left_out))
-        mixer = "mixer" if cfg.layer_is_state_space(layer) else "linear_attn" if cfg.layer_is_linear(layer) else None
-        block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}", mixer, cfg.layer_sparse(layer))
+        if cfg.layer_has_parallel_mixer(layer):  # Falcon-H1's: the mixer beside attention, multipliers folded
+            add_parallel_hybrid_names(cfg, f"blocks.{layer}", aliases, left_out)
+        mixer = ("mixer" if cfg.layer_is_state_space(layer) else "conv" if cfg.layer_is_short_conv(layer) else
+                 "linear_attn" if cfg.layer_is_linear(layer) else None)
+        block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}", mixer,
+                                                   # (Gemma 4's experts are beside its MLP: delegated_attention_names)
+                                                   cfg.layer_sparse(layer) and not cfg.layer_scalars) if \
+            cfg.sublayers is None else _one_sublayer_names(f"blocks.{layer}", cfg.sublayers[layer])
+        if cfg.layer_scalars or cfg.original_architecture == "AfmoeForCausalLM":  # the bridge's delegated attention
+            delegated_attention_names(cfg, layer, block_aliases, block_left_out)
         aliases.update({k: v for k, v in block_aliases.items() if k not in left_out})
         left_out.update({name: why.replace("{l}", str(layer)) for name, why in block_left_out.items()})
     return aliases, left_out
@@ -118,6 +129,24 @@ def _state_space_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
     return aliases, left_out
 
 
+def _one_sublayer_names(b: str, kind: str) -> tuple[dict[str, str], dict[str, str]]:
+    """A one-sublayer block's names (NemotronH's, the bridge's SSMBlockBridge): its norm `norm` (ln1; ln2 before an MLP)
+    and its sublayer `mixer` whatever `kind` it is (passed through), with a Mamba-2 mixer's points inside."""
+    if kind == "mixer":
+        aliases, left_out = _state_space_names(b)
+        aliases.update({f"{b}.mixer.out_proj.hook_in": f"{b}.mixer.hook_inner_norm",
+                        f"{b}.mixer.out_proj.hook_out": f"{b}.hook_attn_out"})
+    else:  # (the bridge lists a state on every layer; it fires on the Mamba-2 ones alone)
+        why = f"this layer's one sublayer is {'attention' if kind == 'attn' else 'an MLP (or experts)'}: it keeps no state"
+        aliases, left_out = {}, dict.fromkeys((f"{b}.mixer.hook_ssm_state", f"{b}.mixer.hook_ssm_write"), why)
+    norm, write = ("ln2", "hook_mlp_out") if kind == "mlp" else ("ln1", "hook_attn_out")
+    aliases.update({f"{b}.hook_in": f"{b}.hook_resid_pre", f"{b}.hook_out": f"{b}.hook_resid_post",
+                    **{f"{b}.norm.{p}": f"{b}.{norm}.{p}" for p in ("hook_in", "hook_scale", "hook_normalized", "hook_out")},
+                    **dict.fromkeys((f"{b}.mixer.hook_in", f"{b}.hook_mixer_in"), f"{b}.{norm}.hook_out"),
+                    **dict.fromkeys((f"{b}.mixer.hook_out", f"{b}.hook_mixer_out", f"{b}.mixer.hook_ssm_out"), f"{b}.{write}")})
+    return aliases, left_out
+
+
 def _selective_scan_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
     """A state-space block's names for its Mamba-1 mixer (the bridge's SSMMixerBridge under `mixer`, its aliases
     too)."""
@@ -148,7 +177,7 @@ def _block_names(cfg: DecoderConfig, b: str, mixer: Optional[str] = None,
                  sparse: bool = False) -> tuple[dict[str, str], dict[str, str]]:
     """One block's names: its token mixer's (attention, or the recurrent layer `mixer` names: "linear_attn" or
     "mixer"), then its MLP's (a mixture of experts where `sparse`)."""
-    recurrent = {"linear_attn": _linear_attention_names, "mixer": _state_space_names}
+    recurrent = {"linear_attn": _linear_attention_names, "mixer": _state_space_names, "conv": short_conv_names}
     if mixer == "mixer" and cfg.state_space.kind == "mamba1":
         recurrent["mixer"] = _selective_scan_names
     aliases, left_out = recurrent[mixer](b) if mixer else _attention_names(cfg, b)
@@ -255,7 +284,9 @@ def _mlp_names(cfg: DecoderConfig, b: str, aliases: dict[str, str], left_out: di
                 "hook_in", "hook_out", "hook_pre", "hook_pre_linear", "hook_post", "gate.hook_in", "gate.hook_out",
                 "in.hook_in", "in.hook_out", "out.hook_in", "out.hook_out")})
         return aliases, left_out
-    gate, up, down = ("dense_gate", "dense_in", "dense_out") if cfg.experts is not None else ("gate", "in", "out")
+    # (Gemma 4's experts are beside its MLP, which keeps its own names)
+    dense_among_sparse = cfg.experts is not None and not cfg.layer_scalars
+    gate, up, down = ("dense_gate", "dense_in", "dense_out") if dense_among_sparse else ("gate", "in", "out")
     # (in the order the bridge's cache lists them)
     aliases.update({f"{b}.mlp.{down}.hook_out": mlp_out, f"{b}.mlp.hook_out": mlp_module_out,
                     f"{b}.mlp.{down}.hook_in": f"{b}.mlp.hook_post"})

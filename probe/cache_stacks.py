@@ -80,17 +80,7 @@ class StackMethods:
                                    f"names= caches it, or include it in names=/names_filter=") from None
 
     def _require_sum_of_writes(self, method: str, per_component: bool = False) -> None:
-        placement = self._config.norm_placement
-        if placement is NormPlacement.POST:
-            raise ValueError(f"{method}: this model normalises after each sublayer (post-norm), so its residual stream "
-                             f"is not a sum of the sublayers' writes and does not decompose")
-        if per_component and placement is NormPlacement.SANDWICH:
-            raise ValueError(f"{method}: in a sandwich block (Gemma 2) each head's and neuron's write passes through "
-                             f"ln1_post / ln2_post before the residual receives it, so per-head and per-neuron writes "
-                             f"are not residual contributions and would not add up (transformer-lens's bridge returns "
-                             f"them anyway); decompose_resid gives the normalised attn_out / mlp_out, "
-                             f"probe.analyses.residual_decomposition splits the heads through ln1_post's cached scale, and "
-                             f"cache.stack_activation('result') stacks the pre-norm head writes")
+        rs.require_sum_of_writes(self._config, method, per_component)
 
     def _refuse_without_neurons(self, method: str) -> None:
         if self._config.attn_only or self._config.experts is not None:
@@ -185,7 +175,7 @@ class StackMethods:
             self._refuse_parallel("decompose_resid", "mlp_input=True")
         layer = self._mlp_layer(layer, mlp_input, "decompose_resid")
         embeds = self._residual_embeds() if incl_embeds else []
-        sites = rs.decomposition_sites(layer, mode, mlp_input, embeds, with_mlps=not self._config.attn_only)
+        sites = rs.decomposition_sites(layer, mode, mlp_input, embeds, not self._config.attn_only, rs.mixers_beside(self._config))
         pos = rs.to_index(pos_slice)
         stack = torch.stack([rs.take(self._need(name, "decompose_resid"), pos, -2) for _, name in sites])
         if apply_ln:
@@ -224,13 +214,15 @@ class StackMethods:
         hook_z and the model's W_O, where the cache lacks it: the one way a probe cache changes after it is made."""
         for layer in range(self._config.n_layers):
             name = act_name("result", layer)
-            if name not in self._acts and not self._config.layer_is_linear(layer):
+            if name not in self._acts and self._config.layer_has_attention(layer):
                 self._acts[name] = self._head_results(layer, "compute_head_results")
 
     def _head_results(self, layer: int, method: str) -> torch.Tensor:
-        if self._config.layer_is_linear(layer):
-            raise ValueError(f"{method}: layer {layer} is a linear-attention layer, with no attention heads to stack; "
-                             f"decompose_resid gives its write whole (blocks.{layer}.hook_attn_out)")
+        if not self._config.layer_has_attention(layer):
+            kind, write = ("a linear-attention", "hook_attn_out") if self._config.layer_has_mixer(layer) else (
+                "an MLP-only", "hook_mlp_out")  # (NemotronH's)
+            raise ValueError(f"{method}: layer {layer} is {kind} layer, with no attention heads to stack; "
+                             f"decompose_resid gives its write whole (blocks.{layer}.{write})")
         name = act_name("result", layer)
         if name in self._acts:
             return self._acts[name]
@@ -332,7 +324,7 @@ class StackMethods:
         """The residual entering `layer` (its MLP with `mlp_input`) as every head's write, every neuron's (each
         MLP's output without `expand_neurons`), embed, pos_embed and the accumulated biases ("bias"), stacked
         [component ... d_model] in that order; the components add up to that residual stream."""
-        self._require_sum_of_writes("get_full_resid_decomposition", per_component=True)
+        self._require_sum_of_writes(rs.refuse_beside_heads(self._config, "get_full_resid_decomposition"), True)
         if mlp_input:
             self._refuse_parallel("get_full_resid_decomposition", "mlp_input=True")
         layer = self._mlp_layer(layer, mlp_input, "get_full_resid_decomposition")

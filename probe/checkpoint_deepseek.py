@@ -39,6 +39,9 @@ FORMATS = {
                                                            qk_nope_head_dim=192, v_head_dim=256, rms_norm_eps=1e-5)),
     "youtu": ("YoutuForCausalLM", False, dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
                                              qk_nope_head_dim=128, v_head_dim=128, tie_word_embeddings=True)),
+    # (its indexer: probe.checkpoint_glm_dsa)
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", False, dict(q_lora_rank=2048, kv_lora_rank=512, qk_rope_head_dim=64,
+                                                       qk_nope_head_dim=192, v_head_dim=256, rms_norm_eps=1e-5)),
 }
 
 
@@ -75,8 +78,9 @@ def sparse_layers(hf: dict, model_type: str) -> tuple[bool, ...]:
     n = hf["num_hidden_layers"]
     if model_type == "youtu":
         return (False,) * n
-    if model_type == "glm4_moe_lite":
-        kinds = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    if model_type in ("glm4_moe_lite", "glm_moe_dsa"):  # (GLM-5's: first_k_dense_replace dense layers by default)
+        first = 1 if model_type == "glm4_moe_lite" else min(hf.get("first_k_dense_replace", 3), n)
+        kinds = hf.get("mlp_layer_types") or ["dense"] * first + ["sparse"] * (n - first)
         if len(kinds) != n or set(kinds) - {"dense", "sparse"}:
             raise CheckpointError(f"mlp_layer_types={kinds!r} must say 'dense' or 'sparse' for each of the {n} layers")
         return tuple(kind == "sparse" for kind in kinds)
@@ -99,9 +103,12 @@ def latent_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[To
     def config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
         architecture, in_place, _ = FORMATS[model_type]
         latent = cfg.latent_attention
-        if latent is None or (in_place and latent.deinterleaved):
+        sparse = model_type == "glm_moe_dsa"  # (GLM-5's indexer: probe.checkpoint_glm_dsa)
+        if latent is None or (in_place and latent.deinterleaved) or (latent.indexer is None) == sparse:
             raise ValueError(f"a {model_type} checkpoint holds multi-head latent attention"
-                             + (" with its rotary pairs in place" if in_place else "") + f"; this model has "
+                             + (" with its rotary pairs in place" if in_place else "")
+                             + (" and a sparse indexer" if sparse else " without a sparse indexer")
+                             + f"; this model has "
                              f"latent_attention={latent!r}")
         if cfg.experts is not None and model_type == "youtu":
             raise ValueError(f"a youtu checkpoint has no experts; this model has experts={cfg.experts!r}")
@@ -121,8 +128,10 @@ def latent_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[To
                "q_lora_rank": latent.q_rank, "kv_lora_rank": latent.kv_rank, "qk_nope_head_dim": latent.d_nope,
                "qk_rope_head_dim": latent.d_rope, "v_head_dim": cfg.d_head, **rope_to_hf(cfg),
                **special_token_ids(tokenizer)}
-        if latent.mscale != 1.0:
-            out["rope_parameters"]["mscale_all_dim"] = _mscale_weight(latent.mscale, cfg.rotary_scaling.factor)
+        if latent.mscale != 1.0:  # (the legacy rope_scaling too: transformers reads it first where both are given)
+            for key in ("rope_parameters", "rope_scaling"):
+                if out.get(key):
+                    out[key]["mscale_all_dim"] = _mscale_weight(latent.mscale, cfg.rotary_scaling.factor)
         if not in_place:
             out["rope_interleave"] = latent.deinterleaved
         if in_place:
@@ -130,7 +139,7 @@ def latent_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[To
         if model_type == "youtu":
             return out
         out.update(deepseek_experts_to_hf(cfg, model_type) if cfg.experts is not None else {"first_k_dense_replace": n})
-        if model_type == "glm4_moe_lite":  # its layers' kinds by name (first_k_dense_replace is not read)
+        if model_type in ("glm4_moe_lite", "glm_moe_dsa"):  # its layers' kinds by name
             del out["first_k_dense_replace"]
             out["mlp_layer_types"] = ["sparse" if cfg.layer_sparse(l) else "dense" for l in range(n)]
         return out
@@ -194,7 +203,8 @@ def latent_family(model_type: str) -> tuple[Callable, Callable]:
         out["unembed.weight"] = take_unembed(source, cfg, out["embed.W_E"])
         # (V3's config class counts one prediction layer where the file names none; GLM-4.7-Flash's names none and
         # transformers sets its one aside)
-        drop_prediction_layers(source, cfg, default=int(model_type in ("deepseek_v3", "glm4_moe_lite")))
+        drop_prediction_layers(source, cfg, default=int(model_type in ("deepseek_v3", "glm4_moe_lite",
+                                                                         "glm_moe_dsa")))
         return out
 
     def to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:

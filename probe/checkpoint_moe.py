@@ -38,7 +38,9 @@ LAYOUTS = {**{model_type: ("block_sparse_moe", ("w1", "w3", "w2"), None) for mod
                ("olmoe", None), ("flex_olmo", None), ("qwen3_moe", None), ("qwen2_moe", "shared_expert"),
                ("qwen3_5_moe", "shared_expert"),  # (Qwen3.5-MoE's and Qwen3-Next's)
                ("glm4_moe", "shared_experts"), ("deepseek_v2", "shared_experts"), ("deepseek_v3", "shared_experts"),
-               ("glm4_moe_lite", "shared_experts"), ("ernie4_5_moe", "shared_experts"))}}
+               ("glm4_moe_lite", "shared_experts"), ("glm_moe_dsa", "shared_experts"),
+               ("ernie4_5_moe", "shared_experts"), ("afmoe", "shared_experts"))},
+           "lfm2_moe": ("feed_forward", ("w1", "w3", "w2"), None)}
 PROJECTIONS = ("W_gate", "W_in", "W_out")  # probe's (transformer-lens's) names for the same three
 SHARED = ("gate", "fc_in", "fc_out")  # the shared expert's, a gated MLP's (probe.mlp.GatedMLP)
 
@@ -124,6 +126,10 @@ DEEPSEEK_DEFAULTS = {
     "glm4_moe_lite": dict(n_routed_experts=64, num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=1536,
                           routed_scaling_factor=1.8, n_group=1, topk_group=1, norm_topk_prob=True,
                           first_k_dense_replace=1),
+    # GLM-5 (GLM-MoE-DSA): V3's routing again, three dense layers first unless mlp_layer_types says otherwise
+    "glm_moe_dsa": dict(n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+                        routed_scaling_factor=2.5, n_group=1, topk_group=1, norm_topk_prob=True,
+                        first_k_dense_replace=3),
 }
 
 

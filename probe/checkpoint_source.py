@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from probe.config import Activation, DecoderConfig, RotaryScaling
+from probe.config import Activation, DecoderConfig
 from probe.config_file import CheckpointError, ConfigFields
 from probe.safetensors_file import SafetensorsError, StoredTensor
+from probe import checkpoint_rope
 
 
 class Source:
@@ -265,102 +265,15 @@ PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, l
               rotary_adjacent_pairs=False, sliding_rotary_base=None, qk_norm_over_heads=False, input_norms=True,
                     embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None, attn_sinks=False,
                     attn_output_gate=False, linear_attention=None, qk_norm_after_rope=False, latent_attention=None, state_space=None,
+                    parallel_state_space=None,
+                    short_conv=None, sublayers=None, global_layers=None, shared_kv=None, per_layer_inputs=None,
+                    value_norm=False, layer_scalars=False,
                     # an activation with parameters of its own (xIELU): only Apertus's format holds them
                     activation=frozenset(a for a in Activation if not a.learned))
 
-# ---- rotary settings, shared by the rotary families ---------------------------------------------------
-def rope_from_hf(hf: dict) -> tuple[dict, Optional[RotaryScaling]]:
-    """config.json's rope dict (transformers 5: rope_parameters; older files: rope_scaling, with rope_theta beside
-    it) and the frequency rescaling it asks for."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return rope, None
-    if kind == "linear":
-        return rope, RotaryScaling("linear", float(rope["factor"]))
-    if kind == "llama3":
-        return rope, RotaryScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
-                                   float(rope["high_freq_factor"]),
-                                   int(rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]))
-    if kind == "yarn":
-        return rope, _yarn_from_hf(rope, hf)
-    raise CheckpointError(f"rope scaling {kind!r} is not supported; supported: default (none), linear, llama3, yarn")
-
-
-def _yarn_from_hf(rope: dict, hf: dict) -> RotaryScaling:
-    """transformers' reading of a YaRN rope dict: a missing factor is max_position_embeddings over the pretraining
-    context (DeepSeek's), a missing attention_factor 0.1 ln(factor) + 1 (or the mscale / mscale_all_dim ratio)."""
-    original = int(rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
-                   or hf["max_position_embeddings"])
-    factor = float(rope.get("factor") or hf["max_position_embeddings"] / original)
-
-    def mscale(weight: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
-
-    attention = rope.get("attention_factor")
-    if attention is None:
-        weights = (rope.get("mscale"), rope.get("mscale_all_dim"))
-        attention = mscale(weights[0]) / mscale(weights[1]) if all(weights) else mscale(1.0)
-    return RotaryScaling("yarn", factor, original_n_ctx=original, beta_fast=float(rope.get("beta_fast") or 32),
-                         beta_slow=float(rope.get("beta_slow") or 1), attention_factor=float(attention),
-                         truncate=bool(rope.get("truncate", True)))
-
-
-# ---- models whose layers are of two kinds: sliding (windowed) and full attention, each with its own rope -------------
-LAYER_KINDS = ("sliding_attention", "full_attention")
-
-
-def layer_kinds(hf: dict, pattern: int) -> list[str]:
-    """Each layer's kind: config.json's layer_types, else every `pattern`-th layer a full one (older files)."""
-    n_layers = hf["num_hidden_layers"]
-    kinds = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                      for i in range(n_layers)]
-    unknown = sorted(set(kinds) - set(LAYER_KINDS))
-    if unknown or len(kinds) != n_layers:
-        raise CheckpointError(f"layer_types must give each of the num_hidden_layers={n_layers} layers one of "
-                              f"{', '.join(LAYER_KINDS)}; got {len(kinds)} entries{f', naming {unknown}' if unknown else ''}")
-    return kinds
-
-
-def layer_types_to_hf(cfg: DecoderConfig) -> list[str]:
-    """config.json's layer_types: each layer's kind, by whether it is windowed."""
-    return [LAYER_KINDS[0] if cfg.layer_window(l) is not None else LAYER_KINDS[1] for l in range(cfg.n_layers)]
-
-
-def rope_by_layer_kind(hf: dict, full_theta: float, sliding_theta: float) -> tuple[dict, dict, Optional[RotaryScaling]]:
-    """(the full layers' rope settings, the sliding layers', the full layers' rescaling), from transformers 5's
-    per-kind rope_parameters, or an older file's rope_theta and rope_scaling, which are the full layers' (the
-    sliding ones then rotate by `sliding_theta`). The sliding layers rotate unscaled (sliding_rotary_base)."""
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full, sliding = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
-    else:
-        full, sliding = {"rope_theta": hf.get("rope_theta", full_theta), **(hf.get("rope_scaling") or {})}, {}
-    full.setdefault("rope_theta", full_theta)
-    sliding.setdefault("rope_theta", sliding_theta)
-    _, scaling = rope_from_hf({"rope_parameters": full, "max_position_embeddings": hf["max_position_embeddings"]})
-    if rope_from_hf({"rope_parameters": sliding, "max_position_embeddings": hf["max_position_embeddings"]})[1] is not None:
-        raise CheckpointError("a rescaled rope on the sliding layers is not supported (only full layers are rescaled)")
-    return full, sliding, scaling
-
-
-def rope_to_hf(cfg: DecoderConfig, **extra) -> dict:
-    """rope_parameters (transformers 5) and, for older versions, rope_theta and rope_scaling beside it."""
-    params: dict = {"rope_type": "default", "rope_theta": cfg.rotary_base, **extra}
-    scaling = cfg.rotary_scaling
-    if scaling is not None:
-        params.update(rope_type=scaling.kind, factor=scaling.factor)
-        if scaling.kind == "llama3":
-            params.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
-                          original_max_position_embeddings=scaling.original_n_ctx)
-        if scaling.kind == "yarn":
-            params.update(original_max_position_embeddings=scaling.original_n_ctx, beta_fast=scaling.beta_fast,
-                          beta_slow=scaling.beta_slow, attention_factor=scaling.attention_factor,
-                          truncate=scaling.truncate)
-    out = {"rope_theta": cfg.rotary_base, "rope_parameters": params}
-    if scaling is not None:
-        out["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", *extra)}
-    return out
+# rotary settings and layer kinds live in probe.checkpoint_rope; the families read them from here too
+LAYER_KINDS, layer_kinds, layer_types_to_hf = checkpoint_rope.LAYER_KINDS, checkpoint_rope.layer_kinds, checkpoint_rope.layer_types_to_hf
+rope_by_layer_kind, rope_from_hf, rope_to_hf = checkpoint_rope.rope_by_layer_kind, checkpoint_rope.rope_from_hf, checkpoint_rope.rope_to_hf
 
 
 # ---- multimodal checkpoints, read for their language model ---------------------------------------------------

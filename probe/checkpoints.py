@@ -6,8 +6,9 @@ OLMoE, FlexOlmo, Qwen2/3-MoE, GLM-4.5), checkpoint_minimax.py (MiniMax-M2), chec
 checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
-checkpoint_gemma3.py (Gemma 3), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba), checkpoint_mamba1.py (Mamba, FalconMamba),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention); checkpoint_source.py holds what they share and loading.py does the file handling for
+checkpoint_gemma3.py (Gemma 3), checkpoint_gemma4.py (Gemma 4), checkpoint_afmoe.py (AFMoE), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba), checkpoint_falcon_h1.py (Falcon-H1), checkpoint_nemotron_h.py (Nemotron-H), checkpoint_mamba1.py (Mamba, FalconMamba),
+checkpoint_lfm2.py (LFM2, LFM2-MoE: short convolutions),
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention), checkpoint_glm_dsa.py (GLM-5: latent attention with a sparse indexer); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -17,19 +18,25 @@ from typing import Callable, Optional
 
 import torch
 
+from probe.checkpoint_afmoe import afmoe_config, afmoe_config_to_hf, afmoe_to_hf, afmoe_to_probe
 from probe.checkpoint_apertus import apertus_config, apertus_config_to_hf, apertus_to_hf, apertus_to_probe
 from probe.checkpoint_bigcode import bigcode_config, bigcode_config_to_hf, bigcode_to_hf, bigcode_to_probe
 from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf, bloom_to_probe
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
 from probe.checkpoint_deepseek import latent_config, latent_config_to_hf, latent_family
+from probe.checkpoint_glm_dsa import glm_dsa_config, glm_dsa_config_to_hf, glm_dsa_to_hf, glm_dsa_to_probe
 from probe.checkpoint_cohere import cohere2_config, cohere_config, cohere_config_to_hf, cohere_to_hf, cohere_to_probe
 from probe.checkpoint_ernie_moe import (ernie4_5_moe_config, ernie4_5_moe_config_to_hf, ernie4_5_moe_to_hf,
                                         ernie4_5_moe_to_probe)
 from probe.checkpoint_exaone import (exaone4_config, exaone4_config_to_hf, exaone_config, exaone_config_to_hf,
                                      exaone_to_hf, exaone_to_probe)
 from probe.checkpoint_falcon import falcon_config, falcon_config_to_hf, falcon_to_hf, falcon_to_probe
+from probe.checkpoint_falcon_h1 import falcon_h1_config, falcon_h1_config_to_hf, falcon_h1_to_hf, falcon_h1_to_probe
 from probe.checkpoint_gemma3 import gemma3_config, gemma3_config_to_hf, gemma3_multimodal
+from probe.checkpoint_gemma4 import (gemma4_config, gemma4_config_to_hf, gemma4_multimodal_config,
+                                     gemma4_multimodal_config_to_hf, gemma4_multimodal_to_probe, gemma4_to_hf,
+                                     gemma4_to_probe, gemma4_unified_config)
 from probe.checkpoint_glm import glm_config, glm_config_to_hf, glm_to_hf, glm_to_probe
 from probe.checkpoint_mamba import (bamba_config, bamba_config_to_hf, bamba_to_hf, bamba_to_probe, granite_hybrid_config,
                                     granite_hybrid_config_to_hf, granite_hybrid_to_hf, granite_hybrid_to_probe,
@@ -39,6 +46,7 @@ from probe.checkpoint_mamba1 import (falcon_mamba_config, falcon_mamba_config_to
 from probe.checkpoint_granite import (granite_config, granite_config_to_hf, granite_moe_config, granite_moe_config_to_hf,
                                       granite_to_hf, granite_to_probe)
 from probe.checkpoint_hunyuan import hunyuan_config, hunyuan_config_to_hf, hunyuan_to_hf, hunyuan_to_probe
+from probe.checkpoint_lfm2 import lfm2_config, lfm2_config_to_hf, lfm2_moe_config, lfm2_moe_config_to_hf, lfm2_to_hf, lfm2_to_probe
 from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
 from probe.checkpoint_gptj import codegen_to_hf, codegen_to_probe, gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
@@ -50,6 +58,8 @@ from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_conf
                                     smollm3_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_minimax import minimax_m2_config, minimax_m2_config_to_hf, minimax_m2_to_hf, minimax_m2_to_probe
+from probe.checkpoint_nemotron_h import (nemotron_h_config, nemotron_h_config_to_hf, nemotron_h_to_hf,
+                                         nemotron_h_to_probe)
 from probe.checkpoint_mistral3 import ministral3_config, ministral3_config_to_hf, mistral3
 from probe.checkpoint_moe import (flex_olmo_config, glm4_moe_config, mixtral_config, moe_family, olmoe_config,
                                   qwen2_moe_config, qwen3_moe_config)
@@ -143,12 +153,19 @@ FAMILIES = {
         Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", ("model.",), granite_hybrid_config,
                granite_hybrid_config_to_hf, granite_hybrid_to_probe, granite_hybrid_to_hf, prepends_bos=False),
         Family("bamba", "BambaForCausalLM", ("model.",), bamba_config, bamba_config_to_hf, bamba_to_probe, bamba_to_hf),
+        Family("falcon_h1", "FalconH1ForCausalLM", ("model.",), falcon_h1_config, falcon_h1_config_to_hf,
+               falcon_h1_to_probe, falcon_h1_to_hf),
         Family("mamba2", "Mamba2ForCausalLM", ("backbone.",), mamba2_config, mamba2_config_to_hf, mamba2_to_probe,
                mamba2_to_hf),
+        Family("nemotron_h", "NemotronHForCausalLM", ("backbone.", "model."), nemotron_h_config,
+               nemotron_h_config_to_hf, nemotron_h_to_probe, nemotron_h_to_hf),
         Family("mamba", "MambaForCausalLM", ("backbone.",), mamba_config, mamba_config_to_hf, mamba_to_probe,
                mamba_to_hf),
         Family("falcon_mamba", "FalconMambaForCausalLM", ("backbone.",), falcon_mamba_config,
                falcon_mamba_config_to_hf, mamba_to_probe, mamba_to_hf),
+        Family("lfm2", "Lfm2ForCausalLM", ("model.",), lfm2_config, lfm2_config_to_hf, lfm2_to_probe, lfm2_to_hf),
+        Family("lfm2_moe", "Lfm2MoeForCausalLM", ("model.",), lfm2_moe_config, lfm2_moe_config_to_hf, lfm2_to_probe,
+               lfm2_to_hf),
         Family("apertus", "ApertusForCausalLM", ("model.",), apertus_config, apertus_config_to_hf, apertus_to_probe,
                apertus_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,
@@ -161,6 +178,15 @@ FAMILIES = {
         Family("gemma3", "Gemma3ForConditionalGeneration", ("language_model.model.", "model.language_model.",
                                                             "language_model."),
                *gemma3_multimodal, gemma_to_hf, saves_as="gemma3_text"),
+        Family("afmoe", "AfmoeForCausalLM", ("model.",), afmoe_config, afmoe_config_to_hf, afmoe_to_probe, afmoe_to_hf),
+        Family("gemma4_text", "Gemma4ForCausalLM", ("model.",), gemma4_config, gemma4_config_to_hf, gemma4_to_probe,
+               gemma4_to_hf),
+        # the language model of a multimodal one (E2B, E4B, 31B, 26B-A4B; the encoder-free 12B): saved as gemma4_text
+        Family("gemma4", "Gemma4ForConditionalGeneration", ("model.language_model.",), gemma4_multimodal_config,
+               gemma4_multimodal_config_to_hf, gemma4_multimodal_to_probe, gemma4_to_hf, saves_as="gemma4_text"),
+        Family("gemma4_unified", "Gemma4UnifiedForConditionalGeneration", ("model.language_model.",),
+               gemma4_unified_config, gemma4_multimodal_config_to_hf, gemma4_multimodal_to_probe, gemma4_to_hf,
+               saves_as="gemma4_text"),
         Family("gpt_neox", "GPTNeoXForCausalLM", ("gpt_neox.",), neox_config, neox_config_to_hf, neox_to_probe, neox_to_hf,
                prepends_bos=False),
         Family("gpt_neo", "GPTNeoForCausalLM", ("transformer.",), gptneo_config, gptneo_config_to_hf, gptneo_to_probe,
@@ -203,6 +229,8 @@ FAMILIES = {
           for model_type, architecture in (("deepseek_v2", "DeepseekV2ForCausalLM"),
                                            ("deepseek_v3", "DeepseekV3ForCausalLM"),
                                            ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"), ("youtu", "YoutuForCausalLM"))),
+        Family("glm_moe_dsa", "GlmMoeDsaForCausalLM", ("model.",), glm_dsa_config, glm_dsa_config_to_hf,
+               glm_dsa_to_probe, glm_dsa_to_hf, prepends_bos=False),
         Family("gpt_bigcode", "GPTBigCodeForCausalLM", ("transformer.",), bigcode_config, bigcode_config_to_hf,
                bigcode_to_probe, bigcode_to_hf),
         Family("bloom", "BloomForCausalLM", ("transformer.",), bloom_config, bloom_config_to_hf, bloom_to_probe,

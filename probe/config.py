@@ -12,13 +12,16 @@ from typing import Any, Optional
 
 from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, ExpertGroups, Experts, Norm, NormPlacement, Positions,
                                   RotaryScaling)
-from probe.config_mixers import LatentAttention, LinearAttention, StateSpace
+from probe.config_mixers import LatentAttention, LinearAttention, ShortConv, SparseIndexer, StateSpace
+from probe.config_mixers import parallel_state_space_of
 from probe.config_layers import LayerFacts
+from probe.config_layer_shapes import GlobalLayers, PerLayerInputs, SharedKV, check_layer_shapes
+from probe.config_rotary import check_rotary
 from probe.tl_config_fields import HookedTransformerConfigFields
 
 # the choices live in probe.config_choices and probe.config_mixers and are imported from here as before
 __all__ = ["Activation", "DecoderConfig", "ExpertGroups", "Experts", "LatentAttention", "LinearAttention", "Norm", "NormPlacement",
-           "Positions", "RotaryScaling", "StateSpace"]
+           "Positions", "RotaryScaling", "GlobalLayers", "PerLayerInputs", "SharedKV", "ShortConv", "SparseIndexer", "StateSpace"]
 
 
 def _enum(cls, value, field):
@@ -86,6 +89,16 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
     latent_attention: Optional[LatentAttention] = None
     # Mamba-2 state-space layers in place of attention in some layers (Granite 4.0-H); a dict is converted
     state_space: Optional[StateSpace] = None
+    parallel_state_space: Optional[StateSpace] = None  # Mamba-2 mixers beside attention, writes summed (Falcon-H1)
+    sublayers: Optional[tuple[str, ...]] = None  # each layer's one sublayer, "mixer"/"attn"/"mlp" (NemotronH); None: both
+    short_conv: Optional[ShortConv] = None  # LFM2's gated short convolutions in place of attention in some layers
+    # Gemma 4: full-attention layers' own head shape, later layers reusing earlier ones' keys and values, a per-layer
+    # embedding of each token, values RMS-normalised per head, and each block's output times a learned scalar
+    global_layers: Optional[GlobalLayers] = None
+    shared_kv: Optional[SharedKV] = None
+    per_layer_inputs: Optional[PerLayerInputs] = None
+    value_norm: bool = False
+    layer_scalars: bool = False
     clip_qkv: Optional[float] = None  # q, k and v clamped to [-clip, clip] after their norms (OLMo-7B-0424, OLMoE, MPT)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
     scale_embed: bool = False  # token embeddings times sqrt(d_model) (Gemma)
@@ -205,9 +218,11 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
                              "a gated MLP with it is not built: set gated_mlp=False, or activation='solu' (no norm)")
         if isinstance(self.experts, dict):
             object.__setattr__(self, "experts", Experts(**self.experts))
-        if self.experts is not None and not (isinstance(self.experts, Experts) and self.gated_mlp and not self.attn_only):
+        if self.experts is not None and not (isinstance(self.experts, Experts) and self.gated_mlp == self.experts.gated
+                                             and not self.attn_only):
             raise ValueError(f"experts={self.experts!r}: a mixture of experts is an Experts (or its fields as a dict) "
-                             "of gated MLPs in place of the MLP: set gated_mlp=True (and attn_only=False)")
+                             "of gated MLPs in place of the MLP: set gated_mlp=True (and attn_only=False); ungated "
+                             "experts (Experts(gated=False)) go with gated_mlp=False")
         if self.experts is not None and self.activation.learned:
             raise ValueError(f"activation={self.activation.value!r} learns parameters per MLP, which probe's experts do "
                              "not hold (they share one activation): use another activation with experts")
@@ -217,47 +232,18 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
         object.__setattr__(self, "norm", _enum(Norm, self.norm, "norm"))
         object.__setattr__(self, "norm_placement", _enum(NormPlacement, self.norm_placement, "norm_placement"))
         object.__setattr__(self, "positions", _enum(Positions, self.positions, "positions"))
-        if self.rotary_dim is not None and self.positions is not Positions.ROTARY:
-            raise ValueError(f"rotary_dim={self.rotary_dim!r} applies only to positions=rotary (got positions={self.positions.value})")
-        if isinstance(self.rotary_scaling, dict):
-            object.__setattr__(self, "rotary_scaling", RotaryScaling(**self.rotary_scaling))
-        if self.rotary_scaling is not None and self.positions is not Positions.ROTARY:
-            raise ValueError(f"rotary_scaling applies only to positions=rotary (got positions={self.positions.value})")
-        if self.rotary_scaling is not None and not isinstance(self.rotary_scaling, RotaryScaling):
-            raise ValueError(f"rotary_scaling must be a RotaryScaling (or its fields as a dict), got {self.rotary_scaling!r}")
         if isinstance(self.latent_attention, dict):
             object.__setattr__(self, "latent_attention", LatentAttention(**self.latent_attention))
         latent = self.latent_attention
         if latent is not None and not isinstance(latent, LatentAttention):
             raise ValueError(f"latent_attention must be a LatentAttention (or its fields as a dict), got {latent!r}")
-        if self.positions is Positions.ROTARY:
-            if self.rotary_dim is None and latent is not None:
-                object.__setattr__(self, "rotary_dim", latent.d_rope)
-            if self.rotary_dim is None:
-                if self.d_head % 2:
-                    raise ValueError(f"positions=rotary rotates pairs of dimensions, so d_head must be even, got d_head="
-                                     f"{self.d_head} (or rotate only part of each head: an even rotary_dim below it)")
-                object.__setattr__(self, "rotary_dim", self.d_head)
-            positive("rotary_dim")
-            if self.rotary_dim % 2 or self.rotary_dim > (self.d_head if latent is None else latent.d_qk):
-                width = f"d_head={self.d_head}" if latent is None else f"latent attention's d_qk={latent.d_qk}"
-                raise ValueError(f"positions=rotary rotates pairs of dimensions, so rotary_dim must be even and at most "
-                                 f"{width}, got rotary_dim={self.rotary_dim}")
+        check_rotary(self)
         if (self.qk_norm_over_heads or self.qk_norm_after_rope) and not self.qk_norm:
             raise ValueError("qk_norm_over_heads and qk_norm_after_rope say how q and k are normalised: they need "
                              "qk_norm=True")
         if not self.input_norms and self.norm_placement is not NormPlacement.SANDWICH:
             raise ValueError("input_norms=False leaves a sandwich block only its write norms; it needs "
                              "norm_placement='sandwich'")
-        if self.rotary_layers is not None:
-            layers = tuple(self.rotary_layers)
-            if self.positions is not Positions.ROTARY or len(layers) != self.n_layers or not all(
-                    isinstance(x, bool) for x in layers):
-                raise ValueError(f"rotary_layers={self.rotary_layers!r} must give each of the n_layers={self.n_layers} "
-                                 "layers True (rotary) or False (no positions), with positions='rotary'")
-            object.__setattr__(self, "rotary_layers", None if all(layers) else layers)  # one spelling of "every layer"
-        if self.rotary_adjacent_pairs and self.positions is not Positions.ROTARY:
-            raise ValueError("rotary_adjacent_pairs applies only to positions=rotary")
         if self.embed_norm and self.scale_embed:
             raise ValueError("scale_embed with embed_norm: the LayerNorm after the embedding undoes a scale before it; "
                              "set scale_embed=False")
@@ -292,19 +278,15 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
             if not isinstance(self.state_space, StateSpace):
                 raise ValueError(f"state_space must be a StateSpace (or its fields as a dict), got {self.state_space!r}")
             self.state_space.check(self)
+        self.check_sublayers()
+        check_layer_shapes(self)
+        object.__setattr__(self, "short_conv", ShortConv.of(self.short_conv, self))  # (a dict converted; checked)
+        object.__setattr__(self, "parallel_state_space", parallel_state_space_of(self.parallel_state_space, self))
         if self.attn_only and self.norm_placement is not NormPlacement.PRE:
             raise ValueError(f"attn_only blocks are pre-norm, x + attn(ln1(x)); got norm_placement="
                              f"{self.norm_placement.value!r}: use norm_placement='pre'")
         if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
             raise ValueError(f"eps must be a small positive float, got {self.eps!r}")
-        for field in ("rotary_base", "sliding_rotary_base"):
-            base = getattr(self, field)
-            if not (base is None and field == "sliding_rotary_base") and not (isinstance(base, (int, float)) and base > 1):
-                raise ValueError(f"{field} must be > 1, got {base!r}")
-        if self.sliding_rotary_base is not None and not (self.positions is Positions.ROTARY and self.sliding_window is not None):
-            raise ValueError("sliding_rotary_base is the windowed layers' rotary base: it needs positions=rotary and a "
-                             "sliding_window; leave it None")
-
     # ---- facts derived from the fields (transformer-lens's names for them: tl_config_fields) -----------
     @property
     def mlp_norm_learned(self) -> bool:
@@ -346,7 +328,7 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
 
 
 # per-layer fields: lists in to_dict()'s JSON, tuples in the config
-TUPLE_FIELDS = ("heads_per_layer", "sliding_layers", "rotary_layers")
+TUPLE_FIELDS = ("heads_per_layer", "sliding_layers", "rotary_layers", "sublayers")
 # what to_dict() also lists under transformer-lens's names, for TL code that reads a config's dict by them
 TL_READ = ("n_key_value_heads", "tokenizer_name", "model_name", "original_architecture", "dtype")
 

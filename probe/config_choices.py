@@ -81,10 +81,12 @@ class RotaryScaling:
     in original_n_ctx / wavelength. "yarn" (Peng et al. 2023): dimensions that turn fewer than
     beta_slow times in original_n_ctx positions divided by `factor`, those turning more than beta_fast
     times kept, a linear ramp in dimension between (its ends rounded outwards with `truncate`), and q
-    and k's rotated dimensions multiplied by attention_factor.
+    and k's rotated dimensions multiplied by attention_factor. "proportional" (Gemma 4's full-attention
+    layers): only the first `rotated_fraction` of the pairs turn, at the frequencies they have among all
+    of the head's pairs, the rest standing still; every frequency divided by `factor`.
     """
 
-    kind: Literal["linear", "llama3", "yarn"]
+    kind: Literal["linear", "llama3", "yarn", "proportional"]
     factor: float
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
@@ -93,11 +95,14 @@ class RotaryScaling:
     beta_slow: float = 1.0  # yarn only
     attention_factor: float = 1.0  # yarn only: what the rotated dimensions are multiplied by
     truncate: bool = True  # yarn only
+    rotated_fraction: float = 1.0  # proportional only: the share of the pairs that turn
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3", "yarn"):
+        if self.kind not in ("linear", "llama3", "yarn", "proportional"):
             raise ValueError(f"rotary scaling kind={self.kind!r} is not supported; choose one of: 'linear', 'llama3', "
-                             "'yarn'")
+                             "'yarn', 'proportional'")
+        if not (isinstance(self.rotated_fraction, (int, float)) and 0 <= self.rotated_fraction <= 1):
+            raise ValueError(f"rotary scaling rotated_fraction must be in [0, 1], got {self.rotated_fraction!r}")
         if not (isinstance(self.factor, (int, float)) and self.factor > 0):
             raise ValueError(f"rotary scaling factor must be a positive number, got {self.factor!r}")
         if self.kind in ("llama3", "yarn"):
@@ -168,7 +173,11 @@ class Experts:
     the experts' width). `width`: each routed expert's width; None: the config's d_mlp. `layers`: which layers have
     the experts (the others a dense gated MLP of d_mlp: DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers);
     None: every layer. `renormalize_min`: the renormalising sum clamped below at this (ERNIE 4.5's moe_norm_min; None:
-    the sum plus 1e-20). `routed_bias` False: no biases on the router or routed experts whatever mlp_bias says."""
+    the sum plus `renormalize_eps`: 1e-20, LFM2-MoE's 1e-6). `routed_bias` False: no biases on the router or routed experts whatever mlp_bias says.
+    `gated` False: every expert, the shared one too, is a plain MLP, W_out(act(W_in x)) (NemotronH's relu^2 experts,
+    with gated_mlp False). `latent`: the routed experts read and write a projection of the residual this wide
+    (NemotronH's moe_latent_size: fc1_latent_proj before them, fc2_latent_proj after their weighted sum); None: the
+    residual itself."""
 
     n: int
     per_token: int
@@ -185,6 +194,9 @@ class Experts:
     layers: Optional[tuple[bool, ...]] = None
     renormalize_min: Optional[float] = None
     routed_bias: bool = True
+    renormalize_eps: float = 1e-20
+    gated: bool = True
+    latent: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("n", "per_token"):
@@ -193,10 +205,11 @@ class Experts:
                 raise ValueError(f"Experts.{name} must be a positive int, got {value!r}")
         if self.per_token > self.n:
             raise ValueError(f"Experts(per_token={self.per_token}) picks more experts than there are (n={self.n})")
-        for name in ("renormalize", "selection_bias", "shared_gate", "routed_bias"):
+        for name in ("renormalize", "selection_bias", "shared_gate", "routed_bias", "gated"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Experts.{name} must be a bool, got {getattr(self, name)!r}")
-        for name, what in (("shared", "the shared expert's width"), ("width", "each routed expert's width")):
+        for name, what in (("shared", "the shared expert's width"), ("width", "each routed expert's width"),
+                           ("latent", "the routed experts' input and output width")):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"Experts.{name} must be a positive int ({what}) or None, got {value!r}")
@@ -215,6 +228,10 @@ class Experts:
         if floor is not None and not (type(floor) in (int, float) and floor > 0 and self.renormalize):
             raise ValueError(f"Experts.renormalize_min={floor!r} clamps the renormalising sum: give a positive number "
                              "with renormalize=True, or leave it None")
+        eps = self.renormalize_eps
+        if not (type(eps) in (int, float) and eps > 0 and (eps == 1e-20 or (self.renormalize and floor is None))):
+            raise ValueError(f"Experts.renormalize_eps={eps!r} is added to the renormalising sum: give a positive number "
+                             "with renormalize=True and no renormalize_min, or leave it 1e-20")
         if self.softmax_over == "chosen":
             chosen = {"renormalize": self.renormalize, "scoring": self.scoring != "softmax",
                       "selection_bias": self.selection_bias, "groups": self.groups is not None,

@@ -1,6 +1,6 @@
 """The token mixers a config may put in place of (or beside) softmax attention's q/k/v projections: Gated DeltaNet
-linear attention (LinearAttention), multi-head latent attention (LatentAttention) and Mamba-2 state-space mixers
-(StateSpace); each frozen and validated, as config_choices' choices."""
+linear attention (LinearAttention), multi-head latent attention (LatentAttention), Mamba-2 state-space mixers
+(StateSpace) and LFM2's gated short convolutions (ShortConv); each frozen and validated, as config_choices' choices."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,6 +39,37 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
+class SparseIndexer:
+    """DeepSeek Sparse Attention's indexer beside latent attention (GLM-5; DeepSeek-AI 2025, "DeepSeek-V3.2"): each
+    query's heads read only the `topk` earlier keys an indexer scores highest (every key while there are no more than
+    `topk`). The indexer has `n_heads` heads of `d_head` dimensions: queries from the attention's query latent, one key
+    per position from the residual (LayerNorm-ed), the first d_rope dimensions of both rotated as the attention's; a
+    key's score is the sum over heads of relu(q . k / sqrt(d_head)) weighted by the head's weight for the query
+    (projected from the residual). `shared`: for each layer, True where it runs no indexer of its own and reads the
+    keys the nearest earlier layer with one chose (GLM's indexer_types "shared"); empty: every layer has its own."""
+
+    n_heads: int
+    d_head: int
+    topk: int
+    shared: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("n_heads", "d_head", "topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"SparseIndexer.{name} must be a positive int, got {value!r}")
+        shared = tuple(self.shared)
+        if not all(isinstance(x, bool) for x in shared) or shared[:1] == (True,):
+            raise ValueError(f"SparseIndexer.shared={self.shared!r} must say for each layer True (it reuses an earlier "
+                             "layer's choice of keys) or False (it runs its own indexer), the first layer False")
+        object.__setattr__(self, "shared", shared)
+
+    def layer_shared(self, layer: int) -> bool:
+        """Whether `layer` reads an earlier layer's choice of keys instead of running an indexer."""
+        return bool(self.shared) and self.shared[layer]
+
+
+@dataclass(frozen=True)
 class LatentAttention:
     """Multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024) in place of q/k/v projections: keys and values are
     read from one normalised latent of `kv_rank` per position (shared by every head), queries from one of `q_rank` (None:
@@ -48,7 +79,8 @@ class LatentAttention:
     2i + 1), are written back evens first, then odds (DeepSeek-V3's rope_interleave; the scores are those of the
     pairs in place). `mscale`: the scores are also multiplied by its square (YaRN's mscale_all_dim on a long-context
     checkpoint; 1 otherwise). The latents' norms have `latent_eps` (transformers builds them with 1e-6 whatever the
-    model's)."""
+    model's). `indexer`: each query reads only the keys a SparseIndexer chooses (GLM-5's; a dict is converted); None:
+    every earlier key."""
 
     kv_rank: int
     d_nope: int
@@ -57,8 +89,14 @@ class LatentAttention:
     deinterleaved: bool = False
     mscale: float = 1.0
     latent_eps: float = 1e-6
+    indexer: Optional[SparseIndexer] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.indexer, dict):
+            object.__setattr__(self, "indexer", SparseIndexer(**self.indexer))
+        if self.indexer is not None and not isinstance(self.indexer, SparseIndexer):
+            raise ValueError(f"LatentAttention.indexer must be a SparseIndexer (or its fields as a dict) or None, got "
+                             f"{self.indexer!r}")
         for name in ("kv_rank", "d_nope", "d_rope", "q_rank"):
             value = getattr(self, name)
             if (value is not None or name != "q_rank") and (not isinstance(value, int) or isinstance(value, bool)
@@ -89,6 +127,7 @@ class LatentAttention:
                    "linear_attention": cfg.linear_attention is not None, "bidirectional": cfg.bidirectional,
                    "norm_placement": cfg.norm_placement.value != "pre", "attn_only": cfg.attn_only,
                    "rotary_dim": cfg.rotary_dim != self.d_rope, "attn_scale_dim": cfg.attn_scale_dim is not None}
+        self._check_indexer(cfg.n_layers)
         names = [name for name, bad in refused.items() if bad]
         if names:
             raise ValueError(f"latent attention is built in causal pre-norm blocks with rotary positions on d_rope="
@@ -96,6 +135,20 @@ class LatentAttention:
                              f"norms, caps, sinks, gates, clamps, NoPE layers, a scale other than d_qk's; these "
                              f"settings differ: {', '.join(names)} (set rotary_dim={self.d_rope}, n_kv_heads=n_heads, "
                              "and the others to their defaults)")
+
+    def _check_indexer(self, n_layers: int) -> None:
+        indexer = self.indexer
+        if indexer is None:
+            return
+        if self.q_rank is None:
+            raise ValueError("a sparse indexer reads its queries from the attention's query latent: give q_rank, or "
+                             "leave indexer None")
+        if indexer.d_head < self.d_rope:
+            raise ValueError(f"the sparse indexer rotates its first d_rope={self.d_rope} dimensions: its d_head="
+                             f"{indexer.d_head} must be at least that")
+        if indexer.shared and len(indexer.shared) != n_layers:
+            raise ValueError(f"SparseIndexer.shared gives {len(indexer.shared)} layers; the model has n_layers="
+                             f"{n_layers}: give each layer True or False (or leave it empty: none shared)")
 
 
 @dataclass(frozen=True)
@@ -109,7 +162,12 @@ class StateSpace:
     kind "mamba1" is Mamba-1's selective scan instead (probe.selective_scan; Gu and Dao 2023): each of the d_inner
     channels is its own head (n_heads = d_inner, d_head 1, one group) with its own [d_state] decay rates and state; its
     step comes from a rank-`dt_rank` projection; FalconMamba's weightless RMS norms on dt, B and C have eps
-    `bcdt_norm_eps` (None: no norms)."""
+    `bcdt_norm_eps` (None: no norms).
+
+    `inner_norm`: Mamba-2's gated norm, "after_gate" (RMS-normalise y * silu(z)), "before_gate" (normalise y, then
+    gate it: Falcon-H1's mamba_norm_before_gate) or None (y * silu(z) alone: Falcon-H1's mamba_rms_norm false).
+    `out_bias`: whether out_proj has a bias where that differs from in_proj's (Falcon-H1's projectors_bias); None:
+    proj_bias."""
 
     layers: tuple[bool, ...]
     n_heads: int
@@ -124,9 +182,17 @@ class StateSpace:
     kind: Literal["mamba2", "mamba1"] = "mamba2"
     dt_rank: int = 0  # Mamba-1's only
     bcdt_norm_eps: Optional[float] = None  # FalconMamba's only
+    inner_norm: Optional[Literal["after_gate", "before_gate"]] = "after_gate"  # Mamba-2's only
+    out_bias: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self._check_kind()
+        if self.inner_norm not in ("after_gate", "before_gate", None) or self.out_bias not in (None, True, False):
+            raise ValueError(f"StateSpace.inner_norm={self.inner_norm!r} must be 'after_gate', 'before_gate' or None, "
+                             f"and out_bias={self.out_bias!r} a bool or None")
+        if self.kind == "mamba1" and (self.inner_norm != "after_gate" or self.out_bias is not None):
+            raise ValueError("StateSpace(kind='mamba1') has no gated norm and one bias setting: leave inner_norm and "
+                             "out_bias at their defaults")
         for name in ("n_heads", "d_head", "d_state", "n_groups", "conv_kernel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -191,3 +257,73 @@ class StateSpace:
             raise ValueError(f"state-space layers are built in causal pre-norm blocks (with an MLP, or without one in "
                              f"an attn_only model: Mamba-2's), beside attention layers with every head; these settings "
                              f"differ: {', '.join(names)} (leave them at their defaults)")
+
+
+@dataclass(frozen=True)
+class ShortConv:
+    """LFM2's gated short convolutions in place of attention in some layers (Liquid AI's LFM2, LFM2-MoE): `layers`
+    says which (the others keep attention). One projection gives B, C and x, d_model channels each; B * x passes a
+    causal depthwise convolution over `conv_kernel` positions (the file's conv_L_cache; no activation), C gates its
+    output, and a projection writes it back. `bias`: the two projections and the convolution have biases (the file's
+    one conv_bias)."""
+
+    layers: tuple[bool, ...]
+    conv_kernel: int = 3
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.conv_kernel, int) or isinstance(self.conv_kernel, bool) or self.conv_kernel <= 0:
+            raise ValueError(f"ShortConv.conv_kernel must be a positive int, got {self.conv_kernel!r}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"ShortConv.bias must be a bool, got {self.bias!r}")
+        layers = tuple(self.layers)
+        if not all(isinstance(x, bool) for x in layers) or not any(layers):
+            raise ValueError(f"ShortConv.layers={self.layers!r} must say for each layer True (a short convolution) or "
+                             "False (attention), with at least one True (else leave short_conv None)")
+        object.__setattr__(self, "layers", layers)
+
+    @classmethod
+    def of(cls, value, cfg) -> "Optional[ShortConv]":
+        """DecoderConfig.short_conv as given (a ShortConv, its fields as a dict, or None), checked against `cfg`."""
+        spec = cls(**value) if isinstance(value, dict) else value
+        if spec is None:
+            return None
+        if not isinstance(spec, cls):
+            raise ValueError(f"short_conv must be a ShortConv (or its fields as a dict), got {value!r}")
+        if len(spec.layers) != cfg.n_layers:
+            raise ValueError(f"short_conv.layers gives {len(spec.layers)} layers; the model has n_layers={cfg.n_layers}: "
+                             "give each layer True or False")
+        others = {"linear_attention": cfg.linear_attention is not None, "state_space": cfg.state_space is not None,
+                  "latent_attention": cfg.latent_attention is not None,
+                  "norm_placement": cfg.norm_placement.value != "pre", "attn_only": cfg.attn_only,
+                  "bidirectional": cfg.bidirectional, "heads_per_layer": cfg.heads_per_layer is not None}
+        names = [name for name, bad in others.items() if bad]
+        if names:
+            raise ValueError(f"short-convolution layers are built in causal pre-norm blocks with an MLP, beside attention "
+                             f"layers with every head and no other recurrent mixer; these settings differ: "
+                             f"{', '.join(names)} (leave them at their defaults)")
+        return spec
+
+
+def parallel_state_space_of(value, cfg) -> Optional[StateSpace]:
+    """DecoderConfig.parallel_state_space as given (a StateSpace, its fields as a dict, or None), checked against
+    `cfg`: Mamba-2 mixers beside attention in the layers it names (Falcon-H1), in causal pre-norm RMSNorm blocks with
+    an MLP and no other mixer."""
+    spec = StateSpace(**value) if isinstance(value, dict) else value
+    if spec is None:
+        return None
+    if not isinstance(spec, StateSpace) or spec.kind != "mamba2" or len(spec.layers) != cfg.n_layers:
+        raise ValueError(f"parallel_state_space={value!r} must be a Mamba-2 StateSpace (or its fields as a dict) whose "
+                         f"layers give each of the n_layers={cfg.n_layers} layers True (a mixer beside attention) or "
+                         "False")
+    others = {"state_space": cfg.state_space is not None, "linear_attention": cfg.linear_attention is not None,
+              "latent_attention": cfg.latent_attention is not None, "norm": cfg.norm.value != "rms",
+              "norm_placement": cfg.norm_placement.value != "pre", "attn_only": cfg.attn_only,
+              "bidirectional": cfg.bidirectional, "heads_per_layer": cfg.heads_per_layer is not None,
+              "short_conv": getattr(cfg, "short_conv", None) is not None}
+    names = [name for name, bad in others.items() if bad]
+    if names:
+        raise ValueError(f"a Mamba-2 mixer beside attention (Falcon-H1's parallel hybrid) is built in causal pre-norm "
+                         f"RMSNorm blocks with an MLP and every head, and no other token mixer; these settings differ: "
+                         f"{', '.join(names)} (set norm='rms' and leave the others at their defaults)")
+    return spec

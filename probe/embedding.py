@@ -51,6 +51,23 @@ def make_embed(cfg: DecoderConfig) -> Embed:
     return Embed(cfg.d_vocab, cfg.d_model, math.sqrt(cfg.d_model) if cfg.scale_embed else None)
 
 
+def check_shortformer_pos_embed(cfg, given: Optional[torch.Tensor], from_tokens: bool, batch_pos) -> Optional[torch.Tensor]:
+    """A run's shortformer_pos_embed (transformer-lens's keyword), checked against `cfg` and the run; None if not given."""
+    if given is None:
+        return None
+    if cfg.positions is not Positions.SHORTFORMER:
+        raise ValueError(f"shortformer_pos_embed is for shortformer models; this one's positions are "
+                         f"{cfg.positional_embedding_type!r}: leave it out")
+    if from_tokens:
+        raise ValueError("shortformer_pos_embed goes with start_at_layer (a run from a residual); from tokens the "
+                         "model computes its positions itself: leave it out")
+    want = (*batch_pos, cfg.d_model)
+    if tuple(given.shape) != want:
+        raise ValueError(f"shortformer_pos_embed has shape {tuple(given.shape)}; this run needs {list(want)} "
+                         f"[batch pos d_model]")
+    return given
+
+
 class AbsolutePositions(nn.Module):
     """What the absolute schemes share: each token adds W_pos [n_ctx d_model] at its position."""
 
@@ -193,7 +210,9 @@ def make_rotary(cfg: DecoderConfig, layer: int) -> Optional[Rotary]:
     positions are rotary and the layer rotates (cfg.rotary_layers)."""
     if not cfg.layer_rotates(layer):
         return None
-    return (AdjacentRotary if cfg.rotary_adjacent_pairs else Rotary)(cfg.rotary_dim, *cfg.layer_rotary(layer))
+    # a layer with heads of its own width (global_layers) rotates whole heads as the others do
+    dim = cfg.layer_d_head(layer) if cfg.rotary_dim == cfg.d_head else cfg.rotary_dim
+    return (AdjacentRotary if cfg.rotary_adjacent_pairs else Rotary)(dim, *cfg.layer_rotary(layer))
 
 
 def _rescaled(inv_freq: torch.Tensor, scaling: Optional[RotaryScaling], base: float) -> torch.Tensor:
@@ -202,6 +221,9 @@ def _rescaled(inv_freq: torch.Tensor, scaling: Optional[RotaryScaling], base: fl
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "proportional":  # transformers counts the turning pairs as int(fraction * dim // 2)
+        turning = int(scaling.rotated_fraction * (2 * inv_freq.shape[0]) // 2)
+        return torch.cat([inv_freq[:turning], torch.zeros_like(inv_freq[turning:])]) / scaling.factor
     if scaling.kind == "yarn":
         return _yarn(inv_freq, scaling, base)
     # llama3: slow rotations (long wavelengths, which pretraining never saw complete) are slowed by

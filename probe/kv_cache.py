@@ -20,8 +20,12 @@ class LayerKV:
         self.positions: Optional[torch.Tensor] = None  # what ALiBi's distances count from
         self.conv_window: Optional[torch.Tensor] = None  # [batch conv_kernel-1 channel]
         self.state: Optional[torch.Tensor] = None  # [batch v_head d_key_head d_value_head]
+        self.index_k: Optional[torch.Tensor] = None  # [batch pos d_index]: a sparse indexer's keys (GLM-5's)
         self.seen = 0  # positions a linear-attention layer has passed (it keeps no keys to count)
         self.frozen = False
+        # (keys, values, positions) as this pass's append returned them, frozen or not: what the later layers that
+        # reuse this layer's keys and values attend over (shared_kv); layer_caches clears it before each pass
+        self.latest: Optional[tuple] = None
 
     @property
     def length(self) -> int:
@@ -32,6 +36,14 @@ class LayerKV:
         if not self.frozen:
             self.conv_window, self.state, self.seen = conv_window, state, self.seen + n_new
 
+    def append_index_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """A sparse indexer's keys of every position so far and the new ones, kept unless frozen."""
+        if self.index_k is not None:
+            k = torch.cat([self.index_k, k], dim=1)
+        if not self.frozen:
+            self.index_k = k
+        return k
+
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None):
         """(keys, values, their positions) of every position so far and the new ones (at `positions`); kept for the
         next pass unless frozen."""
@@ -41,6 +53,7 @@ class LayerKV:
                 positions = torch.cat([self.positions, positions], dim=1)
         if not self.frozen:
             self.k, self.v, self.positions = k, v, positions
+        self.latest = (k, v, positions)
         return k, v, positions
 
 
@@ -70,7 +83,8 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        return self.layers[0].length
+        # the longest layer's: an MLP-only layer (NemotronH's) keeps nothing, so counts nothing
+        return max(layer.length for layer in self.layers)
 
     def extend_mask(self, new_mask: torch.Tensor) -> torch.Tensor:
         """Append the new tokens' mask (kept unless frozen); returns the mask of every position, old and new."""
@@ -107,3 +121,18 @@ def one_cache(kv_cache: Optional[KVCache], past_kv_cache: Optional[KVCache]) -> 
         raise TypeError(f"a key/value cache must be probe's KVCache (probe.TransformerLensKeyValueCache.init_cache("
                         f"model.cfg, device, batch_size)), got {type(kv_cache).__name__}")
     return kv_cache
+
+
+def layer_caches(kv_cache: Optional[KVCache], cfg) -> list[Optional[LayerKV]]:
+    """What each block of a pass is handed as `past`: its layer's LayerKV in `kv_cache` (or None without one); a layer
+    that reuses an earlier layer's keys and values (cfg.shared_kv) gets that layer's, which then holds this pass's
+    keys for it, in a fresh LayerKV when no cache is given."""
+    layers = [None] * cfg.n_layers if kv_cache is None else list(kv_cache.layers)
+    if cfg.shared_kv is None:
+        return layers
+    sources = {layer: cfg.layer_kv_source(layer) for layer in range(cfg.n_layers)}
+    for source in {s for s in sources.values() if s is not None}:
+        if layers[source] is None:
+            layers[source] = LayerKV()
+        layers[source].latest = None  # a stale pass's keys must not reach this one
+    return [layers[layer] if source is None else layers[source] for layer, source in sources.items()]

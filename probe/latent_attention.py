@@ -32,6 +32,12 @@ from probe.norm import RMSNorm
 from probe.tl_weights import WritableWeights, bias_view, weight_view
 
 
+def masked(scores: torch.Tensor, mask: torch.Tensor, fill: float) -> torch.Tensor:
+    """`scores` [batch head query_pos key_pos] under `mask`: a bool one hides its False keys (set to `fill`), a float one
+    (a sparse indexer's, probe.sparse_indexer) is added."""
+    return scores.masked_fill(~mask, fill) if mask.dtype == torch.bool else scores + mask
+
+
 def rows_per_head(linear: nn.Linear, x: torch.Tensor, heads: int, width: int) -> torch.Tensor:
     """[batch pos head width]: `linear` (bias-free) with its output rows split into `heads` blocks of `width`, applied
     to x [batch pos d_in], or head h's block to x[:, :, h] where x [batch pos head d_in] has a head axis."""
@@ -81,18 +87,20 @@ class LatentAttention(WritableWeights, nn.Module):
         """As probe.attention.Attention's forward (x [batch pos d_model] or each head's own inputs); no shortformer
         positions (qk_pos), which the config refuses with latent attention."""
         q_in, k_in, v_in = (x, x, x) if isinstance(x, torch.Tensor) else x
-        q_nope, q_rope = self._queries(q_in).split([self.d_nope, self.d_rope], dim=-1)
+        q_latent = self._query_latent(q_in)
+        q_nope, q_rope = self._queries(q_latent).split([self.d_nope, self.d_rope], dim=-1)
         k_nope, k_rope, v = self._keys_values(k_in, v_in)
-        q_rope, k_rope = self.hook_rot_q(self._rotate(q_rope, positions)), self.hook_rot_k(self._rotate(k_rope, positions))
+        q_rope, k_rope = self.hook_rot_q(self.rotate(q_rope, positions)), self.hook_rot_k(self.rotate(k_rope, positions))
         q = self.hook_q(torch.cat([q_nope, q_rope], dim=-1))
         k = self.hook_k(torch.cat([k_nope, k_rope.expand(*k_nope.shape[:-1], -1)], dim=-1))
         v = self.hook_v(v)
         if past is not None:
             k, v, _ = past.append(k, v)
+        allowed = self.keys_read(x, q_latent, positions, allowed, past)
         if observed(self.hook_attn_scores) or observed(self.hook_pattern):
             scores = einsum(q, k, "batch query_pos head d_qk, batch key_pos head d_qk -> batch head query_pos key_pos")
             visible = visible_keys(allowed, True, q.shape[1], q.device)
-            scores = self.hook_attn_scores((scores * self.scale).masked_fill(~visible, self.masked_score))
+            scores = self.hook_attn_scores(masked(scores * self.scale, visible, self.masked_score))
             pattern = self.hook_pattern(attention_softmax(scores, None))
             z = einsum(pattern, v, "batch head query_pos key_pos, batch key_pos head d_head -> batch query_pos head d_head")
         else:
@@ -106,13 +114,23 @@ class LatentAttention(WritableWeights, nn.Module):
             return result.sum(dim=2) + (self.out.bias if self.out.bias is not None else 0.0)
         return self.out(rearrange(z, "batch pos head d_head -> batch pos (head d_head)"))
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch pos head d_qk] from x [batch pos d_model] or [batch pos head d_model]."""
-        width = self.d_nope + self.d_rope
+    def keys_read(self, x, q_latent: torch.Tensor, positions: Optional[torch.Tensor], allowed: Optional[torch.Tensor],
+                  past: Optional[LayerKV]) -> Optional[torch.Tensor]:
+        """The mask of the keys each query reads: `allowed` as the model gave it (every visible key); a sparse
+        indexer's subclass (probe.sparse_indexer) narrows it."""
+        return allowed
+
+    def _query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The normed query latent [batch pos q_rank] from x [batch pos d_model] (or, per head, [... head q_rank]);
+        x itself where the queries are read straight from the residual (no q_rank)."""
         if hasattr(self, "q_proj"):
-            return rows_per_head(self.q_proj, x, self.n_heads, width)
-        latent = self.hook_q_latent(self.q_a_layernorm(self.q_a_proj(x)))
-        return rows_per_head(self.q_b_proj, latent, self.n_heads, width)
+            return x
+        return self.hook_q_latent(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def _queries(self, latent: torch.Tensor) -> torch.Tensor:
+        """[batch pos head d_qk] from the query latent (or x itself: _query_latent)."""
+        return rows_per_head(getattr(self, "q_proj", None) or self.q_b_proj, latent, self.n_heads,
+                             self.d_nope + self.d_rope)
 
     def _keys_values(self, k_in: torch.Tensor, v_in: torch.Tensor):
         """(k_nope [batch pos head d_nope], k_rope [batch pos 1 d_rope] or, from per-head inputs, [... head d_rope],
@@ -130,7 +148,8 @@ class LatentAttention(WritableWeights, nn.Module):
         v = rows_per_head(self.kv_b_proj, latent, self.n_heads, width)[..., self.d_nope:]
         return k_nope, k_rope, v
 
-    def _rotate(self, x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [batch pos head d_rope] rotated by its positions, laid out as the checkpoint's keys are."""
         rotated = self.rotary(x, positions)
         # DeepSeek-V3 writes each rotated pair (2i, 2i + 1) back evens first, then odds: the same scores, but the
         # layout its keys (and the bridge's hooks) hold

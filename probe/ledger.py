@@ -43,26 +43,40 @@ class Ledger:
             matmul_weights += sum(cfg.d_model * (cfg.layer_heads(l) + cfg.layer_kv_heads(l)) * cfg.d_head
                                   for l in range(cfg.n_layers))
         if cfg.experts is not None:  # each token runs only per_token of the experts
-            experts = sum(r["params"] for r in self.rows if r["component"].startswith("mlp.experts.")
+            experts = sum(r["params"] for r in self.rows if r["component"].startswith(("mlp.experts.", "experts.experts."))
                           and r["component"].endswith("weight"))
             matmul_weights -= experts * (cfg.experts.n - cfg.experts.per_token) // cfg.experts.n
         # a linear-attention layer reads a fixed state, not the keys: counted as a layer that sees no keys (its
         # state update and read, ~4 d_key_head d_value_head per value head, are left out, as the convolution is)
-        keys = [0 if cfg.layer_is_linear(l) else min(self.n_ctx, cfg.layer_window(l) or self.n_ctx)
+        keys = [0 if cfg.layer_is_linear(l) or not cfg.layer_has_mixer(l) else  # (MLP-only layers read no keys)
+                min(self.n_ctx, cfg.layer_window(l) or self.n_ctx)
                 for l in range(cfg.n_layers)]
-        # scores over d_qk and the weighted sum over d_head (both d_head but in latent attention)
-        widths = cfg.d_head + (cfg.d_head if cfg.latent_attention is None else cfg.latent_attention.d_qk)
-        attention = 2 * sum(cfg.layer_heads(l) * keys[l] for l in range(cfg.n_layers)) * widths
+        # scores over d_qk and the weighted sum over d_head (both d_head but in latent attention; Gemma 4's full
+        # layers' heads are wider)
+        widths = [cfg.layer_d_head(l) + (cfg.layer_d_head(l) if cfg.latent_attention is None else cfg.latent_attention.d_qk)
+                  for l in range(cfg.n_layers)]
+        indexer = cfg.latent_attention.indexer if cfg.latent_attention is not None else None
+        if indexer is not None:  # its heads score every key; the attention's read only the topk chosen
+            attention = 2 * sum(indexer.n_heads * keys[l] * indexer.d_head for l in range(cfg.n_layers)
+                                if not indexer.layer_shared(l))
+            keys = [min(k, indexer.topk) for k in keys]
+        else:
+            attention = 0
+        attention += 2 * sum(cfg.layer_heads(l) * keys[l] * widths[l] for l in range(cfg.n_layers))
         return 2 * matmul_weights + attention
 
     @property
     def kv_bytes_per_token(self) -> int:
         cfg = self.cfg
         # (a linear-attention layer's state has one size whatever the length: no bytes per token)
-        kv_heads = sum(cfg.layer_kv_heads(l) for l in range(cfg.n_layers) if not cfg.layer_is_linear(l))
-        width = 2 * kv_heads * cfg.d_head
+        # (nor does a layer reusing an earlier one's keys and values: Gemma 4's)
+        width = 2 * sum(cfg.layer_kv_heads(l) * cfg.layer_d_head(l) for l in range(cfg.n_layers)
+                        if not cfg.layer_is_linear(l) and cfg.layer_has_mixer(l) and cfg.layer_kv_source(l) is None)
         if cfg.latent_attention is not None:  # the latent and the shared rotated key part, as transformers caches them
             width = cfg.n_layers * (cfg.latent_attention.kv_rank + cfg.latent_attention.d_rope)
+            indexer = cfg.latent_attention.indexer
+            if indexer is not None:  # and each indexer's one key per position
+                width += indexer.d_head * sum(not indexer.layer_shared(l) for l in range(cfg.n_layers))
         return width * torch.finfo(self.dtype).bits // 8
 
     @property
@@ -90,15 +104,19 @@ def _per_norm(cfg: DecoderConfig) -> int:
 
 def _add_attention(cfg: DecoderConfig, add, layer: int) -> None:
     """An attention layer's parameters: q (and an output gate's), k, v, o, their biases, q/k norms and sinks."""
-    d, dh, per_norm = cfg.d_model, cfg.d_head, _per_norm(cfg)
+    d, dh, per_norm = cfg.d_model, cfg.layer_d_head(layer), _per_norm(cfg)
     h, kv = cfg.layer_heads(layer), cfg.layer_kv_heads(layer)
+    # Gemma 4: a layer reusing an earlier one's keys projects neither (nor norms them); values from the keys: no v
+    own_k = cfg.layer_kv_source(layer) is None
+    own_v = own_k and not cfg.layer_values_from_keys(layer)
     add("attn.q.weight", "attention", d * h * dh, layer)
     add("attn.gate.weight", "attention", d * h * dh if cfg.attn_output_gate else 0, layer)
-    qk_norm = (h + kv) * dh if cfg.qk_norm_over_heads else 2 * dh  # OLMo 2's span every head
+    qk_norm = (h + kv) * dh if cfg.qk_norm_over_heads else (1 + own_k) * dh  # OLMo 2's span every head
     add("attn.qk_norm", "norm", qk_norm * per_norm if cfg.qk_norm else 0, layer)
-    add("attn.k.weight", "attention", d * kv * dh, layer)
-    add("attn.v.weight", "attention", d * kv * dh, layer)
-    add("attn.qkv.bias", "attention", (h + 2 * kv + h * cfg.attn_output_gate) * dh if cfg.qkv_bias else 0, layer)
+    add("attn.k.weight", "attention", d * kv * dh * own_k, layer)
+    add("attn.v.weight", "attention", d * kv * dh * own_v, layer)
+    add("attn.qkv.bias", "attention", (h + (own_k + own_v) * kv + h * cfg.attn_output_gate) * dh if cfg.qkv_bias else 0,
+        layer)
     add("attn.o.weight", "attention", h * dh * d, layer)
     add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
     add("attn.sinks", "attention", h if cfg.attn_sinks else 0, layer)
@@ -116,19 +134,25 @@ def _add_latent_attention(cfg: DecoderConfig, add, layer: int) -> None:
     add("attn.latent_norms", "norm", (latent.q_rank or 0) + latent.kv_rank, layer)
     add("attn.o.weight", "attention", h * cfg.d_head * d, layer)
     add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
+    indexer = latent.indexer
+    if indexer is not None and not indexer.layer_shared(layer):  # (probe.sparse_indexer)
+        add("attn.indexer.weight", "attention", indexer.n_heads * (latent.q_rank * indexer.d_head + d)
+            + d * indexer.d_head, layer)
+        add("attn.indexer.k_norm", "norm", 2 * indexer.d_head, layer)
 
 
-def _add_state_space(cfg: DecoderConfig, add, layer: int) -> None:
+def _add_state_space(cfg: DecoderConfig, add, layer: int, space=None, name: str = "mixer") -> None:
     """A Mamba-2 layer's parameters (probe.state_space): its projections are matmuls ("weight"), its convolution, step
-    and decay rates, skips and gated norm are not."""
-    space, d = cfg.state_space, cfg.d_model
+    and decay rates, skips and gated norm are not. `space` and `name`: a mixer beside attention (Falcon-H1's `mamba`)."""
+    space, d = cfg.state_space if space is None else space, cfg.d_model
     inner, channels = space.n_heads * space.d_head, space.n_heads * space.d_head + 2 * space.n_groups * space.d_state
-    add("mixer.in_proj.weight", "attention", d * (inner + channels + space.n_heads), layer)
-    add("mixer.conv1d", "attention", channels * (space.conv_kernel + space.conv_bias), layer)
-    add("mixer.decay", "attention", 3 * space.n_heads, layer)  # dt_bias, A_log and D
-    add("mixer.norm", "norm", inner, layer)
-    add("mixer.out_proj.weight", "attention", inner * d, layer)
-    add("mixer.proj_bias", "attention", inner + channels + space.n_heads + d if space.proj_bias else 0, layer)
+    add(f"{name}.in_proj.weight", "attention", d * (inner + channels + space.n_heads), layer)
+    add(f"{name}.conv1d", "attention", channels * (space.conv_kernel + space.conv_bias), layer)
+    add(f"{name}.decay", "attention", 3 * space.n_heads, layer)  # dt_bias, A_log and D
+    add(f"{name}.norm", "norm", inner if space.inner_norm is not None else 0, layer)
+    add(f"{name}.out_proj.weight", "attention", inner * d, layer)
+    out_bias = space.proj_bias if space.out_bias is None else space.out_bias
+    add(f"{name}.proj_bias", "attention", (inner + channels + space.n_heads) * space.proj_bias + d * out_bias, layer)
 
 
 def _add_selective_scan(cfg: DecoderConfig, add, layer: int) -> None:
@@ -145,6 +169,16 @@ def _add_selective_scan(cfg: DecoderConfig, add, layer: int) -> None:
     add("mixer.proj_bias", "attention", 2 * inner + d if space.proj_bias else 0, layer)
 
 
+def _add_short_conv(cfg: DecoderConfig, add, layer: int) -> None:
+    """An LFM2 short-convolution layer's parameters (probe.short_conv): its projections are matmuls ("weight"), its
+    depthwise convolution is not."""
+    spec, d = cfg.short_conv, cfg.d_model
+    add("conv.in_proj.weight", "attention", d * 3 * d, layer)
+    add("conv.conv", "attention", d * (spec.conv_kernel + spec.bias), layer)
+    add("conv.out_proj.weight", "attention", d * d, layer)
+    add("conv.proj_bias", "attention", 4 * d if spec.bias else 0, layer)
+
+
 def _add_linear_attention(cfg: DecoderConfig, add, layer: int) -> None:
     """A Gated DeltaNet layer's parameters (probe.linear_attention): its projections are matmuls ("weight"), its
     convolution, decay rates and gated norm are not."""
@@ -155,6 +189,21 @@ def _add_linear_attention(cfg: DecoderConfig, add, layer: int) -> None:
     add("linear_attn.decay", "attention", 2 * linear.value_heads, layer)  # A_log and dt_bias
     add("linear_attn.norm", "norm", linear.d_value_head, layer)
     add("linear_attn.out_proj.weight", "attention", values * d, layer)
+
+
+def _add_gemma4_extras(cfg: DecoderConfig, add, layer: int) -> None:
+    """Gemma 4's experts beside the dense MLP (26B-A4B: the router with its scale, per-expert scales, the experts'
+    gate, up and down projections, three norms) and a layer's use of its per-layer input (E2B, E4B)."""
+    d, per_norm = cfg.d_model, _per_norm(cfg)
+    if cfg.layer_sparse(layer):
+        n, w = cfg.experts.n, cfg.expert_width
+        add("experts.router.weight", "mlp", d * n, layer)
+        add("experts.router.scales", "mlp", d + n, layer)
+        add("experts.experts.weight", "mlp", 3 * n * d * w, layer)
+        add("experts.norms", "norm", 3 * d * per_norm, layer)
+    if cfg.per_layer_inputs is not None:
+        add("per_layer.weight", "per_layer_inputs", 2 * d * cfg.per_layer_inputs.d, layer)
+        add("per_layer.ln", "norm", d * per_norm, layer)
 
 
 def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype = torch.float32) -> Ledger:
@@ -176,40 +225,58 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     norm_params = d * per_norm if cfg.norm_weights else 0  # ln1, ln2, ln_final: see DecoderConfig.norm_weights
     input_params = norm_params if cfg.input_norms else 0  # OLMo 2's blocks normalise only their writes
     for layer in range(cfg.n_layers):
-        add("ln1", "norm", input_params, layer)
+        has_mixer = cfg.layer_has_mixer(layer)  # (NemotronH's MLP-only layers have neither ln1 nor a mixer)
+        add("ln1", "norm", input_params * has_mixer, layer)
         mixer = _add_attention if cfg.latent_attention is None else _add_latent_attention
         if cfg.layer_is_linear(layer):
             mixer = _add_state_space if cfg.layer_is_state_space(layer) else _add_linear_attention
             if cfg.layer_is_state_space(layer) and cfg.state_space.kind == "mamba1":
                 mixer = _add_selective_scan
-        mixer(cfg, add, layer)
-        if cfg.attn_only:
+            if cfg.layer_is_short_conv(layer):
+                mixer = _add_short_conv
+        if has_mixer:
+            mixer(cfg, add, layer)
+        if cfg.layer_has_parallel_mixer(layer):  # Falcon-H1's Mamba-2 mixer beside the attention
+            _add_state_space(cfg, add, layer, cfg.parallel_state_space, "mamba")
+        if not cfg.layer_has_mlp(layer):
             continue
         add("ln2", "norm", input_params, layer)
         if cfg.norm_placement is NormPlacement.SANDWICH:
             add("ln1_post", "norm", d * per_norm, layer)
             add("ln2_post", "norm", d * per_norm, layer)
-        sparse = cfg.layer_sparse(layer)  # a mixture of experts: n gated MLPs of their own width and a router
-        n, w = (cfg.experts.n, cfg.expert_width) if sparse else (1, m)
+        if cfg.layer_scalars:  # Gemma 4's experts beside the MLP and per-layer input (its scalar is a buffer)
+            _add_gemma4_extras(cfg, add, layer)
+        # a mixture of experts: n gated MLPs of their own width and a router (Gemma 4's are beside the MLP, above)
+        sparse = cfg.layer_sparse(layer) and not cfg.layer_scalars
+        n, w = (cfg.experts.n, cfg.expert_width) if sparse else (1, cfg.layer_d_mlp(layer))
         mlp = "mlp.experts" if sparse else "mlp"
+        de = (cfg.experts.latent or d) if sparse else d  # what the experts read and write (NemotronH's latent)
+        add("mlp.latent_proj.weight", "mlp", 2 * d * de if de != d else 0, layer)
+        add("mlp.latent_proj.bias", "mlp", de + d if de != d and cfg.mlp_bias else 0, layer)
         biased = cfg.mlp_bias and (not sparse or cfg.experts.routed_bias)  # (ERNIE 4.5's router and experts: none)
         if sparse:  # (a selection bias is a buffer, set by a balancing rule: not counted, as transformers does not)
             add("mlp.router.weight", "mlp", d * n, layer)
             add("mlp.router.bias", "mlp", n if biased else 0, layer)
         if cfg.gated_mlp:
-            add(f"{mlp}.gate.weight", "mlp", n * d * w, layer)
+            add(f"{mlp}.gate.weight", "mlp", n * de * w, layer)
             add(f"{mlp}.gate.bias", "mlp", n * w if biased else 0, layer)
-        add(f"{mlp}.in.weight", "mlp", n * d * w, layer)
+        add(f"{mlp}.in.weight", "mlp", n * de * w, layer)
         add(f"{mlp}.in.bias", "mlp", n * w if biased else 0, layer)
         add("mlp.act_fn", "mlp", 2 if cfg.activation.learned else 0, layer)  # xIELU's alpha_p and alpha_n
         # a SoLU-LN MLP's LayerNorm over d_mlp, read by W_out (probe.mlp.NormedMLP)
         add("mlp.ln", "norm", 2 * m if cfg.mlp_norm_learned else 0, layer)
-        add(f"{mlp}.out.weight", "mlp", n * w * d, layer)
-        add(f"{mlp}.out.bias", "mlp", n * d if biased else 0, layer)
+        add(f"{mlp}.out.weight", "mlp", n * w * de, layer)
+        add(f"{mlp}.out.bias", "mlp", n * de if biased else 0, layer)
         shared = (cfg.experts.shared or 0) if sparse else 0
         gate = int(bool(shared) and cfg.experts.shared_gate)  # Qwen2-MoE's shared expert's sigmoid gate
-        add("mlp.shared_expert.weight", "mlp", 3 * d * shared + gate * d if shared else 0, layer)
-        add("mlp.shared_expert.bias", "mlp", 2 * shared + d + gate if shared and cfg.mlp_bias else 0, layer)
+        glu = int(cfg.experts.gated) if sparse else 1  # (NemotronH's shared expert is ungated, as its experts are)
+        add("mlp.shared_expert.weight", "mlp", (2 + glu) * d * shared + gate * d if shared else 0, layer)
+        add("mlp.shared_expert.bias", "mlp", (1 + glu) * shared + d + gate if shared and cfg.mlp_bias else 0, layer)
+    if cfg.per_layer_inputs is not None:  # Gemma 4's per-layer embedding: its table, projection and norm
+        spec, wide = cfg.per_layer_inputs, cfg.n_layers * cfg.per_layer_inputs.d
+        add("per_layer_embed.weight", "embedding", spec.d_vocab * wide)
+        add("per_layer_embed.projection.weight", "per_layer_inputs", d * wide)
+        add("per_layer_embed.ln", "norm", spec.d * per_norm)
     if cfg.final_norm:
         add("ln_final", "norm", norm_params)
     if not cfg.tied_embeddings:  # tied: the embedding's row already counts these weights

@@ -11,15 +11,17 @@ from torch import nn
 
 from probe.hooks import HookedRootModule, HookPoint
 
-from probe.blocks import PADDING, make_block, mask_keys
+from probe.block_choice import make_blocks
+from probe.blocks import PADDING, mask_keys, masks_for
 from probe.bridge_names import attach_bridge_attributes, bridge_names, describe_blocks_as_the_bridge
-from probe.config import DecoderConfig, Positions
+from probe.config import DecoderConfig
 from probe.decoder_cache import DecoderCache
-from probe.embedding import Unembed, make_embed, make_pos_embed
+from probe.embedding import Unembed, check_shortformer_pos_embed, make_embed, make_pos_embed
 from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
-from probe.kv_cache import KVCache, one_cache
+from probe.kv_cache import KVCache, layer_caches, one_cache
 from probe.moe import draw_as_transformer_lens_builds
 from probe.norm import FLOAT32_HOOK_NORMS, make_norm
+from probe.per_layer_block import PerLayerEmbed
 from probe.sae_methods import SAEMethods
 from probe.shapes import ID_HOOKS, PER_HEAD_INPUTS, hook_shapes
 from probe.tl_bridge import BridgeSurface
@@ -60,7 +62,9 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         self.pos_embed = make_pos_embed(cfg)  # None with rotary positions, which act inside attention
         if self.pos_embed is not None:
             self.hook_pos_embed = HookPoint()  # [batch pos d_model]
-        self.blocks = nn.ModuleList([make_block(cfg, layer) for layer in range(cfg.n_layers)])
+        # Gemma 4 (E2B, E4B): every layer's own small embedding of each token
+        self.per_layer_embed = None if cfg.per_layer_inputs is None else PerLayerEmbed(cfg)
+        self.blocks = make_blocks(cfg)
         self.block_masks = mask_keys(cfg)
         self.windows = {cfg.layer_window(layer) for layer in range(cfg.n_layers)}
         self.ln_final = make_norm(cfg, foldable=True, ends=True) if cfg.final_norm else nn.Identity()
@@ -179,18 +183,21 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
                 new_mask = attention_mask if attention_mask is not None else torch.ones(batch, n_new, dtype=torch.long, device=device)
                 attention_mask = kv_cache.extend_mask(new_mask)
         positions = token_positions(attention_mask, batch, n_new, device)
-        qk_pos = self._check_shortformer_pos_embed(shortformer_pos_embed, from_tokens, (batch, n_new))
+        # what every block reads beside the residual: a shortformer's positions, or Gemma 4's per-layer inputs
+        beside = check_shortformer_pos_embed(self.cfg, shortformer_pos_embed, from_tokens, (batch, n_new))
         if from_tokens:
-            resid, qk_pos = self.embed_at(tokens, positions)
-        elif self.pos_embed is not None and qk_pos is None and not self.cfg.positions_in_residual:
-            resid, qk_pos = self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
+            resid, beside = self.embed_at(tokens, positions)
+        elif self.pos_embed is not None and beside is None and not self.cfg.positions_in_residual:
+            resid, beside = self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
+        elif self.per_layer_embed is not None and tokens is not None:  # from the token ids, as the model computes them
+            beside = self.per_layer_embed(tokens, self.embed(tokens))
         # one mask per distinct window (Gemma 2 alternates a window with full attention)
         causal = not self.cfg.bidirectional
         allowed = {window: allowed_keys(attention_mask, positions, window, causal) for window in self.windows}
         allowed[PADDING] = None if attention_mask is None else attention_mask[:, -n_new:].bool()
+        pasts = layer_caches(kv_cache, self.cfg)  # (a layer reusing an earlier one's keys gets that one's)
         for index, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=start_at_layer):
-            past = None if kv_cache is None else kv_cache.layers[index]
-            resid = block(resid, positions, allowed[self.block_masks[index]], past, qk_pos)
+            resid = block(resid, positions, masks_for(allowed, self.block_masks[index]), pasts[index], beside)
         if stop_at_layer is not None:
             return resid
         resid = self.ln_final(resid)
@@ -199,27 +206,15 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         return finish_output(return_type, self.unembed(resid), tokens, logits_mask, loss_per_token)
 
     def embed_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(the residual entering block 0 for token ids [batch pos] at `positions` [batch pos], what a shortformer
-        model adds to every layer's queries' and keys' inputs: None for the others)."""
+        """(the residual entering block 0 for token ids [batch pos] at `positions` [batch pos], what every block reads
+        beside it: a shortformer model's positions for its queries' and keys' inputs, Gemma 4's per-layer inputs
+        [batch pos layer d], None for the others)."""
         resid = self.hook_embed(self.embed(self.hook_tokens(tokens)))
+        if self.per_layer_embed is not None:
+            return resid, self.per_layer_embed(tokens, resid)
         if self.pos_embed is None:
             return resid, None
         return self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
-
-    def _check_shortformer_pos_embed(self, given: Optional[torch.Tensor], from_tokens: bool, batch_pos) -> Optional[torch.Tensor]:
-        if given is None:
-            return None
-        if self.cfg.positions is not Positions.SHORTFORMER:
-            raise ValueError(f"shortformer_pos_embed is for shortformer models; this one's positions are "
-                             f"{self.cfg.positional_embedding_type!r}: leave it out")
-        if from_tokens:
-            raise ValueError("shortformer_pos_embed goes with start_at_layer (a run from a residual); from tokens the "
-                             "model computes its positions itself: leave it out")
-        want = (*batch_pos, self.cfg.d_model)
-        if tuple(given.shape) != want:
-            raise ValueError(f"shortformer_pos_embed has shape {tuple(given.shape)}; this run needs {list(want)} "
-                             f"[batch pos d_model]")
-        return given
 
     def make_cache(self, activations, has_batch_dim: bool = True, listed=None) -> DecoderCache:
         return DecoderCache(activations, self, has_batch_dim, listed)

@@ -30,7 +30,7 @@ from probe.activations import ACTIVATIONS
 from probe.config import DecoderConfig
 from probe.config_choices import ClampedSwiGLU
 from probe.hooks import HookPoint
-from probe.mlp import GatedMLP, make_dense_mlp
+from probe.mlp import MLP, GatedMLP, make_dense_mlp
 
 
 class GLU(nn.Module):
@@ -78,15 +78,30 @@ class Expert(nn.Module):
         return self.W_out(self.hook_post(self.glu(gate, up)))
 
 
+class PlainExpert(nn.Module):
+    """One ungated expert: W_out(act(W_in x)) (NemotronH's relu^2 experts), nn.Linear layers under TL's names."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        for name, shape in expert_projections(cfg):
+            setattr(self, name, nn.Linear(*shape, bias=routed_biased(cfg)))
+        self.act_fn = ACTIVATIONS[cfg.activation]()
+        self.hook_pre = HookPoint()  # [routed d_mlp]: the up projection
+        self.hook_post = HookPoint()  # [routed d_mlp]: act(up), what W_out reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [routed d_in] -> [routed d_in]
+        return self.W_out(self.hook_post(self.act_fn(self.hook_pre(self.W_in(x)))))
+
+
 class MoEMLP(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         experts = cfg.experts
         self.per_token, self.scaling = experts.per_token, experts.scaling
-        # the chosen experts' weights as they are, or divided by their sum (plus 1e-20, or clamped below: ERNIE's)
+        # the chosen experts' weights as they are, or divided by their sum (plus a small eps, or clamped below: ERNIE's)
         self.normalize = as_is if not experts.renormalize else (
-            over_sum if experts.renormalize_min is None else functools.partial(over_clamped_sum,
-                                                                               floor=experts.renormalize_min))
+            functools.partial(over_sum, eps=experts.renormalize_eps) if experts.renormalize_min is None else
+            functools.partial(over_clamped_sum, floor=experts.renormalize_min))
         self.route = self._score_then_choose if experts.softmax_over == "all" else self._choose_then_softmax
         self.score = SCORES[experts.scoring]
         self.groups = experts.groups
@@ -96,7 +111,14 @@ class MoEMLP(nn.Module):
         self.bias_choice = self._plus_selection_bias if experts.selection_bias else as_is
         # (the experts registered before the router, as TL registers them: HookedTransformerConfig models draw their
         # weights in that order)
-        self.experts = nn.ModuleList(Expert(cfg) for _ in range(experts.n))
+        self.experts = nn.ModuleList((Expert if experts.gated else PlainExpert)(cfg) for _ in range(experts.n))
+        # NemotronH's latent experts read a projection of the residual and write back through another (the router
+        # reads the residual itself); without one, both are identities
+        self.into_routed = self.out_of_routed = as_is
+        if experts.latent is not None:
+            self.fc1_latent_proj = nn.Linear(cfg.d_model, experts.latent, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(experts.latent, cfg.d_model, bias=cfg.mlp_bias)
+            self.into_routed, self.out_of_routed = self._into_latent, self._out_of_latent
         self.W_gate = nn.Linear(cfg.d_model, experts.n, bias=routed_biased(cfg))  # the router
         if experts.selection_bias:  # [experts], float32: learned by a balancing rule, not by gradients (a buffer)
             self.register_buffer("e_score_correction_bias", torch.zeros(experts.n, dtype=torch.float32))
@@ -105,8 +127,9 @@ class MoEMLP(nn.Module):
         self.hook_expert_weights = HookPoint()
         self.hook_expert_indices = HookPoint()  # [batch*pos per_token]: the chosen experts, the best choice first
         self.add_shared = self._routed_alone
-        if experts.shared is not None:  # a gated MLP every token runs
-            self.shared_expert = GatedMLP(dataclasses.replace(cfg, d_mlp=experts.shared, experts=None))
+        if experts.shared is not None:  # an MLP every token runs (gated, as the experts are)
+            self.shared_expert = (GatedMLP if experts.gated else MLP)(dataclasses.replace(cfg, d_mlp=experts.shared,
+                                                                                          experts=None))
             self.add_shared = self._plus_shared
         if experts.shared is not None and experts.shared_gate:  # Qwen2-MoE: weighed by a sigmoid gate of its own
             self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=cfg.mlp_bias)
@@ -116,12 +139,36 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch pos d_model] -> [batch pos d_model]
         tokens = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route(self.W_gate(tokens))
-        out = torch.zeros_like(tokens)
+        routed_in = self.into_routed(tokens)  # [batch*pos d_in]: the residual, or its latent projection
+        out = torch.zeros_like(routed_in)
         for index, expert in enumerate(self.experts):
             slot, rows = self.routing(chosen, index)
-            written = expert(tokens[rows]) * weights[rows, slot, None].to(x.dtype)
+            written = expert(routed_in[rows]) * weights[rows, slot, None].to(x.dtype)
             out = out.index_add(0, rows, written)
-        return self.add_shared(tokens, out).view(x.shape)
+        return self.add_shared(tokens, self.out_of_routed(out)).view(x.shape)
+
+    def _into_latent(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fc1_latent_proj(tokens)
+
+    def _out_of_latent(self, routed: torch.Tensor) -> torch.Tensor:
+        return self.fc2_latent_proj(routed)
+
+    def residual_readers(self) -> list[nn.Module]:
+        """The layers that read the MLP's input (ln2's output): the router, the shared expert's, and the experts' own
+        (or the latent projection they read)."""
+        shared = [] if not hasattr(self, "shared_expert") else [self.shared_expert.fc_in] + (
+            [self.shared_expert.gate] if hasattr(self.shared_expert, "gate") else [])
+        shared += [self.shared_expert_gate] if hasattr(self, "shared_expert_gate") else []
+        if hasattr(self, "fc1_latent_proj"):
+            return [self.W_gate] + shared + [self.fc1_latent_proj]
+        return [self.W_gate] + shared + [layer for expert in self.experts for layer in (
+            [expert.W_in] + ([expert.W_gate] if hasattr(expert, "W_gate") else []))]
+
+    def residual_writers(self) -> list[nn.Module]:
+        """The layers whose outputs the residual stream receives: every expert's W_out (or the latent projection
+        back), the shared expert's."""
+        routed = [self.fc2_latent_proj] if hasattr(self, "fc2_latent_proj") else [e.W_out for e in self.experts]
+        return routed + ([self.shared_expert.fc_out] if hasattr(self, "shared_expert") else [])
 
     def _apply(self, fn, recurse=True):
         # the selection bias follows a move, not a cast: transformers keeps it in float32 whatever the model's dtype,
@@ -184,9 +231,9 @@ def as_is(scores: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def over_sum(weights: torch.Tensor) -> torch.Tensor:  # [batch*pos per_token]
-    # (1e-20: an edit that zeroes the chosen scores leaves zeros, not NaN, as DeepSeek-V3's)
-    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+def over_sum(weights: torch.Tensor, eps: float = 1e-20) -> torch.Tensor:  # [batch*pos per_token]
+    # (eps: an edit that zeroes the chosen scores leaves zeros, not NaN, as DeepSeek-V3's 1e-20; LFM2-MoE's is 1e-6)
+    return weights / (weights.sum(dim=-1, keepdim=True) + eps)
 
 
 def over_clamped_sum(weights: torch.Tensor, floor: float) -> torch.Tensor:  # [batch*pos per_token]
@@ -222,9 +269,12 @@ GROUP_SCORES = {"top2_sum": top2_sum, "max": best}  # ExpertGroups.score -> a gr
 
 def expert_projections(cfg: DecoderConfig) -> list[tuple[str, tuple[int, int]]]:
     """(name, (in, out)) of an expert's projections in the order transformer-lens builds them: W_in, W_out, W_gate
-    (its MoEGatedMLP), or W_gate, W_in, W_out (its GptOssExpert); each cfg.expert_width wide."""
-    d, m = cfg.d_model, cfg.expert_width
+    (its MoEGatedMLP), or W_gate, W_in, W_out (its GptOssExpert), or (ungated) W_in, W_out; each cfg.expert_width
+    wide, reading and writing experts.latent wide vectors where the experts are latent."""
+    d, m = cfg.experts.latent or cfg.d_model, cfg.expert_width
     shapes = {"W_gate": (d, m), "W_in": (d, m), "W_out": (m, d)}
+    if not cfg.experts.gated:
+        return [("W_in", shapes["W_in"]), ("W_out", shapes["W_out"])]
     order = ("W_in", "W_out", "W_gate") if cfg.experts.clamped_glu is None else ("W_gate", "W_in", "W_out")
     return [(name, shapes[name]) for name in order]
 

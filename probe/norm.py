@@ -194,11 +194,18 @@ class OverHeads:
 OVER_HEADS = {norm: type(f"{kind.__name__}OverHeads", (OverHeads, kind), {}) for norm, kind in NORMS.items()}
 
 
-def make_qk_norm(cfg: DecoderConfig, heads: int) -> nn.Module:
-    """The q (or k) norm of an attention with `heads` heads: none, each head's over d_head (Qwen3, Gemma 3), or all
-    heads' together (qk_norm_over_heads: OLMo 2)."""
+def make_qk_norm(cfg: DecoderConfig, heads: int, d_head: Optional[int] = None) -> nn.Module:
+    """The q (or k) norm of an attention with `heads` heads of `d_head` (default cfg.d_head): none, each head's over
+    d_head (Qwen3, Gemma 3), or all heads' together (qk_norm_over_heads: OLMo 2)."""
+    d_head = d_head or cfg.d_head
     if not cfg.qk_norm:
         return nn.Identity()
     if not cfg.qk_norm_over_heads:
-        return make_norm(cfg, cfg.d_head)
-    return OVER_HEADS[cfg.norm](heads * cfg.d_head, cfg.eps)
+        return make_norm(cfg, d_head)
+    return OVER_HEADS[cfg.norm](heads * d_head, cfg.eps)
+
+
+def make_value_norm(cfg: DecoderConfig, d_head: int) -> nn.Module:
+    """Each head's values normalised over d_head by the config's norm kind, learning no weight (cfg.value_norm:
+    Gemma 4's v_norm), or nothing."""
+    return NORMS[cfg.norm](d_head, cfg.eps, learned=False) if cfg.value_norm else nn.Identity()

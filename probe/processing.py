@@ -55,7 +55,8 @@ def can_fold_ln(cfg: DecoderConfig) -> bool:
     return (cfg.norm is not Norm.NONE and cfg.positions is not Positions.SHORTFORMER
             and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH)
             # (a recurrent layer's projections have no biases to take a LayerNorm's b)
-            and not ((cfg.linear_attention is not None or cfg.state_space is not None) and cfg.norm is Norm.LAYER))
+            and not ((cfg.linear_attention is not None or cfg.state_space is not None or cfg.short_conv is not None)
+                     and cfg.norm is Norm.LAYER))
 
 
 def can_center_writing_weights(cfg: DecoderConfig) -> bool:
@@ -69,9 +70,11 @@ def can_center_unembed(cfg: DecoderConfig) -> bool:
 
 
 def can_fold_value_biases(cfg: DecoderConfig) -> bool:
-    """A head passes its value bias through unchanged only where its pattern's rows sum to 1; an attention sink
-    (GPT-OSS) takes a share of each row, different at every position."""
-    return not cfg.attn_sinks
+    """A head passes its value bias through unchanged only where its pattern's rows sum to 1 and the values are
+    linear in it and reaches W_O unchanged: an attention sink (GPT-OSS) takes a share of each row, different at every
+    position, Gemma 4 normalises each value after its bias (value_norm), and an output gate (AFMoE, Qwen3.5)
+    multiplies z, the bias's share too, by a gate that changes with the position."""
+    return not cfg.attn_sinks and not cfg.value_norm and not cfg.attn_output_gate
 
 
 def can_refactor_factored_attn_matrices(cfg: DecoderConfig) -> bool:
@@ -113,7 +116,9 @@ def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, 
         if value and (skipped or not applies[step](cfg)) and (step not in given or step in SKIPPED_WHEN_GIVEN):
             how = "given" if step in given else "transformer-lens's default"
             why = ("transformer-lens's from_pretrained processes no shortformer model" if skipped else
-                   "which attention sinks make inexact (transformer-lens folds them anyway, changing the outputs)"
+                   ("which a norm on the values or an output gate makes inexact" if cfg.value_norm or
+                    cfg.attn_output_gate else "which attention sinks make inexact (transformer-lens folds them anyway, "
+                    "changing the outputs)")
                    if step == "fold_value_biases" else "which this model's blocks do not allow, as transformer-lens "
                    "skips it")
             warnings.warn(f"{where}: skipping {step}=True ({how}), {why}; pass {step}=False to say so",
@@ -156,8 +161,9 @@ def check_processing(cfg: DecoderConfig, *, fold_ln: bool = True, center_writing
                          "pass through unchanged; pass center_unembed=False")
     if fold_value_biases and not can_fold_value_biases(cfg):
         raise ValueError("fold_value_biases moves each head's value bias into b_O, which is exact only where the "
-                         "head's attention weights sum to 1; an attention sink (GPT-OSS) takes a share of them: pass "
-                         "fold_value_biases=False")
+                         "head's attention weights sum to 1 and its values reach W_O linearly; an attention sink "
+                         "(GPT-OSS) takes a share of the weights, Gemma 4 normalises each value, and an output gate "
+                         "(AFMoE, Qwen3.5) scales z by position: pass fold_value_biases=False")
     if refactor_factored_attn_matrices and not can_refactor_factored_attn_matrices(cfg):
         raise ValueError("refactor_factored_attn_matrices needs positions that do not rotate q and k (this model has "
                          f"positions={cfg.positions.value}) and a key/value head per query head (n_kv_heads="
@@ -201,13 +207,18 @@ def untie_embeddings(model: HookedDecoder) -> None:
 def _mixer_inputs(block: nn.Module) -> list[nn.Module]:
     """The layers that read ln1: attention's q/k/v projection (and its output gate), latent attention's query and
     key/value down-projections, or a linear-attention layer's input projections."""
+    if hasattr(block, "mamba"):  # Falcon-H1's parallel block: attention and the Mamba-2 mixer beside it read ln1
+        return [block.attn.qkv, block.mamba.in_proj]
     if hasattr(block, "attn") and hasattr(block.attn, "readers"):
         return block.attn.readers
     if hasattr(block, "linear_attn"):
         mixer = block.linear_attn
         return [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
-    if hasattr(block, "mixer"):  # a Mamba-2 layer: one projection reads it all
+    # a Mamba-2 layer: one projection reads it all (NemotronH's attention blocks answer to `mixer` too: bridge names)
+    if isinstance(getattr(block, "mixer", None), nn.Module):
         return [block.mixer.in_proj]
+    if hasattr(block, "conv"):  # an LFM2 short-convolution layer: so does its
+        return [block.conv.in_proj]
     return [block.attn.qkv] + ([] if block.attn.gate is None else [block.attn.gate])
 
 
@@ -223,10 +234,7 @@ def _mlp_inputs(block: nn.Module) -> list[nn.Module]:
     if not hasattr(block, "mlp"):
         return []
     if hasattr(block.mlp, "experts"):
-        shared = [block.mlp.shared_expert.gate, block.mlp.shared_expert.fc_in] if hasattr(block.mlp, "shared_expert") \
-            else []
-        shared += [block.mlp.shared_expert_gate] if hasattr(block.mlp, "shared_expert_gate") else []
-        return [block.mlp.W_gate] + shared + [layer for expert in block.mlp.experts for layer in (expert.W_gate, expert.W_in)]
+        return block.mlp.residual_readers()
     return [block.mlp.fc_in] + ([block.mlp.gate] if hasattr(block.mlp, "gate") else [])
 
 
@@ -236,14 +244,13 @@ def _mlp_outputs(model: HookedDecoder) -> list[nn.Module]:
 
 
 def _down_projections(mlp: nn.Module) -> list[nn.Module]:
-    if not hasattr(mlp, "experts"):
-        return [mlp.fc_out]
-    return [expert.W_out for expert in mlp.experts] + ([mlp.shared_expert.fc_out] if hasattr(mlp, "shared_expert") else [])
+    return mlp.residual_writers() if hasattr(mlp, "experts") else [mlp.fc_out]
 
 
 def _fold_norms(model: HookedDecoder) -> None:
     for block in model.blocks:
-        _fold_norm_into(block.ln1, _mixer_inputs(block), model, "qkv_bias")
+        if hasattr(block, "ln1"):  # (not in NemotronH's MLP-only layers)
+            _fold_norm_into(block.ln1, _mixer_inputs(block), model, "qkv_bias")
         if hasattr(block, "ln2"):
             _fold_norm_into(block.ln2, _mlp_inputs(block), model, "mlp_bias")
         if model.cfg.mlp_norm_learned:  # a SoLU-LN MLP's LayerNorm, into the W_out that reads it (TL folds it too)
@@ -319,7 +326,7 @@ def center_readers(model: HookedDecoder) -> None:
     what folding a LayerNorm does to them, and what transformer-lens's fold_layer_norm does to a model whose norms
     have no weights (nothing changes after a LayerNorm, whose output has mean zero)."""
     for block in model.blocks:
-        for reader in _mixer_inputs(block) + _mlp_inputs(block):
+        for reader in (_mixer_inputs(block) if hasattr(block, "ln1") else []) + _mlp_inputs(block):
             reader.weight -= reader.weight.mean(dim=1, keepdim=True)  # weight [out d_model]
 
 
@@ -330,7 +337,7 @@ def center_writers(model: HookedDecoder) -> None:
     # centring them would change the queries and keys (transformer-lens centres them all the same)
     if isinstance(getattr(model.pos_embed, "W_pos", None), nn.Parameter) and model.cfg.positions_in_residual:
         model.pos_embed.W_pos -= model.pos_embed.W_pos.mean(dim=-1, keepdim=True)
-    for writer in [_mixer_output(block) for block in model.blocks] + _mlp_outputs(model):
+    for writer in [_mixer_output(block) for block in model.blocks if hasattr(block, "ln1")] + _mlp_outputs(model):
         writer.weight -= writer.weight.mean(dim=0, keepdim=True)  # weight [d_model in]: each column is a written vector
         if writer.bias is not None:
             writer.bias -= writer.bias.mean()

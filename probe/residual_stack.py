@@ -13,6 +13,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 from einops import einsum
 
+from probe.config import NormPlacement
 from probe.names import act_name
 
 Index = Union[int, slice, torch.Tensor, None]
@@ -75,21 +76,61 @@ def accumulated_sites(n_layers: int, layer: int, incl_mid: bool = False, mlp_inp
 
 def decomposition_sites(layer: int, mode: Literal["all", "mlp", "attn"] = "all", mlp_input: bool = False,
                         embeds: Sequence[str] = ("hook_embed", "hook_pos_embed"),
-                        with_mlps: bool = True) -> list[tuple[str, str]]:
+                        with_mlps: bool = True, beside: Sequence[int] = ()) -> list[tuple[str, str]]:
     """(label, hook name) of the writes that add up to the residual stream entering `layer` (its MLP with
-    `mlp_input`): the `embeds` given (those cached), then each earlier layer's attn_out and mlp_out (none in an
-    attention-only model: `with_mlps=False`)."""
+    `mlp_input`): the `embeds` given (those cached), then each earlier layer's attn_out, its mixer_out where the
+    layer is in `beside` (Falcon-H1's Mamba-2 mixer, writing beside attention: `mixers_beside`), and mlp_out (none
+    in an attention-only model: `with_mlps=False`)."""
     if mode not in ("all", "mlp", "attn"):
         raise ValueError(f"mode={mode!r} is not one of 'all', 'mlp', 'attn'")
     sites = [(name.removeprefix("hook_"), name) for name in embeds]
-    for l in range(layer):
+    for l in range(layer + mlp_input):
         if mode != "mlp":
             sites.append((f"{l}_attn_out", act_name("attn_out", l)))
-        if mode != "attn" and with_mlps:
+            sites += [(f"{l}_mixer_out", f"blocks.{l}.hook_mixer_out")] * (l in beside)
+        if mode != "attn" and with_mlps and l < layer:
             sites.append((f"{l}_mlp_out", act_name("mlp_out", l)))
-    if mlp_input and mode != "mlp":
-        sites.append((f"{layer}_attn_out", act_name("attn_out", layer)))
     return sites
+
+
+def require_sum_of_writes(cfg, method: str, per_component: bool = False) -> None:
+    """Refuse `method`, which takes the residual stream for the sum of its sublayers' writes (and, `per_component`,
+    of its heads' and neurons'), where it is not: post-norm blocks, sandwich blocks per component, and Gemma 4's
+    blocks, which scale the whole residual and add a per-layer input."""
+    placement = cfg.norm_placement
+    if placement is NormPlacement.POST:
+        raise ValueError(f"{method}: this model normalises after each sublayer (post-norm), so its residual stream "
+                         f"is not a sum of the sublayers' writes and does not decompose")
+    if per_component and placement is NormPlacement.SANDWICH:
+        raise ValueError(f"{method}: in a sandwich block (Gemma 2) each head's and neuron's write passes through "
+                         f"ln1_post / ln2_post before the residual receives it, so per-head and per-neuron writes "
+                         f"are not residual contributions and would not add up (transformer-lens's bridge returns "
+                         f"them anyway); decompose_resid gives the normalised attn_out / mlp_out, "
+                         f"probe.analyses.residual_decomposition splits the heads through ln1_post's cached scale, and "
+                         f"cache.stack_activation('result') stacks the pre-norm head writes")
+    if cfg.layer_scalars:
+        raise ValueError(f"{method}: every block of this model (Gemma 4) multiplies the whole residual by its scalar "
+                         f"(layer_scalar)" + (", and adds a per-layer input after its MLP" if cfg.per_layer_inputs else "")
+                         + ", so the residual is not the sum of its sublayers' writes; probe.analyses."
+                         "residual_decomposition and direct_logit_attribution stack each write as the final residual "
+                         "holds it, times the scalars after it")
+
+
+def mixers_beside(cfg) -> list[int]:
+    """The layers whose Mamba-2 mixer writes beside attention (Falcon-H1's), which a decomposition by sublayer lists
+    (decomposition_sites' `beside`)."""
+    return [l for l in range(cfg.n_layers) if cfg.layer_has_parallel_mixer(l)]
+
+
+def refuse_beside_heads(cfg, method: str) -> str:
+    """`method`, a decomposition into heads and neurons, refused on a model whose layers also write a Mamba-2
+    mixer's output beside their heads (it has neither to split into); else its name, as given."""
+    layers = mixers_beside(cfg)
+    if layers:
+        raise ValueError(f"{method}: layers {layers} write a Mamba-2 mixer's output beside their heads (Falcon-H1), "
+                         "which has no heads or neurons to split into; cache.decompose_resid lists it whole "
+                         "(blocks.L.hook_mixer_out), and probe.analyses.residual_decomposition splits the heads beside it")
+    return method
 
 
 # ---- writes -----------------------------------------------------------------------------------------

@@ -65,19 +65,27 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
             shapes[f"{b}.attn.hook_rot_k"] = (batch, pos, kv, cfg.d_head)
         if cfg.latent_attention is not None:
             latent_shapes(cfg.latent_attention, shapes, f"{b}.attn", batch, pos, heads)
+            if cfg.latent_attention.indexer is not None:
+                indexer_shapes(cfg.latent_attention, layer, shapes, f"{b}.attn", batch, pos, key_pos)
         if cfg.layer_is_state_space(layer) and cfg.state_space.kind == "mamba1":  # probe.selective_scan's points
             space = cfg.state_space
             shapes.update({f"{b}.mixer.hook_in_proj": (batch, pos, 2 * space.d_inner),
                            f"{b}.mixer.hook_x_proj": (batch, pos, space.dt_rank + 2 * space.d_state)})
             shapes.update({f"{b}.mixer.hook_{name}": (batch, pos, space.d_inner)
                            for name in ("conv", "dt", "scan_out", "gated")})
-        elif cfg.layer_is_state_space(layer):  # a Mamba-2 mixer's points (probe.state_space)
-            space = cfg.state_space
+        elif cfg.layer_is_state_space(layer) or cfg.layer_has_parallel_mixer(layer):  # a Mamba-2 mixer's points
+            # (probe.state_space), in place of attention (`mixer`) or beside it (Falcon-H1's `mamba`, its write apart)
+            space, m = (cfg.state_space, "mixer") if cfg.layer_is_state_space(layer) else (cfg.parallel_state_space, "mamba")
             inner, channels = space.n_heads * space.d_head, space.n_heads * space.d_head + 2 * space.n_groups * space.d_state
-            shapes.update({f"{b}.mixer.hook_in_proj": (batch, pos, inner + channels + space.n_heads),
-                           f"{b}.mixer.hook_conv": (batch, pos, channels), f"{b}.mixer.hook_dt": (batch, pos, space.n_heads),
-                           f"{b}.mixer.hook_scan_out": (batch, pos, space.n_heads, space.d_head),
-                           f"{b}.mixer.hook_inner_norm": (batch, pos, inner)})
+            shapes.update({f"{b}.{m}.hook_in_proj": (batch, pos, inner + channels + space.n_heads),
+                           f"{b}.{m}.hook_conv": (batch, pos, channels), f"{b}.{m}.hook_dt": (batch, pos, space.n_heads),
+                           f"{b}.{m}.hook_scan_out": (batch, pos, space.n_heads, space.d_head),
+                           f"{b}.{m}.hook_inner_norm": (batch, pos, inner)})
+            if m == "mamba":
+                shapes[f"{b}.hook_mixer_out"] = resid
+        elif cfg.layer_is_short_conv(layer):  # LFM2's gated short convolution (probe.short_conv)
+            shapes[f"{b}.conv.hook_in_proj"] = (batch, pos, 3 * cfg.d_model)
+            shapes.update({f"{b}.conv.hook_{name}": resid for name in ("B", "C", "x", "conv_in", "conv_out", "gated")})
         shapes[f"{b}.attn.hook_attn_scores"] = (batch, heads, pos, key_pos)
         shapes[f"{b}.attn.hook_pattern"] = (batch, heads, pos, key_pos)
         shapes[f"{b}.attn.hook_z"] = (batch, pos, heads, cfg.d_head)
@@ -86,14 +94,56 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         if sandwich:
             norm(f"{b}.ln1_post")
         shapes[f"{b}.hook_attn_out"] = resid
-        if not cfg.attn_only:
-            mlp_shapes(cfg, shapes, b, batch, pos, norm, cfg.layer_sparse(layer))
+        if cfg.layer_has_mlp(layer):  # (Gemma 4's experts are beside its MLP: gemma4_shapes)
+            mlp_shapes(cfg, shapes, b, batch, pos, norm, cfg.layer_sparse(layer) and not cfg.layer_scalars)
+        if cfg.layer_scalars:
+            gemma4_shapes(cfg, shapes, layer, batch, pos, norm)
         shapes[f"{b}.hook_resid_post"] = resid
     if cfg.final_norm:
         norm("ln_final")
     shapes["unembed.hook_in"] = resid
     shapes["unembed.hook_out"] = (batch, pos, cfg.d_vocab_out)
     return shapes
+
+
+def gemma4_shapes(cfg: DecoderConfig, shapes: dict, layer: int, batch: int, pos: int, norm) -> None:
+    """Gemma 4's layer `layer`: its heads' own width, normed values, no keys or values where it reuses an earlier
+    layer's (no value input where its values are its keys), its MLP's own width, its per-layer input, and its
+    experts beside the MLP; the model's per-layer embedding."""
+    b, a, dh, heads = f"blocks.{layer}", f"blocks.{layer}.attn", cfg.layer_d_head(layer), cfg.layer_heads(layer)
+    kv = heads if cfg.ungroup_grouped_query_attention else cfg.layer_kv_heads(layer)
+    for name, n in (("hook_q", heads), ("hook_q_normed", heads), ("hook_rot_q", heads), ("hook_z", heads),
+                    ("hook_k", kv), ("hook_k_normed", kv), ("hook_rot_k", kv), ("hook_v", kv), ("hook_v_normed", kv),
+                    ("q_norm.hook_normalized", heads), ("k_norm.hook_normalized", kv), ("v_norm.hook_normalized", kv)):
+        shapes[f"{a}.{name}"] = (batch, pos, n, dh)
+    shapes[f"{a}.v_norm.hook_scale"] = (batch, pos, kv, 1)
+    if cfg.layer_kv_source(layer) is not None:
+        for name in ("hook_k", "hook_k_normed", "hook_rot_k", "hook_v", "hook_v_normed", "k.hook_in", "v.hook_in",
+                     "k_norm.hook_scale", "k_norm.hook_normalized", "v_norm.hook_scale", "v_norm.hook_normalized"):
+            del shapes[f"{a}.{name}"]
+    elif cfg.layer_values_from_keys(layer):
+        del shapes[f"{a}.v.hook_in"]
+    width = cfg.layer_d_mlp(layer)
+    shapes.update({f"{b}.mlp.{name}": (batch, pos, width) for name in ("hook_pre", "hook_pre_linear", "hook_post")})
+    if cfg.layer_sparse(layer):
+        tokens = batch * pos
+        shapes[f"{b}.experts.hook_expert_weights"] = (tokens, cfg.experts.n)
+        shapes[f"{b}.experts.hook_expert_indices"] = (tokens, cfg.experts.per_token)
+        shapes.update({f"{b}.experts.experts.{e}.{point}": (tokens, cfg.expert_width)
+                       for e in range(cfg.experts.n) for point in ("hook_gate", "hook_pre", "hook_post")})
+        for name in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+            norm(f"{b}.{name}")
+        shapes[f"{b}.experts.router_norm.hook_scale"] = (tokens, 1)
+        shapes[f"{b}.experts.router_norm.hook_normalized"] = (tokens, cfg.d_model)
+    spec = cfg.per_layer_inputs
+    if spec is not None:
+        shapes.update({f"{b}.per_layer.hook_in": (batch, pos, cfg.d_model), f"{b}.per_layer.hook_gate": (batch, pos, spec.d),
+                       f"{b}.per_layer.hook_gated": (batch, pos, spec.d), f"{b}.hook_per_layer_out": (batch, pos, cfg.d_model)})
+        norm(f"{b}.per_layer.ln")
+        if layer == 0:
+            shapes.update({"per_layer_embed.hook_out": (batch, pos, cfg.n_layers, spec.d),
+                           "per_layer_embed.ln.hook_scale": (batch, pos, cfg.n_layers, 1),
+                           "per_layer_embed.ln.hook_normalized": (batch, pos, cfg.n_layers, spec.d)})
 
 
 def mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int, norm, sparse: bool) -> None:
@@ -137,6 +187,19 @@ def dense_mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: 
         shapes[f"{b}.mlp.ln.hook_scale"] = (batch, pos, 1)
         shapes[f"{b}.mlp.ln.hook_normalized"] = (batch, pos, cfg.d_mlp)
     shapes[f"{b}.mlp.hook_post"] = (batch, pos, cfg.d_mlp)
+
+
+def indexer_shapes(latent, layer: int, shapes: dict, a: str, batch: int, pos: int, key_pos: int) -> None:
+    """A sparse indexer's points (probe.sparse_indexer): the chosen keys and their mask, and where the layer has an
+    indexer of its own, its queries, keys, weights and scores."""
+    spec = latent.indexer
+    shapes[f"{a}.hook_topk_indices"] = (batch, pos, min(spec.topk, key_pos))
+    shapes[f"{a}.hook_dsa_mask"] = (batch, pos, key_pos)
+    if not spec.layer_shared(layer):
+        shapes.update({f"{a}.indexer.hook_q": (batch, pos, spec.n_heads, spec.d_head),
+                       f"{a}.indexer.hook_k": (batch, pos, spec.d_head),
+                       f"{a}.indexer.hook_weights": (batch, pos, spec.n_heads),
+                       f"{a}.indexer.hook_scores": (batch, pos, key_pos)})
 
 
 def latent_shapes(latent, shapes: dict, a: str, batch: int, pos: int, heads: int) -> None:

@@ -10,7 +10,8 @@ adjacent heads. Each head h keeps a state S [d_head d_state]; at each position t
     y_t = S C_t + D_h x_t                             (hook_scan_out)
 
 then y is multiplied by silu(z), RMS-normalised per group of channels (the gated norm, hook_inner_norm: what
-out_proj reads) and projected back to the residual. The recurrence runs in float32 by chunks of positions
+out_proj reads; Falcon-H1's normalise before the gate, or not at all: StateSpace.inner_norm) and projected back to the
+residual. The recurrence runs in float32 by chunks of positions
 (state_space_scan; its definition, one position at a time, is state_space_scan_stepwise)."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import nn
 
-from probe.config import DecoderConfig
+from probe.config import DecoderConfig, StateSpace
 from probe.hooks import HookPoint
 from probe.kv_cache import LayerKV
 
@@ -78,10 +79,32 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.w * normed.to(y.dtype)
 
 
+class GroupedRMSNormThenGate(GroupedGatedRMSNorm):
+    """y RMS-normalised over each of `groups` equal slices (in float32), times w, then times silu(z): the norm before
+    the gate (Falcon-H1's mamba_norm_before_gate)."""
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        grouped = y.float().unflatten(-1, (self.groups, -1))
+        normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return (self.w * normed * F.silu(gate.float())).to(y.dtype)
+
+
+class SiluGate(nn.Module):
+    """y * silu(z) without a norm (Falcon-H1's mamba_rms_norm false): nothing learned."""
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return y * F.silu(gate)
+
+
+# StateSpace.inner_norm -> the gated norm's module
+INNER_NORMS = {"after_gate": GroupedGatedRMSNorm, "before_gate": GroupedRMSNormThenGate, None: SiluGate}
+
+
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, spec: Optional[StateSpace] = None):
+        """`spec`: the mixer's StateSpace, where it is not cfg.state_space (Falcon-H1's, beside attention)."""
         super().__init__()
-        spec = cfg.state_space
+        spec = cfg.state_space if spec is None else spec
         self.heads, self.d_head, self.groups, self.d_state = spec.n_heads, spec.d_head, spec.n_groups, spec.d_state
         self.inner = spec.n_heads * spec.d_head
         self.conv_channels = self.inner + 2 * spec.n_groups * spec.d_state  # x, B, C
@@ -93,13 +116,15 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.heads))
         self.A_log = nn.Parameter(torch.zeros(self.heads))  # each head's decay rate, log(-A)
         self.D = nn.Parameter(torch.ones(self.heads))  # each head's skip from x to y
-        self.norm = GroupedGatedRMSNorm(self.inner, spec.n_groups, cfg.eps)
-        self.out_proj = nn.Linear(self.inner, cfg.d_model, bias=spec.proj_bias)
+        gated_norm = INNER_NORMS[spec.inner_norm]
+        self.norm = gated_norm() if gated_norm is SiluGate else gated_norm(self.inner, spec.n_groups, cfg.eps)
+        out_bias = spec.proj_bias if spec.out_bias is None else spec.out_bias
+        self.out_proj = nn.Linear(self.inner, cfg.d_model, bias=out_bias)
         self.hook_in_proj = HookPoint()  # [batch pos inner+conv_channels+head]: z, then x B C, then dt (before its bias)
         self.hook_conv = HookPoint()  # [batch pos conv_channels]: x, B, C after the convolution and its silu
         self.hook_dt = HookPoint()  # [batch pos head] float32: the step, softplus(dt + dt_bias), clamped
         self.hook_scan_out = HookPoint()  # [batch pos head d_head]: y = S C + D x, before the gate
-        self.hook_inner_norm = HookPoint()  # [batch pos inner]: y gated and normed, what out_proj reads
+        self.hook_inner_norm = HookPoint()  # [batch pos inner]: y gated and normed (or only gated), what out_proj reads
 
     def forward(self, x: torch.Tensor, real: Optional[torch.Tensor] = None, past: Optional[LayerKV] = None):
         """x [batch pos d_model]; `real` [batch pos] is False at padding, which writes nothing into the state (its

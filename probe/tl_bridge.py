@@ -35,8 +35,11 @@ BRIDGE_SKIPS = {**dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGen
                                  "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GlmForCausalLM",
                                  "Glm4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "FlexOlmoForCausalLM",
                                  "Exaone4ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                                 "Glm4MoeLiteForCausalLM", "YoutuForCausalLM", "GraniteMoeHybridForCausalLM",
-                                 "BambaForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM"),
+                                 "Glm4MoeLiteForCausalLM", "YoutuForCausalLM", "GlmMoeDsaForCausalLM",
+                                 "GraniteMoeHybridForCausalLM",
+                                 "BambaForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
+                                 "NemotronHForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+                                 "Gemma4UnifiedForConditionalGeneration", "AfmoeForCausalLM"),
                                 ("fold_ln",)),
                 "NemotronForCausalLM": ("fold_ln", "center_writing_weights")}
 

@@ -92,11 +92,14 @@ def _save_attention(module: Attention, state: dict, prefix: str, local_metadata)
     out_weight, out_bias = state.pop(prefix + "out.weight"), state.pop(prefix + "out.bias", None)
     d_head, grouped = module.d_head, module.n_kv_heads != module.n_heads
     names = ("W_Q", "_W_K", "_W_V") if grouped else ("W_Q", "W_K", "W_V")
-    for name, part in zip(names, weight.split(module.qkv_sizes)):
-        state[prefix + name] = rearrange(part, "(head d_head) d_model -> head d_model d_head", d_head=d_head).contiguous()
+    own = (True, *module.projects)  # (Gemma 4's layers reusing keys project q alone; values from keys: no v)
+    for name, part, kept in zip(names, weight.split(module.qkv_sizes), own):
+        if kept:
+            state[prefix + name] = rearrange(part, "(head d_head) d_model -> head d_model d_head", d_head=d_head).contiguous()
     parts = bias.split(module.qkv_sizes) if bias is not None else [weight.new_zeros(n) for n in module.qkv_sizes]
-    for name, part in zip(names, parts):
-        state[prefix + name.replace("W", "b")] = part.reshape(-1, d_head).contiguous()
+    for name, part, kept in zip(names, parts, own):
+        if kept:
+            state[prefix + name.replace("W", "b")] = part.reshape(-1, d_head).contiguous()
     state[prefix + "W_O"] = rearrange(out_weight, "d_model (head d_head) -> head d_head d_model", d_head=d_head).contiguous()
     state[prefix + "b_O"] = _or_zeros(out_bias, out_weight.shape[0], out_weight)
     # TL 3.9's attention buffers as its state dict holds them, for code that edits them there (ARENA's grokking loader
@@ -186,9 +189,9 @@ def _load_attention(module: Attention, state: dict, prefix: str, local_metadata,
     if not any(prefix + name in state for name in names):
         return  # probe's own layout (or nothing for this module)
     d_model, d_head, n_q, n_kv = module.qkv.in_features, module.d_head, module.n_heads, module.n_kv_heads
-    heads = (n_q, n_kv, n_kv)
+    heads = (n_q, n_kv, n_kv)[:len(module.projection_inputs())]  # (fewer where a layer projects fewer: Gemma 4)
     # q, k and v go into the one fused projection: each is staged under its own key, then joined
-    staged = [prefix + f"qkv.{part}" for part in "qkv"]
+    staged = [prefix + f"qkv.{part}" for part in "qkv"][:len(heads)]
     for name, target, n, current in zip(names[:3], staged, heads, module.qkv.weight.detach().split(module.qkv_sizes)):
         _into(state, prefix + name, target, (n, d_model, d_head), current, errors, missing,
               lambda t: rearrange(t, "head d_model d_head -> (head d_head) d_model"))
@@ -196,7 +199,7 @@ def _load_attention(module: Attention, state: dict, prefix: str, local_metadata,
         state[prefix + "qkv.weight"] = torch.cat([state[key] for key in staged])
     has_bias = module.qkv.bias is not None
     biases = module.qkv.bias.detach().split(module.qkv_sizes) if has_bias else (None, None, None)
-    staged_bias = [prefix + f"qkv.bias.{part}" for part in "qkv"]
+    staged_bias = [prefix + f"qkv.bias.{part}" for part in "qkv"][:len(heads)]
     for name, target, n, current in zip(names[4:7], staged_bias, heads, biases):
         _bias_into(state, prefix + name, target, (n, d_head), current, errors, missing, "q/k/v bias (qkv_bias)")
     if has_bias and all(key in state for key in staged_bias):

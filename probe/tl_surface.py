@@ -355,8 +355,9 @@ class TransformerLensSurface:
         cache = one_cache(None, cache)
         tokens, new_mask = self.tokens_and_mask(input, attention_mask, padding_side, prepend_bos, cached=True)
         every = cache.extend_mask(torch.ones_like(tokens) if new_mask is None else new_mask)
-        residual, shortformer = self.embed_at(tokens, token_positions(every, *tokens.shape, self.device))
-        return residual, tokens, shortformer, every
+        residual, beside = self.embed_at(tokens, token_positions(every, *tokens.shape, self.device))
+        # what blocks read beside the residual is a shortformer's positions, or per-layer inputs the forward recomputes
+        return residual, tokens, beside if self.cfg.positions is Positions.SHORTFORMER else None, every
 
     # ---- positions -----------------------------------------------------------------------------------
     def get_token_position(self, single_token: Union[str, int], input: Union[str, torch.Tensor],

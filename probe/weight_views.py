@@ -26,16 +26,25 @@ def _stacked(path: str, shape: str, bias_of: Optional[tuple[str, Callable]] = No
     sublayer, name = path.split(".")
 
     def get(self: "WeightViews") -> torch.Tensor:
+        if sublayer == "mlp" and self.cfg.sublayers is not None:  # (NemotronH's: one sublayer per layer)
+            raise ValueError(f"model.{name}: this model's layers hold one sublayer each, so only some have an MLP and "
+                             f"{name} does not stack over layers; read model.blocks[layer].{path} for an MLP layer")
         if sublayer == "mlp" and self.cfg.attn_only:
             # a ValueError, not an AttributeError: nn.Module would swap the latter for a bare "no attribute W_in"
             raise ValueError(f"model.{name}: this attention-only model has no MLPs")
         if sublayer == "mlp" and self.cfg.experts is not None:
             refuse_experts(f"model.{name}")
-        if sublayer == "attn" and self.cfg.linear_attention is not None:
-            attention = [l for l in range(self.cfg.n_layers) if not self.cfg.layer_is_linear(l)]
-            raise ValueError(f"model.{name}: this hybrid model's linear-attention layers have no attention heads, so "
+        if sublayer == "attn" and (self.cfg.linear_attention is not None or self.cfg.sublayers is not None
+                                   or self.cfg.short_conv is not None):
+            attention = [l for l in range(self.cfg.n_layers) if self.cfg.layer_has_attention(l)]
+            kind = "short-convolution (LFM2)" if self.cfg.short_conv is not None else "linear-attention"
+            raise ValueError(f"model.{name}: this hybrid model's {kind} layers have no attention heads, so "
                              f"{name} does not stack over layers; read model.blocks[layer].{path} for an attention "
                              f"layer ({attention})")
+        if sublayer == "attn" and name[-1] in "KV" and self.cfg.shared_kv is not None:  # (Gemma 4's last layers)
+            shared = [l for l in range(self.cfg.n_layers) if self.cfg.layer_kv_source(l) is not None]
+            raise ValueError(f"model.{name}: layers {shared} compute no keys or values (they attend over earlier "
+                             f"layers'), so {name} does not stack over layers; read model.blocks[layer].{path}")
         values = []
         for block in self.blocks:
             part = getattr(block, sublayer)
@@ -45,8 +54,8 @@ def _stacked(path: str, shape: str, bias_of: Optional[tuple[str, Callable]] = No
                 value = weight.new_zeros(bias_of[1](weight))
             values.append(value)
         if len({tuple(v.shape) for v in values}) > 1:
-            raise ValueError(f"{name} has a different shape in each layer (structurally pruned heads), so it does not "
-                             f"stack; read model.blocks[layer].{path}")
+            raise ValueError(f"{name} has a different shape in each layer (structurally pruned heads, or Gemma 4's "
+                             f"wider full-attention heads and MLPs), so it does not stack; read model.blocks[layer].{path}")
         return torch.stack(values)
 
     get.__doc__ = f"{shape}: every block's {path}, stacked" + (" (zeros where the model has no such bias)"

@@ -77,6 +77,20 @@ def figure_html(fig) -> str:
     return '<div class="figure">' + fig.to_html(full_html=False, include_plotlyjs=False) + "</div>"
 
 
+def set_fields(cfg, config):
+    """The config table's rows worth reading: the shape, then every field not at DecoderConfig's default (a new
+    family's distinctive fields come late in a long list, and a cut at a row count hid them)."""
+    import dataclasses
+
+    # (architecture fields only: the loaded model's name and path are not, and the page names no local path)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.compare}
+    shape = {"n_layers", "d_model", "n_heads", "d_vocab", "n_ctx", "d_head", "d_mlp", "n_kv_heads"}
+    keep = [name in shape or str(value) != str(getattr(defaults[name], "value", defaults[name]))
+            for name, value in zip(config["field"], config["value"]) if name in defaults or name in shape]
+    config = config[config["field"].isin(defaults)]
+    return config[keep]
+
+
 def table_html(frame, rows: int = 15) -> str:
     return frame.head(rows).to_html(index=False, escape=True, float_format=lambda v: f"{v:.4g}", border=0)
 
@@ -154,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         config, ledger, summary, _ = anatomy_tables(model, None)
         part = report.section("model", "The model")
         shown = shown_path(str(args.model)) + (f"@{args.revision}" if getattr(args, "revision", None) else "")
-        part += [f"<pre>{html.escape(shown)}</pre>", table_html(summary, 20), table_html(config, 40)]
+        part += [f"<pre>{html.escape(shown)}</pre>", table_html(summary, 20), table_html(set_fields(model.cfg, config), 60)]
         out.write_csv("ledger.csv", ledger)
         prompt_part = report.section("prompt", "Prompt and prediction")
         prediction = pd.DataFrame({"token": strings(top.indices.tolist()), "id": top.indices.tolist(), "probability": top.values.tolist()})
@@ -179,8 +193,9 @@ def run(args: argparse.Namespace) -> int:
         out.write_csv("attribution.csv", dla.to_frame())
 
     # a hybrid's linear-attention layers (Qwen3.5) have no heads: the analyses of every layer's heads say so instead
-    linear = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_is_linear(layer)]
-    kind = f"state-space ({model.cfg.state_space.label})" if model.cfg.state_space is not None else "linear-attention"
+    from probe.analyses.architecture import headless_layers
+
+    linear, kind = headless_layers(model)  # (and NemotronH's MLP-only layers)
     headless = ("Not run: {} reads every layer's attention heads, and layers " + str(linear) + " of this hybrid model are "
                 f"{kind} layers, which have none; the analyses by layer cover them.")
     if len(linear) < model.cfg.n_layers:
@@ -211,6 +226,16 @@ def run(args: argparse.Namespace) -> int:
             part += [note("Not run: edge attribution follows each edge through the heads' W_Q, W_K and W_V, and this "
                           "model's latent attention reads queries, keys and values through normalised low-rank "
                           "latents instead; the head patching above covers its heads.")]
+        elif model.cfg.parallel_state_space is not None:  # (Falcon-H1's)
+            part += [note("Not run: edge attribution takes the residual stream for the sum of its heads', MLPs' and "
+                          "embeddings' writes, and this model's layers also write a Mamba-2 mixer's output beside their "
+                          "heads (blocks.L.hook_mixer_out); the head patching above covers its heads, and the "
+                          "attribution above names each mixer's write.")]
+        elif model.cfg.layer_scalars:  # (Gemma 4's)
+            part += [note("Not run: edge attribution follows linear edges between writers and each head's own "
+                          "inputs, and this model (Gemma 4) normalises each head's values, scales the whole residual "
+                          "after every block and may let later layers reuse earlier layers' keys; the head patching "
+                          "and attribution above cover its heads.")]
         else:
             with timed("circuit"):
                 scores = A.edge_attribution(model, tokens, corrupted, metric, method="eap-ig-inputs")
@@ -228,7 +253,9 @@ def run(args: argparse.Namespace) -> int:
                       f"the same length, {tokens.shape[1]} tokens with BOS) to patch this prompt's activations into it, "
                       "e.g. the prompt with one name changed.")]
 
-    ffn = not (model.cfg.attn_only or model.cfg.experts is not None)  # FFN neurons to read: one MLP per layer
+    # FFN neurons to read: one MLP per layer, all of one width (Gemma 4's last layers may be twice as wide)
+    widths = {model.cfg.layer_d_mlp(layer) for layer in range(model.cfg.n_layers)}
+    ffn = not (model.cfg.attn_only or model.cfg.experts is not None or len(widths) > 1)
     if model.cfg.experts is not None:
         with timed("routing"):
             routing = A.expert_routing(model, tokens)
@@ -243,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
         part = report.section("memories", "FFN memories")
         part += [note("Not run: FFN memories read each layer's one MLP, and this model's " + (
             "blocks have none (attention or state-space mixers only)." if model.cfg.attn_only else
-            "MLPs are mixtures of experts, whose neurons see only the tokens routed to them: the routing is above."))]
+            "MLPs are mixtures of experts, whose neurons see only the tokens routed to them: the routing is above."
+            if model.cfg.experts is not None else f"MLPs differ in width between layers ({sorted(widths)} neurons)."))]
     elif "memories" not in args.skip:
         with timed("memories"):
             lookup = A.memory_lookup(model, tokens, k=8)

@@ -138,3 +138,57 @@ def seen_in_forward(hf, tokens: torch.Tensor, modules: dict) -> dict:
         for handle in handles:
             handle.remove()
     return seen
+
+
+def compared_with_the_delegating_bridge(directory, tokens: torch.Tensor) -> set:
+    """Every point TL 4's bridge fires on the checkpoint in `directory`, under its own name, against probe's (the
+    families whose adapters delegate attention to transformers: Gemma 4's, AFMoE's). Their hook_attn_scores holds the
+    pattern (transformers computes no scores the bridge can hook), so it is compared with probe's hook_pattern; a
+    point holding tokens flattened, [batch*pos ...], with probe's flattened. A name probe has no point for must say
+    what to hook. Returns the names compared, without their `blocks.L.`."""
+    import pytest
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from probe.hooks import UnknownNameError
+
+    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
+    model = HookedDecoder.boot_transformers(directory).eval()
+    tokens = tokens % model.cfg.d_vocab
+    with torch.no_grad():
+        their_logits, theirs = bridge.run_with_cache(tokens)
+        our_logits, ours = model.run_with_cache(tokens, names=lambda n: n in theirs)
+        patterns = model.run_with_cache(tokens, names=lambda n: n.endswith("hook_pattern"))[1]
+    torch.testing.assert_close(our_logits, their_logits, atol=1e-4, rtol=0)
+    compared = set()
+    for name, value in theirs.items():
+        if name not in ours:
+            with pytest.raises(UnknownNameError, match="hook|probe"):
+                model.hook_point(name)
+            continue
+        ours_value = patterns[name.replace("hook_attn_scores", "hook_pattern")] if name.endswith(
+            "hook_attn_scores") else ours[name]
+        if ours_value.shape != value.shape:
+            ours_value = ours_value.flatten(0, 1)
+        torch.testing.assert_close(ours_value, value, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+        compared.add(name.split(".", 2)[-1])
+    return compared
+
+
+def runs_with_one_heads_input_swapped(model, tokens: torch.Tensor, point: str, head: int) -> tuple:
+    """(plain logits, their cache, logits with each head reading its own inputs, that cache, another prompt's cache,
+    the cache with `point`'s (a per-head input's) head `head` replaced by the other prompt's): what a test of heads
+    reading their own inputs compares."""
+    other = torch.randint(0, 101, tokens.shape, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        plain, base = model.run_with_cache(tokens)
+        model.set_use_split_qkv_input(True)
+        split, cache = model.run_with_cache(tokens)
+        _, theirs = model.run_with_cache(other)
+
+        def swap(x, hook):
+            x[:, :, head] = theirs[point][:, :, head]
+            return x
+
+        with model.hooks(fwd_hooks=[(point, swap)]):
+            _, edited = model.run_with_cache(tokens)
+    return plain, base, split, cache, theirs, edited

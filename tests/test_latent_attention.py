@@ -13,7 +13,8 @@ import torch
 from probe import DecoderConfig, HookedDecoder, LatentAttention
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
                            assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
-                           caches_in_compatibility_mode, report_page, seen_in_forward)
+                           caches_in_compatibility_mode, report_page, runs_with_one_heads_input_swapped,
+                           seen_in_forward)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -124,19 +125,7 @@ def test_heads_reading_their_own_inputs_compute_what_one_input_does(tmp_path):
     the other prompt's key and leaves every other head's key and every value as they were."""
     build("deepseek_v3", tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
-    other = torch.randint(0, 101, TOKENS.shape, generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        plain, base = model.run_with_cache(TOKENS)
-        model.set_use_split_qkv_input(True)
-        split, cache = model.run_with_cache(TOKENS)
-        _, theirs = model.run_with_cache(other)
-
-        def swap(x, hook):
-            x[:, :, 2] = theirs["blocks.1.hook_k_input"][:, :, 2]
-            return x
-
-        with model.hooks(fwd_hooks=[("blocks.1.hook_k_input", swap)]):
-            _, edited = model.run_with_cache(TOKENS)
+    plain, base, split, cache, theirs, edited = runs_with_one_heads_input_swapped(model, TOKENS, "blocks.1.hook_k_input", 2)
     torch.testing.assert_close(split, plain, atol=1e-6, rtol=0)
     for name in ("hook_q", "hook_k", "hook_v"):
         torch.testing.assert_close(cache[f"blocks.1.attn.{name}"], base[f"blocks.1.attn.{name}"], atol=1e-6, rtol=0)

@@ -56,6 +56,21 @@ def test_one_bias_free_block_attention_and_mlp_counts():
     {"linear_attention": {"layers": (True, False, True), "key_heads": 2, "value_heads": 4, "d_key_head": 8,
                           "d_value_head": 12, "conv_kernel": 3}, "attn_output_gate": True, "qk_norm": True,
      "norm": "rms_float32", "positions": "rotary", "gated_mlp": True, "n_kv_heads": 2, "qkv_bias": False},
+    # LFM2: short convolutions (with and without biases) beside attention; LFM2-MoE's dense first layer and experts
+    *({"short_conv": {"layers": (True, False, True), "conv_kernel": 3, "bias": bias}, "qk_norm": True, "norm": "rms",
+       "positions": "rotary", "gated_mlp": True, "n_kv_heads": 2, "qkv_bias": False} for bias in (False, True)),
+    {"short_conv": {"layers": (True, False, True)}, "experts": {"n": 4, "per_token": 2, "width": 24,
+                                                                 "layers": (False, True, True), "scoring": "sigmoid",
+                                                                 "selection_bias": True, "renormalize": True,
+                                                                 "renormalize_eps": 1e-6},
+     "qk_norm": True, "norm": "rms", "positions": "rotary", "gated_mlp": True, "mlp_bias": False},
+    # NemotronH: one sublayer per layer (Mamba-2, attention, ungated latent experts beside an ungated shared one)
+    *({"sublayers": ("mixer", "attn", "mlp"), "state_space": {"layers": (True, False, False), "n_heads": 4,
+                                                              "d_head": 16, "d_state": 8, "n_groups": 2},
+       "experts": {"n": 4, "per_token": 2, "shared": 40, "shared_gate": False, "width": 24, "gated": False,
+                   "layers": (False, False, True), "latent": latent, "routed_bias": False, "selection_bias": True},
+       "activation": "relu2", "norm": "rms", "positions": "rotary", "mlp_bias": bias}
+      for latent, bias in ((None, False), (16, True))),
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)

@@ -64,6 +64,34 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40, sliding_window=6,
                         query_pre_attn_scalar=20, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**settings, **overrides}))
+    elif kind == "afmoe":  # sandwich norms, q/k norms, gated heads, NoPE full layers, a window, DeepSeek-style experts
+        settings = dict(vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=12,
+                        num_hidden_layers=4, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, max_position_embeddings=40, num_experts=4, num_experts_per_tok=2,
+                        num_shared_experts=1, route_scale=1.5, global_attn_every_n_layers=2, sliding_window=4,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+        model = tf.AfmoeForCausalLM(tf.AfmoeConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (the selection bias, which `perturbed` leaves at zero, and a router that is not)
+            for layer in model.model.layers[{**settings, **overrides}["num_dense_layers"]:]:
+                layer.mlp.expert_bias.copy_(torch.linspace(-0.2, 0.2, layer.mlp.expert_bias.numel()))
+                layer.mlp.router.gate.weight.normal_(0, 0.5)
+    elif kind == "gemma4":  # Gemma 3's block with value norms, unscaled scores and scaled layer outputs; wider
+        # full-attention heads whose values are their keys, a quarter of them rotating; the last two layers reusing
+        # keys and values with MLPs twice as wide; per-layer token inputs; a window shorter than the tests' inputs
+        kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+        settings = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+                        sliding_window=4, layer_types=kinds, max_position_embeddings=40,
+                        vocab_size_per_layer_input=overrides.get("vocab_size", 101),
+                        hidden_size_per_layer_input=4, attention_k_eq_v=True, num_kv_shared_layers=2,
+                        use_double_wide_mlp=True, final_logit_softcapping=30.0, pad_token_id=0)
+        model = tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (buffers and scales, which `perturbed` leaves at their initial ones)
+            for index, layer in enumerate(model.model.layers):
+                layer.layer_scalar.fill_(0.6 + 0.1 * index)
+                if layer.enable_moe_block:
+                    layer.router.scale.copy_(torch.linspace(0.5, 1.5, layer.router.scale.numel()))
+                    layer.router.per_expert_scale.copy_(torch.linspace(0.7, 1.3, layer.router.per_expert_scale.numel()))
     elif kind == "olmo":  # Llama's block with LayerNorms that learn nothing
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         max_position_embeddings=40, pad_token_id=1, eos_token_id=2)
@@ -270,7 +298,7 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40)
         model = tf.Ernie4_5ForCausalLM(tf.Ernie4_5Config(**{**settings, **overrides}))
-    elif kind in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu"):  # latent attention: low-rank q and kv
+    elif kind in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "glm_moe_dsa"):  # latent attention
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=20, qk_rope_head_dim=8,
                         qk_nope_head_dim=12, v_head_dim=16, max_position_embeddings=40, pad_token_id=0, bos_token_id=1,
@@ -279,11 +307,15 @@ def build(kind, directory, **overrides):
                        routed_scaling_factor=1.5, n_group=2, topk_group=1)  # (a dense first layer, then experts)
         settings.update({"deepseek_v3": dict(first_k_dense_replace=1, **experts),
                          "deepseek_v2": dict(first_k_dense_replace=1, topk_method="group_limited_greedy", **experts),
-                         "glm4_moe_lite": dict(mlp_layer_types=["dense", "sparse"], **experts)}.get(kind, {}))
+                         "glm4_moe_lite": dict(mlp_layer_types=["dense", "sparse"], **experts),
+                         # GLM-5's sparse attention: an index_topk well under the tests' lengths, so keys are dropped
+                         "glm_moe_dsa": dict(first_k_dense_replace=1, index_topk=5, index_head_dim=16, index_n_heads=4,
+                                             **experts)}.get(kind, {}))
         config, causal = {"deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
                           "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
                           "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
-                          "youtu": (tf.YoutuConfig, tf.YoutuForCausalLM)}[kind]
+                          "youtu": (tf.YoutuConfig, tf.YoutuForCausalLM),
+                          "glm_moe_dsa": (tf.GlmMoeDsaConfig, tf.GlmMoeDsaForCausalLM)}[kind]
         model = causal(config(**{**settings, **overrides}))
     elif kind == "minimax_m2":  # q/k norms over all heads, half of each head rotated, sigmoid-scored experts, biased choice
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
@@ -349,6 +381,60 @@ def build(kind, directory, **overrides):
                 for param, low, high in ((layer.mixer.A_log, -1, 1), (layer.mixer.D, -1, 1),
                                          (layer.mixer.dt_proj.bias, -2, 1)):
                     param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
+    elif kind == "nemotron_h":  # one sublayer per layer: Mamba-2, routed experts, attention (no positions), an MLP
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=48, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=40, mamba_num_heads=8,
+                        mamba_head_dim=16, n_groups=2, ssm_state_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=24, moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1,
+                        routed_scaling_factor=1.5, layers_block_type=["mamba", "moe", "attention", "mlp"],
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (transformers starts every head alike: A = 1..heads, D = 1, dt_bias = 1)
+            for layer in model.model.layers:
+                if layer.block_type == "linear_attention":
+                    for param, low, high in ((layer.mixer.A_log, -1, 1), (layer.mixer.D, -1, 1),
+                                             (layer.mixer.dt_bias, -2, 1)):
+                        param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
+                elif layer.block_type == "moe":  # scores far enough apart that the groups and the bias bite
+                    layer.mixer.gate.weight.mul_(10)
+                    layer.mixer.gate.e_score_correction_bias.copy_(
+                        0.3 * torch.randn(4, generator=torch.Generator().manual_seed(6)))
+                    for param in (layer.mixer.experts.up_proj, layer.mixer.experts.down_proj,
+                                  layer.mixer.shared_experts.up_proj.weight):  # (relu^2 of small weights: ~nothing)
+                        param.mul_(10)
+                if layer.block_type == "mlp":
+                    layer.mixer.up_proj.weight.mul_(10)
+    elif kind == "falcon_h1":  # attention and a Mamba-2 mixer side by side in every layer, every multiplier not 1
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40, mamba_d_ssm=96,
+                        mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8,
+                        embedding_multiplier=2.0, lm_head_multiplier=0.5, key_multiplier=0.7,
+                        attention_in_multiplier=1.3, attention_out_multiplier=0.8, ssm_in_multiplier=1.1,
+                        ssm_out_multiplier=0.6, mlp_multipliers=[1.2, 0.9], ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 2.0],
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.FalconH1ForCausalLM(tf.FalconH1Config(**{**settings, **overrides}))
+        with torch.no_grad():  # (transformers starts every head alike: A = 1..heads, D = 1, dt_bias = 1)
+            for layer in model.model.layers:
+                for param, low, high in ((layer.mamba.A_log, -1, 1), (layer.mamba.D, -1, 1),
+                                         (layer.mamba.dt_bias, -2, 1)):
+                    param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
+    elif kind == "lfm2":  # short convolutions around an attention layer; the MLP width rule (2/3, x1.3, multiple of 16)
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, layer_types=["conv", "full_attention", "conv"],
+                        block_multiple_of=16, block_ffn_dim_multiplier=1.3, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
+        model = tf.Lfm2ForCausalLM(tf.Lfm2Config(**{**settings, **overrides}))
+    elif kind == "lfm2_moe":  # and a dense first layer, then sigmoid-routed experts with a selection bias
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40,
+                        layer_types=["conv", "full_attention", "conv"], num_dense_layers=1, num_experts=6,
+                        num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.Lfm2MoeForCausalLM(tf.Lfm2MoeConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # a selection bias that changes some choices (transformers starts it at zeros)
+            for layer in model.model.layers:
+                if hasattr(layer.feed_forward, "expert_bias"):
+                    layer.feed_forward.gate.weight.mul_(10)
+                    layer.feed_forward.expert_bias.copy_(0.3 * torch.randn(6, generator=torch.Generator().manual_seed(7)))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -396,6 +482,24 @@ CASES = {
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
         "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0}),
+    "afmoe-trinity": ("afmoe", {}),
+    "afmoe-mup-biases-tied": ("afmoe", {"mup_enabled": True, "attention_bias": True, "tie_word_embeddings": True,
+                                        "num_shared_experts": 0, "num_dense_layers": 2}),
+    "gemma4-shared-kv-per-layer-inputs": ("gemma4", {}),  # E2B / E4B's
+    "gemma4-values-from-keys": ("gemma4", {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}),  # 31B's
+    "gemma4-experts-beside-mlp": ("gemma4", {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,  # 26B-A4B's
+                                             "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                             "moe_intermediate_size": 12}),
+    # experts beside the MLP, per-layer inputs and shared keys together (no released model has all), biases
+    "gemma4-everything": ("gemma4", {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                     "moe_intermediate_size": 12, "attention_bias": True}),
+    # own value projections, biases, more key/value heads in full layers, a rescaled proportional rope, untied
+    "gemma4-values-biases-rescaled": ("gemma4", {
+        "attention_k_eq_v": False, "attention_bias": True, "num_global_key_value_heads": 2, "tie_word_embeddings": False,
+        "per_layer_config": {str(l): {"head_dim": 16, "num_key_value_heads": 2} for l in (2, 5)},
+        "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                               "factor": 2.0, "rope_theta": 1000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}),
     "olmo-weightless-norms": ("olmo", {}),
     # OLMo-7B-0424's clamp, small enough to bite on random weights
     "olmo-clip-qkv": ("olmo", {"clip_qkv": 0.05}),
@@ -544,14 +648,43 @@ CASES = {
     "deepseek-v2-lite-direct-query": ("deepseek_v2", {"q_lora_rank": None}),
     "glm4-moe-lite-latent": ("glm4_moe_lite", {}),
     "youtu-latent-tied": ("youtu", {}),
+    # GLM-5: each query reads the 5 keys its layer's indexer scores highest, a dense first layer, then experts
+    "glm-moe-dsa-sparse-keys-experts": ("glm_moe_dsa", {}),
+    # a layer reading the keys the layer before chose (indexer_types "shared"), 3 keys each, a YaRN rope, biases, tied
+    "glm-moe-dsa-shared-choice-yarn-biases-tied": ("glm_moe_dsa", {
+        "num_hidden_layers": 4, "indexer_types": ["full", "shared", "full", "shared"], "index_topk": 3,
+        "mlp_layer_types": ["dense", "dense", "sparse", "sparse"], "attention_bias": True, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 16, "mscale": 0.9, "mscale_all_dim": 0.7}}),
     # Mamba-2 layers around an attention layer, experts beside a shared MLP, Granite's scalars
     "granite-hybrid-mamba2-experts-rope": ("granitemoehybrid", {}),
     "bamba-mamba2-half-rotary": ("bamba", {}),
+    # attention and a Mamba-2 mixer side by side, every muP multiplier not 1: without the gated norm (the released
+    # models), with it after the gate, and before it with every bias, step limits and wider heads
+    "falcon-h1-parallel-hybrid-no-inner-norm": ("falcon_h1", {}),
+    "falcon-h1-inner-norm-after-gate-tied-one-group": ("falcon_h1", {
+        "mamba_rms_norm": True, "mamba_norm_before_gate": False, "tie_word_embeddings": True, "mamba_n_groups": 1}),
+    "falcon-h1-inner-norm-before-gate-biases-limits": ("falcon_h1", {
+        "mamba_rms_norm": True, "attention_bias": True, "mlp_bias": True, "mamba_proj_bias": True,
+        "projectors_bias": False, "mamba_conv_bias": False, "time_step_limit": (0.01, 0.5), "head_dim": 24,
+        "rms_norm_eps": 1e-4}),
+    "falcon-h1-out-proj-bias-only-d-ssm-from-expand": ("falcon_h1", {
+        "projectors_bias": True, "mamba_d_ssm": None, "mamba_expand": 1, "mamba_n_heads": 4, "mamba_d_head": "auto"}),
     "mamba2-mixers-only": ("mamba2", {}),
     "mamba2-biases-tied-one-group-step-limits": ("mamba2", {"use_bias": True, "use_conv_bias": False, "n_groups": 1,
                                                             "tie_word_embeddings": True, "time_step_limit": (0.01, 0.5),
                                                             "layer_norm_epsilon": 1e-4}),
     "mamba-mixers-only-tied": ("mamba", {}),
+    # one sublayer per layer: Mamba-2, grouped experts with a selection bias, attention without positions, a relu^2 MLP
+    "nemotron-h-mamba2-experts-attention-mlp": ("nemotron_h", {}),
+    # the latent experts, biases everywhere transformers reads them, one expert group, step limits, every kind twice
+    "nemotron-h-latent-biases-one-group-step-limits": ("nemotron_h", {
+        "moe_latent_size": 16, "mlp_bias": True, "use_bias": True, "use_conv_bias": False, "n_group": 1,
+        "time_step_limit": (0.01, 0.5), "tie_word_embeddings": True, "norm_topk_prob": False, "n_groups": 1,
+        "layers_block_type": ["attention", "mlp", "moe", "mamba", "moe", "mamba", "attention", "mlp"]}),
+    # the released files' pattern string, without experts
+    "nemotron-h-pattern-dense": ("nemotron_h", {"hybrid_override_pattern": "M-M*-", "layers_block_type": None,
+                                                "layer_norm_epsilon": 1e-4, "head_dim": 24}),
     "mamba-biases-untied-no-conv-bias-auto-rank": ("mamba", {"use_bias": True, "use_conv_bias": False,
                                                              "tie_word_embeddings": False, "time_step_rank": "auto",
                                                              "layer_norm_epsilon": 1e-4}),
@@ -582,6 +715,18 @@ CASES = {
         "moe_norm_min": 0.8, "moe_layer_start_index": 0, "moe_num_shared_experts": 2, "tie_word_embeddings": False,
         "head_dim": 24}),
     "ernie4-5-moe-dense-last-layer": ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_end_index": 1}),
+    "lfm2-conv-attention-conv-width-rule": ("lfm2", {}),
+    "lfm2-conv-biases-kernel4-untied": ("lfm2", {"conv_bias": True, "conv_L_cache": 4, "tie_word_embeddings": False}),
+    "lfm2-attention-first-rounded-up-eps": ("lfm2", {"layer_types": ["full_attention", "conv", "conv"],
+                                                     "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+                                                     "norm_eps": 1e-4}),
+    "lfm2-width-as-written-kernel1": ("lfm2", {"block_auto_adjust_ff_dim": False, "conv_L_cache": 1}),
+    "lfm2-moe-dense-first-sigmoid-selection-bias": ("lfm2_moe", {}),
+    "lfm2-moe-all-sparse-unnormalised-scaled": ("lfm2_moe", {"num_dense_layers": 0, "use_expert_bias": False,
+                                                             "norm_topk_prob": False, "routed_scaling_factor": 2.5}),
+    "lfm2-moe-two-dense-conv-biases-untied": ("lfm2_moe", {"num_dense_layers": 2, "conv_bias": True,
+                                                           "tie_word_embeddings": False,
+                                                           "layer_types": ["full_attention", "conv", "conv"]}),
 }
 
 
@@ -671,8 +816,10 @@ def test_save_round_trip_for_each_family(tmp_path):
                  "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
                  "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan", "glm4_moe",
-                 "jais2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "minimax_m2", "ernie4_5_moe",
-                 "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba"):
+                 "jais2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "glm_moe_dsa", "minimax_m2",
+                 "ernie4_5_moe",
+                 "granitemoehybrid", "bamba", "falcon_h1", "mamba2", "mamba", "falcon_mamba", "lfm2", "lfm2_moe", "nemotron_h",
+                 "gemma4", "afmoe"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -733,11 +880,12 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
                                               "exaone4, arcee, glm, glm4, ernie4_5, "
                                               "seed_oss, "
                                               "cohere, "
-                                              "cohere2, granite, granitemoe, granitemoehybrid, bamba, mamba2, mamba, falcon_mamba, apertus, gemma, gemma2, gemma3_text, gemma3, "
+                                              "cohere2, granite, granitemoe, granitemoehybrid, bamba, falcon_h1, mamba2, nemotron_h, mamba, falcon_mamba, lfm2, lfm2_moe, apertus, gemma, gemma2, gemma3_text, gemma3, "
+                                              "afmoe, gemma4_text, gemma4, gemma4_unified, "
                                               "gpt_neox, "
                                               "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, flex_olmo, qwen3_moe, "
                                               "qwen2_moe, glm4_moe, minimax_m2, ernie4_5_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, jais2, deepseek_v2, deepseek_v3, "
-                                              "glm4_moe_lite, youtu, gpt_bigcode, "
+                                              "glm4_moe_lite, youtu, glm_moe_dsa, gpt_bigcode, "
                                               "bloom$"):
         HookedDecoder.from_pretrained(tmp_path)
 

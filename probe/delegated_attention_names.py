@@ -1,0 +1,62 @@
+"""transformer-lens 4's names on the families whose bridge adapters delegate attention to transformers (Gemma 4's,
+AFMoE's: maintain_native_attention): their q and k norms act before the heads are transposed, so the norms' ends hold
+[batch pos head d_head], as probe's hook_q / hook_q_normed do, and their other parts' names (Gemma 4's per-layer
+input and experts beside the MLP, AFMoE's output gate and router) map onto probe's points or say where they are.
+probe.bridge_names calls delegated_attention_names for each layer of these models."""
+from __future__ import annotations
+
+from probe.config import DecoderConfig
+
+
+def delegated_attention_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:
+    """Layer `layer`'s names, added to (or taken from) `aliases` and `left_out`."""
+    a = f"blocks.{layer}.attn"
+    for part in "qkv" if cfg.value_norm else "qk":
+        for end, ours in (("hook_in", f"{a}.hook_{part}"), ("hook_out", f"{a}.hook_{part}_normed")):
+            left_out.pop(f"{a}.{part}_norm.{end}", None)
+            aliases[f"{a}.{part}_norm.{end}"] = ours
+    (gemma4_names if cfg.layer_scalars else afmoe_names)(cfg, layer, aliases, left_out)
+
+
+def afmoe_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:
+    """AFMoE's output gate (`attn.gate`, reading what attention reads) and its router (`mlp.router_gate`)."""
+    b = f"blocks.{layer}"
+    aliases[f"{b}.attn.gate.hook_in"] = f"{b}.ln1.hook_out"
+    left_out[f"{b}.attn.gate.hook_out"] = (f"probe hooks the gate's logits per head, {b}.attn.hook_q_gate [batch pos head "
+                                           f"d_head] (the bridge's are [batch pos (head d_head)])")
+    if cfg.layer_sparse(layer):
+        left_out[f"{b}.mlp.router_gate.hook_in"] = (f"the router reads {b}.ln2.hook_out [batch pos d_model] (the "
+                                                    f"bridge's holds the tokens flattened, [batch*pos d_model])")
+        left_out[f"{b}.mlp.router_gate.hook_out"] = (f"probe hooks the router's sigmoid scores, {b}.mlp.hook_expert_"
+                                                     f"weights [batch*pos experts], and the chosen experts, {b}.mlp."
+                                                     f"hook_expert_indices, not its logits")
+
+
+def gemma4_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:
+    """Gemma 4's block: no k or v where the layer reuses an earlier one's, no v projection where its values are its
+    keys; the experts beside the MLP and the per-layer input's modules under the bridge's names."""
+    b, a = f"blocks.{layer}", f"blocks.{layer}.attn"
+    if cfg.layer_kv_source(layer) is not None:  # no keys or values of its own
+        for part in "kv":
+            for name in (f"{a}.{part}.hook_out", f"{a}.{part}_norm.hook_in", f"{a}.{part}_norm.hook_out",
+                         f"{a}.hook_{part}_input"):
+                del aliases[name]
+    elif cfg.layer_values_from_keys(layer):  # no value projection: its norm reads the keys' projection
+        del aliases[f"{a}.v.hook_out"], aliases[f"{a}.hook_v_input"]
+    if cfg.layer_sparse(layer):
+        dense = f"{b}.post_feedforward_layernorm_1.hook_in"  # the dense MLP's output, before its own norm
+        aliases.update({f"{b}.mlp.hook_out": dense, f"{b}.mlp.out.hook_out": dense,
+                        f"{b}.router.hook_out": f"{b}.experts.hook_expert_weights"})
+        flat = (f"the bridge holds it flattened, [batch*pos d_model]; probe's is {{}} [batch pos d_model] (the "
+                f"router reads {b}.hook_mlp_in's residual, the experts {b}.pre_feedforward_layernorm_2.hook_out)")
+        left_out.update({f"{b}.router.hook_in": flat.format(f"{b}.hook_mlp_in"),
+                         f"{b}.experts.hook_in": flat.format(f"{b}.pre_feedforward_layernorm_2.hook_out"),
+                         f"{b}.experts.hook_out": flat.format(f"{b}.post_feedforward_layernorm_2.hook_in")})
+    if cfg.per_layer_inputs is not None:
+        p = f"{b}.per_layer"
+        aliases.update({f"{b}.per_layer_input_gate.hook_in": f"{p}.hook_in",
+                        f"{b}.per_layer_input_gate.hook_out": f"{p}.hook_gate",
+                        f"{b}.per_layer_projection.hook_in": f"{p}.hook_gated",
+                        f"{b}.per_layer_projection.hook_out": f"{p}.ln.hook_in",
+                        f"{b}.post_per_layer_input_norm.hook_in": f"{p}.ln.hook_in",
+                        f"{b}.post_per_layer_input_norm.hook_out": f"{p}.ln.hook_out"})
