@@ -17,7 +17,7 @@ from torch import nn
 
 from probe.config import DecoderConfig, NormPlacement, Positions
 from probe.hooks import PointUnderName
-from probe.delegated_attention_names import delegated_attention_names
+from probe.delegated_attention_names import delegated_attention_names, delegates_attention
 from probe.parallel_hybrid_names import add_parallel_hybrid_names
 from probe.short_conv_names import short_conv_names
 
@@ -50,7 +50,7 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
                                                    # (Gemma 4's experts are beside its MLP: delegated_attention_names)
                                                    cfg.layer_sparse(layer) and not cfg.layer_scalars) if \
             cfg.sublayers is None else _one_sublayer_names(f"blocks.{layer}", cfg.sublayers[layer])
-        if cfg.layer_scalars or cfg.original_architecture == "AfmoeForCausalLM":  # the bridge's delegated attention
+        if delegates_attention(cfg):  # the bridge's delegated attention (Gemma 4, AFMoE, Qwen3-VL)
             delegated_attention_names(cfg, layer, block_aliases, block_left_out)
         aliases.update({k: v for k, v in block_aliases.items() if k not in left_out})
         left_out.update({name: why.replace("{l}", str(layer)) for name, why in block_left_out.items()})

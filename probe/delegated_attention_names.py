@@ -1,11 +1,19 @@
 """transformer-lens 4's names on the families whose bridge adapters delegate attention to transformers (Gemma 4's,
-AFMoE's: maintain_native_attention): their q and k norms act before the heads are transposed, so the norms' ends hold
+AFMoE's, Qwen3-VL's: maintain_native_attention): their q and k norms act before the heads are transposed, so the norms' ends hold
 [batch pos head d_head], as probe's hook_q / hook_q_normed do, and their other parts' names (Gemma 4's per-layer
 input and experts beside the MLP, AFMoE's output gate and router) map onto probe's points or say where they are.
 probe.bridge_names calls delegated_attention_names for each layer of these models."""
 from __future__ import annotations
 
 from probe.config import DecoderConfig
+
+
+# the architectures (beside Gemma 4's, known by their layer scalars) whose adapters delegate attention so
+DELEGATING = ("AfmoeForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+
+
+def delegates_attention(cfg: DecoderConfig) -> bool:
+    return cfg.layer_scalars or cfg.original_architecture in DELEGATING
 
 
 def delegated_attention_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:
@@ -15,7 +23,10 @@ def delegated_attention_names(cfg: DecoderConfig, layer: int, aliases: dict[str,
         for end, ours in (("hook_in", f"{a}.hook_{part}"), ("hook_out", f"{a}.hook_{part}_normed")):
             left_out.pop(f"{a}.{part}_norm.{end}", None)
             aliases[f"{a}.{part}_norm.{end}"] = ours
-    (gemma4_names if cfg.layer_scalars else afmoe_names)(cfg, layer, aliases, left_out)
+    if cfg.layer_scalars:
+        gemma4_names(cfg, layer, aliases, left_out)
+    elif cfg.original_architecture == "AfmoeForCausalLM":
+        afmoe_names(cfg, layer, aliases, left_out)
 
 
 def afmoe_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:

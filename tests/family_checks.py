@@ -165,8 +165,12 @@ def compared_with_the_delegating_bridge(directory, tokens: torch.Tensor) -> set:
             with pytest.raises(UnknownNameError, match="hook|probe"):
                 model.hook_point(name)
             continue
+        if name.endswith("mlp.hook_expert_weights"):  # (the bridge's: the chosen experts' weights; probe's, as TL 3.9's:
+            continue  # the scores of every expert, test_moe_routing.py)
         ours_value = patterns[name.replace("hook_attn_scores", "hook_pattern")] if name.endswith(
             "hook_attn_scores") else ours[name]
+        if name.endswith("hook_expert_indices"):  # (the bridge's come unsorted)
+            ours_value, value = ours_value.sort(-1).values, value.sort(-1).values
         if ours_value.shape != value.shape:
             ours_value = ours_value.flatten(0, 1)
         torch.testing.assert_close(ours_value, value, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
