@@ -1,5 +1,6 @@
-"""Qwen3-VL and Qwen3-VL-MoE checkpoints (`qwen3_vl`, `qwen3_vl_moe`): their language model, read from text_config as
-Qwen3's (per-head q/k norms) and Qwen3-MoE's (softmax-routed experts, always renormalised), the vision tower never read.
+"""Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL checkpoints (`qwen3_vl`, `qwen3_vl_moe`, `qwen2_5_vl`): their language model,
+read from text_config as Qwen3's (per-head q/k norms), Qwen3-MoE's (softmax-routed experts, always renormalised) and
+Qwen2's (q/k/v biases), the vision tower never read.
 
 On text their positions are Qwen3's: the multimodal rope (mrope_section) gives each of its three sections (time,
 height, width) the token's one position when there is no image, so every frequency turns by it, as a 1-D rope's
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from probe.checkpoint_llama import llama_to_probe, qwen3_config
+from probe.checkpoint_llama import llama_to_probe, qwen2_config, qwen3_config
 from probe.checkpoint_moe import qwen3_moe_config, take_experts
 from probe.checkpoint_source import Source, text_config, with_fields
 from probe.config import DecoderConfig
@@ -27,7 +28,14 @@ TEXT_DEFAULTS = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size":
 MOE_DEFAULTS = {**{k: v for k, v in TEXT_DEFAULTS.items() if k != "head_dim"}, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
                 "num_attention_heads": 16, "num_key_value_heads": 16, "num_local_experts": 60, "num_experts_per_tok": 4,
                 "moe_intermediate_size": 1408, "decoder_sparse_step": 1, "mlp_only_layers": []}
-VISION = ("model.visual.",)  # what a file holds beside the language model
+# transformers' Qwen2_5_VLTextConfig defaults (Qwen2.5-VL-72B's shape)
+QWEN25_DEFAULTS = {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_act": "silu",
+                   "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+# what a file holds beside the language model (transformers saves Qwen2.5-VL in its released layout: the language
+# model under `model.`, the vision tower under `visual.`)
+VISION = ("model.visual.", "visual.")
 
 
 def _text(hf: dict, family: str, defaults: dict) -> ConfigFields:
@@ -39,6 +47,10 @@ def qwen3_vl_config(hf: dict) -> DecoderConfig:
     return qwen3_config(_text(hf, "Qwen3-VL", TEXT_DEFAULTS))
 
 
+def qwen2_5_vl_config(hf: dict) -> DecoderConfig:
+    return qwen2_config(_text(hf, "Qwen2.5-VL", QWEN25_DEFAULTS))
+
+
 def qwen3_vl_moe_config(hf: dict) -> DecoderConfig:
     text = _text(hf, "Qwen3-VL-MoE", MOE_DEFAULTS)
     if text.get("norm_topk_prob") is False:
@@ -48,8 +60,8 @@ def qwen3_vl_moe_config(hf: dict) -> DecoderConfig:
 
 
 def qwen_vl_config_to_hf(cfg: DecoderConfig, tokenizer) -> dict:
-    raise ValueError("probe keeps a Qwen3-VL model's language model only; it saves as the text-only Qwen3 "
-                     "(qwen3) or Qwen3-MoE (qwen3_moe), which transformers loads")
+    raise ValueError("probe keeps a Qwen-VL model's language model only; it saves as the text-only Qwen3 (qwen3), "
+                     "Qwen3-MoE (qwen3_moe) or Qwen2 (qwen2), which transformers loads")
 
 
 def _language_model(source: Source) -> None:
@@ -57,7 +69,7 @@ def _language_model(source: Source) -> None:
         del source.state[name]  # never read: the vision tower stays on disk
 
 
-def qwen3_vl_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+def vl_text_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     _language_model(source)
     return llama_to_probe(source, cfg)
 

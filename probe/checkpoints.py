@@ -8,7 +8,7 @@ checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py
 Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
 checkpoint_gemma3.py (Gemma 3), checkpoint_gemma4.py (Gemma 4), checkpoint_afmoe.py (AFMoE), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba), checkpoint_falcon_h1.py (Falcon-H1), checkpoint_nemotron_h.py (Nemotron-H), checkpoint_mamba1.py (Mamba, FalconMamba),
 checkpoint_lfm2.py (LFM2, LFM2-MoE: short convolutions),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_qwen_vl.py (Qwen3-VL's language models), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention), checkpoint_glm_dsa.py (GLM-5: latent attention with a sparse indexer); checkpoint_source.py holds what they share and loading.py does the file handling for
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_qwen_vl.py (Qwen3-VL's and Qwen2.5-VL's language models), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention), checkpoint_glm_dsa.py (GLM-5: latent attention with a sparse indexer); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -70,8 +70,8 @@ from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, ph
                                   phi_to_hf, phi_to_probe)
 from probe.checkpoint_qwen35 import (qwen35_config, qwen35_config_to_hf, qwen35_moe_config, qwen35_moe_multimodal,
                                      qwen35_multimodal, qwen35_to_hf, qwen35_to_probe, qwen3_next_config)
-from probe.checkpoint_qwen_vl import (qwen3_vl_config, qwen3_vl_moe_config, qwen3_vl_moe_to_probe, qwen3_vl_to_probe,
-                                      qwen_vl_config_to_hf)
+from probe.checkpoint_qwen_vl import (qwen2_5_vl_config, qwen3_vl_config, qwen3_vl_moe_config, qwen3_vl_moe_to_probe,
+                                      qwen_vl_config_to_hf, vl_text_to_probe)
 from probe.checkpoint_source import GPT_ACTIVATIONS, Source
 from probe.checkpoint_stablelm import stablelm_config, stablelm_config_to_hf, stablelm_to_hf, stablelm_to_probe
 from probe.config import Activation, DecoderConfig, NormPlacement
@@ -118,7 +118,9 @@ FAMILIES = {
         # the language models of the multimodal files, saved as the text-only formats
         # Qwen3-VL's language models (on text, Qwen3's and Qwen3-MoE's): saved as those
         Family("qwen3_vl", "Qwen3VLForConditionalGeneration", ("model.language_model.",), qwen3_vl_config,
-               qwen_vl_config_to_hf, qwen3_vl_to_probe, llama_like("qwen3")[2], prepends_bos=False, saves_as="qwen3"),
+               qwen_vl_config_to_hf, vl_text_to_probe, llama_like("qwen3")[2], prepends_bos=False, saves_as="qwen3"),
+        Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", ("model.language_model.", "model."), qwen2_5_vl_config,
+               qwen_vl_config_to_hf, vl_text_to_probe, llama_like("qwen2")[2], prepends_bos=False, saves_as="qwen2"),
         Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", ("model.language_model.",), qwen3_vl_moe_config,
                qwen_vl_config_to_hf, qwen3_vl_moe_to_probe, moe_family("qwen3_moe")[2], prepends_bos=False,
                saves_as="qwen3_moe"),

@@ -9,6 +9,7 @@ from probe.config import DecoderConfig
 
 
 # the architectures (beside Gemma 4's, known by their layer scalars) whose adapters delegate attention so
+# (Qwen2.5-VL's adapter delegates too, but its heads have no q/k norms to name)
 DELEGATING = ("AfmoeForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
 
@@ -19,7 +20,7 @@ def delegates_attention(cfg: DecoderConfig) -> bool:
 def delegated_attention_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:
     """Layer `layer`'s names, added to (or taken from) `aliases` and `left_out`."""
     a = f"blocks.{layer}.attn"
-    for part in "qkv" if cfg.value_norm else "qk":
+    for part in ("qkv" if cfg.value_norm else "qk") if cfg.qk_norm else ():
         for end, ours in (("hook_in", f"{a}.hook_{part}"), ("hook_out", f"{a}.hook_{part}_normed")):
             left_out.pop(f"{a}.{part}_norm.{end}", None)
             aliases[f"{a}.{part}_norm.{end}"] = ours

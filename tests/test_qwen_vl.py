@@ -1,4 +1,4 @@
-"""Qwen3-VL and Qwen3-VL-MoE (probe/checkpoint_qwen_vl.py): their language model read from the multimodal files, its
+"""Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL (probe/checkpoint_qwen_vl.py): their language model read from the multimodal files, its
 logits on token ids transformers' multimodal model's (whose multimodal rope turns every frequency by the one position
 of a text token), saved as the text-only Qwen3 / Qwen3-MoE that transformers loads with the same logits, generation,
 and TL 4's bridge (which delegates attention, as Gemma 4's does) name by name."""
@@ -18,16 +18,20 @@ TOKENS = torch.randint(0, 101, (2, 13), generator=torch.Generator().manual_seed(
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, deepstack_visual_indexes=[0])
 
 
-def build_vl(moe: bool, directory, vocab: int = 101):
-    """A random Qwen3-VL (or Qwen3-VL-MoE, its router's weights drawn: transformers starts them at zero) in `directory`:
-    the mrope sections interleaved, as the released files' are, and a rope base far from the default."""
+def build_vl(moe, directory, vocab: int = 101):
+    """A random Qwen3-VL (or Qwen3-VL-MoE, its router's weights drawn: transformers starts them at zero; or, with
+    moe="qwen2.5", Qwen2.5-VL) in `directory`: the mrope sections interleaved, as the released files' are, and a
+    rope base far from the default."""
     import transformers as tf
 
     text = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "mrope_section": [2, 1, 1],
                                  "mrope_interleaved": True})
-    if moe:
+    if moe == "qwen2.5":
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+        hf = tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+    elif moe:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12)
         hf = tf.Qwen3VLMoeForConditionalGeneration(tf.Qwen3VLMoeConfig(text_config=text, vision_config=VISION))
     else:
@@ -42,8 +46,10 @@ def build_vl(moe: bool, directory, vocab: int = 101):
     return hf
 
 
-@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("moe", [False, True, "qwen2.5"])
 def test_the_language_model_is_transformers_on_text_and_saves_as_the_text_format(moe, tmp_path):
+    """(transformers saves Qwen2.5-VL in its released layout, the language model under `model.`, the vision tower
+    under `visual.`; Qwen3-VL's under `model.language_model.` and `model.visual.`)"""
     import transformers as tf
 
     hf = build_vl(moe, tmp_path)
@@ -51,10 +57,11 @@ def test_the_language_model_is_transformers_on_text_and_saves_as_the_text_format
     with torch.no_grad():
         expected = hf(input_ids=TOKENS).logits
         torch.testing.assert_close(model(TOKENS), expected, atol=1e-4, rtol=0)
-        again = (tf.Qwen3MoeForCausalLM if moe else tf.Qwen3ForCausalLM).from_pretrained(
-            model.save_pretrained(tmp_path / "saved")).eval()
+        text_class = {False: tf.Qwen3ForCausalLM, True: tf.Qwen3MoeForCausalLM, "qwen2.5": tf.Qwen2ForCausalLM}[moe]
+        again = text_class.from_pretrained(model.save_pretrained(tmp_path / "saved")).eval()
         torch.testing.assert_close(again(TOKENS).logits, expected, atol=1e-4, rtol=0)
-    assert (model.cfg.experts is not None) == moe and model.cfg.qk_norm
+    assert (model.cfg.experts is not None) == (moe is True) and model.cfg.qk_norm == (moe != "qwen2.5")
+    assert model.cfg.qkv_bias == (moe == "qwen2.5")
 
 
 def test_greedy_generation_is_transformers(tmp_path):
@@ -67,14 +74,15 @@ def test_greedy_generation_is_transformers(tmp_path):
         assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, verbose=False), expected)
 
 
-@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("moe", [False, True, "qwen2.5"])
 def test_every_bridge_name_is_the_bridges_value_or_says_what_to_hook(moe, tmp_path):
     from probe.tokenizer import Tokenizer
 
     directory = tokenizer_dir(tmp_path / "vl", *LLAMA_FILES)
     build_vl(moe, directory, vocab=len(Tokenizer.from_directory(directory)))
     compared = compared_with_the_delegating_bridge(directory, TOKENS)
-    assert {"attn.q_norm.hook_in", "attn.k_norm.hook_out", "attn.hook_pattern", "hook_resid_post"} <= compared
+    assert {"attn.hook_pattern", "attn.hook_attn_scores", "hook_resid_post"} <= compared
+    assert moe == "qwen2.5" or {"attn.q_norm.hook_in", "attn.k_norm.hook_out"} <= compared
 
 
 def test_a_router_that_does_not_renormalise_is_refused_by_name(tmp_path):
@@ -89,7 +97,7 @@ def test_a_router_that_does_not_renormalise_is_refused_by_name(tmp_path):
         HookedDecoder.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("moe", [False, True, "qwen2.5"])
 def test_a_text_config_without_its_rope_eps_and_widths_reads_as_transformers(moe, tmp_path):
     """The keys a text_config may leave out read as transformers' Qwen3VLTextConfig / Qwen3VLMoeTextConfig fill
     them (the oracle: AutoConfig on the very file)."""
@@ -106,5 +114,5 @@ def test_a_text_config_without_its_rope_eps_and_widths_reads_as_transformers(moe
     theirs = tf.AutoConfig.from_pretrained(tmp_path).text_config
     ours = config_from_hf(config, tmp_path)
     assert ours.rotary_base == theirs.rope_parameters["rope_theta"] and ours.eps == theirs.rms_norm_eps
-    assert ours.d_head == (theirs.head_dim or theirs.hidden_size // theirs.num_attention_heads)
-    assert not moe or ours.experts.per_token == theirs.num_experts_per_tok
+    assert ours.d_head == (getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
+    assert moe is not True or ours.experts.per_token == theirs.num_experts_per_tok

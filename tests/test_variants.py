@@ -875,7 +875,7 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
 
     (tmp_path / "config.json").write_text('{"model_type": "rwkv"}')
     with pytest.raises(CheckpointError, match="'rwkv' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
-                                              "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_vl, qwen3_vl_moe, qwen3_5, "
+                                              "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_vl, qwen2_5_vl, qwen3_vl_moe, qwen3_5, "
                                               "qwen3_5_moe, mistral, mistral3, ministral3, olmo, olmo2, olmo3, smollm3, exaone, hunyuan_v1_dense, "
                                               "exaone4, arcee, glm, glm4, ernie4_5, "
                                               "seed_oss, "
