@@ -29,9 +29,4 @@ class ExpertsBeside(MoEMLP):
         logits = self.W_gate(self.router_norm(tokens) * self.router_scale * self.d_model**-0.5)
         weights, chosen = self.route(logits)
         weights = weights * self.per_expert_scale[chosen]
-        routed_in = x.reshape(-1, x.shape[-1])
-        out = torch.zeros_like(routed_in)
-        for index, expert in enumerate(self.experts):
-            slot, rows = self.routing(chosen, index)
-            out = out.index_add(0, rows, expert(routed_in[rows]) * weights[rows, slot, None].to(x.dtype))
-        return out.view(x.shape)
+        return self.weighted_experts(x.reshape(-1, x.shape[-1]), weights, chosen).view(x.shape)

@@ -140,12 +140,18 @@ class MoEMLP(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route(self.W_gate(tokens))
         routed_in = self.into_routed(tokens)  # [batch*pos d_in]: the residual, or its latent projection
+        out = self.weighted_experts(routed_in, weights, chosen)
+        return self.add_shared(tokens, self.out_of_routed(out)).view(x.shape)
+
+    def weighted_experts(self, routed_in: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """[tokens d_in]: each token's chosen experts' outputs on `routed_in` [tokens d_in], times their `weights`
+        [tokens per_token] (`chosen`: hook_expert_indices), summed."""
         out = torch.zeros_like(routed_in)
         for index, expert in enumerate(self.experts):
             slot, rows = self.routing(chosen, index)
-            written = expert(routed_in[rows]) * weights[rows, slot, None].to(x.dtype)
+            written = expert(routed_in[rows]) * weights[rows, slot, None].to(routed_in.dtype)
             out = out.index_add(0, rows, written)
-        return self.add_shared(tokens, self.out_of_routed(out)).view(x.shape)
+        return out
 
     def _into_latent(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.fc1_latent_proj(tokens)

@@ -26,13 +26,15 @@ class PerLayerEmbed(nn.Module):
         super().__init__()
         spec = cfg.per_layer_inputs
         self.n_layers, self.d, self.d_model = cfg.n_layers, spec.d, cfg.d_model
+        # a table shorter than the vocabulary needs the ids checked (a sync on a GPU); the released ones are not
+        self.shorter = spec.d_vocab < cfg.d_vocab
         self.W_E = nn.Parameter(torch.empty(spec.d_vocab, cfg.n_layers * spec.d))  # embed_tokens_per_layer
         self.projection = nn.Linear(cfg.d_model, cfg.n_layers * spec.d, bias=False)  # per_layer_model_projection
         self.ln = make_norm(cfg, spec.d)  # per_layer_projection_norm
         self.hook_out = HookPoint()  # [batch pos layer d]
 
     def forward(self, tokens: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        if tokens.max() >= self.W_E.shape[0]:
+        if self.shorter and tokens.max() >= self.W_E.shape[0]:
             raise ValueError(f"token id {int(tokens.max())} has no per-layer embedding: the table has "
                              f"{self.W_E.shape[0]} rows (per_layer_inputs.d_vocab)")
         # scaled as Gemma scales its embeddings: sqrt(d) rounded to the table's dtype
