@@ -107,6 +107,18 @@ def refuse_mixers_beside_heads(model: HookedDecoder, what: str) -> None:
                          f"`L{{l}} mamba`; ablate_heads, head_scores, patch(..., sites='heads' / 'attn_out'))")
 
 
+def refuse_shared_blocks(model: HookedDecoder, what: str) -> None:
+    """Refuse `what`, which takes the residual stream for the sum of its heads', MLPs' and mixers' writes, on a model
+    whose hybrid layers' shared blocks (Zamba2's) write into their mixer's input, not into the residual stream."""
+    spec = model.cfg.shared_blocks
+    if spec is not None:
+        raise ValueError(f"{what}: layers {spec.hybrid_layers} of this model (Zamba2) run a shared transformer block "
+                         f"whose heads and MLP write into the layer's Mamba-2 mixer's input (blocks.L.hook_mixer_in), "
+                         f"not into the residual stream, whose only writes are the mixers' (blocks.L.hook_mixer_out, "
+                         f"hook_attn_out in the Mamba-2 layers); analyses by layer work on it (logit_lens, patch(..., "
+                         f"sites='resid_pre'), attention_patterns of the hybrid layers' heads)")
+
+
 def refuse_shortformer(model: HookedDecoder, what: str, why: str, instead: str) -> None:
     """Refuse `what` on a model whose positions are not in the residual stream (shortformer)."""
     if model.cfg.positions is Positions.SHORTFORMER:

@@ -44,8 +44,9 @@ import torch
 
 from probe import HookedDecoder
 from probe.config import Norm, NormPlacement, Positions
-from probe.analyses.architecture import (refuse_mixers_beside_heads, refuse_shared_keys_and_scaled_layers,
-                                         require_attention_heads, require_head_weights)
+from probe.analyses.architecture import (refuse_mixers_beside_heads, refuse_shared_blocks,
+                                         refuse_shared_keys_and_scaled_layers, require_attention_heads,
+                                         require_head_weights)
 from probe.analyses.common import TableDisplay
 
 LOGITS = "logits"
@@ -56,6 +57,7 @@ def check_graph_model(model: HookedDecoder) -> None:
     require_attention_heads(model, "circuit discovery")
     require_head_weights(model, "circuit discovery")
     refuse_mixers_beside_heads(model, "circuit discovery")
+    refuse_shared_blocks(model, "circuit discovery")
     refuse_shared_keys_and_scaled_layers(model, "circuit discovery")
     cfg = model.cfg
     if cfg.norm_placement is NormPlacement.POST:
@@ -311,5 +313,6 @@ def _graph_of(cfg) -> CircuitGraph:
         sandwich=cfg.norm_placement is NormPlacement.SANDWICH, mlps=mlps,
         qk_positions=cfg.positions is Positions.SHORTFORMER, score_bias=cfg.positions is Positions.ALIBI,
         clipped_qkv=cfg.clip_qkv is not None, attention_sinks=cfg.attn_sinks,
-        reordered_or_gated=cfg.qk_norm_after_rope or cfg.attn_output_gate,
+        # (Llama 4: q and k normalised after rotary, NoPE layers' queries scaled by position)
+        reordered_or_gated=cfg.qk_norm_after_rope or cfg.attn_output_gate or cfg.chunked_attention is not None,
     )

@@ -24,10 +24,10 @@ class ExpertRouting(TableDisplay):
 
     probs:   [layer pos expert] the router's scores over every expert (hook_expert_weights: the softmax, or each
              expert's sigmoid before any selection bias; GPT-OSS, which chooses by logit first: the softmax over the
-             chosen experts, 0 for the others).
+             chosen experts, 0 for the others; PhiMoE's sparsemixer: each chosen expert's weight, 0 for the others).
     chosen:  [layer pos per_token] the experts that ran, the best choice first (hook_expert_indices).
     weights: [layer pos per_token] what each chosen expert's output was multiplied by (renormalised and scaled
-             where the model does).
+             where the model does; its input, where the experts scale their inputs: Llama 4).
     strings: each token's raw string (for frames and CSV, not HTML).
     layers:  the model's layer of each row of `layer` (its sparse ones); None: 0, 1, ...
     """

@@ -13,7 +13,7 @@ from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int
 from probe.analyses.labels import TICK_CHAR_PX, figure_token, plain_length, titled
 from probe.analyses.memory_units import Layers, layer_list, require_ffn
 from probe.analyses.vocab_projection import top_value_tokens, value_directions
-from probe import HookedDecoder, NormPlacement
+from probe import HookedDecoder
 from probe.names import act_name
 
 
@@ -118,8 +118,9 @@ def memory_lookup(
     layers = layer_list(model, layer, "memory_lookup")
     if not isinstance(k, int) or not 0 < k <= model.cfg.d_mlp:
         raise ValueError(f"k={k!r} must be an integer in [1, d_mlp={model.cfg.d_mlp}]")
-    sandwich = model.cfg.norm_placement is NormPlacement.SANDWICH
-    post_scales = [act_name("scale", l, "ln2_post") for l in layers] if sandwich else []
+    # (per layer: a hybrid's linear-attention blocks are pre-norm beside sandwich attention blocks, OLMo-Hybrid's)
+    post_scales = [act_name("scale", l, "ln2_post") for l in layers if hasattr(model.blocks[l], "ln2_post")]
+    sandwich = bool(post_scales)
     names = [act_name("post", l) for l in layers] + (["ln_final.hook_scale"] if model.cfg.final_norm else []) + post_scales
     logits, cache = model.run_with_cache(tokens, names=names)
     predicted = int(logits[0, position].argmax())
@@ -129,8 +130,9 @@ def memory_lookup(
     coefficients = torch.stack([cache[act_name("post", l)][0, position] for l in layers]).float()
     # what each memory writes per unit coefficient: v_i, or in a sandwich block v_i * ln2_post.w / ln2_post's scale
     # (frozen at this position, so the sub-updates still add up to the block's hook_mlp_out)
-    write_scale = (torch.stack([cache[n][0, position, 0] for n in post_scales]).float() if sandwich
-                   else torch.ones(len(layers), device=coefficients.device))
+    write_scale = torch.stack([cache[act_name("scale", l, "ln2_post")][0, position, 0].float()
+                               if hasattr(model.blocks[l], "ln2_post") else torch.ones((), device=coefficients.device)
+                               for l in layers]) if sandwich else torch.ones(len(layers), device=coefficients.device)
     all_neurons = torch.arange(model.cfg.d_mlp)
     value_norms = torch.stack([value_directions(model, l, all_neurons, through_final_norm=False).norm(dim=-1)
                                for l in layers]) / write_scale[:, None]

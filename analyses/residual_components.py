@@ -16,6 +16,7 @@ from typing import Optional
 import pandas as pd
 import torch
 
+from probe.analyses.architecture import refuse_shared_blocks
 from probe.analyses.lens_sites import lens_sites
 from probe import HookedDecoder
 from probe.config import Norm, NormPlacement
@@ -105,6 +106,7 @@ def has_pos_embed(model: HookedDecoder) -> bool:
 
 
 def check_pre_norm(model: HookedDecoder) -> None:
+    refuse_shared_blocks(model, "residual decomposition and direct logit attribution")
     placement = model.cfg.norm_placement
     if placement is NormPlacement.POST:
         raise ValueError("this model normalises after each sublayer (post-norm), so its residual stream is not a sum of "
@@ -161,7 +163,7 @@ def component_hooks(model: HookedDecoder) -> list[str]:
         mixer = act_name("attn_out" if model.cfg.layer_is_linear(layer) else "result", layer)
         names += [mixer] * model.cfg.layer_has_mixer(layer) + [act_name("mlp_out", layer)] * model.cfg.layer_has_mlp(layer)
         names += [f"blocks.{layer}.hook_mixer_out"] * model.cfg.layer_has_parallel_mixer(layer)  # (Falcon-H1's)
-        if model.cfg.norm_placement is NormPlacement.SANDWICH:
+        if hasattr(model.blocks[layer], "ln1_post"):  # (a hybrid's linear-attention blocks are pre-norm)
             names.append(act_name("scale", layer, "ln1_post"))
         names += [f"blocks.{layer}.hook_per_layer_out"] * (model.cfg.per_layer_inputs is not None)  # (Gemma 4's)
     return names

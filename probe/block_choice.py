@@ -9,6 +9,7 @@ from probe.blocks import (AttnOnlyBlock, LinearAttentionBlock, MLPOnlyBlock, Par
                           StateSpaceOnlyBlock)
 from probe.config import DecoderConfig, NormPlacement
 from probe.per_layer_block import gemma4_block
+from probe.shared_block import SharedBlockLayer, share_block_weights
 from probe.sparse_indexer import share_key_choices
 
 
@@ -16,6 +17,7 @@ def make_blocks(cfg: DecoderConfig) -> nn.ModuleList:
     """Every layer's block (make_block), the layers that read an earlier layer's choice of keys linked to it."""
     blocks = nn.ModuleList([make_block(cfg, layer) for layer in range(cfg.n_layers)])
     share_key_choices(cfg, blocks)
+    share_block_weights(cfg, blocks)  # (Zamba2's shared blocks: one Parameter in every layer running one)
     return blocks
 
 
@@ -25,6 +27,8 @@ def make_block(cfg: DecoderConfig, layer: int) -> nn.Module:
     if not cfg.layer_has_mixer(layer):
         return MLPOnlyBlock(cfg, layer)
     alone = not cfg.layer_has_mlp(layer)  # attn_only, or a one-sublayer mixer layer
+    if cfg.layer_has_shared_block(layer):  # Zamba2's hybrid layers: a shared block, then the layer's mixer
+        return SharedBlockLayer(cfg, layer)
     if cfg.layer_is_state_space(layer):
         return (StateSpaceOnlyBlock if alone else StateSpaceBlock)(cfg, layer)
     if cfg.layer_is_short_conv(layer):

@@ -301,7 +301,8 @@ def mask_keys(cfg: DecoderConfig) -> list:
     """Which of a forward's masks each block is handed as `allowed`: its window's mask of the keys each query sees,
     or (a linear-attention block) the padding mask, or (a parallel hybrid block) both, a pair of keys."""
     return [PADDING if cfg.layer_is_linear(layer) else (cfg.layer_window(layer), PADDING)
-            if cfg.layer_has_parallel_mixer(layer) else cfg.layer_window(layer) for layer in range(cfg.n_layers)]
+            if cfg.layer_has_parallel_mixer(layer) or cfg.layer_has_shared_block(layer) else cfg.layer_mask_key(layer)
+            for layer in range(cfg.n_layers)]
 
 
 def masks_for(masks: dict, key):

@@ -20,6 +20,7 @@ from probe.hooks import PointUnderName
 from probe.delegated_attention_names import delegated_attention_names, delegates_attention
 from probe.parallel_hybrid_names import add_parallel_hybrid_names
 from probe.short_conv_names import short_conv_names
+from probe.shared_block_names import mamba_layer_names, shared_block_names
 
 _ROTARY = ("the rotary angles depend on the positions alone, and probe does not hook them; the rotated queries and "
            "keys are blocks.{l}.attn.hook_rot_q / hook_rot_k")
@@ -44,12 +45,19 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
             aliases.update(_granite_hybrid_mlp_names(f"blocks.{layer}", left_out))
         if cfg.layer_has_parallel_mixer(layer):  # Falcon-H1's: the mixer beside attention, multipliers folded
             add_parallel_hybrid_names(cfg, f"blocks.{layer}", aliases, left_out)
+        if cfg.layer_has_shared_block(layer):  # Zamba2's hybrid layers: the bridge hooks their ends alone
+            block_aliases, block_left_out = shared_block_names(f"blocks.{layer}")
+            aliases.update(block_aliases)
+            left_out.update(block_left_out)
+            continue
         mixer = ("mixer" if cfg.layer_is_state_space(layer) else "conv" if cfg.layer_is_short_conv(layer) else
                  "linear_attn" if cfg.layer_is_linear(layer) else None)
         block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}", mixer,
                                                    # (Gemma 4's experts are beside its MLP: delegated_attention_names)
                                                    cfg.layer_sparse(layer) and not cfg.layer_scalars) if \
             cfg.sublayers is None else _one_sublayer_names(f"blocks.{layer}", cfg.sublayers[layer])
+        if cfg.shared_blocks is not None:  # (Zamba2's Mamba-2 layers: the bridge hooks their output projections too)
+            block_aliases.update(mamba_layer_names(f"blocks.{layer}"))
         if delegates_attention(cfg):  # the bridge's delegated attention (Gemma 4, AFMoE, Qwen3-VL)
             delegated_attention_names(cfg, layer, block_aliases, block_left_out)
         aliases.update({k: v for k, v in block_aliases.items() if k not in left_out})
@@ -147,9 +155,9 @@ def _one_sublayer_names(b: str, kind: str) -> tuple[dict[str, str], dict[str, st
     return aliases, left_out
 
 
-def _selective_scan_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
+def _selective_scan_names(b: str, normed: bool = False) -> tuple[dict[str, str], dict[str, str]]:
     """A state-space block's names for its Mamba-1 mixer (the bridge's SSMMixerBridge under `mixer`, its aliases
-    too)."""
+    too); `normed`: its step input passes a learned norm first (Jamba's dt_layernorm, whose ends are its own points)."""
     mixer = f"{b}.mixer"
     aliases = {f"{b}.hook_in": f"{b}.hook_resid_pre", f"{b}.hook_out": f"{b}.hook_resid_post",
                f"{mixer}.hook_in": f"{b}.ln1.hook_out", f"{mixer}.in_proj.hook_in": f"{b}.ln1.hook_out",
@@ -158,8 +166,9 @@ def _selective_scan_names(b: str) -> tuple[dict[str, str], dict[str, str]]:
                f"{mixer}.out_proj.hook_out": f"{b}.hook_attn_out", f"{mixer}.in_proj.hook_out": f"{mixer}.hook_in_proj",
                f"{mixer}.x_proj.hook_in": f"{mixer}.hook_conv", f"{mixer}.x_proj.hook_out": f"{mixer}.hook_x_proj",
                f"{mixer}.out_proj.hook_in": f"{mixer}.hook_gated"}
+    low_rank = f"{mixer}.dt_layernorm.hook_out" if normed else f"the first channels of {mixer}.hook_x_proj"
     step = (f"probe hooks the step after its softplus, {mixer}.hook_dt ([batch pos d_inner], float32); its low-rank "
-            f"input is the first channels of {mixer}.hook_x_proj (transformers reads dt_proj's weight, not the module)")
+            f"input is {low_rank} (transformers reads dt_proj's weight, not the module)")
     conv = (f"probe hooks the convolution after its silu, {mixer}.hook_conv ([batch pos d_inner]); its input is "
             f"{mixer}.hook_in_proj's first half (transformers reads conv1d's weight, not the module)")
     left_out = {f"{mixer}.{name}": why for name, why in (
@@ -179,14 +188,15 @@ def _block_names(cfg: DecoderConfig, b: str, mixer: Optional[str] = None,
     "mixer"), then its MLP's (a mixture of experts where `sparse`)."""
     recurrent = {"linear_attn": _linear_attention_names, "mixer": _state_space_names, "conv": short_conv_names}
     if mixer == "mixer" and cfg.state_space.kind == "mamba1":
-        recurrent["mixer"] = _selective_scan_names
+        recurrent["mixer"] = lambda b: _selective_scan_names(b, cfg.state_space.bcdt_norm_weights)
     aliases, left_out = recurrent[mixer](b) if mixer else _attention_names(cfg, b)
     if mixer == "mixer" and cfg.attn_only:  # Mamba-2's own blocks: the bridge names their one norm `norm`
         aliases.update({f"{b}.norm.{point}": f"{b}.ln1.{point}"
                         for point in ("hook_in", "hook_scale", "hook_normalized", "hook_out")})
     if cfg.attn_only:
         return aliases, left_out
-    return _mlp_names(cfg, b, aliases, left_out, sparse)
+    # (a recurrent layer's block is pre-norm whatever the attention layers' are: OLMo-Hybrid's are sandwiches)
+    return _mlp_names(cfg, b, aliases, left_out, sparse, pre_norm=mixer is not None)
 
 
 def _attention_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -256,12 +266,12 @@ def _latent_attention_names(cfg: DecoderConfig, b: str, aliases: dict[str, str],
 
 
 def _mlp_names(cfg: DecoderConfig, b: str, aliases: dict[str, str], left_out: dict[str, str],
-               sparse: bool) -> tuple[dict[str, str], dict[str, str]]:
+               sparse: bool, pre_norm: bool = False) -> tuple[dict[str, str], dict[str, str]]:
     """`aliases` and `left_out` with the MLP's names added: a mixture of experts' where `sparse`; a dense layer of a
     model with experts elsewhere is the bridge's MoE block bound to a gated MLP, its projections `dense_gate`,
     `dense_in` and `dense_out`."""
-    post = cfg.norm_placement is NormPlacement.POST
-    sandwich = cfg.norm_placement is NormPlacement.SANDWICH
+    post = cfg.norm_placement is NormPlacement.POST and not pre_norm
+    sandwich = cfg.norm_placement is NormPlacement.SANDWICH and not pre_norm
     residual_added = cfg.original_architecture == "BloomForCausalLM"
     mlp_in = f"{b}.hook_mlp_in" if post else f"{b}.ln2.hook_out"
     mlp_out = f"{b}.ln2_post.hook_in" if sandwich else f"{b}.hook_mlp_out"
@@ -270,13 +280,16 @@ def _mlp_names(cfg: DecoderConfig, b: str, aliases: dict[str, str], left_out: di
         aliases.update({f"{b}.mlp.hook_out": mlp_module_out, f"{b}.mlp.hook_in": mlp_in, f"{b}.mlp.hook_pre": mlp_in,
                         f"{b}.mlp.hook_post": mlp_out,
                         f"{b}.mlp.gate.hook_expert_indices": f"{b}.mlp.hook_expert_indices"})
-        routing = (f"probe hooks the routing as transformer-lens 3.9 does: {b}.mlp.hook_expert_weights, the scores "
-                   f"over every expert (the softmax, or each expert's sigmoid before any selection bias; [batch*pos "
-                   f"experts]; an edit there changes which experts run), and {b}.mlp.hook_expert_indices; the router "
-                   f"reads {mlp_in} with the experts")
+        scores = ("the scores over every expert (the softmax, or each expert's sigmoid before any selection bias; "
+                  "[batch*pos experts]; an edit there changes which experts run)" if cfg.experts.softmax_over == "all"
+                  else "the chosen experts' weights, zeros elsewhere ([batch*pos experts]; the choice is by logit)")
+        routing = (f"probe hooks the routing as transformer-lens 3.9 does: {b}.mlp.hook_expert_weights, {scores}, "
+                   f"and {b}.mlp.hook_expert_indices; the router reads {mlp_in} with the experts")
         left_out.update({f"{b}.mlp.gate.hook_expert_weights": routing.replace(
             "probe hooks", "the bridge's are the chosen experts' weights (zeros elsewhere); probe hooks"),
-            f"{b}.mlp.gate.hook_in": routing, f"{b}.mlp.gate.hook_out": routing})
+            f"{b}.mlp.gate.hook_in": routing, f"{b}.mlp.gate.hook_out": routing,
+            # (Jamba's router, whose output the bridge takes for the router's logits)
+            f"{b}.mlp.router.hook_in": routing, f"{b}.mlp.router.hook_out": routing})
         if cfg.experts.shared is not None and not cfg.experts.shared_gate:  # DeepSeek's, GLM's, ERNIE's
             where = (f"probe's shared expert is {b}.mlp.shared_expert (hook_pre, hook_pre_linear, hook_post), its points "
                      f"holding the tokens flattened, [batch*pos d_mlp], as every expert's do")

@@ -2,7 +2,13 @@
 (none on the output), rotary on the first half of each head with adjacent dimensions paired (GPT-J's), and the MLP's
 gate and up projections fused in the file (`mlp.gate_up_proj`: the gate's rows, then the up projection's), split on
 loading and fused again on saving. GLM-4 (`glm4`) normalises each sublayer's write too (a sandwich block, Gemma 2's:
-`post_self_attn_layernorm` and `post_mlp_layernorm`)."""
+`post_self_attn_layernorm` and `post_mlp_layernorm`).
+
+GLM-4V's language model (`glm4v`: GLM-4.1V, GLM-4.6V-Flash, Glyph, AutoGLM) is GLM-4's, read from text_config, the vision
+tower (`model.visual.`) never read: heads hidden_size / heads wide, q/k/v biases always, rotary on
+`partial_rotary_factor` of each head (all of it when the rope names none). Its multimodal rope gives each of its three
+sections a text token's one position, so on text it is GLM-4's 1-D rope (tested against the multimodal model); it
+saves as the text-only GLM-4."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +17,9 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import Source, require_fields, special_token_ids, with_defaults
+from probe.checkpoint_source import Source, require_fields, special_token_ids, text_config, with_defaults, with_fields
 from probe.config import DecoderConfig, NormPlacement
+from probe.config_file import ConfigFields
 from probe.tokenizer import Tokenizer
 
 ARCHITECTURES = {"glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
@@ -30,6 +37,34 @@ def glm_config(model_type: str) -> Callable[[dict], DecoderConfig]:
         return dataclasses.replace(base, rotary_dim=int(base.d_head * fraction), rotary_adjacent_pairs=True,
                                    norm_placement=placement, eps=hf.get("rms_norm_eps", 1.5625e-7))  # (GLM's default)
     return config_from_hf
+
+
+# transformers' Glm4vTextConfig defaults (GLM-4.1V-9B's shape), for what a text_config leaves out
+GLM4V_DEFAULTS = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696, "num_hidden_layers": 40,
+                  "num_attention_heads": 32, "num_key_value_heads": 2, "hidden_act": "silu",
+                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-5}
+
+
+def glm4v_config(hf: dict) -> DecoderConfig:
+    text = text_config(hf, "GLM-4V", default_tied=False)
+    # (its config copies text_config's tie_word_embeddings up, as pre-v5 files kept it there)
+    tied = bool(hf.get("tie_word_embeddings", False)) or bool(hf["text_config"].get("tie_word_embeddings", False))
+    text = ConfigFields({**GLM4V_DEFAULTS, **text}, text.path, text.prefix)
+    rope = text.get("rope_parameters") or {}
+    return glm_config("glm4")(with_fields(
+        text, tie_word_embeddings=tied, head_dim=text["hidden_size"] // text["num_attention_heads"], attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **rope,
+                         "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}))
+
+
+def glm4v_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
+    raise ValueError("probe keeps a GLM-4V model's language model only; it saves as the text-only GLM-4 (glm4), which "
+                     "transformers loads")
+
+
+def glm4v_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    source.set_aside(("model.visual.", "visual."))  # never read
+    return glm_to_probe(source, cfg)
 
 
 def glm_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Optional[Tokenizer]], dict]:

@@ -55,7 +55,7 @@ def gpt_oss_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> 
     if experts is None or experts.softmax_over != "chosen" or experts.clamped_glu is None or experts.shared is not None:
         raise ValueError(f"a gpt_oss checkpoint holds experts chosen by logit with a clamped SwiGLU; this model has "
                          f"experts={experts!r}")
-    require_routing(experts, "gpt_oss")  # (every layer sparse, the experts d_mlp wide)
+    require_routing(experts, "gpt_oss", softmax_over="chosen")  # (every layer sparse, the experts d_mlp wide)
     out = llama_config_to_hf(cfg, tokenizer, "gpt_oss")
     out.pop("mlp_bias")  # (GPT-OSS's experts always have biases, and its config has no such field)
     out.update(num_local_experts=experts.n, num_experts_per_tok=experts.per_token, attention_bias=cfg.qkv_bias,

@@ -50,7 +50,7 @@ def granite_moe_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer])
     if experts is None or experts.softmax_over != "chosen" or experts.clamped_glu is not None or experts.shared:
         raise ValueError(f"a granitemoe checkpoint holds experts chosen by logit, without a clamp or a shared expert; "
                          f"this model has experts={experts!r}")
-    require_routing(experts, "granitemoe")  # (every layer sparse, the experts d_mlp wide)
+    require_routing(experts, "granitemoe", softmax_over="chosen")  # (every layer sparse, the experts d_mlp wide)
     out = granite_config_to_hf(cfg, tokenizer, "granitemoe")
     out.pop("mlp_bias")  # (GraniteMoE's experts have no biases, and its config no such field)
     out.update(num_local_experts=experts.n, num_experts_per_tok=experts.per_token)

@@ -331,17 +331,26 @@ def gemma2_config(hf: dict) -> DecoderConfig:
     )
 
 
+def vaultgemma_config(hf: dict) -> DecoderConfig:
+    """VaultGemma: Gemma 2 without the norms of the sublayers' writes (a pre-norm block)."""
+    return dataclasses.replace(gemma2_config(hf), norm_placement=NormPlacement.PRE)
+
+
+VAULTGEMMA_NORMS = {"ln1": "input_layernorm", "ln2": "pre_feedforward_layernorm"}
+GEMMA_ARCHITECTURES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "vaultgemma": "VaultGemmaForCausalLM"}
+
+
 def gemma_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer], model_type: str) -> dict:
-    gemma2 = model_type == "gemma2"
+    gemma2 = model_type in ("gemma2", "vaultgemma")  # (VaultGemma's fields are Gemma 2's)
     if cfg.activation is Activation.GELU:
         raise ValueError(f"a {model_type} checkpoint cannot hold activation=gelu (exact): transformers reads Gemma's "
                          "'gelu' as the tanh approximation")
     gemma2_fields = ("attn_scale_dim", "attn_softcap", "logit_softcap", "sliding_window", "sliding_layers")
     require_fields(cfg, model_type, scale_embed=True, norm=Norm.RMS_FLOAT32, final_norm=True, positions=Positions.ROTARY,
                    rotary_dim=cfg.d_head, gated_mlp=True, mlp_bias=False, out_bias=cfg.qkv_bias,
-                   norm_placement=NormPlacement.SANDWICH if gemma2 else NormPlacement.PRE,
+                   norm_placement=NormPlacement.SANDWICH if model_type == "gemma2" else NormPlacement.PRE,
                    **({f: getattr(cfg, f) for f in gemma2_fields} if gemma2 else {}))
-    out = {**_llama_like_hf(cfg, model_type, "Gemma2ForCausalLM" if gemma2 else "GemmaForCausalLM"),
+    out = {**_llama_like_hf(cfg, model_type, GEMMA_ARCHITECTURES[model_type]),
            "attention_bias": cfg.qkv_bias, "hidden_activation" if gemma2 else "hidden_act": GPT_ACTIVATION_NAMES[cfg.activation]}
     if gemma2:
         windows = cfg.sliding_layers or (True,) * cfg.n_layers
@@ -358,9 +367,10 @@ def _norm_weights_offset(params: dict[str, torch.Tensor], offset: float) -> dict
     return {k: v.float() + offset if k.endswith(".w") else v for k, v in params.items()}
 
 
-def gemma_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    return _norm_weights_offset(llama_to_probe(source, cfg), 1.0)
+def gemma_to_probe(source: Source, cfg: DecoderConfig, norms: Optional[dict[str, str]] = None) -> dict[str, torch.Tensor]:
+    return _norm_weights_offset(llama_to_probe(source, cfg, norms=norms), 1.0)
 
 
-def gemma_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    return llama_to_hf(_norm_weights_offset(params, -1.0), cfg)
+def gemma_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig,
+                norms: Optional[dict[str, str]] = None) -> dict[str, torch.Tensor]:
+    return llama_to_hf(_norm_weights_offset(params, -1.0), cfg, norms=norms)

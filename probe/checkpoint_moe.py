@@ -40,7 +40,8 @@ LAYOUTS = {**{model_type: ("block_sparse_moe", ("w1", "w3", "w2"), None) for mod
                ("glm4_moe", "shared_experts"), ("deepseek_v2", "shared_experts"), ("deepseek_v3", "shared_experts"),
                ("glm4_moe_lite", "shared_experts"), ("glm_moe_dsa", "shared_experts"),
                ("ernie4_5_moe", "shared_experts"), ("afmoe", "shared_experts"))},
-           "lfm2_moe": ("feed_forward", ("w1", "w3", "w2"), None)}
+           "lfm2_moe": ("feed_forward", ("w1", "w3", "w2"), None),
+           "jamba": ("feed_forward", ("gate_proj", "up_proj", "down_proj"), None)}  # (its router: checkpoint_jamba)
 PROJECTIONS = ("W_gate", "W_in", "W_out")  # probe's (transformer-lens's) names for the same three
 SHARED = ("gate", "fc_in", "fc_out")  # the shared expert's, a gated MLP's (probe.mlp.GatedMLP)
 
@@ -218,12 +219,13 @@ def glm4_moe_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) ->
 # ---- the experts' tensors ------------------------------------------------------------------------------------
 def require_routing(experts: Optional[Experts], model_type: str, **wanted) -> None:
     """Refuse experts a format cannot hold: their routing, shared expert, width and layers at Mixtral's (softmax
-    scores, no bias, groups or scaling, a gated shared expert where there is one, every layer sparse, d_mlp wide)
+    scores over every expert, no bias, groups or scaling, a gated shared expert where there is one, every layer
+    sparse, d_mlp wide)
     unless `wanted` says otherwise."""
     if experts is None:
         return
     plain = dict(scoring="softmax", selection_bias=False, groups=None, scaling=1.0, shared_gate=True, width=None,
-                 layers=None)
+                 layers=None, softmax_over="all")
     wrong = {k: getattr(experts, k) for k, v in {**plain, **wanted}.items() if getattr(experts, k) != v}
     if wrong:
         raise ValueError(f"a {model_type} checkpoint cannot hold these experts: "

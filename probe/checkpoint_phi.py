@@ -18,7 +18,7 @@ import torch
 from probe.checkpoint_llama import llama_config, llama_to_hf, llama_to_probe
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, GPT_ACTIVATIONS, Source, activation_of, check_shared_norm,
                                      copy_shared_norm, qkv_rows, require_fields, rope_from_hf, rope_to_hf, split_qkv,
-                                     take_qkv, take_unembed)
+                                     take_qkv, take_unembed, with_defaults, with_fields)
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -101,11 +101,20 @@ def phi_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, 
 
 # ---- Phi-3 -------------------------------------------------------------------------------------------------
 def phi3_config(hf: dict) -> DecoderConfig:
-    rope, _ = rope_from_hf(hf)
-    base = llama_config(hf, qkv_bias=False, default_eps=1e-5)
+    # transformers' Phi3Config holds a pretraining context of its own, 4096 unless config.json says, and it overrides
+    # the rope dict's (LongRoPE's threshold)
+    hf = with_defaults(hf, original_max_position_embeddings=4096)
+    stored = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if stored.get("rope_type", stored.get("type")) == "yarn":  # (Phi3Config reads "yarn", as "su", for LongRoPE)
+        hf = with_fields(hf, rope_parameters={**stored, "rope_type": "longrope"}, rope_scaling=None)
+    rope, scaling = rope_from_hf(hf)
+    # (Llama's reading without the rescaling, which is checked against the partial rotary width below)
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    base = llama_config(with_fields(hf, rope_parameters={"rope_type": "default", "rope_theta": theta}, rope_scaling=None),
+                        qkv_bias=False, default_eps=1e-5)
     fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     return dataclasses.replace(base, rotary_dim=int(base.d_head * fraction), sliding_window=hf.get("sliding_window"),
-                               mlp_bias=False)
+                               mlp_bias=False, rotary_scaling=scaling)
 
 
 def phi3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dict:
@@ -114,9 +123,14 @@ def phi3_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> dic
                    out_bias=False, mlp_bias=False, sliding_window=cfg.sliding_window)
     if cfg.n_heads * cfg.d_head != cfg.d_model:
         raise ValueError("a Phi-3 checkpoint needs n_heads * d_head == d_model")
+    scaling = cfg.rotary_scaling
+    if scaling is not None and (scaling.kind != "longrope" or scaling.long_attention_factor is not None):
+        raise ValueError(f"a Phi-3 checkpoint rescales its rope by LongRoPE alone, one attention factor for both "
+                         f"regimes; this model has rotary_scaling={scaling!r}")
     special = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else cfg.d_vocab - 1
     fraction = cfg.rotary_dim / cfg.d_head
     return {
+        **({} if scaling is None else {"original_max_position_embeddings": scaling.original_n_ctx}),
         "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "num_hidden_layers": cfg.n_layers,
         "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "intermediate_size": cfg.d_mlp, "vocab_size": cfg.d_vocab, "max_position_embeddings": cfg.n_ctx,

@@ -29,8 +29,28 @@ def rope_from_hf(hf: dict) -> tuple[dict, Optional[RotaryScaling]]:
     if kind == "proportional":  # Gemma 4's full-attention layers
         return rope, RotaryScaling("proportional", float(rope.get("factor", 1.0)),
                                    rotated_fraction=float(rope.get("partial_rotary_factor", 1.0)))
+    if kind in ("longrope", "su"):  # ("su": Phi-3's first files' name for it)
+        return rope, longrope_from_hf(rope, hf)
     raise CheckpointError(f"rope scaling {kind!r} is not supported; supported: default (none), linear, llama3, yarn, "
-                          "proportional")
+                          "proportional, longrope (su)")
+
+
+def longrope_from_hf(rope: dict, hf: dict) -> RotaryScaling:
+    """transformers' reading of a LongRoPE dict: the pretraining context is config.json's own
+    original_max_position_embeddings where it has one (Phi-3's files keep it there), else the dict's; a missing factor
+    is max_position_embeddings over it, a missing attention_factor sqrt(1 + ln(factor) / ln(original)), or 1 for a
+    factor of at most 1. (PhiMoE's short_mscale and long_mscale replace it: probe.checkpoint_phimoe.)"""
+    original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    if not original or "short_factor" not in rope or "long_factor" not in rope:
+        raise CheckpointError("a longrope rope dict needs short_factor, long_factor and "
+                              "original_max_position_embeddings (in it or beside it in config.json)")
+    factor = float(rope.get("factor") or hf["max_position_embeddings"] / original)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RotaryScaling("longrope", factor, original_n_ctx=int(original), attention_factor=float(attention),
+                         short_factor=tuple(map(float, rope["short_factor"])),
+                         long_factor=tuple(map(float, rope["long_factor"])))
 
 
 def _yarn_from_hf(rope: dict, hf: dict) -> RotaryScaling:
@@ -105,6 +125,9 @@ def rope_to_hf(cfg: DecoderConfig, **extra) -> dict:
             params.update(original_max_position_embeddings=scaling.original_n_ctx, beta_fast=scaling.beta_fast,
                           beta_slow=scaling.beta_slow, attention_factor=scaling.attention_factor,
                           truncate=scaling.truncate)
+        if scaling.kind == "longrope":
+            params.update(original_max_position_embeddings=scaling.original_n_ctx, attention_factor=scaling.attention_factor,
+                          short_factor=list(scaling.short_factor), long_factor=list(scaling.long_factor))
     out = {"rope_theta": cfg.rotary_base, "rope_parameters": params}
     if scaling is not None:
         out["rope_scaling"] = {k: v for k, v in params.items() if k not in ("rope_theta", *extra)}

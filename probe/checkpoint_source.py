@@ -37,9 +37,25 @@ class Source:
         # a file that mixes float dtypes (a float32 norm among bfloat16 weights) is cast at load, explicitly, to
         # the dtype that holds them all (float16 + bfloat16 -> float32), so the model has one dtype, as
         # transformers gives it one; `dtype=` then converts as usual
+        self.cast_to = self._one_dtype()
+
+    def _one_dtype(self) -> Optional[torch.dtype]:
         weights = [t for n, t in self.state.items() if not n.endswith(self.IGNORED_SUFFIXES) and t.dtype in self.WEIGHT_DTYPES]
         dtypes = {t.dtype for t in weights}
-        self.cast_to = functools.reduce(torch.promote_types, dtypes) if len(dtypes) > 1 else None
+        return functools.reduce(torch.promote_types, dtypes) if len(dtypes) > 1 else None
+
+    def set_aside(self, prefixes: tuple[str, ...], strip: tuple[str, ...] = ()) -> None:
+        """Forget the tensors under `prefixes` (a multimodal file's vision tower, never read), and the dtypes only
+        they had (a float32 vision tower does not make a bfloat16 language model float32); then strip `strip` from the
+        names left, as the constructor strips its prefixes."""
+        kept = {}
+        for name, tensor in self.state.items():
+            if not name.startswith(prefixes):
+                for prefix in strip:
+                    name = name.removeprefix(prefix)
+                kept[name] = tensor
+        self.state = kept
+        self.cast_to = self._one_dtype()
 
     def _pop(self, name: str):
         if name not in self.state:
@@ -267,7 +283,7 @@ PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, l
                     attn_output_gate=False, linear_attention=None, qk_norm_after_rope=False, latent_attention=None, state_space=None,
                     parallel_state_space=None,
                     short_conv=None, sublayers=None, global_layers=None, shared_kv=None, per_layer_inputs=None,
-                    value_norm=False, layer_scalars=False,
+                    value_norm=False, layer_scalars=False, chunked_attention=None, shared_blocks=None,
                     # an activation with parameters of its own (xIELU): only Apertus's format holds them
                     activation=frozenset(a for a in Activation if not a.learned))
 

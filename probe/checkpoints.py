@@ -5,10 +5,12 @@ checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT, XGLM), checkpoint_b
 OLMoE, FlexOlmo, Qwen2/3-MoE, GLM-4.5), checkpoint_minimax.py (MiniMax-M2), checkpoint_ernie_moe.py (ERNIE 4.5 MoE),
 checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
-Phi-3), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2),
-checkpoint_gemma3.py (Gemma 3), checkpoint_gemma4.py (Gemma 4), checkpoint_afmoe.py (AFMoE), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba), checkpoint_falcon_h1.py (Falcon-H1), checkpoint_nemotron_h.py (Nemotron-H), checkpoint_mamba1.py (Mamba, FalconMamba),
-checkpoint_lfm2.py (LFM2, LFM2-MoE: short convolutions),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_qwen_vl.py (Qwen3-VL's and Qwen2.5-VL's language models), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention), checkpoint_glm_dsa.py (GLM-5: latent attention with a sparse indexer); checkpoint_source.py holds what they share and loading.py does the file handling for
+Phi-3), checkpoint_phimoe.py (PhiMoE), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2,
+VaultGemma),
+checkpoint_gemma3.py (Gemma 3), checkpoint_gemma4.py (Gemma 4), checkpoint_afmoe.py (AFMoE), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba), checkpoint_falcon_h1.py (Falcon-H1), checkpoint_nemotron_h.py (Nemotron-H), checkpoint_zamba2.py (Zamba2: shared transformer blocks), checkpoint_mamba1.py (Mamba, FalconMamba),
+checkpoint_lfm2.py (LFM2, LFM2-MoE: short convolutions), checkpoint_llama4.py (Llama 4 and its multimodal files' language model), checkpoint_jamba.py (Jamba: Mamba-1 mixers, attention, experts),
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4, GLM-4V's language model), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_olmo_hybrid.py (OLMo-Hybrid), checkpoint_qwen_vl.py (Qwen3-VL's and Qwen2.5-VL's language models), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention), checkpoint_glm_dsa.py (GLM-5: latent attention with a sparse indexer), checkpoint_wrapped.py (LLaVA,
+LLaVA-NeXT, LLaVA-OneVision, Idefics3: any family's language model inside a multimodal file); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
 from __future__ import annotations
@@ -37,7 +39,8 @@ from probe.checkpoint_gemma3 import gemma3_config, gemma3_config_to_hf, gemma3_m
 from probe.checkpoint_gemma4 import (gemma4_config, gemma4_config_to_hf, gemma4_multimodal_config,
                                      gemma4_multimodal_config_to_hf, gemma4_multimodal_to_probe, gemma4_to_hf,
                                      gemma4_to_probe, gemma4_unified_config)
-from probe.checkpoint_glm import glm_config, glm_config_to_hf, glm_to_hf, glm_to_probe
+from probe.checkpoint_glm import (glm4v_config, glm4v_config_to_hf, glm4v_to_probe, glm_config, glm_config_to_hf,
+                                 glm_to_hf, glm_to_probe)
 from probe.checkpoint_mamba import (bamba_config, bamba_config_to_hf, bamba_to_hf, bamba_to_probe, granite_hybrid_config,
                                     granite_hybrid_config_to_hf, granite_hybrid_to_hf, granite_hybrid_to_probe,
                                     mamba2_config, mamba2_config_to_hf, mamba2_to_hf, mamba2_to_probe)
@@ -45,27 +48,35 @@ from probe.checkpoint_mamba1 import (falcon_mamba_config, falcon_mamba_config_to
                                      mamba_to_hf, mamba_to_probe)
 from probe.checkpoint_granite import (granite_config, granite_config_to_hf, granite_moe_config, granite_moe_config_to_hf,
                                       granite_to_hf, granite_to_probe)
+from probe.checkpoint_jamba import jamba_config, jamba_config_to_hf, jamba_to_hf, jamba_to_probe
 from probe.checkpoint_hunyuan import hunyuan_config, hunyuan_config_to_hf, hunyuan_to_hf, hunyuan_to_probe
+from probe.checkpoint_llama4 import (llama4_config, llama4_config_to_hf, llama4_multimodal_config,
+                                     llama4_multimodal_config_to_hf, llama4_multimodal_to_probe, llama4_to_hf,
+                                     llama4_to_probe)
 from probe.checkpoint_lfm2 import lfm2_config, lfm2_config_to_hf, lfm2_moe_config, lfm2_moe_config_to_hf, lfm2_to_hf, lfm2_to_probe
 from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
 from probe.checkpoint_gptj import codegen_to_hf, codegen_to_probe, gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
 from probe.checkpoint_layernorm_llama import (layernorm_llama_config, layernorm_llama_config_to_hf,
                                               layernorm_llama_to_hf, layernorm_llama_to_probe)
-from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, arcee_config, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
+from probe.checkpoint_llama import (GEMMA_ACTIVATIONS, VAULTGEMMA_NORMS, vaultgemma_config, arcee_config, gemma2_config, gemma_config, gemma_config_to_hf, gemma_to_hf, gemma_to_probe,
                                     llama_config, llama_config_to_hf, llama_like, llama_to_hf, llama_to_probe, mistral_config,
                                     ernie4_5_config, olmo2_config, olmo3_config, olmo_config, seed_oss_config,
                                     smollm3_config,
                                     qwen2_config, qwen3_config)
 from probe.checkpoint_minimax import minimax_m2_config, minimax_m2_config_to_hf, minimax_m2_to_hf, minimax_m2_to_probe
+from probe.checkpoint_zamba2 import zamba2_config, zamba2_config_to_hf, zamba2_to_hf, zamba2_to_probe
 from probe.checkpoint_nemotron_h import (nemotron_h_config, nemotron_h_config_to_hf, nemotron_h_to_hf,
                                          nemotron_h_to_probe)
 from probe.checkpoint_mistral3 import ministral3_config, ministral3_config_to_hf, mistral3
 from probe.checkpoint_moe import (flex_olmo_config, glm4_moe_config, mixtral_config, moe_family, olmoe_config,
                                   qwen2_moe_config, qwen3_moe_config)
 from probe.checkpoint_mpt import mpt_config, mpt_config_to_hf, mpt_to_hf, mpt_to_probe
+from probe.checkpoint_olmo_hybrid import (olmo_hybrid_config, olmo_hybrid_config_to_hf, olmo_hybrid_to_hf,
+                                          olmo_hybrid_to_probe)
 from probe.checkpoint_opt import (opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe, xglm_config, xglm_config_to_hf,
                                   xglm_to_hf, xglm_to_probe)
+from probe.checkpoint_phimoe import phimoe_config, phimoe_config_to_hf, phimoe_to_hf, phimoe_to_probe
 from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, phi3_to_probe, phi_config, phi_config_to_hf,
                                   phi_to_hf, phi_to_probe)
 from probe.checkpoint_qwen35 import (qwen35_config, qwen35_config_to_hf, qwen35_moe_config, qwen35_moe_multimodal,
@@ -73,6 +84,7 @@ from probe.checkpoint_qwen35 import (qwen35_config, qwen35_config_to_hf, qwen35_
 from probe.checkpoint_qwen_vl import (qwen2_5_vl_config, qwen3_vl_config, qwen3_vl_moe_config, qwen3_vl_moe_to_probe,
                                       qwen_vl_config_to_hf, vl_text_to_probe)
 from probe.checkpoint_source import GPT_ACTIVATIONS, Source
+from probe.checkpoint_wrapped import WRAPPERS, wrapped_language_model
 from probe.checkpoint_stablelm import stablelm_config, stablelm_config_to_hf, stablelm_to_hf, stablelm_to_probe
 from probe.config import Activation, DecoderConfig, NormPlacement
 from probe.config_file import CheckpointError
@@ -92,7 +104,7 @@ class Family:
     to_probe: Callable[[Source, DecoderConfig], dict[str, torch.Tensor]]
     to_hf: Callable[[dict[str, torch.Tensor], DecoderConfig], dict[str, torch.Tensor]]
     # whether text gets BOS first by default (cfg.default_prepend_bos): transformer-lens's per-family choice, False
-    # for GPT-NeoX/Pythia, Qwen, Phi, Granite, GLM, ERNIE, MiniMax, EXAONE 4, StarCoder 2 and Seed-OSS, trained without one
+    # for GPT-NeoX/Pythia, Qwen, Phi, PhiMoE, Granite, GLM, ERNIE, MiniMax, EXAONE 4, StarCoder 2 and Seed-OSS, trained without one
     # (TL 3.9's convert_hf_model_config, TL 4's bridge)
     prepends_bos: bool = True
     # a multimodal checkpoint's: the text-only format its language model saves as
@@ -129,6 +141,12 @@ FAMILIES = {
         Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", ("model.language_model.", "language_model."),
                *qwen35_moe_multimodal, qwen35_to_hf("qwen3_5_moe_text"), prepends_bos=False,
                saves_as="qwen3_5_moe_text"),
+        Family("llama4_text", "Llama4ForCausalLM", ("model.",), llama4_config, llama4_config_to_hf, llama4_to_probe,
+               llama4_to_hf),
+        # the language model of a multimodal one (Scout, Maverick): saved as llama4_text
+        Family("llama4", "Llama4ForConditionalGeneration", ("language_model.model.", "language_model."),
+               llama4_multimodal_config, llama4_multimodal_config_to_hf, llama4_multimodal_to_probe, llama4_to_hf,
+               saves_as="llama4_text"),
         Family("mistral", "MistralForCausalLM", ("model.",), mistral_config, *llama_like("mistral")),
         Family("mistral3", "Mistral3ForConditionalGeneration", ("language_model.model.", "model.language_model.",
                                                                 "language_model."),
@@ -138,6 +156,8 @@ FAMILIES = {
         Family("olmo", "OlmoForCausalLM", ("model.",), olmo_config, *llama_like("olmo")),
         Family("olmo2", "Olmo2ForCausalLM", ("model.",), olmo2_config, *llama_like("olmo2")),
         Family("olmo3", "Olmo3ForCausalLM", ("model.",), olmo3_config, *llama_like("olmo3")),
+        Family("olmo_hybrid", "OlmoHybridForCausalLM", ("model.",), olmo_hybrid_config, olmo_hybrid_config_to_hf,
+               olmo_hybrid_to_probe, olmo_hybrid_to_hf),
         Family("smollm3", "SmolLM3ForCausalLM", ("model.",), smollm3_config, *llama_like("smollm3")),
         Family("exaone", "ExaoneForCausalLM", ("transformer.", "model."), exaone_config, exaone_config_to_hf,
                exaone_to_probe, exaone_to_hf),
@@ -149,6 +169,9 @@ FAMILIES = {
         *(Family(model_type, architecture, ("model.",), glm_config(model_type), glm_config_to_hf(model_type),
                  glm_to_probe, glm_to_hf, prepends_bos=False)
           for model_type, architecture in (("glm", "GlmForCausalLM"), ("glm4", "Glm4ForCausalLM"))),
+        # GLM-4V's language model (on text, GLM-4's): saved as that
+        Family("glm4v", "Glm4vForConditionalGeneration", ("model.language_model.",), glm4v_config, glm4v_config_to_hf,
+               glm4v_to_probe, glm_to_hf, prepends_bos=False, saves_as="glm4"),
         Family("ernie4_5", "Ernie4_5ForCausalLM", ("model.",), ernie4_5_config, *llama_like("ernie4_5"),
                prepends_bos=False),
         Family("seed_oss", "SeedOssForCausalLM", ("model.",), seed_oss_config, *llama_like("seed_oss"), prepends_bos=False),
@@ -169,10 +192,13 @@ FAMILIES = {
                mamba2_to_hf),
         Family("nemotron_h", "NemotronHForCausalLM", ("backbone.", "model."), nemotron_h_config,
                nemotron_h_config_to_hf, nemotron_h_to_probe, nemotron_h_to_hf),
+        Family("zamba2", "Zamba2ForCausalLM", ("model.",), zamba2_config, zamba2_config_to_hf, zamba2_to_probe,
+               zamba2_to_hf),
         Family("mamba", "MambaForCausalLM", ("backbone.",), mamba_config, mamba_config_to_hf, mamba_to_probe,
                mamba_to_hf),
         Family("falcon_mamba", "FalconMambaForCausalLM", ("backbone.",), falcon_mamba_config,
                falcon_mamba_config_to_hf, mamba_to_probe, mamba_to_hf),
+        Family("jamba", "JambaForCausalLM", ("model.",), jamba_config, jamba_config_to_hf, jamba_to_probe, jamba_to_hf),
         Family("lfm2", "Lfm2ForCausalLM", ("model.",), lfm2_config, lfm2_config_to_hf, lfm2_to_probe, lfm2_to_hf),
         Family("lfm2_moe", "Lfm2MoeForCausalLM", ("model.",), lfm2_moe_config, lfm2_moe_config_to_hf, lfm2_to_probe,
                lfm2_to_hf),
@@ -182,6 +208,10 @@ FAMILIES = {
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma"), gemma_to_probe, gemma_to_hf),
         Family("gemma2", "Gemma2ForCausalLM", ("model.",), gemma2_config,
                lambda cfg, tok: gemma_config_to_hf(cfg, tok, "gemma2"), gemma_to_probe, gemma_to_hf),
+        Family("vaultgemma", "VaultGemmaForCausalLM", ("model.",), vaultgemma_config,
+               lambda cfg, tok: gemma_config_to_hf(cfg, tok, "vaultgemma"),
+               lambda source, cfg: gemma_to_probe(source, cfg, VAULTGEMMA_NORMS),
+               lambda params, cfg: gemma_to_hf(params, cfg, VAULTGEMMA_NORMS)),
         Family("gemma3_text", "Gemma3ForCausalLM", ("model.",), gemma3_config, gemma3_config_to_hf, gemma_to_probe,
                gemma_to_hf),
         # the language model of a multimodal one: saved as gemma3_text (its config_to_hf says so and refuses)
@@ -210,6 +240,8 @@ FAMILIES = {
                lambda cfg, tok: gptj_config_to_hf(cfg, tok, "codegen"), codegen_to_probe, codegen_to_hf),
         Family("phi3", "Phi3ForCausalLM", ("model.",), phi3_config, phi3_config_to_hf, phi3_to_probe, phi3_to_hf),
         Family("mixtral", "MixtralForCausalLM", ("model.",), mixtral_config, *moe_family("mixtral")),
+        Family("phimoe", "PhimoeForCausalLM", ("model.",), phimoe_config, phimoe_config_to_hf, phimoe_to_probe,
+               phimoe_to_hf, prepends_bos=False),
         Family("olmoe", "OlmoeForCausalLM", ("model.",), olmoe_config, *moe_family("olmoe")),
         Family("flex_olmo", "FlexOlmoForCausalLM", ("model.",), flex_olmo_config, *moe_family("flex_olmo")),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", ("model.",), qwen3_moe_config, *moe_family("qwen3_moe"),
@@ -248,10 +280,16 @@ FAMILIES = {
     )
 }
 
+# the multimodal files that wrap a language model of any family (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Idefics3): read
+# through the family their text_config names
+FAMILIES.update({kind: Family(kind, wrapper.architecture, wrapper.prefixes, *wrapped_language_model(wrapper, FAMILIES))
+                 for kind, wrapper in WRAPPERS.items()})
+
 
 def prepends_bos_by_default(architecture: Optional[str]) -> bool:
-    """The family's default for putting BOS before text (True for an architecture not listed, as for GPT-2)."""
-    return next((f.prepends_bos for f in FAMILIES.values() if f.architecture == architecture), True)
+    """The family's default for putting BOS before text (True for an architecture not listed, as for GPT-2). Case is
+    ignored: Phi-3.5-MoE's config.json names its remote code's PhiMoEForCausalLM, transformers' class is Phimoe..."""
+    return next((f.prepends_bos for f in FAMILIES.values() if f.architecture.lower() == str(architecture).lower()), True)
 
 
 def family_for_config(cfg: DecoderConfig) -> Family:

@@ -14,6 +14,8 @@ from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, ExpertGroups
                                   RotaryScaling)
 from probe.config_mixers import LatentAttention, LinearAttention, ShortConv, SparseIndexer, StateSpace
 from probe.config_mixers import parallel_state_space_of
+from probe.config_shared_block import SharedBlocks
+from probe.config_chunked import ChunkedAttention
 from probe.config_layers import LayerFacts
 from probe.config_layer_shapes import GlobalLayers, PerLayerInputs, SharedKV, check_layer_shapes
 from probe.config_rotary import check_rotary
@@ -21,7 +23,7 @@ from probe.tl_config_fields import HookedTransformerConfigFields
 
 # the choices live in probe.config_choices and probe.config_mixers and are imported from here as before
 __all__ = ["Activation", "DecoderConfig", "ExpertGroups", "Experts", "LatentAttention", "LinearAttention", "Norm", "NormPlacement",
-           "Positions", "RotaryScaling", "GlobalLayers", "PerLayerInputs", "SharedKV", "ShortConv", "SparseIndexer", "StateSpace"]
+           "Positions", "RotaryScaling", "GlobalLayers", "PerLayerInputs", "SharedKV", "SharedBlocks", "ShortConv", "SparseIndexer", "StateSpace"]
 
 
 def _enum(cls, value, field):
@@ -92,6 +94,8 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
     parallel_state_space: Optional[StateSpace] = None  # Mamba-2 mixers beside attention, writes summed (Falcon-H1)
     sublayers: Optional[tuple[str, ...]] = None  # each layer's one sublayer, "mixer"/"attn"/"mlp" (NemotronH); None: both
     short_conv: Optional[ShortConv] = None  # LFM2's gated short convolutions in place of attention in some layers
+    shared_blocks: Optional[SharedBlocks] = None  # Zamba2's transformer blocks shared by layers, before their mixers
+    chunked_attention: Optional[ChunkedAttention] = None  # Llama 4's chunked rope layers, q/k norm, NoPE temperature
     # Gemma 4: full-attention layers' own head shape, later layers reusing earlier ones' keys and values, a per-layer
     # embedding of each token, values RMS-normalised per head, and each block's output times a learned scalar
     global_layers: Optional[GlobalLayers] = None
@@ -265,11 +269,12 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
             if not isinstance(linear, LinearAttention) or len(linear.layers) != self.n_layers:
                 raise ValueError(f"linear_attention={linear!r} must be a LinearAttention (or its fields as a dict) "
                                  f"whose layers give each of the n_layers={self.n_layers} layers True or False")
-            if (self.norm_placement is not NormPlacement.PRE or self.attn_only or self.bidirectional
-                    or self.heads_per_layer is not None):
+            # (the linear layers' blocks are pre-norm whatever the attention layers' are: OLMo-Hybrid's are sandwiches)
+            if (self.norm_placement not in (NormPlacement.PRE, NormPlacement.SANDWICH) or self.attn_only
+                    or self.bidirectional or self.heads_per_layer is not None):
                 raise ValueError("linear-attention layers are built in causal pre-norm blocks with an MLP and every "
-                                 "head: set norm_placement='pre', attn_only=False, bidirectional=False, "
-                                 "heads_per_layer=None")
+                                 "head: set norm_placement='pre' (or 'sandwich', for the attention layers alone), "
+                                 "attn_only=False, bidirectional=False, heads_per_layer=None")
         if latent is not None:
             latent.check(self)
         if isinstance(self.state_space, dict):
@@ -282,6 +287,8 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
         check_layer_shapes(self)
         object.__setattr__(self, "short_conv", ShortConv.of(self.short_conv, self))  # (a dict converted; checked)
         object.__setattr__(self, "parallel_state_space", parallel_state_space_of(self.parallel_state_space, self))
+        object.__setattr__(self, "shared_blocks", SharedBlocks.of(self.shared_blocks, self))  # (a dict converted)
+        object.__setattr__(self, "chunked_attention", ChunkedAttention.of(self.chunked_attention, self))
         if self.attn_only and self.norm_placement is not NormPlacement.PRE:
             raise ValueError(f"attn_only blocks are pre-norm, x + attn(ln1(x)); got norm_placement="
                              f"{self.norm_placement.value!r}: use norm_placement='pre'")

@@ -83,29 +83,44 @@ class RotaryScaling:
     times kept, a linear ramp in dimension between (its ends rounded outwards with `truncate`), and q
     and k's rotated dimensions multiplied by attention_factor. "proportional" (Gemma 4's full-attention
     layers): only the first `rotated_fraction` of the pairs turn, at the frequencies they have among all
-    of the head's pairs, the rest standing still; every frequency divided by `factor`.
+    of the head's pairs, the rest standing still; every frequency divided by `factor`. "longrope" (Phi-3's
+    128k models, Phi-3.5, Phi-4-mini, PhiMoE; transformers' "longrope", older files' "su"): pair i's frequency
+    divided by short_factor[i] while a forward's positions stay within original_n_ctx, by long_factor[i] at
+    every position once any reaches past it (the whole call switches, as transformers' does), and q and k's
+    rotated dimensions multiplied by attention_factor (long_attention_factor in the long regime where it is
+    given: PhiMoE's short_mscale / long_mscale); `factor` is kept for the file and changes nothing.
     """
 
-    kind: Literal["linear", "llama3", "yarn", "proportional"]
+    kind: Literal["linear", "llama3", "yarn", "proportional", "longrope"]
     factor: float
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_n_ctx: Optional[int] = None  # llama3 and yarn: the context length of pretraining
+    original_n_ctx: Optional[int] = None  # llama3, yarn and longrope: the context length of pretraining
     beta_fast: float = 32.0  # yarn only
     beta_slow: float = 1.0  # yarn only
-    attention_factor: float = 1.0  # yarn only: what the rotated dimensions are multiplied by
+    attention_factor: float = 1.0  # yarn and longrope: what the rotated dimensions are multiplied by
     truncate: bool = True  # yarn only
     rotated_fraction: float = 1.0  # proportional only: the share of the pairs that turn
+    short_factor: tuple[float, ...] = ()  # longrope only: each pair's divisor within original_n_ctx
+    long_factor: tuple[float, ...] = ()  # longrope only: each pair's divisor past it
+    long_attention_factor: Optional[float] = None  # longrope only: attention_factor past it; None: the same
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3", "yarn", "proportional"):
+        if self.kind not in ("linear", "llama3", "yarn", "proportional", "longrope"):
             raise ValueError(f"rotary scaling kind={self.kind!r} is not supported; choose one of: 'linear', 'llama3', "
-                             "'yarn', 'proportional'")
+                             "'yarn', 'proportional', 'longrope'")
+        for name in ("short_factor", "long_factor"):  # (a list from JSON or to_dict becomes a hashable tuple)
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.kind == "longrope":
+            self._check_longrope()
+        elif self.short_factor or self.long_factor or self.long_attention_factor is not None:
+            raise ValueError(f"short_factor, long_factor and long_attention_factor are longrope's; {self.kind} "
+                             "rotary scaling takes none of them")
         if not (isinstance(self.rotated_fraction, (int, float)) and 0 <= self.rotated_fraction <= 1):
             raise ValueError(f"rotary scaling rotated_fraction must be in [0, 1], got {self.rotated_fraction!r}")
         if not (isinstance(self.factor, (int, float)) and self.factor > 0):
             raise ValueError(f"rotary scaling factor must be a positive number, got {self.factor!r}")
-        if self.kind in ("llama3", "yarn"):
+        if self.kind in ("llama3", "yarn", "longrope"):
             if not (isinstance(self.original_n_ctx, int) and self.original_n_ctx > 0):
                 raise ValueError(f"{self.kind} rotary scaling needs original_n_ctx, a positive int, got "
                                  f"{self.original_n_ctx!r}")
@@ -113,6 +128,19 @@ class RotaryScaling:
             if not 0 < self.low_freq_factor < self.high_freq_factor:
                 raise ValueError(f"llama3 rotary scaling needs 0 < low_freq_factor < high_freq_factor, got "
                                  f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
+
+    def _check_longrope(self) -> None:
+        pairs = len(self.short_factor)
+        if not pairs or len(self.long_factor) != pairs or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0
+                for f in self.short_factor + self.long_factor):
+            raise ValueError(f"longrope rotary scaling needs short_factor and long_factor, one positive number per "
+                             f"rotated pair each, got {len(self.short_factor)} and {len(self.long_factor)} entries")
+        for name in ("attention_factor", "long_attention_factor"):
+            value = getattr(self, name)
+            if not (value is None and name == "long_attention_factor") and not (
+                    isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"longrope rotary scaling {name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -165,7 +193,10 @@ class Experts:
     choice alone, never to the weights (DeepSeek-V3's auxiliary-loss-free balancing). `groups`: the choice limited to
     the best groups of experts (ExpertGroups); None: any expert. `softmax_over`: "all" (the scores above, then the
     choice) or "chosen" (the choice by logit, then the softmax over the chosen ones' logits: GPT-OSS; their weights
-    then sum to 1, so nothing is renormalised, biased, grouped or scaled). `clamped_glu`: the experts' non-linearity is
+    then sum to 1, so nothing is renormalised, biased, grouped or scaled) or "sparsemixer" (PhiMoE's inference
+    routing, Liu et al. 2024: the two largest logits chosen, each weighted by the softmax over the experts whose
+    logits lie within a relative 2 * `sparsemixer_eps` of it, the first's among all, the second's among all but the
+    first; nothing renormalised, biased, grouped or scaled). `clamped_glu`: the experts' non-linearity is
     GPT-OSS's (ClampedSwiGLU); None: the model's activation, act(gate) * up.
 
     `shared`: the width of an expert every token runs (None: none), its output weighed by a sigmoid gate of its own
@@ -177,13 +208,14 @@ class Experts:
     `gated` False: every expert, the shared one too, is a plain MLP, W_out(act(W_in x)) (NemotronH's relu^2 experts,
     with gated_mlp False). `latent`: the routed experts read and write a projection of the residual this wide
     (NemotronH's moe_latent_size: fc1_latent_proj before them, fc2_latent_proj after their weighted sum); None: the
-    residual itself."""
+    residual itself. `scale_inputs`: each chosen expert reads its input times its weight and writes as it is (Llama 4:
+    expert(w x), not w expert(x))."""
 
     n: int
     per_token: int
     renormalize: bool = False
     shared: Optional[int] = None
-    softmax_over: Literal["all", "chosen"] = "all"
+    softmax_over: Literal["all", "chosen", "sparsemixer"] = "all"
     clamped_glu: Optional[ClampedSwiGLU] = None
     scoring: Literal["softmax", "sigmoid"] = "softmax"
     selection_bias: bool = False
@@ -197,6 +229,8 @@ class Experts:
     renormalize_eps: float = 1e-20
     gated: bool = True
     latent: Optional[int] = None
+    scale_inputs: bool = False
+    sparsemixer_eps: float = 0.01  # softmax_over="sparsemixer" only: PhiMoE's router_jitter_noise
 
     def __post_init__(self) -> None:
         for name in ("n", "per_token"):
@@ -205,7 +239,7 @@ class Experts:
                 raise ValueError(f"Experts.{name} must be a positive int, got {value!r}")
         if self.per_token > self.n:
             raise ValueError(f"Experts(per_token={self.per_token}) picks more experts than there are (n={self.n})")
-        for name in ("renormalize", "selection_bias", "shared_gate", "routed_bias", "gated"):
+        for name in ("renormalize", "selection_bias", "shared_gate", "routed_bias", "gated", "scale_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Experts.{name} must be a bool, got {getattr(self, name)!r}")
         for name, what in (("shared", "the shared expert's width"), ("width", "each routed expert's width"),
@@ -216,8 +250,9 @@ class Experts:
         if not self.shared_gate and self.shared is None:
             raise ValueError("Experts(shared_gate=False) says how a shared expert is added, but shared=None: give the "
                              "shared expert's width, or leave shared_gate True")
-        if self.softmax_over not in ("all", "chosen"):
-            raise ValueError(f"Experts.softmax_over={self.softmax_over!r} is not supported; choose 'all' or 'chosen'")
+        if self.softmax_over not in ("all", "chosen", "sparsemixer"):
+            raise ValueError(f"Experts.softmax_over={self.softmax_over!r} is not supported; choose 'all', 'chosen' or "
+                             "'sparsemixer'")
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"Experts.scoring={self.scoring!r} is not supported; choose 'softmax' or 'sigmoid'")
         if not (isinstance(self.scaling, (int, float)) and not isinstance(self.scaling, bool) and self.scaling > 0):
@@ -232,12 +267,13 @@ class Experts:
         if not (type(eps) in (int, float) and eps > 0 and (eps == 1e-20 or (self.renormalize and floor is None))):
             raise ValueError(f"Experts.renormalize_eps={eps!r} is added to the renormalising sum: give a positive number "
                              "with renormalize=True and no renormalize_min, or leave it 1e-20")
-        if self.softmax_over == "chosen":
+        self._check_sparsemixer()
+        if self.softmax_over in ("chosen", "sparsemixer"):
             chosen = {"renormalize": self.renormalize, "scoring": self.scoring != "softmax",
                       "selection_bias": self.selection_bias, "groups": self.groups is not None,
                       "scaling": self.scaling != 1}
             if any(chosen.values()):
-                raise ValueError(f"Experts(softmax_over='chosen') chooses by logit and its weights already sum to 1; "
+                raise ValueError(f"Experts(softmax_over={self.softmax_over!r}) chooses by logit and weighs by softmax; "
                                  f"leave these at their defaults: {', '.join(k for k, v in chosen.items() if v)}")
         if isinstance(self.clamped_glu, dict):
             object.__setattr__(self, "clamped_glu", ClampedSwiGLU(**self.clamped_glu))
@@ -250,6 +286,17 @@ class Experts:
                 raise ValueError(f"Experts.layers={self.layers!r} must say for each layer True (experts) or False (a "
                                  "dense MLP), with at least one True (else leave experts None)")
             object.__setattr__(self, "layers", None if all(layers) else layers)  # one spelling of "every layer"
+
+    def _check_sparsemixer(self) -> None:
+        eps = self.sparsemixer_eps
+        if not (type(eps) in (int, float) and eps >= 0):
+            raise ValueError(f"Experts.sparsemixer_eps must be a number >= 0, got {eps!r}")
+        if self.softmax_over == "sparsemixer" and self.per_token != 2:
+            raise ValueError(f"Experts(softmax_over='sparsemixer') chooses two experts per token (PhiMoE's routing "
+                             f"has no other count); got per_token={self.per_token}")
+        if self.softmax_over != "sparsemixer" and eps != 0.01:
+            raise ValueError("Experts.sparsemixer_eps is the sparsemixer routing's: set softmax_over='sparsemixer', "
+                             "or leave it 0.01")
 
     def _check_groups(self) -> None:
         if isinstance(self.groups, dict):

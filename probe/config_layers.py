@@ -60,6 +60,12 @@ class LayerFacts:
         windowed = self.sliding_layers is None or self.sliding_layers[layer]
         return self.sliding_window if windowed else None
 
+    def layer_mask_key(self, layer: int):
+        """What limits the keys `layer`'s queries see (the key of its mask): its sliding window (None: every earlier
+        key), or its chunk (a config_chunked.Chunk: Llama 4's chunked layers)."""
+        chunked = self.chunked_attention
+        return self.layer_window(layer) if chunked is None else chunked.mask_key(layer)
+
     def layer_rotary(self, layer: int) -> tuple[float, Optional[RotaryScaling]]:
         """`layer`'s rotary base and frequency rescaling (a windowed layer's own, where sliding_rotary_base is set)."""
         if self.sliding_rotary_base is not None and self.layer_window(layer) is not None:
@@ -74,7 +80,13 @@ class LayerFacts:
         """Whether `layer` mixes positions with a recurrent layer instead of attention: linear attention (Gated
         DeltaNet), a state-space (Mamba-2) mixer or a short convolution (LFM2's); such a layer has no attention heads."""
         return ((self.linear_attention is not None and self.linear_attention.layers[layer])
-                or self.layer_is_state_space(layer) or self.layer_is_short_conv(layer))
+                or (self.layer_is_state_space(layer) and not self.layer_has_shared_block(layer))
+                or self.layer_is_short_conv(layer))
+
+    def layer_has_shared_block(self, layer: int) -> bool:
+        """Whether `layer` runs one of Zamba2's shared transformer blocks before its Mamba-2 mixer (its attention
+        heads are then the shared block's)."""
+        return self.shared_blocks is not None and self.shared_blocks.layers[layer]
 
     def layer_is_short_conv(self, layer: int) -> bool:
         """Whether `layer`'s token mixer is LFM2's gated short convolution (blocks.L.conv)."""

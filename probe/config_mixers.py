@@ -14,7 +14,10 @@ class LinearAttention:
     is corrected toward the new value along the new key (the delta rule); the queries read it. `layers` says which
     layers have one (the others keep attention). `key_heads` query/key heads of `d_key_head` serve `value_heads` value
     heads of `d_value_head`, each the value_heads // key_heads adjacent ones; q, k and v first pass a causal depthwise
-    convolution over `conv_kernel` positions."""
+    convolution over `conv_kernel` positions. `beta_scale` multiplies the write strength sigmoid(logit): 2 lets the
+    delta rule overshoot, beta in (0, 2), so the state's transition may have negative eigenvalues (OLMo-Hybrid's
+    allow_neg_eigval). `norm_eps`: the gated output norm's own eps (OLMo-Hybrid fixes it at FLA's 1e-5); None, the
+    model's eps (Qwen3.5's)."""
 
     layers: tuple[bool, ...]
     key_heads: int
@@ -22,12 +25,20 @@ class LinearAttention:
     d_key_head: int
     d_value_head: int
     conv_kernel: int = 4
+    beta_scale: float = 1.0
+    norm_eps: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("key_heads", "value_heads", "d_key_head", "d_value_head", "conv_kernel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LinearAttention.{name} must be a positive int, got {value!r}")
+        if isinstance(self.beta_scale, bool) or not isinstance(self.beta_scale, (int, float)) or self.beta_scale <= 0:
+            raise ValueError(f"LinearAttention.beta_scale must be a positive number (1: beta in (0, 1); 2: in (0, 2)), "
+                             f"got {self.beta_scale!r}")
+        if self.norm_eps is not None and not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
+            raise ValueError(f"LinearAttention.norm_eps must be a small positive float or None (the model's eps), got "
+                             f"{self.norm_eps!r}")
         if self.value_heads % self.key_heads:
             raise ValueError(f"LinearAttention(value_heads={self.value_heads}) must be a multiple of key_heads="
                              f"{self.key_heads}: each query/key head serves the same number of value heads")
@@ -162,7 +173,8 @@ class StateSpace:
     kind "mamba1" is Mamba-1's selective scan instead (probe.selective_scan; Gu and Dao 2023): each of the d_inner
     channels is its own head (n_heads = d_inner, d_head 1, one group) with its own [d_state] decay rates and state; its
     step comes from a rank-`dt_rank` projection; FalconMamba's weightless RMS norms on dt, B and C have eps
-    `bcdt_norm_eps` (None: no norms).
+    `bcdt_norm_eps` (None: no norms); with `bcdt_norm_weights` each of the three learns a scale (Jamba's dt_layernorm,
+    b_layernorm, c_layernorm).
 
     `inner_norm`: Mamba-2's gated norm, "after_gate" (RMS-normalise y * silu(z)), "before_gate" (normalise y, then
     gate it: Falcon-H1's mamba_norm_before_gate) or None (y * silu(z) alone: Falcon-H1's mamba_rms_norm false).
@@ -181,7 +193,8 @@ class StateSpace:
     dt_max: float = float("inf")
     kind: Literal["mamba2", "mamba1"] = "mamba2"
     dt_rank: int = 0  # Mamba-1's only
-    bcdt_norm_eps: Optional[float] = None  # FalconMamba's only
+    bcdt_norm_eps: Optional[float] = None  # FalconMamba's and Jamba's only
+    bcdt_norm_weights: bool = False  # Jamba's only
     inner_norm: Optional[Literal["after_gate", "before_gate"]] = "after_gate"  # Mamba-2's only
     out_bias: Optional[bool] = None
 
@@ -216,10 +229,10 @@ class StateSpace:
         if self.kind not in ("mamba2", "mamba1"):
             raise ValueError(f"StateSpace.kind={self.kind!r}: give 'mamba2' (Mamba-2's mixer) or 'mamba1' (Mamba-1's)")
         if self.kind == "mamba2":
-            if self.dt_rank != 0 or self.bcdt_norm_eps is not None:
+            if self.dt_rank != 0 or self.bcdt_norm_eps is not None or self.bcdt_norm_weights is not False:
                 raise ValueError(f"StateSpace(kind='mamba2') has no low-rank step nor B/C/dt norms; got dt_rank="
-                                 f"{self.dt_rank!r}, bcdt_norm_eps={self.bcdt_norm_eps!r} (leave them 0 and None, or "
-                                 "set kind='mamba1')")
+                                 f"{self.dt_rank!r}, bcdt_norm_eps={self.bcdt_norm_eps!r}, bcdt_norm_weights="
+                                 f"{self.bcdt_norm_weights!r} (leave them 0, None and False, or set kind='mamba1')")
             return
         if not isinstance(self.dt_rank, int) or isinstance(self.dt_rank, bool) or self.dt_rank <= 0:
             raise ValueError(f"StateSpace(kind='mamba1').dt_rank must be a positive int (the step's projection rank), "
@@ -232,6 +245,9 @@ class StateSpace:
                                                    and self.bcdt_norm_eps > 0):
             raise ValueError(f"StateSpace.bcdt_norm_eps must be a positive float (FalconMamba's mixer_rms_eps) or None, "
                              f"got {self.bcdt_norm_eps!r}")
+        if not isinstance(self.bcdt_norm_weights, bool) or (self.bcdt_norm_weights and self.bcdt_norm_eps is None):
+            raise ValueError(f"StateSpace.bcdt_norm_weights={self.bcdt_norm_weights!r} says whether the dt, B and C norms "
+                             "learn scales (Jamba's): a bool, True only with their bcdt_norm_eps set")
 
     @property
     def label(self) -> str:

@@ -31,6 +31,15 @@ def check_rotary(cfg) -> None:
             width = f"d_head={cfg.d_head}" if latent is None else f"latent attention's d_qk={latent.d_qk}"
             raise ValueError(f"positions=rotary rotates pairs of dimensions, so rotary_dim must be even and at most "
                              f"{width}, got rotary_dim={cfg.rotary_dim}")
+    scaling = cfg.rotary_scaling
+    if scaling is not None and scaling.kind == "longrope":
+        if len(scaling.short_factor) != cfg.rotary_dim // 2:
+            raise ValueError(f"longrope rotary scaling gives each rotated pair its factors: short_factor and "
+                             f"long_factor need rotary_dim // 2 = {cfg.rotary_dim // 2} entries, got "
+                             f"{len(scaling.short_factor)}")
+        if cfg.rotary_adjacent_pairs or cfg.latent_attention is not None:
+            raise ValueError("longrope rotary scaling pairs dimensions i and i + rotary_dim / 2 in ordinary attention: "
+                             "set rotary_adjacent_pairs=False and latent_attention=None, or choose another scaling")
     if cfg.rotary_layers is not None:
         layers = tuple(cfg.rotary_layers)
         if cfg.positions is not Positions.ROTARY or len(layers) != cfg.n_layers or not all(

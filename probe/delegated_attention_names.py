@@ -10,7 +10,8 @@ from probe.config import DecoderConfig
 
 # the architectures (beside Gemma 4's, known by their layer scalars) whose adapters delegate attention so
 # (Qwen2.5-VL's adapter delegates too, but its heads have no q/k norms to name)
-DELEGATING = ("AfmoeForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+DELEGATING = ("AfmoeForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+              "Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 
 
 def delegates_attention(cfg: DecoderConfig) -> bool:
@@ -28,6 +29,8 @@ def delegated_attention_names(cfg: DecoderConfig, layer: int, aliases: dict[str,
         gemma4_names(cfg, layer, aliases, left_out)
     elif cfg.original_architecture == "AfmoeForCausalLM":
         afmoe_names(cfg, layer, aliases, left_out)
+    elif cfg.chunked_attention is not None and cfg.layer_sparse(layer):
+        llama4_expert_names(f"blocks.{layer}", aliases, left_out)
 
 
 def afmoe_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:
@@ -42,6 +45,25 @@ def afmoe_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_ou
         left_out[f"{b}.mlp.router_gate.hook_out"] = (f"probe hooks the router's sigmoid scores, {b}.mlp.hook_expert_"
                                                      f"weights [batch*pos experts], and the chosen experts, {b}.mlp."
                                                      f"hook_expert_indices, not its logits")
+
+
+def llama4_expert_names(b: str, aliases: dict[str, str], left_out: dict[str, str]) -> None:
+    """Llama 4's MoE layer: its router and shared expert, whose modules (as probe's) read the tokens flattened,
+    [batch*pos ...]; the shared expert's inner points are probe's, its input and output are not hooked apart."""
+    s = f"{b}.mlp.shared_expert"
+    aliases.update({f"{s}.gate.hook_out": f"{s}.hook_pre", f"{s}.in.hook_out": f"{s}.hook_pre_linear",
+                    f"{s}.out.hook_in": f"{s}.hook_post"})
+    reads = (f"the router and the shared expert read {b}.ln2.hook_out [batch pos d_model] (the bridge's holds the "
+             f"tokens flattened, [batch*pos d_model])")
+    left_out.update(dict.fromkeys((f"{b}.mlp.router.hook_in", f"{s}.hook_in", f"{s}.gate.hook_in", f"{s}.in.hook_in"),
+                                  reads))
+    left_out.update(dict.fromkeys((f"{s}.hook_out", f"{s}.out.hook_out"), (
+        f"probe does not hook the shared expert's write apart: {b}.hook_mlp_out holds it with the routed experts' "
+        f"(each one's own points: {b}.mlp.experts.E.hook_post, what its W_out reads)")))
+    routing = (f"probe hooks the sigmoid of every router logit, {b}.mlp.hook_expert_weights [batch*pos experts] "
+               f"(float32; the bridge's router.hook_out keeps the chosen ones' alone, zeros elsewhere, and "
+               f"hook_router_scores the logits), and the chosen experts, {b}.mlp.hook_expert_indices")
+    left_out.update(dict.fromkeys((f"{b}.mlp.router.hook_out", f"{b}.mlp.hook_router_scores"), routing))
 
 
 def gemma4_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:

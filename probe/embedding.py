@@ -169,6 +169,10 @@ class Rotary(nn.Module):
         angles = positions[..., None].float() * self.inv_freq  # [... dim/2]
         return torch.cat([angles, angles], dim=-1)
 
+    def amplitude_at(self, positions: torch.Tensor):
+        """What cos and sin are multiplied by for a call at `positions` (a float, or LongRopeRotary's 0-d tensor)."""
+        return self.amplitude
+
     @staticmethod
     def quarter_turn(x: torch.Tensor) -> torch.Tensor:
         """Each pair (a, b) -> (-b, a): what the sines multiply. Pairs are (i, i + dim/2) here."""
@@ -182,8 +186,9 @@ class Rotary(nn.Module):
             positions = torch.arange(x.shape[1], device=x.device)[None]
         angles = self.angles(positions)[:, :, None, :]  # [batch pos 1 dim]
         cos, sin = angles.cos(), angles.sin()
-        if self.amplitude != 1.0:  # YaRN's alone: no two more elementwise passes for every other model
-            cos, sin = cos * self.amplitude, sin * self.amplitude
+        amplitude = self.amplitude_at(positions)
+        if isinstance(amplitude, torch.Tensor) or amplitude != 1.0:  # YaRN's and LongRoPE's: none for other models
+            cos, sin = cos * amplitude, sin * amplitude
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         rotating, passing = x[..., : self.dim], x[..., self.dim :]
         rotated = rotating * cos + self.quarter_turn(rotating) * sin
@@ -205,6 +210,49 @@ class AdjacentRotary(Rotary):
         return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
 
 
+class LongRopeRotary(Rotary):
+    """LongRoPE (Ding et al. 2024; Phi-3's long-context models, PhiMoE): two sets of frequencies, pair i's divided by
+    short_factor[i] while a call's positions stay within the pretraining context (original_n_ctx) and by
+    long_factor[i] once any of them reaches past it, and cos and sin times that regime's attention factor. The regime
+    is the whole call's, as transformers' (torch.max(position_ids) + 1), so a batch switches together; torch.where
+    picks it, so the GPU is not waited for. A key/value cache keeps the keys rotated as their own pass was: a pass
+    that crosses the threshold rotates its new keys the long way and leaves the cached ones short, as transformers'
+    forward does (generation restarts the cache there, as transformers' does: probe.generation)."""
+
+    def __init__(self, dim: int, base: float, scaling: RotaryScaling):
+        super().__init__(dim, base, scaling)
+        self.amplitude = scaling.attention_factor
+        self.long_amplitude = (scaling.attention_factor if scaling.long_attention_factor is None
+                               else scaling.long_attention_factor)
+
+    def build_buffers(self) -> None:
+        """Both regimes' frequencies, float32, as transformers' 1 / (factor * base^(2i/dim))."""
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device="cpu") / self.dim
+        device = self.inv_freq.device if not self.inv_freq.is_meta else "cpu"
+        short, long = (torch.tensor(f, dtype=torch.float32, device="cpu")
+                       for f in (self.scaling.short_factor, self.scaling.long_factor))
+        self.inv_freq = (1.0 / (short * self.base**exponents)).to(device)
+        long_inv_freq = (1.0 / (long * self.base**exponents)).to(device)
+        if "long_inv_freq" in self._buffers:
+            self.long_inv_freq = long_inv_freq
+        else:
+            self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+
+    def beyond(self, positions: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool: whether the call reaches past the pretraining context (the long regime)."""
+        return positions.max() + 1 > self.scaling.original_n_ctx
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        inv_freq = torch.where(self.beyond(positions), self.long_inv_freq, self.inv_freq)
+        angles = positions[..., None].float() * inv_freq  # [... dim/2]
+        return torch.cat([angles, angles], dim=-1)
+
+    def amplitude_at(self, positions: torch.Tensor):
+        if self.long_amplitude == self.amplitude:
+            return self.amplitude
+        return torch.where(self.beyond(positions), self.long_amplitude, self.amplitude)
+
+
 def make_rotary(cfg: DecoderConfig, layer: int) -> Optional[Rotary]:
     """`layer`'s rotary positions (its base and rescaling: cfg.layer_rotary), in the config's pairing; None unless
     positions are rotary and the layer rotates (cfg.rotary_layers)."""
@@ -212,7 +260,10 @@ def make_rotary(cfg: DecoderConfig, layer: int) -> Optional[Rotary]:
         return None
     # a layer with heads of its own width (global_layers) rotates whole heads as the others do
     dim = cfg.layer_d_head(layer) if cfg.rotary_dim == cfg.d_head else cfg.rotary_dim
-    return (AdjacentRotary if cfg.rotary_adjacent_pairs else Rotary)(dim, *cfg.layer_rotary(layer))
+    base, scaling = cfg.layer_rotary(layer)
+    if scaling is not None and scaling.kind == "longrope":
+        return LongRopeRotary(dim, base, scaling)
+    return (AdjacentRotary if cfg.rotary_adjacent_pairs else Rotary)(dim, base, scaling)
 
 
 def _rescaled(inv_freq: torch.Tensor, scaling: Optional[RotaryScaling], base: float) -> torch.Tensor:
@@ -226,6 +277,8 @@ def _rescaled(inv_freq: torch.Tensor, scaling: Optional[RotaryScaling], base: fl
         return torch.cat([inv_freq[:turning], torch.zeros_like(inv_freq[turning:])]) / scaling.factor
     if scaling.kind == "yarn":
         return _yarn(inv_freq, scaling, base)
+    if scaling.kind == "longrope":
+        raise ValueError("longrope frequencies depend on the positions: rotate with LongRopeRotary (make_rotary)")
     # llama3: slow rotations (long wavelengths, which pretraining never saw complete) are slowed by
     # `factor`; fast ones kept; between, a linear blend in (pretraining context / wavelength)
     cycles = scaling.original_n_ctx * inv_freq / (2 * math.pi)  # turns within the pretraining context

@@ -297,6 +297,8 @@ def _token_steps(model, input, max_new_tokens, choice: Choice, stops: Stopping, 
 
     kv_cache = KVCache(model.cfg.n_layers) if use_cache else None
     caches: list[ActivationCache] = []
+    scaling = model.cfg.rotary_scaling
+    rope_switch = scaling.original_n_ctx if scaling is not None and scaling.kind == "longrope" else None
 
     def forward(step_tokens: torch.Tensor, step_mask: torch.Tensor) -> torch.Tensor:
         if cache_names is None:
@@ -342,7 +344,13 @@ def _token_steps(model, input, max_new_tokens, choice: Choice, stops: Stopping, 
         yield tokens, mask
         if step == max_new_tokens - 1 or (stops.active and bool(finished.all())):
             break
-        logits = forward(next_token[:, None], torch.ones_like(next_token[:, None])) if use_cache else forward(tokens, mask)
+        # LongRoPE's cached keys turned the short way; once the sequence passes its threshold every key turns the
+        # long way, so the cache restarts from the whole sequence there, as transformers' Phi-3 and PhiMoE generation
+        restart = use_cache and tokens.shape[1] - 1 == rope_switch
+        if restart:
+            kv_cache = KVCache(model.cfg.n_layers)
+        cached = use_cache and not restart
+        logits = forward(next_token[:, None], torch.ones_like(next_token[:, None])) if cached else forward(tokens, mask)
     return tokens, mask, caches, prompt_length
 
 

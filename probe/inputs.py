@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from probe.config_chunked import Chunk
 from probe.tokenizer import check_padding_side
 from probe.tokens import is_text
 
@@ -162,15 +163,17 @@ def token_positions(attention_mask: Optional[torch.Tensor], batch: int, n_new: i
 
 
 def allowed_keys(attention_mask: Optional[torch.Tensor], positions: torch.Tensor,
-                  sliding_window: Optional[int] = None, causal: bool = True) -> Optional[torch.Tensor]:
+                  sliding_window: Union[int, Chunk, None] = None, causal: bool = True) -> Optional[torch.Tensor]:
     """[batch 1 query_pos key_pos], which keys each new query (at `positions` [batch n_new], the last n_new of
     the mask's) may see: earlier (any, without `causal`) or itself, not padding, and with a sliding window fewer
-    than `sliding_window` real tokens back. Each query always sees itself, so a padded query's row stays finite
+    than `sliding_window` real tokens back (or, a Chunk, in the query's own chunk of real-token positions: Llama 4's
+    chunked layers). Each query always sees itself, so a padded query's row stays finite
     (its values are meaningless but never NaN). None when the attention's own default says it all (causal, or
     every key without `causal`: no padding, no window reached)."""
     n_new = positions.shape[1]
     if attention_mask is None:
-        if not causal or sliding_window is None or n_new <= sliding_window:
+        reach = getattr(sliding_window, "size", sliding_window)  # (positions 0.. of the first chunk see all before)
+        if not causal or reach is None or n_new <= reach:
             return None
         attention_mask = torch.ones(positions.shape, dtype=torch.long, device=positions.device)
     n_all = attention_mask.shape[1]
@@ -180,7 +183,10 @@ def allowed_keys(attention_mask: Optional[torch.Tensor], positions: torch.Tensor
     allowed = attention_mask.bool()[:, None, None, :]
     if causal:
         allowed = allowed & (key_at <= query_at)
-    if sliding_window is not None:  # distances in real tokens, so padding never changes what a prompt sees
-        key_positions = attention_mask.cumsum(dim=1) - 1  # [batch key_pos]
+    key_positions = attention_mask.cumsum(dim=1) - 1  # [batch key_pos]
+    if isinstance(sliding_window, Chunk):  # (transformers counts the chunks past the left padding too)
+        size = sliding_window.size
+        allowed &= (positions[:, None, :, None] // size) == (key_positions[:, None, None, :] // size)
+    elif sliding_window is not None:  # distances in real tokens, so padding never changes what a prompt sees
         allowed &= (positions[:, None, :, None] - key_positions[:, None, None, :]) < sliding_window
     return allowed | (key_at == query_at)

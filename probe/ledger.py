@@ -8,6 +8,7 @@ import pandas as pd
 import torch
 
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
+from probe.shared_block_ledger import add_shared_block
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,8 @@ class Ledger:
         """Forward FLOPs for one token at context `n_ctx`: 2 per multiply-add in every matmul (the
         unembedding included), plus attention's scores and weighted sum over n_ctx keys, 2 * n_ctx *
         d_head per head each (as Hoffmann et al. 2022 count; Kaplan et al. 2020's 2 * n_ctx * d_attn
-        per layer is half this attention term); a layer with a sliding window sees at most that many
-        keys. A causal mask would halve the average; not counted."""
+        per layer is half this attention term); a layer with a sliding window (or Llama 4's chunks) sees at most
+        that many keys. A causal mask would halve the average; not counted."""
         cfg = self.cfg
         matmul_weights = sum(r["params"] for r in self.rows if r["component"].endswith("weight") and r["group"] != "embedding")
         if cfg.tied_embeddings:  # the unembedding matmul happens even when its weights are the embedding's
@@ -49,7 +50,7 @@ class Ledger:
         # a linear-attention layer reads a fixed state, not the keys: counted as a layer that sees no keys (its
         # state update and read, ~4 d_key_head d_value_head per value head, are left out, as the convolution is)
         keys = [0 if cfg.layer_is_linear(l) or not cfg.layer_has_mixer(l) else  # (MLP-only layers read no keys)
-                min(self.n_ctx, cfg.layer_window(l) or self.n_ctx)
+                min(self.n_ctx, getattr(cfg.layer_mask_key(l), "size", cfg.layer_window(l)) or self.n_ctx)
                 for l in range(cfg.n_layers)]
         # scores over d_qk and the weighted sum over d_head (both d_head but in latent attention; Gemma 4's full
         # layers' heads are wider)
@@ -167,6 +168,7 @@ def _add_selective_scan(cfg: DecoderConfig, add, layer: int) -> None:
     add("mixer.decay", "attention", inner * (n + 2), layer)  # A_log, D and dt_proj's bias
     add("mixer.out_proj.weight", "attention", inner * d, layer)
     add("mixer.proj_bias", "attention", 2 * inner + d if space.proj_bias else 0, layer)
+    add("mixer.bcdt_norms", "norm", rank + 2 * n if space.bcdt_norm_weights else 0, layer)  # (Jamba's scales)
 
 
 def _add_short_conv(cfg: DecoderConfig, add, layer: int) -> None:
@@ -226,7 +228,9 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     input_params = norm_params if cfg.input_norms else 0  # OLMo 2's blocks normalise only their writes
     for layer in range(cfg.n_layers):
         has_mixer = cfg.layer_has_mixer(layer)  # (NemotronH's MLP-only layers have neither ln1 nor a mixer)
-        add("ln1", "norm", input_params * has_mixer, layer)
+        # a recurrent layer's block is pre-norm whatever the attention layers' are (OLMo-Hybrid's are sandwiches)
+        pre_norms = norm_params if cfg.layer_is_linear(layer) else input_params
+        add("ln1", "norm", pre_norms * has_mixer, layer)
         mixer = _add_attention if cfg.latent_attention is None else _add_latent_attention
         if cfg.layer_is_linear(layer):
             mixer = _add_state_space if cfg.layer_is_state_space(layer) else _add_linear_attention
@@ -234,14 +238,17 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
                 mixer = _add_selective_scan
             if cfg.layer_is_short_conv(layer):
                 mixer = _add_short_conv
+        if cfg.layer_has_shared_block(layer):  # Zamba2's: a shared block before the layer's Mamba-2 mixer
+            add_shared_block(cfg, add, layer)
+            mixer = _add_state_space
         if has_mixer:
             mixer(cfg, add, layer)
         if cfg.layer_has_parallel_mixer(layer):  # Falcon-H1's Mamba-2 mixer beside the attention
             _add_state_space(cfg, add, layer, cfg.parallel_state_space, "mamba")
         if not cfg.layer_has_mlp(layer):
             continue
-        add("ln2", "norm", input_params, layer)
-        if cfg.norm_placement is NormPlacement.SANDWICH:
+        add("ln2", "norm", pre_norms, layer)
+        if cfg.norm_placement is NormPlacement.SANDWICH and not cfg.layer_is_linear(layer):
             add("ln1_post", "norm", d * per_norm, layer)
             add("ln2_post", "norm", d * per_norm, layer)
         if cfg.layer_scalars:  # Gemma 4's experts beside the MLP and per-layer input (its scalar is a buffer)

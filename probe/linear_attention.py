@@ -1,11 +1,13 @@
-"""Gated DeltaNet, the linear attention of Qwen3.5's and Qwen3-Next's hybrid layers (Yang et al. 2024), every
-intermediate hooked under transformer-lens 4's names (its GatedDeltaNetBridge: `blocks.L.linear_attn.hook_q`, ...).
+"""Gated DeltaNet, the linear attention of Qwen3.5's, Qwen3-Next's and OLMo-Hybrid's hybrid layers (Yang et al.
+2024), every intermediate hooked under transformer-lens 4's names (its GatedDeltaNetBridge:
+`blocks.L.linear_attn.hook_q`, ...).
 
 Each value head h keeps a state S [d_key_head d_value_head]. At each position t, after a causal depthwise convolution
 over q, k and v and an L2 norm of q and k:
 
     S <- exp(g_t) S                                  g_t < 0: the decay (hook_log_decay)
-    S <- S + beta_t k_t (v_t - S^T k_t)^T            beta_t in (0, 1): how far S moves to v_t along k_t (hook_beta)
+    S <- S + beta_t k_t (v_t - S^T k_t)^T            beta_t in (0, 1): how far S moves to v_t along k_t (hook_beta;
+                                                     OLMo-Hybrid's in (0, 2), LinearAttention.beta_scale)
     o_t = S^T q_t / sqrt(d_key_head)                 (hook_recurrence_out)
 
 then each head's o is RMS-normalised, gated by silu(z) (hook_z: what out_proj reads, per head) and projected back to
@@ -107,7 +109,8 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(width, width, linear.conv_kernel, groups=width, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))  # each head's decay rate, log A
         self.dt_bias = nn.Parameter(torch.zeros(self.value_heads))
-        self.norm = GatedRMSNorm(self.d_value, cfg.eps)
+        self.norm = GatedRMSNorm(self.d_value, cfg.eps if linear.norm_eps is None else linear.norm_eps)
+        self.beta_scale = linear.beta_scale
         self.out_proj = nn.Linear(self.sizes[2], cfg.d_model, bias=False)
         self.hook_q_pre_conv = HookPoint()  # [batch pos key_head d_key_head]
         self.hook_k_pre_conv = HookPoint()  # [batch pos key_head d_key_head]
@@ -116,7 +119,7 @@ class GatedDeltaNet(nn.Module):
         self.hook_k = HookPoint()  # [batch pos key_head d_key_head]
         self.hook_v = HookPoint()  # [batch pos v_head d_value_head]
         self.hook_beta_logit = HookPoint()  # [batch pos v_head]
-        self.hook_beta = HookPoint()  # [batch pos v_head]: sigmoid of the logit, the write strength
+        self.hook_beta = HookPoint()  # [batch pos v_head]: the write strength, sigmoid of the logit (times beta_scale)
         self.hook_log_decay = HookPoint()  # [batch pos v_head]: g, negative; the state is multiplied by exp(g)
         self.hook_recurrence_out = HookPoint()  # [batch pos v_head d_value_head]
         self.hook_gate_input = HookPoint()  # [batch pos v_head d_value_head]: z, before its silu
@@ -142,7 +145,7 @@ class GatedDeltaNet(nn.Module):
         q = self.hook_q(q.unflatten(-1, (self.key_heads, self.d_key)))
         k = self.hook_k(k.unflatten(-1, (self.key_heads, self.d_key)))
         v = self.hook_v(v.unflatten(-1, (self.value_heads, self.d_value)))
-        beta = self.hook_beta(self.hook_beta_logit(self.in_proj_b(x)).sigmoid())
+        beta = self.hook_beta(self.hook_beta_logit(self.in_proj_b(x)).sigmoid() * self.beta_scale)
         log_decay = self.hook_log_decay(-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias))
         group = self.value_heads // self.key_heads  # each query/key head serves `group` adjacent value heads
         q, k = (l2_normed(t.float()).repeat_interleave(group, dim=2) for t in (q, k))

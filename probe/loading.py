@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 import torch
 from safetensors.torch import save_file
 
+from probe.checkpoint_wrapped import original_architecture
 from probe.checkpoints import FAMILIES, CheckpointError, Family, Source, family_for_config
 from probe.config import DecoderConfig
 from probe.config_file import ConfigFields, read_json_object
@@ -18,6 +19,7 @@ from probe.safetensors_file import SafetensorsError, StoredTensor, read_header
 from probe.io import atomic_directory
 from probe.model_names import SHORT_NAMES
 from probe.tokenizer import Tokenizer
+from probe.shared_block import share_block_weights
 
 if TYPE_CHECKING:  # the model class is passed in (HookedDecoder.from_pretrained gives its own): no import circle
     from probe.model import HookedDecoder
@@ -63,8 +65,8 @@ def _build(hf_config: dict, weights: dict, tokenizer: Optional[Tokenizer], direc
            model_class: type) -> HookedDecoder:
     _check_layer_count(hf_config, weights, directory)  # before any table or tensor is sized by the config
     cfg = config_from_hf(hf_config, directory)
-    architectures = hf_config.get("architectures") or [None]  # transformer-lens code reads cfg.original_architecture
-    cfg = dataclasses.replace(cfg, original_architecture=architectures[0])
+    # transformer-lens code reads cfg.original_architecture; a LLaVA file's is its language model's (what it is on text)
+    cfg = dataclasses.replace(cfg, original_architecture=original_architecture(hf_config, FAMILIES))
     # each tensor is read, converted and moved to `device` in turn: the host never holds more than the tensors one
     # conversion needs at a time (plus the model itself, when it stays on the CPU)
     state = state_dict_from_hf(weights, hf_config, cfg, directory, device=device)
@@ -75,6 +77,7 @@ def _build(hf_config: dict, weights: dict, tokenizer: Optional[Tokenizer], direc
     del state  # a dtype change below then frees each parameter's old copy as it goes
     if cfg.tied_embeddings:
         model.unembed.weight = model.embed.W_E
+    share_block_weights(cfg, model.blocks)  # (assign=True gave each layer its own copy of Zamba2's shared weights)
     _rebuild_buffers(model)
     return model.to(device=device, dtype=dtype)
 
@@ -290,8 +293,8 @@ def save_pretrained(model: HookedDecoder, directory: Union[str, Path], overwrite
     with atomic_directory(directory, overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(family.config_to_hf(cfg, model.tokenizer), indent=2) + "\n")
         save_file(hf_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if model.tokenizer is not None:
-            model.tokenizer.save(tmp)
+        if model.tokenizer is not None:  # with tokenizer_config.json: its BOS, EOS, padding and chat template
+            model.tokenizer.save_pretrained(tmp)  # (tokenizer.json alone would reload with other BOS / EOS tokens)
     return Path(directory).expanduser()
 
 

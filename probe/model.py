@@ -66,7 +66,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         self.per_layer_embed = None if cfg.per_layer_inputs is None else PerLayerEmbed(cfg)
         self.blocks = make_blocks(cfg)
         self.block_masks = mask_keys(cfg)
-        self.windows = {cfg.layer_window(layer) for layer in range(cfg.n_layers)}
+        self.windows = {cfg.layer_mask_key(layer) for layer in range(cfg.n_layers)}  # (Llama 4's chunks too)
         self.ln_final = make_norm(cfg, foldable=True, ends=True) if cfg.final_norm else nn.Identity()
         self.unembed = Unembed(cfg.d_vocab_out, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
         if cfg.tied_embeddings:
@@ -191,6 +191,8 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
             resid, beside = self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
         elif self.per_layer_embed is not None and tokens is not None:  # from the token ids, as the model computes them
             beside = self.per_layer_embed(tokens, self.embed(tokens))
+        elif self.cfg.shared_blocks is not None and tokens is not None:  # Zamba2's shared blocks read the embeddings
+            beside = self.embed(tokens)
         # one mask per distinct window (Gemma 2 alternates a window with full attention)
         causal = not self.cfg.bidirectional
         allowed = {window: allowed_keys(attention_mask, positions, window, causal) for window in self.windows}
@@ -208,12 +210,12 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
     def embed_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(the residual entering block 0 for token ids [batch pos] at `positions` [batch pos], what every block reads
         beside it: a shortformer model's positions for its queries' and keys' inputs, Gemma 4's per-layer inputs
-        [batch pos layer d], None for the others)."""
+        [batch pos layer d], Zamba2's embeddings, None for the others)."""
         resid = self.hook_embed(self.embed(self.hook_tokens(tokens)))
         if self.per_layer_embed is not None:
             return resid, self.per_layer_embed(tokens, resid)
-        if self.pos_embed is None:
-            return resid, None
+        if self.pos_embed is None:  # (Zamba2's shared blocks read the embeddings beside the residual)
+            return resid, resid if self.cfg.shared_blocks is not None else None
         return self.pos_embed.place(resid, self.hook_pos_embed(self.pos_embed(tokens, positions=positions)))
 
     def make_cache(self, activations, has_batch_dim: bool = True, listed=None) -> DecoderCache:

@@ -102,7 +102,10 @@ class MoEMLP(nn.Module):
         self.normalize = as_is if not experts.renormalize else (
             functools.partial(over_sum, eps=experts.renormalize_eps) if experts.renormalize_min is None else
             functools.partial(over_clamped_sum, floor=experts.renormalize_min))
-        self.route = self._score_then_choose if experts.softmax_over == "all" else self._choose_then_softmax
+        self.route = {"all": self._score_then_choose, "chosen": self._choose_then_softmax,
+                      "sparsemixer": self._sparsemixer}[experts.softmax_over]
+        self.sparsemixer_eps = experts.sparsemixer_eps
+        self.weigh = weigh_input if experts.scale_inputs else weigh_output  # (Llama 4's weights scale the input)
         self.score = SCORES[experts.scoring]
         self.groups = experts.groups
         # what the choice reads: the scores, plus the selection bias where there is one, within the kept groups
@@ -145,12 +148,12 @@ class MoEMLP(nn.Module):
 
     def weighted_experts(self, routed_in: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """[tokens d_in]: each token's chosen experts' outputs on `routed_in` [tokens d_in], times their `weights`
-        [tokens per_token] (`chosen`: hook_expert_indices), summed."""
+        [tokens per_token] (`chosen`: hook_expert_indices; Experts.scale_inputs: on their inputs times them), summed."""
         out = torch.zeros_like(routed_in)
         for index, expert in enumerate(self.experts):
             slot, rows = self.routing(chosen, index)
-            written = expert(routed_in[rows]) * weights[rows, slot, None].to(routed_in.dtype)
-            out = out.index_add(0, rows, written)
+            weight = weights[rows, slot, None].to(routed_in.dtype)
+            out = out.index_add(0, rows, self.weigh(expert, routed_in[rows], weight))
         return out
 
     def _into_latent(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -226,6 +229,23 @@ class MoEMLP(nn.Module):
         chosen = self.hook_expert_indices(chosen)
         return probs.gather(1, chosen), chosen
 
+    def _sparsemixer(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """PhiMoE's routing at inference (transformers' sparsemixer, training=False), in float32: the expert of the
+        largest logit, weighted by the softmax over the experts near it (near_softmax), then the largest of the
+        others, weighted by the softmax over the experts near it but the first. As softmax_over="chosen", the (hooked)
+        weights hold the two at the chosen experts and 0 elsewhere, and are read at the (hooked) choice."""
+        scores = logits.float()
+        first = scores.argmax(dim=-1, keepdim=True)  # [batch*pos 1]
+        first_weight = near_softmax(scores, scores, scores.gather(1, first), self.sparsemixer_eps).gather(1, first)
+        others = scores.scatter(1, first, float("-inf"))
+        second = others.argmax(dim=-1, keepdim=True)
+        second_weight = near_softmax(others, scores, others.gather(1, second), self.sparsemixer_eps).gather(1, second)
+        chosen = torch.cat([first, second], dim=-1)  # [batch*pos 2]
+        probs = self.hook_expert_weights(torch.zeros_like(scores).scatter(1, chosen, torch.cat([first_weight,
+                                                                                                 second_weight], -1)))
+        chosen = self.hook_expert_indices(chosen)
+        return probs.gather(1, chosen), chosen
+
     @staticmethod
     def routing(chosen: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rank, row) of each token row (of batch*pos) that expert `index` runs on, from hook_expert_indices `chosen`,
@@ -233,8 +253,24 @@ class MoEMLP(nn.Module):
         return torch.where((chosen == index).T)
 
 
+def weigh_output(expert: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [routed d_in]
+    return expert(x) * weight
+
+
+def weigh_input(expert: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [routed d_in]
+    return expert(x * weight)
+
+
 def as_is(scores: torch.Tensor) -> torch.Tensor:
     return scores
+
+
+def near_softmax(candidates: torch.Tensor, scores: torch.Tensor, top: torch.Tensor, eps: float) -> torch.Tensor:
+    """[batch*pos experts]: the softmax over `candidates` (the logits, -inf where an expert is already chosen) of the
+    experts whose logit lies within a relative 2 * eps of `top` [batch*pos 1], (top - logit) / max(|logit|, top) <=
+    2 eps, the rest masked out (sparsemixer's mask, read off the unmasked `scores`, as transformers reads it)."""
+    far = (top - scores) / scores.abs().clamp(min=top) > 2 * eps
+    return F.softmax(candidates.masked_fill(far, float("-inf")), dim=-1)
 
 
 def over_sum(weights: torch.Tensor, eps: float = 1e-20) -> torch.Tensor:  # [batch*pos per_token]

@@ -56,7 +56,9 @@ def can_fold_ln(cfg: DecoderConfig) -> bool:
             and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH)
             # (a recurrent layer's projections have no biases to take a LayerNorm's b)
             and not ((cfg.linear_attention is not None or cfg.state_space is not None or cfg.short_conv is not None)
-                     and cfg.norm is Norm.LAYER))
+                     and cfg.norm is Norm.LAYER)
+            # Zamba2's shared blocks: their norms' weights are shared by layers and read beside per-layer adapters
+            and cfg.shared_blocks is None)
 
 
 def can_center_writing_weights(cfg: DecoderConfig) -> bool:
@@ -148,6 +150,9 @@ def check_processing(cfg: DecoderConfig, *, fold_ln: bool = True, center_writing
     if fold_ln and not can_fold_ln(cfg):
         why = ("shortformer positions are added to ln1's output before W_Q and W_K, so ln1's weight cannot be "
                "folded into them" if cfg.positions is Positions.SHORTFORMER and cfg.norm is not Norm.NONE else
+               "a shared block's norms (Zamba2's) are one weight in several layers, read by the shared projections "
+               "and each layer's own adapters alike, so no one layer's weights can take them"
+               if cfg.shared_blocks is not None else
                "it needs pre-norm, parallel or sandwich blocks with norms: in a post-norm model (GPT-1, OPT-350m) the "
                "norm's output is the residual stream itself, not the input of one layer")
         raise ValueError(f"fold_ln: {why}; pass fold_ln=False")

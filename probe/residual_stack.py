@@ -108,6 +108,11 @@ def require_sum_of_writes(cfg, method: str, per_component: bool = False) -> None
                          f"them anyway); decompose_resid gives the normalised attn_out / mlp_out, "
                          f"probe.analyses.residual_decomposition splits the heads through ln1_post's cached scale, and "
                          f"cache.stack_activation('result') stacks the pre-norm head writes")
+    if cfg.shared_blocks is not None:
+        raise ValueError(f"{method}: layers {cfg.shared_blocks.hybrid_layers} of this model (Zamba2) run a shared "
+                         f"block whose attention and MLP write into the layer's Mamba-2 mixer's input, not into the "
+                         f"residual stream, so their hook_attn_out / hook_mlp_out are no residual writes; the stream's "
+                         f"writes are the mixers' (blocks.L.hook_mixer_out in those layers, hook_attn_out elsewhere)")
     if cfg.layer_scalars:
         raise ValueError(f"{method}: every block of this model (Gemma 4) multiplies the whole residual by its scalar "
                          f"(layer_scalar)" + (", and adds a per-layer input after its MLP" if cfg.per_layer_inputs else "")

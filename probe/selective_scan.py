@@ -3,7 +3,8 @@ intermediate hooked, its points named for transformer-lens 4's SSMMixerBridge wh
 
 One projection gives the channels x and the output gate z (d_inner each). x passes a causal depthwise convolution and
 its silu; a second projection of it (x_proj) gives the step's low-rank input, B and C [d_state] (FalconMamba first
-RMS-normalises each of the three without weights). The step dt = softplus(dt_proj(dt_low)) is one per channel, and
+RMS-normalises each of the three without weights, Jamba with a learned scale each: dt_layernorm, b_layernorm,
+c_layernorm, their ends hooked as the bridge names them). The step dt = softplus(dt_proj(dt_low)) is one per channel, and
 each channel c keeps a state h_c [d_state] with its own decay rates A_c = -exp(A_log_c):
 
     h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t          (hook_dt: dt_t per channel)
@@ -23,6 +24,7 @@ from torch import nn
 from probe.config import DecoderConfig
 from probe.hooks import HookPoint
 from probe.kv_cache import LayerKV
+from probe.norm import RMSNorm
 
 
 def selective_scan_stepwise(x, dt, A, B, C, state):
@@ -76,6 +78,10 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.inner, self.d_state))  # each channel's decay rates, log(-A)
         self.D = nn.Parameter(torch.ones(self.inner))  # each channel's skip from x to y
         self.out_proj = nn.Linear(self.inner, cfg.d_model, bias=spec.proj_bias)
+        self.learned_norms = spec.bcdt_norm_weights
+        if self.learned_norms:  # Jamba's, under its names (the bridge's too)
+            self.dt_layernorm, self.b_layernorm, self.c_layernorm = (
+                RMSNorm(width, spec.bcdt_norm_eps, ends=True) for width in (self.dt_rank, self.d_state, self.d_state))
         self.hook_in_proj = HookPoint()  # [batch pos 2*d_inner]: x, then the gate z
         self.hook_conv = HookPoint()  # [batch pos d_inner]: x after the convolution and its silu
         self.hook_x_proj = HookPoint()  # [batch pos dt_rank+2*d_state]: the step's low-rank input, B, C (before norms)
@@ -101,7 +107,7 @@ class MambaMixer(nn.Module):
             conv = conv * keep
         dt, B, C = self.hook_x_proj(self.x_proj(conv)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.norm_eps is not None:
-            dt, B, C = (weightless_rms(t, self.norm_eps) for t in (dt, B, C))
+            dt, B, C = self.normalize_bcdt(dt, B, C)
         # (the bias added in float32, after the matmul, as transformers does)
         dt = self.hook_dt(F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float()))
         state = past.state if past is not None and past.state is not None else x.new_zeros(
@@ -111,3 +117,10 @@ class MambaMixer(nn.Module):
             past.carry(window[:, window.shape[1] - (kernel - 1):], state, x.shape[1])
         y = self.hook_scan_out((y + self.D.float() * conv.float()).to(x.dtype))
         return self.out_proj(self.hook_gated((y.float() * F.silu(gate.float())).to(x.dtype)))
+
+    def normalize_bcdt(self, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor):
+        """The step's low-rank input, B and C each RMS-normalised: with their learned scales (Jamba's) or none
+        (FalconMamba's)."""
+        if self.learned_norms:
+            return self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        return tuple(weightless_rms(t, self.norm_eps) for t in (dt, B, C))

@@ -5,6 +5,7 @@ from collections.abc import Collection
 from typing import Optional
 
 from probe.config import DecoderConfig, NormPlacement, Positions
+from probe.shared_block_names import shared_block_shapes
 
 
 ID_HOOKS = ("hook_tokens", "embed.hook_in", "pos_embed.hook_in")  # int64 ids, whatever the model's dtype
@@ -52,7 +53,8 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.attn.hook_q"] = (batch, pos, heads, cfg.d_head)
         shapes[f"{b}.attn.hook_k"] = (batch, pos, kv, cfg.d_head)
         shapes[f"{b}.attn.hook_v"] = (batch, pos, kv, cfg.d_head)
-        if cfg.qk_norm:
+        chunked = cfg.chunked_attention  # Llama 4's: a weightless q/k norm on the rotary layers, tuned NoPE queries
+        if cfg.qk_norm or (chunked is not None and chunked.qk_norm and cfg.layer_rotates(layer)):
             for which, n in (("q", heads), ("k", kv)):
                 # each head's own scale, or (OLMo 2) one over all heads, normalising them flattened
                 over = cfg.qk_norm_over_heads
@@ -60,6 +62,8 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
                 shapes[f"{b}.attn.{which}_norm.hook_normalized"] = (batch, pos, n * cfg.d_head) if over else \
                     (batch, pos, n, cfg.d_head)
                 shapes[f"{b}.attn.hook_{which}_normed"] = (batch, pos, n, cfg.d_head)
+        if chunked is not None and chunked.floor_scale is not None and not cfg.layer_rotates(layer):
+            shapes[f"{b}.attn.hook_q_scaled"] = (batch, pos, heads, cfg.d_head)
         if cfg.layer_rotates(layer):
             shapes[f"{b}.attn.hook_rot_q"] = (batch, pos, heads, cfg.d_head)
             shapes[f"{b}.attn.hook_rot_k"] = (batch, pos, kv, cfg.d_head)
@@ -73,6 +77,11 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
                            f"{b}.mixer.hook_x_proj": (batch, pos, space.dt_rank + 2 * space.d_state)})
             shapes.update({f"{b}.mixer.hook_{name}": (batch, pos, space.d_inner)
                            for name in ("conv", "dt", "scan_out", "gated")})
+            for norm_name, width in (("dt", space.dt_rank), ("b", space.d_state), ("c", space.d_state)):
+                if space.bcdt_norm_weights:  # (Jamba's learned-scale norms, modules with hooked ends)
+                    n = f"{b}.mixer.{norm_name}_layernorm"
+                    shapes[f"{n}.hook_scale"] = (batch, pos, 1)
+                    shapes[f"{n}.hook_in"] = shapes[f"{n}.hook_out"] = shapes[f"{n}.hook_normalized"] = (batch, pos, width)
         elif cfg.layer_is_state_space(layer) or cfg.layer_has_parallel_mixer(layer):  # a Mamba-2 mixer's points
             # (probe.state_space), in place of attention (`mixer`) or beside it (Falcon-H1's `mamba`, its write apart)
             space, m = (cfg.state_space, "mixer") if cfg.layer_is_state_space(layer) else (cfg.parallel_state_space, "mamba")
@@ -83,7 +92,11 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
                            f"{b}.{m}.hook_inner_norm": (batch, pos, inner)})
             if m == "mamba":
                 shapes[f"{b}.hook_mixer_out"] = resid
-        elif cfg.layer_is_short_conv(layer):  # LFM2's gated short convolution (probe.short_conv)
+        if cfg.layer_has_shared_block(layer):  # Zamba2's shared block before the mixer (probe.shared_block)
+            shapes.update(shared_block_shapes(cfg, b, batch, pos))
+        if cfg.linear_attention is not None and cfg.linear_attention.layers[layer]:  # (probe.linear_attention's)
+            shapes.update(deltanet_shapes(cfg, f"{b}.linear_attn", batch, pos))
+        if cfg.layer_is_short_conv(layer):  # LFM2's gated short convolution (probe.short_conv)
             shapes[f"{b}.conv.hook_in_proj"] = (batch, pos, 3 * cfg.d_model)
             shapes.update({f"{b}.conv.hook_{name}": resid for name in ("B", "C", "x", "conv_in", "conv_out", "gated")})
         shapes[f"{b}.attn.hook_attn_scores"] = (batch, heads, pos, key_pos)
@@ -176,6 +189,16 @@ def experts_shapes(cfg: DecoderConfig, shapes: dict, b: str, tokens: int) -> Non
             shapes[f"{b}.mlp.hook_shared_expert_gate"] = (tokens, 1)
         for point in ("hook_pre", "hook_pre_linear", "hook_post"):
             shapes[f"{b}.mlp.shared_expert.{point}"] = (tokens, cfg.experts.shared)
+
+
+def deltanet_shapes(cfg: DecoderConfig, m: str, batch: int, pos: int) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet's points: queries and keys per key head, values and what they become per value head, the
+    write strengths and decays one per value head."""
+    linear = cfg.linear_attention
+    keys, values = (batch, pos, linear.key_heads, linear.d_key_head), (batch, pos, linear.value_heads, linear.d_value_head)
+    return {**{f"{m}.hook_{name}": keys for name in ("q_pre_conv", "k_pre_conv", "q", "k")},
+            **{f"{m}.hook_{name}": values for name in ("v_pre_conv", "v", "recurrence_out", "gate_input", "z")},
+            **{f"{m}.hook_{name}": (batch, pos, linear.value_heads) for name in ("beta_logit", "beta", "log_decay")}}
 
 
 def dense_mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: int) -> None:

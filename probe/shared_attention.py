@@ -9,6 +9,7 @@ import torch
 from einops import einsum
 
 from probe.attention import Attention
+from probe.llama4_attention import Llama4Attention
 from probe.config import DecoderConfig
 from probe.kv_cache import LayerKV
 from probe.tl_weights import bias_view, weight_view
@@ -94,8 +95,10 @@ class SharedKVAttention(Attention):
 
 
 def attention_class(cfg: DecoderConfig, layer: int) -> type:
-    """The Attention (sub)class of `layer`: one that reuses an earlier layer's keys and values, one whose values are
-    its keys' projection, or the ordinary one."""
+    """The Attention (sub)class of `layer`: one that reuses an earlier layer's keys and values, Llama 4's, one whose
+    values are its keys' projection, or the ordinary one."""
     if cfg.layer_kv_source(layer) is not None:
         return SharedKVAttention
+    if cfg.chunked_attention is not None:  # Llama 4's
+        return Llama4Attention
     return KeyValueAttention if cfg.layer_values_from_keys(layer) else Attention

@@ -34,7 +34,7 @@ class TLAttentionBuffers:
 
     @property
     def rotary_sin(self) -> torch.Tensor:  # [pos rotary_dim], laid out as the model pairs dimensions (as TL's)
-        return (self._angles().sin() * self.rotary.amplitude).to(self.qkv.weight.dtype)
+        return (self._angles().sin() * self._amplitude()).to(self.qkv.weight.dtype)
 
     @rotary_sin.setter
     def rotary_sin(self, value: torch.Tensor) -> None:
@@ -42,7 +42,7 @@ class TLAttentionBuffers:
 
     @property
     def rotary_cos(self) -> torch.Tensor:
-        return (self._angles().cos() * self.rotary.amplitude).to(self.qkv.weight.dtype)
+        return (self._angles().cos() * self._amplitude()).to(self.qkv.weight.dtype)
 
     @rotary_cos.setter
     def rotary_cos(self, value: torch.Tensor) -> None:
@@ -51,7 +51,13 @@ class TLAttentionBuffers:
     def _angles(self) -> torch.Tensor:
         if self.rotary is None:
             raise AttributeError("rotary_sin / rotary_cos: this model's positions are not rotary")
-        return self.rotary.angles(torch.arange(self.n_ctx, device=self.rotary.inv_freq.device))
+        return self.rotary.angles(self._positions())
+
+    def _amplitude(self):
+        return self.rotary.amplitude_at(self._positions())
+
+    def _positions(self) -> torch.Tensor:  # every position: a long-context rope's tables are those of a full context
+        return torch.arange(self.n_ctx, device=self.rotary.inv_freq.device)
 
     def _take_if_unchanged(self, name: str, value: torch.Tensor, instead: str) -> None:
         current = getattr(self, name)

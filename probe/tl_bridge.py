@@ -33,12 +33,12 @@ BOOT_HINTS = {
 # the hybrids, GLM's, OLMo 2's write-norm blocks (the final norm stays too), and Nemotron's offset LayerNorms
 BRIDGE_SKIPS = {**dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                                  "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GlmForCausalLM",
-                                 "Glm4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "FlexOlmoForCausalLM",
+                                 "Glm4ForCausalLM", "Glm4vForConditionalGeneration", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoHybridForCausalLM", "FlexOlmoForCausalLM",
                                  "Exaone4ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
                                  "Glm4MoeLiteForCausalLM", "YoutuForCausalLM", "GlmMoeDsaForCausalLM",
                                  "GraniteMoeHybridForCausalLM",
-                                 "BambaForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
-                                 "NemotronHForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+                                 "BambaForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
+                                 "NemotronHForCausalLM", "Zamba2ForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
                                  "Gemma4UnifiedForConditionalGeneration", "AfmoeForCausalLM"),
                                 ("fold_ln",)),
                 "NemotronForCausalLM": ("fold_ln", "center_writing_weights")}

@@ -185,12 +185,18 @@ def run(args: argparse.Namespace) -> int:
                  figure_html(lens.figure()), figure_html(lens.figure(kind="target"))]
         out.write_csv("logit_lens.csv", lens.to_frame())
 
-    with timed("attribution"):
-        dla = A.direct_logit_attribution(model, tokens, answer, counterfactual)
-        part = report.section("attribution", "Direct logit attribution")
-        part += [note("Each component's direct contribution to the logit difference, final-norm scale frozen; rows sum to the model's own value."),
-                 figure_html(dla.figure("bar")), figure_html(dla.figure("heads")), figure_html(dla.figure("accumulated"))]
-        out.write_csv("attribution.csv", dla.to_frame())
+    if model.cfg.shared_blocks is not None:  # (Zamba2's shared blocks write into their mixers' inputs)
+        report.section("attribution", "Direct logit attribution").append(note(
+            "Not run: direct logit attribution takes the residual stream for the sum of its writers' outputs, and this "
+            "model's shared transformer blocks (Zamba2's) write into their layer's Mamba-2 mixer's input, not into "
+            "the residual stream; the logit lens above and the patching below cover its layers."))
+    else:
+        with timed("attribution"):
+            dla = A.direct_logit_attribution(model, tokens, answer, counterfactual)
+            part = report.section("attribution", "Direct logit attribution")
+            part += [note("Each component's direct contribution to the logit difference, final-norm scale frozen; rows sum to the model's own value."),
+                     figure_html(dla.figure("bar")), figure_html(dla.figure("heads")), figure_html(dla.figure("accumulated"))]
+            out.write_csv("attribution.csv", dla.to_frame())
 
     # a hybrid's linear-attention layers (Qwen3.5) have no heads: the analyses of every layer's heads say so instead
     from probe.analyses.architecture import headless_layers

@@ -71,6 +71,23 @@ def test_one_bias_free_block_attention_and_mlp_counts():
                    "layers": (False, False, True), "latent": latent, "routed_bias": False, "selection_bias": True},
        "activation": "relu2", "norm": "rms", "positions": "rotary", "mlp_bias": bias}
       for latent, bias in ((None, False), (16, True))),
+    # OLMo-Hybrid: pre-norm Gated DeltaNet layers beside OLMo 3's sandwich attention (no input norms, q/k norms over
+    # every head), beta in (0, 2)
+    {"linear_attention": {"layers": (True, False, True), "key_heads": 4, "value_heads": 4, "d_key_head": 8,
+                          "d_value_head": 12, "beta_scale": 2.0, "norm_eps": 1e-5},
+     "norm_placement": "sandwich", "input_norms": False, "qk_norm": True, "qk_norm_over_heads": True, "norm": "rms",
+     "positions": "rotary", "rotary_layers": (False,) * 3, "gated_mlp": True, "n_kv_heads": 2, "qkv_bias": False},
+    # Zamba2: Mamba-2 layers, two running one shared block (counted once) with adapters of their own, heads 2 d_model
+    # wide in all, grouped keys and values without attention adapters
+    *({"shared_blocks": {"layers": (True, False, True), "n_blocks": 1, "adapter_rank": 4, "attention_adapters": adapt},
+       "state_space": {"layers": (True,) * 3, "n_heads": 4, "d_head": 32, "d_state": 8, "n_groups": 2},
+       "d_head": 16, "n_kv_heads": 8 if adapt else 2, "attn_only": True, "gated_mlp": True, "norm": "rms",
+       "positions": "rotary", "qkv_bias": False, "out_bias": False, "mlp_bias": False} for adapt in (True, False)),
+    # Jamba: Mamba-1 mixers with learned dt/B/C norms beside NoPE attention, experts in one layer
+    {"state_space": {"layers": (True, False, True), "n_heads": 128, "d_head": 1, "d_state": 8, "kind": "mamba1",
+                     "dt_rank": 4, "bcdt_norm_eps": 1e-6, "bcdt_norm_weights": True, "proj_bias": True},
+     "experts": {"n": 4, "per_token": 2, "layers": (False, True, False)}, "rotary_layers": (False,) * 3,
+     "norm": "rms", "positions": "rotary", "gated_mlp": True, "n_kv_heads": 2, "qkv_bias": False, "mlp_bias": False},
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)

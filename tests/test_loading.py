@@ -602,3 +602,29 @@ def test_gpt_checkpoints_with_an_untied_head_load_and_save_as_transformers_reads
         torch.testing.assert_close(ours(tokens), expected, atol=1e-4, rtol=0)
         again = cls.from_pretrained(ours.save_pretrained(tmp_path / "saved")).eval()
         torch.testing.assert_close(again(tokens).logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("files", ["llama", "qwen"])
+def test_a_saved_model_reloads_with_its_tokenizers_bos_eos_padding_and_chat_template(files, tmp_path):
+    """model.save_pretrained writes tokenizer_config.json beside tokenizer.json: a tokenizer whose BOS only the config
+    names (Llama's <s>, Llama 3's <|begin_of_text|>) or that adds none (Qwen's) tokenizes the same after a reload, and
+    transformers' own AutoTokenizer reads the saved files to the same ids."""
+    import transformers as tf
+
+    from test_family_defaults import LLAMA_FILES, QWEN_FILES, tokenized_checkpoint
+
+    directory = tokenized_checkpoint("llama" if files == "llama" else "qwen2", tmp_path / "checkpoint",
+                                     LLAMA_FILES if files == "llama" else QWEN_FILES)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    config_path.write_text(json.dumps(config))
+    model = HookedDecoder.from_pretrained(directory)
+    again = HookedDecoder.from_pretrained(model.save_pretrained(tmp_path / "saved"))
+    texts = ["Hello there", "a second, longer text"]
+    assert again.to_tokens(texts).tolist() == model.to_tokens(texts).tolist()
+    for what in ("bos_token_id", "eos_token_id", "pad_token_id", "chat_template"):
+        assert getattr(again.tokenizer, what) == getattr(model.tokenizer, what), what
+    assert (model.to_tokens("Hello")[0, 0] == model.tokenizer.bos_token_id) == (files == "llama")
+    theirs = tf.AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert theirs("Hello there")["input_ids"] == model.to_tokens("Hello there")[0].tolist()

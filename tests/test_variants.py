@@ -59,11 +59,34 @@ def build(kind, directory, **overrides):
                         num_key_value_heads=2, head_dim=24, max_position_embeddings=40, sliding_window=6,
                         query_pre_attn_scalar=20, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
         model = tf.Gemma2ForCausalLM(tf.Gemma2Config(**{**settings, **overrides}))
+    elif kind == "vaultgemma":  # Gemma 2's settings in a pre-norm block (no norms of the sublayers' writes)
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=24, max_position_embeddings=40, sliding_window=6,
+                        query_pre_attn_scalar=20, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+        model = tf.VaultGemmaForCausalLM(tf.VaultGemmaConfig(**{**settings, **overrides}))
     elif kind == "gemma3":  # Gemma 2's block, q/k norms, local layers with their own rotary base, no score cap
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40, sliding_window=6,
                         query_pre_attn_scalar=20, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**{**settings, **overrides}))
+    elif kind == "llama4":  # chunked rope layers (interleaved pairs, llama3-rescaled) with a weightless q/k norm after
+        # the rotation, a NoPE layer whose temperature tuning bites within the tests' prompts, dense and MoE layers mixed
+        settings = dict(vocab_size=101, hidden_size=32, intermediate_size=24, intermediate_size_mlp=40,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        max_position_embeddings=40, num_local_experts=4, num_experts_per_tok=1,
+                        interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1], attention_chunk_size=6, floor_scale=4,
+                        attn_scale=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 16})
+        model = tf.Llama4ForCausalLM(tf.Llama4TextConfig(**{**settings, **overrides}))
+        gen = torch.Generator().manual_seed(8)
+        with torch.no_grad():  # a router whose sigmoids are far from 1/2, experts whose writes rival the shared one's
+            for layer in model.model.layers:
+                if layer.is_moe_layer:
+                    moe = layer.feed_forward
+                    moe.router.weight.copy_(torch.randn(moe.router.weight.shape, generator=gen))
+                    moe.experts.gate_up_proj.mul_(10), moe.experts.down_proj.mul_(10)
     elif kind == "afmoe":  # sandwich norms, q/k norms, gated heads, NoPE full layers, a window, DeepSeek-style experts
         settings = dict(vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=12,
                         num_hidden_layers=4, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -137,6 +160,14 @@ def build(kind, directory, **overrides):
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=2, max_position_embeddings=40, num_local_experts=4, num_experts_per_tok=2)
         model = tf.MixtralForCausalLM(tf.MixtralConfig(**{**settings, **overrides}))
+    elif kind == "phimoe":  # Mixtral's layout with LayerNorms, sparsemixer routing by a router far from uniform
+        settings = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, num_local_experts=4, num_experts_per_tok=2)
+        model = tf.PhimoeForCausalLM(tf.PhimoeConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (at init every logit is near 0, and the mask around the best keeps most experts)
+            for index, layer in enumerate(model.model.layers):
+                weight = layer.mlp.router.weight
+                weight.copy_(0.5 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(index)))
     elif kind == "olmoe":  # q and k normalised over all heads; three of six experts, weights as the softmax gave them
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                         max_position_embeddings=40, num_experts=6, num_experts_per_tok=3, pad_token_id=1, eos_token_id=2)
@@ -254,6 +285,16 @@ def build(kind, directory, **overrides):
             model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**settings, **overrides}))
         else:
             model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**{**settings, "norm_topk_prob": False, **overrides}))
+    elif kind == "olmo_hybrid":  # OLMo 3's post-norm attention (NoPE, as released) among pre-norm Gated DeltaNet layers
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=4,
+                        linear_key_head_dim=8, linear_value_head_dim=12, max_position_embeddings=40,
+                        rope_parameters={"rope_type": "default", "rope_theta": None}, pad_token_id=0, eos_token_id=2)
+        model = tf.OlmoHybridForCausalLM(tf.OlmoHybridConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (transformers draws A from [0, 16]: most heads forget at once; a gentler decay shows)
+            for layer in model.model.layers:
+                if hasattr(layer, "linear_attn"):
+                    layer.linear_attn.A_log.copy_(torch.rand(layer.linear_attn.A_log.shape, generator=torch.Generator().manual_seed(6)).log())
     elif kind == "starcoder2":  # LayerNorms, an ungated tanh-GELU MLP, biases everywhere, a window
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=40, sliding_window=6, bos_token_id=1,
@@ -418,6 +459,21 @@ def build(kind, directory, **overrides):
                 for param, low, high in ((layer.mamba.A_log, -1, 1), (layer.mamba.D, -1, 1),
                                          (layer.mamba.dt_bias, -2, 1)):
                     param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
+    elif kind == "zamba2":  # Mamba-2 layers, three running two shared blocks in turn, each with its own adapters
+        settings = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
+                        max_position_embeddings=40, n_mamba_heads=4, mamba_ngroups=2, mamba_d_state=8, chunk_size=8,
+                        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"], num_mem_blocks=2,
+                        use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+        model = tf.Zamba2ForCausalLM(tf.Zamba2Config(**{**settings, **overrides}))
+        with torch.no_grad():  # (transformers starts every head alike: A = 1..heads, D = 1, dt_bias = 1)
+            for layer in model.model.layers:
+                mixer = getattr(layer, "mamba", None) or layer.mamba_decoder.mamba
+                for param, low, high in ((mixer.A_log, -1, 1), (mixer.D, -1, 1), (mixer.dt_bias, -2, 1)):
+                    param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
+            for name, param in model.named_parameters():  # adapters large enough to change each invocation
+                if "adapter_list" in name:
+                    param.mul_(10)
     elif kind == "lfm2":  # short convolutions around an attention layer; the MLP width rule (2/3, x1.3, multiple of 16)
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=40, layer_types=["conv", "full_attention", "conv"],
@@ -435,15 +491,36 @@ def build(kind, directory, **overrides):
                 if hasattr(layer.feed_forward, "expert_bias"):
                     layer.feed_forward.gate.weight.mul_(10)
                     layer.feed_forward.expert_bias.copy_(0.3 * torch.randn(6, generator=torch.Generator().manual_seed(7)))
+    elif kind == "jamba":  # Mamba-1 layers (learned dt/B/C norms) and NoPE attention, experts every other layer
+        settings = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, num_experts=4, num_experts_per_tok=2,
+                        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+                        mamba_d_state=8, mamba_dt_rank=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.JambaForCausalLM(tf.JambaConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (transformers starts every channel alike: A = 1..d_state, D = 1)
+            for layer in model.model.layers:
+                if hasattr(layer, "mamba"):
+                    for param, low, high in ((layer.mamba.A_log, -1, 1), (layer.mamba.D, -1, 1),
+                                             (layer.mamba.dt_proj.bias, -2, 1)):
+                        param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
     torch.manual_seed(0)
     model = perturbed(model)
     model.save_pretrained(directory)
+    if kind == "phimoe":  # the releases' config.json names their remote code's class, which TL 4's bridge looks up
+        _edit_config(directory, architectures=["PhiMoEForCausalLM"])
     reloaded = type(model).from_pretrained(directory, attn_implementation="eager").eval()
     return reloaded
 
+
+# LongRoPE's per-pair divisors for the 16-wide heads of build("phi3") (8 pairs) and build("phimoe") (4), far apart
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2],
+                 "long_factor": [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]}
+PHIMOE_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.2, 1.5, 1.9],
+                   "long_factor": [2.0, 5.0, 9.0, 14.0], "original_max_position_embeddings": 16, "short_mscale": 1.1,
+                   "long_mscale": 1.35}
 
 CASES = {
     "llama-gqa-untied": ("llama", {}),
@@ -460,6 +537,8 @@ CASES = {
     "qwen3-biases-untied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": False}),
     "gemma-scaled-embed-geglu": ("gemma", {}),
     "gemma2-sandwich-softcaps-windows": ("gemma2", {}),
+    "vaultgemma-pre-norm-softcaps-windows": ("vaultgemma", {}),
+    "vaultgemma-full-layers-tied": ("vaultgemma", dict(layer_types=["full_attention"] * 3, tie_word_embeddings=True)),
     "neox-parallel-partial-rotary": ("neox", {}),
     "neox-sequential-tied-no-bias": ("neox", {"use_parallel_residual": False, "tie_word_embeddings": True,
                                               "attention_bias": False, "hidden_act": "gelu_new"}),
@@ -482,6 +561,16 @@ CASES = {
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
         "final_logit_softcapping": 3.0, "attn_logit_softcapping": 5.0}),
+    "llama4-chunks-qk-norm-temperature-moe-every-other": ("llama4", {}),
+    # Maverick's settings: no q/k norm, no tuning, the default NoPE layers (here every second), every layer sparse;
+    # biases and tied embeddings
+    "llama4-maverick-like-biases-tied": ("llama4", {
+        "use_qk_norm": False, "attn_temperature_tuning": False, "no_rope_layers": [], "no_rope_layer_interval": 2,
+        "interleave_moe_layer_step": 1, "attention_bias": True, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+    # no chunks (every layer sees every earlier key), two experts a token, MoE layers named, a wider eps
+    "llama4-unchunked-two-experts-named-moe-layers": ("llama4", {
+        "attention_chunk_size": None, "num_experts_per_tok": 2, "moe_layers": [0, 2], "rms_norm_eps": 1e-4}),
     "afmoe-trinity": ("afmoe", {}),
     "afmoe-mup-biases-tied": ("afmoe", {"mup_enabled": True, "attention_bias": True, "tie_word_embeddings": True,
                                         "num_shared_experts": 0, "num_dense_layers": 2}),
@@ -515,6 +604,22 @@ CASES = {
     "phi3-gqa-partial-rotary-window": ("phi3", {"num_key_value_heads": 2, "sliding_window": 6, "tie_word_embeddings": True,
                                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                                     "partial_rotary_factor": 0.75}}),
+    # Phi-3-mini-128k's / Phi-3.5-mini's LongRoPE (pretraining context 16 < the 40-token inputs: the long factors),
+    # within the threshold (the short ones), and phi-4-mini's partial rotary with it
+    "phi3-longrope-long": ("phi3", {"original_max_position_embeddings": 16, "rope_parameters": PHI3_LONGROPE}),
+    "phi3-longrope-short": ("phi3", {"original_max_position_embeddings": 40, "rope_parameters": PHI3_LONGROPE}),
+    "phi3-longrope-partial-rotary-gqa": ("phi3", {"original_max_position_embeddings": 16, "num_key_value_heads": 2,
+                                                  "rope_parameters": {**PHI3_LONGROPE, "partial_rotary_factor": 0.75,
+                                                                      "short_factor": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
+                                                                      "long_factor": [3.0, 5.0, 7.0, 9.0, 11.0, 13.0]}}),
+    "phimoe-sparsemixer": ("phimoe", {}),
+    "phimoe-biases-window-wide-mask": ("phimoe", {"attention_bias": True, "lm_head_bias": True, "sliding_window": 6,
+                                                  "router_jitter_noise": 0.3}),
+    # Phi-3.5-MoE's rope within its threshold (transformers 5.25 keeps the short factors past it: test_phimoe.py)
+    "phimoe-longrope-short": ("phimoe", {"rope_parameters": {**PHIMOE_LONGROPE, "original_max_position_embeddings": 40}}),
+    # past it with one set of factors for both regimes, so that only the attention factor switches
+    "phimoe-longrope-long-mscale": ("phimoe", {"rope_parameters": {**PHIMOE_LONGROPE,
+                                                                   "long_factor": PHIMOE_LONGROPE["short_factor"]}}),
     "mixtral-experts-renormalised": ("mixtral", {}),
     "mixtral-one-expert-window": ("mixtral", {"num_experts_per_tok": 1, "sliding_window": 6}),
     "olmoe-experts-qk-norms": ("olmoe", {}),
@@ -595,6 +700,18 @@ CASES = {
                                                  "tie_word_embeddings": True, "rms_norm_eps": 1e-4,
                                                  "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
                                                                      "partial_rotary_factor": 1.0}}),
+    "olmo-hybrid-nope-three-deltanet-one-attention": ("olmo_hybrid", {}),
+    # rotary attention, the attention first, beta in (0, 1), a narrower convolution, tied, grouped keys
+    "olmo-hybrid-rope-attention-first-no-neg-eigval": ("olmo_hybrid", {
+        "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "linear_allow_neg_eigval": False,
+        "linear_conv_kernel_dim": 3, "tie_word_embeddings": True, "rms_norm_eps": 1e-4}),
+    # transformers' defaults for the DeltaNet's widths (0.75 d_model / heads, twice that), attention biases, yarn
+    "olmo-hybrid-default-widths-biases-yarn": ("olmo_hybrid", {
+        "layer_types": None, "num_hidden_layers": 3, "linear_num_key_heads": None, "linear_num_value_heads": None,
+        "linear_key_head_dim": None, "linear_value_head_dim": None, "attention_bias": True, "num_key_value_heads": 4,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 16}}),
     "qwen3-5-moe-shared-expert": ("qwen3_5_moe", {}),
     "qwen3-next-fused-deltanet-unrenormalised": ("qwen3_next", {}),
     "qwen3-next-renormalised-tied-one-expert": ("qwen3_next", {"norm_topk_prob": True, "tie_word_embeddings": True,
@@ -689,6 +806,16 @@ CASES = {
                                                              "tie_word_embeddings": False, "time_step_rank": "auto",
                                                              "layer_norm_epsilon": 1e-4}),
     "falcon-mamba-bcdt-norms-tied": ("falcon_mamba", {}),
+    "jamba-mamba1-nope-attention-top2-experts-untied": ("jamba", {}),
+    # Jamba-v0.1's layout (attention 1 in 8 from layer 4, experts every other layer from 1) at eight layers
+    "jamba-v0-1-layout-auto-rank": ("jamba", {"num_hidden_layers": 8, "attn_layer_period": 8, "attn_layer_offset": 4,
+                                              "mamba_dt_rank": "auto"}),
+    "jamba-top1-experts-everywhere-attention-first-biases-tied": ("jamba", {
+        "num_experts_per_tok": 1, "expert_layer_period": 1, "expert_layer_offset": 0, "attn_layer_period": 3,
+        "attn_layer_offset": 0, "tie_word_embeddings": True, "mamba_proj_bias": True, "mamba_conv_bias": False}),
+    # Jamba Reasoning's: one expert, so every MLP dense; a narrower mixer, a shorter kernel, another eps
+    "jamba-dense-expand1-kernel3-eps": ("jamba", {"num_experts": 1, "mamba_expand": 1, "mamba_d_conv": 3,
+                                                  "rms_norm_eps": 1e-4, "attn_layer_period": 4, "attn_layer_offset": 3}),
     "falcon-mamba-biases-untied-kernel3-norm-eps": ("falcon_mamba", {"use_bias": True, "tie_word_embeddings": False,
                                                                      "conv_kernel": 3, "mixer_rms_eps": 1e-2}),
     "bamba-biases-tied-one-group": ("bamba", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
@@ -715,6 +842,16 @@ CASES = {
         "moe_norm_min": 0.8, "moe_layer_start_index": 0, "moe_num_shared_experts": 2, "tie_word_embeddings": False,
         "head_dim": 24}),
     "ernie4-5-moe-dense-last-layer": ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_end_index": 1}),
+    # Mamba-2 layers, three running two shared blocks in turn with rope and adapters on q/k/v and the MLP
+    "zamba2-two-shared-blocks-adapters-rope": ("zamba2", {}),
+    # one shared block run by every hybrid layer, no attention adapters (the MLP's are always there), no positions
+    "zamba2-one-block-nope-no-attention-adapters": ("zamba2", {
+        "num_mem_blocks": 1, "use_shared_attention_adapter": False, "use_mem_rope": False,
+        "layers_block_type": ["hybrid", "mamba", "mamba", "hybrid", "mamba"]}),
+    # grouped key/value heads, hybrid layers first and last, one group of B and C
+    "zamba2-gqa-hybrid-first-and-last": ("zamba2", {
+        "num_key_value_heads": 2, "use_shared_attention_adapter": False,
+        "layers_block_type": ["hybrid", "mamba", "hybrid", "mamba", "hybrid"], "num_mem_blocks": 2, "mamba_ngroups": 1}),
     "lfm2-conv-attention-conv-width-rule": ("lfm2", {}),
     "lfm2-conv-biases-kernel4-untied": ("lfm2", {"conv_bias": True, "conv_L_cache": 4, "tie_word_embeddings": False}),
     "lfm2-attention-first-rounded-up-eps": ("lfm2", {"layer_types": ["full_attention", "conv", "conv"],
@@ -812,14 +949,14 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 
 def test_save_round_trip_for_each_family(tmp_path):
-    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
-                 "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "olmoe", "qwen3_moe", "bigcode",
+    for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "vaultgemma", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
+                 "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "phimoe", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan", "glm4_moe",
+                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan", "glm4_moe",
                  "jais2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "glm_moe_dsa", "minimax_m2",
                  "ernie4_5_moe",
-                 "granitemoehybrid", "bamba", "falcon_h1", "mamba2", "mamba", "falcon_mamba", "lfm2", "lfm2_moe", "nemotron_h",
-                 "gemma4", "afmoe"):
+                 "granitemoehybrid", "bamba", "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "lfm2", "lfm2_moe", "nemotron_h",
+                 "gemma4", "afmoe", "llama4", "zamba2"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -876,17 +1013,17 @@ def test_unsupported_model_type_lists_the_supported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "rwkv"}')
     with pytest.raises(CheckpointError, match="'rwkv' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_vl, qwen2_5_vl, qwen3_vl_moe, qwen3_5, "
-                                              "qwen3_5_moe, mistral, mistral3, ministral3, olmo, olmo2, olmo3, smollm3, exaone, hunyuan_v1_dense, "
-                                              "exaone4, arcee, glm, glm4, ernie4_5, "
+                                              "qwen3_5_moe, llama4_text, llama4, mistral, mistral3, ministral3, olmo, olmo2, olmo3, olmo_hybrid, smollm3, exaone, hunyuan_v1_dense, "
+                                              "exaone4, arcee, glm, glm4, glm4v, ernie4_5, "
                                               "seed_oss, "
                                               "cohere, "
-                                              "cohere2, granite, granitemoe, granitemoehybrid, bamba, falcon_h1, mamba2, nemotron_h, mamba, falcon_mamba, lfm2, lfm2_moe, apertus, gemma, gemma2, gemma3_text, gemma3, "
+                                              "cohere2, granite, granitemoe, granitemoehybrid, bamba, falcon_h1, mamba2, nemotron_h, zamba2, mamba, falcon_mamba, jamba, lfm2, lfm2_moe, apertus, gemma, gemma2, vaultgemma, gemma3_text, gemma3, "
                                               "afmoe, gemma4_text, gemma4, gemma4_unified, "
                                               "gpt_neox, "
-                                              "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, olmoe, flex_olmo, qwen3_moe, "
+                                              "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, phimoe, olmoe, flex_olmo, qwen3_moe, "
                                               "qwen2_moe, glm4_moe, minimax_m2, ernie4_5_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, jais2, deepseek_v2, deepseek_v3, "
                                               "glm4_moe_lite, youtu, glm_moe_dsa, gpt_bigcode, "
-                                              "bloom$"):
+                                              "bloom, llava, llava_next, llava_onevision, idefics3, emu3, qwen2_audio, audioflamingo3, musicflamingo, glmasr$"):
         HookedDecoder.from_pretrained(tmp_path)
 
 
@@ -1056,9 +1193,9 @@ def test_rotary_scaling_changes_the_model_and_is_refused_where_unknown(tmp_path)
     from probe.loading import CheckpointError
 
     config = json.loads((tmp_path / "scaled" / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
     (tmp_path / "scaled" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="rope scaling 'longrope' is not supported; supported: default .*linear, llama3, "
+    with pytest.raises(CheckpointError, match="rope scaling 'dynamic' is not supported; supported: default .*linear, llama3, "
                                               "yarn"):
         HookedDecoder.from_pretrained(tmp_path / "scaled")
     with pytest.raises(ValueError, match="rotary_scaling applies only to positions=rotary"):
@@ -1167,6 +1304,8 @@ _DROP = object()
     ("gemma2", dict(query_pre_attn_scalar=_DROP, attn_logit_softcapping=_DROP, final_logit_softcapping=_DROP,
                     sliding_window=_DROP, layer_types=_DROP)),  # keys left out: transformers' defaults
     ("gemma2", dict(layer_types=["full_attention"] * 3)),  # a window no layer uses
+    ("vaultgemma", dict(query_pre_attn_scalar=_DROP, attn_logit_softcapping=_DROP, final_logit_softcapping=_DROP,
+                        sliding_window=_DROP, layer_types=_DROP, hidden_activation=_DROP)),
     ("mistral", dict(sliding_window=_DROP)),
 ])
 def test_config_fields_are_read_as_transformers_reads_them(kind, changes, tmp_path):
@@ -1174,7 +1313,8 @@ def test_config_fields_are_read_as_transformers_reads_them(kind, changes, tmp_pa
 
     build(kind, tmp_path, max_position_embeddings=5000)
     _edit_config(tmp_path, **changes)
-    theirs = getattr(tf, {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "mistral": "MistralForCausalLM"}[kind])
+    theirs = getattr(tf, {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "mistral": "MistralForCausalLM",
+                          "vaultgemma": "VaultGemmaForCausalLM"}[kind])
     hf = theirs.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ours = HookedDecoder.from_pretrained(tmp_path).eval()
     tokens = torch.randint(0, 101, (1, 24), generator=torch.Generator().manual_seed(14))
