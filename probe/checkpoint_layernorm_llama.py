@@ -85,21 +85,31 @@ def layernorm_llama_config_to_hf(model_type: str) -> Callable[[DecoderConfig, Op
     return config_to_hf
 
 
-def _names(cfg: DecoderConfig, fmt: Format) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """ours -> (theirs, their shape) for every tensor but q/k/v; [out, in] as ours."""
-    d, m, width = cfg.d_model, cfg.d_mlp, cfg.n_heads * cfg.d_head
-    up, down = fmt.mlp
+def layernorm_attention_names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """ours -> (theirs, their shape) for the embedding, the LayerNorms (weights and biases) and each attention's output
+    projection of Llama's names with LayerNorms (StarCoder 2, Nemotron, Jais 2, PhiMoE); [out, in] as ours."""
+    d, width = cfg.d_model, cfg.n_heads * cfg.d_head
     table = {"embed.W_E": ("embed_tokens.weight", (cfg.d_vocab, d)), "ln_final.w": ("norm.weight", (d,)),
              "ln_final.b": ("norm.bias", (d,))}
     for l in range(cfg.n_layers):
         o, t = f"blocks.{l}", f"layers.{l}"
         for ours, theirs in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")):
             table.update({f"{o}.{ours}.w": (f"{t}.{theirs}.weight", (d,)), f"{o}.{ours}.b": (f"{t}.{theirs}.bias", (d,))})
-        table.update({f"{o}.attn.out.weight": (f"{t}.self_attn.o_proj.weight", (d, width)),
-                      f"{o}.mlp.fc_in.weight": (f"{t}.mlp.{up}.weight", (m, d)),
-                      f"{o}.mlp.fc_out.weight": (f"{t}.mlp.{down}.weight", (d, m))})
+        table[f"{o}.attn.out.weight"] = (f"{t}.self_attn.o_proj.weight", (d, width))
         if cfg.out_bias:
             table[f"{o}.attn.out.bias"] = (f"{t}.self_attn.o_proj.bias", (d,))
+    return table
+
+
+def _names(cfg: DecoderConfig, fmt: Format) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """ours -> (theirs, their shape) for every tensor but q/k/v; [out, in] as ours."""
+    d, m = cfg.d_model, cfg.d_mlp
+    up, down = fmt.mlp
+    table = layernorm_attention_names(cfg)
+    for l in range(cfg.n_layers):
+        o, t = f"blocks.{l}", f"layers.{l}"
+        table.update({f"{o}.mlp.fc_in.weight": (f"{t}.mlp.{up}.weight", (m, d)),
+                      f"{o}.mlp.fc_out.weight": (f"{t}.mlp.{down}.weight", (d, m))})
         if cfg.mlp_bias:
             table.update({f"{o}.mlp.fc_in.bias": (f"{t}.mlp.{up}.bias", (m,)),
                           f"{o}.mlp.fc_out.bias": (f"{t}.mlp.{down}.bias", (d,))})

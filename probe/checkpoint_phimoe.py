@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config
+from probe.checkpoint_layernorm_llama import layernorm_attention_names
 from probe.checkpoint_moe import expert_names
 from probe.checkpoint_source import (GPT_ACTIVATION_NAMES, Source, llama_named_to_hf, llama_named_to_probe,
                                      require_fields, rope_from_hf, rope_to_hf, special_token_ids, with_defaults,
@@ -96,17 +97,7 @@ def phimoe_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> d
 
 def _names(cfg: DecoderConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """ours -> (theirs, their shape) for every tensor but q/k/v and the unembedding's weight; [out, in] as ours."""
-    d, width = cfg.d_model, cfg.n_heads * cfg.d_head
-    table = {"embed.W_E": ("embed_tokens.weight", (cfg.d_vocab, d)), "ln_final.w": ("norm.weight", (d,)),
-             "ln_final.b": ("norm.bias", (d,))}
-    for l in range(cfg.n_layers):
-        o, t = f"blocks.{l}", f"layers.{l}"
-        for ours, theirs in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")):
-            table.update({f"{o}.{ours}.w": (f"{t}.{theirs}.weight", (d,)), f"{o}.{ours}.b": (f"{t}.{theirs}.bias", (d,))})
-        table[f"{o}.attn.out.weight"] = (f"{t}.self_attn.o_proj.weight", (d, width))
-        if cfg.out_bias:
-            table[f"{o}.attn.out.bias"] = (f"{t}.self_attn.o_proj.bias", (d,))
-    return {**table, **expert_names(cfg, "mixtral")}
+    return {**layernorm_attention_names(cfg), **expert_names(cfg, "mixtral")}
 
 
 def phimoe_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:

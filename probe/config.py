@@ -23,7 +23,8 @@ from probe.tl_config_fields import HookedTransformerConfigFields
 
 # the choices live in probe.config_choices and probe.config_mixers and are imported from here as before
 __all__ = ["Activation", "DecoderConfig", "ExpertGroups", "Experts", "LatentAttention", "LinearAttention", "Norm", "NormPlacement",
-           "Positions", "RotaryScaling", "GlobalLayers", "PerLayerInputs", "SharedKV", "SharedBlocks", "ShortConv", "SparseIndexer", "StateSpace"]
+           "Positions", "RotaryScaling", "ChunkedAttention", "GlobalLayers", "PerLayerInputs", "SharedKV", "SharedBlocks", "ShortConv",
+           "SparseIndexer", "StateSpace"]
 
 
 def _enum(cls, value, field):
