@@ -36,7 +36,8 @@ def require_ffn(model: HookedDecoder, what: str) -> None:
                "features (top_triggers(..., sae=), feature_logits)")
     require_mlps(model, what, "no FFN neurons (mlp.hook_post) or value vectors (W_out) to read", instead)
     if model.cfg.experts is not None:
-        raise ValueError(f"{what}: this model's MLPs are mixtures of experts, whose neurons (mlp.experts.{{e}}."
+        some = "MLPs are" if model.cfg.experts.layers is None else "sparse layers' MLPs are"
+        raise ValueError(f"{what}: this model's {some} mixtures of experts, whose neurons (mlp.experts.{{e}}."
                          f"hook_post) fire only on the tokens routed to their expert, with no one W_out per layer; "
                          f"{instead}")
     widths = sorted({model.cfg.layer_d_mlp(layer) for layer in range(model.cfg.n_layers)})

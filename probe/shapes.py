@@ -53,6 +53,8 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.attn.hook_q"] = (batch, pos, heads, cfg.d_head)
         shapes[f"{b}.attn.hook_k"] = (batch, pos, kv, cfg.d_head)
         shapes[f"{b}.attn.hook_v"] = (batch, pos, kv, cfg.d_head)
+        if cfg.attn_output_gate:  # (gated heads, Qwen3.5's and AFMoE's: the gate's logits, per head)
+            shapes[f"{b}.attn.hook_q_gate"] = (batch, pos, heads, cfg.d_head)
         chunked = cfg.chunked_attention  # Llama 4's: a weightless q/k norm on the rotary layers, tuned NoPE queries
         if cfg.qk_norm or (chunked is not None and chunked.qk_norm and cfg.layer_rotates(layer)):
             for which, n in (("q", heads), ("k", kv)):

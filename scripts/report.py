@@ -275,8 +275,11 @@ def run(args: argparse.Namespace) -> int:
     if "memories" not in args.skip and not ffn:
         part = report.section("memories", "FFN memories")
         part += [note("Not run: FFN memories read each layer's one MLP, and this model's " + (
-            "blocks have none (attention or state-space mixers only)." if model.cfg.attn_only else
-            "MLPs are mixtures of experts, whose neurons see only the tokens routed to them: the routing is above."
+            ("blocks have none (attention or state-space mixers only)." if model.cfg.shared_blocks is None else
+             "layers have none of their own (their shared blocks' MLPs write into the mixers' inputs).")
+            if model.cfg.attn_only else
+            ("MLPs are" if model.cfg.experts.layers is None else "sparse layers' MLPs are") +
+            " mixtures of experts, whose neurons see only the tokens routed to them: the routing is above."
             if model.cfg.experts is not None else f"MLPs differ in width between layers ({sorted(widths)} neurons)."))]
     elif "memories" not in args.skip:
         with timed("memories"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from probe import HookedDecoder
-from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
+from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match, cache_of_everything,
                            assert_left_padded_generation_matches, caches_in_compatibility_mode,
                            compared_with_the_delegating_bridge, report_page, seen_in_forward)
 from test_family_defaults import tokenized_checkpoint
@@ -87,3 +87,12 @@ def test_the_report_runs(tmp_path):
     directory = tokenized_checkpoint("afmoe", tmp_path / "afmoe")
     page = report_page(directory, tmp_path / "out")
     assert "Expert routing" in page and (tmp_path / "out" / "edges.csv").exists()
+
+
+def test_hook_shapes_predicts_every_points_shape_gated_heads_included(tmp_path):
+    """(each expert's points hold the tokens routed to it, which hook_shapes bounds by all of them)"""
+    build("afmoe", tmp_path)
+    _, _, cache, predicted = cache_of_everything(tmp_path)
+    cache = {name: value for name, value in cache.items() if ".mlp.experts." not in name}
+    assert {name: tuple(value.shape) for name, value in cache.items()} == {name: predicted.get(name) for name in cache}
+    assert {"blocks.1.attn.hook_q_gate"} <= set(cache)

@@ -247,6 +247,7 @@ def test_the_report_runs_and_says_what_it_leaves_out(tmp_path):
     out = tmp_path / "out"  # (the attention layers' patterns, the residual's patching, the routing: run)
     assert all((out / f).exists() for f in ("patterns.csv", "patching.csv", "routing.csv"))
     assert not (out / "edges.csv").exists()
+    assert "and this model&#x27;s sparse layers&#x27; MLPs are mixtures of experts" in page  # (its dense ones are not)
 
 
 def test_config_errors_and_what_the_format_cannot_hold(tmp_path):

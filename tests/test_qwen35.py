@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from probe import DecoderConfig, HookedDecoder, LinearAttention
-from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
+from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match, cache_of_everything,
                            assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
                            caches_in_compatibility_mode, seen_in_forward)
 from test_transformer_lens import compare_with_transformer_lens
@@ -408,3 +408,10 @@ def test_attention_patterns_of_a_hybrid_are_its_attention_layers(tmp_path):
     torch.testing.assert_close(patterns.pattern[0], weights[0][0], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match=r"layers \[1\] are linear-attention layers, .* attention layers are \[3\]"):
         analyses.attention_patterns(model, TOKENS[0], layers=[1, 3])
+
+
+def test_hook_shapes_predicts_every_points_shape_gated_heads_included(tmp_path):
+    build("qwen3_5", tmp_path)
+    _, _, cache, predicted = cache_of_everything(tmp_path)
+    assert {name: tuple(value.shape) for name, value in cache.items()} == {name: predicted.get(name) for name in cache}
+    assert {"blocks.3.attn.hook_q_gate", "blocks.0.linear_attn.hook_beta"} <= set(cache)

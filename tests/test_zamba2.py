@@ -162,6 +162,7 @@ def test_the_report_runs_and_says_what_it_skips(tmp_path):
     assert ("Not run: direct logit attribution takes the residual stream for the sum of its writers&#x27; outputs, "
             "and this model&#x27;s shared transformer blocks (Zamba2&#x27;s)") in page
     assert "layers [0, 2] of this hybrid model are state-space (Mamba-2) layers" in page
+    assert "layers have none of their own (their shared blocks&#x27; MLPs write into the mixers&#x27; inputs)" in page
     assert (tmp_path / "out" / "patching.csv").exists() and (tmp_path / "out" / "patterns.csv").exists()
 
 
