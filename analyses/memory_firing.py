@@ -120,7 +120,6 @@ def memory_lookup(
         raise ValueError(f"k={k!r} must be an integer in [1, d_mlp={model.cfg.d_mlp}]")
     # (per layer: a hybrid's linear-attention blocks are pre-norm beside sandwich attention blocks, OLMo-Hybrid's)
     post_scales = [act_name("scale", l, "ln2_post") for l in layers if hasattr(model.blocks[l], "ln2_post")]
-    sandwich = bool(post_scales)
     names = [act_name("post", l) for l in layers] + (["ln_final.hook_scale"] if model.cfg.final_norm else []) + post_scales
     logits, cache = model.run_with_cache(tokens, names=names)
     predicted = int(logits[0, position].argmax())
@@ -132,7 +131,7 @@ def memory_lookup(
     # (frozen at this position, so the sub-updates still add up to the block's hook_mlp_out)
     write_scale = torch.stack([cache[act_name("scale", l, "ln2_post")][0, position, 0].float()
                                if hasattr(model.blocks[l], "ln2_post") else torch.ones((), device=coefficients.device)
-                               for l in layers]) if sandwich else torch.ones(len(layers), device=coefficients.device)
+                               for l in layers])
     all_neurons = torch.arange(model.cfg.d_mlp)
     value_norms = torch.stack([value_directions(model, l, all_neurons, through_final_norm=False).norm(dim=-1)
                                for l in layers]) / write_scale[:, None]

@@ -108,8 +108,7 @@ def wrapped_language_model(wrapper: Wrapper, families: Mapping) -> tuple[Callabl
         return family.to_probe(source, cfg)
 
     def to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-        config_to_hf(cfg, None)  # (raises: the text-only family saves)
-        return {}
+        return config_to_hf(cfg, None)  # (raises: the text-only family saves)
 
     return config_from_hf, config_to_hf, to_probe, to_hf
 

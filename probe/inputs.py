@@ -183,10 +183,11 @@ def allowed_keys(attention_mask: Optional[torch.Tensor], positions: torch.Tensor
     allowed = attention_mask.bool()[:, None, None, :]
     if causal:
         allowed = allowed & (key_at <= query_at)
-    key_positions = attention_mask.cumsum(dim=1) - 1  # [batch key_pos]
-    if isinstance(sliding_window, Chunk):  # (transformers counts the chunks past the left padding too)
-        size = sliding_window.size
-        allowed &= (positions[:, None, :, None] // size) == (key_positions[:, None, None, :] // size)
-    elif sliding_window is not None:  # distances in real tokens, so padding never changes what a prompt sees
-        allowed &= (positions[:, None, :, None] - key_positions[:, None, None, :]) < sliding_window
+    if sliding_window is not None:  # distances (or chunks) in real tokens, so padding never changes what a prompt sees
+        key_positions = attention_mask.cumsum(dim=1) - 1  # [batch key_pos]
+        if isinstance(sliding_window, Chunk):  # (transformers counts the chunks past the left padding too)
+            size = sliding_window.size
+            allowed &= (positions[:, None, :, None] // size) == (key_positions[:, None, None, :] // size)
+        else:
+            allowed &= (positions[:, None, :, None] - key_positions[:, None, None, :]) < sliding_window
     return allowed | (key_at == query_at)

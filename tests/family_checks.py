@@ -89,6 +89,16 @@ def assert_cached_parts_are_one_forward(model, tokens: torch.Tensor):
     return cache, prefix
 
 
+def left_padded_logits(model, hf, vocab: int = 101) -> tuple:
+    """(probe's logits on two 9-token prompts, the second left-padded by 4; its logits on that prompt alone;
+    transformers' logits on the same padded batch): what a padding test of a recurrent layer compares."""
+    ids = torch.randint(4, vocab, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        return model(ids, attention_mask=mask), model(ids[1:, 4:]), hf(ids, attention_mask=mask).logits
+
+
 def assert_left_padded_generation_matches(hf, directory, vocab: int = 101) -> None:
     """Two prompts, one left-padded, generated together through the cache: each continuation is transformers' (given
     the same mask), and the padded one is its prompt's alone."""

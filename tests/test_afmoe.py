@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from probe import HookedDecoder
-from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match, cache_of_everything,
-                           assert_left_padded_generation_matches, caches_in_compatibility_mode,
+from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
+                           assert_left_padded_generation_matches, cache_of_everything, caches_in_compatibility_mode,
                            compared_with_the_delegating_bridge, report_page, seen_in_forward)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import CASES, build

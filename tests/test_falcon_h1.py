@@ -13,7 +13,8 @@ import torch
 from probe import DecoderConfig, HookedDecoder, StateSpace
 from probe.hooks import UnknownNameError
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
-                           assert_left_padded_generation_matches, cache_of_everything, report_page, seen_in_forward)
+                           assert_left_padded_generation_matches, cache_of_everything, left_padded_logits, report_page,
+                           seen_in_forward)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -113,13 +114,9 @@ def test_generation_processing_cache_and_padding_are_transformers(tmp_path):
     cache, prefix = assert_cached_parts_are_one_forward(model, TOKENS)
     assert cache.layers[0].k.shape[1] == 13 and cache.layers[0].state is not None and prefix.layers[2].seen == 10
     assert_left_padded_generation_matches(hf, tmp_path)
-    ids = torch.randint(4, 101, (2, 9), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    with torch.no_grad():  # padding reaches neither the state, the convolution's window nor the keys
-        padded = model(ids, attention_mask=mask)
-        torch.testing.assert_close(padded[1, 4:], model(ids[1:, 4:])[0], atol=1e-5, rtol=0)
-        torch.testing.assert_close(padded[:, 4:], hf(ids, attention_mask=mask).logits[:, 4:], atol=1e-4, rtol=0)
+    padded, alone, theirs = left_padded_logits(model, hf)  # padding reaches neither the state, the window nor the keys
+    torch.testing.assert_close(padded[1, 4:], alone[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded[:, 4:], theirs[:, 4:], atol=1e-4, rtol=0)
     with torch.no_grad():  # each head's own input copies (TL's split q/k/v inputs) leave the outputs as they were
         whole = model(TOKENS)
         model.set_use_split_qkv_input(True)

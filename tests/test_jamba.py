@@ -18,7 +18,8 @@ from probe import DecoderConfig, HookedDecoder, StateSpace
 from probe.checkpoint_jamba import jamba_config_to_hf
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
                            assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
-                           cache_of_everything, caches_in_compatibility_mode, report_page, seen_in_forward)
+                           cache_of_everything, caches_in_compatibility_mode, left_padded_logits, report_page,
+                           seen_in_forward)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -115,13 +116,7 @@ def test_left_padding_writes_nothing_into_the_state_or_the_convolution(bias, tmp
     through the cache is transformers'."""
     hf = strengthened(build("jamba", tmp_path / "src", mamba_proj_bias=bias), tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
-    ids = torch.randint(4, 101, (2, 9), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask)
-        alone = model(ids[1:, 4:])
-        theirs = hf(ids, attention_mask=mask).logits
+    padded, alone, theirs = left_padded_logits(model, hf)
     torch.testing.assert_close(padded[:, 4:], theirs[:, 4:], atol=1e-4, rtol=0)
     if not bias:
         torch.testing.assert_close(padded[1, 4:], alone[0], atol=1e-5, rtol=0)

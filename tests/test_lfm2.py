@@ -15,7 +15,7 @@ from probe import DecoderConfig, Experts, HookedDecoder, ShortConv
 from probe.kv_cache import KVCache
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
                            assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
-                           cache_of_everything, report_page, seen_in_forward)
+                           cache_of_everything, left_padded_logits, report_page, seen_in_forward)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import CASES, build
 
@@ -116,12 +116,7 @@ def test_left_padding_reaches_neither_the_window_nor_the_output(tmp_path):
     probe matches transformers on a left-padded batch, in one pass and through generation."""
     hf = strengthened(build("lfm2", tmp_path / "src", conv_bias=True), tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
-    ids = torch.randint(4, 101, (2, 9), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask)
-        theirs = hf(ids, attention_mask=mask).logits
+    padded, _, theirs = left_padded_logits(model, hf)
     torch.testing.assert_close(padded[:, 4:], theirs[:, 4:], atol=1e-4, rtol=0)
     assert_left_padded_generation_matches(build("lfm2", tmp_path / "gen", conv_bias=True), tmp_path / "gen")
 

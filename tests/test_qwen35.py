@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from probe import DecoderConfig, HookedDecoder, LinearAttention
-from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match, cache_of_everything,
+from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
                            assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
-                           caches_in_compatibility_mode, seen_in_forward)
+                           cache_of_everything, caches_in_compatibility_mode, seen_in_forward)
 from test_transformer_lens import compare_with_transformer_lens
 from test_variants import build, perturbed
 

@@ -11,7 +11,7 @@ import torch
 from probe import DecoderConfig, HookedDecoder
 from probe.selective_scan import selective_scan, selective_scan_stepwise
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
-                           assert_left_padded_generation_matches, cache_of_everything, report_page)
+                           assert_left_padded_generation_matches, cache_of_everything, left_padded_logits, report_page)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -102,13 +102,7 @@ def test_left_padding_writes_nothing_into_the_state_or_the_convolution(kind, bia
     through the cache is transformers'."""
     hf = strengthened(build(kind, tmp_path / "src", use_bias=bias), tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
-    ids = torch.randint(4, 101, (2, 9), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask)
-        alone = model(ids[1:, 4:])
-        theirs = hf(ids, attention_mask=mask).logits
+    padded, alone, theirs = left_padded_logits(model, hf)
     torch.testing.assert_close(padded[:, 4:], theirs[:, 4:], atol=1e-4, rtol=0)
     if not bias:
         torch.testing.assert_close(padded[1, 4:], alone[0], atol=1e-5, rtol=0)

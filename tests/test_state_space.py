@@ -13,7 +13,7 @@ from probe.kv_cache import KVCache
 from probe.state_space import state_space_scan, state_space_scan_stepwise
 from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
                            assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
-                           caches_in_compatibility_mode, report_page)
+                           caches_in_compatibility_mode, left_padded_logits, report_page)
 from test_family_defaults import tokenized_checkpoint
 from test_variants import build
 
@@ -205,13 +205,7 @@ def test_left_padding_writes_nothing_into_the_state_or_the_convolution(tmp_path)
     padded batch: padding reaches neither the state nor the convolution's window."""
     hf = strengthened(build("granitemoehybrid", tmp_path / "src"), tmp_path)
     model = HookedDecoder.from_pretrained(tmp_path).eval()
-    ids = torch.randint(4, 101, (2, 9), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    with torch.no_grad():
-        padded = model(ids, attention_mask=mask)
-        alone = model(ids[1:, 4:])
-        theirs = hf(ids, attention_mask=mask).logits
+    padded, alone, theirs = left_padded_logits(model, hf)
     torch.testing.assert_close(padded[1, 4:], alone[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(padded[:, 4:], theirs[:, 4:], atol=1e-4, rtol=0)
 
