@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from probe import HookedDecoder, Positions
+from probe.prediction_head import refuse_prediction_head as refuse_head_of
 
 # the points of a block from the residual between its sublayers to the MLP's output: what an attention-only block lacks
 MLP_POINT = re.compile(r"^blocks\.\d+\.(hook_resid_mid|hook_mlp_in|hook_mlp_out|ln2\.|ln2_post\.|mlp\.)")
@@ -21,6 +22,9 @@ def require_mlps(model: HookedDecoder, what: str, so: str, instead: str) -> None
     """Refuse `what` on an attention-only model: "{what}: this attention-only model has no MLPs, so {so}; {instead}"."""
     if model.cfg.attn_only:
         raise ValueError(f"{what}: this attention-only model has no MLPs, so {so}; {instead}")
+    if model.cfg.rwkv is not None:  # (blocks.L.channel_mix: sigmoid(r) * W_out post, r from the shifted input)
+        raise ValueError(f"{what}: this model's MLPs are RWKV channel mixes, which gate each value vector's write "
+                         f"channel by channel by a receptance of the shifted input, so {so}; {instead}")
 
 
 def check_block_point(model: HookedDecoder, name: str, what: str, instead: str) -> None:
@@ -54,7 +58,16 @@ def headless_layers(model: HookedDecoder) -> tuple[list[int], str]:
 
 def require_head_weights(model: HookedDecoder, what: str) -> None:
     """Refuse `what`, which reads each head's W_Q, W_K and W_V (linear maps of the residual), on latent attention,
-    whose queries, keys and values pass normalised low-rank latents (DeepSeek-V2/V3), naming what works instead."""
+    whose queries, keys and values pass normalised low-rank latents (DeepSeek-V2/V3), and on a mixture of attention
+    heads (JetMoE), whose heads' query and output weights are those of the experts each token chose, naming what
+    works instead."""
+    if model.cfg.mixture_of_attention is not None:
+        raise ValueError(f"{what}: this model's mixture of attention heads (JetMoE) routes each token to experts of "
+                         f"its own, so a head's W_Q and W_O change with the token (blocks.L.attn.hook_expert_indices), "
+                         f"and there are no fixed per-head weights for {what} to read; the analyses of the heads' "
+                         f"activations work on it (attention_patterns, head_scores, ablate_heads, patch(..., "
+                         f"sites='heads'), direct_logit_attribution through hook_result), and the experts' own "
+                         f"weights are model.blocks[l].attn.q_experts / out_experts")
     if model.cfg.latent_attention is not None:
         sparse = (", and a sparse indexer (GLM-5's) chooses the keys each query reads"
                   if model.cfg.latent_attention.indexer is not None else "")
@@ -142,3 +155,9 @@ def refuse_next_token_metric(model: HookedDecoder, metric, what: str) -> None:
                              "the model computes",
                              "pass a metric of what it outputs, e.g. logit_diff_metric(model, answer, wrong, "
                              "position=0) for a classifier read at its first position")
+
+
+def refuse_prediction_head(model: HookedDecoder, what: str) -> None:
+    """Refuse `what`, which reads the logits as W_U times the final norm's output (direct logit attribution, token
+    directions, v W_U), on a model with a prediction head between the two (ModernBERT's decoders)."""
+    refuse_head_of(model.cfg, what)

@@ -18,6 +18,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
+from probe.analyses.architecture import refuse_prediction_head
 from probe.analyses.common import AnalysisInput, TableDisplay, check_id_tensor, is_int, model_mask, resolve_positions, token_decoder, token_id, tokens_and_mask
 from probe.analyses.labels import count, figure_token, head_grid, titled
 from probe.analyses.lens_sites import final_norm, has_final_scale, has_resid_mid, lens_sites, position_labels, site_label
@@ -273,6 +274,7 @@ def direct_logit_attribution(
     (difference) before the cap, which is what the components add up to; the cap only squashes it.
     """
     check_pre_norm(model)
+    refuse_prediction_head(model, "direct_logit_attribution")
     tokens, mask = tokens_and_mask(model, input, attention_mask)
     batch = tokens.shape[0]
     answer_ids = _token_ids(model, answer, batch, "answer")

@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from probe.analyses.architecture import refuse_prediction_head
 from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_decoder
 from probe.analyses.labels import head_label, parse_head
 from probe.analyses.graph_pruning import EDGE_THRESHOLD, NODE_THRESHOLD, influence, prune, row_normalised
@@ -184,6 +185,7 @@ def attribution_graph(model: HookedDecoder, transcoders: TranscoderSpec, prompt:
     (2, 0)): those heads' frozen patterns set to zero, so every edge keeps only the paths that avoid them (a path
     crosses a layer's heads once, so the full graph's edge minus this one is what runs through them); values and
     biases are then the modified model's, and completeness holds in it."""
+    refuse_prediction_head(model, "attribution_graph (its logit nodes are W_U directions of the final norm's output)")
     tokens = as_tokens(model, prompt)
     if tokens.shape[0] != 1:
         raise ValueError(f"an attribution graph is of one prompt; got a batch of {tokens.shape[0]}")

@@ -1,5 +1,5 @@
-"""An interactive drawing of a circuit: the embedding on top, each layer's heads then its MLP (if it has one)
-below, the logits at the bottom; an edge's width and colour show its score, and its dash (and the side of the head
+"""An interactive drawing of a circuit: the embedding on top, each layer's heads (or its recurrent mixer, a hexagon)
+then its MLP (if it has one) below, the logits at the bottom; an edge's width and colour show its score, and its dash (and the side of the head
 it enters) which input it feeds: q solid from the left, k dashed in the middle, v dotted from the right."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from probe.analyses.common import escape_token
 from probe.analyses.labels import LINE_PX, TITLE_TOP_PX, title_lines, titled, wrap
 
-INPUT_STYLE = {"q": ("solid", -0.22), "k": ("dash", 0.0), "v": ("dot", 0.22), "mlp": ("solid", 0.0), "logits": ("solid", 0.0)}
+INPUT_STYLE = {"q": ("solid", -0.22), "k": ("dash", 0.0), "v": ("dot", 0.22), "mixer": ("solid", 0.0), "mlp": ("solid", 0.0),
+               "logits": ("solid", 0.0)}
 POSITIVE, NEGATIVE = "rgba(33, 102, 172, {a})", "rgba(178, 24, 43, {a})"
 WIDTH_BINS = 5
 MAX_TITLE_TOKENS = 40
@@ -20,7 +21,7 @@ MODE_BAR_GAP = 14  # px between plotly's mode bar and the title
 
 def _positions(graph) -> dict[int, tuple[float, float]]:
     """node index -> (x, row); rows count down the page."""
-    width = max(graph.heads) if graph.heads else 1
+    width = max(max(graph.heads, default=0), 1)  # (a model of mixers alone has no heads)
     centre = (width - 1) / 2
     per_layer = 2.0 if graph.mlps else 1.0  # rows: the heads, then the MLP (attention-only models: the heads)
     out = {}
@@ -29,6 +30,8 @@ def _positions(graph) -> dict[int, tuple[float, float]]:
             out[i] = (centre, 0.0)
         elif kind == "head":
             out[i] = (float(head), per_layer * layer + 1)
+        elif kind == "mixer":  # where its layer's heads would be
+            out[i] = (centre, per_layer * layer + 1)
         else:
             out[i] = (centre, per_layer * layer + 2)
     out[len(graph.writers)] = (centre, per_layer * graph.n_layers + 1)
@@ -84,12 +87,13 @@ def circuit_figure(circuit, title: Optional[str] = None) -> go.Figure:
     for kind in [k for k in INPUT_STYLE if any(g[0] == k for g in groups)]:
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", legendgroup=kind, line=dict(color="#555", width=2, dash=INPUT_STYLE[kind][0]),
                                  name={"q": "into a query (enters left)", "k": "into a key (centre)", "v": "into a value (right)",
-                                       "mlp": "into an MLP", "logits": "into the logits"}[kind]))
+                                       "mixer": "into a recurrent mixer", "mlp": "into an MLP",
+                                       "logits": "into the logits"}[kind]))
     fig.add_trace(go.Scatter(x=mid_x, y=mid_y, mode="markers", marker=dict(size=9, color="rgba(0,0,0,0)"),
                              hovertext=mid_text, hoverinfo="text", showlegend=False))
     nodes = sorted(present | {len(graph.writers)} | {t for r in readers for t in graph.reader_nodes[r].nonzero()[:, 0].tolist()
                                                       if graph.reader_nodes[r].sum() == 1})
-    symbols = {"embed": "diamond", "head": "circle", "mlp": "square"}
+    symbols = {"embed": "diamond", "head": "circle", "mixer": "hexagon", "mlp": "square"}
     fig.add_trace(go.Scatter(
         x=[pos[n][0] for n in nodes], y=[pos[n][1] for n in nodes], mode="markers+text",
         text=[graph.nodes[n] for n in nodes], textposition="middle right", textfont=dict(size=11),
@@ -106,10 +110,12 @@ def circuit_figure(circuit, title: Optional[str] = None) -> go.Figure:
                  f"{circuit.metric_name}, red lowers it){prompt}")
     parts = ("attn", "mlp") if graph.mlps else ("attn",)
     rows = len(parts) * graph.n_layers + 2
-    width = max(700, 130 * max(graph.heads) + 200)
-    labels = ["embed"] + [f"L{l} {part}" for l in range(graph.n_layers) for part in parts] + ["logits"]
+    most_heads = max(max(graph.heads, default=0), 1)
+    width = max(700, 130 * most_heads + 200)
+    labels = ["embed"] + [f"L{l} {'mixer' if part == 'attn' and graph.is_mixer(l) else part}"
+                          for l in range(graph.n_layers) for part in parts] + ["logits"]
     fig.update_yaxes(autorange="reversed", tickvals=list(range(rows)), ticktext=labels, showgrid=True, zeroline=False)
-    fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False, range=[-0.8, max(graph.heads) + 0.8])
+    fig.update_xaxes(showticklabels=False, showgrid=False, zeroline=False, range=[-0.8, most_heads + 0.8])
     # plotly never wraps a title: a long prompt ran off the right edge; each line past the usual two gets its height
     extra = max(0, title_lines(wrap(title, width - 40)) - 2) * LINE_PX
     height = max(500, 70 * rows + 160) + extra

@@ -37,10 +37,10 @@ from probe.names import act_name
 
 def sparse_supported(graph: CircuitGraph) -> bool:
     """Whether `sparse_final` can run this graph's model: not sandwich blocks, whose head outputs share a scale, nor
-    ALiBi's biased scores, clamped q, k and v (clip_qkv), attention sinks, q/k norms after rotary or an output gate,
-    which its attention does not compute."""
+    ALiBi's biased scores, clamped q, k and v (clip_qkv), attention sinks, q/k norms after rotary, an output gate or
+    recurrent mixers, which it does not compute."""
     return not (graph.sandwich or graph.score_bias or graph.clipped_qkv or graph.attention_sinks
-                or graph.reordered_or_gated)
+                or graph.reordered_or_gated or any(graph.mixers))
 
 
 def qkv_hook_names(graph: CircuitGraph) -> list[str]:

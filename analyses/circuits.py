@@ -30,7 +30,7 @@ import plotly.graph_objects as go
 import torch
 from einops import einsum
 
-from probe.analyses.architecture import require_head_weights, require_own_keys_and_one_width
+from probe.analyses.architecture import refuse_prediction_head, require_head_weights, require_own_keys_and_one_width
 from probe.analyses.common import TableDisplay, is_int
 from probe import HookedDecoder, process_weights
 from probe.processing import can_center_writing_weights, can_fold_ln, can_fold_value_biases
@@ -49,6 +49,8 @@ def _head_weights(model: HookedDecoder, layer: int, head: int) -> tuple[torch.Te
     write_norm = getattr(model.blocks[layer], "ln1_post", None)
     if write_norm is not None:  # a sandwich block's write passes its norm: w per dimension (its scale is one number)
         w_o = w_o * write_norm.w.float()
+    if hasattr(getattr(attn, "z_norm", None), "w"):  # BitNet's norm of every head's z before W_O: its weight likewise, per channel
+        w_o = attn.z_norm.w.float().view(attn.n_heads, -1)[head, :, None] * w_o
     if hasattr(attn.q_norm, "w"):  # Qwen3's per-head q and k norms: their weights likewise (scales left out)
         w_q, w_k = w_q * attn.q_norm.w.float(), w_k * attn.k_norm.w.float()
     return w_q, w_k, attn.W_V[kv].float(), w_o
@@ -117,6 +119,7 @@ def copying_scores(model: HookedDecoder, layers: Optional[Sequence[int]] = None,
     if bad or not layers:
         raise ValueError(f"layers must be a non-empty list of layers in [0, {model.cfg.n_layers}); got {layers!r}")
     require_own_keys_and_one_width(model, "copying_scores")
+    refuse_prediction_head(model, "copying_scores (the full OV circuit W_E W_V W_O W_U)")
     if process:  # after the check: processing copies the whole model
         model = processed_for_circuits(model)
     w_e, w_u = model.W_E.float(), model.W_U.float()  # [vocab d_model], [d_model vocab]

@@ -36,6 +36,7 @@ from probe.analyses.ablation import Metric, metric_name
 from probe.analyses.architecture import refuse_next_token_metric
 from probe.analyses.circuit_graph import CircuitGraph, circuit_graph, with_grouped_key_values
 from probe.analyses.common import AnalysisInput, TableDisplay, evaluate_metric, is_int, model_mask, tokens_and_mask
+from probe.analyses.edge_contraction import norm_kind
 from probe.analyses.edge_gradients import gradient_scores
 from probe.analyses.edge_patching import EdgeInputs, copies_per_forward, graph_hook_names, run_edges, stage_residuals, writer_outputs
 from probe.analyses.labels import token_texts
@@ -247,3 +248,14 @@ def _exact(model, graph, tokens, mask, metric, clean_out, cache, corrupted_value
         values = evaluate_metric(metric, logits, tokens.repeat(len(chunk), 1), mask.repeat(len(chunk), 1))
         out[:, first:first + len(chunk)] = (values.view(len(chunk), batch) - corrupted_values[None]).T.cpu()
     return out
+
+
+def circuit_refusal(model: HookedDecoder) -> Optional[str]:
+    """Why edge attribution does not run on `model`, in its refusal's own words, or None where it runs (for callers
+    that say so instead of failing, as `probe report` does)."""
+    try:
+        circuit_graph(model)
+        norm_kind(model)  # (the gradient methods pull head gradients back through one kind of norm)
+    except (ValueError, TypeError) as refusal:
+        return str(refusal)
+    return None

@@ -43,7 +43,7 @@ import torch
 from einops import einsum
 
 from probe.analyses.circuit_graph import CircuitGraph
-from probe.analyses.edge_patching import head_outputs
+from probe.analyses.edge_patching import gate_name, gate_weights, head_outputs
 from probe.analyses.scratch import scratch
 from probe import HookedDecoder
 from probe.names import act_name
@@ -52,6 +52,11 @@ from probe.norm import LayerNorm, NoNorm, RMSNorm
 
 def mlp_in_name(layer: int) -> str:
     return f"blocks.{layer}.hook_mlp_in"
+
+
+def mixer_in_name(layer: int) -> str:
+    """A recurrent mixer's own input: ln1's (the residual flowing past the block is another tensor)."""
+    return f"blocks.{layer}.ln1.hook_in"
 
 
 def f32(t: torch.Tensor) -> torch.Tensor:
@@ -79,11 +84,12 @@ def norm_kind(model: HookedDecoder) -> str:
 
 
 def layer_groups(graph: CircuitGraph, most: int) -> list[range]:
-    """Consecutive layers with the same query and key/value head counts, at most `most` to a group."""
+    """Consecutive layers with the same query and key/value head counts (mixer layers: none), at most `most` to a
+    group."""
     groups, start = [], 0
     for l in range(1, graph.n_layers + 1):
         if (l == graph.n_layers or l - start == most or graph.heads[l] != graph.heads[start]
-                or graph.kv_heads[l] != graph.kv_heads[start]):
+                or graph.kv_heads[l] != graph.kv_heads[start] or graph.is_mixer(l) != graph.is_mixer(start)):
             groups.append(range(start, l))
             start = l
     return groups
@@ -93,8 +99,9 @@ def layer_groups(graph: CircuitGraph, most: int) -> list[range]:
 def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: int, centred: bool) -> torch.Tensor:
     """[batch writer pos d_model] float32, writer-major: every writer's clean output less its corrupted one, centred
     over d_model when `centred` (a model of LayerNorms: `norm_kind(model) == "layer"`; see the module's docstring).
-    `saved`: name -> {"clean": ..., "corrupted": ...} of the embedding, hook_z, hook_mlp_out (and in sandwich blocks
-    ln1_post's scale). A head's output is z @ W_O (in a sandwich block, its share of the normalised write)."""
+    `saved`: name -> {"clean": ..., "corrupted": ...} of the embedding, hook_z, a mixer's hook_attn_out, hook_mlp_out
+    (and in sandwich blocks ln1_post's scale). A head's output is z @ W_O (in a sandwich block, its share of the
+    normalised write)."""
     first = saved["embed"]
     batch, n_pos, d_model = first["clean"].shape
     out = torch.empty(batch, len(graph.writers), n_pos, d_model, device=first["clean"].device)
@@ -103,22 +110,27 @@ def writer_deltas(model: HookedDecoder, graph: CircuitGraph, saved: dict, most: 
     for group in layer_groups(graph, most):
         n_heads = graph.heads[group.start]
         first_writer = graph.head_writers(group.start).start
-        per_layer = n_heads + graph.mlps
+        mixer = graph.is_mixer(group.start)
+        per_layer = n_heads + mixer + graph.mlps
         block = out[:, first_writer:graph.layer_writers(group.stop - 1).stop].unflatten(1, (len(group), per_layer))
         for j, l in enumerate(group):
-            z, w_o = saved[act_name("z", l)], out_weights(blocks[l])
-            if graph.sandwich:  # each run's write is divided by its own ln1_post scale: head_outputs
+            if mixer:
+                write = saved[act_name("attn_out", l)]
+                torch.sub(f32(write["clean"]), f32(write["corrupted"]), out=block[:, j, 0])
+            elif graph.sandwich:  # each run's write is divided by its own ln1_post scale: head_outputs
+                z, w_o = saved[act_name("z", l)], out_weights(blocks[l])
                 shares = [head_outputs(model, l, einsum(f32(z[run]), w_o, "batch pos head d_head, head d_head d_model "
                                                         "-> batch pos head d_model"),
                                        saved[act_name("scale", l, "ln1_post")][run]) for run in ("clean", "corrupted")]
                 block[:, j, :n_heads] = (shares[0] - shares[1]).transpose(1, 2)
             else:  # linear in z: one product of the difference per prompt, written where it stays
+                z, w_o = saved[act_name("z", l)], out_weights(blocks[l])
                 dz = f32(z["clean"]) - f32(z["corrupted"])  # [batch pos head d_head]
                 for b in range(batch):
                     torch.bmm(dz[b].transpose(0, 1), w_o, out=block[b, j, :n_heads])
             if graph.mlps:
                 mlp_out = saved[act_name("mlp_out", l)]
-                torch.sub(f32(mlp_out["clean"]), f32(mlp_out["corrupted"]), out=block[:, j, n_heads])
+                torch.sub(f32(mlp_out["clean"]), f32(mlp_out["corrupted"]), out=block[:, j, n_heads + mixer])
     if centred:
         out -= out.mean(-1, keepdim=True)
     return out
@@ -159,6 +171,18 @@ def qkv_offsets(blocks: list, n_read: int, qk_positions: Optional[torch.Tensor] 
     out = out.expand(*qk_positions.shape[:2], *out.shape).clone()
     out[:, :, :, :n_qk] += projected
     return out
+
+
+def gate_offsets(blocks: list) -> torch.Tensor:
+    """[layer head width] float32: what a gated attention's gate logits hold beyond W_G'n (its bias and ln1's bias
+    projected), as qkv_offsets for q, k and v. For callers under no_grad."""
+    offsets = []
+    for block in blocks:
+        gate, shift = block.attn.gate, getattr(block.ln1, "b", None)
+        weight = f32(gate.weight)
+        offset = f32(gate.bias) if gate.bias is not None else weight.new_zeros(weight.shape[0])
+        offsets.append((offset if shift is None else torch.addmv(offset, weight, f32(shift))).view(block.attn.n_heads, -1))
+    return torch.stack(offsets)
 
 
 def out_weights(block) -> torch.Tensor:
@@ -239,27 +263,35 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
                             for b in range(batch)])
         del normed  # only the folded path reads it again
 
-    groups = layer_groups(graph, most)
-    n_read_rows = max(len(g) * len(graph.attn_readers(g.start)) for g in groups)
-    n_tail = graph.n_layers * graph.mlps + 1  # the MLPs' readers, then the logits'
-    # [reader batch pos d_model]: a group's pulled-back head gradients end where the MLPs' and the logits' gradients
+    groups = [g for g in layer_groups(graph, most) if not graph.is_mixer(g.start)]  # the layers with heads
+    n_read_rows = max((len(g) * len(graph.attn_readers(g.start)) for g in groups), default=0)
+    mixer_layers = [l for l in range(graph.n_layers) if graph.is_mixer(l)]
+    mlp_layers = range(graph.n_layers) if graph.mlps else range(0)
+    n_tail = len(mixer_layers) + len(mlp_layers) + 1  # the mixers' readers, the MLPs', then the logits'
+    # [reader batch pos d_model]: a group's pulled-back head gradients end where the mixers', MLPs' and logits' gradients
     # (their hook points', summed over the runs) begin, so the last group's one product covers them all
     # the readers padded to a multiple of 16 (zero rows): MKL's product runs whole blocks of them markedly faster
     # (on the bundled model 77 readers take ~410 us, 80 ~300)
     n_rows = -(-(n_read_rows + n_tail) // 16) * 16
     rows_buffer = buffer("rows", (n_rows, batch, n_pos, d_model), torch.float32)
     rows_buffer[n_read_rows + n_tail:] = 0
-    mlp_layers = range(graph.n_layers) if graph.mlps else range(0)
-    summed([mlp_in_name(l) for l in mlp_layers] + [act_name("resid_post", graph.n_layers - 1)],
-           rows_buffer[n_read_rows:n_read_rows + n_tail])
+    summed([mixer_in_name(l) for l in mixer_layers] + [mlp_in_name(l) for l in mlp_layers]
+           + [act_name("resid_post", graph.n_layers - 1)], rows_buffer[n_read_rows:n_read_rows + n_tail])
     # [batch (pos) writer column], columns in this function's order: every layer's attention readers, then the MLPs',
     # then the logits'; reordered to the graph's at the end
     columns = [r for l in range(graph.n_layers) for r in graph.attn_readers(l)]
-    columns += [graph.mlp_reader(l) for l in mlp_layers] + [len(graph.readers) - 1]
+    columns += [graph.mixer_reader(l) for l in mixer_layers] + [graph.mlp_reader(l) for l in mlp_layers]
+    columns += [len(graph.readers) - 1]
     full = deltas.new_zeros((batch, n_pos, n_writers, len(columns)) if positions else (batch, n_writers, len(columns)))
     def qkv_of(source: dict[str, torch.Tensor], group: range, name: str) -> torch.Tensor:
         """[rows pos (layer reader) d_head]: the group's q, k and v (values or gradients), q then k then v per layer."""
         parts = [pick(source[act_name(kind, l)]) for l in group for kind in ("q", "k", "v")]
+        shape = (*parts[0].shape[:2], sum(p.shape[2] for p in parts), parts[0].shape[3])
+        return f32(torch.cat(parts, dim=2, out=buffer(name, shape, parts[0].dtype)))
+
+    def gates_of(source: dict[str, torch.Tensor], group: range, name: str) -> torch.Tensor:
+        """[rows pos (layer head) width]: the group's gate logits (values or gradients)."""
+        parts = [pick(source[gate_name(l)]) for l in group]
         shape = (*parts[0].shape[:2], sum(p.shape[2] for p in parts), parts[0].shape[3])
         return f32(torch.cat(parts, dim=2, out=buffer(name, shape, parts[0].dtype)))
 
@@ -272,7 +304,15 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         d_head = dq.shape[-1]
         dq = dq.view(k, batch, n_pos, G, n_read, d_head)
         # h = dq / s, weighted, padding zeroed, each run's in place of its dq (a copy)
-        dq *= (keep * inv_scales[group.start:group.stop, ..., 0].permute(1, 2, 3, 0) * run_weights.view(k, 1, 1, 1))[..., None, None]
+        factor = (keep * inv_scales[group.start:group.stop, ..., 0].permute(1, 2, 3, 0) * run_weights.view(k, 1, 1, 1))[..., None, None]
+        dq *= factor
+        if graph.gated:  # the gate's logits read each head's queries' input too: its gradient joins the q readers'
+            n_q = graph.heads[group.start]
+            dg = gates_of(hook_grads, group, "dg")
+            dg = dg.view(k, batch, n_pos, G, n_q, dg.shape[-1])
+            dg *= factor
+            summed_g = dg[0] if k == 1 else dg.sum(0)
+            gate_by_layer = summed_g.permute(2, 3, 0, 1, 4).reshape(G, n_q, batch * n_pos, -1)
         # W' = W diag(w) copied, or w applied to what W pulls back: whichever tensor is the smaller
         fold = batch * n_pos > d_head
         projections, ln_w = read_weights(blocks[group.start:group.stop], n_read, fold)
@@ -283,6 +323,9 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
         for j in range(G):  # one product per layer, each with its weight as stored
             rows = pulled[j * n_read:(j + 1) * n_read]
             torch.bmm(by_layer[j], projections[j], out=rows)
+            if graph.gated:
+                gate_w = f32(gate_weights(blocks[group.start + j].attn))  # [head width d_model]
+                rows[:n_q].baddbmm_(gate_by_layer[j], gate_w * ln_w[j] if fold else gate_w)
             if not fold:
                 rows *= ln_w[j]
         # the writers before the group's last reader; the last group's product also takes the MLPs' and the logits'
@@ -301,9 +344,15 @@ def reader_scores(model: HookedDecoder, graph: CircuitGraph, weights: list[float
             qkv = qkv_of(acts, group, "qkv").view(k, batch, n_pos, G, n_read, d_head)
             qkv -= qkv_offsets(blocks[group.start:group.stop], n_read, qk_positions)  # W'n in place of q, k, v (a copy), then times h
             c = qkv.mul_(dq).sum(-1).div_(d_model)  # [run batch pos layer reader]
+            if graph.gated:  # and the gate's W_G'n . h_g for the q readers
+                gates = gates_of(acts, group, "gates").view(dg.shape)
+                gates -= gate_offsets(blocks[group.start:group.stop])
+                c[..., :n_q] += gates.mul_(dg).sum(-1).div_(d_model)
             e = dots[:, :, group.start * k:group.stop * k, :n].unflatten(2, (G, k))  # [batch pos layer run writer]
             attention -= torch.einsum("bplkw,kbplr->bpwlr" if positions else "bplkw,kbplr->bwlr", e, c)
         full[..., :n, done:done + width] = scores[..., :width]
         done += G * n_read
+    if not groups:  # a model of mixers alone: the tail's product, against every writer
+        full[...] = product(n_writers, rows_buffer)[..., :n_tail]
     order = sorted(range(len(columns)), key=columns.__getitem__)  # the graph's reader r is column order[r]
     return full.index_select(-1, torch.tensor(order, device=full.device))

@@ -16,8 +16,8 @@ What is kept, and why it is cheap:
   positions, from the final residual; otherwise computed without a graph for the metric's value, and
   only the rows its gradient says it reads are unembedded again with a graph, so the backward never
   multiplies the whole [batch pos vocab] gradient through W_U.
-- readers: the gradients at each head's hook_q/k/v, at each MLP's own input (hook_mlp_in) and at the
-  final residual; analyses.edge_contraction pulls the heads' back through their projections and ln1
+- readers: the gradients at each head's hook_q/k/v, at each MLP's own input (hook_mlp_in), at each recurrent
+  mixer's (ln1.hook_in, which only ln1 reads) and at the final residual; analyses.edge_contraction pulls the heads' back through their projections and ln1
   and contracts everything with the deltas into [batch writer reader] (or [batch pos writer reader]
   when per-position scores are asked for). No [batch pos reader d_model] tensor of the whole graph exists.
 """
@@ -30,7 +30,8 @@ import torch
 
 from probe.analyses.circuit_graph import CircuitGraph
 from probe.analyses.common import evaluate_metric, model_mask
-from probe.analyses.edge_contraction import mlp_in_name, norm_kind, reader_scores, writer_deltas
+from probe.analyses.edge_contraction import mixer_in_name, mlp_in_name, norm_kind, reader_scores, writer_deltas
+from probe.analyses.edge_patching import gate_name
 from probe.analyses.metric_reads import evaluate_output, logit_reads
 from probe.hooks.hook_point import Store
 from probe import HookedDecoder
@@ -135,7 +136,7 @@ class _Forward:
         # the weights are frozen)
         live = Store(self.live, detach=False)
 
-        def keep_own(act, hook):  # a node of its own: its gradient is the MLP's share, not the residual's whole
+        def keep_own(act, hook):  # a node of its own: its gradient is its reader's share, not the residual's whole
             return self.keep(hook.name, act.view_as(act)) if self.grads else act
 
         # resid_pre 0 starts the graph (a leaf, if the weights are frozen); no reader's gradient is its own
@@ -144,9 +145,13 @@ class _Forward:
             if l > 0:
                 name = act_name("resid_pre", l)
                 out.append((name, resid(name, True, reads=l) if moves_all else store_residual))
-            if self.grads:
-                out += [(act_name(kind, l), live) for kind in ("q", "k", "v")]
-            out.append((act_name("z", l), store))
+            if graph.is_mixer(l):  # its input's own gradient (ln1's input: not the residual's that flows past)
+                out += [(act_name("attn_out", l), store), (mixer_in_name(l), keep_own)]
+            else:
+                if self.grads:
+                    out += [(act_name(kind, l), live) for kind in ("q", "k", "v")]
+                    out += [(gate_name(l), live)] * graph.gated  # the gate's logits read the queries' input too
+                out.append((act_name("z", l), store))
             if graph.mlps:
                 out += [(act_name("mlp_out", l), store), (mlp_in_name(l), keep_own)]
             if graph.sandwich:

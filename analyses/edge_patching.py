@@ -12,7 +12,7 @@ With carry = every edge and no patch, every input is the run's own and the forwa
 
 The model's forward is untouched: a head's q, k and v inputs are rebuilt at `hook_q` / `hook_k` /
 `hook_v` (the block's ln1 applied to each head's own input, a shortformer model's positions added to the q and k
-ones, then that head's projection), the MLP's at
+ones, then that head's projection), a recurrent mixer's at ln1's input (`ln1.hook_in`), the MLP's at
 the residual it reads (hook_resid_mid, or hook_resid_pre in parallel blocks) and the logits' at the
 last hook_resid_post. Every reader is rebuilt, so what the residual stream itself carries between
 them never reaches anything. `frozen_readers` read through their norm with the scale taken from
@@ -37,7 +37,7 @@ def graph_hook_names(graph: CircuitGraph) -> list[str]:
     """What a cache needs for `writer_outputs` and `stage_residuals`."""
     names = [act_name("resid_pre", 0)]
     for l in range(graph.n_layers):
-        names.append(act_name("result", l))
+        names.append(act_name("attn_out" if graph.is_mixer(l) else "result", l))
         if graph.mlps:
             names.append(act_name("mlp_out", l))
         if l > 0:
@@ -47,6 +47,21 @@ def graph_hook_names(graph: CircuitGraph) -> list[str]:
         if graph.sandwich:
             names.append(act_name("scale", l, "ln1_post"))
     return names + [act_name("resid_post", graph.n_layers - 1)]
+
+
+def gate_name(layer: int) -> str:
+    """Where a gated attention's gate logits are hooked (before the gate's function)."""
+    return f"blocks.{layer}.attn.hook_q_gate"
+
+
+def gate_weights(attn) -> torch.Tensor:
+    """[head width d_model]: each head's gate weights (width d_head, or 1 for a gate per head)."""
+    return attn.gate.weight.view(attn.n_heads, attn.gate_width, -1)
+
+
+def gate_biases(attn) -> torch.Tensor:
+    """[head width]"""
+    return attn.gate.bias.view(attn.n_heads, attn.gate_width)
 
 
 def head_outputs(model: HookedDecoder, layer: int, result: torch.Tensor, post_scale: Optional[torch.Tensor]) -> torch.Tensor:
@@ -62,8 +77,11 @@ def writer_outputs(model: HookedDecoder, graph: CircuitGraph, cache: Mapping[str
     """[batch pos writer d_model] float32: every writer's output in a cached run (names from graph_hook_names)."""
     parts = [cache[act_name("resid_pre", 0)].float()[:, :, None]]
     for l in range(graph.n_layers):
-        scale = cache[act_name("scale", l, "ln1_post")] if graph.sandwich else None
-        parts.append(head_outputs(model, l, cache[act_name("result", l)], scale))
+        if graph.is_mixer(l):
+            parts.append(cache[act_name("attn_out", l)].float()[:, :, None])
+        else:
+            scale = cache[act_name("scale", l, "ln1_post")] if graph.sandwich else None
+            parts.append(head_outputs(model, l, cache[act_name("result", l)], scale))
         if graph.mlps:
             parts.append(cache[act_name("mlp_out", l)].float()[:, :, None])
     return torch.cat(parts, dim=2)
@@ -223,6 +241,9 @@ def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, a
                 read = read + stash["positions"][:, :, None].to(read.dtype)
             out = einsum(read, w[heads], "batch pos head d_model, head d_model d_head -> batch pos head d_head")
             stash[f"{name}{layer}"] = (heads, out if b is None else out + b[heads])
+            if name == "q" and graph.gated:  # the gate reads the queries' input too: rebuilt with it
+                gate = einsum(read, gate_weights(attn)[heads], "batch pos head d_model, head width d_model -> batch pos head width")
+                stash[f"gate{layer}"] = (heads, gate if attn.gate.bias is None else gate + gate_biases(attn)[heads])
         return replaced(act, stash.pop(f"q{layer}", None))
 
     def replaced(act, got):
@@ -264,6 +285,16 @@ def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, a
     def pre_hook(act, hook):
         return reader_input(int(hook.name.split(".")[1]), act)
 
+    def mixer_in_hook(act, hook, layer):
+        reader = graph.mixer_reader(layer)
+        if not bool(active[reader]):
+            return None  # the residual the block reads is base already
+        return as_rows(inputs(2 * layer + 1, [reader]))[:, :, 0].to(act.dtype)
+
+    def mixer_out_hook(act, hook, layer):
+        writer = range(graph.mixer_writer(layer), graph.mixer_writer(layer) + 1)
+        report(writer, carried(writer), act[:, :, None])
+
     def mlp_out_hook(act, hook):
         layer = int(hook.name.split(".")[1])
         writer = range(graph.mlp_writer(layer), graph.mlp_writer(layer) + 1)
@@ -281,14 +312,22 @@ def run_edges(model: HookedDecoder, graph: CircuitGraph, tokens: torch.Tensor, a
     for l in range(graph.n_layers):
         if l > 0:
             hooks.append((act_name("resid_pre", l), mlp_hook if graph.parallel else pre_hook))
-        hooks += [(act_name("q", l), lambda a, h, l=l: q_hook(a, h, l)),
-                  (act_name("k", l), lambda a, h, l=l: replaced(a, stash.pop(f"k{l}", None))),
-                  (act_name("v", l), lambda a, h, l=l: replaced(a, stash.pop(f"v{l}", None)))]
-        if graph.sandwich:
-            hooks += [(act_name("result", l), lambda a, h, l=l: result_hook(a, h, l)),
-                      (act_name("scale", l, "ln1_post"), lambda a, h, l=l: post_scale_hook(a, h, l))]
+        if graph.is_mixer(l):  # its input rebuilt where ln1 reads it, past the residual the block carries on
+            hooks += [(f"blocks.{l}.ln1.hook_in", lambda a, h, l=l: mixer_in_hook(a, h, l)),
+                      (act_name("attn_out", l), lambda a, h, l=l: mixer_out_hook(a, h, l))]
+            if bool(frozen_readers[graph.mixer_reader(l)]):
+                hooks.append((act_name("scale", l, "ln1"), frozen_hook))
         else:
-            hooks.append((act_name("z", l), lambda a, h, l=l: z_hook(a, h, l)))
+            hooks += [(act_name("q", l), lambda a, h, l=l: q_hook(a, h, l)),
+                      (act_name("k", l), lambda a, h, l=l: replaced(a, stash.pop(f"k{l}", None))),
+                      (act_name("v", l), lambda a, h, l=l: replaced(a, stash.pop(f"v{l}", None)))]
+            if graph.gated:
+                hooks.append((gate_name(l), lambda a, h, l=l: replaced(a, stash.pop(f"gate{l}", None))))
+            if graph.sandwich:
+                hooks += [(act_name("result", l), lambda a, h, l=l: result_hook(a, h, l)),
+                          (act_name("scale", l, "ln1_post"), lambda a, h, l=l: post_scale_hook(a, h, l))]
+            else:
+                hooks.append((act_name("z", l), lambda a, h, l=l: z_hook(a, h, l)))
         if not graph.mlps:
             continue
         if not graph.parallel:

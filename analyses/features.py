@@ -27,7 +27,7 @@ import torch
 from einops import einsum, rearrange
 
 from probe.analyses.ablation import loss_metric
-from probe.analyses.architecture import refuse_bidirectional, refuse_shortformer
+from probe.analyses.architecture import refuse_bidirectional, refuse_shortformer, require_head_weights
 from probe.analyses.common import AnalysisInput, PromotedTokens, TableDisplay, escape_token, is_int, model_mask, token_decoder, tokens_and_mask, top_count
 from probe.analyses.sae_checks import FeatureSpec, check_sae, feature_ids, output_hook
 from probe.analyses.vocab_projection import final_norm_directions, top_tokens, value_directions
@@ -164,6 +164,8 @@ def _residual_write(model: HookedDecoder, name: str) -> Callable[[torch.Tensor],
     point = model.hook_point(name)
     for layer, block in enumerate(model.blocks):
         if point is block.attn.hook_z:
+            if model.cfg.mixture_of_attention is not None:  # (no one W_O per head: latent attention has its own)
+                require_head_weights(model, f"feature_logits of an SAE at {name!r}")
             W_O = block.attn.W_O.detach().float()  # [head d_head d_model]
             # a sandwich block's attention write is normalised: times ln1_post.w over a per-position scale
             post = block.ln1_post.w.detach().float() if hasattr(block, "ln1_post") else None

@@ -11,6 +11,7 @@ from plotly.subplots import make_subplots
 
 from probe.analyses.common import AnalysisInput, TableDisplay, as_tokens, is_int, token_strings
 from probe.analyses.labels import TICK_CHAR_PX, figure_token, plain_length, titled
+from probe.analyses.architecture import refuse_prediction_head
 from probe.analyses.memory_units import Layers, layer_list, require_ffn
 from probe.analyses.vocab_projection import top_value_tokens, value_directions
 from probe import HookedDecoder
@@ -115,6 +116,7 @@ def memory_lookup(
     if not is_int(position) or not -n_pos <= position < n_pos:
         raise ValueError(f"position {position!r} is outside the prompt's {n_pos} tokens")
     position %= n_pos
+    refuse_prediction_head(model, "memory_lookup (each memory's direct effect on the predicted logit)")
     layers = layer_list(model, layer, "memory_lookup")
     if not isinstance(k, int) or not 0 < k <= model.cfg.d_mlp:
         raise ValueError(f"k={k!r} must be an integer in [1, d_mlp={model.cfg.d_mlp}]")

@@ -57,8 +57,8 @@ def read_logits(model: HookedDecoder, final_resid: torch.Tensor, positions: torc
     """
     rows = torch.arange(final_resid.shape[0], device=final_resid.device)
     # kept [batch 1 d_model]: the norm's hooks see the [batch pos ...] shape they always see
-    normed = model.ln_final(final_resid[rows, positions.to(final_resid.device)][:, None])[:, 0]  # [batch d_model]
-    unembed = model.unembed
+    unembed = model.unembed  # (through ModernBERT's prediction head, where the model has one)
+    normed = unembed.w_u_input(model.ln_final(final_resid[rows, positions.to(final_resid.device)][:, None]))[:, 0]
     columns = columns.to(final_resid.device)
     # [batch c d_model] @ [batch d_model 1]: a plain bmm (einsum's parsing costs more than this product)
     logits = torch.bmm(unembed.weight[columns], normed[:, :, None])[..., 0]

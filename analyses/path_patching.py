@@ -1,6 +1,6 @@
 """Path patching (Wang et al. 2022, the IOI circuit): the senders' clean outputs reach the receivers alone.
 
-In the corrupted run, each receiver (a head's q, k or v input, an MLP's input, the logits) reads its
+In the corrupted run, each receiver (a head's q, k or v input, a mixer's or an MLP's input, the logits) reads its
 corrupted input plus (clean - corrupted) of every sender that writes before it, and nothing else that
 changed: every other path from the senders is frozen at its corrupted value, and the receiver's norm
 reads with the corrupted run's scale. Everything downstream of the receivers then runs as usual, so
@@ -108,8 +108,8 @@ def _names(value: NodeNames) -> list:
 def path_patch(model: HookedDecoder, clean: AnalysisInput, corrupted: AnalysisInput, metric: Metric,
                senders: Union[NodeNames, Sequence[NodeNames]], receivers: NodeNames, *, sweep: bool = False,
                attention_mask: Optional[torch.Tensor] = None, max_rows: Optional[int] = None) -> PathPatching:
-    """Patch the path from `senders` (writers: 'L0H1', 'embed', 'L1 mlp', (0, 1), ...) to `receivers` (readers:
-    'L2H0<k', 'L2H0' for all three of its inputs, 'L1 mlp', 'logits').
+    """Patch the path from `senders` (writers: 'L0H1', 'embed', 'L1 mlp', a recurrent layer's 'L1 mixer', (0, 1),
+    ...) to `receivers` (readers: 'L2H0<k', 'L2H0' for all three of its inputs, 'L1 mlp', 'L3 mixer', 'logits').
 
     `sweep=True`: `senders` is a list of sender sets (a name each, or a list of names), each patched on its own, in
     batched forwards; `senders="heads"` with sweep=True is every head that writes before a receiver, alone (a layer x

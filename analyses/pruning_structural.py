@@ -68,10 +68,10 @@ def prune_heads(
     """
     cfg = model.cfg
     require_head_weights(model, "prune_heads")
-    if cfg.qk_norm_over_heads:
-        raise ValueError("prune_heads: this model normalises q and k over all its heads together (OLMo 2), so removing "
-                         "a head would change how the others are normalised, not just zero its output; ablate heads "
-                         "instead (probe.analyses.ablation)")
+    if cfg.qk_norm_over_heads or cfg.sub_norms:
+        what = "every head's z before W_O (BitNet)" if cfg.sub_norms else "q and k over all its heads together (OLMo 2)"
+        raise ValueError(f"prune_heads: this model normalises {what}, so removing a head would change how the others "
+                         "are normalised, not just zero its output; ablate heads instead (probe.analyses.ablation)")
     if cfg.n_kv_heads != cfg.n_heads:
         raise ValueError(
             f"prune_heads needs one key/value head per query head, but n_kv_heads={cfg.n_kv_heads} < n_heads="

@@ -52,7 +52,7 @@ class Components:
                 heads += [None] * (1 + mlp)
                 continue
             n_heads = block.attn.n_heads  # per layer: pruned models keep different numbers
-            bias = [f"L{layer} attn bias"] if block.attn.out.bias is not None else []
+            bias = [f"L{layer} attn bias"] if write_bias(block.attn) is not None else []
             bias_kinds = ["attn_bias"] * len(bias)
             if model.cfg.layer_has_parallel_mixer(layer):  # Falcon-H1's Mamba-2 mixer, writing beside attention
                 bias, bias_kinds = bias + [f"L{layer} mamba"], bias_kinds + ["mamba"]
@@ -137,7 +137,8 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
             parts += [pick(cache[act_name(name, layer)]).to(dtype).unsqueeze(-2) for name in writes]
             continue
         heads = pick(cache[act_name("result", layer)]).to(dtype)  # [batch (pos) head d_model]
-        bias = None if block.attn.out.bias is None else block.attn.out.bias.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2)
+        bias = write_bias(block.attn)
+        bias = None if bias is None else bias.detach().to(embed.dtype).expand_as(embed).unsqueeze(-2)
         if hasattr(block, "ln1_post"):
             # a sandwich block normalises the attention's write; with that norm's scale frozen at its value in
             # this forward (as the final norm's is), x -> x * w / scale is linear, so each head's share of
@@ -155,6 +156,12 @@ def stack_components(model: HookedDecoder, cache, positions: Optional[torch.Tens
         if model.cfg.layer_scalars:  # Gemma 4: the block's output, everything written so far, times its scalar
             parts = [part * block.layer_scalar.to(dtype) for part in parts]
     return torch.cat(parts, dim=-2)
+
+
+def write_bias(attn) -> Optional[torch.Tensor]:
+    """[d_model], the bias attention adds once to its heads' writes (b_O), None without one: its output projection's,
+    or a mixture of attention heads' own (JetMoE's, which has no output projection shared by its heads)."""
+    return attn.out.bias if hasattr(attn, "out") else attn.b_O
 
 
 def component_hooks(model: HookedDecoder) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 from einops import einsum
 
 from probe import HookedDecoder, Norm
+from probe.analyses.architecture import refuse_prediction_head
 
 
 # value_tokens multiplies [neuron d_model] by [d_model vocab] in chunks of at most this many logits,
@@ -57,6 +58,7 @@ def top_tokens(
     model: HookedDecoder, directions: Callable[[slice], torch.Tensor], n: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`top_value_tokens` for any n residual directions, `directions(rows)` giving rows [rows d_model] float32."""
+    refuse_prediction_head(model, "reading residual directions' tokens through W_U (d W_U)")
     W_U = model.unembed.W_U  # [d_model vocab]
     d_model, d_vocab = W_U.shape
     # float32 like the values: a half-precision W_U is converted a slice of columns at a time, so no

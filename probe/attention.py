@@ -10,10 +10,12 @@ from torch import nn
 
 from probe.hooks import HookPoint, observed
 from probe.config import DecoderConfig
-from probe.embedding import make_alibi, make_rotary
+from probe.config_gate import ACTIVATIONS as GATE_ACTIVATIONS, output_gate_of
+from probe.embedding import make_alibi
+from probe.rotary import make_rotary
 from probe.factored import FactoredMatrix
 from probe.kv_cache import LayerKV
-from probe.norm import make_qk_norm, make_value_norm
+from probe.norm import make_qk_norm, make_value_norm, make_z_norm
 from probe.softcap import make_softcap
 from probe.tl_attention_buffers import TLAttentionBuffers
 from probe.tl_weights import WritableWeights, bias_view, weight_view
@@ -101,9 +103,11 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.clip = cfg.clip_qkv  # OLMo-7B-0424's clamp of q, k and v; None: none
         # gated attention (Qwen3.5): each head's z times sigmoid of a gate read, like q, from the queries' input
         self.gate = None
-        if cfg.attn_output_gate:
-            self.gate = nn.Linear(cfg.d_model, self.n_heads * d_head, bias=cfg.qkv_bias)
-            self.hook_q_gate = HookPoint()  # [batch pos head d_head]: the gate's logits, before the sigmoid
+        if cfg.attn_output_gate:  # (Laguna's: a softplus of one logit per head, cfg.output_gate)
+            gate = output_gate_of(cfg)
+            self.gate_width, self.gate_fn = gate.width(d_head), GATE_ACTIVATIONS[gate.activation]
+            self.gate = nn.Linear(cfg.d_model, self.n_heads * self.gate_width, bias=cfg.qkv_bias)
+            self.hook_q_gate = HookPoint()  # [batch pos head d_head (or 1)]: the gate's logits, before its function
         self.rotary = make_rotary(cfg, layer)
         self.alibi = make_alibi(cfg, self.n_heads)  # ALiBi's distance penalty on the scores; None otherwise
         if self.rotary is not None:
@@ -114,6 +118,9 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         self.hook_attn_scores = HookPoint()  # [batch head query_pos key_pos]: scaled, capped, masked, pre-softmax
         self.hook_pattern = HookPoint()  # [batch head query_pos key_pos]
         self.hook_z = HookPoint()  # [batch pos head d_head]: pattern-weighted values
+        # BitNet normalises every head's z together before W_O (cfg.sub_norms); identities elsewhere
+        self.z_norm = make_z_norm(cfg, self.n_heads, d_head)
+        self.hook_z_normed = HookPoint() if cfg.sub_norms else nn.Identity()  # [batch pos head d_head]: what W_O reads
         self.hook_result = HookPoint(opt_in=True)  # [batch pos head d_model]: each head's write, without b_O
 
     def forward(
@@ -171,8 +178,8 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
                 attn_mask=allowed, is_causal=allowed is None and self.causal, scale=self.scale,
             ).transpose(1, 2)
         if self.gate is not None:
-            z = z * self.hook_q_gate(self._gate_logits(x)).sigmoid()
-        z = self.hook_z(z)
+            z = z * self.gate_fn(self.hook_q_gate(self._gate_logits(x)))
+        z = self.hook_z_normed(self.z_norm(self.hook_z(z)))
         if observed(self.hook_result):
             result = self.hook_result(
                 einsum(z, self.W_O, "batch pos head d_head, head d_head d_model -> batch pos head d_model")
@@ -211,12 +218,13 @@ class Attention(WritableWeights, TLAttentionBuffers, nn.Module):
         return tuple(getattr(self, name) for name, own in zip("qkv", (True, *self.projects)) if own)
 
     def _gate_logits(self, x: Union[torch.Tensor, PerHeadInputs]) -> torch.Tensor:
-        """[batch pos head d_head], from the queries' input (each head's own, where heads have their own inputs)."""
+        """[batch pos head d_head] (or [... head 1]: a gate per head), from the queries' input (each head's own, where
+        heads have their own inputs)."""
         if isinstance(x, torch.Tensor):
-            return rearrange(self.gate(x), "batch pos (head d_head) -> batch pos head d_head", d_head=self.d_head)
-        w = rearrange(self.gate.weight, "(head d_head) d_model -> head d_model d_head", d_head=self.d_head)
-        out = einsum(x.q, w, "batch pos head d_model, head d_model d_head -> batch pos head d_head")
-        return out if self.gate.bias is None else out + self.gate.bias.view(-1, self.d_head)
+            return rearrange(self.gate(x), "batch pos (head width) -> batch pos head width", width=self.gate_width)
+        w = rearrange(self.gate.weight, "(head width) d_model -> head d_model width", width=self.gate_width)
+        out = einsum(x.q, w, "batch pos head d_model, head d_model width -> batch pos head width")
+        return out if self.gate.bias is None else out + self.gate.bias.view(-1, self.gate_width)
 
     def _attend_explicitly(self, q, k, v, allowed, bias):
         scores = einsum(q, k, "batch query_pos head d_head, batch key_pos head d_head -> batch head query_pos key_pos")

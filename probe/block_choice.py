@@ -9,6 +9,8 @@ from probe.blocks import (AttnOnlyBlock, LinearAttentionBlock, MLPOnlyBlock, Par
                           StateSpaceOnlyBlock)
 from probe.config import DecoderConfig, NormPlacement
 from probe.per_layer_block import gemma4_block
+from probe.rg_lru import RecurrentBlock
+from probe.rwkv import RwkvBlock
 from probe.shared_block import SharedBlockLayer, share_block_weights
 from probe.sparse_indexer import share_key_choices
 
@@ -29,10 +31,14 @@ def make_block(cfg: DecoderConfig, layer: int) -> nn.Module:
     alone = not cfg.layer_has_mlp(layer)  # attn_only, or a one-sublayer mixer layer
     if cfg.layer_has_shared_block(layer):  # Zamba2's hybrid layers: a shared block, then the layer's mixer
         return SharedBlockLayer(cfg, layer)
+    if cfg.rwkv is not None:
+        return RwkvBlock(cfg, layer)
     if cfg.layer_is_state_space(layer):
         return (StateSpaceOnlyBlock if alone else StateSpaceBlock)(cfg, layer)
     if cfg.layer_is_short_conv(layer):
         return ShortConvBlock(cfg, layer)
+    if cfg.layer_is_rg_lru(layer):
+        return RecurrentBlock(cfg, layer)
     if cfg.layer_is_linear(layer):
         return LinearAttentionBlock(cfg, layer)
     if cfg.layer_has_parallel_mixer(layer):

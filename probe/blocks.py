@@ -27,7 +27,8 @@ class PreNormBlock(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
-        self.ln1 = make_norm(cfg, foldable=True, ends=True)
+        # (ModernBERT's layer 0 reads the residual itself: the embedding's own norm is its attention's)
+        self.ln1 = make_norm(cfg, foldable=True, ends=True, kind=None if cfg.first_ln1 or layer else Norm.NONE)
         # multi-head latent attention where the config has it (DeepSeek), the same hook points but for its latents'
         self.attn = attention_class(cfg, layer)(cfg, layer) if cfg.latent_attention is None else make_latent_attention(cfg, layer)
         self.ln2 = make_norm(cfg, foldable=True, ends=True)

@@ -19,7 +19,9 @@ from probe.config import DecoderConfig, NormPlacement, Positions
 from probe.hooks import PointUnderName
 from probe.delegated_attention_names import delegated_attention_names, delegates_attention
 from probe.parallel_hybrid_names import add_parallel_hybrid_names
+from probe.prediction_head import prediction_head_names
 from probe.short_conv_names import short_conv_names
+from probe.rwkv_names import rwkv_names
 from probe.shared_block_names import mamba_layer_names, shared_block_names
 
 _ROTARY = ("the rotary angles depend on the positions alone, and probe does not hook them; the rotated queries and "
@@ -30,10 +32,16 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
     """({bridge name: probe point}, {bridge name probe has no point for: what to hook instead}) for a model of `cfg`."""
     aliases: dict[str, str] = {"embed.hook_out": "hook_embed", "hook_unembed": "unembed.hook_out"}
     left_out = {}
-    if cfg.embed_norm:  # Bloom: the bridge's embed.hook_out is the table's row, its embed_ln probe's embed.ln
+    if cfg.embed_norm:  # the bridge's embed.hook_out is the table's row
         aliases["embed.hook_out"] = "embed.ln.hook_in"
+    if cfg.embed_norm is True:  # Bloom's embed_ln is probe's embed.ln (NanoChat's adapter runs the norm as ln_final)
         aliases.update({f"embed_ln.{point}": f"embed.ln.{point}"
                         for point in ("hook_in", "hook_scale", "hook_normalized", "hook_out")})
+    if cfg.rg_lru is not None:  # (RecurrentGemma's model multiplies by sqrt(d_model) after the embedding module)
+        del aliases["embed.hook_out"]
+        left_out["embed.hook_out"] = ("the bridge's embed.hook_out is the table's row before RecurrentGemma's "
+                                      "sqrt(d_model) scale; probe's hook_embed is the scaled one blocks.0 reads, and "
+                                      "the row itself is model.embed.W_E[tokens]")
     if cfg.positions in (Positions.LEARNED, Positions.SINUSOIDAL, Positions.SHORTFORMER):
         aliases["pos_embed.hook_out"] = "hook_pos_embed"
     else:
@@ -50,6 +58,14 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
             aliases.update(block_aliases)
             left_out.update(block_left_out)
             continue
+        if cfg.rwkv is not None:  # (RWKV's embedding norm is the bridge's blocks.0.pre_ln, not its embed_ln)
+            aliases = {k: v for k, v in aliases.items() if not k.startswith("embed_ln.")}
+            aliases.update(rwkv_names(f"blocks.{layer}", layer))
+            continue
+        if cfg.rg_lru is not None:  # RecurrentGemma's: the bridge wraps each layer whole, its residual points alone
+            aliases.update({f"blocks.{layer}.hook_in": f"blocks.{layer}.hook_resid_pre",
+                            f"blocks.{layer}.hook_out": f"blocks.{layer}.hook_resid_post"})
+            continue
         mixer = ("mixer" if cfg.layer_is_state_space(layer) else "conv" if cfg.layer_is_short_conv(layer) else
                  "linear_attn" if cfg.layer_is_linear(layer) else None)
         block_aliases, block_left_out = _block_names(cfg, f"blocks.{layer}", mixer,
@@ -62,6 +78,7 @@ def bridge_names(cfg: DecoderConfig) -> tuple[dict[str, str], dict[str, str]]:
             delegated_attention_names(cfg, layer, block_aliases, block_left_out)
         aliases.update({k: v for k, v in block_aliases.items() if k not in left_out})
         left_out.update({name: why.replace("{l}", str(layer)) for name, why in block_left_out.items()})
+    prediction_head_names(cfg, aliases, left_out)  # (ModernBERT decoder's head before W_U, and its fused Wi)
     return aliases, left_out
 
 
@@ -213,7 +230,8 @@ def _attention_names(cfg: DecoderConfig, b: str) -> tuple[dict[str, str], dict[s
     # a point's names in the order the bridge's cache lists them
     aliases = {f"{b}.hook_in": f"{b}.hook_resid_pre", f"{b}.hook_out": f"{b}.hook_resid_post",
                f"{b}.attn.o.hook_out": attn_out, f"{b}.attn.hook_hidden_states": attn_module_out,
-               f"{b}.attn.hook_out": attn_module_out, f"{b}.attn.o.hook_in": f"{b}.attn.hook_z",
+               f"{b}.attn.hook_out": attn_module_out,  # (BitNet's W_O reads every head's z normalised together)
+               f"{b}.attn.o.hook_in": f"{b}.attn.hook_z_normed" if cfg.sub_norms else f"{b}.attn.hook_z",
                # the bridge also spells the per-head inputs inside attention, as its own patching code hooks them
                f"{b}.attn.hook_attn_in": f"{b}.hook_attn_in"}
     left_out = {}

@@ -27,6 +27,7 @@ import probe.residual_stack as rs
 from probe.hooks.names import UnknownNameError
 from probe.config import Norm, NormPlacement
 from probe.names import act_name
+from probe.prediction_head import refuse_prediction_head
 
 
 class ModelGoneError(ReferenceError):
@@ -190,6 +191,7 @@ class StackMethods:
         batch's (one per position), or [batch pos]. ln_final's w and b (and a logit softcap) are not applied, as in
         transformer-lens."""
         model = self._live_model("logit_attrs")
+        refuse_prediction_head(model.cfg, "logit_attrs")
         directions, shape = self._directions(model, tokens)
         if incorrect_tokens is not None:
             wrong, wrong_shape = self._directions(model, incorrect_tokens)

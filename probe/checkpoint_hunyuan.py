@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
-from probe.checkpoint_source import Source, with_fields
+from probe.checkpoint_source import Source, rename_layer_weights, with_fields
 from probe.config import DecoderConfig
 from probe.config_file import CheckpointError
 from probe.tokenizer import Tokenizer
@@ -38,20 +38,12 @@ def hunyuan_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> 
     return out
 
 
-def _renamed(state: dict, mapping: dict[str, str], n_layers: int, prefix: str) -> None:
-    for l in range(n_layers):
-        for old, new in mapping.items():
-            name = f"{prefix}layers.{l}.self_attn.{old}.weight"
-            if name in state:
-                state[f"{prefix}layers.{l}.self_attn.{new}.weight"] = state.pop(name)
-
-
 def hunyuan_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    _renamed(source.state, {theirs: ours for ours, theirs in NORMS.items()}, cfg.n_layers, "")
+    rename_layer_weights(source.state, {theirs: ours for ours, theirs in NORMS.items()}, cfg.n_layers, "", "self_attn")
     return llama_to_probe(source, cfg)
 
 
 def hunyuan_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = llama_to_hf(params, cfg)
-    _renamed(out, NORMS, cfg.n_layers, "model.")
+    rename_layer_weights(out, NORMS, cfg.n_layers, "model.", "self_attn")
     return out

@@ -39,7 +39,7 @@ LAYOUTS = {**{model_type: ("block_sparse_moe", ("w1", "w3", "w2"), None) for mod
                ("qwen3_5_moe", "shared_expert"),  # (Qwen3.5-MoE's and Qwen3-Next's)
                ("glm4_moe", "shared_experts"), ("deepseek_v2", "shared_experts"), ("deepseek_v3", "shared_experts"),
                ("glm4_moe_lite", "shared_experts"), ("glm_moe_dsa", "shared_experts"),
-               ("ernie4_5_moe", "shared_experts"), ("afmoe", "shared_experts"))},
+               ("ernie4_5_moe", "shared_experts"), ("afmoe", "shared_experts"), ("laguna", "shared_experts"))},
            "lfm2_moe": ("feed_forward", ("w1", "w3", "w2"), None),
            "jamba": ("feed_forward", ("gate_proj", "up_proj", "down_proj"), None)}  # (its router: checkpoint_jamba)
 PROJECTIONS = ("W_gate", "W_in", "W_out")  # probe's (transformer-lens's) names for the same three

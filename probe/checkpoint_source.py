@@ -278,12 +278,12 @@ def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
 # fields only some formats hold (Gemma's, Mistral's windows, Qwen3's q/k norms): every other needs their defaults
 PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None,
               sliding_layers=None, qk_norm=False, attn_scale_by_layer=False, unembed_bias=False, norm_weights=True,
-              rotary_adjacent_pairs=False, sliding_rotary_base=None, qk_norm_over_heads=False, input_norms=True,
+              rotary_adjacent_pairs=False, rotary_clockwise=False, sub_norms=False, sliding_rotary_base=None, qk_norm_over_heads=False, input_norms=True,
                     embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None, attn_sinks=False,
-                    attn_output_gate=False, linear_attention=None, qk_norm_after_rope=False, latent_attention=None, state_space=None,
+                    attn_output_gate=False, output_gate=None, sliding_rotary_dim=None, linear_attention=None, qk_norm_after_rope=False, latent_attention=None, state_space=None,
                     parallel_state_space=None,
-                    short_conv=None, sublayers=None, global_layers=None, shared_kv=None, per_layer_inputs=None,
-                    value_norm=False, layer_scalars=False, chunked_attention=None, shared_blocks=None,
+                    short_conv=None, rg_lru=None, sublayers=None, global_layers=None, shared_kv=None, per_layer_inputs=None,
+                    value_norm=False, layer_scalars=False, chunked_attention=None, shared_blocks=None, rwkv=None, mixture_of_attention=None,
                     # an activation with parameters of its own (xIELU): only Apertus's format holds them
                     activation=frozenset(a for a in Activation if not a.learned))
 
@@ -324,3 +324,13 @@ def language_model_of(family: str, text_family: str, config_from_text: Callable,
         return to_probe(source, cfg)
 
     return config_from_hf, config_to_hf, read
+
+
+def rename_layer_weights(state: dict, mapping: dict[str, str], n_layers: int, prefix: str, module: str) -> None:
+    """Rename each layer's `{prefix}layers.{l}.{module}.{old}.weight` to `...{new}.weight` in place, where present
+    (a Llama-like format's own names for a few tensors: HunYuan's q/k norms, NanoChat's MLP)."""
+    for l in range(n_layers):
+        for old, new in mapping.items():
+            name = f"{prefix}layers.{l}.{module}.{old}.weight"
+            if name in state:
+                state[f"{prefix}layers.{l}.{module}.{new}.weight"] = state.pop(name)

@@ -5,11 +5,11 @@ checkpoint_gptj.py (GPT-J, CodeGen), checkpoint_opt.py (OPT, XGLM), checkpoint_b
 OLMoE, FlexOlmo, Qwen2/3-MoE, GLM-4.5), checkpoint_minimax.py (MiniMax-M2), checkpoint_ernie_moe.py (ERNIE 4.5 MoE),
 checkpoint_gpt_oss.py (GPT-OSS), checkpoint_bigcode.py (SantaCoder, StarCoder),
 checkpoint_stablelm.py (StableLM), checkpoint_mpt.py (MPT), checkpoint_falcon.py (Falcon), checkpoint_phi.py (Phi,
-Phi-3), checkpoint_phimoe.py (PhiMoE), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2,
+Phi-3), checkpoint_phimoe.py (PhiMoE), checkpoint_jetmoe.py (JetMoE), checkpoint_llama.py (Llama, Qwen2/3, Mistral, OLMo, OLMo 2 and 3, SmolLM3, Arcee, Seed-OSS, ERNIE 4.5, Gemma, Gemma 2,
 VaultGemma),
-checkpoint_gemma3.py (Gemma 3), checkpoint_gemma4.py (Gemma 4), checkpoint_afmoe.py (AFMoE), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba), checkpoint_falcon_h1.py (Falcon-H1), checkpoint_nemotron_h.py (Nemotron-H), checkpoint_zamba2.py (Zamba2: shared transformer blocks), checkpoint_mamba1.py (Mamba, FalconMamba),
-checkpoint_lfm2.py (LFM2, LFM2-MoE: short convolutions), checkpoint_llama4.py (Llama 4 and its multimodal files' language model), checkpoint_jamba.py (Jamba: Mamba-1 mixers, attention, experts),
-checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4, GLM-4V's language model), checkpoint_hunyuan.py (HunYuan), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_olmo_hybrid.py (OLMo-Hybrid), checkpoint_qwen_vl.py (Qwen3-VL's and Qwen2.5-VL's language models), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention), checkpoint_glm_dsa.py (GLM-5: latent attention with a sparse indexer), checkpoint_wrapped.py (LLaVA,
+checkpoint_gemma3.py (Gemma 3), checkpoint_gemma4.py (Gemma 4), checkpoint_afmoe.py (AFMoE), checkpoint_laguna.py (Laguna), checkpoint_mistral3.py (Mistral 3's language model, Ministral 3), checkpoint_apertus.py (Apertus), checkpoint_granite.py (Granite, GraniteMoE), checkpoint_mamba.py (Mamba-2, Granite 4.0-H, Bamba), checkpoint_falcon_h1.py (Falcon-H1), checkpoint_nemotron_h.py (Nemotron-H), checkpoint_zamba2.py (Zamba2: shared transformer blocks), checkpoint_modernbert.py (ModernBERT decoders: a prediction head before W_U), checkpoint_mamba1.py (Mamba, FalconMamba), checkpoint_rwkv.py (RWKV-4),
+checkpoint_lfm2.py (LFM2, LFM2-MoE: short convolutions), checkpoint_recurrent_gemma.py (RecurrentGemma: Griffin's recurrent blocks), checkpoint_llama4.py (Llama 4 and its multimodal files' language model), checkpoint_jamba.py (Jamba: Mamba-1 mixers, attention, experts),
+checkpoint_cohere.py (Cohere, Cohere 2), checkpoint_layernorm_llama.py (StarCoder 2, Nemotron, Jais 2), checkpoint_glm.py (GLM, GLM-4, GLM-4V's language model), checkpoint_hunyuan.py (HunYuan), checkpoint_nanochat.py (NanoChat), checkpoint_bitnet.py (BitNet), checkpoint_exaone.py (EXAONE 3, EXAONE 4), checkpoint_qwen35.py (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), checkpoint_olmo_hybrid.py (OLMo-Hybrid), checkpoint_qwen_vl.py (Qwen3-VL's and Qwen2.5-VL's language models), checkpoint_deepseek.py (DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash, Youtu: latent attention), checkpoint_glm_dsa.py (GLM-5: latent attention with a sparse indexer), checkpoint_wrapped.py (LLaVA,
 LLaVA-NeXT, LLaVA-OneVision, Idefics3: any family's language model inside a multimodal file); checkpoint_source.py holds what they share and loading.py does the file handling for
 all.
 """
@@ -21,8 +21,10 @@ from typing import Callable, Optional
 import torch
 
 from probe.checkpoint_afmoe import afmoe_config, afmoe_config_to_hf, afmoe_to_hf, afmoe_to_probe
+from probe.checkpoint_laguna import laguna_config, laguna_config_to_hf, laguna_to_hf, laguna_to_probe
 from probe.checkpoint_apertus import apertus_config, apertus_config_to_hf, apertus_to_hf, apertus_to_probe
 from probe.checkpoint_bigcode import bigcode_config, bigcode_config_to_hf, bigcode_to_hf, bigcode_to_probe
+from probe.checkpoint_bitnet import bitnet_config, bitnet_config_to_hf, bitnet_to_hf, bitnet_to_probe
 from probe.checkpoint_bloom import bloom_config, bloom_config_to_hf, bloom_to_hf, bloom_to_probe
 from probe.checkpoint_gpt import (gpt1_config, gpt1_config_to_hf, gpt2_config, gpt2_config_to_hf, gpt_to_hf, gpt_to_probe,
                                   gpt1_names, gpt2_names, neox_config, neox_config_to_hf, neox_to_hf, neox_to_probe)
@@ -44,6 +46,7 @@ from probe.checkpoint_glm import (glm4v_config, glm4v_config_to_hf, glm4v_to_pro
 from probe.checkpoint_mamba import (bamba_config, bamba_config_to_hf, bamba_to_hf, bamba_to_probe, granite_hybrid_config,
                                     granite_hybrid_config_to_hf, granite_hybrid_to_hf, granite_hybrid_to_probe,
                                     mamba2_config, mamba2_config_to_hf, mamba2_to_hf, mamba2_to_probe)
+from probe.checkpoint_rwkv import rwkv_config, rwkv_config_to_hf, rwkv_to_hf, rwkv_to_probe
 from probe.checkpoint_mamba1 import (falcon_mamba_config, falcon_mamba_config_to_hf, mamba_config, mamba_config_to_hf,
                                      mamba_to_hf, mamba_to_probe)
 from probe.checkpoint_granite import (granite_config, granite_config_to_hf, granite_moe_config, granite_moe_config_to_hf,
@@ -54,6 +57,8 @@ from probe.checkpoint_llama4 import (llama4_config, llama4_config_to_hf, llama4_
                                      llama4_multimodal_config_to_hf, llama4_multimodal_to_probe, llama4_to_hf,
                                      llama4_to_probe)
 from probe.checkpoint_lfm2 import lfm2_config, lfm2_config_to_hf, lfm2_moe_config, lfm2_moe_config_to_hf, lfm2_to_hf, lfm2_to_probe
+from probe.checkpoint_recurrent_gemma import (recurrent_gemma_config, recurrent_gemma_config_to_hf, recurrent_gemma_to_hf,
+                                              recurrent_gemma_to_probe)
 from probe.checkpoint_gpt_oss import gpt_oss_config, gpt_oss_config_to_hf, gpt_oss_to_hf, gpt_oss_to_probe
 from probe.checkpoint_gptj import codegen_to_hf, codegen_to_probe, gptj_config, gptj_config_to_hf, gptj_to_hf, gptj_to_probe
 from probe.checkpoint_gptneo import gptneo_config, gptneo_config_to_hf, gptneo_to_hf, gptneo_to_probe
@@ -71,12 +76,16 @@ from probe.checkpoint_nemotron_h import (nemotron_h_config, nemotron_h_config_to
 from probe.checkpoint_mistral3 import ministral3_config, ministral3_config_to_hf, mistral3
 from probe.checkpoint_moe import (flex_olmo_config, glm4_moe_config, mixtral_config, moe_family, olmoe_config,
                                   qwen2_moe_config, qwen3_moe_config)
+from probe.checkpoint_modernbert import (modernbert_decoder_config, modernbert_decoder_config_to_hf,
+                                         modernbert_decoder_to_hf, modernbert_decoder_to_probe)
 from probe.checkpoint_mpt import mpt_config, mpt_config_to_hf, mpt_to_hf, mpt_to_probe
+from probe.checkpoint_nanochat import nanochat_config, nanochat_config_to_hf, nanochat_to_hf, nanochat_to_probe
 from probe.checkpoint_olmo_hybrid import (olmo_hybrid_config, olmo_hybrid_config_to_hf, olmo_hybrid_to_hf,
                                           olmo_hybrid_to_probe)
 from probe.checkpoint_opt import (opt_config, opt_config_to_hf, opt_to_hf, opt_to_probe, xglm_config, xglm_config_to_hf,
                                   xglm_to_hf, xglm_to_probe)
 from probe.checkpoint_phimoe import phimoe_config, phimoe_config_to_hf, phimoe_to_hf, phimoe_to_probe
+from probe.checkpoint_jetmoe import jetmoe_config, jetmoe_config_to_hf, jetmoe_to_hf, jetmoe_to_probe
 from probe.checkpoint_phi import (phi3_config, phi3_config_to_hf, phi3_to_hf, phi3_to_probe, phi_config, phi_config_to_hf,
                                   phi_to_hf, phi_to_probe)
 from probe.checkpoint_qwen35 import (qwen35_config, qwen35_config_to_hf, qwen35_moe_config, qwen35_moe_multimodal,
@@ -166,6 +175,10 @@ FAMILIES = {
         Family("exaone4", "Exaone4ForCausalLM", ("model.",), exaone4_config, exaone4_config_to_hf, llama_to_probe,
                llama_to_hf, prepends_bos=False),
         Family("arcee", "ArceeForCausalLM", ("model.",), arcee_config, *llama_like("arcee")),
+        Family("nanochat", "NanoChatForCausalLM", ("model.",), nanochat_config, nanochat_config_to_hf,
+               nanochat_to_probe, nanochat_to_hf),
+        Family("bitnet", "BitNetForCausalLM", ("model.",), bitnet_config, bitnet_config_to_hf, bitnet_to_probe,
+               bitnet_to_hf),
         *(Family(model_type, architecture, ("model.",), glm_config(model_type), glm_config_to_hf(model_type),
                  glm_to_probe, glm_to_hf, prepends_bos=False)
           for model_type, architecture in (("glm", "GlmForCausalLM"), ("glm4", "Glm4ForCausalLM"))),
@@ -194,14 +207,20 @@ FAMILIES = {
                nemotron_h_config_to_hf, nemotron_h_to_probe, nemotron_h_to_hf),
         Family("zamba2", "Zamba2ForCausalLM", ("model.",), zamba2_config, zamba2_config_to_hf, zamba2_to_probe,
                zamba2_to_hf),
+        Family("modernbert-decoder", "ModernBertDecoderForCausalLM", ("model.",), modernbert_decoder_config,
+               modernbert_decoder_config_to_hf, modernbert_decoder_to_probe, modernbert_decoder_to_hf),
         Family("mamba", "MambaForCausalLM", ("backbone.",), mamba_config, mamba_config_to_hf, mamba_to_probe,
                mamba_to_hf),
         Family("falcon_mamba", "FalconMambaForCausalLM", ("backbone.",), falcon_mamba_config,
                falcon_mamba_config_to_hf, mamba_to_probe, mamba_to_hf),
+        # (BOS first: TL 4's RWKV adapter keeps its default, though the Pile models were trained without one)
+        Family("rwkv", "RwkvForCausalLM", ("rwkv.",), rwkv_config, rwkv_config_to_hf, rwkv_to_probe, rwkv_to_hf),
         Family("jamba", "JambaForCausalLM", ("model.",), jamba_config, jamba_config_to_hf, jamba_to_probe, jamba_to_hf),
         Family("lfm2", "Lfm2ForCausalLM", ("model.",), lfm2_config, lfm2_config_to_hf, lfm2_to_probe, lfm2_to_hf),
         Family("lfm2_moe", "Lfm2MoeForCausalLM", ("model.",), lfm2_moe_config, lfm2_moe_config_to_hf, lfm2_to_probe,
                lfm2_to_hf),
+        Family("recurrent_gemma", "RecurrentGemmaForCausalLM", ("model.",), recurrent_gemma_config,
+               recurrent_gemma_config_to_hf, recurrent_gemma_to_probe, recurrent_gemma_to_hf, prepends_bos=False),
         Family("apertus", "ApertusForCausalLM", ("model.",), apertus_config, apertus_config_to_hf, apertus_to_probe,
                apertus_to_hf),
         Family("gemma", "GemmaForCausalLM", ("model.",), gemma_config,
@@ -219,6 +238,8 @@ FAMILIES = {
                                                             "language_model."),
                *gemma3_multimodal, gemma_to_hf, saves_as="gemma3_text"),
         Family("afmoe", "AfmoeForCausalLM", ("model.",), afmoe_config, afmoe_config_to_hf, afmoe_to_probe, afmoe_to_hf),
+        Family("laguna", "LagunaForCausalLM", ("model.",), laguna_config, laguna_config_to_hf, laguna_to_probe,
+               laguna_to_hf),
         Family("gemma4_text", "Gemma4ForCausalLM", ("model.",), gemma4_config, gemma4_config_to_hf, gemma4_to_probe,
                gemma4_to_hf),
         # the language model of a multimodal one (E2B, E4B, 31B, 26B-A4B; the encoder-free 12B): saved as gemma4_text
@@ -242,6 +263,8 @@ FAMILIES = {
         Family("mixtral", "MixtralForCausalLM", ("model.",), mixtral_config, *moe_family("mixtral")),
         Family("phimoe", "PhimoeForCausalLM", ("model.",), phimoe_config, phimoe_config_to_hf, phimoe_to_probe,
                phimoe_to_hf, prepends_bos=False),
+        Family("jetmoe", "JetMoeForCausalLM", ("model.",), jetmoe_config, jetmoe_config_to_hf, jetmoe_to_probe,
+               jetmoe_to_hf),
         Family("olmoe", "OlmoeForCausalLM", ("model.",), olmoe_config, *moe_family("olmoe")),
         Family("flex_olmo", "FlexOlmoForCausalLM", ("model.",), flex_olmo_config, *moe_family("flex_olmo")),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", ("model.",), qwen3_moe_config, *moe_family("qwen3_moe"),
@@ -305,7 +328,7 @@ def family_for_config(cfg: DecoderConfig) -> Family:
                          "transformers has no SoLU activation, nor a LayerNorm inside the MLP); save model.state_dict() "
                          "with safetensors (transformer-lens's layout) and load it into HookedDecoder(cfg)")
     if cfg.unembed_bias and not (cfg.norm_weights and (cfg.norm_placement is NormPlacement.PARALLEL
-                                                       or cfg.experts is not None)):
+                                                       or cfg.experts is not None or cfg.prediction_head is not None)):
         raise ValueError("no Hugging Face checkpoint format here holds an unembedding bias beside these norms (Phi's "
                          "holds one in parallel blocks with learned norms, ERNIE 4.5 MoE's beside experts; a model "
                          "from process_weights has one, and folded norms); save the unprocessed model and process it "

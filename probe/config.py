@@ -14,17 +14,23 @@ from probe.config_choices import (ACTIVATION_SPELLINGS, Activation, ExpertGroups
                                   RotaryScaling)
 from probe.config_mixers import LatentAttention, LinearAttention, ShortConv, SparseIndexer, StateSpace
 from probe.config_mixers import parallel_state_space_of
+from probe.config_rg_lru import RGLRU
 from probe.config_shared_block import SharedBlocks
+from probe.config_rwkv import Rwkv
 from probe.config_chunked import ChunkedAttention
+from probe.config_gate import OutputGate
+from probe.config_moa import MixtureOfAttention
+from probe.config_head import PredictionHead
 from probe.config_layers import LayerFacts
 from probe.config_layer_shapes import GlobalLayers, PerLayerInputs, SharedKV, check_layer_shapes
+from probe.config_assignment import SWITCHES, assign, state_without_owner
 from probe.config_rotary import check_rotary
 from probe.tl_config_fields import HookedTransformerConfigFields
 
 # the choices live in probe.config_choices and probe.config_mixers and are imported from here as before
 __all__ = ["Activation", "DecoderConfig", "ExpertGroups", "Experts", "LatentAttention", "LinearAttention", "Norm", "NormPlacement",
            "Positions", "RotaryScaling", "ChunkedAttention", "GlobalLayers", "PerLayerInputs", "SharedKV", "SharedBlocks", "ShortConv",
-           "SparseIndexer", "StateSpace"]
+           "SparseIndexer", "StateSpace", "OutputGate"]
 
 
 def _enum(cls, value, field):
@@ -64,16 +70,18 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
     norm_weights: bool = True
     final_norm: bool = True
     positions: Positions = Positions.LEARNED
-    embed_norm: bool = False  # a LayerNorm of its own on the token embeddings, before block 0 (Bloom; TL's embed.ln)
+    embed_norm: bool | Norm = False  # a norm after the embedding: True a learned LayerNorm (Bloom), a Norm a weightless one (NanoChat)
     rotary_base: float = 10000.0
     rotary_dim: Optional[int] = None  # None: d_head; fewer: only each head's first rotary_dim dimensions rotate (Pythia: d_head / 4)
     rotary_scaling: Optional[RotaryScaling] = None  # long-context frequency rescaling (Llama 3.1+); a dict is converted
     # True: dimension 2i rotates with 2i + 1 (GPT-J; TL's name); False: i with i + rotary_dim / 2 (Llama, GPT-NeoX)
     rotary_adjacent_pairs: bool = False
+    rotary_clockwise: bool = False  # each pair turns by -angle (NanoChat's rotate_half: Llama's sines negated)
     rotary_layers: Optional[tuple[bool, ...]] = None  # which layers rotate q and k (SmolLM3: three in four); None: all
     # the windowed layers' own rotary base, with no rotary_scaling (Gemma 3's local layers; TL's rotary_base_local,
     # whose linear rescaling skips the local layers); None: every layer rotates by rotary_base and rotary_scaling
     sliding_rotary_base: Optional[float] = None
+    sliding_rotary_dim: Optional[int] = None  # the windowed layers' own rotary_dim (Laguna's rotate whole heads); None: rotary_dim
     sliding_window: Optional[int] = None  # each query sees at most this many keys, itself included (Mistral); None: all earlier ones
     sliding_layers: Optional[tuple[bool, ...]] = None  # which layers use sliding_window (Gemma 2: every other); None: all
     attn_scale_dim: Optional[float] = None  # q.k is divided by sqrt(attn_scale_dim); None: d_head (Gemma 2: query_pre_attn_scalar)
@@ -86,6 +94,7 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
     # each head's z times sigmoid(x W_gate) before W_O: the gate's weights are the query projection's second half
     # (Qwen3.5, Qwen3-Next's gated attention, Qiu et al. 2025)
     attn_output_gate: bool = False
+    output_gate: Optional[OutputGate] = None  # how that gate acts (Laguna's softplus, per head); None: a sigmoid per channel
     # Gated DeltaNet layers in place of attention in some layers (Qwen3.5, Qwen3-Next); a dict is converted
     linear_attention: Optional[LinearAttention] = None
     # multi-head latent attention in every layer (DeepSeek-V2/V3): d_head is the values' width; a dict is converted
@@ -95,14 +104,18 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
     parallel_state_space: Optional[StateSpace] = None  # Mamba-2 mixers beside attention, writes summed (Falcon-H1)
     sublayers: Optional[tuple[str, ...]] = None  # each layer's one sublayer, "mixer"/"attn"/"mlp" (NemotronH); None: both
     short_conv: Optional[ShortConv] = None  # LFM2's gated short convolutions in place of attention in some layers
+    mixture_of_attention: Optional[MixtureOfAttention] = None  # JetMoE's routed attention experts in every layer
+    rg_lru: Optional[RGLRU] = None  # Griffin's recurrent blocks in place of attention in some layers (RecurrentGemma)
     shared_blocks: Optional[SharedBlocks] = None  # Zamba2's transformer blocks shared by layers, before their mixers
     chunked_attention: Optional[ChunkedAttention] = None  # Llama 4's chunked rope layers, q/k norm, NoPE temperature
+    rwkv: Optional[Rwkv] = None  # RWKV-4: every layer a time mix and a channel mix (probe.rwkv); a dict is converted
     # Gemma 4: full-attention layers' own head shape, later layers reusing earlier ones' keys and values, a per-layer
     # embedding of each token, values RMS-normalised per head, and each block's output times a learned scalar
     global_layers: Optional[GlobalLayers] = None
     shared_kv: Optional[SharedKV] = None
     per_layer_inputs: Optional[PerLayerInputs] = None
     value_norm: bool = False
+    sub_norms: bool = False  # an RMSNorm before each output projection: all heads' z before W_O, d_mlp before W_out (BitNet)
     layer_scalars: bool = False
     clip_qkv: Optional[float] = None  # q, k and v clamped to [-clip, clip] after their norms (OLMo-7B-0424, OLMoE, MPT)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
@@ -118,6 +131,8 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
     mlp_bias: bool = True
     tied_embeddings: bool = True  # unembedding = embedding transposed, as in GPT-2
     unembed_bias: bool = False  # a bias on the logits (none of the supported checkpoints; a processed model's folded norm bias)
+    prediction_head: Optional[PredictionHead] = None  # dense, act, LayerNorm between ln_final and W_U (ModernBERT); a dict is converted
+    first_ln1: bool = True  # False: layer 0's attention reads the residual itself, its ln1 an identity (ModernBERT)
     init_std: float = 0.02  # weight init for models trained from scratch
     # Which loaded model this describes, not its architecture: kept off comparisons and (but for TL's switches) off
     # to_dict. The model sets them (transformer-lens code reads model.cfg.device and model.cfg.model_name).
@@ -210,8 +225,9 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
                     f"heads_per_layer={self.heads_per_layer!r} must give each of the n_layers={self.n_layers} layers "
                     f"a head count between 0 and n_heads={self.n_heads}"
                 )
-            if self.n_kv_heads != self.n_heads:
-                raise ValueError("heads_per_layer (pruned heads) needs n_kv_heads == n_heads")
+            if self.n_kv_heads != self.n_heads and any(h % self.n_kv_heads for h in heads):  # (Laguna's layers)
+                raise ValueError(f"heads_per_layer={heads!r} with n_kv_heads={self.n_kv_heads} keys and values per layer: "
+                                 "each layer's heads must be a multiple of them (or n_kv_heads == n_heads: pruned heads)")
             object.__setattr__(self, "heads_per_layer", heads)
         object.__setattr__(self, "activation", _enum(Activation, self.activation, "activation"))
         if self.act_fn_name is not None and ACTIVATION_SPELLINGS.get(self.act_fn_name) is not self.activation:
@@ -249,6 +265,8 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
         if not self.input_norms and self.norm_placement is not NormPlacement.SANDWICH:
             raise ValueError("input_norms=False leaves a sandwich block only its write norms; it needs "
                              "norm_placement='sandwich'")
+        if not isinstance(self.embed_norm, bool):  # (to_dict writes a Norm's value)
+            object.__setattr__(self, "embed_norm", _enum(Norm, self.embed_norm, "embed_norm"))
         if self.embed_norm and self.scale_embed:
             raise ValueError("scale_embed with embed_norm: the LayerNorm after the embedding undoes a scale before it; "
                              "set scale_embed=False")
@@ -256,8 +274,8 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
             raise ValueError("heads_per_layer (pruned heads) with positions=alibi: each head's slope follows its index "
                              "among all n_heads, which a pruned layer no longer has; prune a model with other positions")
         for field in ("attn_only", "bidirectional", "use_hook_tokens", "attn_scale_by_layer", "rotary_adjacent_pairs",
-                      "qk_norm_over_heads", "input_norms", "embed_norm", "attn_sinks", "attn_output_gate",
-                      "qk_norm_after_rope"):
+                      "qk_norm_over_heads", "input_norms", "attn_sinks", "attn_output_gate",
+                      "qk_norm_after_rope", "first_ln1", "sub_norms"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         if self.bidirectional and self.sliding_window is not None:
@@ -287,9 +305,14 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
         self.check_sublayers()
         check_layer_shapes(self)
         object.__setattr__(self, "short_conv", ShortConv.of(self.short_conv, self))  # (a dict converted; checked)
+        object.__setattr__(self, "rg_lru", RGLRU.of(self.rg_lru, self))
         object.__setattr__(self, "parallel_state_space", parallel_state_space_of(self.parallel_state_space, self))
         object.__setattr__(self, "shared_blocks", SharedBlocks.of(self.shared_blocks, self))  # (a dict converted)
         object.__setattr__(self, "chunked_attention", ChunkedAttention.of(self.chunked_attention, self))
+        object.__setattr__(self, "rwkv", Rwkv.of(self.rwkv, self))  # (a dict converted; checked)
+        object.__setattr__(self, "output_gate", OutputGate.of(self.output_gate, self))
+        object.__setattr__(self, "mixture_of_attention", MixtureOfAttention.of(self.mixture_of_attention, self))
+        object.__setattr__(self, "prediction_head", PredictionHead.of(self.prediction_head))
         if self.attn_only and self.norm_placement is not NormPlacement.PRE:
             raise ValueError(f"attn_only blocks are pre-norm, x + attn(ln1(x)); got norm_placement="
                              f"{self.norm_placement.value!r}: use norm_placement='pre'")
@@ -340,39 +363,5 @@ TUPLE_FIELDS = ("heads_per_layer", "sliding_layers", "rotary_layers", "sublayers
 # what to_dict() also lists under transformer-lens's names, for TL code that reads a config's dict by them
 TL_READ = ("n_key_value_heads", "tokenizer_name", "model_name", "original_architecture", "dtype")
 
-# transformer-lens's use_* switches: code turns them on by assigning to model.cfg, and the model follows
-SWITCHES = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in", "ungroup_grouped_query_attention")
-
-
-def _assign(self: DecoderConfig, name: str, value: Any) -> None:
-    # transformer-lens code turns its switches on by assigning to model.cfg (EAP's setup: model.cfg.use_split_qkv_input
-    # = True, ...), narrows n_ctx, turns default_prepend_bos off, and names a device on a config before building from
-    # it. Those are the only assignments taken: a model's own config passes a switch or n_ctx to the model, which
-    # records it; a config no model owns records a switch for the model built from it. Everything else describes the
-    # architecture and stays frozen.
-    owner = self.__dict__.get("_owner")
-    model = owner() if owner is not None else None
-    if name in SWITCHES and model is not None:
-        getattr(model, f"set_{name}")(value)
-        return
-    if name == "n_ctx" and model is not None:  # EAP-IG narrows it around a to_tokens(truncate=True) call
-        model.limit_context(value)
-        return
-    if name in SWITCHES or name == "default_prepend_bos" or (name == "device" and model is None):
-        # TL code turns BOS off for a whole analysis by `model.cfg.default_prepend_bos = False`; text is read by it
-        # at each call
-        object.__setattr__(self, name, str(value) if name == "device" else bool(value))
-        return
-    fix = ("move the model with model.to(device), which updates model.cfg.device" if name == "device" else
-           "build a changed copy with dataclasses.replace(cfg, ...) and a model from it"
-           + (" (a model's own config takes n_ctx: model.cfg.n_ctx = n)" if name == "n_ctx" else ""))
-    raise dataclasses.FrozenInstanceError(f"DecoderConfig is frozen: cannot assign {name}={value!r}; {fix}")
-
-
-def _state_without_owner(self: DecoderConfig) -> dict[str, Any]:
-    # the owning model is a weak reference (it cannot be pickled, and a copy of the config belongs to no model yet)
-    return {k: v for k, v in self.__dict__.items() if k != "_owner"}
-
-
-DecoderConfig.__setattr__ = _assign  # the generated __init__ sets fields through object.__setattr__
-DecoderConfig.__getstate__ = _state_without_owner
+DecoderConfig.__setattr__ = assign  # the generated __init__ sets fields through object.__setattr__
+DecoderConfig.__getstate__ = state_without_owner

@@ -231,6 +231,10 @@ class Experts:
     latent: Optional[int] = None
     scale_inputs: bool = False
     sparsemixer_eps: float = 0.01  # softmax_over="sparsemixer" only: PhiMoE's router_jitter_noise
+    # the router's logits, in float32, soft-capped to cap * tanh(logits / cap) before scoring (Laguna's
+    # moe_router_logit_softcapping); None: as they are
+    router_softcap: Optional[float] = None
+    output_bias: bool = False  # a [d_model] bias added to the routed experts' weighted sum (JetMoE's mlp.bias)
 
     def __post_init__(self) -> None:
         for name in ("n", "per_token"):
@@ -239,7 +243,8 @@ class Experts:
                 raise ValueError(f"Experts.{name} must be a positive int, got {value!r}")
         if self.per_token > self.n:
             raise ValueError(f"Experts(per_token={self.per_token}) picks more experts than there are (n={self.n})")
-        for name in ("renormalize", "selection_bias", "shared_gate", "routed_bias", "gated", "scale_inputs"):
+        for name in ("renormalize", "selection_bias", "shared_gate", "routed_bias", "gated", "scale_inputs",
+                     "output_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Experts.{name} must be a bool, got {getattr(self, name)!r}")
         for name, what in (("shared", "the shared expert's width"), ("width", "each routed expert's width"),
@@ -268,6 +273,13 @@ class Experts:
             raise ValueError(f"Experts.renormalize_eps={eps!r} is added to the renormalising sum: give a positive number "
                              "with renormalize=True and no renormalize_min, or leave it 1e-20")
         self._check_sparsemixer()
+        if self.output_bias and self.latent is not None:
+            raise ValueError("Experts.output_bias adds a bias to the experts' sum in the residual's width; latent "
+                             "experts write through fc2_latent_proj, whose own bias is mlp_bias: leave it False")
+        cap = self.router_softcap
+        if cap is not None and not (type(cap) in (int, float) and cap > 0 and self.softmax_over == "all"):
+            raise ValueError(f"Experts.router_softcap={cap!r} caps the logits the experts are scored from: give a "
+                             "positive number with softmax_over='all', or leave it None")
         if self.softmax_over in ("chosen", "sparsemixer"):
             chosen = {"renormalize": self.renormalize, "scoring": self.scoring != "softmax",
                       "selection_bias": self.selection_bias, "groups": self.groups is not None,

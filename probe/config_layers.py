@@ -2,9 +2,11 @@
 attention, whether it mixes positions linearly, and whether its MLP is a mixture of experts."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from probe.config_choices import Positions, RotaryScaling
+from probe.config_rg_lru import bfloat16_rounded
 
 # what one layer of a one-sublayer model holds (NemotronH): a state-space mixer, attention, or an MLP (or experts)
 SUBLAYERS = ("mixer", "attn", "mlp")
@@ -18,7 +20,7 @@ class LayerFacts:
         return self.n_heads if self.heads_per_layer is None else self.heads_per_layer[layer]
 
     def layer_kv_heads(self, layer: int) -> int:
-        if self.heads_per_layer is not None:
+        if self.heads_per_layer is not None and self.n_kv_heads == self.n_heads:  # pruned heads keep their own
             return self.heads_per_layer[layer]
         return self.global_layers.n_kv_heads or self.n_kv_heads if self.layer_is_global(layer) else self.n_kv_heads
 
@@ -72,6 +74,13 @@ class LayerFacts:
             return self.sliding_rotary_base, None
         return self.rotary_base, self.rotary_scaling
 
+    def layer_rotary_dim(self, layer: int) -> int:
+        """How many of each head's dimensions `layer` rotates: sliding_rotary_dim in a windowed layer where it is set
+        (Laguna's), else rotary_dim (a whole head where rotary_dim is d_head, also global_layers' wider ones)."""
+        if self.sliding_rotary_dim is not None and self.layer_window(layer) is not None:
+            return self.sliding_rotary_dim
+        return self.layer_d_head(layer) if self.rotary_dim == self.d_head else self.rotary_dim
+
     def layer_rotates(self, layer: int) -> bool:
         """Whether `layer` rotates its queries and keys (rotary positions, and not one of SmolLM3's NoPE layers)."""
         return self.positions is Positions.ROTARY and (self.rotary_layers is None or self.rotary_layers[layer])
@@ -81,7 +90,7 @@ class LayerFacts:
         DeltaNet), a state-space (Mamba-2) mixer or a short convolution (LFM2's); such a layer has no attention heads."""
         return ((self.linear_attention is not None and self.linear_attention.layers[layer])
                 or (self.layer_is_state_space(layer) and not self.layer_has_shared_block(layer))
-                or self.layer_is_short_conv(layer))
+                or self.layer_is_short_conv(layer) or self.layer_is_rg_lru(layer) or self.rwkv is not None)
 
     def layer_has_shared_block(self, layer: int) -> bool:
         """Whether `layer` runs one of Zamba2's shared transformer blocks before its Mamba-2 mixer (its attention
@@ -92,11 +101,24 @@ class LayerFacts:
         """Whether `layer`'s token mixer is LFM2's gated short convolution (blocks.L.conv)."""
         return self.short_conv is not None and self.short_conv.layers[layer]
 
+    def layer_is_rg_lru(self, layer: int) -> bool:
+        """Whether `layer`'s token mixer is Griffin's recurrent block (RecurrentGemma's; blocks.L.recurrent)."""
+        return self.rg_lru is not None and self.rg_lru.layers[layer]
+
+    @property
+    def embed_scale(self) -> Optional[float]:
+        """What the token embeddings are multiplied by: None, or sqrt(d_model) (scale_embed: Gemma's), rounded to
+        bfloat16 first in a Griffin model (RecurrentGemma's normalizer is a bfloat16 buffer whatever the dtype)."""
+        if not self.scale_embed:
+            return None
+        return math.sqrt(self.d_model) if self.rg_lru is None else bfloat16_rounded(math.sqrt(self.d_model))
+
     @property
     def recurrent_kind(self) -> str:
         """What this model's layers without heads are, in messages that refuse them (other than state-space ones,
         which StateSpace.label names)."""
-        return "short-convolution (LFM2)" if self.short_conv is not None else "linear-attention"
+        return ("short-convolution (LFM2)" if self.short_conv is not None else "recurrent (Griffin RG-LRU)"
+                if self.rg_lru is not None else "RWKV time-mix" if self.rwkv is not None else "linear-attention")
 
     def layer_is_state_space(self, layer: int) -> bool:
         """Whether `layer`'s token mixer is a Mamba-2 state-space mixer (blocks.L.mixer)."""

@@ -49,10 +49,24 @@ def check_rotary(cfg) -> None:
         object.__setattr__(cfg, "rotary_layers", None if all(layers) else layers)  # one spelling of "every layer"
     if cfg.rotary_adjacent_pairs and cfg.positions is not Positions.ROTARY:
         raise ValueError("rotary_adjacent_pairs applies only to positions=rotary")
+    if not isinstance(cfg.rotary_clockwise, bool):
+        raise ValueError(f"rotary_clockwise must be a bool, got {cfg.rotary_clockwise!r}")
+    if cfg.rotary_clockwise and (cfg.positions is not Positions.ROTARY or cfg.rotary_adjacent_pairs or latent is not None
+                                 or (scaling is not None and scaling.kind == "longrope")):
+        raise ValueError("rotary_clockwise turns the half-split pairs of ordinary attention the other way (NanoChat's): "
+                         "it needs positions='rotary', rotary_adjacent_pairs=False, latent_attention=None and no "
+                         "longrope scaling")
     for field in ("rotary_base", "sliding_rotary_base"):
         base = getattr(cfg, field)
         if not (base is None and field == "sliding_rotary_base") and not (isinstance(base, (int, float)) and base > 1):
             raise ValueError(f"{field} must be > 1, got {base!r}")
+    dim = cfg.sliding_rotary_dim
+    if dim is not None and not (cfg.positions is Positions.ROTARY and cfg.sliding_window is not None and type(dim) is int
+                                and 0 < dim <= cfg.d_head and dim % 2 == 0 and cfg.latent_attention is None):
+        raise ValueError(f"sliding_rotary_dim={dim!r} is the windowed layers' rotary_dim: an even int up to d_head="
+                         f"{cfg.d_head}, with positions='rotary' and a sliding_window; or leave it None")
+    if dim == cfg.rotary_dim:  # (one spelling of "the same as the others")
+        object.__setattr__(cfg, "sliding_rotary_dim", None)
     if cfg.sliding_rotary_base is not None and not (cfg.positions is Positions.ROTARY and cfg.sliding_window is not None):
         raise ValueError("sliding_rotary_base is the windowed layers' rotary base: it needs positions=rotary and a "
                          "sliding_window; leave it None")

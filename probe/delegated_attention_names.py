@@ -6,12 +6,14 @@ probe.bridge_names calls delegated_attention_names for each layer of these model
 from __future__ import annotations
 
 from probe.config import DecoderConfig
+from probe.mixture_of_attention_names import mixture_of_attention_names
 
 
 # the architectures (beside Gemma 4's, known by their layer scalars) whose adapters delegate attention so
 # (Qwen2.5-VL's adapter delegates too, but its heads have no q/k norms to name)
-DELEGATING = ("AfmoeForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-              "Llama4ForCausalLM", "Llama4ForConditionalGeneration")
+DELEGATING = ("AfmoeForCausalLM", "LagunaForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+              "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "NanoChatForCausalLM",
+              "JetMoeForCausalLM")
 
 
 def delegates_attention(cfg: DecoderConfig) -> bool:
@@ -25,10 +27,20 @@ def delegated_attention_names(cfg: DecoderConfig, layer: int, aliases: dict[str,
         for end, ours in (("hook_in", f"{a}.hook_{part}"), ("hook_out", f"{a}.hook_{part}_normed")):
             left_out.pop(f"{a}.{part}_norm.{end}", None)
             aliases[f"{a}.{part}_norm.{end}"] = ours
+    chunked = cfg.chunked_attention
+    if chunked is not None and chunked.qk_norm and cfg.layer_rotates(layer):  # (NanoChat's: transposed, then rotated)
+        for part in "qk":
+            left_out.update(dict.fromkeys((f"{a}.{part}_norm.hook_in", f"{a}.{part}_norm.hook_out"), (
+                f"the bridge holds the {part} norm's input and output as [batch head pos d_head]; probe hooks the same "
+                f"values as {a}.hook_rot_{part} and {a}.hook_{part}_normed, [batch pos head d_head]")))
     if cfg.layer_scalars:
         gemma4_names(cfg, layer, aliases, left_out)
     elif cfg.original_architecture == "AfmoeForCausalLM":
         afmoe_names(cfg, layer, aliases, left_out)
+    elif cfg.original_architecture == "LagunaForCausalLM":  # (its router and shared experts: probe.bridge_names' words)
+        output_gate_names(cfg, layer, aliases, left_out)
+    elif cfg.mixture_of_attention is not None:
+        mixture_of_attention_names(f"blocks.{layer}", aliases, left_out)
     elif cfg.chunked_attention is not None and cfg.layer_sparse(layer):
         llama4_expert_names(f"blocks.{layer}", aliases, left_out)
 
@@ -36,15 +48,21 @@ def delegated_attention_names(cfg: DecoderConfig, layer: int, aliases: dict[str,
 def afmoe_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:
     """AFMoE's output gate (`attn.gate`, reading what attention reads) and its router (`mlp.router_gate`)."""
     b = f"blocks.{layer}"
-    aliases[f"{b}.attn.gate.hook_in"] = f"{b}.ln1.hook_out"
-    left_out[f"{b}.attn.gate.hook_out"] = (f"probe hooks the gate's logits per head, {b}.attn.hook_q_gate [batch pos head "
-                                           f"d_head] (the bridge's are [batch pos (head d_head)])")
+    output_gate_names(cfg, layer, aliases, left_out)
     if cfg.layer_sparse(layer):
         left_out[f"{b}.mlp.router_gate.hook_in"] = (f"the router reads {b}.ln2.hook_out [batch pos d_model] (the "
                                                     f"bridge's holds the tokens flattened, [batch*pos d_model])")
         left_out[f"{b}.mlp.router_gate.hook_out"] = (f"probe hooks the router's sigmoid scores, {b}.mlp.hook_expert_"
                                                      f"weights [batch*pos experts], and the chosen experts, {b}.mlp."
                                                      f"hook_expert_indices, not its logits")
+
+
+def output_gate_names(cfg: DecoderConfig, layer: int, aliases: dict[str, str], left_out: dict[str, str]) -> None:
+    """An output gate's projection (`attn.gate`: AFMoE's gate_proj, Laguna's g_proj), reading what attention reads."""
+    b, width = f"blocks.{layer}", "1" if cfg.output_gate is not None and cfg.output_gate.per_head else "d_head"
+    aliases[f"{b}.attn.gate.hook_in"] = f"{b}.ln1.hook_out"
+    left_out[f"{b}.attn.gate.hook_out"] = (f"probe hooks the gate's logits per head, {b}.attn.hook_q_gate [batch pos head "
+                                           f"{width}] (the bridge's are [batch pos (head {width})])")
 
 
 def llama4_expert_names(b: str, aliases: dict[str, str], left_out: dict[str, str]) -> None:

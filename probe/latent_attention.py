@@ -25,7 +25,7 @@ from torch import nn
 
 from probe.attention import PerHeadInputs, attention_softmax, visible_keys
 from probe.config import DecoderConfig
-from probe.embedding import AdjacentRotary, Rotary
+from probe.rotary import AdjacentRotary, Rotary
 from probe.hooks import HookPoint, observed
 from probe.kv_cache import LayerKV
 from probe.norm import RMSNorm

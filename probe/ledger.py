@@ -8,6 +8,7 @@ import pandas as pd
 import torch
 
 from probe.config import DecoderConfig, Norm, NormPlacement, Positions
+from probe.config_gate import output_gate_of
 from probe.shared_block_ledger import add_shared_block
 
 
@@ -47,6 +48,10 @@ class Ledger:
             experts = sum(r["params"] for r in self.rows if r["component"].startswith(("mlp.experts.", "experts.experts."))
                           and r["component"].endswith("weight"))
             matmul_weights -= experts * (cfg.experts.n - cfg.experts.per_token) // cfg.experts.n
+        moa = cfg.mixture_of_attention
+        if moa is not None:  # (and per_token of the attention experts)
+            experts = sum(r["params"] for r in self.rows if r["component"].startswith("attn.experts."))
+            matmul_weights -= experts * (moa.n - moa.per_token) // moa.n
         # a linear-attention layer reads a fixed state, not the keys: counted as a layer that sees no keys (its
         # state update and read, ~4 d_key_head d_value_head per value head, are left out, as the convolution is)
         keys = [0 if cfg.layer_is_linear(l) or not cfg.layer_has_mixer(l) else  # (MLP-only layers read no keys)
@@ -111,16 +116,28 @@ def _add_attention(cfg: DecoderConfig, add, layer: int) -> None:
     own_k = cfg.layer_kv_source(layer) is None
     own_v = own_k and not cfg.layer_values_from_keys(layer)
     add("attn.q.weight", "attention", d * h * dh, layer)
-    add("attn.gate.weight", "attention", d * h * dh if cfg.attn_output_gate else 0, layer)
+    gate = h * output_gate_of(cfg).width(dh) if cfg.attn_output_gate else 0  # (Laguna's: one logit per head)
+    add("attn.gate.weight", "attention", d * gate, layer)
     qk_norm = (h + kv) * dh if cfg.qk_norm_over_heads else (1 + own_k) * dh  # OLMo 2's span every head
     add("attn.qk_norm", "norm", qk_norm * per_norm if cfg.qk_norm else 0, layer)
     add("attn.k.weight", "attention", d * kv * dh * own_k, layer)
     add("attn.v.weight", "attention", d * kv * dh * own_v, layer)
-    add("attn.qkv.bias", "attention", (h + (own_k + own_v) * kv + h * cfg.attn_output_gate) * dh if cfg.qkv_bias else 0,
-        layer)
+    add("attn.qkv.bias", "attention", (h + (own_k + own_v) * kv) * dh + gate if cfg.qkv_bias else 0, layer)
     add("attn.o.weight", "attention", h * dh * d, layer)
     add("attn.o.bias", "attention", d if cfg.out_bias else 0, layer)
     add("attn.sinks", "attention", h if cfg.attn_sinks else 0, layer)
+    add("attn.z_norm", "norm", h * dh * cfg.norm_weights * cfg.sub_norms, layer)  # (BitNet's, over every head's z)
+
+
+def _add_mixture_of_attention(cfg: DecoderConfig, add, layer: int) -> None:
+    """JetMoE's attention experts (probe.mixture_of_attention): the router, each expert's query and output
+    projections, the keys' and values' one projection, the bias on the output."""
+    spec, d, width = cfg.mixture_of_attention, cfg.d_model, cfg.n_kv_heads * cfg.d_head
+    add("attn.router.weight", "attention", d * spec.n, layer)
+    add("attn.experts.q.weight", "attention", spec.n * d * width, layer)
+    add("attn.kv.weight", "attention", 2 * d * width, layer)
+    add("attn.experts.o.weight", "attention", spec.n * width * d, layer)
+    add("attn.o.bias", "attention", d, layer)
 
 
 def _add_latent_attention(cfg: DecoderConfig, add, layer: int) -> None:
@@ -181,6 +198,28 @@ def _add_short_conv(cfg: DecoderConfig, add, layer: int) -> None:
     add("conv.proj_bias", "attention", 4 * d if spec.bias else 0, layer)
 
 
+def _add_rg_lru(cfg: DecoderConfig, add, layer: int) -> None:
+    """A Griffin recurrent block's parameters (probe.rg_lru): its three projections are matmuls ("weight"); its
+    convolution, block-diagonal gates, decay rates and biases are not."""
+    spec, d = cfg.rg_lru, cfg.d_model
+    add("recurrent.linear.weight", "attention", 3 * d * spec.width, layer)  # linear_x, linear_y, linear_out
+    add("recurrent.conv_1d", "attention", spec.width * (spec.conv_kernel + 1), layer)
+    add("recurrent.rg_lru.gates", "attention", 2 * spec.width * (spec.block_width + 1), layer)
+    add("recurrent.rg_lru.recurrent_param", "attention", spec.width, layer)
+    add("recurrent.linear.bias", "attention", 2 * spec.width + d, layer)
+
+
+def _add_rwkv(cfg: DecoderConfig, add, layer: int) -> None:
+    """An RWKV-4 layer's parameters beyond the MLP rows' (probe.rwkv): the time mix's key, value, receptance and output
+    are matmuls ("weight"), its decay rates, bonuses and token-shift mixes are not; the channel mix's key and value
+    are the MLP's in and out, its receptance a matmul beside them, its two token-shift mixes not."""
+    d, width = cfg.d_model, cfg.rwkv.d_attention
+    add("time_mix.projections.weight", "attention", 4 * d * width, layer)
+    add("time_mix.decay_and_shift", "attention", 2 * width + 3 * d, layer)  # time_decay, time_first, three mixes
+    add("channel_mix.receptance.weight", "mlp", d * d, layer)
+    add("channel_mix.shift", "mlp", 2 * d, layer)
+
+
 def _add_linear_attention(cfg: DecoderConfig, add, layer: int) -> None:
     """A Gated DeltaNet layer's parameters (probe.linear_attention): its projections are matmuls ("weight"), its
     convolution, decay rates and gated norm are not."""
@@ -221,8 +260,8 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     add("embed.weight", "embedding", v * d)
     if cfg.positions in (Positions.LEARNED, Positions.SHORTFORMER):
         add("pos_embed.weight", "embedding", cfg.n_ctx * d)
-    if cfg.embed_norm:  # a LayerNorm whatever the blocks' norms, never folded
-        add("embed.ln", "norm", 2 * d)
+    if cfg.embed_norm:  # a learned LayerNorm whatever the blocks' norms, never folded; NanoChat's learns nothing
+        add("embed.ln", "norm", 2 * d if cfg.embed_norm is True else 0)
     per_norm = _per_norm(cfg)
     norm_params = d * per_norm if cfg.norm_weights else 0  # ln1, ln2, ln_final: see DecoderConfig.norm_weights
     input_params = norm_params if cfg.input_norms else 0  # OLMo 2's blocks normalise only their writes
@@ -230,14 +269,20 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         has_mixer = cfg.layer_has_mixer(layer)  # (NemotronH's MLP-only layers have neither ln1 nor a mixer)
         # a recurrent layer's block is pre-norm whatever the attention layers' are (OLMo-Hybrid's are sandwiches)
         pre_norms = norm_params if cfg.layer_is_linear(layer) else input_params
-        add("ln1", "norm", pre_norms * has_mixer, layer)
+        add("ln1", "norm", pre_norms * has_mixer * (cfg.first_ln1 or layer > 0), layer)  # (ModernBERT's layer 0: none)
         mixer = _add_attention if cfg.latent_attention is None else _add_latent_attention
+        if cfg.mixture_of_attention is not None:
+            mixer = _add_mixture_of_attention
         if cfg.layer_is_linear(layer):
             mixer = _add_state_space if cfg.layer_is_state_space(layer) else _add_linear_attention
             if cfg.layer_is_state_space(layer) and cfg.state_space.kind == "mamba1":
                 mixer = _add_selective_scan
             if cfg.layer_is_short_conv(layer):
                 mixer = _add_short_conv
+            if cfg.layer_is_rg_lru(layer):
+                mixer = _add_rg_lru
+            if cfg.rwkv is not None:
+                mixer = _add_rwkv
         if cfg.layer_has_shared_block(layer):  # Zamba2's: a shared block before the layer's Mamba-2 mixer
             add_shared_block(cfg, add, layer)
             mixer = _add_state_space
@@ -271,9 +316,10 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
         add(f"{mlp}.in.bias", "mlp", n * w if biased else 0, layer)
         add("mlp.act_fn", "mlp", 2 if cfg.activation.learned else 0, layer)  # xIELU's alpha_p and alpha_n
         # a SoLU-LN MLP's LayerNorm over d_mlp, read by W_out (probe.mlp.NormedMLP)
-        add("mlp.ln", "norm", 2 * m if cfg.mlp_norm_learned else 0, layer)
+        add("mlp.ln", "norm", 2 * m if cfg.mlp_norm_learned else w * cfg.norm_weights * cfg.sub_norms, layer)  # (BitNet's)
         add(f"{mlp}.out.weight", "mlp", n * w * de, layer)
         add(f"{mlp}.out.bias", "mlp", n * de if biased else 0, layer)
+        add("mlp.output_bias", "mlp", d if sparse and cfg.experts.output_bias else 0, layer)  # (JetMoE's)
         shared = (cfg.experts.shared or 0) if sparse else 0
         gate = int(bool(shared) and cfg.experts.shared_gate)  # Qwen2-MoE's shared expert's sigmoid gate
         glu = int(cfg.experts.gated) if sparse else 1  # (NemotronH's shared expert is ungated, as its experts are)
@@ -289,4 +335,6 @@ def ledger(cfg: DecoderConfig, n_ctx: Optional[int] = None, dtype: torch.dtype =
     if not cfg.tied_embeddings:  # tied: the embedding's row already counts these weights
         add("unembed.weight", "unembedding", d * cfg.d_vocab_out)
     add("unembed.bias", "unembedding", cfg.d_vocab_out if cfg.unembed_bias else 0)
+    if cfg.prediction_head is not None:  # ModernBERT's dense, activation and LayerNorm before W_U
+        add("unembed.head", "unembedding", d * d + d * cfg.prediction_head.bias + 2 * d)
     return Ledger(cfg=cfg, n_ctx=cfg.n_ctx if n_ctx is None else n_ctx, dtype=dtype, rows=rows)

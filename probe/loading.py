@@ -214,7 +214,7 @@ def _shards(index: Path, directory: Path) -> list[str]:
 
 
 LAYER_FIELDS = ("n_layer", "num_hidden_layers", "num_layers")
-_LAYER_NAME = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
+_LAYER_NAME = re.compile(r"(?:^|\.)(?:h|layers|blocks)\.(\d+)\.")  # (blocks: RWKV's)
 
 
 def _check_layer_count(hf: dict, state: dict[str, torch.Tensor], directory: Path) -> None:

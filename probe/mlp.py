@@ -1,5 +1,5 @@
 """The feed-forward sublayer: plain (d_model -> d_mlp -> act -> d_model), gated (SwiGLU), normed (SoLU, then a
-LayerNorm over d_mlp, before W_out); a mixture of gated experts is probe.moe's."""
+LayerNorm over d_mlp, before W_out; BitNet's gated one, then an RMSNorm); a mixture of gated experts is probe.moe's."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,7 @@ from torch import nn
 from probe.activations import ACTIVATIONS
 from probe.hooks import HookPoint
 from probe.config import DecoderConfig
-from probe.norm import LayerNorm
+from probe.norm import LayerNorm, RMSNorm
 from probe.tl_weights import WritableWeights, bias_view, weight_view
 
 
@@ -82,8 +82,22 @@ class NormedMLP(MLP):
         return self.fc_out(post)
 
 
+class SubNormedGatedMLP(GatedMLP):
+    """act(gate(x)) * up(x), then an RMSNorm over d_mlp with a learned w, then down (BitNet's ffn_sub_norm, `mlp.ln`).
+    hook_mid is act(gate) * up; hook_post, what W_out reads, is ln(hook_mid), as in NormedMLP."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__(cfg)
+        self.hook_mid = HookPoint()  # [batch pos d_mlp]
+        self.ln = RMSNorm(cfg.d_mlp, cfg.eps, learned=cfg.norm_weights)  # (fixed ones once folded into W_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mid = self.hook_mid(self.act_fn(self.hook_pre(self.gate(x))) * self.hook_pre_linear(self.fc_in(x)))
+        return self.fc_out(self.hook_post(self.ln(mid)))
+
+
 def make_dense_mlp(cfg: DecoderConfig) -> nn.Module:
     """One MLP (a mixture of experts is probe.moe's make_mlp)."""
     if cfg.gated_mlp:
-        return GatedMLP(cfg)
+        return SubNormedGatedMLP(cfg) if cfg.sub_norms else GatedMLP(cfg)
     return NormedMLP(cfg) if cfg.activation.normed else MLP(cfg)

@@ -16,7 +16,9 @@ from probe.blocks import PADDING, mask_keys, masks_for
 from probe.bridge_names import attach_bridge_attributes, bridge_names, describe_blocks_as_the_bridge
 from probe.config import DecoderConfig
 from probe.decoder_cache import DecoderCache
-from probe.embedding import Unembed, check_shortformer_pos_embed, make_embed, make_pos_embed
+from probe.embedding import check_shortformer_pos_embed, make_embed, make_pos_embed
+from probe.prediction_head import make_unembed
+from probe.initialisation import init_weights
 from probe.inputs import InputChecks, ModelInput, allowed_keys, check_mask, token_positions
 from probe.kv_cache import KVCache, layer_caches, one_cache
 from probe.moe import draw_as_transformer_lens_builds
@@ -68,7 +70,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         self.block_masks = mask_keys(cfg)
         self.windows = {cfg.layer_mask_key(layer) for layer in range(cfg.n_layers)}  # (Llama 4's chunks too)
         self.ln_final = make_norm(cfg, foldable=True, ends=True) if cfg.final_norm else nn.Identity()
-        self.unembed = Unembed(cfg.d_vocab_out, cfg.d_model, bias=cfg.unembed_bias, softcap=cfg.logit_softcap)
+        self.unembed = make_unembed(cfg)  # (W_U, after ModernBERT's prediction head where the config has one)
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E
         aliases, left_out = bridge_names(cfg)  # transformer-lens 4's own names for the points
@@ -291,43 +293,10 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         return ledger(self.cfg, n_ctx=n_ctx, dtype=dtype)
 
     # ---- construction -------------------------------------------------------------------------
-    @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2's initialisation, for training from scratch (loading overwrites all of it); HookedTransformer's
-        draw for a model built from HookedTransformerConfig (`cfg.transformer_lens_init`)."""
-        std, like_tl, draw = self.cfg.init_std, self.cfg.transformer_lens_init, self.cfg.init_weights
-        for name, param in self.named_parameters():
-            if param.is_meta:  # shapes only (a model built to plan its placement): nothing to fill
-                continue
-            if ".act_fn." in name:  # an activation's own parameters (xIELU's) keep the values it starts from
-                continue
-            if name.endswith((".w",)):
-                param.fill_(1.0)
-            elif name.endswith((".b", ".bias")) or like_tl or not draw:
-                param.zero_()
-            elif name.endswith(("attn.out.weight", "mlp.fc_out.weight")):
-                param.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))  # keeps the residual's variance flat in depth
-            else:
-                param.normal_(0.0, std)
-        if like_tl and draw and not self.embed.W_E.is_meta:
-            self.draw_like_transformer_lens()
-
-    def draw_like_transformer_lens(self) -> None:
-        """HookedTransformer's "gpt2" init: torch reseeded with cfg.seed (if any), then every weight matrix (a name with
-        "W_") drawn from N(0, initializer_range) in TL's layout and parameter order (an attention's W_Q, W_O, then its
-        keys and values), so the weights and torch's generator afterwards are TL's."""
-        if self.cfg.seed is not None:
-            torch.manual_seed(self.cfg.seed)
-        layout = self.state_dict()
-        names = [name for name in layout if "W_" in name]
-        for at, name in enumerate(names):  # TL's attention registers W_O before its key and value weights
-            if name.endswith("attn.W_Q") and name[:-1] + "O" in names:
-                names.insert(at + 1, names.pop(names.index(name[:-1] + "O")))
-        for name in names:
-            layout[name] = torch.empty(layout[name].shape, dtype=layout[name].dtype).normal_(0.0, self.cfg.init_std)
-        if self.cfg.tied_embeddings:  # TL draws W_U all the same (its HookedTransformer never ties them)
-            layout["unembed.W_U"] = layout["embed.W_E"].T
-        self.load_state_dict(layout)
+        draw for a model built from HookedTransformerConfig (`cfg.transformer_lens_init`): probe.initialisation."""
+        init_weights(self)
 
     @classmethod
     def from_pretrained(

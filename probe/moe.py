@@ -57,6 +57,17 @@ class ClampedGLU(nn.Module):
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
 
+class OutputBias(nn.Module):
+    """x + bias [d]: a bias added once after a weighted sum of experts' writes (JetMoE's MLP and attention experts)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
 class Expert(nn.Module):
     """One expert: W_out(glu(W_gate x, W_in x)), transformer-lens's MoEGatedMLP (nn.Linear layers under its names; with
     GPT-OSS's clamped GLU, its GptOssExpert)."""
@@ -107,6 +118,7 @@ class MoEMLP(nn.Module):
         self.sparsemixer_eps = experts.sparsemixer_eps
         self.weigh = weigh_input if experts.scale_inputs else weigh_output  # (Llama 4's weights scale the input)
         self.score = SCORES[experts.scoring]
+        self.cap_logits = as_is if experts.router_softcap is None else functools.partial(capped, cap=experts.router_softcap)
         self.groups = experts.groups
         # what the choice reads: the scores, plus the selection bias where there is one, within the kept groups
         self.limit_to_groups = as_is if experts.groups is None else self.best_groups_only
@@ -118,6 +130,9 @@ class MoEMLP(nn.Module):
         # NemotronH's latent experts read a projection of the residual and write back through another (the router
         # reads the residual itself); without one, both are identities
         self.into_routed = self.out_of_routed = as_is
+        if experts.output_bias:  # JetMoE's: one bias after the weighted sum, whichever experts ran
+            self.out_bias = OutputBias(cfg.d_model)
+            self.out_of_routed = self._plus_output_bias  # (a method: the module itself would register twice)
         if experts.latent is not None:
             self.fc1_latent_proj = nn.Linear(cfg.d_model, experts.latent, bias=cfg.mlp_bias)
             self.fc2_latent_proj = nn.Linear(experts.latent, cfg.d_model, bias=cfg.mlp_bias)
@@ -141,7 +156,7 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [batch pos d_model] -> [batch pos d_model]
         tokens = x.reshape(-1, x.shape[-1])
-        weights, chosen = self.route(self.W_gate(tokens))
+        weights, chosen = self.route(self.cap_logits(self.W_gate(tokens)))
         routed_in = self.into_routed(tokens)  # [batch*pos d_in]: the residual, or its latent projection
         out = self.weighted_experts(routed_in, weights, chosen)
         return self.add_shared(tokens, self.out_of_routed(out)).view(x.shape)
@@ -161,6 +176,9 @@ class MoEMLP(nn.Module):
 
     def _out_of_latent(self, routed: torch.Tensor) -> torch.Tensor:
         return self.fc2_latent_proj(routed)
+
+    def _plus_output_bias(self, routed: torch.Tensor) -> torch.Tensor:
+        return self.out_bias(routed)
 
     def residual_readers(self) -> list[nn.Module]:
         """The layers that read the MLP's input (ln2's output): the router, the shared expert's, and the experts' own
@@ -223,11 +241,7 @@ class MoEMLP(nn.Module):
     def _choose_then_softmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The largest logits chosen, then the softmax over them (GPT-OSS), as transformer-lens's GptOssMoE: the
         weights read at the (hooked) chosen experts from the (hooked) weights."""
-        top, chosen = logits.topk(self.per_token, dim=-1)
-        probs = torch.zeros_like(logits, dtype=torch.float32).scatter(1, chosen, F.softmax(top, dim=-1, dtype=torch.float32))
-        probs = self.hook_expert_weights(probs)
-        chosen = self.hook_expert_indices(chosen)
-        return probs.gather(1, chosen), chosen
+        return choose_then_softmax(logits, self.per_token, self.hook_expert_weights, self.hook_expert_indices)
 
     def _sparsemixer(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """PhiMoE's routing at inference (transformers' sparsemixer, training=False), in float32: the expert of the
@@ -251,6 +265,19 @@ class MoEMLP(nn.Module):
         """(rank, row) of each token row (of batch*pos) that expert `index` runs on, from hook_expert_indices `chosen`,
         in the order its points hold them: the tokens that chose it first, then second, ..., as transformer-lens."""
         return torch.where((chosen == index).T)
+
+
+def choose_then_softmax(logits: torch.Tensor, per_token: int, weights_point: nn.Module,
+                        indices_point: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [batch*pos per_token], chosen) from router `logits` [batch*pos experts]: the `per_token` largest
+    chosen, weighted by the softmax over their logits in float32 (GPT-OSS's experts, JetMoE's experts and attention
+    experts); `weights_point` holds those weights at the chosen experts, zeros elsewhere, and the weights are read
+    from it at `indices_point`'s choice."""
+    top, chosen = logits.topk(per_token, dim=-1)
+    probs = torch.zeros_like(logits, dtype=torch.float32).scatter(1, chosen, F.softmax(top, dim=-1, dtype=torch.float32))
+    probs = weights_point(probs)
+    chosen = indices_point(chosen)
+    return probs.gather(1, chosen), chosen
 
 
 def weigh_output(expert: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [routed d_in]
@@ -295,6 +322,10 @@ def softmax_scores(logits: torch.Tensor) -> torch.Tensor:  # [batch*pos experts]
 
 def sigmoid_scores(logits: torch.Tensor) -> torch.Tensor:  # [batch*pos experts], float32
     return logits.float().sigmoid()
+
+
+def capped(logits: torch.Tensor, cap: float) -> torch.Tensor:  # [batch*pos experts], float32 (Laguna's router)
+    return torch.tanh(logits.float() / cap) * cap
 
 
 def top2_sum(grouped: torch.Tensor) -> torch.Tensor:  # [batch*pos group expert_in_group] -> [batch*pos group]

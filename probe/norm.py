@@ -205,6 +205,12 @@ def make_qk_norm(cfg: DecoderConfig, heads: int, d_head: Optional[int] = None) -
     return OVER_HEADS[cfg.norm](heads * d_head, cfg.eps)
 
 
+def make_z_norm(cfg: DecoderConfig, heads: int, d_head: int) -> nn.Module:
+    """Every head's z [batch pos head d_head] RMS-normalised together, over head * d_head, with a learned w (fixed
+    ones once folded into W_O: cfg.norm_weights), before W_O (cfg.sub_norms: BitNet's attn_sub_norm), or nothing."""
+    return OVER_HEADS[Norm.RMS](heads * d_head, cfg.eps, learned=cfg.norm_weights) if cfg.sub_norms else nn.Identity()
+
+
 def make_value_norm(cfg: DecoderConfig, d_head: int) -> nn.Module:
     """Each head's values normalised over d_head by the config's norm kind, learning no weight (cfg.value_norm:
     Gemma 4's v_norm), or nothing."""

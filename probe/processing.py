@@ -40,50 +40,14 @@ import torch
 from torch import nn
 
 from probe.blocks import attention_blocks
-from probe.config import DecoderConfig, Norm, NormPlacement, Positions
+from probe.config import DecoderConfig, Norm, Positions
 from probe.factored import FactoredMatrix
 from probe.norm import LayerNorm
+from probe.processing_rules import (can_center_unembed, can_center_writing_weights, can_fold_ln, can_fold_value_biases,
+                                    can_refactor_factored_attn_matrices)
 
 if TYPE_CHECKING:  # annotations only: HookedDecoder.from_pretrained processes through this module
     from probe.model import HookedDecoder
-
-
-def can_fold_ln(cfg: DecoderConfig) -> bool:
-    """Folding needs each norm to feed layers (pre-norm, parallel or sandwich blocks; a sandwich block's write
-    norms stay as they are): in a post-norm model the norm's output is the residual stream itself. Shortformer
-    positions join ln1's output before W_Q and W_K, so ln1's weight cannot move into them."""
-    return (cfg.norm is not Norm.NONE and cfg.positions is not Positions.SHORTFORMER
-            and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL, NormPlacement.SANDWICH)
-            # (a recurrent layer's projections have no biases to take a LayerNorm's b)
-            and not ((cfg.linear_attention is not None or cfg.state_space is not None or cfg.short_conv is not None)
-                     and cfg.norm is Norm.LAYER)
-            # Zamba2's shared blocks: their norms' weights are shared by layers and read beside per-layer adapters
-            and cfg.shared_blocks is None)
-
-
-def can_center_writing_weights(cfg: DecoderConfig) -> bool:
-    """Centring the writers needs every reader of the residual stream to be a LayerNorm (which subtracts the mean)."""
-    return cfg.norm is Norm.LAYER and cfg.final_norm and cfg.norm_placement in (NormPlacement.PRE, NormPlacement.PARALLEL)
-
-
-def can_center_unembed(cfg: DecoderConfig) -> bool:
-    """Shifting each position's logits passes through to the probabilities unless a soft cap bends them (Gemma 2)."""
-    return cfg.logit_softcap is None
-
-
-def can_fold_value_biases(cfg: DecoderConfig) -> bool:
-    """A head passes its value bias through unchanged only where its pattern's rows sum to 1 and the values are
-    linear in it and reaches W_O unchanged: an attention sink (GPT-OSS) takes a share of each row, different at every
-    position, Gemma 4 normalises each value after its bias (value_norm), and an output gate (AFMoE, Qwen3.5)
-    multiplies z, the bias's share too, by a gate that changes with the position."""
-    return not cfg.attn_sinks and not cfg.value_norm and not cfg.attn_output_gate
-
-
-def can_refactor_factored_attn_matrices(cfg: DecoderConfig) -> bool:
-    """Rotary positions rotate q and k between W_Q and the scores, and a key/value head shared by several query
-    heads cannot be balanced against each of them at once; the value biases must fold first."""
-    return (cfg.positions is not Positions.ROTARY and cfg.n_kv_heads == cfg.n_heads and can_fold_value_biases(cfg)
-            and cfg.linear_attention is None)
 
 
 TL_PROCESSING_DEFAULTS = {  # HookedTransformer.from_pretrained's (and process_weights_'s, load_and_process_state_dict's)
@@ -119,7 +83,7 @@ def tl_processing_steps(cfg: DecoderConfig, given: dict[str, bool], where: str, 
             how = "given" if step in given else "transformer-lens's default"
             why = ("transformer-lens's from_pretrained processes no shortformer model" if skipped else
                    ("which a norm on the values or an output gate makes inexact" if cfg.value_norm or
-                    cfg.attn_output_gate else "which attention sinks make inexact (transformer-lens folds them anyway, "
+                    cfg.attn_output_gate or cfg.sub_norms else "which attention sinks make inexact (transformer-lens folds them anyway, "
                     "changing the outputs)")
                    if step == "fold_value_biases" else "which this model's blocks do not allow, as transformer-lens "
                    "skips it")
@@ -152,14 +116,17 @@ def check_processing(cfg: DecoderConfig, *, fold_ln: bool = True, center_writing
                "folded into them" if cfg.positions is Positions.SHORTFORMER and cfg.norm is not Norm.NONE else
                "a shared block's norms (Zamba2's) are one weight in several layers, read by the shared projections "
                "and each layer's own adapters alike, so no one layer's weights can take them"
-               if cfg.shared_blocks is not None else
+               if cfg.shared_blocks is not None else "an RWKV layer's token shift reads zeros before the first position, "
+               "where a folded norm's bias would be read" if cfg.rwkv is not None else "the final norm feeds a "
+               "prediction head's dense layer (ModernBERT's), not W_U" if cfg.prediction_head is not None else
                "it needs pre-norm, parallel or sandwich blocks with norms: in a post-norm model (GPT-1, OPT-350m) the "
                "norm's output is the residual stream itself, not the input of one layer")
         raise ValueError(f"fold_ln: {why}; pass fold_ln=False")
     if center_writing_weights and not can_center_writing_weights(cfg):
         raise ValueError("center_writing_weights needs every reader of the residual stream to be a LayerNorm (pre-norm "
                          f"or parallel blocks and a final LayerNorm); this model has norm={cfg.norm.value}, "
-                         f"final_norm={cfg.final_norm}, norm_placement={cfg.norm_placement.value}; "
+                         f"final_norm={cfg.final_norm}, norm_placement={cfg.norm_placement.value}, first_ln1="
+                         f"{cfg.first_ln1} (False: layer 0's attention reads the residual itself); "
                          "pass center_writing_weights=False")
     if center_unembed and not can_center_unembed(cfg):
         raise ValueError("center_unembed shifts each position's logits, which a logit soft cap (Gemma 2) does not "
@@ -224,6 +191,8 @@ def _mixer_inputs(block: nn.Module) -> list[nn.Module]:
         return [block.mixer.in_proj]
     if hasattr(block, "conv"):  # an LFM2 short-convolution layer: so does its
         return [block.conv.in_proj]
+    if hasattr(block, "recurrent"):  # a Griffin recurrent block: its two branches' projections
+        return [block.recurrent.linear_x, block.recurrent.linear_y]
     return [block.attn.qkv] + ([] if block.attn.gate is None else [block.attn.gate])
 
 
@@ -258,8 +227,10 @@ def _fold_norms(model: HookedDecoder) -> None:
             _fold_norm_into(block.ln1, _mixer_inputs(block), model, "qkv_bias")
         if hasattr(block, "ln2"):
             _fold_norm_into(block.ln2, _mlp_inputs(block), model, "mlp_bias")
-        if model.cfg.mlp_norm_learned:  # a SoLU-LN MLP's LayerNorm, into the W_out that reads it (TL folds it too)
-            _fold_norm_into(block.mlp.ln, [block.mlp.fc_out], model, "mlp_bias")
+        if model.cfg.mlp_norm_learned or model.cfg.sub_norms:  # a SoLU-LN MLP's LayerNorm (TL folds it too), BitNet's
+            _fold_norm_into(block.mlp.ln, [block.mlp.fc_out], model, "mlp_bias")  # RMSNorm: into the W_out reading it
+        if model.cfg.sub_norms:  # BitNet's norm of every head's z, into W_O (each column of W_O reads one channel)
+            _fold_norm_into(block.attn.z_norm, [block.attn.out], model, "out_bias")
     if model.cfg.final_norm:
         _fold_norm_into(model.ln_final, [model.unembed], model, "unembed_bias")
     drop_norm_weights(model)  # the folded norms are left with nothing to learn
@@ -270,7 +241,8 @@ def drop_norm_weights(model: HookedDecoder) -> None:
     LNPre / RMSPre, whose state dict has no norm weights (cfg.norm_weights False). For norms whose weights are ones and
     zeros already."""
     norms = [getattr(block, name) for block in model.blocks for name in ("ln1", "ln2") if hasattr(block, name)]
-    norms += [block.mlp.ln for block in model.blocks if hasattr(getattr(block, "mlp", None), "ln")]  # SoLU-LN's
+    norms += [block.mlp.ln for block in model.blocks if hasattr(getattr(block, "mlp", None), "ln")]  # SoLU-LN's, BitNet's
+    norms += [block.attn.z_norm for block in model.blocks if hasattr(getattr(block, "attn", None), "z_norm")]
     for norm in norms + [model.ln_final]:
         if hasattr(norm, "drop_weights"):  # not the Identity of a model without a final norm
             norm.drop_weights()
@@ -342,7 +314,9 @@ def center_writers(model: HookedDecoder) -> None:
     # centring them would change the queries and keys (transformer-lens centres them all the same)
     if isinstance(getattr(model.pos_embed, "W_pos", None), nn.Parameter) and model.cfg.positions_in_residual:
         model.pos_embed.W_pos -= model.pos_embed.W_pos.mean(dim=-1, keepdim=True)
-    for writer in [_mixer_output(block) for block in model.blocks if hasattr(block, "ln1")] + _mlp_outputs(model):
+    # (RWKV's: the embedding alone, as TL 4's bridge centres it; its channel mix gates its write channel by channel)
+    mixers = [] if model.cfg.rwkv is not None else [_mixer_output(block) for block in model.blocks if hasattr(block, "ln1")]
+    for writer in mixers + _mlp_outputs(model):
         writer.weight -= writer.weight.mean(dim=0, keepdim=True)  # weight [d_model in]: each column is a written vector
         if writer.bias is not None:
             writer.bias -= writer.bias.mean()

@@ -5,6 +5,8 @@ from collections.abc import Collection
 from typing import Optional
 
 from probe.config import DecoderConfig, NormPlacement, Positions
+from probe.config_gate import output_gate_of
+from probe.rwkv_names import rwkv_shapes
 from probe.shared_block_names import shared_block_shapes
 
 
@@ -54,7 +56,7 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.attn.hook_k"] = (batch, pos, kv, cfg.d_head)
         shapes[f"{b}.attn.hook_v"] = (batch, pos, kv, cfg.d_head)
         if cfg.attn_output_gate:  # (gated heads, Qwen3.5's and AFMoE's: the gate's logits, per head)
-            shapes[f"{b}.attn.hook_q_gate"] = (batch, pos, heads, cfg.d_head)
+            shapes[f"{b}.attn.hook_q_gate"] = (batch, pos, heads, output_gate_of(cfg).width(cfg.d_head))
         chunked = cfg.chunked_attention  # Llama 4's: a weightless q/k norm on the rotary layers, tuned NoPE queries
         if cfg.qk_norm or (chunked is not None and chunked.qk_norm and cfg.layer_rotates(layer)):
             for which, n in (("q", heads), ("k", kv)):
@@ -69,6 +71,10 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         if cfg.layer_rotates(layer):
             shapes[f"{b}.attn.hook_rot_q"] = (batch, pos, heads, cfg.d_head)
             shapes[f"{b}.attn.hook_rot_k"] = (batch, pos, kv, cfg.d_head)
+        moa = cfg.mixture_of_attention
+        if moa is not None:  # (probe.mixture_of_attention's routing, one row per token)
+            shapes.update({f"{b}.attn.hook_expert_weights": (batch * pos, moa.n),
+                           f"{b}.attn.hook_expert_indices": (batch * pos, moa.per_token)})
         if cfg.latent_attention is not None:
             latent_shapes(cfg.latent_attention, shapes, f"{b}.attn", batch, pos, heads)
             if cfg.latent_attention.indexer is not None:
@@ -98,12 +104,22 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
             shapes.update(shared_block_shapes(cfg, b, batch, pos))
         if cfg.linear_attention is not None and cfg.linear_attention.layers[layer]:  # (probe.linear_attention's)
             shapes.update(deltanet_shapes(cfg, f"{b}.linear_attn", batch, pos))
+        if cfg.layer_is_rg_lru(layer):  # Griffin's recurrent block (probe.rg_lru), every point the LRU's width
+            width = (batch, pos, cfg.rg_lru.width)
+            shapes.update({f"{b}.recurrent.hook_{name}": width for name in ("y", "x", "conv_out", "gated")})
+            shapes.update({f"{b}.recurrent.rg_lru.hook_{name}": width
+                           for name in ("input_gate", "recurrence_gate", "a", "scan_in", "state")})
+        if cfg.rwkv is not None:  # RWKV-4's time and channel mixes (probe.rwkv)
+            shapes.update(rwkv_shapes(cfg, b, batch, pos))
         if cfg.layer_is_short_conv(layer):  # LFM2's gated short convolution (probe.short_conv)
             shapes[f"{b}.conv.hook_in_proj"] = (batch, pos, 3 * cfg.d_model)
             shapes.update({f"{b}.conv.hook_{name}": resid for name in ("B", "C", "x", "conv_in", "conv_out", "gated")})
         shapes[f"{b}.attn.hook_attn_scores"] = (batch, heads, pos, key_pos)
         shapes[f"{b}.attn.hook_pattern"] = (batch, heads, pos, key_pos)
         shapes[f"{b}.attn.hook_z"] = (batch, pos, heads, cfg.d_head)
+        if cfg.sub_norms:  # (BitNet's norm of every head's z together, before W_O)
+            shapes.update({f"{b}.attn.z_norm.hook_scale": (batch, pos, 1), f"{b}.attn.hook_z_normed": shapes[f"{b}.attn.hook_z"],
+                           f"{b}.attn.z_norm.hook_normalized": (batch, pos, heads * cfg.d_head)})
         shapes[f"{b}.attn.hook_result"] = (batch, pos, heads, cfg.d_model)
         sandwich = cfg.norm_placement is NormPlacement.SANDWICH  # each write normalised before it is added
         if sandwich:
@@ -116,6 +132,9 @@ def hook_shapes(cfg: DecoderConfig, batch: int, pos: int, key_pos: Optional[int]
         shapes[f"{b}.hook_resid_post"] = resid
     if cfg.final_norm:
         norm("ln_final")
+    if cfg.prediction_head is not None:  # (ModernBERT's, before W_U)
+        shapes.update({"unembed.head.hook_pre": resid, "unembed.head.hook_post": resid,
+                       "unembed.head.ln.hook_scale": (batch, pos, 1), "unembed.head.ln.hook_normalized": resid})
     shapes["unembed.hook_in"] = resid
     shapes["unembed.hook_out"] = (batch, pos, cfg.d_vocab_out)
     return shapes
@@ -207,7 +226,7 @@ def dense_mlp_shapes(cfg: DecoderConfig, shapes: dict, b: str, batch: int, pos: 
     shapes[f"{b}.mlp.hook_pre"] = (batch, pos, cfg.d_mlp)
     if cfg.gated_mlp:
         shapes[f"{b}.mlp.hook_pre_linear"] = (batch, pos, cfg.d_mlp)
-    if cfg.activation.normed:  # act, then a LayerNorm over d_mlp (SoLU-LN)
+    if cfg.activation.normed or (cfg.sub_norms and cfg.gated_mlp):  # act, then a norm over d_mlp (SoLU-LN, BitNet)
         shapes[f"{b}.mlp.hook_mid"] = (batch, pos, cfg.d_mlp)
         shapes[f"{b}.mlp.ln.hook_scale"] = (batch, pos, 1)
         shapes[f"{b}.mlp.ln.hook_normalized"] = (batch, pos, cfg.d_mlp)

@@ -10,6 +10,7 @@ from einops import einsum
 
 from probe.attention import Attention
 from probe.llama4_attention import Llama4Attention
+from probe.mixture_of_attention import MixtureOfAttention
 from probe.config import DecoderConfig
 from probe.kv_cache import LayerKV
 from probe.tl_weights import bias_view, weight_view
@@ -95,8 +96,10 @@ class SharedKVAttention(Attention):
 
 
 def attention_class(cfg: DecoderConfig, layer: int) -> type:
-    """The Attention (sub)class of `layer`: one that reuses an earlier layer's keys and values, Llama 4's, one whose
-    values are its keys' projection, or the ordinary one."""
+    """The Attention (sub)class of `layer`: JetMoE's mixture of attention heads, one that reuses an earlier layer's
+    keys and values, Llama 4's, one whose values are its keys' projection, or the ordinary one."""
+    if cfg.mixture_of_attention is not None:  # JetMoE's
+        return MixtureOfAttention
     if cfg.layer_kv_source(layer) is not None:
         return SharedKVAttention
     if cfg.chunked_attention is not None:  # Llama 4's

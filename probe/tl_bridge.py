@@ -39,9 +39,13 @@ BRIDGE_SKIPS = {**dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGen
                                  "GraniteMoeHybridForCausalLM",
                                  "BambaForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
                                  "NemotronHForCausalLM", "Zamba2ForCausalLM", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
-                                 "Gemma4UnifiedForConditionalGeneration", "AfmoeForCausalLM"),
+                                 "Gemma4UnifiedForConditionalGeneration", "AfmoeForCausalLM",
+                                 "JetMoeForCausalLM", "NanoChatForCausalLM", "RwkvForCausalLM",
+                                 "LagunaForCausalLM"),
                                 ("fold_ln",)),
-                "NemotronForCausalLM": ("fold_ln", "center_writing_weights")}
+                "NemotronForCausalLM": ("fold_ln", "center_writing_weights"),
+                "BitNetForCausalLM": ("fold_ln", "center_writing_weights"),  # (its sub-norms: the adapter folds nothing)
+                "ModernBertDecoderForCausalLM": ("fold_ln", "center_writing_weights")}  # (its layer 0 reads raw)
 
 
 class BridgeSurface:

@@ -53,8 +53,8 @@ class HookedTransformerConfigFields:
                 Positions.SHORTFORMER: "shortformer", Positions.ALIBI: "alibi"}[self.positions]
 
     @property
-    def post_embedding_ln(self) -> bool:
-        return self.embed_norm
+    def post_embedding_ln(self) -> bool:  # (TL's is a learned LayerNorm: NanoChat's weightless RMSNorm is not one)
+        return self.embed_norm is True
 
     @property
     def use_attention_sinks(self) -> bool:

@@ -35,9 +35,9 @@ def _stacked(path: str, shape: str, bias_of: Optional[tuple[str, Callable]] = No
         if sublayer == "mlp" and self.cfg.experts is not None:
             refuse_experts(f"model.{name}")
         if sublayer == "attn" and (self.cfg.linear_attention is not None or self.cfg.sublayers is not None
-                                   or self.cfg.short_conv is not None):
+                                   or self.cfg.short_conv is not None or self.cfg.rg_lru is not None):
             attention = [l for l in range(self.cfg.n_layers) if self.cfg.layer_has_attention(l)]
-            kind = "short-convolution (LFM2)" if self.cfg.short_conv is not None else "linear-attention"
+            kind = self.cfg.recurrent_kind
             raise ValueError(f"model.{name}: this hybrid model's {kind} layers have no attention heads, so "
                              f"{name} does not stack over layers; read model.blocks[layer].{path} for an attention "
                              f"layer ({attention})")

@@ -104,14 +104,21 @@ for stage in $STAGES; do
                 "tests/test_state_space.py::test_the_state_space_model_on_the_device_is_transformers_there"
                 "tests/test_falcon_h1.py::test_the_parallel_hybrid_on_the_device_is_transformers_there"
                 "tests/test_lfm2.py::test_the_hybrid_on_the_device_is_transformers_there"
+                "tests/test_rwkv.py::test_the_model_on_the_device_is_transformers_there"
+                "tests/test_recurrent_gemma.py::test_the_hybrid_on_the_device_is_transformers_there"
                 "tests/test_olmo_hybrid.py::test_the_hybrid_on_the_device_is_transformers_there"
                 "tests/test_nemotron_h.py::test_the_model_on_the_device_is_transformers_there"
                 "tests/test_zamba2.py::test_the_model_on_the_device_is_transformers_there"
+                "tests/test_modernbert_decoder.py::test_the_model_on_the_device_is_transformers_there"
                 "tests/test_latent_attention.py::test_the_latent_model_on_the_device_is_transformers_there"
                 "tests/test_glm_moe_dsa.py::test_the_sparse_model_on_the_device_is_transformers_there"
                 "tests/test_gemma4.py::test_gemma4_on_the_device_is_transformers_there"
                 "tests/test_llama4.py::test_llama4_on_the_device_is_transformers_there"
+                "tests/test_nanochat.py::test_nanochat_on_the_device_is_transformers_there"
+                "tests/test_bitnet.py::test_bitnet_on_the_device_is_transformers_there"
                 "tests/test_jamba.py::test_jamba_on_the_device_is_transformers_there"
+                "tests/test_jetmoe.py::test_on_the_device_is_transformers_there"
+                "tests/test_laguna.py::test_laguna_on_the_device_is_transformers_there"
                 "tests/test_phimoe.py::test_longrope_on_the_device_is_transformers_there")
             [ "$DEVICE" = cuda ] && tests+=(
                 "tests/test_compiled.py::test_cuda_graph_forwards_equal_eager_and_outlive_the_next_replay")

@@ -190,6 +190,12 @@ def run(args: argparse.Namespace) -> int:
             "Not run: direct logit attribution takes the residual stream for the sum of its writers' outputs, and this "
             "model's shared transformer blocks (Zamba2's) write into their layer's Mamba-2 mixer's input, not into "
             "the residual stream; the logit lens above and the patching below cover its layers."))
+    elif model.cfg.prediction_head is not None:  # (ModernBERT decoder's dense, activation and LayerNorm before W_U)
+        report.section("attribution", "Direct logit attribution").append(note(
+            "Not run: direct logit attribution splits the logits into each writer's share through W_U, and this "
+            "model's final norm feeds a prediction head (a dense layer, an activation and a LayerNorm) before W_U, so "
+            "its logits are no linear function of the residual stream; the logit lens above (through the head) and "
+            "the patching below cover its layers and heads."))
     else:
         with timed("attribution"):
             dla = A.direct_logit_attribution(model, tokens, answer, counterfactual)
@@ -200,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
 
     # a hybrid's linear-attention layers (Qwen3.5) have no heads: the analyses of every layer's heads say so instead
     from probe.analyses.architecture import headless_layers
+    from probe.analyses.edge_attribution import circuit_refusal
 
     linear, kind = headless_layers(model)  # (and NemotronH's MLP-only layers)
     headless = ("Not run: {} reads every layer's attention heads, and layers " + str(linear) + " of this hybrid model are "
@@ -226,22 +233,9 @@ def run(args: argparse.Namespace) -> int:
             part += [figure_html(exact.figure()), figure_html(A.compare_patching(exact, estimate))]
             out.write_csv("patching.csv", exact.to_frame())
         part = report.section("circuit", "Circuit (edge attribution, EAP-IG)")
-        if linear:
-            part += [note(headless.format("edge attribution"))]
-        elif model.cfg.latent_attention is not None:  # (DeepSeek's)
-            part += [note("Not run: edge attribution follows each edge through the heads' W_Q, W_K and W_V, and this "
-                          "model's latent attention reads queries, keys and values through normalised low-rank "
-                          "latents instead; the head patching above covers its heads.")]
-        elif model.cfg.parallel_state_space is not None:  # (Falcon-H1's)
-            part += [note("Not run: edge attribution takes the residual stream for the sum of its heads', MLPs' and "
-                          "embeddings' writes, and this model's layers also write a Mamba-2 mixer's output beside their "
-                          "heads (blocks.L.hook_mixer_out); the head patching above covers its heads, and the "
-                          "attribution above names each mixer's write.")]
-        elif model.cfg.layer_scalars:  # (Gemma 4's)
-            part += [note("Not run: edge attribution follows linear edges between writers and each head's own "
-                          "inputs, and this model (Gemma 4) normalises each head's values, scales the whole residual "
-                          "after every block and may let later layers reuse earlier layers' keys; the head patching "
-                          "and attribution above cover its heads.")]
+        refusal = circuit_refusal(model)  # (the analyses' own reasons: latent attention, Gemma 4, Falcon-H1, ...)
+        if refusal is not None:
+            part += [note(f"Not run. {refusal[0].upper()}{refusal[1:].rstrip('.')}.")]
         else:
             with timed("circuit"):
                 scores = A.edge_attribution(model, tokens, corrupted, metric, method="eap-ig-inputs")
@@ -261,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
 
     # FFN neurons to read: one MLP per layer, all of one width (Gemma 4's last layers may be twice as wide)
     widths = {model.cfg.layer_d_mlp(layer) for layer in range(model.cfg.n_layers)}
-    ffn = not (model.cfg.attn_only or model.cfg.experts is not None or len(widths) > 1)
+    ffn = not (model.cfg.attn_only or model.cfg.experts is not None or len(widths) > 1 or model.cfg.rwkv is not None)
     if model.cfg.experts is not None:
         with timed("routing"):
             routing = A.expert_routing(model, tokens)
@@ -275,12 +269,19 @@ def run(args: argparse.Namespace) -> int:
     if "memories" not in args.skip and not ffn:
         part = report.section("memories", "FFN memories")
         part += [note("Not run: FFN memories read each layer's one MLP, and this model's " + (
+            "MLPs are RWKV channel mixes, which gate each value vector's write channel by channel by a receptance of "
+            "the shifted input." if model.cfg.rwkv is not None else
             ("blocks have none (attention or state-space mixers only)." if model.cfg.shared_blocks is None else
              "layers have none of their own (their shared blocks' MLPs write into the mixers' inputs).")
             if model.cfg.attn_only else
             ("MLPs are" if model.cfg.experts.layers is None else "sparse layers' MLPs are") +
             " mixtures of experts, whose neurons see only the tokens routed to them: the routing is above."
             if model.cfg.experts is not None else f"MLPs differ in width between layers ({sorted(widths)} neurons)."))]
+    elif "memories" not in args.skip and model.cfg.prediction_head is not None:
+        report.section("memories", "FFN memories").append(note(
+            "Not run: FFN memories read each value vector's tokens through W_U (v W_U), and this model's prediction "
+            "head (a dense layer, an activation and a LayerNorm before W_U) makes the logits no linear function of "
+            "what a value writes."))
     elif "memories" not in args.skip:
         with timed("memories"):
             lookup = A.memory_lookup(model, tokens, k=8)

@@ -206,3 +206,19 @@ def runs_with_one_heads_input_swapped(model, tokens: torch.Tensor, point: str, h
         with model.hooks(fwd_hooks=[(point, swap)]):
             _, edited = model.run_with_cache(tokens)
     return plain, base, split, cache, theirs, edited
+
+
+def assert_saved_files_read_back(kind: str, overrides: dict, tmp_path, tokens: torch.Tensor) -> tuple:
+    """A test_variants case saved by probe and read back by transformers gives the original's logits, and probe reads
+    its own file back to the same config; (transformers' original, probe's model)."""
+    from test_variants import build
+
+    hf = build(kind, tmp_path / "src", **overrides)
+    model = HookedDecoder.from_pretrained(tmp_path / "src")
+    out = model.save_pretrained(tmp_path / "saved")
+    again = type(hf).from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=0)
+    assert HookedDecoder.from_pretrained(out).cfg == model.cfg
+    return hf, model
+

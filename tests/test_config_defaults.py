@@ -13,11 +13,11 @@ from test_variants import build
 EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps")
 # every family built by test_variants.build whose config names one of these, but Cohere's, which probe unties on
 # purpose (its logit scale is folded into W_U)
-KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gemma4", "afmoe", "llama4", "olmo2", "olmo3", "smollm3", "arcee",
+KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gemma4", "afmoe", "laguna", "llama4", "olmo2", "olmo3", "smollm3", "arcee",
          "apertus", "granite", "granitemoe", "exaone", "exaone4", "hunyuan", "jais2", "seed_oss", "ernie4_5", "glm", "glm4", "starcoder2", "nemotron",
-         "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "granitemoehybrid", "bamba", "falcon_h1", "jamba", "nemotron_h", "zamba2", "lfm2", "lfm2_moe",
+         "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "granitemoehybrid", "bamba", "falcon_h1", "jamba", "nemotron_h", "zamba2", "lfm2", "lfm2_moe", "recurrent_gemma",
          "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "flex_olmo", "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-         "gpt_oss", "phi3", "phimoe",
+         "gpt_oss", "phi3", "phimoe", "jetmoe", "modernbert_decoder",
          "stablelm", "neox", "phi", "falcon", "gptj", "codegen", "opt", "xglm", "gptneo", "bloom", "bigcode"]
 
 

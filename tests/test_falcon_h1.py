@@ -194,8 +194,8 @@ def test_compatibility_mode_folds_ln1_into_the_mixer_too_and_the_report(tmp_path
     assert not model.cfg.norm_weights and torch.equal(cache["blocks.0.ln1.hook_normalized"],
                                                       cache["blocks.0.ln1.hook_out"])
     page = report_page(directory, tmp_path / "out")
-    assert ("Not run: edge attribution takes the residual stream for the sum of its heads&#x27;, MLPs&#x27; and "
-            "embeddings&#x27; writes") in page
+    assert ("Not run. Circuit discovery: layers [0, 1, 2] of this model (Falcon-H1&#x27;s parallel hybrid) also write "
+            "a Mamba-2 mixer&#x27;s output") in page
     assert "L1 mamba" in (tmp_path / "out" / "attribution.csv").read_text()
     assert (tmp_path / "out" / "ablation.csv").exists() and not (tmp_path / "out" / "edges.csv").exists()
 

@@ -37,9 +37,10 @@ FAMILIES = {"llama": LLAMA_FILES, "bloom": BLOOM_FILES, "mistral": LLAMA_FILES, 
             "exaone4": LLAMA_FILES, "hunyuan": LLAMA_FILES, "jais2": LLAMA_FILES, "deepseek_v2": LLAMA_FILES,
             "deepseek_v3": LLAMA_FILES, "glm4_moe_lite": LLAMA_FILES, "youtu": LLAMA_FILES, "glm_moe_dsa": LLAMA_FILES,
             "granitemoehybrid": LLAMA_FILES, "bamba": LLAMA_FILES, "falcon_h1": LLAMA_FILES, "mamba2": LLAMA_FILES, "mamba": LLAMA_FILES,
-            "falcon_mamba": LLAMA_FILES, "glm4_moe": LLAMA_FILES, "jamba": LLAMA_FILES,
+            "falcon_mamba": LLAMA_FILES, "rwkv": LLAMA_FILES, "glm4_moe": LLAMA_FILES, "jamba": LLAMA_FILES,
             "minimax_m2": LLAMA_FILES, "ernie4_5_moe": LLAMA_FILES,
-            "lfm2": LLAMA_FILES, "lfm2_moe": LLAMA_FILES, "nemotron_h": LLAMA_FILES, "zamba2": LLAMA_FILES, "gemma4": LLAMA_FILES, "afmoe": LLAMA_FILES, "phimoe": LLAMA_FILES, "llama4": LLAMA_FILES,
+            "lfm2": LLAMA_FILES, "lfm2_moe": LLAMA_FILES, "recurrent_gemma": LLAMA_FILES, "nemotron_h": LLAMA_FILES, "zamba2": LLAMA_FILES, "gemma4": LLAMA_FILES, "afmoe": LLAMA_FILES, "laguna": LLAMA_FILES, "phimoe": LLAMA_FILES, "jetmoe": LLAMA_FILES, "llama4": LLAMA_FILES, "nanochat": LLAMA_FILES, "bitnet": LLAMA_FILES,
+            "modernbert_decoder": LLAMA_FILES,
             "llama-pad": (["<s>", "</s>", "<pad>"], {**LLAMA_FILES[1], "pad_token": "<pad>"}, True)}
 
 
@@ -59,7 +60,7 @@ def test_text_defaults_are_transformer_lens_per_family(family, tmp_path):
                                                                                                  "granite", "granitemoe", "qwen3_5",
                                                                                                  "starcoder2", "seed_oss", "glm", "glm4", "glm4_moe", "ernie4_5",
                                                                                                  "exaone4", "glm4_moe_lite", "glm_moe_dsa", "minimax_m2", "ernie4_5_moe",
-                                                                                                 "granitemoehybrid", "phimoe"))
+                                                                                                 "granitemoehybrid", "phimoe", "recurrent_gemma"))
     assert ours.tokenizer.pad_token_id == theirs.tokenizer.pad_token_id
     assert_same(ours.to_tokens(TEXTS), theirs.to_tokens(TEXTS), what=f"{family}: to_tokens")
     assert ours.to_str_tokens(TEXT) == theirs.to_str_tokens(TEXT)

@@ -269,7 +269,7 @@ def test_the_analyses_that_read_every_heads_keys_refuse_by_name_and_the_report_s
     with pytest.raises(ValueError, match="circuit discovery: this model \\(Gemma 4\\) normalises each head's values"):
         A.edge_attribution(model, TOKENS % model.cfg.d_vocab, TOKENS.flip(-1) % model.cfg.d_vocab, lambda logits: logits[:, -1, 0])
     page = report_page(directory, tmp_path / "out")
-    assert "Not run: edge attribution follows linear edges" in page and "MLPs differ in width between layers" in page
+    assert "Not run. Circuit discovery: this model (Gemma 4) normalises each head&#x27;s values" in page and "MLPs differ in width between layers" in page
     assert (tmp_path / "out" / "patching.csv").exists() and (tmp_path / "out" / "ablation.csv").exists()
 
 

@@ -315,7 +315,7 @@ def test_a_multi_token_prediction_layer_in_the_file_is_not_read(tmp_path):
 
 def test_the_report_says_why_it_leaves_out_the_circuit(tmp_path):
     page = report_page(tokenized_checkpoint("glm_moe_dsa", tmp_path / "dsa"), tmp_path / "out")
-    assert "Not run: edge attribution follows each edge through the heads&#x27; W_Q" in page
+    assert "Not run. Circuit discovery: this model&#x27;s latent attention reads queries" in page
     assert (tmp_path / "out" / "patching.csv").exists() and (tmp_path / "out" / "heads_induction.csv").exists()
 
 

@@ -213,7 +213,7 @@ def test_hook_shapes_and_the_ledger(tmp_path):
 
 
 def test_analyses_of_heads_refuse_by_name_and_analyses_of_layers_run(tmp_path):
-    """Head analyses and circuit discovery name the Mamba layers; direct logit attribution adds up to transformers'
+    """Head analyses name the Mamba layers; circuit discovery makes each one a node; direct logit attribution adds up to transformers'
     logit difference, each mixer's write one component beside the attention layers' heads."""
     import probe.analyses as A
 
@@ -222,8 +222,8 @@ def test_analyses_of_heads_refuse_by_name_and_analyses_of_layers_run(tmp_path):
     hybrid = r"layers \[0, 2\] of this hybrid model are state-space \(Mamba\) layers"
     with pytest.raises(ValueError, match="head_scores: " + hybrid):
         A.head_scores(model, "induction", n_samples=4)
-    with pytest.raises(ValueError, match="circuit discovery: " + hybrid):
-        A.circuit_graph(model)
+    graph = A.circuit_graph(model)  # circuit discovery makes each Mamba layer one node (tests/test_circuit_mixers.py)
+    assert [graph.writers[graph.mixer_writer(l)] for l in (0, 2)] == ["L0 mixer", "L2 mixer"]
     with pytest.raises(AttributeError, match="state-space layer: it has no attention heads"):
         model.blocks[0].attn
     dla = A.direct_logit_attribution(model, TOKENS, torch.tensor([5, 5]), torch.tensor([9, 9]))
@@ -236,12 +236,12 @@ def test_analyses_of_heads_refuse_by_name_and_analyses_of_layers_run(tmp_path):
 def test_the_report_runs_and_says_what_it_leaves_out(tmp_path):
     directory = tokenized_checkpoint("jamba", tmp_path / "jamba")
     page = report_page(directory, tmp_path / "out")
-    for what in ("each head detector", "head ablation", "edge attribution"):
+    for what in ("each head detector", "head ablation"):
         assert (f"Not run: {what} reads every layer&#x27;s attention heads, and layers [0, 2] of this hybrid model "
                 "are state-space (Mamba) layers") in page
     out = tmp_path / "out"  # (the attention layers' patterns, the residual's patching, the routing: run)
-    assert all((out / f).exists() for f in ("patterns.csv", "patching.csv", "routing.csv"))
-    assert not (out / "edges.csv").exists()
+    # (and the circuit: each Mamba layer a mixer node)
+    assert all((out / f).exists() for f in ("patterns.csv", "patching.csv", "routing.csv", "edges.csv"))
     assert "and this model&#x27;s sparse layers&#x27; MLPs are mixtures of experts" in page  # (its dense ones are not)
 
 

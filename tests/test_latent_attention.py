@@ -226,7 +226,7 @@ def test_saving_keeps_the_rope_layout_and_the_score_scale(tmp_path):
 
 def test_the_report_says_why_it_leaves_out_the_circuit(tmp_path):
     page = report_page(tokenized_checkpoint("deepseek_v3", tmp_path / "v3"), tmp_path / "out")
-    assert "Not run: edge attribution follows each edge through the heads&#x27; W_Q" in page
+    assert "Not run. Circuit discovery: this model&#x27;s latent attention reads queries" in page
     assert (tmp_path / "out" / "patching.csv").exists() and (tmp_path / "out" / "heads_induction.csv").exists()
 
 

@@ -88,6 +88,26 @@ def test_one_bias_free_block_attention_and_mlp_counts():
                      "dt_rank": 4, "bcdt_norm_eps": 1e-6, "bcdt_norm_weights": True, "proj_bias": True},
      "experts": {"n": 4, "per_token": 2, "layers": (False, True, False)}, "rotary_layers": (False,) * 3,
      "norm": "rms", "positions": "rotary", "gated_mlp": True, "n_kv_heads": 2, "qkv_bias": False, "mlp_bias": False},
+    # RecurrentGemma: Griffin's recurrent blocks (a wider LRU, block-diagonal gates) beside multi-query local attention
+    {"rg_lru": {"layers": (True, True, False), "width": 96, "n_blocks": 8, "conv_kernel": 4}, "n_kv_heads": 1,
+     "sliding_window": 8, "norm": "rms_float32", "positions": "rotary", "rotary_dim": 4, "gated_mlp": True,
+     "qkv_bias": False, "scale_embed": True, "logit_softcap": 30.0},
+    # RWKV-4: a time mix narrower than the residual (four projections, decay rates, bonuses, three token-shift mixes)
+    # and a channel mix (key, value, receptance, two mixes), after a LayerNorm of the embedding
+    {"rwkv": {"d_attention": 48}, "embed_norm": True, "activation": "relu2", "positions": "rotary", "mlp_bias": False,
+     "tied_embeddings": False},
+    # JetMoE: attention experts (each with its own queries and output) over shared keys, MLP experts with an output bias
+    {"mixture_of_attention": {"n": 4, "per_token": 2}, "n_kv_heads": 4, "d_head": 8, "experts": {
+        "n": 4, "per_token": 2, "softmax_over": "chosen", "output_bias": True}, "norm": "rms", "positions": "rotary",
+     "gated_mlp": True, "qkv_bias": False, "out_bias": False, "mlp_bias": False},
+    # Laguna: each layer's own heads over shared keys, a softplus gate per head (with the q/k/v biases' zero bias),
+    # the windowed layers rotating whole heads, a capped router over experts beside an ungated shared one
+    {"heads_per_layer": (8, 4, 6), "n_kv_heads": 2, "attn_output_gate": True,
+     "output_gate": {"activation": "softplus", "per_head": True}, "qk_norm": True, "positions": "rotary",
+     "rotary_dim": 4, "sliding_window": 4, "sliding_layers": (True, False, True), "sliding_rotary_dim": 8,
+     "norm": "rms", "gated_mlp": True, "mlp_bias": False, "experts": {
+         "n": 4, "per_token": 2, "scoring": "sigmoid", "selection_bias": True, "renormalize": True, "shared": 24,
+         "shared_gate": False, "width": 16, "layers": (False, True, True), "router_softcap": 30.0}},
 ])
 def test_ledger_total_equals_the_models_unique_parameters(overrides):
     cfg = DecoderConfig(n_layers=3, d_model=64, n_heads=8, d_vocab=100, n_ctx=32, **overrides)
@@ -104,6 +124,23 @@ def test_a_mixture_of_experts_counts_every_expert_but_runs_per_token_of_them():
     assert ledger(sparse).group_params("mlp") == experts + 2 * 64 * 8  # and each layer's router
     # per token: two experts' matmuls and the router's, 2 FLOPs a weight
     assert ledger(sparse).flops_per_token - ledger(dense).flops_per_token == 2 * (experts // 4 + 2 * 64 * 8 - experts // 8)
+
+
+def test_attention_experts_count_every_expert_but_run_per_token_of_them():
+    """JetMoE's: of n attention experts' query and output projections, a token runs per_token; the shared key/value
+    projection and the router every token runs."""
+    common = dict(n_layers=2, d_model=64, n_heads=8, n_kv_heads=4, d_head=8, d_vocab=100, n_ctx=32, norm="rms",
+                  positions="rotary", gated_mlp=True, qkv_bias=False, out_bias=False, mlp_bias=False)
+    moa = DecoderConfig(**common, mixture_of_attention={"n": 4, "per_token": 2})
+    experts = 2 * 2 * 4 * 64 * 32  # layers x (q, o) x experts x d_model x (kv_heads d_head)
+    shared = 2 * (2 * 64 * 32 + 64 * 4 + 64)  # layers x (k and v, the router, b_O)
+    assert ledger(moa).group_params("attention") == experts + shared
+    dense = DecoderConfig(**{**common, "n_heads": 4})  # the same keys and values, one expert's queries and output
+    # per token and layer: the router, two experts' q and o, k and v; against q, k, v and o; then 4 more heads' scores
+    # and weighted sums over 32 keys of d_head 8, 2 FLOPs a multiply-add
+    moa_weights, dense_weights = 64 * 4 + 2 * 2 * 64 * 32 + 2 * 64 * 32, 4 * 64 * 32
+    assert ledger(moa).flops_per_token - ledger(dense).flops_per_token == 2 * 2 * (moa_weights - dense_weights) + (
+        2 * 2 * 4 * 32 * (8 + 8))
 
 
 def test_kv_bytes_and_flops():

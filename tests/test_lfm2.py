@@ -13,7 +13,7 @@ import torch
 
 from probe import DecoderConfig, Experts, HookedDecoder, ShortConv
 from probe.kv_cache import KVCache
-from family_checks import (assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
+from family_checks import (assert_saved_files_read_back, assert_cached_parts_are_one_forward, assert_generation_and_processing_match,
                            assert_left_padded_generation_matches, assert_on_the_device_as_transformers,
                            cache_of_everything, left_padded_logits, report_page, seen_in_forward)
 from test_family_defaults import tokenized_checkpoint
@@ -38,14 +38,7 @@ def strengthened(hf, directory):
 def test_saving_keeps_every_setting(case, tmp_path):
     """Each test_variants case saved by probe and read back by transformers (the kernel, biases, width, routing as
     the case sets them) gives the original's logits, and probe reads its own file back to the same config."""
-    kind, overrides = CASES[case]
-    hf = build(kind, tmp_path / "src", **overrides)
-    model = HookedDecoder.from_pretrained(tmp_path / "src")
-    out = model.save_pretrained(tmp_path / "saved")
-    again = type(hf).from_pretrained(out).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(again(TOKENS).logits, hf(TOKENS).logits, atol=1e-5, rtol=0)
-    assert HookedDecoder.from_pretrained(out).cfg == model.cfg
+    assert_saved_files_read_back(*CASES[case], tmp_path, TOKENS)
 
 
 def test_the_mixer_is_transformers_module_whole_and_one_token_at_a_time(tmp_path):

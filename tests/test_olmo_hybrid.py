@@ -247,10 +247,12 @@ def test_analyses_of_heads_refuse_by_name_and_analyses_of_layers_run(tmp_path):
     model = HookedDecoder.from_pretrained(tmp_path).eval()
     clean, corrupted = TOKENS[:1, :8], TOKENS[1:, :8]
     metric = analyses.logit_diff_metric(model, 5, 7)
-    for run in (lambda: analyses.circuit_graph(model), lambda: analyses.head_scores(model, "previous_token"),
+    for run in (lambda: analyses.head_scores(model, "previous_token"),
                 lambda: analyses.patch(model, clean, corrupted, metric, sites="heads")):
         with pytest.raises(ValueError, match=r"layers \[0, 1, 2\] of this hybrid model are linear-attention"):
             run()
+    with pytest.raises(ValueError, match=r"recurrent layers \[0, 1, 2\] sit among sandwich blocks"):
+        analyses.circuit_graph(model)  # (mixer nodes are built for pre-norm blocks)
     result = analyses.patch(model, clean, corrupted, metric, sites="resid_pre")
     assert len(result.sites) == 4 * 8
     with pytest.raises(AttributeError, match="linear-attention .* no attn"):

@@ -1,4 +1,4 @@
-"""LongRoPE (Phi-3's long-context models, Phi-3.5-mini, Phi-4-mini; probe.embedding.LongRopeRotary) and PhiMoE
+"""LongRoPE (Phi-3's long-context models, Phi-3.5-mini, Phi-4-mini; probe.rotary.LongRopeRotary) and PhiMoE
 (probe/checkpoint_phimoe.py: sparsemixer routing, LayerNorms, biases). The logits and every residual of each case
 are compared with transformers in test_variants.py (CASES); here: the frequencies against transformers' own LongRoPE
 function, the switch at the threshold for the whole call, saving, the key/value cache across the threshold (a

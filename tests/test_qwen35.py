@@ -194,7 +194,8 @@ def test_config_errors_name_the_fix():
 
 
 def test_analyses_of_heads_refuse_and_analyses_of_layers_run(tmp_path):
-    """Analyses of every layer's heads say the linear layers have none; patching the residual works, and patching
+    """Analyses of every layer's heads say the linear layers have none (circuit discovery makes each one a mixer
+    node: tests/test_circuit_mixers.py); patching the residual works, and patching
     the residual entering block 0 at one position is (there being no position embedding) swapping that token."""
     from probe import analyses
 
@@ -202,7 +203,7 @@ def test_analyses_of_heads_refuse_and_analyses_of_layers_run(tmp_path):
     model = HookedDecoder.from_pretrained(tmp_path).eval()
     clean, corrupted = TOKENS[:1, :8], TOKENS[1:, :8]
     metric = analyses.logit_diff_metric(model, 5, 7)
-    for run in (lambda: analyses.circuit_graph(model), lambda: analyses.head_scores(model, "previous_token"),
+    for run in (lambda: analyses.head_scores(model, "previous_token"),
                 lambda: analyses.patch(model, clean, corrupted, metric, sites="heads")):
         with pytest.raises(ValueError, match=r"layers \[0, 1, 2\] of this hybrid model are linear-attention"):
             run()
@@ -340,14 +341,14 @@ def test_the_report_runs_and_says_why_it_leaves_out_the_head_sections(tmp_path):
     assert main(["report", "--model", str(directory), "--prompt", "the cat sat on the mat", "--corrupted",
                  "the cat sat on the rug", "--out", str(tmp_path / "report"), "--quiet"]) in (0, None)
     page = (tmp_path / "report" / "report.html").read_text()
-    for what in ("each head detector", "head ablation", "edge attribution", "head importance"):
+    for what in ("each head detector", "head ablation", "head importance"):
         assert (f"Not run: {what} reads every layer&#x27;s attention heads, and layers [0, 1, 2] of this hybrid model "
                 "are linear-attention layers") in page
+    assert (tmp_path / "report" / "edges.csv").exists()  # (the circuit: each linear layer a mixer node)
     patched = pd.read_csv(tmp_path / "report" / "patching.csv")
     assert set(patched["act"]) == {"resid_pre"} and len(patched) == 4 * len(patched["pos"].unique())
     attribution = pd.read_csv(tmp_path / "report" / "attribution.csv")
     assert {"L0 linear_attn", "L3H0"} <= set(attribution["component"])
-    assert not (tmp_path / "report" / "edges.csv").exists()
     assert set(pd.read_csv(tmp_path / "report" / "patterns.csv")["layer"]) == {3}
 
 

@@ -174,7 +174,7 @@ def test_the_report_says_what_it_leaves_out_and_a_mamba2_format_refuses(tmp_path
 
     directory = tokenized_checkpoint("falcon_mamba", tmp_path / "falcon_mamba")
     page = report_page(directory, tmp_path / "out")
-    for what in ("attention patterns", "each head detector", "head ablation", "edge attribution"):
+    for what in ("attention patterns", "each head detector", "head ablation"):
         assert (f"Not run: {what} reads every layer&#x27;s attention heads, and layers [0, 1, 2] of this hybrid model "
                 "are state-space") in page
     assert not (tmp_path / "out" / "patterns.csv").exists()

@@ -197,7 +197,7 @@ def test_compatibility_mode_and_the_report(tmp_path):
     page = report_page(directory, tmp_path / "out")
     assert ("Not run: head ablation reads every layer&#x27;s attention heads, and layers [0, 2] of this hybrid model "
             "are state-space (Mamba-2) layers") in page
-    assert (tmp_path / "out" / "patching.csv").exists() and not (tmp_path / "out" / "edges.csv").exists()
+    assert (tmp_path / "out" / "patching.csv").exists() and (tmp_path / "out" / "edges.csv").exists()  # (mixer nodes)
 
 
 def test_left_padding_writes_nothing_into_the_state_or_the_convolution(tmp_path):
@@ -276,11 +276,12 @@ def test_mamba2_hook_by_hook_by_the_bridges_names_and_through_the_cache(tmp_path
 def test_the_report_on_a_model_without_attention_says_what_it_leaves_out(tmp_path):
     directory = tokenized_checkpoint("mamba2", tmp_path / "mamba2")
     page = report_page(directory, tmp_path / "out")
-    for what in ("attention patterns", "each head detector", "head ablation", "edge attribution"):
+    for what in ("attention patterns", "each head detector", "head ablation"):
         assert (f"Not run: {what} reads every layer&#x27;s attention heads, and layers [0, 1, 2] of this hybrid model "
                 "are state-space (Mamba-2) layers") in page
     assert "blocks have none (attention or state-space mixers only)" in page
     assert not (tmp_path / "out" / "patterns.csv").exists()
+    assert (tmp_path / "out" / "edges.csv").exists()  # (the circuit: every layer a mixer node)
 
 
 def test_hook_shapes_predict_the_mixers_points(tmp_path):

@@ -98,6 +98,23 @@ def build(kind, directory, **overrides):
             for layer in model.model.layers[{**settings, **overrides}["num_dense_layers"]:]:
                 layer.mlp.expert_bias.copy_(torch.linspace(-0.2, 0.2, layer.mlp.expert_bias.numel()))
                 layer.mlp.router.gate.weight.normal_(0, 0.5)
+    elif kind == "laguna":  # heads per layer over shared keys, softplus gates, per-kind rope, sparse and dense layers
+        settings = dict(vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=12,
+                        shared_expert_intermediate_size=20, num_hidden_layers=4, num_attention_heads=4,
+                        num_attention_heads_per_layer=[4, 8, 2, 6], num_key_value_heads=2, head_dim=8,
+                        max_position_embeddings=40, num_experts=4, num_experts_per_tok=2, moe_routed_scaling_factor=1.5,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                        sliding_window=4, mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+                        moe_router_logit_softcapping=0.4,
+                        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0,
+                                                            "partial_rotary_factor": 0.5},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0,
+                                                               "partial_rotary_factor": 1.0}})
+        model = tf.LagunaForCausalLM(tf.LagunaConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (a router that is not near uniform; `perturbed` draws the selection bias)
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.weight.normal_(0, 0.5)
     elif kind == "gemma4":  # Gemma 3's block with value norms, unscaled scores and scaled layer outputs; wider
         # full-attention heads whose values are their keys, a quarter of them rotating; the last two layers reusing
         # keys and values with MLPs twice as wide; per-layer token inputs; a window shorter than the tests' inputs
@@ -335,6 +352,15 @@ def build(kind, directory, **overrides):
                         eos_token_id=2, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0,
                                                          "factor": 1.0})
         model = tf.HunYuanDenseV1ForCausalLM(tf.HunYuanDenseV1Config(**{**settings, **overrides}))
+    elif kind == "nanochat":  # weightless norms (one after the embedding), q/k norms after rotating the other way, a cap
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, final_logit_softcapping=3.0, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+        model = tf.NanoChatForCausalLM(tf.NanoChatConfig(**{**settings, **overrides}))
+    elif kind == "bitnet":  # Llama with a gated relu^2 MLP and an RMSNorm before each output projection
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=40, bos_token_id=1, eos_token_id=2)
+        model = tf.BitNetForCausalLM(tf.BitNetConfig(**{**settings, **overrides}))
     elif kind == "ernie4_5":  # Llama with adjacent-pair rotary and one switch for every bias, tied
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, max_position_embeddings=40)
@@ -480,6 +506,20 @@ def build(kind, directory, **overrides):
                         block_multiple_of=16, block_ffn_dim_multiplier=1.3, pad_token_id=0, bos_token_id=1,
                         eos_token_id=2)
         model = tf.Lfm2ForCausalLM(tf.Lfm2Config(**{**settings, **overrides}))
+    elif kind == "recurrent_gemma":  # Griffin: recurrent, recurrent, local attention (a window shorter than the tests'),
+        # multi-query, half of each head rotated; d_model 48, whose sqrt bfloat16 rounds (6.928 -> 6.9375)
+        settings = dict(vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=1, attention_window_size=5, conv1d_width=4, logits_soft_cap=3.0,
+                        max_position_embeddings=40,
+                        pad_token_id=0, bos_token_id=2, eos_token_id=1)
+        model = tf.RecurrentGemmaForCausalLM(tf.RecurrentGemmaConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # norms, biases and decay rates away from transformers' zeros and narrow range
+            gen = torch.Generator().manual_seed(11)
+            for name, param in model.named_parameters():
+                if name.endswith(("norm.weight", "bias")):
+                    param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+                elif name.endswith("recurrent_param"):
+                    param.copy_(torch.randn(param.shape, generator=gen))
     elif kind == "lfm2_moe":  # and a dense first layer, then sigmoid-routed experts with a selection bias
         settings = dict(vocab_size=101, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40,
@@ -503,6 +543,35 @@ def build(kind, directory, **overrides):
                     for param, low, high in ((layer.mamba.A_log, -1, 1), (layer.mamba.D, -1, 1),
                                              (layer.mamba.dt_proj.bias, -2, 1)):
                         param.copy_(low + (high - low) * torch.rand(param.shape, generator=torch.Generator().manual_seed(5)))
+    elif kind == "modernbert_decoder":  # an embedding norm, layer 0 without an attention norm, windowed layers (half
+        # local_attention, shorter than the tests' inputs) between full ones, each kind its own base, a prediction head
+        settings = dict(vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                        max_position_embeddings=40, local_attention=8, global_attn_every_n_layers=2,
+                        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+        model = tf.ModernBertDecoderForCausalLM(tf.ModernBertDecoderConfig(**{**settings, **overrides}))
+    elif kind == "jetmoe":  # attention experts and MLP experts, both top-2 of 4, behind routers far from uniform
+        settings = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+                        intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=40,
+                        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = tf.JetMoeForCausalLM(tf.JetMoeConfig(**{**settings, **overrides}))
+        with torch.no_grad():  # (transformers draws every expert and router weight at std 0.01)
+            for name, param in model.named_parameters():
+                if name.endswith(("router.layer.weight", "input_linear.weight", "output_linear.weight")):
+                    param.mul_(20 if "router" in name else 10)
+    elif kind == "rwkv":  # every layer a time mix and a channel mix; no attention, no positions
+        settings = dict(vocab_size=101, hidden_size=32, num_hidden_layers=3, intermediate_size=48, context_length=40,
+                        bos_token_id=0, eos_token_id=0)
+        model = tf.RwkvForCausalLM(tf.RwkvConfig(**{**settings, **overrides}))
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():  # (transformers starts every time_first at 1 and the mixes on one ramp)
+            for block in model.rwkv.blocks:
+                for mixer in (block.attention, block.feed_forward):
+                    for name, param in mixer.named_parameters():
+                        if name.startswith("time_"):
+                            low, high = (-2, 1) if name in ("time_decay", "time_first") else (0, 1)
+                            param.copy_(low + (high - low) * torch.rand(param.shape, generator=gen))
     elif kind == "gpt1":
         cfg = tf.OpenAIGPTConfig(vocab_size=89, n_embd=48, n_layer=3, n_head=4, n_positions=40, **overrides)
         model = tf.OpenAIGPTLMHeadModel(cfg)
@@ -574,6 +643,24 @@ CASES = {
     "afmoe-trinity": ("afmoe", {}),
     "afmoe-mup-biases-tied": ("afmoe", {"mup_enabled": True, "attention_bias": True, "tie_word_embeddings": True,
                                         "num_shared_experts": 0, "num_dense_layers": 2}),
+    # heads per layer (4, 8, 2, 6) over 2 key/value heads, a softplus gate per head, sliding layers (window 4) rotating
+    # whole heads by 100 and full ones half of each by 1000, dense-sparse-sparse-dense MLPs, a capped router
+    "laguna-per-head-gates-mixed-heads-capped-router": ("laguna", {}),
+    "laguna-per-channel-gates-uncapped-biases-tied": ("laguna", {"gating": "per-element", "attention_bias": True,
+                                                                 "moe_router_logit_softcapping": 0.0,
+                                                                 "tie_word_embeddings": True}),
+    # YaRN on the full layers (their half of each head; the sliding ones unscaled), every MLP sparse, 40 tokens past
+    # the pretraining context of 10
+    "laguna-yarn-full-layers-every-layer-sparse": ("laguna", {
+        "mlp_layer_types": ["sparse"] * 4, "rope_parameters": {
+            "full_attention": {"rope_type": "yarn", "rope_theta": 1000.0, "partial_rotary_factor": 0.5, "factor": 4.0,
+                               "original_max_position_embeddings": 10},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.75}}}),
+    "laguna-every-layer-sliding": ("laguna", {"layer_types": ["sliding_attention"] * 4}),
+    # transformers' defaults for the layout: every layer full attention and as many heads, the first MLP dense
+    "laguna-default-layout-gating-false": ("laguna", {"num_attention_heads_per_layer": None, "layer_types": None,
+                                                      "mlp_layer_types": None, "gating": False,
+                                                      "moe_routed_scaling_factor": 1.0}),
     "gemma4-shared-kv-per-layer-inputs": ("gemma4", {}),  # E2B / E4B's
     "gemma4-values-from-keys": ("gemma4", {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}),  # 31B's
     "gemma4-experts-beside-mlp": ("gemma4", {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,  # 26B-A4B's
@@ -612,6 +699,11 @@ CASES = {
                                                   "rope_parameters": {**PHI3_LONGROPE, "partial_rotary_factor": 0.75,
                                                                       "short_factor": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
                                                                       "long_factor": [3.0, 5.0, 7.0, 9.0, 11.0, 13.0]}}),
+    "jetmoe-attention-and-mlp-experts-top2-untied": ("jetmoe", {}),
+    "jetmoe-top3-of-5-one-kv-head-tied-theta": ("jetmoe", {"num_local_experts": 5, "num_experts_per_tok": 3,
+                                                           "num_key_value_heads": 1, "tie_word_embeddings": True,
+                                                           "rope_parameters": {"rope_type": "default",
+                                                                               "rope_theta": 1000.0}}),
     "phimoe-sparsemixer": ("phimoe", {}),
     "phimoe-biases-window-wide-mask": ("phimoe", {"attention_bias": True, "lm_head_bias": True, "sliding_window": 6,
                                                   "router_jitter_noise": 0.3}),
@@ -739,6 +831,23 @@ CASES = {
     "hunyuan-plain-rope-biases-tied": ("hunyuan", {"attention_bias": True, "tie_word_embeddings": True,
                                                    "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
     "ernie4-5-adjacent-rotary-tied": ("ernie4_5", {}),
+    "modernbert-decoder-no-biases-tied-decoder-bias": ("modernbert_decoder", {}),
+    # every bias (the norms' too), untied, no decoder bias, the tanh GELU in the MLP and ReLU in the head, a window
+    # on two layers in three (layer_types given), an odd local_attention (its half rounds down), an epsilon that bites
+    "modernbert-decoder-biases-untied-relu-head": ("modernbert_decoder", {
+        "norm_bias": True, "attention_bias": True, "mlp_bias": True, "classifier_bias": True, "decoder_bias": False,
+        "tie_word_embeddings": False, "hidden_activation": "gelu_pytorch_tanh", "classifier_activation": "relu",
+        "local_attention": 7, "norm_eps": 1e-3,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]}),
+    "nanochat-weightless-norms-clockwise-rope-softcap": ("nanochat", {}),
+    "bitnet-sub-norms-relu2-gqa": ("bitnet", {}),
+    "bitnet-biases-tied-mha-silu": ("bitnet", {"attention_bias": True, "tie_word_embeddings": True,
+                                               "num_key_value_heads": 4, "hidden_act": "silu", "rms_norm_eps": 1e-4}),
+    # every bias, one key/value head per query head, tied, no cap, another base, an epsilon that bites
+    "nanochat-mha-biases-tied-uncapped": ("nanochat", {"num_key_value_heads": 4, "attention_bias": True,
+                                                       "tie_word_embeddings": True, "final_logit_softcapping": None,
+                                                       "rms_norm_eps": 1e-4,
+                                                       "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
     "ernie4-5-biases-untied": ("ernie4_5", {"use_bias": True, "tie_word_embeddings": False}),
     "glm-biases-adjacent-half-rotary": ("glm", {}),
     "glm-no-bias-tied-whole-rotary": ("glm", {"attention_bias": False, "tie_word_embeddings": True,
@@ -792,6 +901,8 @@ CASES = {
                                                             "tie_word_embeddings": True, "time_step_limit": (0.01, 0.5),
                                                             "layer_norm_epsilon": 1e-4}),
     "mamba-mixers-only-tied": ("mamba", {}),
+    "rwkv-time-and-channel-mix-untied": ("rwkv", {}),
+    "rwkv-wide-channel-mix-tied": ("rwkv", {"intermediate_size": 80, "tie_word_embeddings": True}),
     # one sublayer per layer: Mamba-2, grouped experts with a selection bias, attention without positions, a relu^2 MLP
     "nemotron-h-mamba2-experts-attention-mlp": ("nemotron_h", {}),
     # the latent experts, biases everywhere transformers reads them, one expert group, step limits, every kind twice
@@ -864,6 +975,16 @@ CASES = {
     "lfm2-moe-two-dense-conv-biases-untied": ("lfm2_moe", {"num_dense_layers": 2, "conv_bias": True,
                                                            "tie_word_embeddings": False,
                                                            "layer_types": ["full_attention", "conv", "conv"]}),
+    "recurrent-gemma-griffin-multi-query-window": ("recurrent_gemma", {}),
+    "recurrent-gemma-attention-first-wide-lru-grouped-biased-whole-heads-untied": (
+        "recurrent_gemma", {"block_types": ["attention", "recurrent"], "num_hidden_layers": 4, "lru_width": 64,
+                            "num_key_value_heads": 2, "conv1d_width": 2, "attention_bias": True, "rms_norm_eps": 1e-4,
+                            "tie_word_embeddings": False,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                                                "partial_rotary_factor": 1.0}}),
+    # (transformers' cache cannot run a model without attention layers, Hawk's: every case has one)
+    "recurrent-gemma-alternating-kernel1-exact-gelu": ("recurrent_gemma", {"block_types": ["recurrent", "attention"],
+                                                                           "conv1d_width": 1, "hidden_activation": "gelu"}),
 }
 
 
@@ -879,7 +1000,8 @@ def test_family_matches_transformers(case, tmp_path):
         fast = ours(tokens)
     torch.testing.assert_close(logits, expected.logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(fast, expected.logits, atol=1e-4, rtol=0)
-    shift = kind in ("mamba", "falcon_mamba")  # (transformers' Mamba-1 lists each block's output, not the embedding)
+    # (transformers' Mamba-1 and RWKV list each block's output, not the embedding)
+    shift = kind in ("mamba", "falcon_mamba", "rwkv")
     for layer in range(shift, ours.cfg.n_layers):
         torch.testing.assert_close(cache[f"blocks.{layer}.hook_resid_pre"], expected.hidden_states[layer - shift],
                                    atol=1e-4, rtol=0)
@@ -950,13 +1072,13 @@ def test_rotary_angles_stay_exact_in_bfloat16(tmp_path):
 
 def test_save_round_trip_for_each_family(tmp_path):
     for kind in ("llama", "qwen2", "gpt1", "neox", "mistral", "gemma", "gemma2", "vaultgemma", "qwen3", "gptneo", "opt", "phi", "phi3", "gemma3",
-                 "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "phimoe", "olmoe", "qwen3_moe", "bigcode",
+                 "olmo", "gptj", "olmo2", "olmo3", "bloom", "mixtral", "phimoe", "jetmoe", "olmoe", "qwen3_moe", "bigcode",
                  "stablelm", "mpt", "smollm3", "falcon", "qwen2_moe", "gpt_oss", "apertus", "arcee", "granite", "codegen", "cohere",
-                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan", "glm4_moe",
+                 "cohere2", "granitemoe", "xglm", "exaone", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "starcoder2", "nemotron", "seed_oss", "glm", "glm4", "ernie4_5", "flex_olmo", "exaone4", "hunyuan", "nanochat", "bitnet", "modernbert_decoder", "glm4_moe",
                  "jais2", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "glm_moe_dsa", "minimax_m2",
                  "ernie4_5_moe",
-                 "granitemoehybrid", "bamba", "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "lfm2", "lfm2_moe", "nemotron_h",
-                 "gemma4", "afmoe", "llama4", "zamba2"):
+                 "granitemoehybrid", "bamba", "falcon_h1", "mamba2", "mamba", "falcon_mamba", "rwkv", "jamba", "lfm2", "lfm2_moe", "nemotron_h",
+                 "gemma4", "afmoe", "llama4", "zamba2", "recurrent_gemma", "laguna"):
         src = tmp_path / kind
         # a non-default eps and a rotary rescaling must be written
         hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
@@ -1010,17 +1132,17 @@ def test_gqa_config_errors():
 def test_unsupported_model_type_lists_the_supported(tmp_path):
     from probe.loading import CheckpointError
 
-    (tmp_path / "config.json").write_text('{"model_type": "rwkv"}')
-    with pytest.raises(CheckpointError, match="'rwkv' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
+    (tmp_path / "config.json").write_text('{"model_type": "rwkv5"}')
+    with pytest.raises(CheckpointError, match="'rwkv5' is not supported; supported: gpt2, openai-gpt, llama, qwen2, "
                                               "qwen3, qwen3_5_text, qwen3_5_moe_text, qwen3_next, qwen3_vl, qwen2_5_vl, qwen3_vl_moe, qwen3_5, "
                                               "qwen3_5_moe, llama4_text, llama4, mistral, mistral3, ministral3, olmo, olmo2, olmo3, olmo_hybrid, smollm3, exaone, hunyuan_v1_dense, "
-                                              "exaone4, arcee, glm, glm4, glm4v, ernie4_5, "
+                                              "exaone4, arcee, nanochat, bitnet, glm, glm4, glm4v, ernie4_5, "
                                               "seed_oss, "
                                               "cohere, "
-                                              "cohere2, granite, granitemoe, granitemoehybrid, bamba, falcon_h1, mamba2, nemotron_h, zamba2, mamba, falcon_mamba, jamba, lfm2, lfm2_moe, apertus, gemma, gemma2, vaultgemma, gemma3_text, gemma3, "
-                                              "afmoe, gemma4_text, gemma4, gemma4_unified, "
+                                              "cohere2, granite, granitemoe, granitemoehybrid, bamba, falcon_h1, mamba2, nemotron_h, zamba2, modernbert-decoder, mamba, falcon_mamba, rwkv, jamba, lfm2, lfm2_moe, recurrent_gemma, apertus, gemma, gemma2, vaultgemma, gemma3_text, gemma3, "
+                                              "afmoe, laguna, gemma4_text, gemma4, gemma4_unified, "
                                               "gpt_neox, "
-                                              "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, phimoe, olmoe, flex_olmo, qwen3_moe, "
+                                              "gpt_neo, opt, xglm, phi, gptj, codegen, phi3, mixtral, phimoe, jetmoe, olmoe, flex_olmo, qwen3_moe, "
                                               "qwen2_moe, glm4_moe, minimax_m2, ernie4_5_moe, gpt_oss, falcon, mpt, stablelm, starcoder2, nemotron, jais2, deepseek_v2, deepseek_v3, "
                                               "glm4_moe_lite, youtu, glm_moe_dsa, gpt_bigcode, "
                                               "bloom, llava, llava_next, llava_onevision, idefics3, emu3, qwen2_audio, audioflamingo3, musicflamingo, glmasr$"):
