@@ -9,9 +9,7 @@ their weighted sum: Experts(softmax_over="chosen", output_bias=True)). Both rout
 num_local_experts by logit and weigh them by the softmax over the chosen ones. RMSNorms, rotary, a head tied or not.
 
 transformers builds the blocks' two norms with eps 1e-6 whatever rms_norm_eps says (JetMoeDecoderLayer) and the final
-norm with rms_norm_eps; probe has one eps, so every norm here takes the blocks' 1e-6 (where rms_norm_eps differs, the
-final norm's output differs from transformers' by a relative ~(rms_norm_eps - 1e-6) / (2 mean(x^2)), below 1e-5 on a
-trained model's residual), and saving writes rms_norm_eps=1e-6.
+norm with rms_norm_eps: probe's eps is the blocks' 1e-6 and `final_eps` the final norm's, where it differs.
 """
 from __future__ import annotations
 
@@ -46,6 +44,7 @@ def jetmoe_config(hf: dict) -> DecoderConfig:
         n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=per_token * kv_heads, n_kv_heads=kv_heads,
         d_head=hf["kv_channels"], d_mlp=hf["intermediate_size"], d_vocab=hf["vocab_size"],
         n_ctx=hf["max_position_embeddings"], eps=BLOCK_EPS,
+        final_eps=None if hf.get("rms_norm_eps", BLOCK_EPS) == BLOCK_EPS else float(hf["rms_norm_eps"]),
         activation=activation_of(hf["activation_function"], GPT_ACTIVATIONS), gated_mlp=True, norm=Norm.RMS,
         positions=Positions.ROTARY, rotary_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rotary_scaling=scaling, qkv_bias=False, out_bias=False, mlp_bias=False,
@@ -65,12 +64,12 @@ def jetmoe_config_to_hf(cfg: DecoderConfig, tokenizer: Optional[Tokenizer]) -> d
                          f"has experts={experts!r}")
     require_fields(cfg, "JetMoE", norm=Norm.RMS, norm_placement=NormPlacement.PRE, final_norm=True,
                    positions=Positions.ROTARY, rotary_dim=cfg.d_head, gated_mlp=True, mlp_bias=False,
-                   unembed_bias=False, eps=BLOCK_EPS, experts=wanted, mixture_of_attention=spec)
+                   unembed_bias=False, eps=BLOCK_EPS, experts=wanted, mixture_of_attention=spec, final_eps=cfg.final_eps)
     return {
         "model_type": "jetmoe", "architectures": ["JetMoeForCausalLM"], "num_hidden_layers": cfg.n_layers,
         "hidden_size": cfg.d_model, "num_key_value_heads": cfg.n_kv_heads, "kv_channels": cfg.d_head,
         "intermediate_size": cfg.d_mlp, "vocab_size": cfg.d_vocab, "max_position_embeddings": cfg.n_ctx,
-        "rms_norm_eps": cfg.eps, "activation_function": GPT_ACTIVATION_NAMES[cfg.activation],
+        "rms_norm_eps": cfg.final_eps or cfg.eps, "activation_function": GPT_ACTIVATION_NAMES[cfg.activation],
         "tie_word_embeddings": cfg.tied_embeddings, "num_local_experts": spec.n, "num_experts_per_tok": spec.per_token,
         **rope_to_hf(cfg), **special_token_ids(tokenizer),
     }

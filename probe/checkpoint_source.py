@@ -276,7 +276,7 @@ def require_fields(cfg: DecoderConfig, family: str, **wanted) -> None:
 
 
 # fields only some formats hold (Gemma's, Mistral's windows, Qwen3's q/k norms): every other needs their defaults
-PLAIN_FIELDS = dict(scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None,
+PLAIN_FIELDS = dict(final_eps=None, scale_embed=False, attn_scale_dim=None, attn_softcap=None, logit_softcap=None, sliding_window=None,
               sliding_layers=None, qk_norm=False, attn_scale_by_layer=False, unembed_bias=False, norm_weights=True,
               rotary_adjacent_pairs=False, rotary_clockwise=False, sub_norms=False, sliding_rotary_base=None, qk_norm_over_heads=False, input_norms=True,
                     embed_norm=False, experts=None, rotary_layers=None, clip_qkv=None, attn_sinks=False,

@@ -57,6 +57,7 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
     n_kv_heads: Optional[int] = None  # None: n_heads (multi-head); fewer: grouped-query; 1: multi-query
     heads_per_layer: Optional[tuple[int, ...]] = None  # after structural pruning: each layer's remaining heads
     eps: float = 1e-5  # norm epsilon
+    final_eps: Optional[float] = None  # the final norm's, where it differs (JetMoE's); None: eps
     activation: Activation = Activation.GELU_TANH  # SOLU_LN: SoLU, then a LayerNorm over d_mlp inside the MLP (mlp.ln)
     gated_mlp: bool = False  # act(gate(x)) * up(x) -> down: SwiGLU with SILU (not with SOLU_LN)
     experts: Optional[Experts] = None  # gated MLPs in place of each MLP (Mixtral), or some (.layers); a dict is converted
@@ -316,8 +317,9 @@ class DecoderConfig(HookedTransformerConfigFields, LayerFacts):
         if self.attn_only and self.norm_placement is not NormPlacement.PRE:
             raise ValueError(f"attn_only blocks are pre-norm, x + attn(ln1(x)); got norm_placement="
                              f"{self.norm_placement.value!r}: use norm_placement='pre'")
-        if not (isinstance(self.eps, (int, float)) and 0 < self.eps < 1):
-            raise ValueError(f"eps must be a small positive float, got {self.eps!r}")
+        for name in ("eps", "final_eps") if self.final_eps is not None else ("eps",):
+            if not (isinstance(getattr(self, name), (int, float)) and 0 < getattr(self, name) < 1):
+                raise ValueError(f"{name} must be a small positive float, got {getattr(self, name)!r}")
     # ---- facts derived from the fields (transformer-lens's names for them: tl_config_fields) -----------
     @property
     def mlp_norm_learned(self) -> bool:

@@ -69,7 +69,7 @@ class HookedDecoder(TokenMethods, WeightViews, TransformerLensSurface, StateDict
         self.blocks = make_blocks(cfg)
         self.block_masks = mask_keys(cfg)
         self.windows = {cfg.layer_mask_key(layer) for layer in range(cfg.n_layers)}  # (Llama 4's chunks too)
-        self.ln_final = make_norm(cfg, foldable=True, ends=True) if cfg.final_norm else nn.Identity()
+        self.ln_final = make_norm(cfg, foldable=True, ends=True, eps=cfg.final_eps) if cfg.final_norm else nn.Identity()
         self.unembed = make_unembed(cfg)  # (W_U, after ModernBERT's prediction head where the config has one)
         if cfg.tied_embeddings:
             self.unembed.weight = self.embed.W_E

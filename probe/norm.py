@@ -174,12 +174,12 @@ NORMS = {Norm.LAYER: LayerNorm, Norm.RMS: RMSNorm, Norm.RMS_FLOAT32: RMSNormFloa
 
 
 def make_norm(cfg: DecoderConfig, dim: Optional[int] = None, foldable: bool = False, ends: bool = False,
-              kind: Optional[Norm] = None) -> nn.Module:
+              kind: Optional[Norm] = None, eps: Optional[float] = None) -> nn.Module:
     """The config's norm (or `kind`) over the last `dim` (default d_model) dimensions. `foldable`: one whose output a
     linear layer reads (ln1, ln2, ln_final), which learns no weights when cfg.norm_weights is False. `ends`: its input
     and output are hook points too (the residual stream's norms; see HookedEnds)."""
-    return NORMS[cfg.norm if kind is None else kind](dim or cfg.d_model, cfg.eps, learned=cfg.norm_weights or not foldable,
-                                                     ends=ends)
+    return NORMS[cfg.norm if kind is None else kind](dim or cfg.d_model, cfg.eps if eps is None else eps,
+                                                     learned=cfg.norm_weights or not foldable, ends=ends)
 
 
 class OverHeads:

@@ -700,6 +700,8 @@ CASES = {
                                                                       "short_factor": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
                                                                       "long_factor": [3.0, 5.0, 7.0, 9.0, 11.0, 13.0]}}),
     "jetmoe-attention-and-mlp-experts-top2-untied": ("jetmoe", {}),
+    # (the blocks' norms keep transformers' fixed 1e-6; only the final norm reads rms_norm_eps)
+    "jetmoe-final-norm-eps-of-its-own": ("jetmoe", {"rms_norm_eps": 0.05}),
     "jetmoe-top3-of-5-one-kv-head-tied-theta": ("jetmoe", {"num_local_experts": 5, "num_experts_per_tok": 3,
                                                            "num_key_value_heads": 1, "tie_word_embeddings": True,
                                                            "rope_parameters": {"rope_type": "default",
@@ -1080,8 +1082,9 @@ def test_save_round_trip_for_each_family(tmp_path):
                  "granitemoehybrid", "bamba", "falcon_h1", "mamba2", "mamba", "falcon_mamba", "rwkv", "jamba", "lfm2", "lfm2_moe", "nemotron_h",
                  "gemma4", "afmoe", "llama4", "zamba2", "recurrent_gemma", "laguna"):
         src = tmp_path / kind
-        # a non-default eps and a rotary rescaling must be written
-        hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else {}))
+        # a non-default eps and a rotary rescaling must be written (JetMoE's final norm's eps of its own too)
+        hf = build(kind, src, **({"rms_norm_eps": 1e-4, **CASES["llama3-rope-scaling"][1]} if kind == "llama" else
+                                 {"rms_norm_eps": 0.05} if kind == "jetmoe" else {}))
         ours = HookedDecoder.from_pretrained(src)
         out = ours.save_pretrained(tmp_path / f"{kind}-saved")
         again = type(hf).from_pretrained(out).eval()
