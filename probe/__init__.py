@@ -3,7 +3,11 @@ from probe.bundled import DEFAULT_MODEL, HELDOUT_TEXT
 from probe.config import (Activation, ChunkedAttention, DecoderConfig, ExpertGroups, Experts, GlobalLayers,
                           LatentAttention, LinearAttention, Norm, NormPlacement, PerLayerInputs, Positions, RotaryScaling,
                           SharedBlocks, SharedKV, ShortConv, SparseIndexer, StateSpace)
+from probe.config_gate import OutputGate
+from probe.config_head import PredictionHead
+from probe.config_moa import MixtureOfAttention
 from probe.config_rg_lru import RGLRU
+from probe.config_rwkv import Rwkv
 from probe.factored import FactoredMatrix
 from probe.kv_cache import KVCache
 from probe.decoder_cache import DecoderCache
@@ -26,7 +30,7 @@ ActivationCache = DecoderCache
 __all__ = [
     "DEFAULT_MODEL", "HELDOUT_TEXT", "Activation", "ActivationCache", "AttnOnlyBlock", "Block", "DecoderCache",
     "DecoderConfig", "ExpertGroups", "Experts", "FactoredMatrix", "HookPoint", "HookedDecoder", "HookedRootModule", "HookedSAETransformer",
-    "ChunkedAttention", "GlobalLayers", "LatentAttention", "LinearAttention", "PerLayerInputs", "SharedBlocks", "SharedKV", "ShortConv", "RGLRU", "SparseIndexer", "StateSpace", "HookedTransformer", "HookedTransformerConfig", "HookedTransformerKeyValueCache", "KVCache", "Norm", "NormPlacement",
+    "ChunkedAttention", "GlobalLayers", "LatentAttention", "LinearAttention", "PerLayerInputs", "SharedBlocks", "SharedKV", "ShortConv", "RGLRU", "OutputGate", "PredictionHead", "MixtureOfAttention", "Rwkv", "SparseIndexer", "StateSpace", "HookedTransformer", "HookedTransformerConfig", "HookedTransformerKeyValueCache", "KVCache", "Norm", "NormPlacement",
     "ParallelBlock", "Positions", "PostNormBlock", "PreNormBlock", "RotaryScaling", "SAEConfig", "SandwichBlock",
     "SparseAutoencoder", "Tokenizer", "TrainingConfig", "TransformerLensKeyValueCache", "act_name", "process_weights",
     "spliced", "train_sae",

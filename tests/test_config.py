@@ -64,3 +64,19 @@ def test_dict_round_trip_and_unknown_fields():
 def test_the_newer_fields_are_validated(fields, match):
     with pytest.raises(ValueError, match=match):
         DecoderConfig(n_layers=2, d_model=16, n_heads=4, d_vocab=11, n_ctx=8, **fields)
+
+
+def test_every_config_choice_is_exported_from_probe():
+    """Each frozen choice a DecoderConfig field takes (StateSpace, OutputGate, Rwkv, ...) is importable from probe, as the
+    README's config table names them."""
+    import dataclasses
+    import typing
+
+    import probe
+
+    hints = typing.get_type_hints(DecoderConfig)
+    choices = {arg for field in dataclasses.fields(DecoderConfig)
+               for arg in typing.get_args(hints[field.name]) or (hints[field.name],) if dataclasses.is_dataclass(arg)}
+    assert len(choices) >= 16
+    assert sorted(c.__name__ for c in choices if getattr(probe, c.__name__, None) is not c
+                  or c.__name__ not in probe.__all__) == []
