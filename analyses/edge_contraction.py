@@ -2,9 +2,10 @@
 
 An edge's score is the sum over positions of delta_writer . g_reader, g_reader being the gradient of the
 metric with respect to that reader's own input (the residual a head's q, k or v reads, or an MLP's, or the
-logits'), summed over the runs with their weights. An MLP's and the logits' gradients come from their
-hook points; a head's input gradient is its hook_q/k/v gradient dq pulled back through its projection W
-and through ln1 at the residual that run read, n being that residual centred (LayerNorm) and divided by its
+logits'), summed over the runs with their weights. A recurrent mixer's (at ln1.hook_in), an MLP's and the logits'
+gradients come from their hook points; a head's input gradient is its hook_q/k/v gradient dq pulled back through its
+projection W (a gated head's q reader adds its gate's gradient pulled back through W_gate) and through ln1 at the
+residual that run read, n being that residual centred (LayerNorm) and divided by its
 scale s:
 
     g = (1/s) (w*(dq W) - mean(w*(dq W)) - n mean(n*w*(dq W)))      (RMSNorm has no middle term)
