@@ -34,21 +34,28 @@ def _stacked(path: str, shape: str, bias_of: Optional[tuple[str, Callable]] = No
             raise ValueError(f"model.{name}: this attention-only model has no MLPs")
         if sublayer == "mlp" and self.cfg.experts is not None:
             refuse_experts(f"model.{name}")
-        if sublayer == "attn" and (self.cfg.linear_attention is not None or self.cfg.sublayers is not None
-                                   or self.cfg.short_conv is not None or self.cfg.rg_lru is not None):
-            attention = [l for l in range(self.cfg.n_layers) if self.cfg.layer_has_attention(l)]
-            kind = self.cfg.recurrent_kind
-            raise ValueError(f"model.{name}: this hybrid model's {kind} layers have no attention heads, so "
-                             f"{name} does not stack over layers; read model.blocks[layer].{path} for an attention "
-                             f"layer ({attention})")
+        if sublayer == "mlp" and self.cfg.rwkv is not None:
+            raise ValueError(f"model.{name}: this model's MLPs are RWKV channel mixes (blocks.L.channel_mix: key, value "
+                             f"and receptance weights), which have no {name}")
+        attention = [l for l in range(self.cfg.n_layers) if self.cfg.layer_has_attention(l)]
+        if sublayer == "attn" and len(attention) < self.cfg.n_layers:  # (every recurrent kind, NemotronH's MLP layers)
+            cfg = self.cfg
+            kind = f"state-space ({cfg.state_space.label})" if cfg.state_space is not None else cfg.recurrent_kind
+            raise ValueError(f"model.{name}: this {'hybrid ' if attention else ''}model's {kind} layers have no "
+                             f"attention heads, so {name} does not stack over layers" + (
+                                 f"; read model.blocks[layer].{path} for an attention layer ({attention})" if attention
+                                 else " (it has no attention layer)"))
         if sublayer == "attn" and name[-1] in "KV" and self.cfg.shared_kv is not None:  # (Gemma 4's last layers)
             shared = [l for l in range(self.cfg.n_layers) if self.cfg.layer_kv_source(l) is not None]
             raise ValueError(f"model.{name}: layers {shared} compute no keys or values (they attend over earlier "
                              f"layers'), so {name} does not stack over layers; read model.blocks[layer].{path}")
         values = []
         for block in self.blocks:
+            try:
+                value = getattr(getattr(block, sublayer), name)
+            except AttributeError as missing:  # (else nn.Module's lookup gives a bare "no attribute W_Q" for the model)
+                raise ValueError(f"model.{name}: {missing}") from None
             part = getattr(block, sublayer)
-            value = getattr(part, name)
             if value is None:
                 weight = getattr(part, bias_of[0])
                 value = weight.new_zeros(bias_of[1](weight))

@@ -259,3 +259,13 @@ def test_a_model_with_attention_experts_saves_as_jetmoe_alone(tmp_path):
     other = HookedDecoder(dataclasses.replace(model.cfg, experts=Experts(n=4, per_token=2)))
     with pytest.raises(ValueError, match="routed as its attention's are"):
         other.save_pretrained(tmp_path / "saved")
+
+
+def test_the_stacked_query_weights_name_the_experts(tmp_path):
+    """model.W_Q (every layer's, stacked) says where the routed query weights are, not a bare missing attribute."""
+    build("jetmoe", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model.W_Q: .*q_experts"):
+        model.W_Q
+    assert model.W_K.shape[0] == model.cfg.n_layers  # (keys and values are shared: they stack)
+

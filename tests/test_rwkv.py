@@ -355,3 +355,15 @@ def test_config_errors_name_the_fix(tmp_path):
         HookedDecoder.from_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["layer_norm_epsilon"] == 1e-6
+
+
+def test_weight_stacks_say_why_they_are_not_there(tmp_path):
+    """model.W_Q and model.W_in name what RWKV's layers hold instead of a bare missing attribute."""
+    build("rwkv", tmp_path)
+    model = HookedDecoder.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model.W_Q: this model's RWKV time-mix layers have no attention heads.*no "
+                                         r"attention layer"):
+        model.W_Q
+    with pytest.raises(ValueError, match="model.W_in: this model's MLPs are RWKV channel mixes"):
+        model.W_in
+
