@@ -110,13 +110,19 @@ def afmoe_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tensor
     return out
 
 
-def afmoe_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    out = llama_to_hf(params, cfg, norms=NORMS)
+def output_gates_to_hf(out: dict, params: dict[str, torch.Tensor], cfg: DecoderConfig, name: str, family: str) -> None:
+    """Each layer's output-gate weight into `out` as `model.layers.{l}.self_attn.{name}.weight`; refused where a gate
+    has a bias that is not zero (the format holds none: probe gives gates one under qkv_bias)."""
     for l in range(cfg.n_layers):
-        out[f"model.layers.{l}.self_attn.gate_proj.weight"] = params[f"blocks.{l}.attn.gate.weight"]
+        out[f"model.layers.{l}.self_attn.{name}.weight"] = params[f"blocks.{l}.attn.gate.weight"]
         bias = params.get(f"blocks.{l}.attn.gate.bias")
         if bias is not None and bias.abs().max() > 0:
-            raise ValueError(f"an AFMoE checkpoint's output gates have no bias; layer {l}'s is not zero")
+            raise ValueError(f"{family} checkpoint's output gates have no bias; layer {l}'s is not zero")
+
+
+def afmoe_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    out = llama_to_hf(params, cfg, norms=NORMS)
+    output_gates_to_hf(out, params, cfg, "gate_proj", "an AFMoE")
     if cfg.experts is not None:
         out.update({f"model.{theirs}": params[ours].contiguous() for ours, (theirs, _) in _names(cfg).items()})
     return out

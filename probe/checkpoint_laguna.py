@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from probe.checkpoint_afmoe import output_gates_to_hf
 from probe.checkpoint_llama import llama_config, llama_config_to_hf, llama_to_hf, llama_to_probe
 from probe.checkpoint_moe import expert_names, take_experts
 from probe.checkpoint_source import (Source, layer_kinds, layer_types_to_hf, require_fields, rope_from_hf, rope_to_hf,
@@ -163,11 +164,7 @@ def laguna_to_probe(source: Source, cfg: DecoderConfig) -> dict[str, torch.Tenso
 
 def laguna_to_hf(params: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     out = llama_to_hf(params, cfg)
-    for l in range(cfg.n_layers):
-        out[f"model.layers.{l}.self_attn.g_proj.weight"] = params[f"blocks.{l}.attn.gate.weight"]
-        bias = params.get(f"blocks.{l}.attn.gate.bias")
-        if bias is not None and bias.abs().max() > 0:
-            raise ValueError(f"a Laguna checkpoint's output gates have no bias; layer {l}'s is not zero")
+    output_gates_to_hf(out, params, cfg, "g_proj", "a Laguna")
     if cfg.experts is not None:
         out.update({f"model.{theirs}": params[ours].contiguous() for ours, (theirs, _) in _names(cfg).items()})
     return out
